@@ -1,0 +1,173 @@
+// The training configuration: one JSON file with DeepSpeed-compatible keys plus
+// Strata's own sections (model, data, run). Parsing validates every key; see
+// docs/config.md for each key, its default and its effect.
+#pragma once
+
+#include <nlohmann/json.hpp>
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+namespace strata {
+
+struct ModelConfig {
+  int64_t vocab_size = 256;       // tokens; 256 for byte-level text
+  int64_t dim = 128;              // model width
+  int64_t n_layers = 4;
+  int64_t n_heads = 4;
+  int64_t n_kv_heads = 0;         // 0 = n_heads (no grouping); must divide n_heads
+  int64_t ffn_hidden = 0;         // 0 = SwiGLU default: 8/3 * dim rounded up to multiple_of
+  int64_t multiple_of = 32;       // rounding of the default ffn_hidden
+  int64_t seq_len = 128;          // tokens per sequence (training window)
+  bool tie_embeddings = true;     // output head shares the token embedding
+  double rope_theta = 10000.0;
+  double norm_eps = 1e-5;
+  double init_std = 0.02;         // std of normal init for matrices and embedding
+
+  int64_t head_dim() const { return dim / n_heads; }
+  int64_t kv_heads() const { return n_kv_heads == 0 ? n_heads : n_kv_heads; }
+  int64_t ffn_dim() const;
+};
+
+struct DataConfig {
+  std::vector<std::string> paths;  // "path": a file or a list of files, concatenated
+  std::string format = "text";     // text (bytes, vocab 256) | uint16 | uint32 (.bin token files)
+  double val_fraction = 0.1;       // tail of the tokens held out for eval
+  int64_t eval_interval = 50;      // steps between evals; 0 = never
+  int64_t eval_batches = 4;        // micro-batches per eval
+};
+
+struct RunConfig {
+  int64_t steps = 200;
+  uint64_t seed = 1234;
+  std::string metrics;             // JSON-lines metrics file; empty = none
+  std::string log_file;            // empty = stderr only
+  std::string log_level = "info";
+  std::string device = "cpu";      // cpu | cuda
+  int64_t threads = 0;             // intra-op threads; 0 = all cores
+  std::string compute_dtype = "";  // derived: fp32 | bf16 | fp16 (from bf16/fp16 sections)
+};
+
+struct OptimizerConfig {
+  std::string type = "AdamW";      // Adam | AdamW
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 0.01;
+  bool adam_w_mode = true;         // derived: true for AdamW (decoupled decay)
+};
+
+struct SchedulerConfig {
+  std::string type;                // "" (constant lr) | WarmupLR | WarmupDecayLR | WarmupCosineLR
+  double warmup_min_lr = 0.0;      // WarmupLR, WarmupDecayLR
+  double warmup_max_lr = 1e-3;     // WarmupLR, WarmupDecayLR
+  int64_t warmup_num_steps = 1000;
+  std::string warmup_type = "log"; // log | linear
+  int64_t total_num_steps = 0;     // WarmupDecayLR, WarmupCosineLR (required there)
+  double warmup_min_ratio = 0.0;   // WarmupCosineLR
+  double cos_min_ratio = 0.0001;   // WarmupCosineLR
+};
+
+struct Fp16Config {
+  bool enabled = false;
+  double loss_scale = 0.0;         // 0 = dynamic
+  int64_t initial_scale_power = 16;
+  int64_t loss_scale_window = 1000;
+  int64_t hysteresis = 2;
+  double min_loss_scale = 1.0;
+};
+
+struct OffloadParamConfig {
+  std::string device = "none";     // none | cpu | nvme
+  std::vector<std::string> nvme_path;
+  int64_t buffer_count = 5;
+  int64_t buffer_size = 100000000; // elements
+  int64_t max_in_cpu = 1000000000; // elements
+  bool pin_memory = true;
+};
+
+struct OffloadOptimizerConfig {
+  std::string device = "none";     // none | cpu | nvme
+  std::vector<std::string> nvme_path;
+  int64_t buffer_count = 4;
+  bool pin_memory = true;
+  bool pipeline_read = false;
+  bool pipeline_write = false;
+  bool fast_init = false;
+  double ratio = 1.0;              // fraction of optimizer state on CPU/NVMe
+};
+
+struct ZeroConfig {
+  int64_t stage = 0;
+  bool contiguous_gradients = true;
+  bool overlap_comm = false;       // default true for stage 3
+  int64_t reduce_bucket_size = 500000000;
+  int64_t allgather_bucket_size = 500000000;
+  bool reduce_scatter = true;
+  bool allgather_partitions = true;
+  int64_t sub_group_size = 1000000000;
+  int64_t stage3_prefetch_bucket_size = 50000000;
+  int64_t stage3_param_persistence_threshold = 100000;
+  int64_t stage3_max_live_parameters = 1000000000;
+  int64_t stage3_max_reuse_distance = 1000000000;
+  bool stage3_gather_16bit_weights_on_model_save = false;
+  OffloadParamConfig offload_param;
+  OffloadOptimizerConfig offload_optimizer;
+};
+
+struct AioConfig {
+  int64_t block_size = 1048576;    // bytes
+  int64_t queue_depth = 8;
+  int64_t intra_op_parallelism = 1;  // also accepted as thread_count
+  bool single_submit = false;
+  bool overlap_events = true;
+  bool use_gds = false;
+};
+
+struct ActivationCheckpointingConfig {
+  bool partition_activations = false;
+  bool cpu_checkpointing = false;
+  bool contiguous_memory_optimization = false;
+  int64_t number_checkpoints = 0;  // 0 = None
+  bool synchronize_checkpoint_boundary = false;
+  bool profile = false;
+};
+
+struct Config {
+  // Batch sizes: train_batch_size = micro_batch x grad_accum x world_size.
+  int64_t train_batch_size = 0;
+  int64_t train_micro_batch_size_per_gpu = 0;
+  int64_t gradient_accumulation_steps = 0;
+  int64_t world_size = 1;          // ranks; 1 until the multi-rank issue
+  double gradient_clipping = 1.0;  // 0 = off
+  int64_t steps_per_print = 10;
+
+  ModelConfig model;
+  DataConfig data;
+  RunConfig run;
+  OptimizerConfig optimizer;
+  SchedulerConfig scheduler;
+  Fp16Config fp16;
+  bool bf16 = false;
+  ZeroConfig zero;
+  AioConfig aio;
+  ActivationCheckpointingConfig activation_checkpointing;
+
+  // The JSON after defaults and overrides, as loaded (for logs and checkpoints).
+  nlohmann::json raw;
+  // DeepSpeed keys that were accepted but that Strata does not act on.
+  std::vector<std::string> ignored_keys;
+};
+
+// Parses and validates `j`. `source` names the file in messages. `overrides`
+// are "a.b.c=value" strings applied before validation (value parsed as JSON,
+// else taken as a string). Throws ConfigError naming the key.
+Config parse_config(nlohmann::json j, const std::vector<std::string>& overrides = {});
+
+// Reads the JSON file at `path` and parses it. Throws ConfigError (path in the
+// key) for a missing/unreadable file or bad JSON (with line/column).
+Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+
+}  // namespace strata

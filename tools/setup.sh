@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# Installs what is missing (Debian packages, LibTorch in .venv), configures and
+# builds Strata into build/. Idempotent: a second run only rebuilds what changed.
+#   tools/setup.sh            Release-ish build (RelWithDebInfo)
+# Environment: STRATA_BUILD_DIR (default build), STRATA_CMAKE_ARGS (extra cmake
+# arguments), STRATA_JOBS (default: number of cores), CMAKE_PREFIX_PATH (a
+# LibTorch of your own; then no .venv is made).
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+BUILD_DIR="${STRATA_BUILD_DIR:-build}"
+JOBS="${STRATA_JOBS:-$(nproc)}"
+TORCH_VERSION="2.11.0"
+
+say() { echo "[setup] $*" >&2; }
+
+# ---- Debian packages --------------------------------------------------------
+PKGS=(cmake g++ pkg-config python3-venv liburing-dev libtbb-dev libspdlog-dev nlohmann-json3-dev
+      libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev ninja-build ccache fio)
+missing=()
+for p in "${PKGS[@]}"; do
+  dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")
+done
+if [ "${#missing[@]}" -gt 0 ]; then
+  say "installing Debian packages: ${missing[*]}"
+  SUDO=""; [ "$(id -u)" -ne 0 ] && SUDO="sudo"
+  $SUDO apt-get update -qq
+  DEBIAN_FRONTEND=noninteractive $SUDO apt-get install -y -qq --no-install-recommends "${missing[@]}" >/dev/null
+fi
+
+# ---- LibTorch from PyPI's torch wheel, in a project-local venv ---------------
+if [ -z "${CMAKE_PREFIX_PATH:-}" ]; then
+  if ! .venv/bin/python -c "import torch,sys; sys.exit(0 if torch.__version__.split('+')[0]=='$TORCH_VERSION' else 1)" 2>/dev/null; then
+    say "installing torch==$TORCH_VERSION into .venv (LibTorch for the C++ build)"
+    python3 -m venv .venv
+    .venv/bin/pip install -q --disable-pip-version-check "torch==$TORCH_VERSION"
+  fi
+  TORCH_PREFIX="$(.venv/bin/python -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' 2>/dev/null)"
+  export CMAKE_PREFIX_PATH="$TORCH_PREFIX"
+fi
+
+# ---- configure and build ----------------------------------------------------
+export PATH="/usr/local/cuda/bin:$PATH"
+export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/ccache}"
+if [ ! -f "$BUILD_DIR/build.ninja" ]; then
+  say "configuring $BUILD_DIR"
+  # shellcheck disable=SC2086
+  cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_PREFIX_PATH="$CMAKE_PREFIX_PATH" ${STRATA_CMAKE_ARGS:-} >/dev/null
+fi
+say "building $BUILD_DIR with $JOBS jobs"
+cmake --build "$BUILD_DIR" -j "$JOBS"
