@@ -4,6 +4,7 @@
 #include <spdlog/sinks/stdout_color_sinks.h>
 #include <spdlog/spdlog.h>
 
+#include <cstdarg>
 #include <cstdio>
 #include <vector>
 
@@ -20,6 +21,43 @@ void setup_logging(const std::string& level, const std::string& log_file) {
   logger->set_level(spdlog::level::from_str(level));
   spdlog::set_default_logger(logger);
 }
+
+namespace {
+std::string vformat(const char* fmt, va_list args) {
+  va_list copy;
+  va_copy(copy, args);
+  const int n = std::vsnprintf(nullptr, 0, fmt, copy);
+  va_end(copy);
+  std::string out(n > 0 ? size_t(n) : 0, '\0');
+  if (n > 0) std::vsnprintf(out.data(), size_t(n) + 1, fmt, args);
+  return out;
+}
+}  // namespace
+
+std::string strprintf(const char* fmt, ...) {
+  va_list args;
+  va_start(args, fmt);
+  std::string s = vformat(fmt, args);
+  va_end(args);
+  return s;
+}
+
+#define STRATA_DEFINE_LOG(name, level)                       \
+  void name(const char* fmt, ...) {                          \
+    if (!spdlog::should_log(level)) return;                  \
+    va_list args;                                            \
+    va_start(args, fmt);                                     \
+    std::string s = vformat(fmt, args);                      \
+    va_end(args);                                            \
+    spdlog::log(level, "{}", s);                             \
+  }
+
+namespace log {
+STRATA_DEFINE_LOG(debug, spdlog::level::debug)
+STRATA_DEFINE_LOG(info, spdlog::level::info)
+STRATA_DEFINE_LOG(warn, spdlog::level::warn)
+STRATA_DEFINE_LOG(error, spdlog::level::err)
+}  // namespace log
 
 std::string format_bytes(double bytes) {
   const char* units[] = {"B", "KiB", "MiB", "GiB", "TiB"};

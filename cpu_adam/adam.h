@@ -1,0 +1,59 @@
+// CPU Adam/AdamW over flat fp32 spans, with the gradient scale folded in and an
+// optional 16-bit copy of the updated parameters written in the same pass.
+// Leaf library: no LibTorch, no other Strata module.
+#pragma once
+
+#include <oneapi/tbb/task_arena.h>
+
+#include <cstdint>
+
+#include "cpu_adam/convert.h"
+#include "cpu_adam/types.h"
+
+namespace strata::cpu_adam {
+
+// Runs Adam steps on a private oneTBB arena of `threads` threads.
+// Thread-safety: one step()/convert() at a time per object (the arena is
+// shared by the calls); distinct objects are independent.
+// No memory is allocated per call: spans are caller-owned and the arena and
+// its threads are created in the constructor.
+class CpuAdam {
+ public:
+  // threads: 0 = all cores (oneTBB's default concurrency). The calling thread
+  // is one of them. REQUIRES: isa_supported(isa); throws std::invalid_argument
+  // otherwise.
+  explicit CpuAdam(int threads = 0, Isa isa = best_isa());
+  CpuAdam(const CpuAdam&) = delete;
+  CpuAdam& operator=(const CpuAdam&) = delete;
+
+  int threads() const { return threads_; }
+  Isa isa() const { return isa_; }
+
+  // One Adam step over the spans (Note [AdamW numerics]). Returns true when
+  // every scaled gradient was finite (Note [Non-finite gradients]).
+  // REQUIRES: args.step >= 1; param, exp_avg, exp_avg_sq and grad non-null
+  // and not overlapping each other when numel > 0 (emit may not overlap them
+  // either); emit non-null iff emit_type != kNone. Any alignment is accepted.
+  bool step(const AdamParams& params, const StepArgs& args, const AdamSpans& spans);
+
+  // dst[i] = src[i] rounded to `type` (convert.h), in parallel on the arena:
+  // the separate 16-bit pass that step() with emit makes unnecessary.
+  // REQUIRES: type != kNone; src and dst do not overlap.
+  void convert(const float* src, void* dst, EmitType type, int64_t numel);
+
+  // Elements per parallel tile: large enough to amortise scheduling and keep
+  // the hardware prefetchers streaming, small enough to balance two threads.
+  static constexpr int64_t kTileNumel = 16384;  // 64 KiB of each fp32 array
+
+ private:
+  int threads_;
+  Isa isa_;
+  tbb::task_arena arena_;
+};
+
+// Single-threaded conversion with the kernels of `isa` (best by default).
+// REQUIRES: type != kNone; isa_supported(isa).
+void convert_f32_to_16(const float* src, void* dst, EmitType type, int64_t numel,
+                       Isa isa = best_isa());
+
+}  // namespace strata::cpu_adam

@@ -1,0 +1,174 @@
+// Internal: the Adam step and the 16-bit conversion written once over a
+// vector type V, included by the SIMD kernel files (kernel_avx2.cc,
+// kernel_avx512.cc), each with its own V and its own -m flags.
+//
+// V provides: kWidth (floats per vector), F (vector of floats) and static
+// load/store of fp32, bf16 and fp16 (16-bit values as uint16_t), set1, add,
+// sub, mul, div, sqrt, fma(a, b, c) = a*b + c rounded once, and any_nan.
+//
+// Everything here is in an anonymous namespace and templated on V (itself in
+// an anonymous namespace of the including file), so no symbol compiled with
+// one file's -m flags can be picked by the linker for another file.
+#pragma once
+
+#include <cstdint>
+#include <cstring>
+
+#include "cpu_adam/kernels.h"
+
+namespace strata::cpu_adam::detail {
+namespace {
+
+template <class V>
+struct VectorConstants {
+  typename V::F grad_scale, decay, weight_decay, one_minus_beta1, beta2, one_minus_beta2,
+      bias_correction2_sqrt, neg_step_size, eps, zero;
+  explicit VectorConstants(const StepConstants& c)
+      : grad_scale(V::set1(c.grad_scale)),
+        decay(V::set1(c.decay)),
+        weight_decay(V::set1(c.weight_decay)),
+        one_minus_beta1(V::set1(c.one_minus_beta1)),
+        beta2(V::set1(c.beta2)),
+        one_minus_beta2(V::set1(c.one_minus_beta2)),
+        bias_correction2_sqrt(V::set1(c.bias_correction2_sqrt)),
+        neg_step_size(V::set1(c.neg_step_size)),
+        eps(V::set1(c.eps)),
+        zero(V::set1(0.0f)) {}
+};
+
+template <class V, GradType G>
+inline typename V::F load_grad(const void* grad, int64_t i) {
+  if constexpr (G == GradType::kF32) {
+    return V::load(static_cast<const float*>(grad) + i);
+  } else if constexpr (G == GradType::kBF16) {
+    return V::load_bf16(static_cast<const uint16_t*>(grad) + i);
+  } else {
+    return V::load_f16(static_cast<const uint16_t*>(grad) + i);
+  }
+}
+
+template <class V, EmitType E>
+inline void store_emit(void* emit, int64_t i, typename V::F x) {
+  if constexpr (E == EmitType::kBF16) {
+    V::store_bf16(static_cast<uint16_t*>(emit) + i, x);
+  } else if constexpr (E == EmitType::kF16) {
+    V::store_f16(static_cast<uint16_t*>(emit) + i, x);
+  }
+}
+
+// One vector of Note [AdamW numerics], at element i of each span. `nonfinite`
+// accumulates g*0 + acc, which turns NaN as soon as any g is NaN or +-Inf.
+template <class V, GradType G, EmitType E, DecayMode D>
+inline void step_vector(const VectorConstants<V>& k, float* param, const void* grad,
+                        float* exp_avg, float* exp_avg_sq, void* emit, int64_t i,
+                        typename V::F& nonfinite) {
+  using F = typename V::F;
+  F g = V::mul(load_grad<V, G>(grad, i), k.grad_scale);
+  nonfinite = V::fma(g, k.zero, nonfinite);
+  F p = V::load(param + i);
+  if constexpr (D == DecayMode::kL2) g = V::fma(p, k.weight_decay, g);
+  if constexpr (D == DecayMode::kDecoupled) p = V::mul(p, k.decay);
+  F m = V::load(exp_avg + i);
+  m = V::fma(k.one_minus_beta1, V::sub(g, m), m);
+  F v = V::load(exp_avg_sq + i);
+  v = V::fma(V::mul(k.one_minus_beta2, g), g, V::mul(v, k.beta2));
+  const F denom = V::add(V::div(V::sqrt(v), k.bias_correction2_sqrt), k.eps);
+  p = V::add(p, V::div(V::mul(k.neg_step_size, m), denom));
+  V::store(param + i, p);
+  V::store(exp_avg + i, m);
+  V::store(exp_avg_sq + i, v);
+  store_emit<V, E>(emit, i, p);
+}
+
+inline int grad_bytes(GradType type) { return type == GradType::kF32 ? 4 : 2; }
+
+template <class V, GradType G, EmitType E, DecayMode D>
+bool step_range(const StepConstants& c, const AdamSpans& s, int64_t begin, int64_t end) {
+  constexpr int W = V::kWidth;
+  const VectorConstants<V> k(c);
+  typename V::F nonfinite = k.zero;
+  int64_t i = begin;
+  for (; i + W <= end; i += W) {
+    step_vector<V, G, E, D>(k, s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.emit, i, nonfinite);
+  }
+  if (i < end) {
+    // The tail runs the same vector code on zero-padded copies, so every
+    // element sees the same arithmetic (a zero gradient is finite).
+    const int64_t n = end - i;
+    const int gb = grad_bytes(G);
+    alignas(64) float p[W] = {};
+    alignas(64) float m[W] = {};
+    alignas(64) float v[W] = {};
+    alignas(64) unsigned char g[W * 4] = {};
+    alignas(64) uint16_t e[W] = {};
+    std::memcpy(p, s.param + i, n * sizeof(float));
+    std::memcpy(m, s.exp_avg + i, n * sizeof(float));
+    std::memcpy(v, s.exp_avg_sq + i, n * sizeof(float));
+    std::memcpy(g, static_cast<const unsigned char*>(s.grad) + i * gb, n * gb);
+    step_vector<V, G, E, D>(k, p, g, m, v, e, 0, nonfinite);
+    std::memcpy(s.param + i, p, n * sizeof(float));
+    std::memcpy(s.exp_avg + i, m, n * sizeof(float));
+    std::memcpy(s.exp_avg_sq + i, v, n * sizeof(float));
+    if constexpr (E != EmitType::kNone) {
+      std::memcpy(static_cast<uint16_t*>(s.emit) + i, e, n * sizeof(uint16_t));
+    }
+  }
+  return !V::any_nan(nonfinite);
+}
+
+template <class V, GradType G, EmitType E>
+StepKernel pick_decay(DecayMode d) {
+  switch (d) {
+    case DecayMode::kNone: return &step_range<V, G, E, DecayMode::kNone>;
+    case DecayMode::kDecoupled: return &step_range<V, G, E, DecayMode::kDecoupled>;
+    case DecayMode::kL2: return &step_range<V, G, E, DecayMode::kL2>;
+  }
+  return nullptr;
+}
+
+template <class V, GradType G>
+StepKernel pick_emit(EmitType e, DecayMode d) {
+  switch (e) {
+    case EmitType::kNone: return pick_decay<V, G, EmitType::kNone>(d);
+    case EmitType::kBF16: return pick_decay<V, G, EmitType::kBF16>(d);
+    case EmitType::kF16: return pick_decay<V, G, EmitType::kF16>(d);
+  }
+  return nullptr;
+}
+
+// The step entry point of a SIMD kernel file: picks the instantiation for
+// this call's types and runs it.
+template <class V>
+bool simd_step(const StepConstants& c, const AdamSpans& s, int64_t begin, int64_t end) {
+  StepKernel kernel = nullptr;
+  switch (s.grad_type) {
+    case GradType::kF32: kernel = pick_emit<V, GradType::kF32>(s.emit_type, c.decay_mode); break;
+    case GradType::kBF16: kernel = pick_emit<V, GradType::kBF16>(s.emit_type, c.decay_mode); break;
+    case GradType::kF16: kernel = pick_emit<V, GradType::kF16>(s.emit_type, c.decay_mode); break;
+  }
+  return kernel(c, s, begin, end);
+}
+
+template <class V, EmitType E>
+void convert_range(const float* src, void* dst, int64_t begin, int64_t end) {
+  constexpr int W = V::kWidth;
+  int64_t i = begin;
+  for (; i + W <= end; i += W) store_emit<V, E>(dst, i, V::load(src + i));
+  if (i < end) {
+    const int64_t n = end - i;
+    alignas(64) float x[W] = {};
+    alignas(64) uint16_t y[W] = {};
+    std::memcpy(x, src + i, n * sizeof(float));
+    store_emit<V, E>(y, 0, V::load(x));
+    std::memcpy(static_cast<uint16_t*>(dst) + i, y, n * sizeof(uint16_t));
+  }
+}
+
+template <class V>
+void simd_convert(const float* src, void* dst, EmitType type, int64_t begin, int64_t end) {
+  if (type == EmitType::kBF16) convert_range<V, EmitType::kBF16>(src, dst, begin, end);
+  if (type == EmitType::kF16) convert_range<V, EmitType::kF16>(src, dst, begin, end);
+}
+
+}  // namespace
+}  // namespace strata::cpu_adam::detail

@@ -1,0 +1,101 @@
+// The plain types of cpu_adam: instruction-set levels, gradient types,
+// hyperparameters and the spans of one step. No oneTBB here, so the
+// ISA-flagged kernel files can include it.
+#pragma once
+
+#include <cstdint>
+#include <string_view>
+
+#include "cpu_adam/convert.h"
+
+namespace strata::cpu_adam {
+
+// Note [AdamW numerics]
+// One step t (1-based) on element i, the same formula as PyTorch's AdamW/Adam
+// (torch/optim/adamw.py, _single_tensor_adam; not amsgrad, not capturable).
+// The hyperparameters are doubles, and every constant is computed in double
+// and then rounded to float once, as PyTorch does with Python floats:
+//
+//   decay      = float(1 - lr*wd)           AdamW with wd != 0, else unused
+//   w1         = float(1 - beta1)
+//   b2         = float(beta2),  w2 = float(1 - beta2)
+//   bc2_sqrt   = float(sqrt(1 - beta2^t))
+//   neg_step   = float(-(lr / (1 - beta1^t)))
+//
+// then in fp32 (fma = fused multiply-add, one rounding):
+//
+//   g  = grad[i] * grad_scale                (16-bit grads widened exactly first)
+//   g  = fma(param, float(wd), g)            Adam (L2) with wd != 0 only
+//   p  = param * decay                       AdamW with wd != 0 only
+//   m  = fma(w1, g - m, m)                   lerp(m, g, 1 - beta1)
+//   v  = fma(w2 * g, g, v * b2)              v*beta2 + (1-beta2)*g*g
+//   d  = sqrt(v) / bc2_sqrt + eps
+//   p  = p + (neg_step * m) / d              addcdiv(p, m, d, -step_size)
+//   emit[i] = to_bf16(p) or to_fp16(p)       optional; see convert.h
+//
+// The SIMD kernels (AVX2, AVX-512) evaluate exactly this sequence and agree bit
+// for bit with each other. The scalar kernel uses a multiply and an add where
+// the SIMD kernels fuse them, so it agrees with them to rounding only.
+// LibTorch's own CPU kernels fuse some of these operations and not others, and
+// the C++ frontend's torch::optim::AdamW updates m as m*beta1 + (1-beta1)*g, so
+// results match LibTorch to rounding (tested: 1e-6 relative over 100 steps),
+// not bit for bit.
+
+// Note [Non-finite gradients]
+// step() reports whether every scaled gradient g = grad*grad_scale was finite,
+// found in the same pass (one fused multiply-add per vector), and applies the
+// step regardless: elements with a NaN/Inf gradient end up NaN in param and
+// state. Skipping a step on fp16 overflow has to be decided before any
+// sub-group is stepped (the overflow may be on another sub-group or rank), so
+// the caller decides it from the global gradient norm it already computes for
+// clipping; this flag is the cheap per-call check that catches what slipped
+// through.
+
+// Instruction-set levels, lowest first. A level may be forced lower than the
+// CPU supports (tests; CPUs that down-clock under AVX-512), never higher.
+enum class Isa {
+  kScalar,      // portable C++
+  kAvx2,        // AVX2 + FMA + F16C
+  kAvx512,      // AVX-512 F/BW/VL/DQ; bf16 rounding done with integer ops
+  kAvx512Bf16,  // kAvx512 + AVX512-BF16 conversion instructions
+};
+
+// The highest level this CPU (and OS) supports, from CPUID.
+Isa best_isa();
+bool isa_supported(Isa isa);
+const char* isa_name(Isa isa);  // "scalar", "avx2", "avx512", "avx512_bf16"
+// Parses isa_name() spellings and "auto" (= best_isa()). Throws
+// std::invalid_argument on anything else.
+Isa parse_isa(std::string_view name);
+
+enum class GradType { kF32, kBF16, kF16 };
+const char* grad_type_name(GradType type);  // "fp32", "bf16", "fp16"
+
+// Hyperparameters. Defaults are PyTorch's AdamW defaults.
+struct AdamParams {
+  double lr = 1e-3;
+  double beta1 = 0.9;
+  double beta2 = 0.999;
+  double eps = 1e-8;
+  double weight_decay = 1e-2;
+  bool adamw = true;  // true: decoupled weight decay (AdamW); false: L2 added to the gradient (Adam)
+};
+
+struct StepArgs {
+  int64_t step = 1;         // 1-based: the first step is 1 (bias correction uses it)
+  float grad_scale = 1.0f;  // multiplies every gradient first (1/loss_scale, clip coefficient)
+};
+
+// The spans of one step. Views: CpuAdam owns none of them.
+struct AdamSpans {
+  float* param = nullptr;       // (numel) fp32 master weights, updated in place
+  const void* grad = nullptr;   // (numel) of grad_type
+  GradType grad_type = GradType::kF32;
+  float* exp_avg = nullptr;     // (numel) fp32, zero before step 1
+  float* exp_avg_sq = nullptr;  // (numel) fp32, zero before step 1
+  void* emit = nullptr;         // (numel) of emit_type, or null with EmitType::kNone
+  EmitType emit_type = EmitType::kNone;
+  int64_t numel = 0;
+};
+
+}  // namespace strata::cpu_adam

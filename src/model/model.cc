@@ -1,0 +1,160 @@
+#include "model/model.h"
+
+#include <cmath>
+
+#include "util/errors.h"
+
+namespace strata {
+
+Model::Model(const ModelConfig& cfg) : cfg_(cfg) {
+  const int64_t d = cfg.dim, hd = cfg.head_dim(), h = cfg.n_heads, kv = cfg.kv_heads();
+  const int64_t f = cfg.ffn_dim(), v = cfg.vocab_size;
+  const double std = cfg.init_std;
+  // Residual output projections start smaller so the residual stream's
+  // variance does not grow with depth (GPT-2's scheme).
+  const double out_std = std / std::sqrt(2.0 * double(cfg.n_layers));
+
+  blocks_.push_back({BlockKind::kEmbedding, "embedding", {{"tok_embedding", {v, d}, Init::kNormal, std}}});
+  for (int64_t l = 0; l < cfg.n_layers; ++l) {
+    blocks_.push_back({BlockKind::kLayer,
+                       "layer." + std::to_string(l),
+                       {
+                           {"attn_norm", {d}, Init::kOnes, 0.0},
+                           {"wq", {h * hd, d}, Init::kNormal, std},
+                           {"wk", {kv * hd, d}, Init::kNormal, std},
+                           {"wv", {kv * hd, d}, Init::kNormal, std},
+                           {"wo", {d, h * hd}, Init::kNormal, out_std},
+                           {"mlp_norm", {d}, Init::kOnes, 0.0},
+                           {"w1", {f, d}, Init::kNormal, std},  // gate
+                           {"w3", {f, d}, Init::kNormal, std},  // up
+                           {"w2", {d, f}, Init::kNormal, out_std},  // down
+                       }});
+  }
+  BlockDesc head{BlockKind::kHead, "head", {{"final_norm", {d}, Init::kOnes, 0.0}}};
+  if (!cfg.tie_embeddings) head.params.push_back({"output", {v, d}, Init::kNormal, std});
+  blocks_.push_back(std::move(head));
+
+  // Rotary tables: angle(t, i) = t * theta^(-2i/hd), duplicated over both halves.
+  auto opts = at::TensorOptions().dtype(at::kFloat);
+  at::Tensor inv_freq =
+      at::pow(cfg.rope_theta, at::arange(0, hd, 2, opts.dtype(at::kDouble)) / double(hd)).reciprocal();
+  at::Tensor t = at::arange(cfg.seq_len, opts.dtype(at::kDouble));
+  at::Tensor angles = at::outer(t, inv_freq);           // [T, hd/2]
+  angles = at::cat({angles, angles}, /*dim=*/-1);       // [T, hd]
+  cos_f32_ = angles.cos().to(at::kFloat);
+  sin_f32_ = angles.sin().to(at::kFloat);
+}
+
+std::vector<std::pair<std::string, std::vector<ParamSpec>>> Model::layout_specs() const {
+  std::vector<std::pair<std::string, std::vector<ParamSpec>>> out;
+  for (const BlockDesc& b : blocks_) out.emplace_back(b.name, b.params);
+  return out;
+}
+
+double Model::flops_per_token() const {
+  double matrix_params = 0;
+  for (const BlockDesc& b : blocks_) {
+    if (b.kind == BlockKind::kEmbedding) continue;  // a lookup, no FLOPs
+    for (const ParamSpec& p : b.params) {
+      if (p.shape.size() == 2) matrix_params += double(p.numel());
+    }
+  }
+  if (cfg_.tie_embeddings) matrix_params += double(cfg_.vocab_size * cfg_.dim);
+  // Attention scores and the weighted sum: 2 matmuls of T x hd per head and
+  // token, forward 2 FLOPs per MAC, backward twice the forward; halved for the
+  // causal mask is ignored, as is customary.
+  const double attn = 12.0 * double(cfg_.n_layers) * double(cfg_.seq_len) * double(cfg_.dim);
+  return 6.0 * matrix_params + attn;
+}
+
+std::pair<at::Tensor, at::Tensor> Model::rope(at::ScalarType dtype, int64_t t) const {
+  STRATA_CHECK(t <= cfg_.seq_len, "sequence longer than model.seq_len");
+  if (dtype == at::kFloat) return {cos_f32_.narrow(0, 0, t), sin_f32_.narrow(0, 0, t)};
+  if (!cos_cast_.defined() || cos_cast_.scalar_type() != dtype) {
+    cos_cast_ = cos_f32_.to(dtype);
+    sin_cast_ = sin_f32_.to(dtype);
+  }
+  return {cos_cast_.narrow(0, 0, t), sin_cast_.narrow(0, 0, t)};
+}
+
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor xf = x.to(at::kFloat);
+  at::Tensor normed = xf * at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+  return normed.to(x.scalar_type()) * weight;
+}
+
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = x.size(-1) / 2;
+  at::Tensor x1 = x.narrow(-1, 0, half);
+  at::Tensor x2 = x.narrow(-1, half, half);
+  at::Tensor rotated = at::cat({-x2, x1}, -1);
+  return x * cos + rotated * sin;
+}
+
+at::Tensor Model::layer_forward(const std::vector<at::Tensor>& w, const at::Tensor& x) const {
+  const at::Tensor &attn_norm = w[0], &wq = w[1], &wk = w[2], &wv = w[3], &wo = w[4];
+  const at::Tensor &mlp_norm = w[5], &w1 = w[6], &w3 = w[7], &w2 = w[8];
+  const int64_t B = x.size(0), T = x.size(1);
+  const int64_t H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.head_dim();
+
+  at::Tensor a = rms_norm(x, attn_norm, cfg_.norm_eps);
+  at::Tensor q = at::linear(a, wq).view({B, T, H, hd}).transpose(1, 2);   // [B, H, T, hd]
+  at::Tensor k = at::linear(a, wk).view({B, T, KV, hd}).transpose(1, 2);  // [B, KV, T, hd]
+  at::Tensor v = at::linear(a, wv).view({B, T, KV, hd}).transpose(1, 2);
+  auto [cos, sin] = rope(x.scalar_type(), T);
+  q = apply_rope(q, cos, sin);
+  k = apply_rope(k, cos, sin);
+  at::Tensor y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,
+                                                  /*is_causal=*/true, /*scale=*/std::nullopt,
+                                                  /*enable_gqa=*/KV != H);
+  y = y.transpose(1, 2).reshape({B, T, H * hd});
+  at::Tensor h = x + at::linear(y, wo);
+
+  at::Tensor m = rms_norm(h, mlp_norm, cfg_.norm_eps);
+  at::Tensor gate = at::silu(at::linear(m, w1));
+  return h + at::linear(gate * at::linear(m, w3), w2);
+}
+
+at::Tensor Model::forward(size_t b, const std::vector<at::Tensor>& w, const at::Tensor& x,
+                          const at::Tensor& tied) const {
+  const BlockDesc& desc = blocks_.at(b);
+  STRATA_CHECK(w.size() == desc.params.size(), "wrong number of weights for block " + desc.name);
+  switch (desc.kind) {
+    case BlockKind::kEmbedding:
+      return at::embedding(w[0], x);
+    case BlockKind::kLayer:
+      return layer_forward(w, x);
+    case BlockKind::kHead: {
+      const at::Tensor& out = cfg_.tie_embeddings ? tied : w[1];
+      STRATA_CHECK(out.defined(), "tied head needs the embedding weight");
+      return at::linear(rms_norm(x, w[0], cfg_.norm_eps), out);
+    }
+  }
+  throw InternalError(__FILE__, __LINE__, "unknown block kind");
+}
+
+std::vector<at::Tensor> param_views(const BlockLayout& layout, const at::Tensor& flat_block) {
+  STRATA_CHECK(flat_block.dim() == 1 && flat_block.numel() >= layout.numel,
+               "flat buffer too small for block " + layout.name);
+  std::vector<at::Tensor> views;
+  views.reserve(layout.params.size());
+  for (const ParamLayout& p : layout.params) {
+    views.push_back(flat_block.narrow(0, p.offset, p.spec.numel()).view(p.spec.shape));
+  }
+  return views;
+}
+
+void init_block(const BlockLayout& layout, const at::Tensor& flat_block, at::Generator& gen) {
+  STRATA_CHECK(flat_block.scalar_type() == at::kFloat, "init writes fp32 master weights");
+  std::vector<at::Tensor> views = param_views(layout, flat_block);
+  for (size_t i = 0; i < views.size(); ++i) {
+    const ParamSpec& s = layout.params[i].spec;
+    switch (s.init) {
+      case Init::kNormal: views[i].normal_(0.0, s.std, gen); break;
+      case Init::kOnes: views[i].fill_(1.0); break;
+      case Init::kZeros: views[i].zero_(); break;
+    }
+  }
+}
+
+}  // namespace strata

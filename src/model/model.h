@@ -1,0 +1,76 @@
+// The model as blocks: a LLaMA-style decoder (token embedding; N layers of
+// RMSNorm, multi-head attention with rotary embeddings and optional grouped
+// key/value heads, RMSNorm, SwiGLU MLP; final RMSNorm and output head).
+// Each block declares its parameter specs; its forward is a pure function of
+// weight VIEWS into the block's flat buffer (memory/layout.h) and its input.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <string>
+#include <utility>
+#include <vector>
+
+#include "config/config.h"
+#include "memory/layout.h"
+
+namespace strata {
+
+enum class BlockKind { kEmbedding, kLayer, kHead };
+
+struct BlockDesc {
+  BlockKind kind;
+  std::string name;
+  std::vector<ParamSpec> params;
+};
+
+class Model {
+ public:
+  // REQUIRES: cfg validated by parse_config.
+  explicit Model(const ModelConfig& cfg);
+
+  const ModelConfig& config() const { return cfg_; }
+  const std::vector<BlockDesc>& blocks() const { return blocks_; }
+  size_t num_blocks() const { return blocks_.size(); }
+  // (name, specs) per block, the input of StateLayout.
+  std::vector<std::pair<std::string, std::vector<ParamSpec>>> layout_specs() const;
+
+  // Runs block `b`. `w` holds one tensor per ParamSpec of the block, in order.
+  //   embedding: x = tokens (int64, [B, T])      -> [B, T, dim]
+  //   layer:     x = [B, T, dim]                  -> [B, T, dim]
+  //   head:      x = [B, T, dim]                  -> logits [B, T, vocab]
+  // `tied` is the embedding weight [vocab, dim] when the head is tied, else
+  // undefined. Pure: records autograd only if its inputs require grad.
+  at::Tensor forward(size_t b, const std::vector<at::Tensor>& w, const at::Tensor& x,
+                     const at::Tensor& tied = {}) const;
+
+  // Model FLOPs per trained token (forward + backward, without recompute):
+  // 6 x matrix parameters + attention scores, the usual MFU convention.
+  double flops_per_token() const;
+
+ private:
+  at::Tensor layer_forward(const std::vector<at::Tensor>& w, const at::Tensor& x) const;
+  // cos/sin tables [seq_len, head_dim] in `dtype`, built once per dtype.
+  std::pair<at::Tensor, at::Tensor> rope(at::ScalarType dtype, int64_t t) const;
+
+  ModelConfig cfg_;
+  std::vector<BlockDesc> blocks_;
+  at::Tensor cos_f32_, sin_f32_;
+  mutable at::Tensor cos_cast_, sin_cast_;
+};
+
+// Views of each parameter of `layout` into `flat_block`, the block's range of
+// a flat buffer (numel >= layout.numel). The views share its storage.
+std::vector<at::Tensor> param_views(const BlockLayout& layout, const at::Tensor& flat_block);
+
+// RMSNorm as the model computes it (exposed for tests): statistics in fp32.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
+
+// Rotary embedding, "rotate half" form, over x [B, H, T, head_dim].
+at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
+
+// Fills `flat_block` (fp32) with the initial values of block `b`'s parameters
+// drawn from `gen`; padding stays zero.
+void init_block(const BlockLayout& layout, const at::Tensor& flat_block, at::Generator& gen);
+
+}  // namespace strata

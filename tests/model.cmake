@@ -1,0 +1,2 @@
+# LibTorch-heavy: one executable for model and trainer tests (compiles ~20 s).
+strata_test(model_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/model_test.cc LIBS strata_engine)
