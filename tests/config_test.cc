@@ -22,7 +22,7 @@ json minimal() { return json{{"data", {{"path", "corpus.txt"}}}}; }
 // A config with one extra top-level section merged into minimal().
 json with(const json& extra) {
   json j = minimal();
-  j.merge_patch(extra);
+  j.update(extra, /*merge_objects=*/true);  // unlike merge_patch, keeps null values
   return j;
 }
 
@@ -431,7 +431,8 @@ TEST(ConfigOptimizer, ParamsAreRead) {
 
 TEST(ConfigOptimizer, AdamWModeIsDerived) {
   EXPECT_TRUE(parse_config(with({{"optimizer", {{"type", "AdamW"}}}})).optimizer.adam_w_mode);
-  EXPECT_FALSE(parse_config(with({{"optimizer", {{"type", "Adam"}}}})).optimizer.adam_w_mode);
+  // DeepSpeed's Adam decouples weight decay unless adam_w_mode is false.
+  EXPECT_TRUE(parse_config(with({{"optimizer", {{"type", "Adam"}}}})).optimizer.adam_w_mode);
   EXPECT_TRUE(parse_config(with({{"optimizer", {{"type", "Adam"},
                                                 {"params", {{"adam_w_mode", true}}}}}}))
                   .optimizer.adam_w_mode);

@@ -1,31 +1,37 @@
 // Helpers shared by the test suites: temporary directories and files.
 #pragma once
 
+#include <ftw.h>
+#include <stdlib.h>
+#include <unistd.h>
+
+#include <cstdio>
 #include <cstdlib>
-#include <filesystem>
 #include <fstream>
 #include <string>
-#include <unistd.h>
 
 namespace strata::testing {
 
 // A fresh directory under $TMPDIR, removed with its contents on destruction.
+// POSIX calls rather than std::filesystem: see Note [No std::filesystem next to
+// LibTorch] in src/util/fs.h.
 class TempDir {
  public:
   TempDir() {
-    std::string tmpl = (std::filesystem::temp_directory_path() / "strata-test-XXXXXX").string();
+    const char* tmp = std::getenv("TMPDIR");
+    std::string tmpl = std::string(tmp && *tmp ? tmp : "/tmp") + "/strata-test-XXXXXX";
     if (mkdtemp(tmpl.data()) == nullptr) std::abort();
     path_ = tmpl;
   }
   ~TempDir() {
-    std::error_code ec;
-    std::filesystem::remove_all(path_, ec);
+    nftw(path_.c_str(), [](const char* p, const struct stat*, int, struct FTW*) { return ::remove(p); },
+         16, FTW_DEPTH | FTW_PHYS);
   }
   TempDir(const TempDir&) = delete;
   TempDir& operator=(const TempDir&) = delete;
 
-  const std::filesystem::path& path() const { return path_; }
-  std::string file(const std::string& name) const { return (path_ / name).string(); }
+  const std::string& path() const { return path_; }
+  std::string file(const std::string& name) const { return path_ + "/" + name; }
 
   // Writes `bytes` to `name` inside the directory and returns its path.
   std::string write(const std::string& name, const std::string& bytes) const {
@@ -35,7 +41,7 @@ class TempDir {
   }
 
  private:
-  std::filesystem::path path_;
+  std::string path_;
 };
 
 // Some English text, long enough to train on for a few steps.

@@ -42,7 +42,9 @@ fi
 # ---- configure and build ----------------------------------------------------
 export PATH="/usr/local/cuda/bin:$PATH"
 export CCACHE_DIR="${CCACHE_DIR:-$HOME/.cache/ccache}"
-if [ ! -f "$BUILD_DIR/build.ninja" ]; then
+# Configure when there is no build yet or when extra arguments are given
+# (cmake keeps its cache, so a re-configure is quick).
+if [ ! -f "$BUILD_DIR/build.ninja" ] || [ -n "${STRATA_CMAKE_ARGS:-}" ]; then
   say "configuring $BUILD_DIR"
   # shellcheck disable=SC2086
   cmake -S . -B "$BUILD_DIR" -G Ninja -DCMAKE_PREFIX_PATH="$CMAKE_PREFIX_PATH" ${STRATA_CMAKE_ARGS:-} >/dev/null

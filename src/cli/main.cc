@@ -18,7 +18,10 @@ int main(int argc, char** argv) {
   app.require_subcommand(1);
   int result = strata::kExitOk;
   app.add_subcommand("help", "Show the commands and their options")->callback([&app]() {
-    std::fputs(app.help().c_str(), stdout);
+    // App::help() would describe the selected subcommand (this one); ask the
+    // formatter for the top-level page instead.
+    std::fputs(app.get_formatter()->make_help(&app, "strata", CLI::AppFormatMode::Normal).c_str(),
+               stdout);
   });
   strata::register_train(app, result);
   try {

@@ -5,7 +5,6 @@
 #include <chrono>
 #include <cmath>
 #include <cstdio>
-#include <filesystem>
 #include <fstream>
 #include <memory>
 #include <random>
@@ -17,6 +16,7 @@
 #include "engine/trainer.h"
 #include "model/model.h"
 #include "util/errors.h"
+#include "util/fs.h"
 #include "util/logging.h"
 #include "util/progress.h"
 
@@ -37,6 +37,7 @@ class MetricsWriter {
  public:
   explicit MetricsWriter(const std::string& path) : path_(path) {
     if (path.empty()) return;
+    make_dirs(parent_dir(path));
     out_.open(path, std::ios::out | std::ios::trunc);
     if (!out_) throw InputError(path, std::string("cannot open metrics file for writing: ") +
                                           std::strerror(errno));

@@ -8,13 +8,13 @@
 #include <algorithm>
 #include <cctype>
 #include <cmath>
-#include <filesystem>
 #include <fstream>
 #include <limits>
 #include <sstream>
 #include <string_view>
 
 #include "util/errors.h"
+#include "util/fs.h"
 
 namespace strata {
 
@@ -208,7 +208,9 @@ bool read(const json& obj, const std::string& path, std::string_view key, uint64
   if (v->is_number_unsigned()) {
     out = v->get<uint64_t>();
   } else if (v->is_number_integer()) {
-    fail(k, "must be >= 0, got " + v->dump());
+    const int64_t i = v->get<int64_t>();
+    if (i < 0) fail(k, "must be >= 0, got " + v->dump());
+    out = static_cast<uint64_t>(i);
   } else if (v->is_number_float()) {
     const double d = v->get<double>();
     if (!std::isfinite(d) || d != std::floor(d)) fail(k, "expected an integer, got " + v->dump());
@@ -432,7 +434,9 @@ void parse_optimizer(const json& root, Config& c) {
     }
     opt.adam_w_mode = true;
   } else {
-    opt.adam_w_mode = has_w_mode && w_mode;
+    // DeepSpeed's default (ADAM_W_MODE_DEFAULT = True): its "Adam" decouples weight
+    // decay unless adam_w_mode is false, and a pasted config must train the same.
+    opt.adam_w_mode = !has_w_mode || w_mode;
   }
 }
 
@@ -808,8 +812,8 @@ Config parse_config(nlohmann::json j, const std::vector<std::string>& overrides)
 }
 
 Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
-  std::error_code ec;
-  if (std::filesystem::is_directory(path, ec)) fail(path, "cannot read config file");
+  // POSIX, not std::filesystem: Note [No std::filesystem next to LibTorch] (util/fs.h).
+  if (is_directory(path)) fail(path, "cannot read config file (it is a directory)");
   std::ifstream in(path, std::ios::binary);
   if (!in) fail(path, "cannot read config file");
   std::ostringstream text;

@@ -1,0 +1,85 @@
+// Portable scalar kernels: Note [AdamW numerics] one element at a time, with
+// a multiply and an add where the SIMD kernels fuse them (generic x86-64 has
+// no FMA instruction, and std::fma would be a library call per element).
+#include <cmath>
+
+#include "cpu_adam/kernels.h"
+
+namespace strata::cpu_adam::detail {
+namespace {
+
+template <GradType G>
+float load_grad(const void* grad, int64_t i) {
+  if constexpr (G == GradType::kF32) return static_cast<const float*>(grad)[i];
+  if constexpr (G == GradType::kBF16) return bf16_to_float(static_cast<const uint16_t*>(grad)[i]);
+  if constexpr (G == GradType::kF16) return fp16_to_float(static_cast<const uint16_t*>(grad)[i]);
+}
+
+template <GradType G, EmitType E, DecayMode D>
+bool step_range(const StepConstants& c, const AdamSpans& s, int64_t begin, int64_t end) {
+  float nonfinite = 0.0f;
+  for (int64_t i = begin; i < end; ++i) {
+    float g = load_grad<G>(s.grad, i) * c.grad_scale;
+    nonfinite += g * 0.0f;  // NaN once any g is NaN or +-Inf
+    float p = s.param[i];
+    if constexpr (D == DecayMode::kL2) g = g + p * c.weight_decay;
+    if constexpr (D == DecayMode::kDecoupled) p = p * c.decay;
+    float m = s.exp_avg[i];
+    m = m + c.one_minus_beta1 * (g - m);
+    float v = s.exp_avg_sq[i];
+    v = v * c.beta2 + (c.one_minus_beta2 * g) * g;
+    const float denom = std::sqrt(v) / c.bias_correction2_sqrt + c.eps;
+    p = p + (c.neg_step_size * m) / denom;
+    s.param[i] = p;
+    s.exp_avg[i] = m;
+    s.exp_avg_sq[i] = v;
+    if constexpr (E == EmitType::kBF16) static_cast<uint16_t*>(s.emit)[i] = float_to_bf16(p);
+    if constexpr (E == EmitType::kF16) static_cast<uint16_t*>(s.emit)[i] = float_to_fp16(p);
+  }
+  return !std::isnan(nonfinite);
+}
+
+template <GradType G, EmitType E>
+StepKernel pick_decay(DecayMode d) {
+  switch (d) {
+    case DecayMode::kNone: return &step_range<G, E, DecayMode::kNone>;
+    case DecayMode::kDecoupled: return &step_range<G, E, DecayMode::kDecoupled>;
+    case DecayMode::kL2: return &step_range<G, E, DecayMode::kL2>;
+  }
+  return nullptr;
+}
+
+template <GradType G>
+StepKernel pick_emit(EmitType e, DecayMode d) {
+  switch (e) {
+    case EmitType::kNone: return pick_decay<G, EmitType::kNone>(d);
+    case EmitType::kBF16: return pick_decay<G, EmitType::kBF16>(d);
+    case EmitType::kF16: return pick_decay<G, EmitType::kF16>(d);
+  }
+  return nullptr;
+}
+
+bool scalar_step(const StepConstants& c, const AdamSpans& s, int64_t begin, int64_t end) {
+  StepKernel kernel = nullptr;
+  switch (s.grad_type) {
+    case GradType::kF32: kernel = pick_emit<GradType::kF32>(s.emit_type, c.decay_mode); break;
+    case GradType::kBF16: kernel = pick_emit<GradType::kBF16>(s.emit_type, c.decay_mode); break;
+    case GradType::kF16: kernel = pick_emit<GradType::kF16>(s.emit_type, c.decay_mode); break;
+  }
+  return kernel(c, s, begin, end);
+}
+
+void scalar_convert(const float* src, void* dst, EmitType type, int64_t begin, int64_t end) {
+  uint16_t* out = static_cast<uint16_t*>(dst);
+  if (type == EmitType::kBF16) {
+    for (int64_t i = begin; i < end; ++i) out[i] = float_to_bf16(src[i]);
+  } else if (type == EmitType::kF16) {
+    for (int64_t i = begin; i < end; ++i) out[i] = float_to_fp16(src[i]);
+  }
+}
+
+}  // namespace
+
+Kernels scalar_kernels() { return {&scalar_step, &scalar_convert}; }
+
+}  // namespace strata::cpu_adam::detail

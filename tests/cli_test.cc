@@ -1,0 +1,167 @@
+// Tests of the strata executable as a user runs it: exit codes, one-line
+// errors, and no metrics file left behind by a run that fails at start-up.
+#include <gtest/gtest.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+
+#include <array>
+#include <cstdio>
+#include <fstream>
+#include <sstream>
+#include <string>
+
+#include <nlohmann/json.hpp>
+
+#include "test_util.h"
+
+namespace strata {
+namespace {
+
+using testing::TempDir;
+
+struct Result {
+  int code = -1;
+  std::string output;  // stdout and stderr
+};
+
+Result run_strata(const std::string& args) {
+  const std::string cmd = std::string(STRATA_BINARY_DIR) + "/strata " + args + " 2>&1";
+  Result r;
+  FILE* p = popen(cmd.c_str(), "r");
+  if (p == nullptr) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
+  const int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+bool exists(const std::string& path) {
+  struct stat st;
+  return stat(path.c_str(), &st) == 0;
+}
+
+int count_lines(const std::string& s) {
+  int n = 0;
+  for (char c : s) n += c == '\n';
+  return n;
+}
+
+nlohmann::json tiny_config(const std::string& data, const std::string& metrics) {
+  return {
+      {"train_micro_batch_size_per_gpu", 2},
+      {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-3}}}}},
+      {"model", {{"dim", 32}, {"n_layers", 1}, {"n_heads", 2}, {"seq_len", 16}}},
+      {"data", {{"path", data}, {"val_fraction", 0.2}, {"eval_interval", 2}, {"eval_batches", 1}}},
+      {"run", {{"steps", 3}, {"metrics", metrics}, {"log_level", "warn"}}},
+  };
+}
+
+std::string write_config(const TempDir& dir, const nlohmann::json& j) {
+  return dir.write("config.json", j.dump(2));
+}
+
+TEST(CliTest, MissingConfigFileExits2WithOneLine) {
+  TempDir dir;
+  Result r = run_strata("train " + dir.file("nope.json"));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(count_lines(r.output), 1) << r.output;
+  EXPECT_NE(r.output.find("nope.json"), std::string::npos) << r.output;
+}
+
+TEST(CliTest, BadKeyExits2NamingTheKeyAndLeavesNoMetrics) {
+  TempDir dir;
+  const std::string data = dir.write("d.txt", testing::sample_text(4000));
+  nlohmann::json j = tiny_config(data, dir.file("m.jsonl"));
+  j["optimizer"]["params"]["lrr"] = 0.1;
+  Result r = run_strata("train " + write_config(dir, j));
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(count_lines(r.output), 1) << r.output;
+  EXPECT_NE(r.output.find("optimizer.params.lrr"), std::string::npos) << r.output;
+  EXPECT_FALSE(exists(dir.file("m.jsonl")));
+}
+
+TEST(CliTest, BadOverrideExits2NamingTheKey) {
+  TempDir dir;
+  const std::string data = dir.write("d.txt", testing::sample_text(4000));
+  const std::string cfg = write_config(dir, tiny_config(data, dir.file("m.jsonl")));
+  Result r = run_strata("train " + cfg + " --set model.n_heads=3");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.output.find("model."), std::string::npos) << r.output;
+  EXPECT_FALSE(exists(dir.file("m.jsonl")));
+}
+
+TEST(CliTest, MissingDataFileExits2NamingTheFileAndLeavesNoMetrics) {
+  TempDir dir;
+  const std::string cfg = write_config(dir, tiny_config(dir.file("missing.txt"), dir.file("m.jsonl")));
+  Result r = run_strata("train " + cfg);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(count_lines(r.output), 1) << r.output;
+  EXPECT_NE(r.output.find("missing.txt"), std::string::npos) << r.output;
+  EXPECT_FALSE(exists(dir.file("m.jsonl")));
+}
+
+TEST(CliTest, TooShortDataFileExits2AndLeavesNoMetrics) {
+  TempDir dir;
+  const std::string data = dir.write("d.txt", "too short");
+  const std::string cfg = write_config(dir, tiny_config(data, dir.file("m.jsonl")));
+  Result r = run_strata("train " + cfg);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_NE(r.output.find("d.txt"), std::string::npos) << r.output;
+  EXPECT_FALSE(exists(dir.file("m.jsonl")));
+}
+
+TEST(CliTest, TrainWritesOneMetricsLinePerStepWithFlagsOverridingConfig) {
+  TempDir dir;
+  const std::string data = dir.write("d.txt", testing::sample_text(4000));
+  const std::string cfg = write_config(dir, tiny_config(data, dir.file("ignored.jsonl")));
+  Result r = run_strata("train " + cfg + " --steps 4 --metrics " + dir.file("m.jsonl") +
+                     " --set optimizer.params.lr=2e-3");
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_FALSE(exists(dir.file("ignored.jsonl")));
+  std::ifstream f(dir.file("m.jsonl"));
+  std::string line;
+  int steps = 0, evals = 0;
+  while (std::getline(f, line)) {
+    auto j = nlohmann::json::parse(line);
+    ++steps;
+    EXPECT_EQ(j["step"].get<int>(), steps);
+    for (const char* key : {"loss", "lr", "grad_norm", "tokens_per_s", "elapsed_s"}) {
+      EXPECT_TRUE(j.contains(key)) << key << " missing in " << line;
+    }
+    EXPECT_DOUBLE_EQ(j["lr"].get<double>(), 2e-3);
+    if (j.contains("eval_loss")) ++evals;
+  }
+  EXPECT_EQ(steps, 4);
+  EXPECT_EQ(evals, 2);  // eval_interval 2: steps 2 and 4
+}
+
+TEST(CliTest, LossesAreWrittenWithFullPrecision) {
+  TempDir dir;
+  const std::string data = dir.write("d.txt", testing::sample_text(4000));
+  const std::string cfg = write_config(dir, tiny_config(data, dir.file("m.jsonl")));
+  ASSERT_EQ(run_strata("train " + cfg).code, 0);
+  std::ifstream f(dir.file("m.jsonl"));
+  std::string line;
+  std::getline(f, line);
+  // A double printed round-trip exactly has about 17 significant digits.
+  const auto pos = line.find("\"loss\":");
+  ASSERT_NE(pos, std::string::npos);
+  const std::string num = line.substr(pos + 7, line.find_first_of(",}", pos) - pos - 7);
+  EXPECT_GE(num.size(), 12u) << num;
+}
+
+TEST(CliTest, VersionAndHelp) {
+  Result v = run_strata("--version");
+  EXPECT_EQ(v.code, 0);
+  EXPECT_EQ(v.output.rfind("strata ", 0), 0u) << v.output;
+  Result h = run_strata("help");
+  EXPECT_EQ(h.code, 0);
+  EXPECT_NE(h.output.find("train"), std::string::npos);
+  Result bad = run_strata("train");
+  EXPECT_EQ(bad.code, 2);
+}
+
+}  // namespace
+}  // namespace strata

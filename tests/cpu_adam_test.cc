@@ -1,0 +1,618 @@
+// Tests of cpu_adam: every kernel (forced) against a double-precision scalar
+// reference of Note [AdamW numerics], the 16-bit conversions against
+// independent oracles and edge cases, non-finite detection, threads.
+#include <gtest/gtest.h>
+
+#include <algorithm>
+#include <bit>
+#include <cmath>
+#include <cstdint>
+#include <cstdio>
+#include <cstring>
+#include <iterator>
+#include <limits>
+#include <random>
+#include <stdexcept>
+#include <string>
+#include <tuple>
+#include <vector>
+
+#include "cpu_adam/adam.h"
+
+namespace strata::cpu_adam {
+namespace {
+
+constexpr Isa kAllIsas[] = {Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16};
+constexpr int64_t kSizes[] = {1, 7, 15, 16, 17, 4097, 1000003};
+constexpr int kSteps = 100;
+constexpr double kTolerance = 1e-6;            // max relative error per step, see Reference
+constexpr double kTrajectoryTolerance = 1e-5;  // after 100 steps of fp32 storage, see Reference
+
+#define SKIP_UNLESS_SUPPORTED(isa)                                                \
+  do {                                                                            \
+    if (!isa_supported(isa)) {                                                    \
+      GTEST_SKIP() << "CPU lacks " << isa_name(isa);                              \
+    }                                                                             \
+  } while (0)
+
+float bits_to_float(uint32_t b) { return std::bit_cast<float>(b); }
+uint32_t float_to_bits(float f) { return std::bit_cast<uint32_t>(f); }
+
+// ---- 16-bit conversions -----------------------------------------------------
+
+// Independent oracle: the finite 16-bit values with bits lo and lo + 1 (same
+// sign) bracket |x|; pick the nearer in exact double arithmetic, ties to the
+// even bit pattern. `to_float` widens a 16-bit pattern; `inf_value` is where
+// the all-ones exponent sits for rounding purposes (the next power of two).
+template <class ToFloat>
+uint16_t oracle_round(float x, ToFloat to_float, uint16_t inf_bits, double inf_value) {
+  const uint16_t sign = (float_to_bits(x) >> 16) & 0x8000;
+  const double a = std::fabs(static_cast<double>(x));
+  auto value = [&](uint16_t b) { return b == inf_bits ? inf_value : double(to_float(b)); };
+  // Largest non-negative pattern with value <= a (patterns are monotonic).
+  uint16_t lo = 0, hi = inf_bits;
+  while (lo < hi) {
+    const uint16_t mid = static_cast<uint16_t>((lo + hi + 1) / 2);
+    if (value(mid) <= a) lo = mid; else hi = static_cast<uint16_t>(mid - 1);
+  }
+  if (lo == inf_bits || value(lo) == a) return sign | lo;
+  const double down = a - value(lo), up = value(lo + 1) - a;
+  const uint16_t pick = (down < up || (down == up && (lo & 1) == 0)) ? lo : uint16_t(lo + 1);
+  return sign | pick;
+}
+
+uint16_t oracle_bf16(float x) {
+  if (std::isnan(x)) return 0x7FC0;
+  if (std::isinf(x)) return (float_to_bits(x) >> 16) & 0xFF80;
+  return oracle_round(x, bf16_to_float, 0x7F80, std::ldexp(1.0, 128));
+}
+
+uint16_t oracle_fp16(float x) {
+  if (std::isnan(x)) return ((float_to_bits(x) >> 16) & 0x8000) | 0x7E00;
+  if (std::isinf(x)) return ((float_to_bits(x) >> 16) & 0x8000) | 0x7C00;
+  return oracle_round(x, fp16_to_float, 0x7C00, 65536.0);
+}
+
+TEST(Convert, Bf16EdgeCases) {
+  struct Case { uint32_t in; uint16_t out; };
+  const Case cases[] = {
+      {0x00000000, 0x0000}, {0x80000000, 0x8000},  // +-0
+      {0x3F800000, 0x3F80},                        // 1
+      {0x3F808000, 0x3F80},                        // tie, even below
+      {0x3F818000, 0x3F82},                        // tie, odd below: up
+      {0x3F808001, 0x3F81},                        // just above a tie
+      {0x3F807FFF, 0x3F80},                        // just below a tie
+      {0xBF818000, 0xBF82},                        // negative tie
+      {0x7F7FFFFF, 0x7F80},                        // largest float: rounds to Inf
+      {0x7F7F7FFF, 0x7F7F},                        // largest that stays finite
+      {0x7F800000, 0x7F80}, {0xFF800000, 0xFF80},  // +-Inf
+      {0x7FC00000, 0x7FC0}, {0xFFC00001, 0x7FC0},  // NaNs -> c10's 0x7FC0
+      {0x7F800001, 0x7FC0}, {0x7FFFFFFF, 0x7FC0},  // signalling / max payload
+      {0x00000001, 0x0000},                        // smallest denormal
+      {0x00008000, 0x0000},                        // denormal tie, even
+      {0x00018000, 0x0002},                        // denormal tie, odd: up
+      {0x007FFFFF, 0x0080},                        // largest denormal -> smallest normal
+      {0x80010001, 0x8001},                        // negative denormal
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(float_to_bf16(bits_to_float(c.in)), c.out) << std::hex << c.in;
+    EXPECT_EQ(oracle_bf16(bits_to_float(c.in)), c.out) << "oracle " << std::hex << c.in;
+  }
+}
+
+TEST(Convert, Fp16EdgeCases) {
+  struct Case { float in; uint16_t out; };
+  const float inf = std::numeric_limits<float>::infinity();
+  const Case cases[] = {
+      {0.0f, 0x0000}, {-0.0f, 0x8000}, {1.0f, 0x3C00}, {-2.0f, 0xC000},
+      {65504.0f, 0x7BFF},                      // largest fp16
+      {65519.996f, 0x7BFF},                    // below the overflow tie
+      {65520.0f, 0x7C00},                      // the tie goes to the even Inf
+      {65536.0f, 0x7C00}, {-1e10f, 0xFC00},    // overflow
+      {inf, 0x7C00}, {-inf, 0xFC00},
+      {0x1p-14f, 0x0400},                      // smallest normal
+      {0x1p-24f, 0x0001},                      // smallest denormal
+      {0x1p-25f, 0x0000},                      // tie between 0 and 2^-24: even
+      {0x1.000002p-25f, 0x0001},               // just above it
+      {0x1.8p-24f, 0x0002},                    // tie between 1 and 2 units: even
+      {0x1.4p-23f, 0x0002},                    // 2.5 units: tie, even
+      {0x1.ffcp-15f, 0x0400},                  // largest denormal + half: rounds to normal
+      {1.0f + 0x1p-11f, 0x3C00},               // tie, even below
+      {1.0f + 0x3p-11f, 0x3C02},               // tie, odd below: up
+      {-(1.0f + 0x3p-11f), 0xBC02},
+      {0x1p-126f, 0x0000}, {0x1p-149f, 0x0000}, {-0x1p-149f, 0x8000},  // fp32 denormals
+      {bits_to_float(0x7FC00000), 0x7E00}, {bits_to_float(0xFFC00000), 0xFE00},
+      {bits_to_float(0x7F800001), 0x7E00}, {bits_to_float(0x7FBFFFFF), 0x7E00},
+  };
+  for (const Case& c : cases) {
+    EXPECT_EQ(float_to_fp16(c.in), c.out) << std::hexfloat << c.in;
+    EXPECT_EQ(oracle_fp16(c.in), c.out) << "oracle " << std::hexfloat << c.in;
+  }
+}
+
+TEST(Convert, WideningIsExactAndRoundTrips) {
+  for (uint32_t h = 0; h <= 0xFFFF; ++h) {
+    const uint16_t b = static_cast<uint16_t>(h);
+    const float f16 = fp16_to_float(b);
+    const float bf = bf16_to_float(b);
+    EXPECT_EQ(float_to_bits(bf), h << 16);
+    if (std::isnan(f16)) {
+      EXPECT_TRUE((b & 0x7C00) == 0x7C00 && (b & 0x3FF) != 0) << h;
+      EXPECT_EQ(float_to_fp16(f16), (b & 0x8000) | 0x7E00);
+    } else {
+      ASSERT_EQ(float_to_fp16(f16), b) << h;
+    }
+    if (!std::isnan(bf)) {
+      ASSERT_EQ(float_to_bf16(bf), b) << h;
+    }
+  }
+  EXPECT_EQ(fp16_to_float(0x0001), 0x1p-24f);
+  EXPECT_EQ(fp16_to_float(0x03FF), 0x1.ff8p-15f);
+  EXPECT_EQ(fp16_to_float(0x7BFF), 65504.0f);
+  EXPECT_TRUE(std::isinf(fp16_to_float(0xFC00)) && fp16_to_float(0xFC00) < 0);
+}
+
+// Random bit patterns, weighted toward the interesting exponent ranges and
+// the bits next to the rounding point.
+std::vector<float> conversion_inputs(int64_t n, uint64_t seed) {
+  std::mt19937_64 rng(seed);
+  std::vector<float> x(n);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t b = static_cast<uint32_t>(rng());
+    switch (i % 4) {
+      case 0: break;                                                   // anything
+      case 1: b = (b & 0x807FFFFF) | ((101u + (b >> 7) % 44) << 23); break;  // fp16 denormal..overflow
+      case 2: b = (b & 0xFFFF0000) | ((b & 1) ? 0x8000 : 0x7FFF); break;     // bf16 ties and near-ties
+      case 3: b = (b & 0xFFFFE000) | 0x1000; break;                          // fp16 normal ties
+    }
+    x[i] = bits_to_float(b);
+  }
+  return x;
+}
+
+TEST(Convert, ScalarMatchesOracle) {
+  const std::vector<float> x = conversion_inputs(1 << 20, 7);
+  for (float f : x) {
+    ASSERT_EQ(float_to_bf16(f), oracle_bf16(f)) << std::hex << float_to_bits(f);
+    ASSERT_EQ(float_to_fp16(f), oracle_fp16(f)) << std::hex << float_to_bits(f);
+  }
+}
+
+class ConvertIsa : public ::testing::TestWithParam<Isa> {};
+
+TEST_P(ConvertIsa, KernelMatchesScalarBitForBit) {
+  SKIP_UNLESS_SUPPORTED(GetParam());
+  const int64_t n = (1 << 18) + 13;
+  std::vector<float> x = conversion_inputs(n + 1, 11);
+  std::vector<uint16_t> out(n + 1);
+  CpuAdam adam(2, GetParam());
+  for (EmitType type : {EmitType::kBF16, EmitType::kF16}) {
+    auto ref = [&](float f) { return type == EmitType::kBF16 ? float_to_bf16(f) : float_to_fp16(f); };
+    for (int offset : {0, 1}) {  // aligned and unaligned spans
+      convert_f32_to_16(x.data() + offset, out.data() + offset, type, n, GetParam());
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_EQ(out[i + offset], ref(x[i + offset])) << emit_type_name(type) << " " << i;
+      }
+      std::fill(out.begin(), out.end(), 0);
+      adam.convert(x.data() + offset, out.data() + offset, type, n);
+      for (int64_t i = 0; i < n; ++i) {
+        ASSERT_EQ(out[i + offset], ref(x[i + offset])) << emit_type_name(type) << " " << i;
+      }
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllIsas, ConvertIsa, ::testing::ValuesIn(kAllIsas),
+                         [](const auto& info) { return std::string(isa_name(info.param)); });
+
+// ---- the step against a double-precision reference --------------------------
+
+// Note [AdamW numerics] in double, from the same float-rounded constants the
+// kernels use (they are part of the definition, as in PyTorch).
+//
+// Two ways to compare:
+// - step by step: every step, the reference starts from the kernel's own fp32
+//   state and computes the step exactly; the kernel must match it to 1e-6.
+//   This is the kernel's accuracy, and any error in the formula shows up here.
+// - trajectory: the reference keeps its own state in double for all 100 steps.
+//   Storing state in fp32 rounds p, m and v once per step, and these roundings
+//   add up (for a steady update they are correlated, so they grow with the
+//   step count): any fp32 implementation, LibTorch's included, drifts from
+//   the exact trajectory by a few 1e-6 over 100 steps. That drift is bounded
+//   by kTrajectoryTolerance.
+//
+// m and p are sums of terms of both signs and can cancel to ~0, where an fp32
+// result is only accurate relative to the terms; so each value carries the
+// magnitude it is a sum of (the same sum over absolute values) and the error
+// of x against reference r is |x - r| / max(|r|, magnitude). v has no
+// cancellation (magnitude = v).
+struct Reference {
+  std::vector<double> p, m, v, mag_p, mag_m;
+
+  explicit Reference(const std::vector<float>& param)
+      : p(param.begin(), param.end()), m(param.size()), v(param.size()), mag_p(param.size()),
+        mag_m(param.size()) {
+    for (size_t i = 0; i < p.size(); ++i) mag_p[i] = std::fabs(p[i]);
+  }
+
+  // Starts from fp32 state (the step-by-step comparison).
+  void load(const float* param, const float* exp_avg, const float* exp_avg_sq) {
+    for (size_t i = 0; i < p.size(); ++i) {
+      p[i] = param[i];
+      m[i] = exp_avg[i];
+      v[i] = exp_avg_sq[i];
+      mag_p[i] = std::fabs(p[i]);
+      mag_m[i] = std::fabs(m[i]);
+    }
+  }
+
+  void step(const AdamParams& hp, int64_t t, float grad_scale, const std::vector<float>& grad) {
+    const bool decoupled = hp.adamw && hp.weight_decay != 0;
+    const bool l2 = !hp.adamw && hp.weight_decay != 0;
+    const double decay = static_cast<float>(1.0 - hp.lr * hp.weight_decay);
+    const double wd = static_cast<float>(hp.weight_decay);
+    const double w1 = static_cast<float>(1.0 - hp.beta1);
+    const double b2 = static_cast<float>(hp.beta2);
+    const double w2 = static_cast<float>(1.0 - hp.beta2);
+    const double bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(hp.beta2, double(t))));
+    const double neg_step = static_cast<float>(-(hp.lr / (1.0 - std::pow(hp.beta1, double(t)))));
+    const double eps = static_cast<float>(hp.eps);
+    for (size_t i = 0; i < p.size(); ++i) {
+      double g = double(grad[i]) * grad_scale;
+      double mag_g = std::fabs(g);
+      if (l2) {
+        g += wd * p[i];
+        mag_g += wd * mag_p[i];
+      }
+      if (decoupled) {
+        p[i] *= decay;
+        mag_p[i] *= decay;
+      }
+      m[i] += w1 * (g - m[i]);
+      mag_m[i] += w1 * (mag_g - mag_m[i]);
+      v[i] = v[i] * b2 + w2 * g * g;
+      const double denom = std::sqrt(v[i]) / bc2_sqrt + eps;
+      p[i] += neg_step * m[i] / denom;
+      mag_p[i] += std::fabs(neg_step) * mag_m[i] / denom;
+    }
+  }
+};
+
+double rel_error(double x, double ref, double magnitude) {
+  const double scale = std::max({std::fabs(ref), magnitude, 1e-30});
+  return std::fabs(x - ref) / scale;
+}
+
+struct Errors {
+  double p = 0, m = 0, v = 0;
+};
+
+// Storage for one problem: fp32 state and 16-bit/fp32 gradients, one
+// element longer than needed so that the spans can start at offset 1.
+struct Problem {
+  int64_t n;
+  int offset;
+  GradType grad_type;
+  EmitType emit_type;
+  std::vector<float> param, exp_avg, exp_avg_sq, grad32, scales;
+  std::vector<uint16_t> grad16, emit;
+  std::mt19937_64 rng;
+
+  Problem(int64_t n_, int offset_, GradType g, EmitType e, uint64_t seed)
+      : n(n_), offset(offset_), grad_type(g), emit_type(e), param(n + 1), exp_avg(n + 1),
+        exp_avg_sq(n + 1), grad32(n + 1), scales(n), grad16(n + 1), emit(n + 1), rng(seed) {
+    std::uniform_real_distribution<float> u(-1.0f, 1.0f);
+    std::uniform_real_distribution<float> exponent(-3.0f, 1.0f);
+    for (int64_t i = 0; i < n; ++i) {
+      param[i + offset] = u(rng);
+      scales[i] = std::pow(10.0f, exponent(rng));  // each element's gradient scale
+    }
+  }
+
+  // New random gradients; returns their exact fp32 values (after rounding to
+  // the 16-bit type, when there is one).
+  std::vector<float> new_grads() {
+    std::normal_distribution<float> normal(0.0f, 1.0f);
+    std::vector<float> exact(n);
+    for (int64_t i = 0; i < n; ++i) {
+      const float g = normal(rng) * scales[i] + 0.1f * scales[i];  // a little drift
+      float stored = g;
+      if (grad_type == GradType::kBF16) {
+        grad16[i + offset] = float_to_bf16(g);
+        stored = bf16_to_float(grad16[i + offset]);
+      } else if (grad_type == GradType::kF16) {
+        grad16[i + offset] = float_to_fp16(g);
+        stored = fp16_to_float(grad16[i + offset]);
+      } else {
+        grad32[i + offset] = g;
+      }
+      exact[i] = stored;
+    }
+    return exact;
+  }
+
+  void set_grad(int64_t i, float g) {  // element i of the span, raw (for non-finite tests)
+    if (grad_type == GradType::kF32) grad32[i + offset] = g;
+    if (grad_type == GradType::kBF16) grad16[i + offset] = float_to_bf16(g);
+    if (grad_type == GradType::kF16) grad16[i + offset] = float_to_fp16(g);
+  }
+
+  AdamSpans spans() {
+    AdamSpans s;
+    s.param = param.data() + offset;
+    s.grad = grad_type == GradType::kF32 ? static_cast<const void*>(grad32.data() + offset)
+                                         : static_cast<const void*>(grad16.data() + offset);
+    s.grad_type = grad_type;
+    s.exp_avg = exp_avg.data() + offset;
+    s.exp_avg_sq = exp_avg_sq.data() + offset;
+    s.emit = emit_type == EmitType::kNone ? nullptr : emit.data() + offset;
+    s.emit_type = emit_type;
+    s.numel = n;
+    return s;
+  }
+
+  std::vector<float> span_param() const {
+    return std::vector<float>(param.begin() + offset, param.begin() + offset + n);
+  }
+
+  Errors errors(const Reference& ref) const {
+    Errors e;
+    for (int64_t i = 0; i < n; ++i) {
+      e.p = std::max(e.p, rel_error(param[i + offset], ref.p[i], ref.mag_p[i]));
+      e.m = std::max(e.m, rel_error(exp_avg[i + offset], ref.m[i], ref.mag_m[i]));
+      e.v = std::max(e.v, rel_error(exp_avg_sq[i + offset], ref.v[i], 0.0));
+    }
+    return e;
+  }
+
+  // Emitted 16-bit values equal the conversion of the updated fp32 params.
+  int64_t emit_mismatches() const {
+    int64_t bad = 0;
+    for (int64_t i = 0; i < n; ++i) {
+      const float p = param[i + offset];
+      const uint16_t want = emit_type == EmitType::kBF16 ? float_to_bf16(p) : float_to_fp16(p);
+      bad += emit[i + offset] != want;
+    }
+    return bad;
+  }
+};
+
+struct RunErrors {
+  Errors per_step;    // max over all steps, reference restarted from the kernel's state
+  Errors trajectory;  // after the last step, reference on its own double state
+};
+
+Errors max_errors(const Errors& a, const Errors& b) {
+  return {std::max(a.p, b.p), std::max(a.m, b.m), std::max(a.v, b.v)};
+}
+
+// Runs `steps` steps with the kernel and both references.
+RunErrors run_against_reference(CpuAdam& adam, Problem& prob, const AdamParams& hp, int steps,
+                                float grad_scale) {
+  Reference trajectory(prob.span_param());
+  Reference one_step(prob.span_param());
+  RunErrors errors;
+  for (int t = 1; t <= steps; ++t) {
+    const std::vector<float> g = prob.new_grads();
+    const int o = prob.offset;
+    one_step.load(prob.param.data() + o, prob.exp_avg.data() + o, prob.exp_avg_sq.data() + o);
+    EXPECT_TRUE(adam.step(hp, {.step = t, .grad_scale = grad_scale}, prob.spans()));
+    one_step.step(hp, t, grad_scale, g);
+    trajectory.step(hp, t, grad_scale, g);
+    errors.per_step = max_errors(errors.per_step, prob.errors(one_step));
+    if (prob.emit_type != EmitType::kNone) {
+      EXPECT_EQ(prob.emit_mismatches(), 0) << "step " << t;
+    }
+  }
+  errors.trajectory = prob.errors(trajectory);
+  return errors;
+}
+
+void expect_within_tolerance(const RunErrors& e, const std::string& what) {
+  EXPECT_LE(e.per_step.p, kTolerance) << "param, per step, " << what;
+  EXPECT_LE(e.per_step.m, kTolerance) << "exp_avg, per step, " << what;
+  EXPECT_LE(e.per_step.v, kTolerance) << "exp_avg_sq, per step, " << what;
+  EXPECT_LE(e.trajectory.p, kTrajectoryTolerance) << "param, trajectory, " << what;
+  EXPECT_LE(e.trajectory.m, kTrajectoryTolerance) << "exp_avg, trajectory, " << what;
+  EXPECT_LE(e.trajectory.v, kTrajectoryTolerance) << "exp_avg_sq, trajectory, " << what;
+}
+
+using KernelCase = std::tuple<Isa, GradType, EmitType>;
+
+class AdamKernel : public ::testing::TestWithParam<KernelCase> {};
+
+TEST_P(AdamKernel, MatchesDoubleReferenceOver100Steps) {
+  const auto [isa, grad_type, emit_type] = GetParam();
+  SKIP_UNLESS_SUPPORTED(isa);
+  CpuAdam adam(2, isa);
+  const AdamParams hp{.lr = 1e-3, .beta1 = 0.9, .beta2 = 0.999, .eps = 1e-8,
+                      .weight_decay = 0.01, .adamw = true};
+  for (int64_t n : kSizes) {
+    const int offset = n % 2 == 1 ? 1 : 0;  // odd sizes run unaligned, even aligned
+    Problem prob(n, offset, grad_type, emit_type, 1000 + n);
+    const RunErrors e = run_against_reference(adam, prob, hp, kSteps, 0.75f);
+    expect_within_tolerance(e, "n=" + std::to_string(n));
+    if (n == kSizes[std::size(kSizes) - 1]) {
+      std::printf("n=%lld max rel error per step: p %.2e m %.2e v %.2e; trajectory: p %.2e m %.2e v %.2e\n",
+                  static_cast<long long>(n), e.per_step.p, e.per_step.m, e.per_step.v,
+                  e.trajectory.p, e.trajectory.m, e.trajectory.v);
+    }
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(
+    All, AdamKernel,
+    ::testing::Combine(::testing::ValuesIn(kAllIsas),
+                       ::testing::Values(GradType::kF32, GradType::kBF16, GradType::kF16),
+                       ::testing::Values(EmitType::kNone, EmitType::kBF16, EmitType::kF16)),
+    [](const ::testing::TestParamInfo<KernelCase>& info) {
+      return std::string(isa_name(std::get<0>(info.param))) + "_grad_" +
+             grad_type_name(std::get<1>(info.param)) + "_emit_" +
+             emit_type_name(std::get<2>(info.param));
+    });
+
+class AdamIsa : public ::testing::TestWithParam<Isa> {};
+
+// Adam (L2) and AdamW, with and without weight decay, each against its own
+// reference; with wd = 0 the two are the same algorithm, bit for bit; with
+// wd > 0 they differ.
+TEST_P(AdamIsa, WeightDecayModes) {
+  SKIP_UNLESS_SUPPORTED(GetParam());
+  CpuAdam adam(2, GetParam());
+  const int64_t n = 4097;
+  std::vector<float> results[4];
+  int k = 0;
+  for (double wd : {0.0, 0.1}) {
+    for (bool adamw : {false, true}) {
+      const AdamParams hp{.lr = 1e-2, .weight_decay = wd, .adamw = adamw};
+      Problem prob(n, 1, GradType::kF32, EmitType::kNone, 42);  // same data every time
+      const RunErrors e = run_against_reference(adam, prob, hp, kSteps, 1.0f);
+      expect_within_tolerance(e, "wd " + std::to_string(wd) + (adamw ? " adamw" : " adam"));
+      results[k++] = prob.span_param();
+    }
+  }
+  EXPECT_EQ(results[0], results[1]) << "wd = 0: Adam and AdamW must be identical";
+  int64_t differ = 0;
+  for (int64_t i = 0; i < n; ++i) differ += results[2][i] != results[3][i];
+  EXPECT_GT(differ, n * 9 / 10) << "wd > 0: Adam and AdamW must differ";
+  // AdamW decays every parameter toward 0 by lr*wd per step regardless of
+  // the gradient scale; L2 decay is divided by sqrt(v) and is far weaker for
+  // elements with large gradients.
+}
+
+// The first step of each mode, checked against hand-computed values.
+TEST_P(AdamIsa, FirstStepByHand) {
+  SKIP_UNLESS_SUPPORTED(GetParam());
+  CpuAdam adam(1, GetParam());
+  for (bool adamw : {false, true}) {
+    float p = 2.0f, g = 0.5f, m = 0.0f, v = 0.0f;
+    const AdamParams hp{.lr = 0.1, .eps = 0.0, .weight_decay = 0.5, .adamw = adamw};
+    AdamSpans s{.param = &p, .grad = &g, .exp_avg = &m, .exp_avg_sq = &v, .numel = 1};
+    ASSERT_TRUE(adam.step(hp, {.step = 1}, s));
+    // Step 1 with eps = 0: m_hat = g', v_hat = g'^2, so the update is -lr * sign(g').
+    if (adamw) {
+      EXPECT_FLOAT_EQ(p, 2.0f * (1 - 0.1f * 0.5f) - 0.1f);  // 1.8
+    } else {
+      EXPECT_FLOAT_EQ(p, 2.0f - 0.1f);  // g' = 0.5 + 0.5*2 = 1.5 > 0
+      EXPECT_FLOAT_EQ(m, 0.1f * 1.5f);
+      EXPECT_FLOAT_EQ(v, 0.001f * 1.5f * 1.5f);
+    }
+  }
+}
+
+TEST_P(AdamIsa, NonFiniteGradientsAreReported) {
+  SKIP_UNLESS_SUPPORTED(GetParam());
+  const float inf = std::numeric_limits<float>::infinity();
+  const float nan = std::numeric_limits<float>::quiet_NaN();
+  for (int threads : {1, 2}) {
+    CpuAdam adam(threads, GetParam());
+    for (GradType gt : {GradType::kF32, GradType::kBF16, GradType::kF16}) {
+      const int64_t n = 3 * CpuAdam::kTileNumel + 5;
+      for (int64_t where : {int64_t{0}, int64_t{17}, CpuAdam::kTileNumel + 3, n - 1}) {
+        for (float bad : {nan, inf, -inf}) {
+          Problem prob(n, 1, gt, EmitType::kBF16, 5);
+          prob.new_grads();
+          EXPECT_TRUE(adam.step({}, {.step = 1}, prob.spans()));
+          prob.new_grads();
+          prob.set_grad(where, bad);
+          EXPECT_FALSE(adam.step({}, {.step = 2}, prob.spans()))
+              << grad_type_name(gt) << " at " << where << " value " << bad;
+          EXPECT_TRUE(std::isnan(prob.param[where + 1]));
+          EXPECT_EQ(prob.emit[where + 1], 0x7FC0);  // the canonical NaN is emitted
+        }
+      }
+      // A finite gradient that overflows once scaled is reported too.
+      Problem prob(100, 0, gt, EmitType::kNone, 6);
+      prob.new_grads();
+      prob.set_grad(50, 60000.0f);
+      EXPECT_TRUE(adam.step({}, {.step = 1, .grad_scale = 1.0f}, prob.spans()));
+      prob.set_grad(50, 60000.0f);
+      EXPECT_FALSE(adam.step({}, {.step = 2, .grad_scale = 1e35f}, prob.spans()));
+    }
+  }
+}
+
+// The parallel split never changes the arithmetic.
+TEST_P(AdamIsa, ThreadCountDoesNotChangeResults) {
+  SKIP_UNLESS_SUPPORTED(GetParam());
+  const int64_t n = 10 * CpuAdam::kTileNumel + 9;
+  std::vector<std::vector<float>> params;
+  for (int threads : {1, 2, 3}) {
+    CpuAdam adam(threads, GetParam());
+    Problem prob(n, 1, GradType::kBF16, EmitType::kBF16, 9);
+    for (int t = 1; t <= 5; ++t) {
+      prob.new_grads();
+      adam.step({}, {.step = t}, prob.spans());
+    }
+    params.push_back(prob.span_param());
+  }
+  EXPECT_EQ(params[0], params[1]);
+  EXPECT_EQ(params[0], params[2]);
+}
+
+INSTANTIATE_TEST_SUITE_P(AllIsas, AdamIsa, ::testing::ValuesIn(kAllIsas),
+                         [](const auto& info) { return std::string(isa_name(info.param)); });
+
+// The AVX2 and AVX-512 kernels evaluate the same operation sequence: their
+// results are identical, not just close.
+TEST(AdamIsaAgreement, SimdKernelsAgreeBitForBit) {
+  if (!isa_supported(Isa::kAvx512)) GTEST_SKIP() << "CPU lacks avx512";
+  std::vector<std::vector<float>> params;
+  std::vector<std::vector<uint16_t>> emits;
+  std::vector<Isa> isas = {Isa::kAvx2, Isa::kAvx512};
+  if (isa_supported(Isa::kAvx512Bf16)) isas.push_back(Isa::kAvx512Bf16);
+  for (Isa isa : isas) {
+    CpuAdam adam(2, isa);
+    Problem prob(100003, 1, GradType::kF16, EmitType::kBF16, 3);
+    for (int t = 1; t <= 10; ++t) {
+      prob.new_grads();
+      adam.step({.adamw = false}, {.step = t, .grad_scale = 0.3f}, prob.spans());
+    }
+    params.push_back(prob.span_param());
+    emits.push_back(prob.emit);
+  }
+  for (size_t k = 1; k < params.size(); ++k) {
+    EXPECT_EQ(params[0], params[k]) << isa_name(isas[k]);
+    EXPECT_EQ(emits[0], emits[k]) << isa_name(isas[k]);
+  }
+}
+
+// ---- API --------------------------------------------------------------------
+
+TEST(AdamApi, IsaNamesAndSupport) {
+  for (Isa isa : kAllIsas) EXPECT_EQ(parse_isa(isa_name(isa)), isa);
+  EXPECT_EQ(parse_isa("auto"), best_isa());
+  EXPECT_THROW(parse_isa("avx9000"), std::invalid_argument);
+  EXPECT_TRUE(isa_supported(Isa::kScalar));
+  EXPECT_TRUE(isa_supported(best_isa()));
+  if (best_isa() != Isa::kAvx512Bf16) {
+    EXPECT_THROW(CpuAdam(1, Isa::kAvx512Bf16), std::invalid_argument);
+  }
+  CpuAdam adam;
+  EXPECT_GE(adam.threads(), 1);
+  EXPECT_EQ(adam.isa(), best_isa());
+}
+
+TEST(AdamApi, RejectsBadArguments) {
+  CpuAdam adam(1);
+  float p = 0, g = 0, m = 0, v = 0;
+  uint16_t e = 0;
+  AdamSpans s{.param = &p, .grad = &g, .exp_avg = &m, .exp_avg_sq = &v, .numel = 1};
+  EXPECT_THROW(adam.step({}, {.step = 0}, s), std::invalid_argument);
+  AdamSpans no_emit = s;
+  no_emit.emit_type = EmitType::kBF16;
+  EXPECT_THROW(adam.step({}, {.step = 1}, no_emit), std::invalid_argument);
+  AdamSpans stray_emit = s;
+  stray_emit.emit = &e;
+  EXPECT_THROW(adam.step({}, {.step = 1}, stray_emit), std::invalid_argument);
+  AdamSpans null_grad = s;
+  null_grad.grad = nullptr;
+  EXPECT_THROW(adam.step({}, {.step = 1}, null_grad), std::invalid_argument);
+  AdamSpans empty{};
+  EXPECT_TRUE(adam.step({}, {.step = 1}, empty));  // numel 0: nothing to do
+  EXPECT_THROW(adam.convert(&p, &e, EmitType::kNone, 1), std::invalid_argument);
+  EXPECT_THROW(CpuAdam(-1), std::invalid_argument);
+}
+
+}  // namespace
+}  // namespace strata::cpu_adam
