@@ -91,7 +91,7 @@ StepConstants make_constants(const AdamParams& p, const StepArgs& args) {
   c.one_minus_beta1 = static_cast<float>(1.0 - p.beta1);
   c.beta2 = static_cast<float>(p.beta2);
   c.one_minus_beta2 = static_cast<float>(1.0 - p.beta2);
-  c.bias_correction2_sqrt = static_cast<float>(std::sqrt(bias_correction2));
+  c.inv_bias_correction2_sqrt = static_cast<float>(1.0 / std::sqrt(bias_correction2));
   c.neg_step_size = static_cast<float>(-(p.lr / bias_correction1));
   c.eps = static_cast<float>(p.eps);
   c.decay_mode = p.weight_decay == 0.0 ? DecayMode::kNone

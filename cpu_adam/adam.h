@@ -12,11 +12,15 @@
 
 namespace strata::cpu_adam {
 
+// The formula, its rounding and the non-finite report: Note [AdamW numerics]
+// and Note [Non-finite gradients] in types.h; the 16-bit copy: Note [16-bit
+// rounding] in convert.h and Note [Streaming the 16-bit copy] in kernel_simd.h.
+
 // Runs Adam steps on a private oneTBB arena of `threads` threads.
 // Thread-safety: one step()/convert() at a time per object (the arena is
 // shared by the calls); distinct objects are independent.
-// No memory is allocated per call: spans are caller-owned and the arena and
-// its threads are created in the constructor.
+// Nothing is allocated per call: spans are caller-owned, the arena and its
+// threads are created in the constructor (oneTBB recycles its task memory).
 class CpuAdam {
  public:
   // threads: 0 = all cores (oneTBB's default concurrency). The calling thread

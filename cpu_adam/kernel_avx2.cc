@@ -21,7 +21,8 @@ struct Avx2 {
     return _mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
   }
   // Note [16-bit rounding]: round to nearest even on the bits, NaN -> 0x7FC0.
-  static void store_bf16(uint16_t* p, F x) {
+  using H = __m128i;  // 8 16-bit values
+  static H to_bf16(F x) {
     const __m256i bits = _mm256_castps_si256(x);
     const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(bits, 16), _mm256_set1_epi32(1));
     const __m256i biased = _mm256_add_epi32(_mm256_add_epi32(bits, _mm256_set1_epi32(0x7FFF)), lsb);
@@ -29,12 +30,11 @@ struct Avx2 {
     const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
     r = _mm256_blendv_epi8(r, _mm256_set1_epi32(0x7FC0), nan);
     // Values are 0..0xFFFF, so the signed-to-unsigned saturating pack keeps them.
-    const __m128i packed = _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), packed);
+    return _mm_packus_epi32(_mm256_castsi256_si128(r), _mm256_extracti128_si256(r, 1));
   }
   // vcvtps2ph rounds to nearest even like c10; only NaN payloads differ, and
   // those rare lanes are replaced by c10's sign | 0x7E00.
-  static void store_f16(uint16_t* p, F x) {
+  static H to_f16(F x) {
     __m128i h = _mm256_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
     const __m256 nan = _mm256_cmp_ps(x, x, _CMP_UNORD_Q);
     if (_mm256_movemask_ps(nan) != 0) {
@@ -48,8 +48,12 @@ struct Avx2 {
           _mm_packs_epi32(_mm256_castsi256_si128(mask32), _mm256_extracti128_si256(mask32, 1));
       h = _mm_blendv_epi8(h, canon16, mask16);
     }
-    _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h);
+    return h;
   }
+  static void store16(uint16_t* p, H h) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), h); }
+  // REQUIRES: p 16-byte aligned.
+  static void stream16(uint16_t* p, H h) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), h); }
+  static void fence() { _mm_sfence(); }
 
   static F set1(float x) { return _mm256_set1_ps(x); }
   static F add(F a, F b) { return _mm256_add_ps(a, b); }

@@ -2,7 +2,15 @@
 // -mavx512vl -mavx512dq -mavx512bf16 -mfma -mf16c. Only the kBf16Insn = true
 // instantiation contains AVX512-BF16 instructions (GCC emits them only for
 // the intrinsics), and it runs only when best_isa() == Isa::kAvx512Bf16.
+#ifdef STRATA_CPU_ADAM_EMULATE_AVX512
+// Tests only: the same code over scalar stand-ins for the intrinsics, so that
+// it can be checked on CPUs without AVX-512 (tests/avx512_emulation.h).
+#include "avx512_emulation.h"
+#define avx512_kernels emulated_avx512_kernels
+#define avx512_bf16_kernels emulated_avx512_bf16_kernels
+#else
 #include <immintrin.h>
+#endif
 
 // GCC 12 warns about the _mm512_undefined_*() operands inside its own AVX-512
 // intrinsics once they are inlined (GCC bug 105593, fixed in 12.3/13).
@@ -30,7 +38,8 @@ struct Avx512 {
 
   // Note [16-bit rounding] with integer operations: round to nearest even on
   // the bits, NaN -> 0x7FC0.
-  static __m256i bf16_exact(F x) {
+  using H = __m256i;  // 16 16-bit values
+  static H bf16_exact(F x) {
     const __m512i bits = _mm512_castps_si512(x);
     const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(bits, 16), _mm512_set1_epi32(1));
     const __m512i biased = _mm512_add_epi32(_mm512_add_epi32(bits, _mm512_set1_epi32(0x7FFF)), lsb);
@@ -43,8 +52,8 @@ struct Avx512 {
   // integer path but flushes fp32 denormals to zero and keeps NaN payloads;
   // a vector holding either (essentially never, in training) takes the
   // integer path instead, so the bits never depend on the instruction set.
-  static void store_bf16(uint16_t* p, F x) {
-    __m256i h;
+  static H to_bf16(F x) {
+    H h;
     if constexpr (kBf16Insn) {
       h = (__m256i)_mm512_cvtneps_pbh(x);  // same 32 bytes, new type
       const __m512i abs = _mm512_and_si512(_mm512_castps_si512(x), _mm512_set1_epi32(0x7FFFFFFF));
@@ -55,12 +64,12 @@ struct Avx512 {
     } else {
       h = bf16_exact(x);
     }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+    return h;
   }
   // vcvtps2ph rounds to nearest even like c10; only NaN payloads differ, and
   // those rare lanes are replaced by c10's sign | 0x7E00.
-  static void store_f16(uint16_t* p, F x) {
-    __m256i h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
+  static H to_f16(F x) {
+    H h = _mm512_cvtps_ph(x, _MM_FROUND_TO_NEAREST_INT);
     const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
     if (nan != 0) {
       const __m512i sign = _mm512_and_si512(_mm512_srli_epi32(_mm512_castps_si512(x), 16),
@@ -68,8 +77,12 @@ struct Avx512 {
       const __m256i canon = _mm512_cvtepi32_epi16(_mm512_or_si512(sign, _mm512_set1_epi32(0x7E00)));
       h = _mm256_mask_blend_epi16(nan, h, canon);
     }
-    _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h);
+    return h;
   }
+  static void store16(uint16_t* p, H h) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), h); }
+  // REQUIRES: p 32-byte aligned.
+  static void stream16(uint16_t* p, H h) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), h); }
+  static void fence() { _mm_sfence(); }
 
   static F set1(float x) { return _mm512_set1_ps(x); }
   static F add(F a, F b) { return _mm512_add_ps(a, b); }

@@ -28,7 +28,7 @@ bool step_range(const StepConstants& c, const AdamSpans& s, int64_t begin, int64
     m = m + c.one_minus_beta1 * (g - m);
     float v = s.exp_avg_sq[i];
     v = v * c.beta2 + (c.one_minus_beta2 * g) * g;
-    const float denom = std::sqrt(v) / c.bias_correction2_sqrt + c.eps;
+    const float denom = std::sqrt(v) * c.inv_bias_correction2_sqrt + c.eps;
     p = p + (c.neg_step_size * m) / denom;
     s.param[i] = p;
     s.exp_avg[i] = m;

@@ -21,7 +21,7 @@ struct StepConstants {
   float one_minus_beta1;
   float beta2;
   float one_minus_beta2;
-  float bias_correction2_sqrt;
+  float inv_bias_correction2_sqrt;  // 1 / sqrt(1 - beta2^t)
   float neg_step_size;    // -lr / (1 - beta1^t)
   float eps;
   DecayMode decay_mode;

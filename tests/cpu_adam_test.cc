@@ -18,6 +18,7 @@
 #include <vector>
 
 #include "cpu_adam/adam.h"
+#include "cpu_adam_reference.h"
 
 namespace strata::cpu_adam {
 namespace {
@@ -153,17 +154,22 @@ TEST(Convert, WideningIsExactAndRoundTrips) {
 }
 
 // Random bit patterns, weighted toward the interesting exponent ranges and
-// the bits next to the rounding point.
+// the bits next to the rounding point. Runs of 64 elements of one kind (so
+// that some vectors hold only denormals, only NaNs, ...: the SIMD kernels
+// patch such lanes per vector) alternate with runs of mixed kinds.
 std::vector<float> conversion_inputs(int64_t n, uint64_t seed) {
   std::mt19937_64 rng(seed);
   std::vector<float> x(n);
   for (int64_t i = 0; i < n; ++i) {
     uint32_t b = static_cast<uint32_t>(rng());
-    switch (i % 4) {
-      case 0: break;                                                   // anything
+    const int64_t run = i / 64;
+    switch (run % 2 == 0 ? (run / 2) % 6 : i % 6) {
+      case 0: break;                                                         // anything
       case 1: b = (b & 0x807FFFFF) | ((101u + (b >> 7) % 44) << 23); break;  // fp16 denormal..overflow
       case 2: b = (b & 0xFFFF0000) | ((b & 1) ? 0x8000 : 0x7FFF); break;     // bf16 ties and near-ties
       case 3: b = (b & 0xFFFFE000) | 0x1000; break;                          // fp16 normal ties
+      case 4: b &= 0x807FFFFF; break;                                        // fp32 zero or denormal
+      case 5: b |= 0x7F800000; break;                                        // NaN or Inf
     }
     x[i] = bits_to_float(b);
   }
@@ -202,86 +208,34 @@ TEST_P(ConvertIsa, KernelMatchesScalarBitForBit) {
   }
 }
 
+// A sweep over the whole float range (every 97th bit pattern): for fp16 the
+// SIMD kernels use the hardware conversion (F16C, AVX-512), so this checks our
+// scalar IEEE rounding against the CPU's own.
+TEST_P(ConvertIsa, SweepOfAllFloats) {
+  SKIP_UNLESS_SUPPORTED(GetParam());
+  constexpr int64_t kChunk = 1 << 20;
+  constexpr uint64_t kStride = 97;
+  std::vector<float> x(kChunk);
+  std::vector<uint16_t> b16(kChunk), h16(kChunk);
+  uint64_t bits = 0;
+  while (bits <= 0xFFFFFFFFull) {
+    int64_t n = 0;
+    for (; n < kChunk && bits <= 0xFFFFFFFFull; ++n, bits += kStride) {
+      x[n] = bits_to_float(static_cast<uint32_t>(bits));
+    }
+    convert_f32_to_16(x.data(), b16.data(), EmitType::kBF16, n, GetParam());
+    convert_f32_to_16(x.data(), h16.data(), EmitType::kF16, n, GetParam());
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(b16[i], float_to_bf16(x[i])) << std::hex << float_to_bits(x[i]);
+      ASSERT_EQ(h16[i], float_to_fp16(x[i])) << std::hex << float_to_bits(x[i]);
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllIsas, ConvertIsa, ::testing::ValuesIn(kAllIsas),
                          [](const auto& info) { return std::string(isa_name(info.param)); });
 
 // ---- the step against a double-precision reference --------------------------
-
-// Note [AdamW numerics] in double, from the same float-rounded constants the
-// kernels use (they are part of the definition, as in PyTorch).
-//
-// Two ways to compare:
-// - step by step: every step, the reference starts from the kernel's own fp32
-//   state and computes the step exactly; the kernel must match it to 1e-6.
-//   This is the kernel's accuracy, and any error in the formula shows up here.
-// - trajectory: the reference keeps its own state in double for all 100 steps.
-//   Storing state in fp32 rounds p, m and v once per step, and these roundings
-//   add up (for a steady update they are correlated, so they grow with the
-//   step count): any fp32 implementation, LibTorch's included, drifts from
-//   the exact trajectory by a few 1e-6 over 100 steps. That drift is bounded
-//   by kTrajectoryTolerance.
-//
-// m and p are sums of terms of both signs and can cancel to ~0, where an fp32
-// result is only accurate relative to the terms; so each value carries the
-// magnitude it is a sum of (the same sum over absolute values) and the error
-// of x against reference r is |x - r| / max(|r|, magnitude). v has no
-// cancellation (magnitude = v).
-struct Reference {
-  std::vector<double> p, m, v, mag_p, mag_m;
-
-  explicit Reference(const std::vector<float>& param)
-      : p(param.begin(), param.end()), m(param.size()), v(param.size()), mag_p(param.size()),
-        mag_m(param.size()) {
-    for (size_t i = 0; i < p.size(); ++i) mag_p[i] = std::fabs(p[i]);
-  }
-
-  // Starts from fp32 state (the step-by-step comparison).
-  void load(const float* param, const float* exp_avg, const float* exp_avg_sq) {
-    for (size_t i = 0; i < p.size(); ++i) {
-      p[i] = param[i];
-      m[i] = exp_avg[i];
-      v[i] = exp_avg_sq[i];
-      mag_p[i] = std::fabs(p[i]);
-      mag_m[i] = std::fabs(m[i]);
-    }
-  }
-
-  void step(const AdamParams& hp, int64_t t, float grad_scale, const std::vector<float>& grad) {
-    const bool decoupled = hp.adamw && hp.weight_decay != 0;
-    const bool l2 = !hp.adamw && hp.weight_decay != 0;
-    const double decay = static_cast<float>(1.0 - hp.lr * hp.weight_decay);
-    const double wd = static_cast<float>(hp.weight_decay);
-    const double w1 = static_cast<float>(1.0 - hp.beta1);
-    const double b2 = static_cast<float>(hp.beta2);
-    const double w2 = static_cast<float>(1.0 - hp.beta2);
-    const double bc2_sqrt = static_cast<float>(std::sqrt(1.0 - std::pow(hp.beta2, double(t))));
-    const double neg_step = static_cast<float>(-(hp.lr / (1.0 - std::pow(hp.beta1, double(t)))));
-    const double eps = static_cast<float>(hp.eps);
-    for (size_t i = 0; i < p.size(); ++i) {
-      double g = double(grad[i]) * grad_scale;
-      double mag_g = std::fabs(g);
-      if (l2) {
-        g += wd * p[i];
-        mag_g += wd * mag_p[i];
-      }
-      if (decoupled) {
-        p[i] *= decay;
-        mag_p[i] *= decay;
-      }
-      m[i] += w1 * (g - m[i]);
-      mag_m[i] += w1 * (mag_g - mag_m[i]);
-      v[i] = v[i] * b2 + w2 * g * g;
-      const double denom = std::sqrt(v[i]) / bc2_sqrt + eps;
-      p[i] += neg_step * m[i] / denom;
-      mag_p[i] += std::fabs(neg_step) * mag_m[i] / denom;
-    }
-  }
-};
-
-double rel_error(double x, double ref, double magnitude) {
-  const double scale = std::max({std::fabs(ref), magnitude, 1e-30});
-  return std::fabs(x - ref) / scale;
-}
 
 struct Errors {
   double p = 0, m = 0, v = 0;
@@ -360,7 +314,7 @@ struct Problem {
     for (int64_t i = 0; i < n; ++i) {
       e.p = std::max(e.p, rel_error(param[i + offset], ref.p[i], ref.mag_p[i]));
       e.m = std::max(e.m, rel_error(exp_avg[i + offset], ref.m[i], ref.mag_m[i]));
-      e.v = std::max(e.v, rel_error(exp_avg_sq[i + offset], ref.v[i], 0.0));
+      e.v = std::max(e.v, rel_error(exp_avg_sq[i + offset], ref.v[i], ref.mag_v[i]));
     }
     return e;
   }

@@ -5,6 +5,7 @@
 #include <cstdio>
 #include <exception>
 
+#include "cli/plan.h"
 #include "cli/train.h"
 #include "util/errors.h"
 
@@ -24,6 +25,7 @@ int main(int argc, char** argv) {
                stdout);
   });
   strata::register_train(app, result);
+  strata::register_plan(app, result);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {

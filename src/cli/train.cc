@@ -11,6 +11,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cli/plan.h"
 #include "config/config.h"
 #include "data/dataset.h"
 #include "engine/trainer.h"
@@ -69,7 +70,8 @@ int run_train(const TrainOptions& opt) {
   if (cfg.run.threads > 0) at::set_num_threads(int(cfg.run.threads));
 
   // Everything that can fail on bad input happens before the first byte of
-  // output is written.
+  // output is written. First: does the placement fit this machine?
+  check_plan_fits(cfg);
   TokenDataset data(cfg.data.paths, parse_token_format(cfg.data.format), cfg.model.vocab_size,
                     cfg.model.seq_len, cfg.data.val_fraction);
   Model model(cfg.model);

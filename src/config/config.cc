@@ -312,7 +312,7 @@ void in_closed(const std::string& key, double v, double lo, double hi) {
 const Keys kTopKnown = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "gradient_clipping", "steps_per_print", "optimizer", "scheduler", "fp16", "bf16", "bfloat16",
-    "zero_optimization", "aio", "activation_checkpointing", "model", "data", "run"};
+    "zero_optimization", "aio", "activation_checkpointing", "model", "data", "run", "placement"};
 
 // DeepSpeed keys that Strata accepts but does not act on.
 const Keys kTopIgnored = {
@@ -726,7 +726,9 @@ void parse_data(const json& root, Config& c) {
 void parse_run(const json& root, Config& c) {
   const std::string path = "run";
   const json& r = section(root, "", path);
-  check_keys(r, path, {"steps", "seed", "metrics", "log_file", "log_level", "device", "threads"},
+  check_keys(r, path,
+             {"steps", "seed", "metrics", "log_file", "log_level", "device", "threads",
+              "device_memory_mb"},
              kNone, c.ignored_keys);
   RunConfig& rc = c.run;
   if (read(r, path, "steps", rc.steps)) positive("run.steps", rc.steps);
@@ -736,6 +738,73 @@ void parse_run(const json& root, Config& c) {
   read_enum(r, path, "log_level", rc.log_level, {"trace", "debug", "info", "warn", "error", "off"});
   read_enum(r, path, "device", rc.device, {"cpu", "cuda"});
   if (read(r, path, "threads", rc.threads)) non_negative("run.threads", rc.threads);
+  if (read(r, path, "device_memory_mb", rc.device_memory_mb)) {
+    non_negative("run.device_memory_mb", rc.device_memory_mb);
+  }
+}
+
+// One category's split: {"device": f, "host": f, "nvme": f}, absent tiers 0,
+// each in [0, 1], summing to 1.
+TierSplit read_split(const json& v, const std::string& key) {
+  if (!v.is_object()) wrong_type(key, "an object like {\"device\": 0.2, \"host\": 0.3, \"nvme\": 0.5}", v);
+  std::vector<std::string> unused;
+  check_keys(v, key, {"device", "host", "nvme"}, kNone, unused);
+  TierSplit s{0.0, 0.0, 0.0};
+  if (read(v, key, "device", s.device)) in_closed(key + ".device", s.device, 0.0, 1.0);
+  if (read(v, key, "host", s.host)) in_closed(key + ".host", s.host, 0.0, 1.0);
+  if (read(v, key, "nvme", s.nvme)) in_closed(key + ".nvme", s.nvme, 0.0, 1.0);
+  const double sum = s.device + s.host + s.nvme;
+  if (std::abs(sum - 1.0) > 1e-6) {
+    fail(key, "fractions must sum to 1, got " + num(sum));
+  }
+  return s;
+}
+
+void parse_placement(const json& root, Config& c) {
+  const json* v = find(root, "placement");
+  if (v == nullptr || v->is_null()) return;
+  PlacementConfig& pc = c.placement;
+  if (v->is_string()) {
+    if (lower(v->get<std::string>()) != "auto") {
+      fail("placement", "expected \"auto\" or an object of per-category splits, got " + v->dump());
+    }
+    pc.auto_place = true;
+    return;
+  }
+  if (!v->is_object()) wrong_type("placement", "\"auto\" or an object", *v);
+  const std::string path = "placement";
+  check_keys(*v, path,
+             {"auto", "param16", "grad", "master", "exp_avg", "exp_avg_sq", "optimizer", "nvme_path",
+              "headroom"},
+             kNone, c.ignored_keys);
+  read(*v, path, "auto", pc.auto_place);
+  // "optimizer" is shorthand for master, exp_avg and exp_avg_sq; a category
+  // named on its own wins over it.
+  if (const json* o = find(*v, "optimizer")) {
+    const TierSplit s = read_split(*o, path + ".optimizer");
+    pc.master = pc.exp_avg = pc.exp_avg_sq = s;
+    pc.has_master = pc.has_exp_avg = pc.has_exp_avg_sq = true;
+  }
+  struct Cat { const char* name; TierSplit* split; bool* has; };
+  for (const Cat& cat : {Cat{"param16", &pc.param16, &pc.has_param16},
+                         Cat{"grad", &pc.grad, &pc.has_grad},
+                         Cat{"master", &pc.master, &pc.has_master},
+                         Cat{"exp_avg", &pc.exp_avg, &pc.has_exp_avg},
+                         Cat{"exp_avg_sq", &pc.exp_avg_sq, &pc.has_exp_avg_sq}}) {
+    if (const json* s = find(*v, cat.name)) {
+      *cat.split = read_split(*s, path + "." + cat.name);
+      *cat.has = true;
+    }
+  }
+  read_paths(*v, path, "nvme_path", pc.nvme_path, true);
+  if (read(*v, path, "headroom", pc.headroom)) in_closed("placement.headroom", pc.headroom, 0.0, 0.9);
+  const bool any_nvme = pc.param16.nvme > 0 || pc.grad.nvme > 0 || pc.master.nvme > 0 ||
+                        pc.exp_avg.nvme > 0 || pc.exp_avg_sq.nvme > 0;
+  if (any_nvme && pc.nvme_path.empty() && c.zero.offload_optimizer.nvme_path.empty() &&
+      c.zero.offload_param.nvme_path.empty()) {
+    fail("placement.nvme_path", "required when a category is placed on nvme (or give "
+                                "zero_optimization.offload_optimizer.nvme_path)");
+  }
 }
 
 // Sets obj at the dotted path of `override_text` ("a.b.c=value").
@@ -801,6 +870,7 @@ Config parse_config(nlohmann::json j, const std::vector<std::string>& overrides)
   parse_model(j, c);
   parse_data(j, c);
   parse_run(j, c);
+  parse_placement(j, c);
 
   if (c.data.format == "text" && c.model.vocab_size != 256) {
     fail("model.vocab_size", "must be 256 for data.format text (bytes), got " +

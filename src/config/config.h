@@ -46,6 +46,7 @@ struct RunConfig {
   std::string log_level = "info";
   std::string device = "cpu";      // cpu | cuda
   int64_t threads = 0;             // intra-op threads; 0 = all cores
+  int64_t device_memory_mb = 0;    // device-tier budget in MiB; 0 = what the device has
   std::string compute_dtype = "";  // derived: fp32 | bf16 | fp16 (from bf16/fp16 sections)
 };
 
@@ -135,6 +136,24 @@ struct ActivationCheckpointingConfig {
   bool profile = false;
 };
 
+// A split of one state category over the three tiers; fractions sum to 1.
+struct TierSplit {
+  double device = 1.0;
+  double host = 0.0;
+  double nvme = 0.0;
+};
+
+// The Strata `placement` section: either "auto" or a split per category.
+// Categories it does not name are placed from the DeepSpeed offload keys.
+struct PlacementConfig {
+  bool auto_place = false;           // "placement": "auto" or {"auto": true, ...}
+  bool has_param16 = false, has_grad = false, has_master = false, has_exp_avg = false,
+       has_exp_avg_sq = false;
+  TierSplit param16, grad, master, exp_avg, exp_avg_sq;
+  std::vector<std::string> nvme_path;  // swap directories; default: the offload sections' nvme_path
+  double headroom = 0.1;               // fraction of each tier kept free by "auto"
+};
+
 struct Config {
   // Batch sizes: train_batch_size = micro_batch x grad_accum x world_size.
   int64_t train_batch_size = 0;
@@ -154,6 +173,7 @@ struct Config {
   ZeroConfig zero;
   AioConfig aio;
   ActivationCheckpointingConfig activation_checkpointing;
+  PlacementConfig placement;
 
   // The JSON after defaults and overrides, as loaded (for logs and checkpoints).
   nlohmann::json raw;

@@ -1,0 +1,101 @@
+#include "nvme/bench.h"
+
+#include <unistd.h>
+
+#include <chrono>
+#include <cstring>
+#include <random>
+#include <vector>
+
+#include "nvme/io_error.h"
+#include "util/errors.h"
+#include "util/fs.h"
+#include "util/logging.h"
+
+namespace strata::nvme {
+
+namespace {
+constexpr int64_t kRequestBytes = int64_t(64) << 20;  // one submit() per 64 MiB of the file
+bool g_warned_buffered_bench = false;
+}  // namespace
+
+IoBench::IoBench(BenchOptions options) : options_(std::move(options)) {
+  STRATA_CHECK(options_.bytes > 0 && options_.bytes % kDirectAlignmentBytes == 0,
+               "benchmark size must be a positive multiple of 4096");
+  if (options_.file.empty()) {
+    if (!is_directory(options_.dir)) throw InputError(options_.dir, "directory does not exist");
+    path_ = strprintf("%s/strata-bench-io.%d.dat", options_.dir.c_str(), int(::getpid()));
+    temporary_ = true;
+  } else {
+    path_ = options_.file;
+    if (!is_directory(parent_dir(path_))) throw InputError(parent_dir(path_), "directory does not exist");
+  }
+  {
+    File f = File::open(path_, OpenOptions{.write = true, .create = true, .mode = 0600,
+                                           .direct = options_.direct});
+    if (f.size_bytes() < options_.bytes) f.preallocate(options_.bytes);
+  }
+  buffer_ = PinnedBuffer(std::min(options_.bytes, options_.max_buffer_bytes));
+  // Incompressible contents, in case the device compresses or deduplicates.
+  std::mt19937_64 rng(12345);
+  for (int64_t i = 0; i + 8 <= buffer_.bytes(); i += 8) {
+    const uint64_t v = rng();
+    std::memcpy(buffer_.data() + i, &v, 8);
+  }
+}
+
+IoBench::~IoBench() {
+  if (temporary_) ::unlink(path_.c_str());
+}
+
+BenchResult IoBench::run(IoOp op, EngineOptions eo,
+                         const std::function<void(int64_t, int64_t)>& progress) {
+  eo.backend = options_.backend;
+  eo.fixed_buffers = {{buffer_.data(), buffer_.bytes()}};
+  IoEngine engine(eo);
+  const FileId file = engine.attach(File::open(path_, OpenOptions{.write = true,
+                                                                  .direct = options_.direct}));
+  const File& f = engine.file(file);
+  if (!f.direct()) {
+    warn_once(g_warned_buffered_bench,
+              path_ + ": buffered I/O; the page cache is written back and evicted inside the timed "
+                      "region, but a file system that keeps file data in memory (tmpfs) measures "
+                      "memory, not a drive");
+  }
+  const int64_t total = options_.bytes;
+  const int64_t request = std::min(total, std::max(kRequestBytes, eo.block_size_bytes));
+  const int64_t buffer_bytes = std::max(request, buffer_.bytes() / request * request);
+  std::vector<IoRequest> requests;
+  for (int64_t off = 0; off < total; off += request) {
+    const int64_t n = std::min(request, total - off);
+    requests.push_back({op, file, off, n, buffer_.data() + off % buffer_bytes});
+  }
+  if (op == IoOp::kRead) f.drop_cache();
+
+  const auto t0 = std::chrono::steady_clock::now();
+  std::vector<IoHandle> handles;
+  handles.reserve(requests.size());
+  for (const IoRequest& r : requests) handles.push_back(engine.submit(r));
+  int64_t done = 0;
+  for (size_t i = 0; i < handles.size(); ++i) {
+    handles[i].wait();
+    done += requests[i].bytes;
+    if (progress) progress(done, total);
+  }
+  if (op == IoOp::kWrite) f.drop_cache();  // buffered: write back inside the timed region
+  const auto t1 = std::chrono::steady_clock::now();
+
+  BenchResult r;
+  r.op = op;
+  r.block_size_bytes = eo.block_size_bytes;
+  r.queue_depth = eo.queue_depth;
+  r.rings = eo.rings;
+  r.bytes = total;
+  r.seconds = std::chrono::duration<double>(t1 - t0).count();
+  r.backend = engine.backend_name();
+  r.direct = f.direct();
+  r.fixed_buffers = engine.stats().fixed_buffer_ops > 0;
+  return r;
+}
+
+}  // namespace strata::nvme

@@ -1,0 +1,65 @@
+// Sequential write-then-read throughput of one file through an IoEngine: the
+// measurement behind `strata bench-io` (src/cli/bench_io.cc). Page-cache
+// effects are excluded: direct I/O, or, where the file system refuses it,
+// write-back and eviction of the file's pages inside the timed region.
+#pragma once
+
+#include <cstdint>
+#include <functional>
+#include <string>
+
+#include "nvme/buffer.h"
+#include "nvme/engine.h"
+
+namespace strata::nvme {
+
+struct BenchOptions {
+  std::string dir;   // where the temporary file goes (removed at the end)
+  std::string file;  // or: this file, created if missing and kept (for repeated runs)
+  int64_t bytes = int64_t(1) << 30;
+  DirectIo direct = DirectIo::kAuto;
+  BackendKind backend = BackendKind::kAuto;
+  // Host buffer: min(bytes, this); requests beyond it reuse it cyclically.
+  int64_t max_buffer_bytes = int64_t(1) << 30;
+};
+
+struct BenchResult {
+  IoOp op = IoOp::kWrite;
+  int64_t block_size_bytes = 0;
+  int queue_depth = 0;
+  int rings = 0;
+  int64_t bytes = 0;
+  double seconds = 0;
+  std::string backend;  // io_uring | threads
+  bool direct = true;
+  bool fixed_buffers = false;  // the buffer was registered with the rings
+  double gbps() const { return seconds > 0 ? double(bytes) / seconds / 1e9 : 0.0; }
+};
+
+// Owns the file and the pinned buffer. Not thread-safe.
+class IoBench {
+ public:
+  // Checks the directory (InputError if missing), creates and preallocates
+  // the file (IoError), allocates and fills the buffer.
+  explicit IoBench(BenchOptions options);
+  ~IoBench();  // removes a temporary file
+  IoBench(const IoBench&) = delete;
+  IoBench& operator=(const IoBench&) = delete;
+
+  // Writes or reads the whole file once with a fresh engine of `engine`
+  // (its backend and fixed_buffers are set here). `progress(done, total)`
+  // is called as requests complete.
+  BenchResult run(IoOp op, EngineOptions engine,
+                  const std::function<void(int64_t, int64_t)>& progress = {});
+
+  const std::string& path() const { return path_; }
+  const PinnedBuffer& buffer() const { return buffer_; }
+
+ private:
+  BenchOptions options_;
+  std::string path_;
+  bool temporary_ = false;
+  PinnedBuffer buffer_;
+};
+
+}  // namespace strata::nvme

@@ -1,0 +1,533 @@
+#include "nvme/swap_store.h"
+
+#include <errno.h>
+#include <fcntl.h>
+#include <stdlib.h>
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <cstring>
+
+#include "nvme/crc32c.h"
+#include "nvme/io_error.h"
+#include "util/errors.h"
+#include "util/fs.h"
+#include "util/logging.h"
+
+namespace strata::nvme {
+
+namespace {
+
+constexpr char kIndexMagic[8] = {'S', 'T', 'R', 'A', 'S', 'W', 'P', '1'};
+constexpr uint32_t kIndexVersion = 1;
+constexpr uint32_t kFlagChecksums = 1;
+
+int64_t round_up(int64_t x, int64_t to) { return (x + to - 1) / to * to; }
+
+// Little-endian serialization of the index (docs/nvme-format.md).
+struct Writer {
+  std::string out;
+  void u8(uint8_t v) { out.push_back(char(v)); }
+  void u32(uint32_t v) {
+    for (int i = 0; i < 4; ++i) out.push_back(char((v >> (8 * i)) & 0xFF));
+  }
+  void u64(uint64_t v) {
+    for (int i = 0; i < 8; ++i) out.push_back(char((v >> (8 * i)) & 0xFF));
+  }
+  void str(const std::string& s) {
+    u32(uint32_t(s.size()));
+    out += s;
+  }
+};
+
+struct Reader {
+  const std::string& in;
+  const std::string& path;
+  size_t pos = 0;
+  void need(size_t n) {
+    if (in.size() - pos < n) {
+      throw InputError(path, strprintf("swap index is truncated at byte %zu", pos));
+    }
+  }
+  uint64_t uint(int bytes) {
+    need(size_t(bytes));
+    uint64_t v = 0;
+    for (int i = 0; i < bytes; ++i) v |= uint64_t(uint8_t(in[pos + size_t(i)])) << (8 * i);
+    pos += size_t(bytes);
+    return v;
+  }
+  std::string str() {
+    const size_t n = size_t(uint(4));
+    need(n);
+    std::string s = in.substr(pos, n);
+    pos += n;
+    return s;
+  }
+};
+
+std::string read_whole_file(const std::string& path) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw_io_error(path, errno, "cannot open swap index");
+  std::string data;
+  char buf[65536];
+  while (true) {
+    const ssize_t n = ::read(fd, buf, sizeof(buf));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) {
+      const int err = errno;
+      ::close(fd);
+      throw_io_error(path, err, "cannot read swap index", int64_t(data.size()));
+    }
+    if (n == 0) break;
+    data.append(buf, size_t(n));
+  }
+  ::close(fd);
+  return data;
+}
+
+// Writes `data` to `path` atomically: temporary name, fsync, rename, fsync dir.
+void write_file_atomically(const std::string& path, const std::string& data) {
+  const std::string tmp = path + ".tmp";
+  File f = File::open(tmp, OpenOptions{.write = true, .create = true, .mode = 0600,
+                                       .direct = DirectIo::kOff});
+  if (::ftruncate(f.fd(), 0) != 0) throw_io_error(tmp, errno, "cannot truncate");
+  size_t done = 0;
+  while (done < data.size()) {
+    const ssize_t n = ::pwrite(f.fd(), data.data() + done, data.size() - done, off_t(done));
+    if (n < 0 && errno == EINTR) continue;
+    if (n < 0) throw_io_error(tmp, errno, "cannot write", int64_t(done), int64_t(data.size() - done));
+    done += size_t(n);
+  }
+  f.sync();
+  f.close();
+  if (::rename(tmp.c_str(), path.c_str()) != 0) throw_io_error(path, errno, "cannot rename " + tmp + " to");
+  const int dir = ::open(parent_dir(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
+  if (dir >= 0) {
+    (void)::fsync(dir);
+    ::close(dir);
+  }
+}
+
+}  // namespace
+
+// ---- SwapHandle -------------------------------------------------------------
+
+void SwapHandle::wait() {
+  if (store_ == nullptr || finished_) {
+    io_.wait();
+    return;
+  }
+  finished_ = true;
+  store_->finish(*this);
+}
+
+// ---- SwapStore --------------------------------------------------------------
+
+SwapStore::SwapStore(IoEngine& engine, SwapOptions options) : SwapStore(engine, std::move(options), false) {}
+
+SwapStore::SwapStore(IoEngine& engine, SwapOptions options, bool reopening)
+    : engine_(engine), options_(std::move(options)) {
+  const SwapOptions& o = options_;
+  if (o.block_bytes <= 0 || o.block_bytes % kDirectAlignmentBytes != 0) {
+    throw ConfigError("swap.block_bytes", strprintf("must be a positive multiple of 4096, got %lld",
+                                                    (long long)o.block_bytes));
+  }
+  if (o.stripe_bytes <= 0 || o.stripe_bytes % o.block_bytes != 0) {
+    throw ConfigError("swap.stripe_bytes",
+                      strprintf("must be a positive multiple of block_bytes (%lld), got %lld",
+                                (long long)o.block_bytes, (long long)o.stripe_bytes));
+  }
+  if (reopening) return;
+  if (o.dirs.empty()) throw ConfigError("nvme_path", "no swap directory given");
+  if (o.capacity_bytes <= 0) throw ConfigError("swap.capacity_bytes", "must be positive");
+  const int64_t dirs = int64_t(o.dirs.size());
+  capacity_bytes_ = round_up(o.capacity_bytes, o.stripe_bytes * dirs);
+  file_bytes_ = capacity_bytes_ / dirs;
+  create_files();
+}
+
+void SwapStore::create_files() {
+  // Everything that can be checked is checked before anything is created.
+  std::map<dev_t, std::pair<int64_t, std::string>> need;  // device -> bytes needed, a dir on it
+  for (const std::string& dir : options_.dirs) {
+    struct stat st;
+    if (::stat(dir.c_str(), &st) != 0) throw_io_error(dir, errno, "swap directory is not usable");
+    if (!S_ISDIR(st.st_mode)) throw_io_error(dir, ENOTDIR, "swap directory is not a directory");
+    auto& n = need[st.st_dev];
+    n.first += file_bytes_;
+    n.second = dir;
+  }
+  for (const auto& [dev, n] : need) {
+    struct statvfs vfs;
+    if (::statvfs(n.second.c_str(), &vfs) != 0) throw_io_error(n.second, errno, "cannot query free space");
+    const int64_t avail = int64_t(vfs.f_bavail) * int64_t(vfs.f_frsize);
+    if (avail < n.first) {
+      throw_io_error(n.second, ENOSPC,
+                     strprintf("not enough free space for the swap store: it needs %s, %s are free",
+                               format_bytes(double(n.first)).c_str(),
+                               format_bytes(double(avail)).c_str()));
+    }
+  }
+  try {
+    for (size_t d = 0; d < options_.dirs.size(); ++d) {
+      std::string tmpl = options_.dirs[d] + "/strata-swap.XXXXXX";
+      if (::mkdtemp(tmpl.data()) == nullptr) {  // mode 0700
+        throw_io_error(options_.dirs[d], errno, "swap directory is not writable");
+      }
+      store_dirs_.push_back(tmpl);
+      if (::chmod(tmpl.c_str(), 0700) != 0) throw_io_error(tmpl, errno, "cannot set permissions");
+      const std::string path = tmpl + "/swap." + std::to_string(d);
+      File f = File::open(path, OpenOptions{.write = true, .create = true, .exclusive = true,
+                                            .mode = 0600, .direct = options_.direct});
+      file_paths_.push_back(path);
+      f.preallocate(file_bytes_);
+      files_.push_back(engine_.attach(std::move(f)));
+    }
+  } catch (...) {
+    remove_files();
+    throw;
+  }
+  log::info("swap store: %s in %zu file(s) under %s%s", format_bytes(double(capacity_bytes_)).c_str(),
+            file_paths_.size(), options_.dirs.front().c_str(),
+            options_.dirs.size() > 1 ? " and others" : "");
+}
+
+std::unique_ptr<SwapStore> SwapStore::reopen(IoEngine& engine, const std::string& index_path,
+                                             DirectIo direct) {
+  SwapOptions o;
+  o.direct = direct;
+  o.keep_files = true;
+  std::unique_ptr<SwapStore> store(new SwapStore(engine, o, true));
+  try {
+    store->read_index(index_path);
+  } catch (...) {
+    // Leave the kept files and index exactly as they are.
+    for (FileId id : store->files_) engine.detach(id);
+    store->files_.clear();
+    store->closed_ = true;
+    throw;
+  }
+  return store;
+}
+
+SwapStore::~SwapStore() {
+  try {
+    close();
+  } catch (const std::exception& e) {
+    log::error("swap store: %s", e.what());
+  }
+}
+
+void SwapStore::close() {
+  if (closed_) return;
+  closed_ = true;
+  if (options_.keep_files) {
+    flush();
+    for (FileId id : files_) engine_.detach(id).close();
+    files_.clear();
+    log::info("swap store kept: %s", index_path().c_str());
+  } else {
+    remove_files();
+  }
+}
+
+void SwapStore::remove_files() noexcept {
+  for (FileId id : files_) engine_.detach(id);  // closes
+  files_.clear();
+  for (const std::string& p : file_paths_) {
+    if (::unlink(p.c_str()) != 0 && errno != ENOENT) {
+      log::warn("%s: cannot remove swap file: %s", p.c_str(), std::strerror(errno));
+    }
+  }
+  for (const std::string& d : store_dirs_) {
+    (void)::unlink((d + "/index").c_str());
+    (void)::unlink((d + "/index.tmp").c_str());
+    if (::rmdir(d.c_str()) != 0 && errno != ENOENT) {
+      log::warn("%s: cannot remove swap directory: %s", d.c_str(), std::strerror(errno));
+    }
+  }
+}
+
+void SwapStore::flush() {
+  for (FileId id : files_) engine_.file(id).sync();
+  if (options_.keep_files) write_index();
+}
+
+RegionId SwapStore::add_region(const std::string& name, int64_t bytes) {
+  STRATA_CHECK(bytes > 0, "region '" + name + "' is empty");
+  std::lock_guard<std::mutex> lock(mu_);
+  STRATA_CHECK(by_name_.count(name) == 0, "region '" + name + "' exists");
+  const int64_t start = round_up(next_free_bytes_, options_.block_bytes);
+  const int64_t padded = round_up(bytes, kDirectAlignmentBytes);
+  if (start + padded > capacity_bytes_) {
+    throw_io_error(store_dirs_.front(), ENOSPC,
+                   strprintf("swap store full: region '%s' needs %s, %s of %s are free", name.c_str(),
+                             format_bytes(double(padded)).c_str(),
+                             format_bytes(double(capacity_bytes_ - start)).c_str(),
+                             format_bytes(double(capacity_bytes_)).c_str()));
+  }
+  auto r = std::make_unique<Region>();
+  r->name = name;
+  r->start_bytes = start;
+  r->bytes = bytes;
+  const int64_t blocks = (padded + options_.block_bytes - 1) / options_.block_bytes;
+  r->crc.assign(size_t(blocks), 0);
+  r->written.assign(size_t(blocks), 0);
+  next_free_bytes_ = start + padded;
+  regions_.push_back(std::move(r));
+  by_name_[name] = int(regions_.size()) - 1;
+  return RegionId{int(regions_.size()) - 1};
+}
+
+RegionId SwapStore::find(const std::string& name) const {
+  std::lock_guard<std::mutex> lock(mu_);
+  const auto it = by_name_.find(name);
+  return it == by_name_.end() ? RegionId{} : RegionId{it->second};
+}
+
+SwapStore::Region& SwapStore::region(RegionId id) {
+  std::lock_guard<std::mutex> lock(mu_);
+  STRATA_CHECK(id.index >= 0 && size_t(id.index) < regions_.size(), "no such region");
+  return *regions_[size_t(id.index)];
+}
+const SwapStore::Region& SwapStore::region(RegionId id) const {
+  return const_cast<SwapStore*>(this)->region(id);
+}
+
+int64_t SwapStore::region_bytes(RegionId id) const { return region(id).bytes; }
+const std::string& SwapStore::region_name(RegionId id) const { return region(id).name; }
+
+int64_t SwapStore::used_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return next_free_bytes_;
+}
+
+std::vector<std::string> SwapStore::file_paths() const { return file_paths_; }
+
+std::vector<SwapStore::Piece> SwapStore::map(int64_t logical, int64_t bytes) const {
+  std::vector<Piece> pieces;
+  const int64_t stripe = options_.stripe_bytes;
+  const int64_t dirs = int64_t(files_.size());
+  while (bytes > 0) {
+    const int64_t s = logical / stripe;
+    const int64_t within = logical % stripe;
+    const int64_t n = std::min(bytes, stripe - within);
+    const int file = int(s % dirs);
+    const int64_t offset = (s / dirs) * stripe + within;
+    if (!pieces.empty() && pieces.back().file == file &&
+        pieces.back().file_offset_bytes + pieces.back().bytes == offset) {
+      pieces.back().bytes += n;  // one directory: stripes are contiguous
+    } else {
+      pieces.push_back({file, offset, n});
+    }
+    logical += n;
+    bytes -= n;
+  }
+  return pieces;
+}
+
+int64_t SwapStore::block_len(const Region& r, int64_t block) const {
+  const int64_t padded = round_up(r.bytes, kDirectAlignmentBytes);
+  return std::min(options_.block_bytes, padded - block * options_.block_bytes);
+}
+
+void SwapStore::check_range(const Region& r, int64_t offset, int64_t bytes, const void* buffer) const {
+  STRATA_CHECK(!closed_, "swap store is closed");
+  STRATA_CHECK(offset >= 0 && bytes > 0 && offset + bytes <= r.bytes,
+               strprintf("region '%s': range [%lld, %lld) outside its %lld bytes", r.name.c_str(),
+                         (long long)offset, (long long)(offset + bytes), (long long)r.bytes));
+  STRATA_CHECK(offset % options_.block_bytes == 0 &&
+                   (bytes % options_.block_bytes == 0 || offset + bytes == r.bytes),
+               strprintf("region '%s': range [%lld, %lld) is not made of whole %lld-byte blocks",
+                         r.name.c_str(), (long long)offset, (long long)(offset + bytes),
+                         (long long)options_.block_bytes));
+  STRATA_CHECK(uintptr_t(buffer) % uintptr_t(kDirectAlignmentBytes) == 0,
+               "region '" + r.name + "': buffer is not 4096-aligned");
+}
+
+SwapHandle SwapStore::write(RegionId id, int64_t offset, int64_t bytes, const void* buffer) {
+  Region& r = region(id);
+  check_range(r, offset, bytes, buffer);
+  const int64_t xfer = round_up(offset + bytes, kDirectAlignmentBytes) - offset;
+  const auto* p = static_cast<const std::byte*>(buffer);
+  const int64_t first = offset / options_.block_bytes;
+  const int64_t blocks = (xfer + options_.block_bytes - 1) / options_.block_bytes;
+  for (int64_t k = 0; k < blocks; ++k) {
+    if (options_.checksums) {
+      r.crc[size_t(first + k)] = crc32c(p + k * options_.block_bytes, size_t(block_len(r, first + k)));
+    }
+    r.written[size_t(first + k)] = 1;
+  }
+  std::vector<IoRequest> requests;
+  int64_t done = 0;
+  for (const Piece& piece : map(r.start_bytes + offset, xfer)) {
+    requests.push_back({IoOp::kWrite, files_[size_t(piece.file)], piece.file_offset_bytes, piece.bytes,
+                        const_cast<std::byte*>(p + done)});
+    done += piece.bytes;
+  }
+  SwapHandle h;
+  h.io_ = engine_.submit(requests);
+  h.store_ = this;
+  h.op_ = IoOp::kWrite;
+  h.region_ = id.index;
+  h.offset_bytes_ = offset;
+  h.bytes_ = xfer;
+  h.buffer_ = p;
+  return h;
+}
+
+SwapHandle SwapStore::read(RegionId id, int64_t offset, int64_t bytes, void* buffer) {
+  Region& r = region(id);
+  check_range(r, offset, bytes, buffer);
+  const int64_t xfer = round_up(offset + bytes, kDirectAlignmentBytes) - offset;
+  const int64_t first = offset / options_.block_bytes;
+  const int64_t blocks = (xfer + options_.block_bytes - 1) / options_.block_bytes;
+  for (int64_t k = 0; k < blocks; ++k) {
+    if (!r.written[size_t(first + k)]) {
+      const int64_t at = (first + k) * options_.block_bytes;
+      const Piece piece = map(r.start_bytes + at, block_len(r, first + k)).front();
+      throw_io_error(file_paths_[size_t(piece.file)], ENODATA,
+                     strprintf("region '%s': read of bytes [%lld, %lld) that were never written",
+                               r.name.c_str(), (long long)at,
+                               (long long)(at + block_len(r, first + k))),
+                     piece.file_offset_bytes, block_len(r, first + k));
+    }
+  }
+  auto* p = static_cast<std::byte*>(buffer);
+  std::vector<IoRequest> requests;
+  int64_t done = 0;
+  for (const Piece& piece : map(r.start_bytes + offset, xfer)) {
+    requests.push_back({IoOp::kRead, files_[size_t(piece.file)], piece.file_offset_bytes, piece.bytes,
+                        p + done});
+    done += piece.bytes;
+  }
+  SwapHandle h;
+  h.io_ = engine_.submit(requests);
+  h.store_ = this;
+  h.op_ = IoOp::kRead;
+  h.region_ = id.index;
+  h.offset_bytes_ = offset;
+  h.bytes_ = xfer;
+  h.buffer_ = p;
+  return h;
+}
+
+void SwapStore::finish(SwapHandle& h) {
+  Region& r = region(RegionId{h.region_});
+  const int64_t first = h.offset_bytes_ / options_.block_bytes;
+  const int64_t blocks = (h.bytes_ + options_.block_bytes - 1) / options_.block_bytes;
+  if (!h.io_.wait_ok()) {
+    // A failed write leaves the blocks with unknown contents: forget them, so
+    // that a later read fails (ENODATA) instead of returning stale bytes.
+    if (h.op_ == IoOp::kWrite) {
+      for (int64_t k = 0; k < blocks; ++k) r.written[size_t(first + k)] = 0;
+    }
+    h.io_.wait();  // throws the engine's error
+  }
+  if (h.op_ != IoOp::kRead || !options_.checksums) return;
+  for (int64_t k = 0; k < blocks; ++k) {
+    const int64_t len = block_len(r, first + k);
+    const uint32_t got = crc32c(h.buffer_ + k * options_.block_bytes, size_t(len));
+    const uint32_t want = r.crc[size_t(first + k)];
+    if (got != want) {
+      const int64_t at = (first + k) * options_.block_bytes;
+      const Piece piece = map(r.start_bytes + at, len).front();
+      throw_io_error(file_paths_[size_t(piece.file)], 0,
+                     strprintf("checksum mismatch in swap region '%s' at region offset %lld "
+                               "(crc32c 0x%08x, expected 0x%08x): the file was modified or the "
+                               "device returned corrupt data",
+                               r.name.c_str(), (long long)at, got, want),
+                     piece.file_offset_bytes, len);
+    }
+  }
+}
+
+// ---- index (docs/nvme-format.md) -----------------------------------------------
+
+void SwapStore::write_index() {
+  Writer w;
+  w.out.append(kIndexMagic, sizeof(kIndexMagic));
+  w.u32(kIndexVersion);
+  w.u32(options_.checksums ? kFlagChecksums : 0);
+  w.u64(uint64_t(capacity_bytes_));
+  w.u64(uint64_t(options_.stripe_bytes));
+  w.u64(uint64_t(options_.block_bytes));
+  w.u64(uint64_t(file_bytes_));
+  std::lock_guard<std::mutex> lock(mu_);
+  w.u64(uint64_t(next_free_bytes_));
+  w.u32(uint32_t(file_paths_.size()));
+  w.u32(uint32_t(regions_.size()));
+  for (const std::string& p : file_paths_) w.str(p);
+  for (const auto& r : regions_) {
+    w.str(r->name);
+    w.u64(uint64_t(r->start_bytes));
+    w.u64(uint64_t(r->bytes));
+    for (size_t k = 0; k < r->crc.size(); ++k) {
+      w.u8(r->written[k]);
+      w.u32(r->crc[k]);
+    }
+  }
+  w.u32(crc32c(w.out.data(), w.out.size()));
+  write_file_atomically(index_path(), w.out);
+}
+
+void SwapStore::read_index(const std::string& path) {
+  const std::string data = read_whole_file(path);
+  if (data.size() < sizeof(kIndexMagic) + 4 || std::memcmp(data.data(), kIndexMagic, sizeof(kIndexMagic)) != 0) {
+    throw InputError(path, "not a Strata swap index (bad magic)");
+  }
+  Reader rd{data, path};
+  rd.pos = data.size() - 4;
+  const uint32_t stored = uint32_t(rd.uint(4));
+  if (crc32c(data.data(), data.size() - 4) != stored) {
+    throw InputError(path, "swap index checksum mismatch: the index is corrupt");
+  }
+  rd.pos = sizeof(kIndexMagic);
+  const uint32_t version = uint32_t(rd.uint(4));
+  if (version != kIndexVersion) {
+    throw InputError(path, strprintf("swap index version %u, this build reads %u", version, kIndexVersion));
+  }
+  options_.checksums = (rd.uint(4) & kFlagChecksums) != 0;
+  capacity_bytes_ = int64_t(rd.uint(8));
+  options_.stripe_bytes = int64_t(rd.uint(8));
+  options_.block_bytes = int64_t(rd.uint(8));
+  file_bytes_ = int64_t(rd.uint(8));
+  next_free_bytes_ = int64_t(rd.uint(8));
+  const uint32_t file_count = uint32_t(rd.uint(4));
+  const uint32_t region_count = uint32_t(rd.uint(4));
+  if (file_count == 0 || options_.block_bytes <= 0 || options_.stripe_bytes <= 0) {
+    throw InputError(path, "swap index is inconsistent");
+  }
+  for (uint32_t i = 0; i < file_count; ++i) file_paths_.push_back(rd.str());
+  for (uint32_t i = 0; i < region_count; ++i) {
+    auto r = std::make_unique<Region>();
+    r->name = rd.str();
+    r->start_bytes = int64_t(rd.uint(8));
+    r->bytes = int64_t(rd.uint(8));
+    const int64_t blocks =
+        (round_up(r->bytes, kDirectAlignmentBytes) + options_.block_bytes - 1) / options_.block_bytes;
+    for (int64_t k = 0; k < blocks; ++k) {
+      r->written.push_back(uint8_t(rd.uint(1)));
+      r->crc.push_back(uint32_t(rd.uint(4)));
+    }
+    by_name_[r->name] = int(regions_.size());
+    regions_.push_back(std::move(r));
+  }
+  for (const std::string& p : file_paths_) {
+    options_.dirs.push_back(parent_dir(parent_dir(p)));
+    store_dirs_.push_back(parent_dir(p));
+  }
+  for (const std::string& p : file_paths_) {
+    File f = File::open(p, OpenOptions{.write = true, .direct = options_.direct});
+    const int64_t size = f.size_bytes();
+    if (size < file_bytes_) {
+      throw_io_error(p, 0,
+                     strprintf("swap file is truncated: %lld bytes, the index says %lld",
+                               (long long)size, (long long)file_bytes_));
+    }
+    files_.push_back(engine_.attach(std::move(f)));
+  }
+}
+
+}  // namespace strata::nvme

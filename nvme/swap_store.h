@@ -1,0 +1,179 @@
+// The swap store: named regions of bytes (key -> file, offset, bytes) in
+// preallocated files, striped over one or more directories (one per drive),
+// read and written through an IoEngine, with optional per-block CRC-32C
+// checksums verified on every read. The on-disk layout is documented byte by
+// byte in docs/nvme-format.md (Note [Swap file layout]).
+//
+// Note [Swap file layout]
+// The store is one logical address space of `capacity_bytes`, cut into
+// stripes of `stripe_bytes`; stripe s lives in the file of directory
+// s % D at offset (s / D) * stripe_bytes, so a large region read or written
+// at once keeps every drive busy. Regions are carved from the address space
+// in order of creation, each starting on a `block_bytes` boundary; a block
+// (the unit of checksums, 1 MiB by default) therefore never straddles two
+// stripes or two files. Each directory gets a private subdirectory
+// (mkdtemp: mode 0700) holding one file (mode 0600) preallocated to its
+// share, because direct writes that grow or allocate a file are far slower.
+// Checksums and the "written" mark of each block live in memory; a store
+// kept at exit writes them to an index file beside the first file.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <memory>
+#include <mutex>
+#include <string>
+#include <vector>
+
+#include "nvme/engine.h"
+
+namespace strata::nvme {
+
+struct SwapOptions {
+  // Directories to swap into (DeepSpeed's nvme_path), one per drive. Each
+  // must exist and be writable.
+  std::vector<std::string> dirs;
+  // Bytes preallocated in all, split evenly over the directories (rounded up
+  // to whole stripes). Free space is checked before anything is created.
+  int64_t capacity_bytes = 0;
+  // Consecutive stripes go to consecutive directories. REQUIRES: a multiple
+  // of block_bytes.
+  int64_t stripe_bytes = int64_t(16) << 20;
+  // Alignment of regions and unit of checksums. REQUIRES: a multiple of 4096.
+  int64_t block_bytes = int64_t(1) << 20;
+  // CRC-32C per block, computed on write and verified on every read.
+  bool checksums = true;
+  // Keep the files (and write the index) at exit instead of removing them.
+  bool keep_files = false;
+  DirectIo direct = DirectIo::kAuto;
+};
+
+struct RegionId {
+  int index = -1;
+  bool valid() const { return index >= 0; }
+};
+
+class SwapStore;
+
+// Completion of one region read or write. Move-only. The bytes read are
+// valid only once wait() has returned: it verifies the checksums. The
+// destructor waits for the I/O (without verifying or throwing).
+class SwapHandle {
+ public:
+  SwapHandle() = default;
+  SwapHandle(SwapHandle&&) noexcept = default;
+  SwapHandle& operator=(SwapHandle&&) noexcept = default;
+  ~SwapHandle() = default;
+
+  bool done() const { return io_.done(); }
+  // Throws strata::IoError: the engine's error, or a checksum mismatch
+  // naming the file, offset and region.
+  void wait();
+
+ private:
+  friend class SwapStore;
+  IoHandle io_;
+  SwapStore* store_ = nullptr;
+  IoOp op_ = IoOp::kRead;
+  int region_ = -1;
+  int64_t offset_bytes_ = 0;  // in the region
+  int64_t bytes_ = 0;         // transferred (padded to 4 KiB)
+  const std::byte* buffer_ = nullptr;
+  bool finished_ = false;
+};
+
+// Thread-safety: all methods may be called concurrently, provided no two
+// I/Os in flight touch the same block with one of them a write.
+// The engine must outlive the store.
+class SwapStore {
+ public:
+  // Creates the private directories and preallocated files. Throws IoError:
+  // a directory that does not exist (ENOENT) or is not writable, too little
+  // free space (ENOSPC, with the numbers), a failed preallocation. ConfigError
+  // for inconsistent options. Nothing is left behind when it throws.
+  SwapStore(IoEngine& engine, SwapOptions options);
+  // Reopens a store kept with keep_files from its index file (index_path()).
+  // Verifies the index checksum and that no file is shorter than the index
+  // says (a truncated file). The reopened store keeps its files.
+  static std::unique_ptr<SwapStore> reopen(IoEngine& engine, const std::string& index_path,
+                                           DirectIo direct = DirectIo::kAuto);
+  // close(), logging instead of throwing. REQUIRES: no I/O in flight.
+  ~SwapStore();
+  SwapStore(const SwapStore&) = delete;
+  SwapStore& operator=(const SwapStore&) = delete;
+
+  // Reserves `bytes` under `name`. Throws IoError (ENOSPC) when the capacity
+  // is exhausted, InternalError for a duplicate name.
+  RegionId add_region(const std::string& name, int64_t bytes);
+  // Invalid id when there is no such region.
+  RegionId find(const std::string& name) const;
+  int64_t region_bytes(RegionId id) const;
+  const std::string& region_name(RegionId id) const;
+
+  // Region I/O of [offset, offset + bytes). REQUIRES: offset a multiple of
+  // block_bytes; bytes a multiple of block_bytes or reaching the end of the
+  // region; buffer 4096-aligned and holding bytes rounded up to 4096 (the
+  // padding is transferred too). Reading a block never written throws
+  // IoError (ENODATA) before any I/O. See Note [Buffer reuse] in engine.h.
+  SwapHandle write(RegionId id, int64_t offset_bytes, int64_t bytes, const void* buffer);
+  SwapHandle read(RegionId id, int64_t offset_bytes, int64_t bytes, void* buffer);
+  SwapHandle write(RegionId id, const void* buffer) { return write(id, 0, region_bytes(id), buffer); }
+  SwapHandle read(RegionId id, void* buffer) { return read(id, 0, region_bytes(id), buffer); }
+
+  // fdatasync every file, and write the index when keeping files.
+  void flush();
+  // Clean exit: removes the files and private directories, or (keep_files)
+  // flushes and keeps them. Throws IoError. REQUIRES: no I/O in flight.
+  void close();
+
+  int64_t capacity_bytes() const { return capacity_bytes_; }
+  int64_t used_bytes() const;
+  const SwapOptions& options() const { return options_; }
+  // The private directory per swap directory, and the file in each.
+  const std::vector<std::string>& store_dirs() const { return store_dirs_; }
+  std::vector<std::string> file_paths() const;
+  std::string index_path() const { return store_dirs_.front() + "/index"; }
+
+ private:
+  friend class SwapHandle;
+  struct Region {
+    std::string name;
+    int64_t start_bytes = 0;  // in the logical address space
+    int64_t bytes = 0;
+    std::vector<uint32_t> crc;     // per block
+    std::vector<uint8_t> written;  // per block: 1 once written
+  };
+  struct Piece {
+    int file;
+    int64_t file_offset_bytes;
+    int64_t bytes;
+  };
+
+  SwapStore(IoEngine& engine, SwapOptions options, bool reopening);
+  void create_files();
+  void remove_files() noexcept;
+  void write_index();
+  void read_index(const std::string& path);
+  // Logical range -> per-file pieces (split at stripe boundaries).
+  std::vector<Piece> map(int64_t logical_offset_bytes, int64_t bytes) const;
+  Region& region(RegionId id);
+  const Region& region(RegionId id) const;
+  int64_t block_len(const Region& r, int64_t block) const;
+  void check_range(const Region& r, int64_t offset_bytes, int64_t bytes, const void* buffer) const;
+  void finish(SwapHandle& h);  // verify a read, or undo the marks of a failed write
+
+  IoEngine& engine_;
+  SwapOptions options_;
+  int64_t capacity_bytes_ = 0;
+  int64_t file_bytes_ = 0;  // per file
+  std::vector<std::string> store_dirs_;
+  std::vector<std::string> file_paths_;
+  std::vector<FileId> files_;
+  bool closed_ = false;
+  mutable std::mutex mu_;  // guards regions_ (the vector and the map, not block entries)
+  std::vector<std::unique_ptr<Region>> regions_;
+  std::map<std::string, int> by_name_;
+  int64_t next_free_bytes_ = 0;
+};
+
+}  // namespace strata::nvme

@@ -1,0 +1,141 @@
+#include "cli/plan.h"
+
+#include <cstdio>
+#include <memory>
+
+#include <nlohmann/json.hpp>
+
+#include "memory/layout.h"
+#include "model/model.h"
+#include "util/errors.h"
+#include "util/logging.h"
+
+namespace strata {
+
+namespace {
+
+struct PlanOptions {
+  std::string config_path;
+  std::vector<std::string> overrides;
+  bool json = false;
+};
+
+std::string cell(int64_t bytes) { return bytes == 0 ? "-" : format_bytes(double(bytes)); }
+std::string cap_cell(int64_t bytes) { return bytes < 0 ? "unlimited" : format_bytes(double(bytes)); }
+
+struct Computed {
+  PlacementPlan plan;
+  MachineCapacity cap;
+  std::vector<std::string> shortfalls;
+};
+
+Computed compute(const Config& cfg) {
+  Model model(cfg.model);
+  StateLayout layout(model.layout_specs(), cfg.world_size);
+  // The paths are known only after a first plan; capacity matters only to auto.
+  MachineCapacity cap0 = measure_capacity(cfg, {});
+  PlacementPlan first = make_plan(cfg, layout, 0, cap0);
+  Computed c;
+  c.cap = measure_capacity(cfg, first.nvme_paths);
+  c.plan = cfg.placement.auto_place ? make_plan(cfg, layout, 0, c.cap) : first;
+  c.shortfalls = plan_shortfalls(c.plan, c.cap);
+  return c;
+}
+
+nlohmann::json plan_json(const Computed& c) {
+  nlohmann::json j;
+  const PlacementPlan& p = c.plan;
+  j["source"] = p.source;
+  for (int cat = 0; cat < kNumCategories; ++cat) {
+    nlohmann::json row;
+    for (int t = 0; t < kNumTiers; ++t) row[tier_name(Tier(t))] = p.bytes[size_t(cat)][size_t(t)];
+    j["state_bytes"][category_name(Category(cat))] = row;
+  }
+  const auto st = p.state_total();
+  const auto tot = p.total();
+  for (int t = 0; t < kNumTiers; ++t) {
+    j["state_total_bytes"][tier_name(Tier(t))] = st[size_t(t)];
+    j["total_bytes"][tier_name(Tier(t))] = tot[size_t(t)];
+  }
+  j["activation_bytes"] = p.activation_bytes;
+  j["activation_tier"] = tier_name(p.activation_tier);
+  j["gathered_block_bytes"] = p.gathered_block_bytes;
+  j["param_staging_bytes"] = p.param_staging_bytes;
+  j["optimizer_staging_bytes"] = p.optimizer_staging_bytes;
+  j["sub_group_numel"] = p.sub_group_numel;
+  j["nvme_paths"] = p.nvme_paths;
+  j["capacity_bytes"] = {{"device", c.cap.device_bytes}, {"host", c.cap.host_bytes}, {"nvme", c.cap.nvme_bytes}};
+  j["fits"] = c.shortfalls.empty();
+  j["shortfalls"] = c.shortfalls;
+  return j;
+}
+
+int run_plan(const PlanOptions& opt) {
+  Config cfg = load_config(opt.config_path, opt.overrides);
+  Computed c = compute(cfg);
+  if (opt.json) {
+    std::printf("%s\n", plan_json(c).dump(2).c_str());
+  } else {
+    std::printf("Placement plan for %s (from %s keys), rank 0 of %lld\n", opt.config_path.c_str(),
+                c.plan.source.c_str(), (long long)cfg.world_size);
+    std::fputs(format_plan(c.plan, c.cap, c.shortfalls).c_str(), stdout);
+  }
+  return c.shortfalls.empty() ? kExitOk : kExitBadInput;
+}
+
+}  // namespace
+
+std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
+                        const std::vector<std::string>& shortfalls) {
+  std::string out;
+  auto row = [&](const std::string& name, int64_t d, int64_t h, int64_t n) {
+    out += strprintf("  %-22s %12s %12s %12s\n", name.c_str(), cell(d).c_str(), cell(h).c_str(),
+                     cell(n).c_str());
+  };
+  out += strprintf("  %-22s %12s %12s %12s\n", "", "device", "host", "nvme");
+  for (int c = 0; c < kNumCategories; ++c) {
+    const auto& b = p.bytes[size_t(c)];
+    row(category_name(Category(c)), b[0], b[1], b[2]);
+  }
+  const auto st = p.state_total();
+  row("state total", st[0], st[1], st[2]);
+  const bool act_dev = p.activation_tier == Tier::kDevice;
+  row("activations", act_dev ? p.activation_bytes : 0, act_dev ? 0 : p.activation_bytes, 0);
+  row("gathered block", p.gathered_block_bytes, 0, 0);
+  row("pinned staging", 0, p.param_staging_bytes + p.optimizer_staging_bytes, 0);
+  const auto tot = p.total();
+  row("total", tot[0], tot[1], tot[2]);
+  out += strprintf("  %-22s %12s %12s %12s\n", "this machine has", cap_cell(cap.device_bytes).c_str(),
+                   cap_cell(cap.host_bytes).c_str(), cap_cell(cap.nvme_bytes).c_str());
+  if (cap.device_is_host) out += "  (CPU compute: the device tier is host memory)\n";
+  out += strprintf("  optimizer sub-groups of %lld elements; swap directories: %s\n",
+                   (long long)p.sub_group_numel,
+                   p.nvme_paths.empty() ? "none" : nlohmann::json(p.nvme_paths).dump().c_str());
+  if (shortfalls.empty()) {
+    out += "verdict: fits\n";
+  } else {
+    out += "verdict: does not fit\n";
+    for (const std::string& s : shortfalls) out += "  " + s + "\n";
+  }
+  return out;
+}
+
+void check_plan_fits(const Config& cfg) {
+  Computed c = compute(cfg);
+  if (c.shortfalls.empty()) return;
+  std::string msg = "the placement plan does not fit this machine (see `strata plan`): ";
+  for (size_t i = 0; i < c.shortfalls.size(); ++i) msg += (i ? "; " : "") + c.shortfalls[i];
+  throw ConfigError("", msg);
+}
+
+void register_plan(CLI::App& app, int& result) {
+  auto opt = std::make_shared<PlanOptions>();
+  CLI::App* cmd = app.add_subcommand(
+      "plan", "Print where each state category goes, the staging and activation memory, and whether it fits");
+  cmd->add_option("config", opt->config_path, "JSON config file")->required();
+  cmd->add_option("--set", opt->overrides, "Override a config key")->type_name("KEY=VALUE");
+  cmd->add_flag("--json", opt->json, "Print the plan as one JSON object");
+  cmd->callback([opt, &result]() { result = run_plan(*opt); });
+}
+
+}  // namespace strata

@@ -1,0 +1,25 @@
+// `strata plan CONFIG [--json]`: the placement plan and whether it fits this
+// machine, before anything is allocated.
+#pragma once
+
+#include <CLI/CLI.hpp>
+
+#include <string>
+#include <vector>
+
+#include "config/config.h"
+#include "memory/placement.h"
+
+namespace strata {
+
+void register_plan(CLI::App& app, int& result);
+
+// The plan report as text (what `strata plan` prints).
+std::string format_plan(const PlacementPlan& plan, const MachineCapacity& cap,
+                        const std::vector<std::string>& shortfalls);
+
+// Computes the plan for rank 0 of `cfg` on this machine; throws ConfigError
+// with the shortfall lines when it does not fit (what `strata train` runs first).
+void check_plan_fits(const Config& cfg);
+
+}  // namespace strata

@@ -1,0 +1,307 @@
+#include "memory/placement.h"
+
+#include <sys/stat.h>
+#include <sys/statvfs.h>
+#include <unistd.h>
+
+#include <algorithm>
+#include <cmath>
+#include <fstream>
+#include <sstream>
+
+#include "util/errors.h"
+#include "util/fs.h"
+#include "util/logging.h"
+
+namespace strata {
+
+const char* tier_name(Tier t) {
+  switch (t) {
+    case Tier::kDevice: return "device";
+    case Tier::kHost: return "host";
+    case Tier::kNvme: return "nvme";
+  }
+  return "?";
+}
+
+const char* category_name(Category c) {
+  switch (c) {
+    case Category::kParam16: return "param16";
+    case Category::kGrad: return "grad";
+    case Category::kMaster: return "master";
+    case Category::kExpAvg: return "exp_avg";
+    case Category::kExpAvgSq: return "exp_avg_sq";
+  }
+  return "?";
+}
+
+namespace {
+
+int64_t mem_available_bytes() {
+  std::ifstream f("/proc/meminfo");
+  std::string key;
+  int64_t kib = 0;
+  std::string unit;
+  while (f >> key >> kib >> unit) {
+    if (key == "MemAvailable:") return kib * 1024;
+  }
+  return -1;
+}
+
+// Free bytes on the file system holding `path` (or its nearest existing ancestor).
+int64_t free_bytes_under(std::string path) {
+  while (!path_exists(path) && path != "/" && path != ".") path = parent_dir(path);
+  struct statvfs st;
+  if (::statvfs(path.c_str(), &st) != 0) return -1;
+  return int64_t(st.f_bavail) * int64_t(st.f_frsize);
+}
+
+int64_t device_of(const std::string& path) {
+  std::string p = path;
+  while (!path_exists(p) && p != "/" && p != ".") p = parent_dir(p);
+  struct stat st;
+  if (::stat(p.c_str(), &st) != 0) return -1;
+  return int64_t(st.st_dev);
+}
+
+TierSplit on(Tier t) {
+  TierSplit s{0.0, 0.0, 0.0};
+  (t == Tier::kDevice ? s.device : t == Tier::kHost ? s.host : s.nvme) = 1.0;
+  return s;
+}
+
+// Note [Placement units]: a unit goes to the tier whose share holds its midpoint.
+void assign(std::vector<PlacementUnit>& units, const TierSplit& s, int64_t total) {
+  const double dev_end = s.device * double(total);
+  const double host_end = (s.device + s.host) * double(total);
+  for (PlacementUnit& u : units) {
+    const double mid = double(u.offset) + double(u.numel) / 2.0;
+    u.tier = mid < dev_end ? Tier::kDevice : mid < host_end ? Tier::kHost : Tier::kNvme;
+  }
+}
+
+int compute_bytes(const Config& cfg) { return cfg.run.compute_dtype == "fp32" ? 4 : 2; }
+
+}  // namespace
+
+MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::string>& nvme_paths) {
+  MachineCapacity m;
+  m.device_is_host = cfg.run.device == "cpu";
+  m.host_bytes = mem_available_bytes();
+  if (cfg.run.device_memory_mb > 0) {
+    m.device_bytes = cfg.run.device_memory_mb << 20;
+  } else if (m.device_is_host) {
+    m.device_bytes = -1;  // no budget: the device tier is host memory
+  }
+  // Several swap directories on one file system share its free space.
+  std::vector<int64_t> seen;
+  for (const std::string& p : nvme_paths) {
+    const int64_t dev = device_of(p);
+    if (std::find(seen.begin(), seen.end(), dev) != seen.end()) continue;
+    seen.push_back(dev);
+    const int64_t free = free_bytes_under(p);
+    if (free >= 0) m.nvme_bytes = std::max<int64_t>(m.nvme_bytes, 0) + free;
+  }
+  return m;
+}
+
+std::array<int64_t, kNumTiers> PlacementPlan::state_total() const {
+  std::array<int64_t, kNumTiers> t{};
+  for (int c = 0; c < kNumCategories; ++c)
+    for (int k = 0; k < kNumTiers; ++k) t[size_t(k)] += bytes[size_t(c)][size_t(k)];
+  return t;
+}
+
+std::array<int64_t, kNumTiers> PlacementPlan::total() const {
+  std::array<int64_t, kNumTiers> t = state_total();
+  t[size_t(activation_tier)] += activation_bytes;
+  t[size_t(Tier::kDevice)] += gathered_block_bytes;
+  t[size_t(Tier::kHost)] += param_staging_bytes + optimizer_staging_bytes;
+  return t;
+}
+
+int64_t PlacementPlan::category_total(Category c) const {
+  int64_t s = 0;
+  for (int64_t b : bytes[size_t(c)]) s += b;
+  return s;
+}
+
+PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t rank,
+                        const MachineCapacity& capacity) {
+  STRATA_CHECK(rank >= 0 && rank < layout.world_size(), "rank out of range");
+  PlacementPlan plan;
+  const int64_t world = layout.world_size();
+  const int int16_bytes = compute_bytes(cfg);  // the working copy: fp32 or 16-bit
+  plan.elem_bytes = {int16_bytes, 4, 4, 4, 4};
+  (void)rank;  // every rank owns equally sized shards: shard r of every block
+
+  // ---- units ----------------------------------------------------------------
+  int64_t offset = 0;
+  std::vector<PlacementUnit> block_units;
+  for (const BlockLayout& b : layout.blocks()) {
+    block_units.push_back({offset, b.shard_numel(), Tier::kDevice});
+    offset += b.shard_numel();
+    plan.largest_block_shard_numel = std::max(plan.largest_block_shard_numel, b.shard_numel());
+  }
+  plan.shard_space_numel = offset;
+  plan.sub_group_numel = std::max<int64_t>(
+      kShardAlignElems, (cfg.zero.sub_group_size + kShardAlignElems - 1) / kShardAlignElems * kShardAlignElems);
+  std::vector<PlacementUnit> group_units;
+  for (int64_t o = 0; o < plan.shard_space_numel; o += plan.sub_group_numel) {
+    group_units.push_back({o, std::min(plan.sub_group_numel, plan.shard_space_numel - o), Tier::kDevice});
+  }
+
+  // ---- splits: DeepSpeed keys, then the placement section, or auto -------------
+  const OffloadOptimizerConfig& oo = cfg.zero.offload_optimizer;
+  const OffloadParamConfig& op = cfg.zero.offload_param;
+  TierSplit optimizer = on(Tier::kDevice), grad = on(Tier::kDevice), param16 = on(Tier::kDevice);
+  plan.source = "default";
+  if (oo.device != "none") {
+    plan.source = "deepspeed";
+    const Tier t = oo.device == "cpu" ? Tier::kHost : Tier::kNvme;
+    optimizer = TierSplit{1.0 - oo.ratio, t == Tier::kHost ? oo.ratio : 0.0, t == Tier::kNvme ? oo.ratio : 0.0};
+    // DeepSpeed keeps the gradients of offloaded optimizer state in host memory
+    // (they feed the CPU Adam), also when that state lives on NVMe.
+    grad = TierSplit{1.0 - oo.ratio, oo.ratio, 0.0};
+  }
+  if (op.device == "cpu") {
+    plan.source = "deepspeed";
+    param16 = on(Tier::kHost);
+  } else if (op.device == "nvme") {
+    plan.source = "deepspeed";
+    // max_in_cpu elements of parameters are kept in host memory, the rest on NVMe.
+    const double in_cpu = std::min(1.0, double(op.max_in_cpu) / double(std::max<int64_t>(1, plan.shard_space_numel)));
+    param16 = TierSplit{0.0, in_cpu, 1.0 - in_cpu};
+  }
+  std::array<TierSplit, kNumCategories> split = {param16, grad, optimizer, optimizer, optimizer};
+  const PlacementConfig& pc = cfg.placement;
+  if (pc.has_param16) split[0] = pc.param16;
+  if (pc.has_grad) split[1] = pc.grad;
+  if (pc.has_master) split[2] = pc.master;
+  if (pc.has_exp_avg) split[3] = pc.exp_avg;
+  if (pc.has_exp_avg_sq) split[4] = pc.exp_avg_sq;
+  if (pc.has_param16 || pc.has_grad || pc.has_master || pc.has_exp_avg || pc.has_exp_avg_sq) {
+    plan.source = "placement";
+  }
+
+  // ---- transient and staging (needed by auto, reported by all) ----------------
+  const ModelConfig& m = cfg.model;
+  const int64_t tokens = cfg.train_micro_batch_size_per_gpu * m.seq_len;
+  const int64_t cb = compute_bytes(cfg);
+  // Saved block inputs (the embedding's are the int64 tokens) plus the
+  // autograd graph of one recomputed layer: about 10 x dim + 4 x ffn values per
+  // token, and attention scores (heads x seq per token) when the attention
+  // kernel materialises them; and the fp32 logits with their gradient.
+  const int64_t saved = tokens * 8 + (m.n_layers + 1) * tokens * m.dim * cb;
+  const int64_t layer = tokens * (10 * m.dim + 4 * m.ffn_dim()) * cb + 3 * tokens * m.n_heads * m.seq_len * 4;
+  const int64_t head = 3 * tokens * m.vocab_size * 4;
+  plan.activation_bytes = saved + std::max(layer, head);
+  plan.activation_tier = cfg.activation_checkpointing.cpu_checkpointing ? Tier::kHost : Tier::kDevice;
+  if (plan.activation_tier == Tier::kHost) plan.activation_bytes -= saved - (saved / (m.n_layers + 1));
+  int64_t largest_block = 0;
+  for (const BlockLayout& b : layout.blocks()) largest_block = std::max(largest_block, b.padded_numel);
+
+  // ---- auto: fill the fastest tiers first with what is touched most ----------
+  if (pc.auto_place) {
+    plan.source = "auto";
+    // Order of preference for the fastest tiers: param16 (every forward and
+    // backward), grad (every backward), then optimizer state (once per step).
+    // Pinned staging buffers for whatever lands on NVMe come out of the host
+    // budget, so the fill is redone once with them reserved.
+    const double keep = 1.0 - pc.headroom;
+    const std::array<int64_t, kNumCategories> need = {
+        plan.shard_space_numel * int16_bytes, plan.shard_space_numel * 4, plan.shard_space_numel * 4,
+        plan.shard_space_numel * 4, plan.shard_space_numel * 4};
+    auto fill = [&](double host_reserved) {
+      double dev_left = capacity.device_bytes < 0 ? -1.0 : double(capacity.device_bytes) * keep;
+      if (dev_left >= 0) dev_left = std::max(0.0, dev_left - double(plan.activation_bytes));
+      double host_left = capacity.host_bytes < 0 ? -1.0 : double(capacity.host_bytes) * keep;
+      if (capacity.device_is_host && host_left >= 0 && capacity.device_bytes >= 0) {
+        host_left -= double(capacity.device_bytes);
+      }
+      if (host_left >= 0) host_left = std::max(0.0, host_left - host_reserved);
+      for (int c = 0; c < kNumCategories; ++c) {
+        const double n = double(need[size_t(c)]);
+        const double d = dev_left < 0 ? n : std::clamp(dev_left, 0.0, n);
+        if (dev_left >= 0) dev_left -= d;
+        const double h = host_left < 0 ? n - d : std::clamp(host_left, 0.0, n - d);
+        if (host_left >= 0) host_left -= h;
+        split[size_t(c)] = TierSplit{d / n, h / n, std::max(0.0, 1.0 - d / n - h / n)};
+      }
+    };
+    fill(0.0);
+    double reserve = 0.0;
+    if (split[0].nvme > 0 || split[1].nvme > 0) {
+      reserve += double(op.buffer_count * std::max(op.buffer_size, plan.largest_block_shard_numel) *
+                        std::max(int16_bytes, 4));
+    }
+    if (split[2].nvme > 0 || split[3].nvme > 0 || split[4].nvme > 0) {
+      reserve += double(oo.buffer_count * std::min(plan.sub_group_numel, plan.shard_space_numel) * 12);
+    }
+    if (reserve > 0) fill(reserve);
+  }
+  plan.split = split;
+  // A block whose parameters are not resident on the device (sharded, or
+  // placed on host/NVMe) is gathered into a transient buffer with its gradient.
+  const bool gathers = world > 1 || split[0].device < 1.0;
+  plan.gathered_block_bytes = gathers ? largest_block * (int16_bytes + 4) : 0;
+
+  // ---- place the units ------------------------------------------------------
+  for (int c = 0; c < kNumCategories; ++c) {
+    const bool per_block = c <= int(Category::kGrad);
+    std::vector<PlacementUnit> units = per_block ? block_units : group_units;
+    assign(units, split[size_t(c)], plan.shard_space_numel);
+    for (const PlacementUnit& u : units) {
+      plan.bytes[size_t(c)][size_t(u.tier)] += u.numel * plan.elem_bytes[size_t(c)];
+    }
+    plan.units[size_t(c)] = std::move(units);
+  }
+
+  // ---- NVMe paths and pinned staging ------------------------------------------
+  bool params_on_nvme = plan.bytes[0][2] > 0 || plan.bytes[1][2] > 0;
+  bool optimizer_on_nvme = plan.bytes[2][2] > 0 || plan.bytes[3][2] > 0 || plan.bytes[4][2] > 0;
+  plan.nvme_paths = pc.nvme_path;
+  if (plan.nvme_paths.empty()) plan.nvme_paths = optimizer_on_nvme && !oo.nvme_path.empty() ? oo.nvme_path : op.nvme_path;
+  if (plan.nvme_paths.empty()) plan.nvme_paths = oo.nvme_path;
+  if ((params_on_nvme || optimizer_on_nvme) && plan.nvme_paths.empty()) {
+    throw ConfigError("placement.nvme_path", "state is placed on nvme but no swap directory is given");
+  }
+  if (params_on_nvme) {
+    // buffer_count buffers of buffer_size elements, each able to hold the
+    // largest block shard (DeepSpeed asserts deep in a step when it cannot).
+    plan.param_staging_bytes =
+        op.buffer_count * std::max(op.buffer_size, plan.largest_block_shard_numel) * std::max(int16_bytes, 4);
+  }
+  if (optimizer_on_nvme) {
+    // buffer_count sub-groups in flight (read ahead, in Adam, written back),
+    // each with master, exp_avg and exp_avg_sq.
+    plan.optimizer_staging_bytes =
+        oo.buffer_count * std::min(plan.sub_group_numel, plan.shard_space_numel) * 12;
+  }
+  return plan;
+}
+
+std::vector<std::string> plan_shortfalls(const PlacementPlan& plan, const MachineCapacity& cap) {
+  std::vector<std::string> out;
+  const auto t = plan.total();
+  auto check = [&](Tier tier, int64_t need, int64_t have, const std::string& advice) {
+    if (have >= 0 && need > have) {
+      out.push_back(strprintf("%s: short by %s (needs %s, has %s); %s", tier_name(tier),
+                              format_bytes(double(need - have)).c_str(), format_bytes(double(need)).c_str(),
+                              format_bytes(double(have)).c_str(), advice.c_str()));
+    }
+  };
+  check(Tier::kDevice, t[0], cap.device_bytes,
+        "move state off the device (zero_optimization.offload_optimizer / offload_param, or a placement "
+        "split with less on device), lower train_micro_batch_size_per_gpu, or raise run.device_memory_mb");
+  int64_t host_need = t[1];
+  if (cap.device_is_host && cap.device_bytes >= 0) host_need += std::min<int64_t>(t[0], cap.device_bytes);
+  else if (cap.device_is_host) host_need += t[0];
+  check(Tier::kHost, host_need, cap.host_bytes,
+        "move state to nvme (offload_optimizer.device \"nvme\" or a placement split), or lower "
+        "buffer_count / buffer_size / sub_group_size to shrink pinned staging buffers");
+  check(Tier::kNvme, t[2], cap.nvme_bytes, "free disk space under the nvme_path directories or add more");
+  return out;
+}
+
+}  // namespace strata

@@ -1,0 +1,90 @@
+// The placement plan: which tier (device, host, NVMe) holds each piece of each
+// state category, decided before anything is allocated, deterministically from
+// the config and the layout, so every rank can compute every rank's plan.
+// No LibTorch here. See Note [Placement units].
+#pragma once
+
+#include <array>
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "config/config.h"
+#include "memory/layout.h"
+
+namespace strata {
+
+enum class Tier { kDevice = 0, kHost = 1, kNvme = 2 };
+inline constexpr int kNumTiers = 3;
+const char* tier_name(Tier t);
+
+enum class Category { kParam16 = 0, kGrad = 1, kMaster = 2, kExpAvg = 3, kExpAvgSq = 4 };
+inline constexpr int kNumCategories = 5;
+const char* category_name(Category c);
+
+// Note [Placement units]
+// Placement moves whole units, never parts of one. For param16 and grad a unit
+// is one block's shard of this rank (what a forward or backward needs at
+// once). For master, exp_avg and exp_avg_sq a unit is an optimizer sub-group:
+// the rank's shard space (its shards of every block, concatenated) cut every
+// sub_group_size elements, rounded up to kShardAlignElems, so that a
+// sub-group is one contiguous range at the same offset in every category and
+// tier (one NVMe read or write, one CPU Adam call). A unit goes to the tier in
+// whose share of the split its midpoint falls: units are taken in model order,
+// device share first, then host, then NVMe. The same config and layout
+// always give the same plan.
+struct PlacementUnit {
+  int64_t offset = 0;  // elements from the start of the rank's shard space
+  int64_t numel = 0;
+  Tier tier = Tier::kDevice;
+};
+
+// What the machine offers, measured or given (bytes; < 0 = unknown/unlimited).
+struct MachineCapacity {
+  int64_t device_bytes = -1;    // device-tier budget
+  int64_t host_bytes = -1;      // available RAM
+  int64_t nvme_bytes = -1;      // free space under the swap directories (sum)
+  bool device_is_host = true;   // CPU compute: the device tier lives in host RAM
+};
+
+// Measures the capacity: device budget from run.device_memory_mb (CPU: else
+// unlimited), MemAvailable from /proc/meminfo, statvfs free space under each
+// of `nvme_paths` (the nearest existing ancestor of each).
+MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::string>& nvme_paths);
+
+struct PlacementPlan {
+  std::array<TierSplit, kNumCategories> split;                      // as requested
+  std::array<std::vector<PlacementUnit>, kNumCategories> units;     // as placed
+  std::array<std::array<int64_t, kNumTiers>, kNumCategories> bytes{};  // per category, tier
+  std::array<int, kNumCategories> elem_bytes{};                     // bytes per element
+  std::vector<std::string> nvme_paths;
+  std::string source;            // "deepspeed", "placement", "auto", "default"
+
+  int64_t sub_group_numel = 0;   // elements per optimizer sub-group (aligned)
+  int64_t shard_space_numel = 0; // elements of this rank's shards, all blocks
+  int64_t largest_block_shard_numel = 0;
+
+  // Transient and staging memory (bytes).
+  int64_t activation_bytes = 0;      // saved block inputs + one block's recompute
+  Tier activation_tier = Tier::kDevice;
+  int64_t gathered_block_bytes = 0;  // largest block, gathered, 16-bit + its gradient
+  int64_t param_staging_bytes = 0;   // pinned host: NVMe <-> device parameter buffers
+  int64_t optimizer_staging_bytes = 0;  // pinned host: NVMe optimizer swap buffers
+
+  std::array<int64_t, kNumTiers> state_total() const;  // state bytes per tier
+  std::array<int64_t, kNumTiers> total() const;        // state + transient + staging per tier
+  int64_t category_total(Category c) const;
+};
+
+// Computes the plan for `rank` (0 .. world_size-1). Throws ConfigError when
+// the config asks for something the layout cannot give (e.g. NVMe with no
+// path). `capacity` is used only by "auto".
+PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t rank,
+                        const MachineCapacity& capacity);
+
+// The verdict: empty when the plan fits `capacity`; otherwise one line per
+// short tier ("host: short by 3.2 GiB (needs 35.2 GiB, has 32.0 GiB); move
+// optimizer state to nvme ...").
+std::vector<std::string> plan_shortfalls(const PlacementPlan& plan, const MachineCapacity& capacity);
+
+}  // namespace strata

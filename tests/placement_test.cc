@@ -1,0 +1,176 @@
+// Tests of memory/placement: the plan from DeepSpeed keys, from a placement
+// section and from "auto"; whole units; determinism; the verdict.
+#include "memory/placement.h"
+
+#include <gtest/gtest.h>
+
+#include "util/errors.h"
+
+namespace strata {
+namespace {
+
+// 8 blocks of 64Ki elements each (padded to the 2048 quantum already).
+StateLayout make_layout(int64_t world = 1) {
+  std::vector<std::pair<std::string, std::vector<ParamSpec>>> blocks;
+  for (int b = 0; b < 8; ++b) {
+    blocks.push_back({"block." + std::to_string(b), {{"w", {256, 256}, Init::kNormal, 0.02}}});
+  }
+  return StateLayout(blocks, world);
+}
+
+Config config_with(const std::vector<std::string>& overrides) {
+  nlohmann::json j = {{"data", {{"path", "unused.txt"}}},
+                      {"zero_optimization", {{"sub_group_size", 65536}}}};
+  return parse_config(j, overrides);
+}
+
+MachineCapacity unlimited() { return MachineCapacity{}; }
+
+constexpr int64_t kTotal = 8 * 65536;
+
+TEST(PlacementTest, DefaultIsEverythingOnDevice) {
+  StateLayout layout = make_layout();
+  PlacementPlan p = make_plan(config_with({}), layout, 0, unlimited());
+  EXPECT_EQ(p.source, "default");
+  for (int c = 0; c < kNumCategories; ++c) {
+    EXPECT_EQ(p.bytes[c][0], kTotal * p.elem_bytes[c]) << category_name(Category(c));
+    EXPECT_EQ(p.bytes[c][1] + p.bytes[c][2], 0);
+  }
+  EXPECT_EQ(p.param_staging_bytes + p.optimizer_staging_bytes, 0);
+}
+
+TEST(PlacementTest, DeepSpeedOptimizerOffloadToCpuAndNvmeWithRatio) {
+  StateLayout layout = make_layout();
+  PlacementPlan cpu = make_plan(config_with({"zero_optimization.offload_optimizer.device=cpu"}),
+                                layout, 0, unlimited());
+  EXPECT_EQ(cpu.source, "deepspeed");
+  for (Category c : {Category::kMaster, Category::kExpAvg, Category::kExpAvgSq, Category::kGrad}) {
+    EXPECT_EQ(cpu.bytes[int(c)][int(Tier::kHost)], kTotal * 4) << category_name(c);
+  }
+  EXPECT_EQ(cpu.bytes[int(Category::kParam16)][int(Tier::kDevice)], kTotal * 4);  // fp32 compute
+
+  PlacementPlan nvme = make_plan(
+      config_with({"zero_optimization.offload_optimizer={\"device\":\"nvme\",\"nvme_path\":\"/tmp/x\",\"ratio\":0.25}"}),
+      layout, 0, unlimited());
+  // ratio 0.25: a quarter of the 8 sub-groups on NVMe, the rest on device.
+  EXPECT_EQ(nvme.bytes[int(Category::kMaster)][int(Tier::kNvme)], 2 * 65536 * 4);
+  EXPECT_EQ(nvme.bytes[int(Category::kMaster)][int(Tier::kDevice)], 6 * 65536 * 4);
+  // DeepSpeed keeps the gradients of offloaded optimizer state in host memory.
+  EXPECT_EQ(nvme.bytes[int(Category::kGrad)][int(Tier::kHost)], 2 * 65536 * 4);
+  EXPECT_EQ(nvme.optimizer_staging_bytes, 4 * 65536 * 12);  // buffer_count 4 sub-groups x 3 arrays
+  EXPECT_EQ(nvme.nvme_paths, std::vector<std::string>{"/tmp/x"});
+}
+
+TEST(PlacementTest, DeepSpeedParamOffloadToNvmeKeepsMaxInCpuOnHost) {
+  StateLayout layout = make_layout();
+  PlacementPlan p = make_plan(
+      config_with({"zero_optimization.stage=3",
+                   "zero_optimization.offload_param={\"device\":\"nvme\",\"nvme_path\":\"/tmp/x\",\"max_in_cpu\":131072,\"buffer_size\":1000,\"buffer_count\":3}"}),
+      layout, 0, unlimited());
+  EXPECT_EQ(p.bytes[int(Category::kParam16)][int(Tier::kHost)], 2 * 65536 * 4);
+  EXPECT_EQ(p.bytes[int(Category::kParam16)][int(Tier::kNvme)], 6 * 65536 * 4);
+  // Staging buffers are at least as large as the largest block shard.
+  EXPECT_EQ(p.param_staging_bytes, 3 * 65536 * 4);
+}
+
+TEST(PlacementTest, ThreeWaySplitPlacesWholeUnitsNearTheRequestedShares) {
+  StateLayout layout = make_layout();
+  Config cfg = config_with({"placement={\"param16\":{\"device\":0.2,\"host\":0.3,\"nvme\":0.5},"
+                            "\"optimizer\":{\"device\":0.25,\"host\":0.25,\"nvme\":0.5},"
+                            "\"nvme_path\":\"/tmp/x\"}"});
+  PlacementPlan p = make_plan(cfg, layout, 0, unlimited());
+  EXPECT_EQ(p.source, "placement");
+  // 8 units with midpoints at 1/16, 3/16, 5/16, ...: device takes those below
+  // 0.2 (2 units), host those below 0.5 (2 more), NVMe the other 4.
+  const auto& pb = p.bytes[int(Category::kParam16)];
+  EXPECT_EQ(pb[0], 2 * 65536 * 4);
+  EXPECT_EQ(pb[1], 2 * 65536 * 4);
+  EXPECT_EQ(pb[2], 4 * 65536 * 4);
+  const auto& mb = p.bytes[int(Category::kMaster)];
+  EXPECT_EQ(mb[0], 2 * 65536 * 4);
+  EXPECT_EQ(mb[1], 2 * 65536 * 4);
+  EXPECT_EQ(mb[2], 4 * 65536 * 4);
+  // Every category accounts for every element exactly once.
+  for (int c = 0; c < kNumCategories; ++c) EXPECT_EQ(p.category_total(Category(c)), kTotal * p.elem_bytes[c]);
+  // Deterministic: the same config gives the same units.
+  PlacementPlan q = make_plan(cfg, layout, 0, unlimited());
+  for (int c = 0; c < kNumCategories; ++c) {
+    ASSERT_EQ(p.units[c].size(), q.units[c].size());
+    for (size_t i = 0; i < p.units[c].size(); ++i) EXPECT_EQ(p.units[c][i].tier, q.units[c][i].tier);
+  }
+}
+
+TEST(PlacementTest, SubGroupsAreAlignedContiguousRanges) {
+  StateLayout layout = make_layout();
+  Config cfg = config_with({"zero_optimization.sub_group_size=100000"});
+  PlacementPlan p = make_plan(cfg, layout, 0, unlimited());
+  EXPECT_EQ(p.sub_group_numel % kShardAlignElems, 0);
+  EXPECT_GE(p.sub_group_numel, 100000);
+  int64_t next = 0;
+  for (const PlacementUnit& u : p.units[int(Category::kMaster)]) {
+    EXPECT_EQ(u.offset, next);
+    next += u.numel;
+  }
+  EXPECT_EQ(next, kTotal);
+}
+
+TEST(PlacementTest, AutoFillsTheDeviceFirstWithParametersThenGradients) {
+  StateLayout layout = make_layout();
+  Config cfg = config_with({"placement={\"auto\":true,\"headroom\":0.0,\"nvme_path\":\"/tmp/x\"}",
+                            "model.dim=8", "model.n_heads=2", "model.n_layers=1", "model.seq_len=8",
+                            "train_micro_batch_size_per_gpu=1",
+                            "zero_optimization.offload_optimizer.buffer_count=1"});
+  MachineCapacity cap;
+  cap.device_is_host = false;
+  const int64_t transient = make_plan(cfg, layout, 0, unlimited()).activation_bytes;
+  cap.device_bytes = kTotal * 4 + kTotal * 2 + transient;  // param16 + half of grad
+  // rest of grad + 1.5 categories, plus the pinned buffers for the sub-groups on NVMe
+  // (one sub-group of 3 fp32 arrays, buffer_count 1): without that reserve the
+  // last category would partly fit on the host.
+  cap.host_bytes = kTotal * 4 * 2 + 1 * 65536 * 12;
+  cap.nvme_bytes = int64_t(1) << 40;
+  PlacementPlan p = make_plan(cfg, layout, 0, cap);
+  EXPECT_EQ(p.source, "auto");
+  EXPECT_NEAR(p.split[int(Category::kParam16)].device, 1.0, 1e-9);
+  EXPECT_NEAR(p.split[int(Category::kGrad)].device, 0.5, 1e-9);
+  EXPECT_NEAR(p.split[int(Category::kGrad)].host, 0.5, 1e-9);
+  EXPECT_NEAR(p.split[int(Category::kMaster)].host, 1.0, 1e-9);
+  EXPECT_NEAR(p.split[int(Category::kExpAvg)].host, 0.5, 1e-9);
+  EXPECT_NEAR(p.split[int(Category::kExpAvgSq)].nvme, 1.0, 1e-9);
+  EXPECT_TRUE(plan_shortfalls(p, cap).empty());
+}
+
+TEST(PlacementTest, ShortfallNamesTheTierAndTheNumbers) {
+  StateLayout layout = make_layout();
+  PlacementPlan p = make_plan(config_with({}), layout, 0, unlimited());
+  MachineCapacity cap;
+  cap.device_is_host = false;
+  cap.device_bytes = 1 << 20;
+  cap.host_bytes = int64_t(1) << 34;
+  auto s = plan_shortfalls(p, cap);
+  ASSERT_EQ(s.size(), 1u);
+  EXPECT_EQ(s[0].rfind("device: short by", 0), 0u) << s[0];
+  EXPECT_NE(s[0].find("has 1.0 MiB"), std::string::npos) << s[0];
+  cap.device_bytes = -1;
+  EXPECT_TRUE(plan_shortfalls(p, cap).empty());
+}
+
+TEST(PlacementTest, BadPlacementSectionsNameTheKey) {
+  auto key_of = [](const std::vector<std::string>& o) {
+    try {
+      config_with(o);
+    } catch (const ConfigError& e) {
+      return e.key();
+    }
+    return std::string("no error");
+  };
+  EXPECT_EQ(key_of({"placement={\"grad\":{\"device\":0.5,\"host\":0.4}}"}), "placement.grad");
+  EXPECT_EQ(key_of({"placement={\"grad\":{\"gpu\":1.0}}"}), "placement.grad.gpu");
+  EXPECT_EQ(key_of({"placement={\"master\":{\"nvme\":1.0}}"}), "placement.nvme_path");
+  EXPECT_EQ(key_of({"placement=\"manual\""}), "placement");
+  EXPECT_EQ(key_of({"placement={\"param16\":{\"device\":1.5,\"host\":-0.5}}"}), "placement.param16.device");
+  EXPECT_EQ(key_of({"run.device_memory_mb=-1"}), "run.device_memory_mb");
+}
+
+}  // namespace
+}  // namespace strata
