@@ -2,6 +2,7 @@
 
 #include <unistd.h>
 
+#include <algorithm>
 #include <chrono>
 #include <cstring>
 #include <random>
@@ -22,6 +23,8 @@ bool g_warned_buffered_bench = false;
 IoBench::IoBench(BenchOptions options) : options_(std::move(options)) {
   STRATA_CHECK(options_.bytes > 0 && options_.bytes % kDirectAlignmentBytes == 0,
                "benchmark size must be a positive multiple of 4096");
+  STRATA_CHECK(options_.max_buffer_bytes > 0 && options_.max_buffer_bytes % kDirectAlignmentBytes == 0,
+               "benchmark buffer must be a positive multiple of 4096");
   if (options_.file.empty()) {
     if (!is_directory(options_.dir)) throw InputError(options_.dir, "directory does not exist");
     path_ = strprintf("%s/strata-bench-io.%d.dat", options_.dir.c_str(), int(::getpid()));
@@ -63,8 +66,9 @@ BenchResult IoBench::run(IoOp op, EngineOptions eo,
                       "memory, not a drive");
   }
   const int64_t total = options_.bytes;
-  const int64_t request = std::min(total, std::max(kRequestBytes, eo.block_size_bytes));
-  const int64_t buffer_bytes = std::max(request, buffer_.bytes() / request * request);
+  const int64_t request =
+      std::min({total, std::max(kRequestBytes, eo.block_size_bytes), buffer_.bytes()});
+  const int64_t buffer_bytes = buffer_.bytes() / request * request;  // request i uses slot i mod n
   std::vector<IoRequest> requests;
   for (int64_t off = 0; off < total; off += request) {
     const int64_t n = std::min(request, total - off);

@@ -20,6 +20,7 @@
 #include <thread>
 #include <vector>
 
+#include "nvme/bench.h"
 #include "nvme/buffer.h"
 #include "nvme/crc32c.h"
 #include "nvme/engine.h"
@@ -472,6 +473,49 @@ TEST(BufferTest, AlignmentAndPool) {
   releaser.join();
   EXPECT_EQ(c.bytes(), 64 * kKiB);
   EXPECT_EQ(uintptr_t(c.data()) % 4096, 0u);
+}
+
+// ---- bench-io ------------------------------------------------------------------------
+
+TEST(BenchTest, WritesThenReadsTheWholeFileAndCleansUp) {
+  TempDir dir;
+  for (const DirectIo direct : {DirectIo::kRequire, DirectIo::kOff}) {
+    BenchOptions bo;
+    bo.dir = dir.path();
+    bo.bytes = 8 * kMiB;
+    bo.max_buffer_bytes = 2 * kMiB;  // requests reuse the buffer
+    bo.direct = direct;
+    std::string path;
+    {
+      IoBench bench(bo);
+      path = bench.path();
+      EngineOptions eo;
+      eo.block_size_bytes = 256 * kKiB;
+      eo.queue_depth = 4;
+      eo.rings = 2;
+      for (const IoOp op : {IoOp::kWrite, IoOp::kRead}) {
+        int64_t last = 0;
+        const BenchResult r = bench.run(op, eo, [&](int64_t done, int64_t total) {
+          EXPECT_GT(done, last);
+          EXPECT_EQ(total, 8 * kMiB);
+          last = done;
+        });
+        EXPECT_EQ(last, 8 * kMiB);
+        EXPECT_EQ(r.op, op);
+        EXPECT_EQ(r.bytes, 8 * kMiB);
+        EXPECT_GT(r.seconds, 0);
+        EXPECT_GT(r.gbps(), 0);
+        EXPECT_EQ(r.direct, direct == DirectIo::kRequire);
+        EXPECT_EQ(r.rings, 2);
+      }
+      EXPECT_TRUE(path_exists(path));
+    }
+    EXPECT_FALSE(path_exists(path)) << "temporary file left behind";
+  }
+  BenchOptions missing;
+  missing.dir = dir.file("nope");
+  missing.bytes = kMiB;
+  EXPECT_THROW(IoBench{missing}, InputError);
 }
 
 // ---- crc32c -------------------------------------------------------------------------

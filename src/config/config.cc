@@ -728,7 +728,7 @@ void parse_run(const json& root, Config& c) {
   const json& r = section(root, "", path);
   check_keys(r, path,
              {"steps", "seed", "metrics", "log_file", "log_level", "device", "threads",
-              "device_memory_mb"},
+              "device_memory_mb", "cpu_adam_isa"},
              kNone, c.ignored_keys);
   RunConfig& rc = c.run;
   if (read(r, path, "steps", rc.steps)) positive("run.steps", rc.steps);
@@ -741,6 +741,8 @@ void parse_run(const json& root, Config& c) {
   if (read(r, path, "device_memory_mb", rc.device_memory_mb)) {
     non_negative("run.device_memory_mb", rc.device_memory_mb);
   }
+  read_enum(r, path, "cpu_adam_isa", rc.cpu_adam_isa,
+            {"auto", "scalar", "avx2", "avx512", "avx512_bf16"});
 }
 
 // One category's split: {"device": f, "host": f, "nvme": f}, absent tiers 0,

@@ -47,6 +47,7 @@ struct RunConfig {
   std::string device = "cpu";      // cpu | cuda
   int64_t threads = 0;             // intra-op threads; 0 = all cores
   int64_t device_memory_mb = 0;    // device-tier budget in MiB; 0 = what the device has
+  std::string cpu_adam_isa = "auto";  // auto | scalar | avx2 | avx512 | avx512_bf16 (force a lower one)
   std::string compute_dtype = "";  // derived: fp32 | bf16 | fp16 (from bf16/fp16 sections)
 };
 

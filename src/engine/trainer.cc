@@ -6,7 +6,6 @@
 
 #include <cmath>
 
-#include "engine/adam_reference.h"
 #include "engine/lr_schedule.h"
 #include "util/errors.h"
 
@@ -67,6 +66,14 @@ Trainer::Trainer(const Config& cfg, const Model& model)
   }
   sync_working_copy();
   saved_inputs_.resize(layout_.num_blocks());
+
+  const cpu_adam::Isa isa = cpu_adam::parse_isa(cfg.run.cpu_adam_isa);
+  if (!cpu_adam::isa_supported(isa)) {
+    throw ConfigError("run.cpu_adam_isa", std::string(cpu_adam::isa_name(isa)) +
+                                              " is not supported by this CPU (best: " +
+                                              cpu_adam::isa_name(cpu_adam::best_isa()) + ")");
+  }
+  adam_ = std::make_unique<cpu_adam::CpuAdam>(int(cfg.run.threads), isa);
 }
 
 StateBytes Trainer::state_bytes() const {
@@ -197,19 +204,26 @@ StepResult Trainer::step(const int64_t* tokens) {
 
   ++step_;
   r.lr = learning_rate(cfg_.scheduler, cfg_.optimizer.lr, step_);
-  AdamHyper h;
+  cpu_adam::AdamParams h;
   h.lr = r.lr;
   h.beta1 = cfg_.optimizer.beta1;
   h.beta2 = cfg_.optimizer.beta2;
   h.eps = cfg_.optimizer.eps;
   h.weight_decay = cfg_.optimizer.weight_decay;
   h.adamw = cfg_.optimizer.adam_w_mode;
-  at::parallel_for(0, layout_.total_numel(), 1 << 16, [&](int64_t begin, int64_t end) {
-    adam_reference_step(h, step_, grad_scale, master_.data_ptr<float>() + begin,
-                        grad_.data_ptr<float>() + begin, exp_avg_.data_ptr<float>() + begin,
-                        exp_avg_sq_.data_ptr<float>() + begin, end - begin);
-  });
-  sync_working_copy();
+  cpu_adam::AdamSpans spans;
+  spans.param = master_.data_ptr<float>();
+  spans.grad = grad_.data_ptr<float>();
+  spans.grad_type = cpu_adam::GradType::kF32;
+  spans.exp_avg = exp_avg_.data_ptr<float>();
+  spans.exp_avg_sq = exp_avg_sq_.data_ptr<float>();
+  spans.numel = layout_.total_numel();
+  if (compute_dtype_ == at::kBFloat16) {
+    // The 16-bit working copy comes out of the same pass over the fp32 state.
+    spans.emit = param16_.data_ptr();
+    spans.emit_type = cpu_adam::EmitType::kBF16;
+  }
+  adam_->step(h, cpu_adam::StepArgs{step_, grad_scale}, spans);
   return r;
 }
 

@@ -12,6 +12,7 @@
 #include <vector>
 
 #include "config/config.h"
+#include "cpu_adam/adam.h"
 #include "memory/buffer.h"
 #include "memory/layout.h"
 #include "model/model.h"
@@ -83,6 +84,7 @@ class Trainer {
   HostBuffer master_buf_, grad_buf_, exp_avg_buf_, exp_avg_sq_buf_, param16_buf_;
   at::Tensor master_, grad_, exp_avg_, exp_avg_sq_, param16_;
   std::vector<at::Tensor> saved_inputs_;  // per block, the activation checkpoint
+  std::unique_ptr<cpu_adam::CpuAdam> adam_;
   int64_t step_ = 0;
 };
 
