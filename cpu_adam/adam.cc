@@ -161,12 +161,13 @@ void CpuAdam::convert(const float* src, void* dst, EmitType type, int64_t numel)
   require(src != nullptr && dst != nullptr, "null span");
   const detail::ConvertKernel kernel = detail::kernels_for(isa_).convert;
   const int64_t tiles = tile_count(numel);
-  if (threads_ == 1 || tiles == 1) return kernel(src, dst, type, 0, numel);
+  if (threads_ == 1 || tiles == 1) return kernel(src, dst, type, numel, 0, numel);
   arena_.execute([&] {
     tbb::parallel_for(
         tbb::blocked_range<int64_t>(0, tiles),
         [&](const tbb::blocked_range<int64_t>& r) {
-          kernel(src, dst, type, r.begin() * kTileNumel, std::min(r.end() * kTileNumel, numel));
+          kernel(src, dst, type, numel, r.begin() * kTileNumel,
+                 std::min(r.end() * kTileNumel, numel));
         },
         tbb::static_partitioner());
   });
@@ -177,7 +178,7 @@ void convert_f32_to_16(const float* src, void* dst, EmitType type, int64_t numel
   require(numel >= 0, "numel must be >= 0");
   if (numel == 0) return;
   require(src != nullptr && dst != nullptr, "null span");
-  detail::kernels_for(isa).convert(src, dst, type, 0, numel);
+  detail::kernels_for(isa).convert(src, dst, type, numel, 0, numel);
 }
 
 }  // namespace strata::cpu_adam

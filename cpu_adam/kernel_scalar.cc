@@ -69,7 +69,8 @@ bool scalar_step(const StepConstants& c, const AdamSpans& s, int64_t begin, int6
   return kernel(c, s, begin, end);
 }
 
-void scalar_convert(const float* src, void* dst, EmitType type, int64_t begin, int64_t end) {
+void scalar_convert(const float* src, void* dst, EmitType type, int64_t /*numel*/, int64_t begin,
+                    int64_t end) {
   uint16_t* out = static_cast<uint16_t*>(dst);
   if (type == EmitType::kBF16) {
     for (int64_t i = begin; i < end; ++i) out[i] = float_to_bf16(src[i]);

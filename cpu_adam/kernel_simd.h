@@ -58,6 +58,8 @@ inline typename V::F load_grad(const void* grad, int64_t i) {
 // The state arrays are read first, so their lines are in cache anyway and
 // are stored normally. A range that streamed ends with a store fence, so the
 // bytes are visible to whichever thread continues after the parallel loop.
+// Small calls, whose arrays may all still be in the last-level cache (and be
+// read from there next), store normally.
 template <class V, EmitType E, bool kStream>
 inline void store_emit(void* emit, int64_t i, typename V::F x) {
   if constexpr (E != EmitType::kNone) {
@@ -71,12 +73,17 @@ inline void store_emit(void* emit, int64_t i, typename V::F x) {
   }
 }
 
-// Whether emit[begin...] can be streamed: vectors start at begin + k*kWidth,
-// so an aligned begin makes every full vector aligned.
+// Calls on fewer elements never stream: their ~30 bytes per element of
+// traffic fit in a typical last-level cache.
+constexpr int64_t kStreamMinNumel = int64_t{1} << 20;
+
+// Whether emit[begin...] of a call on numel elements is streamed: vectors
+// start at begin + k*kWidth, so an aligned begin makes every full vector
+// aligned.
 template <class V>
-inline bool can_stream(const void* emit, int64_t begin) {
+inline bool can_stream(const void* emit, int64_t numel, int64_t begin) {
   const auto address = reinterpret_cast<uintptr_t>(static_cast<const uint16_t*>(emit) + begin);
-  return address % sizeof(typename V::H) == 0;
+  return numel >= kStreamMinNumel && address % sizeof(typename V::H) == 0;
 }
 
 // One vector of Note [AdamW numerics], at element i of each span. `nonfinite`
@@ -111,7 +118,7 @@ bool step_range(const StepConstants& c, const AdamSpans& s, int64_t begin, int64
   const VectorConstants<V> k(c);
   typename V::F nonfinite = k.zero;
   int64_t i = begin;
-  if (E != EmitType::kNone && can_stream<V>(s.emit, begin)) {  // Note [Streaming the 16-bit copy]
+  if (E != EmitType::kNone && can_stream<V>(s.emit, s.numel, begin)) {  // Note [Streaming the 16-bit copy]
     for (; i + W <= end; i += W) {
       step_vector<V, G, E, D, true>(k, s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.emit, i,
                                     nonfinite);
@@ -181,10 +188,10 @@ bool simd_step(const StepConstants& c, const AdamSpans& s, int64_t begin, int64_
 }
 
 template <class V, EmitType E>
-void convert_range(const float* src, void* dst, int64_t begin, int64_t end) {
+void convert_range(const float* src, void* dst, int64_t numel, int64_t begin, int64_t end) {
   constexpr int W = V::kWidth;
   int64_t i = begin;
-  if (can_stream<V>(dst, begin)) {  // Note [Streaming the 16-bit copy]
+  if (can_stream<V>(dst, numel, begin)) {  // Note [Streaming the 16-bit copy]
     for (; i + W <= end; i += W) store_emit<V, E, true>(dst, i, V::load(src + i));
     V::fence();
   }
@@ -200,9 +207,10 @@ void convert_range(const float* src, void* dst, int64_t begin, int64_t end) {
 }
 
 template <class V>
-void simd_convert(const float* src, void* dst, EmitType type, int64_t begin, int64_t end) {
-  if (type == EmitType::kBF16) convert_range<V, EmitType::kBF16>(src, dst, begin, end);
-  if (type == EmitType::kF16) convert_range<V, EmitType::kF16>(src, dst, begin, end);
+void simd_convert(const float* src, void* dst, EmitType type, int64_t numel, int64_t begin,
+                  int64_t end) {
+  if (type == EmitType::kBF16) convert_range<V, EmitType::kBF16>(src, dst, numel, begin, end);
+  if (type == EmitType::kF16) convert_range<V, EmitType::kF16>(src, dst, numel, begin, end);
 }
 
 }  // namespace

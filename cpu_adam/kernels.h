@@ -32,9 +32,10 @@ StepConstants make_constants(const AdamParams& params, const StepArgs& args);
 // Updates elements [begin, end) of the spans. Returns true when every scaled
 // gradient in the range was finite.
 using StepKernel = bool (*)(const StepConstants& c, const AdamSpans& s, int64_t begin, int64_t end);
-// Converts src[begin, end) into dst[begin, end). REQUIRES: type != kNone.
-using ConvertKernel = void (*)(const float* src, void* dst, EmitType type, int64_t begin,
-                               int64_t end);
+// Converts src[begin, end) into dst[begin, end) of a conversion of numel
+// elements in all. REQUIRES: type != kNone.
+using ConvertKernel = void (*)(const float* src, void* dst, EmitType type, int64_t numel,
+                               int64_t begin, int64_t end);
 
 struct Kernels {
   StepKernel step;

@@ -23,19 +23,21 @@ bool g_warned_buffered_bench = false;
 IoBench::IoBench(BenchOptions options) : options_(std::move(options)) {
   STRATA_CHECK(options_.bytes > 0 && options_.bytes % kDirectAlignmentBytes == 0,
                "benchmark size must be a positive multiple of 4096");
-  STRATA_CHECK(options_.max_buffer_bytes > 0 && options_.max_buffer_bytes % kDirectAlignmentBytes == 0,
-               "benchmark buffer must be a positive multiple of 4096");
+  STRATA_CHECK(
+      options_.max_buffer_bytes > 0 && options_.max_buffer_bytes % kDirectAlignmentBytes == 0,
+      "benchmark buffer must be a positive multiple of 4096");
   if (options_.file.empty()) {
     if (!is_directory(options_.dir)) throw InputError(options_.dir, "directory does not exist");
     path_ = strprintf("%s/strata-bench-io.%d.dat", options_.dir.c_str(), int(::getpid()));
     temporary_ = true;
   } else {
     path_ = options_.file;
-    if (!is_directory(parent_dir(path_))) throw InputError(parent_dir(path_), "directory does not exist");
+    if (!is_directory(parent_dir(path_)))
+      throw InputError(parent_dir(path_), "directory does not exist");
   }
   {
-    File f = File::open(path_, OpenOptions{.write = true, .create = true, .mode = 0600,
-                                           .direct = options_.direct});
+    File f = File::open(
+        path_, OpenOptions{.write = true, .create = true, .mode = 0600, .direct = options_.direct});
     if (f.size_bytes() < options_.bytes) f.preallocate(options_.bytes);
   }
   buffer_ = PinnedBuffer(std::min(options_.bytes, options_.max_buffer_bytes));
@@ -56,14 +58,15 @@ BenchResult IoBench::run(IoOp op, EngineOptions eo,
   eo.backend = options_.backend;
   eo.fixed_buffers = {{buffer_.data(), buffer_.bytes()}};
   IoEngine engine(eo);
-  const FileId file = engine.attach(File::open(path_, OpenOptions{.write = true,
-                                                                  .direct = options_.direct}));
+  const FileId file =
+      engine.attach(File::open(path_, OpenOptions{.write = true, .direct = options_.direct}));
   const File& f = engine.file(file);
   if (!f.direct()) {
     warn_once(g_warned_buffered_bench,
-              path_ + ": buffered I/O; the page cache is written back and evicted inside the timed "
-                      "region, but a file system that keeps file data in memory (tmpfs) measures "
-                      "memory, not a drive");
+              path_ +
+                  ": buffered I/O; the page cache is written back and evicted inside the timed "
+                  "region, but a file system that keeps file data in memory (tmpfs) measures "
+                  "memory, not a drive");
   }
   const int64_t total = options_.bytes;
   const int64_t request =

@@ -84,8 +84,10 @@ void PinnedBuffer::release() noexcept {
 }
 
 PinnedBuffer::PinnedBuffer(PinnedBuffer&& other) noexcept
-    : data_(std::exchange(other.data_, nullptr)), bytes_(std::exchange(other.bytes_, 0)),
-      mapped_bytes_(std::exchange(other.mapped_bytes_, 0)), locked_(other.locked_),
+    : data_(std::exchange(other.data_, nullptr)),
+      bytes_(std::exchange(other.bytes_, 0)),
+      mapped_bytes_(std::exchange(other.mapped_bytes_, 0)),
+      locked_(other.locked_),
       huge_kind_(other.huge_kind_) {}
 
 PinnedBuffer& PinnedBuffer::operator=(PinnedBuffer&& other) noexcept {
@@ -137,7 +139,9 @@ void BufferPool::release(int slot) {
 }
 
 BufferPool::Lease::Lease(Lease&& other) noexcept
-    : pool_(std::exchange(other.pool_, nullptr)), slot_(other.slot_), data_(other.data_),
+    : pool_(std::exchange(other.pool_, nullptr)),
+      slot_(other.slot_),
+      data_(other.data_),
       bytes_(other.bytes_) {}
 
 BufferPool::Lease& BufferPool::Lease::operator=(Lease&& other) noexcept {

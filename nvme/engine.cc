@@ -17,7 +17,7 @@
 namespace strata::nvme {
 
 namespace {
-constexpr int kMaxRetries = 256;                   // EAGAIN/EINTR requeues of one operation
+constexpr int kMaxRetries = 256;                           // EAGAIN/EINTR requeues of one operation
 constexpr int64_t kMaxRegisteredBytes = int64_t(1) << 30;  // per registered buffer (kernel limit)
 bool g_warned_uring = false;
 }  // namespace
@@ -33,8 +33,7 @@ void validate(const EngineOptions& o) {
     throw ConfigError("aio.queue_depth", strprintf("must be in [1, 4096], got %d", o.queue_depth));
   }
   if (o.rings < 1 || o.rings > 64) {
-    throw ConfigError("aio.intra_op_parallelism",
-                      strprintf("must be in [1, 64], got %d", o.rings));
+    throw ConfigError("aio.intra_op_parallelism", strprintf("must be in [1, 64], got %d", o.rings));
   }
   if (o.submit_batch_bytes < 0) {
     throw ConfigError("aio.submit_batch_bytes", "must not be negative");
@@ -194,8 +193,8 @@ class Worker {
       } catch (const IoError& e) {
         const bool unavailable = e.err() == ENOSYS || e.err() == EPERM || e.err() == EACCES;
         if (o.backend != BackendKind::kAuto || !unavailable) throw;
-        warn_once(g_warned_uring, std::string(e.what()) +
-                                      "; using the thread-pool I/O backend (pread/pwrite)");
+        warn_once(g_warned_uring,
+                  std::string(e.what()) + "; using the thread-pool I/O backend (pread/pwrite)");
       }
     }
     if (!b) b = make_thread_backend(o.queue_depth);
@@ -240,9 +239,7 @@ class Worker {
     }
   }
 
-  bool idle() const {
-    return submitted_ == 0 && retry_.empty() && issue_index_ >= ranges_.size();
-  }
+  bool idle() const { return submitted_ == 0 && retry_.empty() && issue_index_ >= ranges_.size(); }
 
   Range* next_range() {
     while (issue_index_ < ranges_.size()) {
@@ -299,7 +296,8 @@ class Worker {
     op.tag = uint64_t(tag);
     backend_->prepare(op);
     ++submitted_;
-    if (op.buffer_index >= 0) engine_.counters_->fixed_buffer_ops.fetch_add(1, std::memory_order_relaxed);
+    if (op.buffer_index >= 0)
+      engine_.counters_->fixed_buffer_ops.fetch_add(1, std::memory_order_relaxed);
     if (engine_.options_.single_submit) {
       backend_->submit_and_reap(0, {});
       engine_.counters_->submits.fetch_add(1, std::memory_order_relaxed);
@@ -347,11 +345,13 @@ class Worker {
     // transfer ends at the end of the file too (the rest cannot be issued).
     if (c.result == 0 || (r.direct && c.result % kDirectAlignmentBytes != 0)) {
       if (r.op == IoOp::kRead) {
-        fail(s, 0, strprintf("read past the end of the file (got %lld of %lld bytes)",
-                             (long long)c.result, (long long)s.bytes));
+        fail(s, 0,
+             strprintf("read past the end of the file (got %lld of %lld bytes)",
+                       (long long)c.result, (long long)s.bytes));
       } else {
-        fail(s, EIO, strprintf("write stopped short (%lld of %lld bytes)", (long long)c.result,
-                               (long long)s.bytes));
+        fail(s, EIO,
+             strprintf("write stopped short (%lld of %lld bytes)", (long long)c.result,
+                       (long long)s.bytes));
       }
       release(tag);
       return;
@@ -414,9 +414,9 @@ class Worker {
   size_t issue_index_ = 0;    // ranges_[issue_index_] is the first with pieces to issue
   std::vector<Slot> slots_;   // queue_depth entries; the tag of an operation is its index
   std::vector<int> free_slots_;
-  std::vector<int> retry_;    // slots to prepare again (short transfer, EAGAIN)
-  int submitted_ = 0;         // prepared or submitted, completion not yet reaped
-  int batch_ = 1;             // completions to wait for before refilling
+  std::vector<int> retry_;  // slots to prepare again (short transfer, EAGAIN)
+  int submitted_ = 0;       // prepared or submitted, completion not yet reaped
+  int batch_ = 1;           // completions to wait for before refilling
   std::vector<Completion> completions_;
 };
 
@@ -439,9 +439,7 @@ IoHandle& IoHandle::operator=(IoHandle&& other) noexcept {
   return *this;
 }
 
-bool IoHandle::done() const {
-  return !state_ || state_->done.load(std::memory_order_acquire) != 0;
-}
+bool IoHandle::done() const { return !state_ || state_->done.load(std::memory_order_acquire) != 0; }
 
 void IoHandle::block() const {
   while (state_->done.load(std::memory_order_acquire) == 0) {

@@ -7,14 +7,15 @@
 // Each worker owns one backend queue. It takes the ranges submitted to it
 // in order, cuts them into block_size pieces, fills its queue to
 // queue_depth and submits the whole batch with one system call (adjacent
-// pieces of one batch reach the device merged), then waits for at least one
-// completion, reaps every completion available, and refills. A short
-// transfer is advanced and requeued; EAGAIN and EINTR are requeued (a few
-// hundred times at most); any other error fails the request, whose other
-// pieces are then not started. A range is finished only when none of its
-// pieces is in flight, so a failed request never has I/O still running into
-// its buffer once its handle reports completion. At shutdown every queued
-// request is still executed and everything in flight is drained.
+// pieces of one batch reach the device merged), then waits for a batch of
+// completions (Note [Batching]), reaps every completion available, and
+// refills. A short transfer is advanced and requeued; EAGAIN and EINTR are
+// requeued (a few hundred times at most); any other error fails the
+// request, whose other pieces are then not started. A range is finished
+// only when none of its pieces is in flight, so a failed request never has
+// I/O still running into its buffer once its handle reports completion. At
+// shutdown every queued request is still executed and everything in flight
+// is drained.
 //
 // Note [Batching]
 // The block layer merges adjacent requests that arrive in one submission (a
@@ -118,10 +119,10 @@ struct EngineStats {
   int64_t write_ops = 0;
   int64_t read_bytes = 0;
   int64_t write_bytes = 0;
-  int64_t submits = 0;          // submit system calls (batches)
-  int64_t short_transfers = 0;  // advanced and requeued
-  int64_t retries = 0;          // EAGAIN/EINTR requeued
-  int64_t fixed_buffer_ops = 0; // operations that used a registered buffer
+  int64_t submits = 0;           // submit system calls (batches)
+  int64_t short_transfers = 0;   // advanced and requeued
+  int64_t retries = 0;           // EAGAIN/EINTR requeued
+  int64_t fixed_buffer_ops = 0;  // operations that used a registered buffer
 };
 
 namespace detail {

@@ -10,11 +10,16 @@ namespace strata::nvme {
 
 const char* fault_kind_name(FaultKind kind) {
   switch (kind) {
-    case FaultKind::kEio: return "EIO";
-    case FaultKind::kEnospc: return "ENOSPC";
-    case FaultKind::kShort: return "short";
-    case FaultKind::kEagain: return "EAGAIN";
-    case FaultKind::kEintr: return "EINTR";
+    case FaultKind::kEio:
+      return "EIO";
+    case FaultKind::kEnospc:
+      return "ENOSPC";
+    case FaultKind::kShort:
+      return "short";
+    case FaultKind::kEagain:
+      return "EAGAIN";
+    case FaultKind::kEintr:
+      return "EINTR";
   }
   return "?";
 }
@@ -31,10 +36,14 @@ class FaultBackend final : public Backend {
   void prepare(const BackendOp& op) override {
     if (!is_faulty(op)) return inner_->prepare(op);
     switch (plan_->kind) {
-      case FaultKind::kEio: return fail(op, EIO);
-      case FaultKind::kEnospc: return fail(op, ENOSPC);
-      case FaultKind::kEagain: return fail(op, EAGAIN);
-      case FaultKind::kEintr: return fail(op, EINTR);
+      case FaultKind::kEio:
+        return fail(op, EIO);
+      case FaultKind::kEnospc:
+        return fail(op, ENOSPC);
+      case FaultKind::kEagain:
+        return fail(op, EAGAIN);
+      case FaultKind::kEintr:
+        return fail(op, EINTR);
       case FaultKind::kShort: {
         // Aligned, as short direct transfers are (is_faulty skips ops < 8 KiB).
         BackendOp half = op;
@@ -63,7 +72,8 @@ class FaultBackend final : public Backend {
     if (plan_->only_op >= 0 && plan_->only_op != int(op.op)) return false;
     if (plan_->kind == FaultKind::kShort && op.bytes < 2 * kDirectAlignmentBytes) return false;
     const int64_t k = plan_->seen.fetch_add(1) + 1;
-    const bool faulty = k >= plan_->first_op && (plan_->count < 0 || k < plan_->first_op + plan_->count);
+    const bool faulty =
+        k >= plan_->first_op && (plan_->count < 0 || k < plan_->first_op + plan_->count);
     if (faulty) plan_->injected.fetch_add(1);
     return faulty;
   }

@@ -25,10 +25,10 @@ const char* fault_kind_name(FaultKind kind);
 // prepared). Thread-safety: the counters are atomic.
 struct FaultPlan {
   FaultKind kind = FaultKind::kEio;
-  int64_t first_op = 1;   // 1-based index of the first faulty operation
-  int64_t count = 1;      // consecutive faulty operations from there (< 0: all)
-  int only_op = -1;       // -1: count reads and writes; else int(IoOp) to count only those
-  std::atomic<int64_t> seen{0};      // operations counted so far
+  int64_t first_op = 1;          // 1-based index of the first faulty operation
+  int64_t count = 1;             // consecutive faulty operations from there (< 0: all)
+  int only_op = -1;              // -1: count reads and writes; else int(IoOp) to count only those
+  std::atomic<int64_t> seen{0};  // operations counted so far
   std::atomic<int64_t> injected{0};  // faults injected so far
 };
 

@@ -38,9 +38,12 @@ void set_refuse_direct_open(bool refuse) { g_refuse_direct.store(refuse); }
 
 const char* direct_io_name(DirectIo mode) {
   switch (mode) {
-    case DirectIo::kAuto: return "auto";
-    case DirectIo::kRequire: return "require";
-    case DirectIo::kOff: return "off";
+    case DirectIo::kAuto:
+      return "auto";
+    case DirectIo::kRequire:
+      return "require";
+    case DirectIo::kOff:
+      return "off";
   }
   return "?";
 }
@@ -66,33 +69,50 @@ File& File::operator=(File&& other) noexcept {
 
 File File::open(const std::string& path, const OpenOptions& options) {
   int flags = O_CLOEXEC | (options.write ? O_RDWR : O_RDONLY);
-  if (options.create) flags |= O_CREAT;
-  if (options.create && options.exclusive) flags |= O_EXCL;
-  int fd = -1;
-  bool direct = false;
-  if (options.direct != DirectIo::kOff) {
-    fd = open_fd(path, flags | O_DIRECT, options.mode);
-    direct = fd >= 0;
-    if (fd < 0 && errno == EINVAL && options.direct == DirectIo::kAuto) {
-      warn_once(g_warned_buffered,
-                path + ": the file system refuses O_DIRECT; using buffered I/O (page cache) "
-                       "for files there");
-    } else if (fd < 0) {
-      throw_io_error(path, errno, options.direct == DirectIo::kRequire
-                                      ? "cannot open for direct I/O"
-                                      : "cannot open");
+  bool created = false;
+  if (options.create) {
+    // Create exclusively first, so that only a file made here gets `mode`
+    // (an existing file keeps its permissions).
+    const int fd = open_fd(path, flags | O_CREAT | O_EXCL, options.mode);
+    if (fd >= 0) {
+      ::close(fd);
+      created = true;
+    } else if (errno != EEXIST || options.exclusive) {
+      throw_io_error(path, errno, "cannot create");
     }
   }
-  if (fd < 0) {
-    fd = open_fd(path, flags, options.mode);
-    if (fd < 0) throw_io_error(path, errno, "cannot open");
+  // A file created here is removed again if it cannot be opened as asked.
+  try {
+    int fd = -1;
+    bool direct = false;
+    if (options.direct != DirectIo::kOff) {
+      fd = open_fd(path, flags | O_DIRECT, options.mode);
+      direct = fd >= 0;
+      if (fd < 0 && errno == EINVAL && options.direct == DirectIo::kAuto) {
+        warn_once(g_warned_buffered,
+                  path +
+                      ": the file system refuses O_DIRECT; using buffered I/O (page cache) "
+                      "for files there");
+      } else if (fd < 0) {
+        throw_io_error(
+            path, errno,
+            options.direct == DirectIo::kRequire ? "cannot open for direct I/O" : "cannot open");
+      }
+    }
+    if (fd < 0) {
+      fd = open_fd(path, flags, options.mode);
+      if (fd < 0) throw_io_error(path, errno, "cannot open");
+    }
+    File file(fd, path, direct);
+    // A created file gets exactly `mode`, whatever the umask.
+    if (created && ::fchmod(fd, options.mode) != 0) {
+      throw_io_error(path, errno, "cannot set permissions");
+    }
+    return file;
+  } catch (...) {
+    if (created) ::unlink(path.c_str());
+    throw;
   }
-  File file(fd, path, direct);
-  // A created file gets exactly `mode`, whatever the umask.
-  if (options.create && ::fchmod(fd, options.mode) != 0) {
-    throw_io_error(path, errno, "cannot set permissions");
-  }
-  return file;
 }
 
 int64_t File::size_bytes() const {
@@ -110,8 +130,9 @@ void File::preallocate(int64_t bytes) {
   if (rc == 0) return;
   if (errno == EOPNOTSUPP || errno == ENOSYS) {
     warn_once(g_warned_fallocate,
-              path_ + ": the file system does not support fallocate; swap files are sparse, "
-                      "and direct writes into them may be slow");
+              path_ +
+                  ": the file system does not support fallocate; swap files are sparse, "
+                  "and direct writes into them may be slow");
     if (size_bytes() < bytes) truncate(bytes);
     return;
   }
@@ -129,9 +150,9 @@ void File::sync() const {
 void File::drop_cache(int64_t offset_bytes, int64_t bytes) const {
   if (direct_) return;
   const off_t len = bytes > 0 ? off_t(bytes) : 0;
-  if (::sync_file_range(fd_, off_t(offset_bytes), len,
-                        SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE |
-                            SYNC_FILE_RANGE_WAIT_AFTER) != 0) {
+  if (::sync_file_range(
+          fd_, off_t(offset_bytes), len,
+          SYNC_FILE_RANGE_WAIT_BEFORE | SYNC_FILE_RANGE_WRITE | SYNC_FILE_RANGE_WAIT_AFTER) != 0) {
     throw_io_error(path_, errno, "cannot write back cached pages", offset_bytes, bytes);
   }
   // Advisory: a file system may keep the pages (tmpfs, where they are the file).

@@ -24,7 +24,7 @@ struct OpenOptions {
   bool write = false;      // O_RDWR, else O_RDONLY
   bool create = false;     // O_CREAT with `mode`
   bool exclusive = false;  // with create: O_EXCL (fail if it exists)
-  unsigned mode = 0600;    // permission bits of a created file (not subject to umask: fchmod)
+  unsigned mode = 0600;    // permission bits of a file created here (exactly: umask ignored)
   DirectIo direct = DirectIo::kAuto;
 };
 

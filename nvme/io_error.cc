@@ -7,8 +7,8 @@
 
 namespace strata::nvme {
 
-void throw_io_error(const std::string& path, int err, const std::string& what,
-                    int64_t offset_bytes, int64_t bytes) {
+void throw_io_error(const std::string& path, int err, const std::string& what, int64_t offset_bytes,
+                    int64_t bytes) {
   throw IoError(path, err, what, offset_bytes, bytes);
 }
 

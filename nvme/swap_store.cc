@@ -89,19 +89,21 @@ std::string read_whole_file(const std::string& path) {
 // Writes `data` to `path` atomically: temporary name, fsync, rename, fsync dir.
 void write_file_atomically(const std::string& path, const std::string& data) {
   const std::string tmp = path + ".tmp";
-  File f = File::open(tmp, OpenOptions{.write = true, .create = true, .mode = 0600,
-                                       .direct = DirectIo::kOff});
+  File f = File::open(
+      tmp, OpenOptions{.write = true, .create = true, .mode = 0600, .direct = DirectIo::kOff});
   if (::ftruncate(f.fd(), 0) != 0) throw_io_error(tmp, errno, "cannot truncate");
   size_t done = 0;
   while (done < data.size()) {
     const ssize_t n = ::pwrite(f.fd(), data.data() + done, data.size() - done, off_t(done));
     if (n < 0 && errno == EINTR) continue;
-    if (n < 0) throw_io_error(tmp, errno, "cannot write", int64_t(done), int64_t(data.size() - done));
+    if (n < 0)
+      throw_io_error(tmp, errno, "cannot write", int64_t(done), int64_t(data.size() - done));
     done += size_t(n);
   }
   f.sync();
   f.close();
-  if (::rename(tmp.c_str(), path.c_str()) != 0) throw_io_error(path, errno, "cannot rename " + tmp + " to");
+  if (::rename(tmp.c_str(), path.c_str()) != 0)
+    throw_io_error(path, errno, "cannot rename " + tmp + " to");
   const int dir = ::open(parent_dir(path).c_str(), O_RDONLY | O_DIRECTORY | O_CLOEXEC);
   if (dir >= 0) {
     (void)::fsync(dir);
@@ -114,17 +116,24 @@ void write_file_atomically(const std::string& path, const std::string& data) {
 // ---- SwapHandle -------------------------------------------------------------
 
 void SwapHandle::wait() {
-  if (store_ == nullptr || finished_) {
-    io_.wait();
+  if (store_ == nullptr) return io_.wait();
+  if (finished_) {
+    if (error_) std::rethrow_exception(error_);
     return;
   }
   finished_ = true;
-  store_->finish(*this);
+  try {
+    store_->finish(*this);
+  } catch (...) {
+    error_ = std::current_exception();
+    throw;
+  }
 }
 
 // ---- SwapStore --------------------------------------------------------------
 
-SwapStore::SwapStore(IoEngine& engine, SwapOptions options) : SwapStore(engine, std::move(options), false) {}
+SwapStore::SwapStore(IoEngine& engine, SwapOptions options)
+    : SwapStore(engine, std::move(options), false) {}
 
 SwapStore::SwapStore(IoEngine& engine, SwapOptions options, bool reopening)
     : engine_(engine), options_(std::move(options)) {
@@ -160,13 +169,14 @@ void SwapStore::create_files() {
   }
   for (const auto& [dev, n] : need) {
     struct statvfs vfs;
-    if (::statvfs(n.second.c_str(), &vfs) != 0) throw_io_error(n.second, errno, "cannot query free space");
+    if (::statvfs(n.second.c_str(), &vfs) != 0)
+      throw_io_error(n.second, errno, "cannot query free space");
     const int64_t avail = int64_t(vfs.f_bavail) * int64_t(vfs.f_frsize);
     if (avail < n.first) {
-      throw_io_error(n.second, ENOSPC,
-                     strprintf("not enough free space for the swap store: it needs %s, %s are free",
-                               format_bytes(double(n.first)).c_str(),
-                               format_bytes(double(avail)).c_str()));
+      throw_io_error(
+          n.second, ENOSPC,
+          strprintf("not enough free space for the swap store: it needs %s, %s are free",
+                    format_bytes(double(n.first)).c_str(), format_bytes(double(avail)).c_str()));
     }
   }
   try {
@@ -178,8 +188,11 @@ void SwapStore::create_files() {
       store_dirs_.push_back(tmpl);
       if (::chmod(tmpl.c_str(), 0700) != 0) throw_io_error(tmpl, errno, "cannot set permissions");
       const std::string path = tmpl + "/swap." + std::to_string(d);
-      File f = File::open(path, OpenOptions{.write = true, .create = true, .exclusive = true,
-                                            .mode = 0600, .direct = options_.direct});
+      File f = File::open(path, OpenOptions{.write = true,
+                                            .create = true,
+                                            .exclusive = true,
+                                            .mode = 0600,
+                                            .direct = options_.direct});
       file_paths_.push_back(path);
       f.preallocate(file_bytes_);
       files_.push_back(engine_.attach(std::move(f)));
@@ -188,9 +201,9 @@ void SwapStore::create_files() {
     remove_files();
     throw;
   }
-  log::info("swap store: %s in %zu file(s) under %s%s", format_bytes(double(capacity_bytes_)).c_str(),
-            file_paths_.size(), options_.dirs.front().c_str(),
-            options_.dirs.size() > 1 ? " and others" : "");
+  log::info("swap store: %s in %zu file(s) under %s%s",
+            format_bytes(double(capacity_bytes_)).c_str(), file_paths_.size(),
+            options_.dirs.front().c_str(), options_.dirs.size() > 1 ? " and others" : "");
 }
 
 std::unique_ptr<SwapStore> SwapStore::reopen(IoEngine& engine, const std::string& index_path,
@@ -262,8 +275,8 @@ RegionId SwapStore::add_region(const std::string& name, int64_t bytes) {
   const int64_t padded = round_up(bytes, kDirectAlignmentBytes);
   if (start + padded > capacity_bytes_) {
     throw_io_error(store_dirs_.front(), ENOSPC,
-                   strprintf("swap store full: region '%s' needs %s, %s of %s are free", name.c_str(),
-                             format_bytes(double(padded)).c_str(),
+                   strprintf("swap store full: region '%s' needs %s, %s of %s are free",
+                             name.c_str(), format_bytes(double(padded)).c_str(),
                              format_bytes(double(capacity_bytes_ - start)).c_str(),
                              format_bytes(double(capacity_bytes_)).c_str()));
   }
@@ -332,7 +345,8 @@ int64_t SwapStore::block_len(const Region& r, int64_t block) const {
   return std::min(options_.block_bytes, padded - block * options_.block_bytes);
 }
 
-void SwapStore::check_range(const Region& r, int64_t offset, int64_t bytes, const void* buffer) const {
+void SwapStore::check_range(const Region& r, int64_t offset, int64_t bytes,
+                            const void* buffer) const {
   STRATA_CHECK(!closed_, "swap store is closed");
   STRATA_CHECK(offset >= 0 && bytes > 0 && offset + bytes <= r.bytes,
                strprintf("region '%s': range [%lld, %lld) outside its %lld bytes", r.name.c_str(),
@@ -355,15 +369,16 @@ SwapHandle SwapStore::write(RegionId id, int64_t offset, int64_t bytes, const vo
   const int64_t blocks = (xfer + options_.block_bytes - 1) / options_.block_bytes;
   for (int64_t k = 0; k < blocks; ++k) {
     if (options_.checksums) {
-      r.crc[size_t(first + k)] = crc32c(p + k * options_.block_bytes, size_t(block_len(r, first + k)));
+      r.crc[size_t(first + k)] =
+          crc32c(p + k * options_.block_bytes, size_t(block_len(r, first + k)));
     }
     r.written[size_t(first + k)] = 1;
   }
   std::vector<IoRequest> requests;
   int64_t done = 0;
   for (const Piece& piece : map(r.start_bytes + offset, xfer)) {
-    requests.push_back({IoOp::kWrite, files_[size_t(piece.file)], piece.file_offset_bytes, piece.bytes,
-                        const_cast<std::byte*>(p + done)});
+    requests.push_back({IoOp::kWrite, files_[size_t(piece.file)], piece.file_offset_bytes,
+                        piece.bytes, const_cast<std::byte*>(p + done)});
     done += piece.bytes;
   }
   SwapHandle h;
@@ -387,19 +402,19 @@ SwapHandle SwapStore::read(RegionId id, int64_t offset, int64_t bytes, void* buf
     if (!r.written[size_t(first + k)]) {
       const int64_t at = (first + k) * options_.block_bytes;
       const Piece piece = map(r.start_bytes + at, block_len(r, first + k)).front();
-      throw_io_error(file_paths_[size_t(piece.file)], ENODATA,
-                     strprintf("region '%s': read of bytes [%lld, %lld) that were never written",
-                               r.name.c_str(), (long long)at,
-                               (long long)(at + block_len(r, first + k))),
-                     piece.file_offset_bytes, block_len(r, first + k));
+      throw_io_error(
+          file_paths_[size_t(piece.file)], ENODATA,
+          strprintf("region '%s': read of bytes [%lld, %lld) that were never written",
+                    r.name.c_str(), (long long)at, (long long)(at + block_len(r, first + k))),
+          piece.file_offset_bytes, block_len(r, first + k));
     }
   }
   auto* p = static_cast<std::byte*>(buffer);
   std::vector<IoRequest> requests;
   int64_t done = 0;
   for (const Piece& piece : map(r.start_bytes + offset, xfer)) {
-    requests.push_back({IoOp::kRead, files_[size_t(piece.file)], piece.file_offset_bytes, piece.bytes,
-                        p + done});
+    requests.push_back(
+        {IoOp::kRead, files_[size_t(piece.file)], piece.file_offset_bytes, piece.bytes, p + done});
     done += piece.bytes;
   }
   SwapHandle h;
@@ -474,7 +489,8 @@ void SwapStore::write_index() {
 
 void SwapStore::read_index(const std::string& path) {
   const std::string data = read_whole_file(path);
-  if (data.size() < sizeof(kIndexMagic) + 4 || std::memcmp(data.data(), kIndexMagic, sizeof(kIndexMagic)) != 0) {
+  if (data.size() < sizeof(kIndexMagic) + 4 ||
+      std::memcmp(data.data(), kIndexMagic, sizeof(kIndexMagic)) != 0) {
     throw InputError(path, "not a Strata swap index (bad magic)");
   }
   Reader rd{data, path};
@@ -486,7 +502,8 @@ void SwapStore::read_index(const std::string& path) {
   rd.pos = sizeof(kIndexMagic);
   const uint32_t version = uint32_t(rd.uint(4));
   if (version != kIndexVersion) {
-    throw InputError(path, strprintf("swap index version %u, this build reads %u", version, kIndexVersion));
+    throw InputError(
+        path, strprintf("swap index version %u, this build reads %u", version, kIndexVersion));
   }
   options_.checksums = (rd.uint(4) & kFlagChecksums) != 0;
   capacity_bytes_ = int64_t(rd.uint(8));
@@ -505,8 +522,8 @@ void SwapStore::read_index(const std::string& path) {
     r->name = rd.str();
     r->start_bytes = int64_t(rd.uint(8));
     r->bytes = int64_t(rd.uint(8));
-    const int64_t blocks =
-        (round_up(r->bytes, kDirectAlignmentBytes) + options_.block_bytes - 1) / options_.block_bytes;
+    const int64_t blocks = (round_up(r->bytes, kDirectAlignmentBytes) + options_.block_bytes - 1) /
+                           options_.block_bytes;
     for (int64_t k = 0; k < blocks; ++k) {
       r->written.push_back(uint8_t(rd.uint(1)));
       r->crc.push_back(uint32_t(rd.uint(4)));

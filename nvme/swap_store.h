@@ -19,6 +19,7 @@
 #pragma once
 
 #include <cstdint>
+#include <exception>
 #include <map>
 #include <memory>
 #include <mutex>
@@ -67,7 +68,7 @@ class SwapHandle {
 
   bool done() const { return io_.done(); }
   // Throws strata::IoError: the engine's error, or a checksum mismatch
-  // naming the file, offset and region.
+  // naming the file, offset and region. Throws the same again if called again.
   void wait();
 
  private:
@@ -80,6 +81,7 @@ class SwapHandle {
   int64_t bytes_ = 0;         // transferred (padded to 4 KiB)
   const std::byte* buffer_ = nullptr;
   bool finished_ = false;
+  std::exception_ptr error_;  // what the first wait() threw
 };
 
 // Thread-safety: all methods may be called concurrently, provided no two
@@ -117,7 +119,9 @@ class SwapStore {
   // IoError (ENODATA) before any I/O. See Note [Buffer reuse] in engine.h.
   SwapHandle write(RegionId id, int64_t offset_bytes, int64_t bytes, const void* buffer);
   SwapHandle read(RegionId id, int64_t offset_bytes, int64_t bytes, void* buffer);
-  SwapHandle write(RegionId id, const void* buffer) { return write(id, 0, region_bytes(id), buffer); }
+  SwapHandle write(RegionId id, const void* buffer) {
+    return write(id, 0, region_bytes(id), buffer);
+  }
   SwapHandle read(RegionId id, void* buffer) { return read(id, 0, region_bytes(id), buffer); }
 
   // fdatasync every file, and write the index when keeping files.

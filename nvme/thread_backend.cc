@@ -44,8 +44,10 @@ class ThreadBackend final : public Backend {
       queue_.insert(queue_.end(), prepared_.begin(), prepared_.end());
       const size_t n = prepared_.size();
       prepared_.clear();
-      if (n == 1) work_cv_.notify_one();
-      else work_cv_.notify_all();
+      if (n == 1)
+        work_cv_.notify_one();
+      else
+        work_cv_.notify_all();
     }
     done_cv_.wait(lock, [&] { return int(done_.size()) >= min_complete; });
     const size_t n = std::min(done_.size(), out.size());
@@ -65,8 +67,9 @@ class ThreadBackend final : public Backend {
       lock.unlock();
       ssize_t rc;
       do {
-        rc = op.op == IoOp::kRead ? ::pread(op.fd, op.buffer, size_t(op.bytes), off_t(op.offset_bytes))
-                                  : ::pwrite(op.fd, op.buffer, size_t(op.bytes), off_t(op.offset_bytes));
+        rc = op.op == IoOp::kRead
+                 ? ::pread(op.fd, op.buffer, size_t(op.bytes), off_t(op.offset_bytes))
+                 : ::pwrite(op.fd, op.buffer, size_t(op.bytes), off_t(op.offset_bytes));
       } while (rc < 0 && errno == EINTR);
       const int64_t result = rc < 0 ? -int64_t(errno) : int64_t(rc);
       lock.lock();
@@ -79,9 +82,9 @@ class ThreadBackend final : public Backend {
   std::mutex mu_;
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
-  std::deque<BackendOp> queue_;     // guarded by mu_
-  std::vector<Completion> done_;    // guarded by mu_
-  bool stop_ = false;               // guarded by mu_
+  std::deque<BackendOp> queue_;   // guarded by mu_
+  std::vector<Completion> done_;  // guarded by mu_
+  bool stop_ = false;             // guarded by mu_
   std::vector<std::thread> threads_;
 };
 

@@ -18,18 +18,25 @@ namespace strata::nvme {
 
 const char* backend_kind_name(BackendKind kind) {
   switch (kind) {
-    case BackendKind::kAuto: return "auto";
-    case BackendKind::kIoUring: return "io_uring";
-    case BackendKind::kThreadPool: return "threads";
+    case BackendKind::kAuto:
+      return "auto";
+    case BackendKind::kIoUring:
+      return "io_uring";
+    case BackendKind::kThreadPool:
+      return "threads";
   }
   return "?";
 }
 
 bool parse_backend_kind(const std::string& name, BackendKind* kind) {
-  if (name == "auto") *kind = BackendKind::kAuto;
-  else if (name == "io_uring" || name == "uring") *kind = BackendKind::kIoUring;
-  else if (name == "threads" || name == "thread_pool") *kind = BackendKind::kThreadPool;
-  else return false;
+  if (name == "auto")
+    *kind = BackendKind::kAuto;
+  else if (name == "io_uring" || name == "uring")
+    *kind = BackendKind::kIoUring;
+  else if (name == "threads" || name == "thread_pool")
+    *kind = BackendKind::kThreadPool;
+  else
+    return false;
   return true;
 }
 
@@ -53,7 +60,8 @@ class UringBackend final : public Backend {
     }
     if (rc < 0) throw_io_error("io_uring", -rc, "cannot create a ring");
     (void)io_uring_register_ring_fd(&ring_);  // saves an fd lookup per enter; optional
-    if (max_files > 0) files_registered_ = io_uring_register_files_sparse(&ring_, unsigned(max_files)) == 0;
+    if (max_files > 0)
+      files_registered_ = io_uring_register_files_sparse(&ring_, unsigned(max_files)) == 0;
   }
   ~UringBackend() override { io_uring_queue_exit(&ring_); }
 
@@ -67,11 +75,17 @@ class UringBackend final : public Backend {
     const unsigned len = unsigned(op.bytes);
     const bool fixed_buf = buffers_registered_ && op.buffer_index >= 0;
     if (op.op == IoOp::kRead) {
-      if (fixed_buf) io_uring_prep_read_fixed(sqe, fd, op.buffer, len, uint64_t(op.offset_bytes), op.buffer_index);
-      else io_uring_prep_read(sqe, fd, op.buffer, len, uint64_t(op.offset_bytes));
+      if (fixed_buf)
+        io_uring_prep_read_fixed(sqe, fd, op.buffer, len, uint64_t(op.offset_bytes),
+                                 op.buffer_index);
+      else
+        io_uring_prep_read(sqe, fd, op.buffer, len, uint64_t(op.offset_bytes));
     } else {
-      if (fixed_buf) io_uring_prep_write_fixed(sqe, fd, op.buffer, len, uint64_t(op.offset_bytes), op.buffer_index);
-      else io_uring_prep_write(sqe, fd, op.buffer, len, uint64_t(op.offset_bytes));
+      if (fixed_buf)
+        io_uring_prep_write_fixed(sqe, fd, op.buffer, len, uint64_t(op.offset_bytes),
+                                  op.buffer_index);
+      else
+        io_uring_prep_write(sqe, fd, op.buffer, len, uint64_t(op.offset_bytes));
     }
     if (fixed_file) sqe->flags |= IOSQE_FIXED_FILE;
     io_uring_sqe_set_data64(sqe, op.tag);

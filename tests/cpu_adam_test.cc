@@ -8,9 +8,11 @@
 #include <cmath>
 #include <cstdint>
 #include <cstdio>
+#include <cstdlib>
 #include <cstring>
 #include <iterator>
 #include <limits>
+#include <memory>
 #include <random>
 #include <stdexcept>
 #include <string>
@@ -74,7 +76,7 @@ uint16_t oracle_fp16(float x) {
   return oracle_round(x, fp16_to_float, 0x7C00, 65536.0);
 }
 
-TEST(Convert, Bf16EdgeCases) {
+TEST(CpuAdamConvert, Bf16EdgeCases) {
   struct Case { uint32_t in; uint16_t out; };
   const Case cases[] = {
       {0x00000000, 0x0000}, {0x80000000, 0x8000},  // +-0
@@ -101,7 +103,7 @@ TEST(Convert, Bf16EdgeCases) {
   }
 }
 
-TEST(Convert, Fp16EdgeCases) {
+TEST(CpuAdamConvert, Fp16EdgeCases) {
   struct Case { float in; uint16_t out; };
   const float inf = std::numeric_limits<float>::infinity();
   const Case cases[] = {
@@ -131,7 +133,7 @@ TEST(Convert, Fp16EdgeCases) {
   }
 }
 
-TEST(Convert, WideningIsExactAndRoundTrips) {
+TEST(CpuAdamConvert, WideningIsExactAndRoundTrips) {
   for (uint32_t h = 0; h <= 0xFFFF; ++h) {
     const uint16_t b = static_cast<uint16_t>(h);
     const float f16 = fp16_to_float(b);
@@ -176,7 +178,7 @@ std::vector<float> conversion_inputs(int64_t n, uint64_t seed) {
   return x;
 }
 
-TEST(Convert, ScalarMatchesOracle) {
+TEST(CpuAdamConvert, ScalarMatchesOracle) {
   const std::vector<float> x = conversion_inputs(1 << 20, 7);
   for (float f : x) {
     ASSERT_EQ(float_to_bf16(f), oracle_bf16(f)) << std::hex << float_to_bits(f);
@@ -184,11 +186,11 @@ TEST(Convert, ScalarMatchesOracle) {
   }
 }
 
-class ConvertIsa : public ::testing::TestWithParam<Isa> {};
+class CpuAdamConvertIsa : public ::testing::TestWithParam<Isa> {};
 
-TEST_P(ConvertIsa, KernelMatchesScalarBitForBit) {
+TEST_P(CpuAdamConvertIsa, KernelMatchesScalarBitForBit) {
   SKIP_UNLESS_SUPPORTED(GetParam());
-  const int64_t n = (1 << 18) + 13;
+  const int64_t n = (1 << 20) + 13;  // large enough to stream (kernel_simd.h)
   std::vector<float> x = conversion_inputs(n + 1, 11);
   std::vector<uint16_t> out(n + 1);
   CpuAdam adam(2, GetParam());
@@ -211,7 +213,7 @@ TEST_P(ConvertIsa, KernelMatchesScalarBitForBit) {
 // A sweep over the whole float range (every 97th bit pattern): for fp16 the
 // SIMD kernels use the hardware conversion (F16C, AVX-512), so this checks our
 // scalar IEEE rounding against the CPU's own.
-TEST_P(ConvertIsa, SweepOfAllFloats) {
+TEST_P(CpuAdamConvertIsa, SweepOfAllFloats) {
   SKIP_UNLESS_SUPPORTED(GetParam());
   constexpr int64_t kChunk = 1 << 20;
   constexpr uint64_t kStride = 97;
@@ -232,7 +234,7 @@ TEST_P(ConvertIsa, SweepOfAllFloats) {
   }
 }
 
-INSTANTIATE_TEST_SUITE_P(AllIsas, ConvertIsa, ::testing::ValuesIn(kAllIsas),
+INSTANTIATE_TEST_SUITE_P(AllIsas, CpuAdamConvertIsa, ::testing::ValuesIn(kAllIsas),
                          [](const auto& info) { return std::string(isa_name(info.param)); });
 
 // ---- the step against a double-precision reference --------------------------
@@ -373,9 +375,9 @@ void expect_within_tolerance(const RunErrors& e, const std::string& what) {
 
 using KernelCase = std::tuple<Isa, GradType, EmitType>;
 
-class AdamKernel : public ::testing::TestWithParam<KernelCase> {};
+class CpuAdamKernel : public ::testing::TestWithParam<KernelCase> {};
 
-TEST_P(AdamKernel, MatchesDoubleReferenceOver100Steps) {
+TEST_P(CpuAdamKernel, MatchesDoubleReferenceOver100Steps) {
   const auto [isa, grad_type, emit_type] = GetParam();
   SKIP_UNLESS_SUPPORTED(isa);
   CpuAdam adam(2, isa);
@@ -395,7 +397,7 @@ TEST_P(AdamKernel, MatchesDoubleReferenceOver100Steps) {
 }
 
 INSTANTIATE_TEST_SUITE_P(
-    All, AdamKernel,
+    All, CpuAdamKernel,
     ::testing::Combine(::testing::ValuesIn(kAllIsas),
                        ::testing::Values(GradType::kF32, GradType::kBF16, GradType::kF16),
                        ::testing::Values(EmitType::kNone, EmitType::kBF16, EmitType::kF16)),
@@ -405,12 +407,12 @@ INSTANTIATE_TEST_SUITE_P(
              emit_type_name(std::get<2>(info.param));
     });
 
-class AdamIsa : public ::testing::TestWithParam<Isa> {};
+class CpuAdamIsa : public ::testing::TestWithParam<Isa> {};
 
 // Adam (L2) and AdamW, with and without weight decay, each against its own
 // reference; with wd = 0 the two are the same algorithm, bit for bit; with
 // wd > 0 they differ.
-TEST_P(AdamIsa, WeightDecayModes) {
+TEST_P(CpuAdamIsa, WeightDecayModes) {
   SKIP_UNLESS_SUPPORTED(GetParam());
   CpuAdam adam(2, GetParam());
   const int64_t n = 4097;
@@ -435,7 +437,7 @@ TEST_P(AdamIsa, WeightDecayModes) {
 }
 
 // The first step of each mode, checked against hand-computed values.
-TEST_P(AdamIsa, FirstStepByHand) {
+TEST_P(CpuAdamIsa, FirstStepByHand) {
   SKIP_UNLESS_SUPPORTED(GetParam());
   CpuAdam adam(1, GetParam());
   for (bool adamw : {false, true}) {
@@ -454,7 +456,7 @@ TEST_P(AdamIsa, FirstStepByHand) {
   }
 }
 
-TEST_P(AdamIsa, NonFiniteGradientsAreReported) {
+TEST_P(CpuAdamIsa, NonFiniteGradientsAreReported) {
   SKIP_UNLESS_SUPPORTED(GetParam());
   const float inf = std::numeric_limits<float>::infinity();
   const float nan = std::numeric_limits<float>::quiet_NaN();
@@ -486,8 +488,41 @@ TEST_P(AdamIsa, NonFiniteGradientsAreReported) {
   }
 }
 
+// Large calls write the 16-bit copy with streaming stores when it is aligned
+// (Note [Streaming the 16-bit copy]); the bits are the same either way.
+TEST_P(CpuAdamIsa, StreamedEmitEqualsPlainEmit) {
+  SKIP_UNLESS_SUPPORTED(GetParam());
+  const int64_t n = (1 << 20) + 37;
+  struct Free { void operator()(void* p) const { std::free(p); } };
+  for (EmitType et : {EmitType::kBF16, EmitType::kF16}) {
+    std::vector<std::vector<uint16_t>> emitted;
+    std::vector<std::vector<float>> params;
+    for (int offset : {0, 1}) {  // 64-byte aligned (streams) and not
+      std::unique_ptr<void, Free> buf(std::aligned_alloc(64, (n + 64) * 2));
+      uint16_t* emit = static_cast<uint16_t*>(buf.get()) + offset;
+      CpuAdam adam(2, GetParam());
+      Problem prob(n, 0, GradType::kF32, EmitType::kNone, 21);
+      for (int t = 1; t <= 2; ++t) {
+        prob.new_grads();
+        AdamSpans s = prob.spans();
+        s.emit = emit;
+        s.emit_type = et;
+        ASSERT_TRUE(adam.step({}, {.step = t}, s));
+      }
+      emitted.emplace_back(emit, emit + n);
+      params.push_back(prob.span_param());
+      for (int64_t i = 0; i < n; ++i) {
+        const float p = params.back()[i];
+        ASSERT_EQ(emit[i], et == EmitType::kBF16 ? float_to_bf16(p) : float_to_fp16(p)) << i;
+      }
+    }
+    EXPECT_EQ(params[0], params[1]);
+    EXPECT_EQ(emitted[0], emitted[1]);
+  }
+}
+
 // The parallel split never changes the arithmetic.
-TEST_P(AdamIsa, ThreadCountDoesNotChangeResults) {
+TEST_P(CpuAdamIsa, ThreadCountDoesNotChangeResults) {
   SKIP_UNLESS_SUPPORTED(GetParam());
   const int64_t n = 10 * CpuAdam::kTileNumel + 9;
   std::vector<std::vector<float>> params;
@@ -504,12 +539,12 @@ TEST_P(AdamIsa, ThreadCountDoesNotChangeResults) {
   EXPECT_EQ(params[0], params[2]);
 }
 
-INSTANTIATE_TEST_SUITE_P(AllIsas, AdamIsa, ::testing::ValuesIn(kAllIsas),
+INSTANTIATE_TEST_SUITE_P(AllIsas, CpuAdamIsa, ::testing::ValuesIn(kAllIsas),
                          [](const auto& info) { return std::string(isa_name(info.param)); });
 
 // The AVX2 and AVX-512 kernels evaluate the same operation sequence: their
 // results are identical, not just close.
-TEST(AdamIsaAgreement, SimdKernelsAgreeBitForBit) {
+TEST(CpuAdamIsaAgreement, SimdKernelsAgreeBitForBit) {
   if (!isa_supported(Isa::kAvx512)) GTEST_SKIP() << "CPU lacks avx512";
   std::vector<std::vector<float>> params;
   std::vector<std::vector<uint16_t>> emits;
@@ -533,7 +568,7 @@ TEST(AdamIsaAgreement, SimdKernelsAgreeBitForBit) {
 
 // ---- API --------------------------------------------------------------------
 
-TEST(AdamApi, IsaNamesAndSupport) {
+TEST(CpuAdamApi, IsaNamesAndSupport) {
   for (Isa isa : kAllIsas) EXPECT_EQ(parse_isa(isa_name(isa)), isa);
   EXPECT_EQ(parse_isa("auto"), best_isa());
   EXPECT_THROW(parse_isa("avx9000"), std::invalid_argument);
@@ -547,7 +582,7 @@ TEST(AdamApi, IsaNamesAndSupport) {
   EXPECT_EQ(adam.isa(), best_isa());
 }
 
-TEST(AdamApi, RejectsBadArguments) {
+TEST(CpuAdamApi, RejectsBadArguments) {
   CpuAdam adam(1);
   float p = 0, g = 0, m = 0, v = 0;
   uint16_t e = 0;

@@ -80,9 +80,9 @@ Result compare_with_torch(Isa isa, const AdamParams& hp, int64_t n, int steps) {
   return r;
 }
 
-class TorchMatch : public ::testing::TestWithParam<Isa> {};
+class CpuAdamTorch : public ::testing::TestWithParam<Isa> {};
 
-TEST_P(TorchMatch, AdamW100Steps) {
+TEST_P(CpuAdamTorch, AdamW100Steps) {
   if (!isa_supported(GetParam())) GTEST_SKIP() << "CPU lacks " << isa_name(GetParam());
   for (double wd : {0.0, 0.01}) {
     const AdamParams hp{.lr = 1e-3, .weight_decay = wd, .adamw = true};
@@ -94,7 +94,7 @@ TEST_P(TorchMatch, AdamW100Steps) {
   }
 }
 
-TEST_P(TorchMatch, Adam100Steps) {
+TEST_P(CpuAdamTorch, Adam100Steps) {
   if (!isa_supported(GetParam())) GTEST_SKIP() << "CPU lacks " << isa_name(GetParam());
   const AdamParams hp{.lr = 1e-3, .weight_decay = 0.01, .adamw = false};
   const Result r = compare_with_torch<torch::optim::Adam, torch::optim::AdamOptions,
@@ -104,14 +104,14 @@ TEST_P(TorchMatch, Adam100Steps) {
   EXPECT_LE(r.v, kTolerance);
 }
 
-INSTANTIATE_TEST_SUITE_P(AllIsas, TorchMatch,
+INSTANTIATE_TEST_SUITE_P(AllIsas, CpuAdamTorch,
                          ::testing::Values(Isa::kScalar, Isa::kAvx2, Isa::kAvx512, Isa::kAvx512Bf16),
                          [](const auto& info) { return std::string(isa_name(info.param)); });
 
 // Our conversions against c10's scalar constructors (bit for bit, NaN
 // included) and LibTorch's vectorized tensor conversion (bit for bit; NaN
 // only as NaN, since LibTorch's SIMD path encodes bf16 NaN as 0xFFFF).
-TEST(TorchConvert, MatchesC10) {
+TEST(CpuAdamTorchConvert, MatchesC10) {
   std::mt19937_64 rng(5);
   const int64_t n = 1 << 22;
   std::vector<float> x(n);

@@ -290,7 +290,7 @@ TEST(TrainTest, Bf16ComputeTrainsAndKeepsFp32Master) {
   Trainer trainer(cfg, model);
   EXPECT_EQ(trainer.compute_dtype(), at::kBFloat16);
   EXPECT_EQ(trainer.block_weights(1)[1].scalar_type(), at::kBFloat16);
-  EXPECT_EQ(trainer.master().scalar_type(), at::kFloat);
+  EXPECT_EQ(trainer.master_block(1).scalar_type(), at::kFloat);
   TokenDataset data(cfg.data.paths, TokenFormat::kText, 256, cfg.model.seq_len, 0.0);
   std::vector<int64_t> batch(size_t(8 * 33));
   std::mt19937_64 rng(1);
@@ -304,9 +304,7 @@ TEST(TrainTest, Bf16ComputeTrainsAndKeepsFp32Master) {
   EXPECT_LT(last, first - 0.5);
   // The working copy is the master rounded to bf16.
   EXPECT_TRUE(torch::equal(trainer.block_weights(1)[1],
-                           param_views(trainer.layout().block(1),
-                                       trainer.master().narrow(0, trainer.layout().block(1).offset,
-                                                               trainer.layout().block(1).padded_numel))[1]
+                           param_views(trainer.layout().block(1), trainer.master_block(1))[1]
                                .to(torch::kBFloat16)));
 }
 
@@ -323,8 +321,9 @@ TEST(TrainTest, PaddingStaysZero) {
     data.sample_train(rng, 8, batch.data());
     trainer.step(batch.data());
   }
-  for (const BlockLayout& b : trainer.layout().blocks()) {
-    auto pad = trainer.master().narrow(0, b.offset + b.numel, b.padded_numel - b.numel);
+  for (size_t i = 0; i < trainer.layout().num_blocks(); ++i) {
+    const BlockLayout& b = trainer.layout().block(i);
+    auto pad = trainer.master_block(i).narrow(0, b.numel, b.padded_numel - b.numel);
     EXPECT_EQ(pad.abs().sum().item<double>(), 0.0) << b.name;
   }
 }

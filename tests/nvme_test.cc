@@ -2,10 +2,9 @@
 // direct and buffered) from several threads, faults injected below the
 // engine, the io_uring and O_DIRECT fallbacks, CRC-32C against known values,
 // and the swap store (permissions, cleanup, checksums, truncation, errors).
-#include <gtest/gtest.h>
-
 #include <errno.h>
 #include <fcntl.h>
+#include <gtest/gtest.h>
 #include <linux/filter.h>
 #include <linux/seccomp.h>
 #include <stddef.h>
@@ -48,7 +47,8 @@ void fill_random(std::byte* p, int64_t n, uint64_t seed) {
 }
 
 File open_rw(const std::string& path, DirectIo direct) {
-  return File::open(path, OpenOptions{.write = true, .create = true, .mode = 0600, .direct = direct});
+  return File::open(path,
+                    OpenOptions{.write = true, .create = true, .mode = 0600, .direct = direct});
 }
 
 // Expects `fn` to throw IoError with errno `err` and a message containing `text`.
@@ -85,7 +85,8 @@ TEST_P(RoundTrip, RandomRangesFromSeveralThreads) {
   options.queue_depth = 8;
   options.rings = 2;
   IoEngine engine(options);
-  EXPECT_STREQ(engine.backend_name(), mode.backend == BackendKind::kThreadPool ? "threads" : "io_uring");
+  EXPECT_STREQ(engine.backend_name(),
+               mode.backend == BackendKind::kThreadPool ? "threads" : "io_uring");
   File f = open_rw(dir.file("data"), mode.direct);
   const bool direct = f.direct();
   EXPECT_EQ(direct, mode.direct != DirectIo::kOff);
@@ -103,7 +104,8 @@ TEST_P(RoundTrip, RandomRangesFromSeveralThreads) {
       PinnedBuffer dst(kSlice + 8 * kKiB, BufferOptions{.lock = false, .huge_pages = false});
       for (int iter = 0; iter < 12; ++iter) {
         const int64_t unit = direct ? kDirectAlignmentBytes : 1;
-        const int64_t bytes = std::max<int64_t>(unit, int64_t(rng() % uint64_t(kSlice / 2)) / unit * unit);
+        const int64_t bytes =
+            std::max<int64_t>(unit, int64_t(rng() % uint64_t(kSlice / 2)) / unit * unit);
         const int64_t offset = int64_t(rng() % uint64_t(kSlice - bytes + 1)) / unit * unit;
         const int64_t shift = direct ? 0 : int64_t(rng() % 4096);
         std::byte* out = src.data() + shift;
@@ -128,16 +130,17 @@ TEST_P(RoundTrip, RandomRangesFromSeveralThreads) {
   EXPECT_EQ(s.read_bytes, s.write_bytes);
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Backends, RoundTrip,
-    ::testing::Values(Mode{BackendKind::kIoUring, DirectIo::kRequire},
-                      Mode{BackendKind::kIoUring, DirectIo::kOff},
-                      Mode{BackendKind::kThreadPool, DirectIo::kRequire},
-                      Mode{BackendKind::kThreadPool, DirectIo::kOff}),
-    [](const ::testing::TestParamInfo<Mode>& info) {
-      return std::string(info.param.backend == BackendKind::kIoUring ? "IoUring" : "Threads") +
-             (info.param.direct == DirectIo::kOff ? "Buffered" : "Direct");
-    });
+INSTANTIATE_TEST_SUITE_P(Backends, RoundTrip,
+                         ::testing::Values(Mode{BackendKind::kIoUring, DirectIo::kRequire},
+                                           Mode{BackendKind::kIoUring, DirectIo::kOff},
+                                           Mode{BackendKind::kThreadPool, DirectIo::kRequire},
+                                           Mode{BackendKind::kThreadPool, DirectIo::kOff}),
+                         [](const ::testing::TestParamInfo<Mode>& info) {
+                           return std::string(info.param.backend == BackendKind::kIoUring
+                                                  ? "IoUring"
+                                                  : "Threads") +
+                                  (info.param.direct == DirectIo::kOff ? "Buffered" : "Direct");
+                         });
 
 // A fixture with an engine over one 8 MiB file and two buffers in a registered pool.
 class EngineTest : public ::testing::Test {
@@ -338,20 +341,20 @@ TEST_P(FaultTest, OneFaultyWrite) {
   EXPECT_TRUE(read_matches());
 }
 
-INSTANTIATE_TEST_SUITE_P(
-    Kinds, FaultTest,
-    ::testing::Values(FaultCase{FaultKind::kEio, BackendKind::kIoUring},
-                      FaultCase{FaultKind::kEnospc, BackendKind::kIoUring},
-                      FaultCase{FaultKind::kShort, BackendKind::kIoUring},
-                      FaultCase{FaultKind::kEagain, BackendKind::kIoUring},
-                      FaultCase{FaultKind::kEintr, BackendKind::kIoUring},
-                      FaultCase{FaultKind::kEio, BackendKind::kThreadPool},
-                      FaultCase{FaultKind::kShort, BackendKind::kThreadPool},
-                      FaultCase{FaultKind::kEagain, BackendKind::kThreadPool}),
-    [](const ::testing::TestParamInfo<FaultCase>& info) {
-      return std::string(fault_kind_name(info.param.kind)) +
-             (info.param.backend == BackendKind::kIoUring ? "IoUring" : "Threads");
-    });
+INSTANTIATE_TEST_SUITE_P(Kinds, FaultTest,
+                         ::testing::Values(FaultCase{FaultKind::kEio, BackendKind::kIoUring},
+                                           FaultCase{FaultKind::kEnospc, BackendKind::kIoUring},
+                                           FaultCase{FaultKind::kShort, BackendKind::kIoUring},
+                                           FaultCase{FaultKind::kEagain, BackendKind::kIoUring},
+                                           FaultCase{FaultKind::kEintr, BackendKind::kIoUring},
+                                           FaultCase{FaultKind::kEio, BackendKind::kThreadPool},
+                                           FaultCase{FaultKind::kShort, BackendKind::kThreadPool},
+                                           FaultCase{FaultKind::kEagain, BackendKind::kThreadPool}),
+                         [](const ::testing::TestParamInfo<FaultCase>& info) {
+                           return std::string(fault_kind_name(info.param.kind)) +
+                                  (info.param.backend == BackendKind::kIoUring ? "IoUring"
+                                                                               : "Threads");
+                         });
 
 // EAGAIN forever: retried a bounded number of times, then an error.
 TEST_F(EngineTest, PersistentEagainGivesUp) {
@@ -421,6 +424,7 @@ TEST(FallbackTest, BufferedWhereODirectIsRefused) {
   File f = open_rw(dir.file("f"), DirectIo::kAuto);
   EXPECT_FALSE(f.direct());
   expect_io_error([&] { open_rw(dir.file("g"), DirectIo::kRequire); }, EINVAL, "direct I/O");
+  EXPECT_FALSE(path_exists(dir.file("g"))) << "a file that could not be opened was left behind";
   testing::set_refuse_direct_open(false);
   // Buffered I/O through the engine, with the page cache dropped in between.
   IoEngine engine(EngineOptions{});
@@ -621,7 +625,8 @@ TEST_F(SwapTest, RegionsRoundTripStripedOverThreeDirectories) {
       std::memset(dst, 0, size_t(2 * kMiB));
       SwapHandle h = store.read(ids[size_t(i)], off, len, dst);
       h.wait();
-      ASSERT_EQ(std::memcmp(dst, src + i * 2 * kMiB, size_t(len)), 0) << "region " << i << " at " << off;
+      ASSERT_EQ(std::memcmp(dst, src + i * 2 * kMiB, size_t(len)), 0)
+          << "region " << i << " at " << off;
     }
   }
   // Every directory received stripes.
@@ -669,8 +674,9 @@ TEST_F(SwapTest, FlippedByteIsCaughtOnTheNextRead) {
   byte ^= 0x10;
   ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
   ::close(fd);
+  SwapHandle corrupt = store.read(id, buf_.data() + 4 * kMiB);
   try {
-    store.read(id, buf_.data() + 4 * kMiB).wait();
+    corrupt.wait();
     ADD_FAILURE() << "a corrupt block was returned";
   } catch (const IoError& e) {
     EXPECT_EQ(e.path(), path);
@@ -678,6 +684,7 @@ TEST_F(SwapTest, FlippedByteIsCaughtOnTheNextRead) {
     EXPECT_NE(std::string(e.what()).find("checksum mismatch"), std::string::npos) << e.what();
     EXPECT_NE(std::string(e.what()).find("'moments'"), std::string::npos) << e.what();
   }
+  EXPECT_THROW(corrupt.wait(), IoError) << "a second wait() reported success";
   // Blocks before the flipped one still read and verify.
   store.read(id, 0, 256 * kKiB, buf_.data() + 4 * kMiB).wait();
 }

@@ -59,11 +59,12 @@ EmitType parse_emit_type(const std::string& s) {
   return EmitType::kNone;
 }
 
-// A page-aligned heap buffer (owning; freed on destruction).
+// A page-aligned heap buffer (owning; freed on destruction), aligned like the
+// engine's shards (4 KiB, what O_DIRECT needs).
 struct Buffer {
   std::unique_ptr<void, decltype(&std::free)> ptr{nullptr, &std::free};
   explicit Buffer(int64_t bytes) {
-    constexpr size_t kAlign = 2 << 20;  // bytes; lets the kernel back it with huge pages
+    constexpr size_t kAlign = 4096;  // bytes
     const size_t rounded = (static_cast<size_t>(bytes) + kAlign - 1) / kAlign * kAlign;
     ptr.reset(std::aligned_alloc(kAlign, rounded));
     if (!ptr) {
@@ -185,7 +186,8 @@ void run_bench_adam(const BenchAdamOptions& o) {
       float* p = param.as<float>();
       float* m = exp_avg.as<float>();
       float* v = exp_avg_sq.as<float>();
-      const float* g = grad32.as<float>();
+      // The step's own gradient buffer when it is fp32: the very same arrays.
+      const float* g = grad_type == GradType::kF32 ? grad.as<float>() : grad32.as<float>();
       avx2 ? roof_range_avx2(p, g, m, v, b, e) : roof_range_sse2(p, g, m, v, b, e);
     });
   };

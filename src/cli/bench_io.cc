@@ -3,10 +3,9 @@
 #include <algorithm>
 #include <cstdio>
 #include <memory>
+#include <nlohmann/json.hpp>
 #include <string>
 #include <vector>
-
-#include <nlohmann/json.hpp>
 
 #include "nvme/bench.h"
 #include "util/errors.h"
@@ -47,11 +46,16 @@ int64_t parse_size(const std::string& flag, const std::string& text) {
   std::string unit = text.substr(pos);
   for (auto& c : unit) c = char(std::toupper(static_cast<unsigned char>(c)));
   int64_t scale = 1;
-  if (unit == "" || unit == "B") scale = 1;
-  else if (unit == "K" || unit == "KB" || unit == "KIB") scale = int64_t(1) << 10;
-  else if (unit == "M" || unit == "MB" || unit == "MIB") scale = int64_t(1) << 20;
-  else if (unit == "G" || unit == "GB" || unit == "GIB") scale = int64_t(1) << 30;
-  else throw ConfigError(flag, "unknown unit in '" + text + "' (use K, M or G)");
+  if (unit == "" || unit == "B")
+    scale = 1;
+  else if (unit == "K" || unit == "KB" || unit == "KIB")
+    scale = int64_t(1) << 10;
+  else if (unit == "M" || unit == "MB" || unit == "MIB")
+    scale = int64_t(1) << 20;
+  else if (unit == "G" || unit == "GB" || unit == "GIB")
+    scale = int64_t(1) << 30;
+  else
+    throw ConfigError(flag, "unknown unit in '" + text + "' (use K, M or G)");
   if (value <= 0) throw ConfigError(flag, "must be positive, got '" + text + "'");
   return int64_t(value) * scale;
 }
@@ -104,14 +108,20 @@ int run_bench_io(const BenchIoOptions& opt) {
   if (!nvme::parse_backend_kind(opt.backend, &bo.backend)) {
     throw ConfigError("--backend", "must be auto, io_uring or threads, got '" + opt.backend + "'");
   }
-  if (opt.direct == "auto") bo.direct = nvme::DirectIo::kAuto;
-  else if (opt.direct == "require" || opt.direct == "on") bo.direct = nvme::DirectIo::kRequire;
-  else if (opt.direct == "off") bo.direct = nvme::DirectIo::kOff;
-  else throw ConfigError("--direct", "must be auto, require or off, got '" + opt.direct + "'");
+  if (opt.direct == "auto")
+    bo.direct = nvme::DirectIo::kAuto;
+  else if (opt.direct == "require" || opt.direct == "on")
+    bo.direct = nvme::DirectIo::kRequire;
+  else if (opt.direct == "off")
+    bo.direct = nvme::DirectIo::kOff;
+  else
+    throw ConfigError("--direct", "must be auto, require or off, got '" + opt.direct + "'");
   const bool do_write = opt.ops.find("write") != std::string::npos;
   const bool do_read = opt.ops.find("read") != std::string::npos;
   if (!do_write && !do_read) throw ConfigError("--ops", "must name write, read or both");
   if (opt.rounds < 1) throw ConfigError("--rounds", "must be at least 1");
+  const int64_t submit_batch_bytes =
+      opt.submit_batch == "0" ? 0 : parse_size("--submit-batch", opt.submit_batch);
 
   std::vector<Config> configs;
   if (opt.sweep) {
@@ -128,7 +138,14 @@ int run_bench_io(const BenchIoOptions& opt) {
     eo.block_size_bytes = c.block_size_bytes;
     eo.queue_depth = c.queue_depth;
     eo.rings = c.rings;
-    nvme::validate(eo);
+    try {
+      nvme::validate(eo);
+    } catch (const ConfigError& e) {  // name the flag, not the config key
+      const std::string flag = e.key() == "aio.block_size"    ? "--block-size"
+                               : e.key() == "aio.queue_depth" ? "--queue-depth"
+                                                              : "--rings";
+      throw ConfigError(flag, std::string(e.what()).substr(e.key().size() + 2));
+    }
   }
 
   nvme::IoBench bench(bo);
@@ -146,20 +163,21 @@ int run_bench_io(const BenchIoOptions& opt) {
     eo.rings = c.rings;
     eo.overlap_events = opt.overlap_events;
     eo.single_submit = opt.single_submit;
-    eo.submit_batch_bytes = opt.submit_batch == "0" ? 0 : parse_size("--submit-batch", opt.submit_batch);
+    eo.submit_batch_bytes = submit_batch_bytes;
     std::vector<double> writes, reads;
     std::string backend;
     bool direct = true;
     for (int round = 0; round < opt.rounds; ++round) {
       for (const nvme::IoOp op : {nvme::IoOp::kWrite, nvme::IoOp::kRead}) {
-        if ((op == nvme::IoOp::kWrite && !do_write) || (op == nvme::IoOp::kRead && !do_read)) continue;
-        std::string label = strprintf("%s bs=%s qd=%d rings=%d", nvme::io_op_name(op),
-                                      size_label(c.block_size_bytes).c_str(), c.queue_depth, c.rings);
+        if ((op == nvme::IoOp::kWrite && !do_write) || (op == nvme::IoOp::kRead && !do_read))
+          continue;
+        std::string label =
+            strprintf("%s bs=%s qd=%d rings=%d", nvme::io_op_name(op),
+                      size_label(c.block_size_bytes).c_str(), c.queue_depth, c.rings);
         if (configs.size() > 1) label = strprintf("[%zu/%zu] ", ci + 1, configs.size()) + label;
         ProgressBar bar(label, bo.bytes >> 20);
-        const nvme::BenchResult r = bench.run(op, eo, [&](int64_t done, int64_t total) {
-          bar.update(done >> 20, "MiB");
-        });
+        const nvme::BenchResult r =
+            bench.run(op, eo, [&](int64_t done, int64_t total) { bar.update(done >> 20, "MiB"); });
         bar.finish();
         backend = r.backend;
         direct = r.direct;
@@ -186,7 +204,8 @@ int run_bench_io(const BenchIoOptions& opt) {
     auto score = [&](const Measured& m) {
       if (!do_write) return m.read_gbps;
       if (!do_read) return m.write_gbps;
-      return m.write_gbps > 0 && m.read_gbps > 0 ? 2.0 / (1.0 / m.write_gbps + 1.0 / m.read_gbps) : 0.0;
+      return m.write_gbps > 0 && m.read_gbps > 0 ? 2.0 / (1.0 / m.write_gbps + 1.0 / m.read_gbps)
+                                                 : 0.0;
     };
     const Measured best = *std::max_element(
         measured.begin(), measured.end(),

@@ -32,12 +32,8 @@ struct Computed {
 Computed compute(const Config& cfg) {
   Model model(cfg.model);
   StateLayout layout(model.layout_specs(), cfg.world_size);
-  // The paths are known only after a first plan; capacity matters only to auto.
-  MachineCapacity cap0 = measure_capacity(cfg, {});
-  PlacementPlan first = make_plan(cfg, layout, 0, cap0);
   Computed c;
-  c.cap = measure_capacity(cfg, first.nvme_paths);
-  c.plan = cfg.placement.auto_place ? make_plan(cfg, layout, 0, c.cap) : first;
+  c.plan = plan_for_machine(cfg, layout, &c.cap);
   c.shortfalls = plan_shortfalls(c.plan, c.cap);
   return c;
 }

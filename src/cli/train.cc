@@ -79,18 +79,22 @@ int run_train(const TrainOptions& opt) {
   MetricsWriter metrics(cfg.run.metrics);
 
   const StateBytes sb = trainer.state_bytes();
+  const std::array<int64_t, kNumTiers> peak = trainer.peak_bytes();
   log::info("model: %lld layers, dim %lld, %lld heads (%lld kv), ffn %lld, seq %lld, vocab %lld: "
             "%.3fM parameters",
             (long long)cfg.model.n_layers, (long long)cfg.model.dim, (long long)cfg.model.n_heads,
             (long long)cfg.model.kv_heads(), (long long)cfg.model.ffn_dim(),
             (long long)cfg.model.seq_len, (long long)cfg.model.vocab_size,
             double(trainer.layout().parameter_count()) / 1e6);
-  const std::string copy16 =
-      sb.param16 ? " + " + format_bytes(double(sb.param16)) + " 16-bit copy" : std::string();
-  log::info("memory: parameters %s (fp32 master%s), gradients %s, optimizer state %s, total %s",
-            format_bytes(double(sb.master)).c_str(), copy16.c_str(),
+  log::info("memory: parameters %s (fp32 master) + %s working copy (%s), gradients %s, "
+            "optimizer state %s, total %s",
+            format_bytes(double(sb.master)).c_str(), format_bytes(double(sb.param16)).c_str(),
+            cfg.run.compute_dtype.c_str(),
             format_bytes(double(sb.grad)).c_str(), format_bytes(double(sb.optimizer)).c_str(),
             format_bytes(double(sb.total())).c_str());
+  log::info("placement (%s): device %s, host %s, nvme %s (state + staging)",
+            trainer.plan().source.c_str(), format_bytes(double(peak[0])).c_str(),
+            format_bytes(double(peak[1])).c_str(), format_bytes(double(peak[2])).c_str());
   log::info("data: %lld tokens (%lld train, %lld held out); batch %lld = %lld micro x %lld "
             "accumulation; compute %s; %d threads",
             (long long)data.num_tokens(), (long long)data.train_tokens(),
@@ -134,6 +138,15 @@ int run_train(const TrainOptions& opt) {
         {"flops_per_s", tokens_per_s * model.flops_per_token()},
         {"step_s", step_s},
         {"elapsed_s", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()},
+        {"h2d_bytes", r.links.h2d},
+        {"d2h_bytes", r.links.d2h},
+        {"nvme_read_bytes", r.links.nvme_read},
+        {"nvme_write_bytes", r.links.nvme_write},
+        {"wait_s", r.wait_s},
+        {"optimizer_s", r.optimizer_s},
+        {"peak_device_bytes", peak[0]},
+        {"peak_host_bytes", peak[1]},
+        {"peak_nvme_bytes", peak[2]},
     };
     if (can_eval && (s % cfg.data.eval_interval == 0 || s == cfg.run.steps)) {
       // The same held-out windows at every eval, so eval losses compare.

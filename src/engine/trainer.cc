@@ -4,10 +4,13 @@
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 
+#include <chrono>
 #include <cmath>
+#include <cstring>
 
 #include "engine/lr_schedule.h"
 #include "util/errors.h"
+#include "util/logging.h"
 
 namespace strata {
 
@@ -19,8 +22,8 @@ at::ScalarType dtype_of(const std::string& name) {
   return at::kFloat;
 }
 
-at::Tensor wrap(const HostBuffer& buf, int64_t numel, at::ScalarType dtype) {
-  return at::from_blob(buf.data(), {numel}, at::TensorOptions().dtype(dtype));
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // Leaf copies of weight views that autograd can differentiate with respect to;
@@ -32,6 +35,20 @@ std::vector<at::Tensor> as_leaves(const std::vector<at::Tensor>& views) {
   return leaves;
 }
 
+LinkBytes operator-(const LinkBytes& a, const LinkBytes& b) {
+  return {a.h2d - b.h2d, a.d2h - b.d2h, a.nvme_read - b.nvme_read, a.nvme_write - b.nvme_write};
+}
+
+nvme::EngineOptions engine_options(const AioConfig& aio) {
+  nvme::EngineOptions o;
+  o.block_size_bytes = aio.block_size;
+  o.queue_depth = int(aio.queue_depth);
+  o.rings = int(aio.intra_op_parallelism);
+  o.single_submit = aio.single_submit;
+  o.overlap_events = aio.overlap_events;
+  return o;
+}
+
 }  // namespace
 
 Trainer::Trainer(const Config& cfg, const Model& model)
@@ -40,31 +57,74 @@ Trainer::Trainer(const Config& cfg, const Model& model)
   if (compute_dtype_ == at::kHalf) {
     throw ConfigError("fp16.enabled", "fp16 compute (with loss scaling) is not supported yet; use bf16");
   }
-  const int64_t n = layout_.total_numel();
-  const size_t f32 = sizeof(float) * size_t(n);
-  master_buf_ = HostBuffer(f32, "master weights (fp32)");
-  grad_buf_ = HostBuffer(f32, "gradients (fp32)");
-  exp_avg_buf_ = HostBuffer(f32, "Adam exp_avg (fp32)");
-  exp_avg_sq_buf_ = HostBuffer(f32, "Adam exp_avg_sq (fp32)");
-  master_ = wrap(master_buf_, n, at::kFloat);
-  grad_ = wrap(grad_buf_, n, at::kFloat);
-  exp_avg_ = wrap(exp_avg_buf_, n, at::kFloat);
-  exp_avg_sq_ = wrap(exp_avg_sq_buf_, n, at::kFloat);
-  if (compute_dtype_ != at::kFloat) {
-    param16_buf_ = HostBuffer(2 * size_t(n), "working parameters (16-bit)");
-    param16_ = wrap(param16_buf_, n, compute_dtype_);
-  }
+  compute_bytes_ = compute_dtype_ == at::kFloat ? 4 : 2;
   for (size_t b = 0; b < model_.num_blocks(); ++b) {
     if (model_.blocks()[b].kind == BlockKind::kEmbedding) embedding_block_ = b;
     if (model_.blocks()[b].kind == BlockKind::kHead) head_block_ = b;
   }
-  // One generator, blocks initialised in model order: the same seed gives the
-  // same weights whatever the placement or world size.
+  for (const BlockLayout& b : layout_.blocks()) max_block_numel_ = std::max(max_block_numel_, b.padded_numel);
+
+  // ---- placement and state --------------------------------------------------
+  MachineCapacity cap;
+  PlacementPlan plan = plan_for_machine(cfg, layout_, &cap);
+  TieredStateOptions so;
+  so.engine = engine_options(cfg.aio);
+  so.device_transient_bytes = max_block_numel_ * (2 * compute_bytes_ + 2 * 4);
+  so.device_budget_bytes = cfg.run.device_memory_mb > 0 ? cfg.run.device_memory_mb << 20 : -1;
+  state_ = std::make_unique<TieredState>(plan, so);
+
+  gathered_ = HostBuffer(size_t(2 * max_block_numel_ * compute_bytes_), "gathered blocks (2 slots)");
+  grad_stage_ = HostBuffer(size_t(max_block_numel_ * 4), "gradient staging");
+  bool grad_off_device = false, opt_on_nvme = false, param_off_resident = false;
+  for (const PlacementUnit& u : plan.units[size_t(Category::kGrad)]) grad_off_device |= u.tier != Tier::kDevice;
+  for (int c = int(Category::kMaster); c <= int(Category::kExpAvgSq); ++c) {
+    for (const PlacementUnit& u : plan.units[size_t(c)]) opt_on_nvme |= u.tier == Tier::kNvme;
+  }
+  group_numel_ = std::min(plan.sub_group_numel, plan.shard_space_numel);
+  // A sub-group's gradient or working copy is resident only when one resident
+  // unit holds all of it; otherwise it is staged.
+  bool grad_staged = false;
+  for (const PlacementUnit& g : plan.units[size_t(Category::kMaster)]) {
+    grad_staged |= state_->resident(Category::kGrad, g.offset, g.numel) == nullptr;
+    param_off_resident |= state_->resident(Category::kParam16, g.offset, g.numel) == nullptr;
+  }
+  if (grad_off_device) grad_rmw_ = HostBuffer(size_t(max_block_numel_ * 4), "gradient read-modify-write");
+  if (grad_staged) opt_grad_ = HostBuffer(size_t(group_numel_ * 4), "optimizer gradient staging");
+  if (opt_on_nvme) {
+    opt_master_ = HostBuffer(size_t(group_numel_ * 4), "optimizer staging: master");
+    opt_avg_ = HostBuffer(size_t(group_numel_ * 4), "optimizer staging: exp_avg");
+    opt_avg_sq_ = HostBuffer(size_t(group_numel_ * 4), "optimizer staging: exp_avg_sq");
+  }
+  if (param_off_resident) {
+    opt_emit_ = HostBuffer(size_t(group_numel_ * compute_bytes_), "optimizer staging: working copy");
+  }
+
+  // ---- initial values -------------------------------------------------------
+  // One generator, blocks initialised in model order into a staging buffer and
+  // written to their homes: the same seed gives the same weights whatever the
+  // placement or world size.
   at::Generator gen = at::detail::createCPUGenerator(cfg.run.seed);
   for (size_t b = 0; b < layout_.num_blocks(); ++b) {
-    init_block(layout_.block(b), block_range(master_, b), gen);
+    const BlockLayout& bl = layout_.block(b);
+    at::Tensor master = block_flat(Category::kMaster, b, grad_stage_.data(), at::kFloat);
+    master.zero_();
+    init_block(bl, master, gen);
+    state_->write(Category::kMaster, bl.offset, bl.padded_numel, master.data_ptr());
+    at::Tensor working = block_flat(Category::kParam16, b, gathered_.data(), compute_dtype_);
+    working.copy_(master);
+    state_->write(Category::kParam16, bl.offset, bl.padded_numel, working.data_ptr());
   }
-  sync_working_copy();
+  // Adam moments start at zero; resident homes are zero already, swapped ones
+  // are written once so that reading them is valid.
+  if (opt_on_nvme) {
+    for (const PlacementUnit& g : plan.units[size_t(Category::kExpAvg)]) {
+      if (g.tier == Tier::kNvme) state_->write(Category::kExpAvg, g.offset, g.numel, opt_avg_.data());
+    }
+    for (const PlacementUnit& g : plan.units[size_t(Category::kExpAvgSq)]) {
+      if (g.tier == Tier::kNvme) state_->write(Category::kExpAvgSq, g.offset, g.numel, opt_avg_sq_.data());
+    }
+  }
+  grad_written_.assign(layout_.num_blocks(), 0);
   saved_inputs_.resize(layout_.num_blocks());
 
   const cpu_adam::Isa isa = cpu_adam::parse_isa(cfg.run.cpu_adam_isa);
@@ -76,36 +136,111 @@ Trainer::Trainer(const Config& cfg, const Model& model)
   adam_ = std::make_unique<cpu_adam::CpuAdam>(int(cfg.run.threads), isa);
 }
 
+Trainer::~Trainer() = default;
+
 StateBytes Trainer::state_bytes() const {
-  const int64_t n = layout_.total_numel();
+  const PlacementPlan& p = state_->plan();
   StateBytes s;
-  s.master = 4 * n;
-  s.grad = 4 * n;
-  s.optimizer = 8 * n;
-  s.param16 = compute_dtype_ == at::kFloat ? 0 : 2 * n;
+  s.param16 = p.category_total(Category::kParam16);
+  s.master = p.category_total(Category::kMaster);
+  s.grad = p.category_total(Category::kGrad);
+  s.optimizer = p.category_total(Category::kExpAvg) + p.category_total(Category::kExpAvgSq);
   return s;
 }
 
-at::Tensor Trainer::block_range(const at::Tensor& flat, size_t b) const {
+std::array<int64_t, kNumTiers> Trainer::peak_bytes() const {
+  const PlacementPlan& p = state_->plan();
+  auto st = p.state_total();
+  st[0] += int64_t(gathered_.bytes() + grad_stage_.bytes() + grad_rmw_.bytes());
+  st[1] += int64_t(opt_grad_.bytes() + opt_master_.bytes() + opt_avg_.bytes() + opt_avg_sq_.bytes() +
+                   opt_emit_.bytes());
+  return st;
+}
+
+std::byte* Trainer::device_resident(Category c, int64_t offset, int64_t numel) const {
+  std::byte* p = state_->resident(c, offset, numel);
+  return p != nullptr && state_->tier_of(c, offset) == Tier::kDevice ? p : nullptr;
+}
+
+at::Tensor Trainer::block_flat(Category c, size_t b, void* buf, at::ScalarType dtype) {
+  (void)c;
+  return at::from_blob(buf, {layout_.block(b).padded_numel}, at::TensorOptions().dtype(dtype));
+}
+
+std::vector<at::Tensor> Trainer::weights(size_t b, int slot, double* wait_s) {
   const BlockLayout& bl = layout_.block(b);
-  return flat.narrow(0, bl.offset, bl.padded_numel);
+  // Compute uses device-resident weights in place; host-resident ones are
+  // copied to the device (in place would hide the H2D copy a GPU must make).
+  std::byte* p = device_resident(Category::kParam16, bl.offset, bl.padded_numel);
+  if (p == nullptr) {
+    const auto t0 = std::chrono::steady_clock::now();
+    p = gathered_.as<std::byte>() + size_t(slot) * size_t(max_block_numel_ * compute_bytes_);
+    state_->read(Category::kParam16, bl.offset, bl.padded_numel, p);
+    if (wait_s != nullptr) *wait_s += seconds_since(t0);
+  }
+  return param_views(bl, block_flat(Category::kParam16, b, p, compute_dtype_));
 }
 
-std::vector<at::Tensor> Trainer::block_weights(size_t b) const {
-  const at::Tensor& working = compute_dtype_ == at::kFloat ? master_ : param16_;
-  return param_views(layout_.block(b), block_range(working, b));
+std::vector<at::Tensor> Trainer::block_weights(size_t b) {
+  std::vector<at::Tensor> w = weights(b, 0, nullptr);
+  for (at::Tensor& t : w) t = t.clone();
+  return w;
 }
 
-void Trainer::sync_working_copy() {
-  if (compute_dtype_ != at::kFloat) param16_.copy_(master_);
+at::Tensor Trainer::master_block(size_t b) {
+  const BlockLayout& bl = layout_.block(b);
+  at::Tensor out = at::empty({bl.padded_numel}, at::kFloat);
+  // Staged through an aligned buffer (NVMe reads need 4 KiB alignment).
+  state_->read(Category::kMaster, bl.offset, bl.padded_numel, grad_stage_.data());
+  std::memcpy(out.data_ptr(), grad_stage_.data(), size_t(bl.padded_numel * 4));
+  return out;
+}
+
+at::Tensor Trainer::grad_block(size_t b) {
+  const BlockLayout& bl = layout_.block(b);
+  at::Tensor out = at::empty({bl.padded_numel}, at::kFloat);
+  state_->read(Category::kGrad, bl.offset, bl.padded_numel, grad_stage_.data());
+  std::memcpy(out.data_ptr(), grad_stage_.data(), size_t(bl.padded_numel * 4));
+  return out;
 }
 
 void Trainer::accumulate_grad(size_t b, const std::vector<at::Tensor>& grads, size_t first) {
-  std::vector<at::Tensor> dst = param_views(layout_.block(b), block_range(grad_, b));
-  for (size_t i = 0; i < dst.size(); ++i) {
+  at::Tensor stage = block_flat(Category::kGrad, b, grad_stage_.data(), at::kFloat);
+  stage.zero_();
+  std::vector<at::Tensor> dst = param_views(layout_.block(b), stage);
+  for (size_t i = 0; i < dst.size() && first + i < grads.size(); ++i) {
     const at::Tensor& g = grads[first + i];
     if (g.defined()) dst[i].add_(g);  // fp32 accumulation of 16-bit gradients
   }
+  flush_grad(b);
+}
+
+// Adds the staged gradient of block b into its home: the first time in a step
+// a plain copy, afterwards an add (in place when resident, else read, add,
+// write). The arithmetic is the same on every tier.
+void Trainer::flush_grad(size_t b) {
+  const BlockLayout& bl = layout_.block(b);
+  const int64_t n = bl.padded_numel;
+  at::Tensor stage = block_flat(Category::kGrad, b, grad_stage_.data(), at::kFloat);
+  // Added in place only on the device; a host home receives a D2H copy.
+  std::byte* home = device_resident(Category::kGrad, bl.offset, n);
+  if (!grad_written_[b]) {
+    if (home != nullptr) {
+      std::memcpy(home, stage.data_ptr(), size_t(n * 4));
+    } else {
+      state_->write(Category::kGrad, bl.offset, n, stage.data_ptr());
+    }
+    grad_written_[b] = 1;
+    return;
+  }
+  if (home != nullptr) {
+    block_flat(Category::kGrad, b, home, at::kFloat).add_(stage);
+    return;
+  }
+  at::Tensor acc = block_flat(Category::kGrad, b, grad_rmw_.data(), at::kFloat);
+  state_->read(Category::kGrad, bl.offset, n, acc.data_ptr());
+  acc.add_(stage);
+  state_->write(Category::kGrad, bl.offset, n, acc.data_ptr());
 }
 
 at::Tensor Trainer::loss_of(const at::Tensor& logits, const at::Tensor& targets) const {
@@ -119,34 +254,33 @@ at::Tensor Trainer::loss_of(const at::Tensor& logits, const at::Tensor& targets)
 // the loss gives d(loss)/d(head input). Backward then walks the blocks in
 // reverse: recompute the block from its saved input with autograd over leaf
 // views of its weights, and ask autograd for the gradients of the input and of
-// the weights given the output gradient. Weight gradients are added into the
-// block's range of the flat fp32 gradient buffer, so nothing but one block's
-// graph is alive at a time. A tied head adds its output-projection gradient
-// into the embedding block's range, which backward reaches last.
-double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale) {
+// the weights given the output gradient. Weight gradients are staged per block
+// and added into the block's gradient home, so nothing but one block's graph
+// is alive at a time. A tied head adds its output-projection gradient into the
+// embedding block's gradient, which backward reaches last.
+double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale, double* wait_s) {
   const int64_t T = cfg_.model.seq_len;
   at::Tensor inputs = tokens.narrow(1, 0, T);
   at::Tensor targets = tokens.narrow(1, 1, T);
-  const size_t nb = layout_.num_blocks();
+  STRATA_CHECK(head_block_ == layout_.num_blocks() - 1, "the head must be the last block");
 
   at::Tensor x = inputs;
   {
     at::NoGradGuard no_grad;
     for (size_t b = 0; b < head_block_; ++b) {
       saved_inputs_[b] = x;
-      x = model_.forward(b, block_weights(b), x);
+      x = model_.forward(b, weights(b, 0, wait_s), x);
     }
   }
-  STRATA_CHECK(head_block_ == nb - 1, "the head must be the last block");
 
   // Head and loss, with autograd.
   at::Tensor dx;
   double loss_value = 0.0;
   {
     at::Tensor xin = x.detach().requires_grad_(true);
-    std::vector<at::Tensor> w = as_leaves(block_weights(head_block_));
+    std::vector<at::Tensor> w = as_leaves(weights(head_block_, 0, wait_s));
     at::Tensor tied;
-    if (cfg_.model.tie_embeddings) tied = as_leaves(block_weights(embedding_block_))[0];
+    if (cfg_.model.tie_embeddings) tied = as_leaves(weights(embedding_block_, 1, wait_s))[0];
     at::Tensor loss = loss_of(model_.forward(head_block_, w, xin, tied), targets);
     loss_value = loss.item<double>();
     std::vector<at::Tensor> wrt{xin};
@@ -156,16 +290,12 @@ double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale) {
         torch::autograd::grad({loss * loss_scale}, wrt, /*grad_outputs=*/{}, /*retain_graph=*/false);
     dx = grads[0];
     accumulate_grad(head_block_, grads, 1);
-    if (tied.defined()) {
-      const BlockLayout& emb = layout_.block(embedding_block_);
-      at::Tensor dst = param_views(emb, block_range(grad_, embedding_block_))[0];
-      dst.add_(grads.back());
-    }
+    if (tied.defined()) accumulate_grad(embedding_block_, {grads.back()}, 0);
   }
 
   // Layers and embedding, in reverse, recomputed from their saved inputs.
   for (size_t b = head_block_; b-- > 0;) {
-    std::vector<at::Tensor> w = as_leaves(block_weights(b));
+    std::vector<at::Tensor> w = as_leaves(weights(b, 0, wait_s));
     const bool is_embedding = model_.blocks()[b].kind == BlockKind::kEmbedding;
     at::Tensor xin = is_embedding ? saved_inputs_[b] : saved_inputs_[b].detach().requires_grad_(true);
     at::Tensor y = model_.forward(b, w, xin);
@@ -180,50 +310,99 @@ double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale) {
   return loss_value;
 }
 
-StepResult Trainer::step(const int64_t* tokens) {
-  const int64_t accum = cfg_.gradient_accumulation_steps;
-  const int64_t micro = cfg_.train_micro_batch_size_per_gpu;
-  const int64_t window = cfg_.model.seq_len + 1;
-  grad_.zero_();
-  StepResult r;
-  for (int64_t m = 0; m < accum; ++m) {
-    at::Tensor batch = at::from_blob(const_cast<int64_t*>(tokens + m * micro * window),
-                                     {micro, window}, at::TensorOptions().dtype(at::kLong));
-    r.loss += forward_backward(batch, 1.0 / double(accum)) / double(accum);
+// The global L2 norm of the gradient: per-block norms (fp32, as LibTorch
+// computes them) combined in double, the same on every tier.
+double Trainer::global_grad_norm() {
+  double sum_sq = 0.0;
+  for (size_t b = 0; b < layout_.num_blocks(); ++b) {
+    const BlockLayout& bl = layout_.block(b);
+    std::byte* p = state_->resident(Category::kGrad, bl.offset, bl.padded_numel);
+    if (p == nullptr) {
+      p = grad_stage_.as<std::byte>();
+      state_->read(Category::kGrad, bl.offset, bl.padded_numel, p);
+    }
+    const double n = block_flat(Category::kGrad, b, p, at::kFloat).norm().item<double>();
+    sum_sq += n * n;
   }
-  r.tokens = accum * micro * cfg_.model.seq_len;
+  return std::sqrt(sum_sq);
+}
 
-  // Global-norm clipping folded into the optimizer as a gradient scale, with
-  // torch.nn.utils.clip_grad_norm_'s formula.
-  r.grad_norm = grad_.norm().item<double>();
-  float grad_scale = 1.0f;
-  if (cfg_.gradient_clipping > 0.0) {
-    const double coef = cfg_.gradient_clipping / (r.grad_norm + 1e-6);
-    if (coef < 1.0) grad_scale = float(coef);
-  }
-
-  ++step_;
-  r.lr = learning_rate(cfg_.scheduler, cfg_.optimizer.lr, step_);
+// Per sub-group, wherever its state lives: resident state is updated in place,
+// swapped state is read into staging, updated and written back. The working
+// copy comes out of the same pass (bf16: emitted by CPU Adam; fp32: copied).
+void Trainer::optimizer_step(float grad_scale, double lr) {
   cpu_adam::AdamParams h;
-  h.lr = r.lr;
+  h.lr = lr;
   h.beta1 = cfg_.optimizer.beta1;
   h.beta2 = cfg_.optimizer.beta2;
   h.eps = cfg_.optimizer.eps;
   h.weight_decay = cfg_.optimizer.weight_decay;
   h.adamw = cfg_.optimizer.adam_w_mode;
-  cpu_adam::AdamSpans spans;
-  spans.param = master_.data_ptr<float>();
-  spans.grad = grad_.data_ptr<float>();
-  spans.grad_type = cpu_adam::GradType::kF32;
-  spans.exp_avg = exp_avg_.data_ptr<float>();
-  spans.exp_avg_sq = exp_avg_sq_.data_ptr<float>();
-  spans.numel = layout_.total_numel();
-  if (compute_dtype_ == at::kBFloat16) {
-    // The 16-bit working copy comes out of the same pass over the fp32 state.
-    spans.emit = param16_.data_ptr();
-    spans.emit_type = cpu_adam::EmitType::kBF16;
+  const PlacementPlan& plan = state_->plan();
+  auto fetch = [&](Category c, const PlacementUnit& g, HostBuffer& staging) -> float* {
+    std::byte* p = state_->resident(c, g.offset, g.numel);
+    if (p != nullptr) return reinterpret_cast<float*>(p);
+    state_->read(c, g.offset, g.numel, staging.data());
+    return staging.as<float>();
+  };
+  for (const PlacementUnit& g : plan.units[size_t(Category::kMaster)]) {
+    cpu_adam::AdamSpans spans;
+    spans.grad = fetch(Category::kGrad, g, opt_grad_);
+    spans.param = fetch(Category::kMaster, g, opt_master_);
+    spans.exp_avg = fetch(Category::kExpAvg, g, opt_avg_);
+    spans.exp_avg_sq = fetch(Category::kExpAvgSq, g, opt_avg_sq_);
+    spans.grad_type = cpu_adam::GradType::kF32;
+    spans.numel = g.numel;
+    std::byte* working = state_->resident(Category::kParam16, g.offset, g.numel);
+    const bool working_resident = working != nullptr;
+    if (!working_resident) working = opt_emit_.as<std::byte>();
+    if (compute_dtype_ == at::kBFloat16) {
+      spans.emit = working;
+      spans.emit_type = cpu_adam::EmitType::kBF16;
+    }
+    adam_->step(h, cpu_adam::StepArgs{step_, grad_scale}, spans);
+    if (compute_dtype_ == at::kFloat) std::memcpy(working, spans.param, size_t(g.numel * 4));
+    if (!state_->resident(Category::kMaster, g.offset, g.numel)) {
+      state_->write(Category::kMaster, g.offset, g.numel, spans.param);
+    }
+    if (!state_->resident(Category::kExpAvg, g.offset, g.numel)) {
+      state_->write(Category::kExpAvg, g.offset, g.numel, spans.exp_avg);
+    }
+    if (!state_->resident(Category::kExpAvgSq, g.offset, g.numel)) {
+      state_->write(Category::kExpAvgSq, g.offset, g.numel, spans.exp_avg_sq);
+    }
+    if (!working_resident) state_->write(Category::kParam16, g.offset, g.numel, working);
   }
-  adam_->step(h, cpu_adam::StepArgs{step_, grad_scale}, spans);
+}
+
+StepResult Trainer::step(const int64_t* tokens) {
+  const int64_t accum = cfg_.gradient_accumulation_steps;
+  const int64_t micro = cfg_.train_micro_batch_size_per_gpu;
+  const int64_t window = cfg_.model.seq_len + 1;
+  const LinkBytes links0 = state_->links();
+  std::fill(grad_written_.begin(), grad_written_.end(), 0);
+  StepResult r;
+  for (int64_t m = 0; m < accum; ++m) {
+    at::Tensor batch = at::from_blob(const_cast<int64_t*>(tokens + m * micro * window),
+                                     {micro, window}, at::TensorOptions().dtype(at::kLong));
+    r.loss += forward_backward(batch, 1.0 / double(accum), &r.wait_s) / double(accum);
+  }
+  r.tokens = accum * micro * cfg_.model.seq_len;
+
+  // Global-norm clipping folded into the optimizer as a gradient scale, with
+  // torch.nn.utils.clip_grad_norm_'s formula.
+  const auto t_opt = std::chrono::steady_clock::now();
+  r.grad_norm = global_grad_norm();
+  float grad_scale = 1.0f;
+  if (cfg_.gradient_clipping > 0.0) {
+    const double coef = cfg_.gradient_clipping / (r.grad_norm + 1e-6);
+    if (coef < 1.0) grad_scale = float(coef);
+  }
+  ++step_;
+  r.lr = learning_rate(cfg_.scheduler, cfg_.optimizer.lr, step_);
+  optimizer_step(grad_scale, r.lr);
+  r.optimizer_s = seconds_since(t_opt);
+  r.links = state_->links() - links0;
   return r;
 }
 
@@ -237,10 +416,10 @@ double Trainer::eval_loss(const int64_t* tokens, int64_t batches) {
     at::Tensor batch = at::from_blob(const_cast<int64_t*>(tokens + i * micro * window),
                                      {micro, window}, at::TensorOptions().dtype(at::kLong));
     at::Tensor x = batch.narrow(1, 0, T);
-    for (size_t b = 0; b < head_block_; ++b) x = model_.forward(b, block_weights(b), x);
+    for (size_t b = 0; b < head_block_; ++b) x = model_.forward(b, weights(b, 0, nullptr), x);
     at::Tensor tied;
-    if (cfg_.model.tie_embeddings) tied = block_weights(embedding_block_)[0];
-    at::Tensor logits = model_.forward(head_block_, block_weights(head_block_), x, tied);
+    if (cfg_.model.tie_embeddings) tied = weights(embedding_block_, 1, nullptr)[0];
+    at::Tensor logits = model_.forward(head_block_, weights(head_block_, 0, nullptr), x, tied);
     total += loss_of(logits, batch.narrow(1, 1, T)).item<double>();
   }
   return total / double(batches);

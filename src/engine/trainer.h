@@ -2,7 +2,8 @@
 // block's input), loss with autograd over the head, backward over blocks in
 // reverse by recomputing each block from its saved input with autograd over
 // weight views, gradient accumulation, global-norm clipping, and the optimizer
-// over the flat fp32 master buffers (see Note [Step order]).
+// per sub-group where its state lives (see Note [Step order]). All state is
+// held by a TieredState, placed by the config's placement plan.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -15,6 +16,8 @@
 #include "cpu_adam/adam.h"
 #include "memory/buffer.h"
 #include "memory/layout.h"
+#include "memory/placement.h"
+#include "memory/tiered_state.h"
 #include "model/model.h"
 
 namespace strata {
@@ -24,23 +27,29 @@ struct StepResult {
   double grad_norm = 0.0;  // global L2 norm before clipping
   double lr = 0.0;
   int64_t tokens = 0;      // tokens trained on in this step
+  LinkBytes links;         // bytes moved in this step, per link
+  double wait_s = 0.0;     // seconds compute waited for parameters / gradients to arrive
+  double optimizer_s = 0.0;  // seconds in the optimizer (including its swapping)
 };
 
 // Bytes of each state category, for the start-up report.
 struct StateBytes {
-  int64_t param16 = 0;     // 16-bit working copy (0 in fp32 compute: the master is used)
+  int64_t param16 = 0;     // working copy in the compute dtype
   int64_t master = 0;      // fp32 parameters
   int64_t grad = 0;        // fp32 gradients
   int64_t optimizer = 0;   // exp_avg + exp_avg_sq
   int64_t total() const { return param16 + master + grad + optimizer; }
 };
 
-// Owns the model's state: one flat buffer per category, shaped by the layout.
-// Not thread-safe.
+// Owns the model's state and the buffers of the step, all sized at
+// construction: nothing on the step's path allocates except LibTorch's own
+// activations. Not thread-safe.
 class Trainer {
  public:
-  // Allocates and initialises all state from cfg.run.seed.
+  // Plans the placement for this machine, allocates and initialises all state
+  // from cfg.run.seed (the same values whatever the placement).
   Trainer(const Config& cfg, const Model& model);
+  ~Trainer();
 
   // One optimizer step over `accum` micro-batches. `tokens` holds
   // accum x micro_batch windows of seq_len + 1 tokens (int64, row-major).
@@ -51,40 +60,61 @@ class Trainer {
   double eval_loss(const int64_t* tokens, int64_t batches);
 
   const StateLayout& layout() const { return layout_; }
+  const PlacementPlan& plan() const { return state_->plan(); }
+  const TieredState& state() const { return *state_; }
   StateBytes state_bytes() const;
   int64_t steps_done() const { return step_; }
   at::ScalarType compute_dtype() const { return compute_dtype_; }
 
-  // fp32 master weights, model-wide flat [layout.total_numel()] (for tests,
-  // export and checkpoints). Views of block b: param_views(layout.block(b), ...).
-  const at::Tensor& master() const { return master_; }
-  const at::Tensor& grad() const { return grad_; }
-  // Weights of block b as the forward uses them (compute dtype).
-  std::vector<at::Tensor> block_weights(size_t b) const;
+  // Copies of block b's state (padded flat, for tests, export, checkpoints).
+  at::Tensor master_block(size_t b);
+  at::Tensor grad_block(size_t b);
+  // Block b's weights as the forward uses them (compute dtype), as copies.
+  std::vector<at::Tensor> block_weights(size_t b);
 
-  // Copies the master weights into the 16-bit working copy (after loading
-  // or editing the master). No-op in fp32.
-  void sync_working_copy();
+  // Peak bytes per tier the step uses: resident state plus the transient and
+  // staging buffers allocated for it (device: gathered blocks, gradient
+  // staging; host: optimizer staging), NVMe: swap in use.
+  std::array<int64_t, kNumTiers> peak_bytes() const;
 
  private:
-  at::Tensor block_range(const at::Tensor& flat, size_t b) const;
-  // Forward + backward of one micro-batch; adds weight gradients into grad_
-  // (scaled by `loss_scale`); returns the (unscaled) loss.
-  double forward_backward(const at::Tensor& tokens, double loss_scale);
+  at::Tensor block_flat(Category c, size_t b, void* buf, at::ScalarType dtype);
+  // The range when it is resident on the device tier, else nullptr.
+  std::byte* device_resident(Category c, int64_t offset, int64_t numel) const;
+  // Weights of block b in the compute dtype, resident or fetched into `slot`.
+  std::vector<at::Tensor> weights(size_t b, int slot, double* wait_s);
+  // Adds `grads[first..]` (one per parameter of block b) into b's gradient home.
   void accumulate_grad(size_t b, const std::vector<at::Tensor>& grads, size_t first);
+  void flush_grad(size_t b);
+  double forward_backward(const at::Tensor& tokens, double loss_scale, double* wait_s);
+  double global_grad_norm();
+  void optimizer_step(float grad_scale, double lr);
   at::Tensor loss_of(const at::Tensor& logits, const at::Tensor& targets) const;
 
   Config cfg_;
   const Model& model_;
   StateLayout layout_;
   at::ScalarType compute_dtype_;
+  int compute_bytes_;
   size_t embedding_block_ = 0;
   size_t head_block_ = 0;
-
-  HostBuffer master_buf_, grad_buf_, exp_avg_buf_, exp_avg_sq_buf_, param16_buf_;
-  at::Tensor master_, grad_, exp_avg_, exp_avg_sq_, param16_;
-  std::vector<at::Tensor> saved_inputs_;  // per block, the activation checkpoint
+  std::unique_ptr<TieredState> state_;
   std::unique_ptr<cpu_adam::CpuAdam> adam_;
+
+  // Transient device buffers: gathered blocks (2 slots: a block and, for a
+  // tied head, the embedding) and fp32 gradient staging (2: accumulate, and
+  // read-modify-write of a non-resident gradient).
+  int64_t max_block_numel_ = 0;
+  HostBuffer gathered_;
+  HostBuffer grad_stage_;
+  HostBuffer grad_rmw_;
+  // Optimizer staging, allocated only for what is not resident: grad,
+  // master, exp_avg, exp_avg_sq (fp32) and the emitted working copy.
+  int64_t group_numel_ = 0;
+  HostBuffer opt_grad_, opt_master_, opt_avg_, opt_avg_sq_, opt_emit_;
+
+  std::vector<char> grad_written_;        // per block: written since the step began
+  std::vector<at::Tensor> saved_inputs_;  // per block, the activation checkpoint
   int64_t step_ = 0;
 };
 

@@ -281,6 +281,15 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   return plan;
 }
 
+PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, MachineCapacity* capacity) {
+  // The swap directories are known only from a first plan; capacity matters
+  // only to auto, which the second call redoes with the directories measured.
+  PlacementPlan first = make_plan(cfg, layout, 0, measure_capacity(cfg, {}));
+  MachineCapacity cap = measure_capacity(cfg, first.nvme_paths);
+  if (capacity != nullptr) *capacity = cap;
+  return cfg.placement.auto_place ? make_plan(cfg, layout, 0, cap) : first;
+}
+
 std::vector<std::string> plan_shortfalls(const PlacementPlan& plan, const MachineCapacity& cap) {
   std::vector<std::string> out;
   const auto t = plan.total();

@@ -82,6 +82,10 @@ struct PlacementPlan {
 PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t rank,
                         const MachineCapacity& capacity);
 
+// measure_capacity + make_plan for rank 0, measuring NVMe space under the
+// directories the plan itself names (what `strata plan` and `strata train` use).
+PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, MachineCapacity* capacity);
+
 // The verdict: empty when the plan fits `capacity`; otherwise one line per
 // short tier ("host: short by 3.2 GiB (needs 35.2 GiB, has 32.0 GiB); move
 // optimizer state to nvme ...").

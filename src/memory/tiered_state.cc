@@ -1,0 +1,141 @@
+#include "memory/tiered_state.h"
+
+#include <algorithm>
+#include <cstring>
+
+#include "util/errors.h"
+#include "util/logging.h"
+
+namespace strata {
+
+namespace {
+constexpr int64_t kSwapBlockBytes = 4096;  // swap checksum/alignment unit: one page
+int64_t round_up(int64_t v, int64_t q) { return (v + q - 1) / q * q; }
+}  // namespace
+
+TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& options) : plan_(plan) {
+  // Arena sizes: every resident unit, each rounded to a page.
+  std::array<int64_t, kNumTiers> need{};
+  int64_t nvme_bytes = 0;
+  for (int c = 0; c < kNumCategories; ++c) {
+    for (const PlacementUnit& u : plan_.units[size_t(c)]) {
+      const int64_t bytes = round_up(u.numel * plan_.elem_bytes[size_t(c)], kPageBytes);
+      need[size_t(u.tier)] += bytes;
+      if (u.tier == Tier::kNvme) nvme_bytes += round_up(bytes, kSwapBlockBytes);
+    }
+  }
+  if (options.device_budget_bytes >= 0 &&
+      need[0] + options.device_transient_bytes > options.device_budget_bytes) {
+    throw OutOfMemoryError(strprintf(
+        "device tier: %s of resident state + %s of transient buffers exceeds the budget of %s "
+        "(run.device_memory_mb); move state off the device in the placement",
+        format_bytes(double(need[0])).c_str(), format_bytes(double(options.device_transient_bytes)).c_str(),
+        format_bytes(double(options.device_budget_bytes)).c_str()));
+  }
+  device_arena_ = HostBuffer(size_t(need[0]), "device tier (resident state)");
+  host_arena_ = HostBuffer(size_t(need[1]), "host tier (resident state)");
+  if (nvme_bytes > 0) {
+    engine_ = std::make_unique<nvme::IoEngine>(options.engine);
+    nvme::SwapOptions so;
+    so.dirs = plan_.nvme_paths;
+    so.capacity_bytes = nvme_bytes;
+    so.block_bytes = kSwapBlockBytes;
+    so.stripe_bytes = std::max<int64_t>(kSwapBlockBytes, int64_t(16) << 20);
+    so.checksums = options.checksums;
+    so.keep_files = options.keep_swap_files;
+    swap_ = std::make_unique<nvme::SwapStore>(*engine_, so);
+  }
+  std::array<int64_t, kNumTiers> used{};
+  for (int c = 0; c < kNumCategories; ++c) {
+    for (size_t i = 0; i < plan_.units[size_t(c)].size(); ++i) {
+      const PlacementUnit& u = plan_.units[size_t(c)][i];
+      Home h;
+      h.offset = u.offset;
+      h.numel = u.numel;
+      h.tier = u.tier;
+      const int64_t bytes = u.numel * plan_.elem_bytes[size_t(c)];
+      if (u.tier == Tier::kNvme) {
+        h.region = swap_->add_region(strprintf("%s.%zu", category_name(Category(c)), i), bytes);
+      } else {
+        HostBuffer& arena = u.tier == Tier::kDevice ? device_arena_ : host_arena_;
+        h.ptr = arena.as<std::byte>() + used[size_t(u.tier)];
+        used[size_t(u.tier)] += round_up(bytes, kPageBytes);
+      }
+      homes_[size_t(c)].push_back(h);
+    }
+  }
+}
+
+TieredState::~TieredState() = default;
+
+Tier TieredState::tier_of(Category c, int64_t offset) const {
+  const auto& homes = homes_[size_t(c)];
+  auto it = std::upper_bound(homes.begin(), homes.end(), offset,
+                             [](int64_t o, const Home& h) { return o < h.offset; });
+  STRATA_CHECK(it != homes.begin(), "offset before the first unit");
+  return std::prev(it)->tier;
+}
+
+std::byte* TieredState::resident(Category c, int64_t offset, int64_t numel) const {
+  const auto& homes = homes_[size_t(c)];
+  auto it = std::upper_bound(homes.begin(), homes.end(), offset,
+                             [](int64_t o, const Home& h) { return o < h.offset; });
+  if (it == homes.begin()) return nullptr;
+  const Home& h = *std::prev(it);
+  if (h.tier == Tier::kNvme || offset + numel > h.offset + h.numel) return nullptr;
+  return h.ptr + (offset - h.offset) * plan_.elem_bytes[size_t(c)];
+}
+
+// Calls fn(home, first element in home, numel of the piece, byte offset in the caller's buffer).
+template <typename Fn>
+void TieredState::for_each_piece(Category c, int64_t offset, int64_t numel, Fn&& fn) const {
+  const auto& homes = homes_[size_t(c)];
+  auto it = std::upper_bound(homes.begin(), homes.end(), offset,
+                             [](int64_t o, const Home& h) { return o < h.offset; });
+  STRATA_CHECK(it != homes.begin(), "range before the first unit");
+  --it;
+  const int64_t eb = plan_.elem_bytes[size_t(c)];
+  int64_t pos = offset;
+  const int64_t end = offset + numel;
+  for (; pos < end; ++it) {
+    STRATA_CHECK(it != homes.end(), "range past the last unit");
+    const Home& h = *it;
+    const int64_t n = std::min(end, h.offset + h.numel) - pos;
+    fn(h, pos - h.offset, n, (pos - offset) * eb);
+    pos += n;
+  }
+}
+
+void TieredState::read(Category c, int64_t offset, int64_t numel, void* buf) {
+  const int64_t eb = plan_.elem_bytes[size_t(c)];
+  std::vector<nvme::SwapHandle> pending;
+  for_each_piece(c, offset, numel, [&](const Home& h, int64_t at, int64_t n, int64_t buf_off) {
+    std::byte* dst = static_cast<std::byte*>(buf) + buf_off;
+    if (h.tier == Tier::kNvme) {
+      pending.push_back(swap_->read(h.region, at * eb, n * eb, dst));
+      links_.nvme_read += n * eb;
+    } else {
+      std::memcpy(dst, h.ptr + at * eb, size_t(n * eb));
+      if (h.tier == Tier::kHost) links_.h2d += n * eb;
+    }
+  });
+  for (auto& p : pending) p.wait();
+}
+
+void TieredState::write(Category c, int64_t offset, int64_t numel, const void* buf) {
+  const int64_t eb = plan_.elem_bytes[size_t(c)];
+  std::vector<nvme::SwapHandle> pending;
+  for_each_piece(c, offset, numel, [&](const Home& h, int64_t at, int64_t n, int64_t buf_off) {
+    const std::byte* src = static_cast<const std::byte*>(buf) + buf_off;
+    if (h.tier == Tier::kNvme) {
+      pending.push_back(swap_->write(h.region, at * eb, n * eb, src));
+      links_.nvme_write += n * eb;
+    } else {
+      std::memcpy(h.ptr + at * eb, src, size_t(n * eb));
+      if (h.tier == Tier::kHost) links_.d2h += n * eb;
+    }
+  });
+  for (auto& p : pending) p.wait();
+}
+
+}  // namespace strata

@@ -1,0 +1,94 @@
+// The training state placed on tiers: every placement unit of every category
+// (memory/placement.h) has one home, a range of the device arena, of the host
+// arena, or a region of the NVMe swap store. Callers copy ranges in and out
+// of homes, or use a home in place when it is resident (device or host).
+// No LibTorch here. With CPU compute the device arena is host memory with a
+// budget (DESIGN.md, Devices), so every path runs without a GPU.
+#pragma once
+
+#include <array>
+#include <cstddef>
+#include <cstdint>
+#include <memory>
+#include <vector>
+
+#include "memory/buffer.h"
+#include "memory/placement.h"
+#include "nvme/engine.h"
+#include "nvme/swap_store.h"
+
+namespace strata {
+
+// Bytes moved per link since construction.
+struct LinkBytes {
+  int64_t h2d = 0;         // host tier -> compute side
+  int64_t d2h = 0;         // compute side -> host tier
+  int64_t nvme_read = 0;
+  int64_t nvme_write = 0;
+};
+
+struct TieredStateOptions {
+  nvme::EngineOptions engine;     // from the aio section
+  bool checksums = true;          // CRC-32C per swap block, verified on read
+  bool keep_swap_files = false;
+  // Bytes of transient device buffers the caller will allocate on top of the
+  // resident units (gathered blocks, staging); counted against the budget.
+  int64_t device_transient_bytes = 0;
+  int64_t device_budget_bytes = -1;  // < 0: no budget
+};
+
+// Thread-safety: none; one thread drives a TieredState.
+class TieredState {
+ public:
+  // Allocates the device and host arenas and, when the plan places anything
+  // on NVMe, creates the swap store under plan.nvme_paths. Throws
+  // OutOfMemoryError when the device units and transients exceed the
+  // budget, IoError for swap directory problems.
+  TieredState(const PlacementPlan& plan, const TieredStateOptions& options);
+  ~TieredState();
+  TieredState(const TieredState&) = delete;
+  TieredState& operator=(const TieredState&) = delete;
+
+  const PlacementPlan& plan() const { return plan_; }
+  int elem_bytes(Category c) const { return plan_.elem_bytes[size_t(c)]; }
+  Tier tier_of(Category c, int64_t offset) const;
+
+  // The bytes of [offset, offset + numel) of category `c` when they lie inside
+  // one device or host unit; nullptr otherwise (NVMe, or spanning units).
+  std::byte* resident(Category c, int64_t offset, int64_t numel) const;
+
+  // Synchronous copies between homes and `buf`. For ranges touching NVMe,
+  // offset and numel must be multiples of kShardAlignElems (or reach a unit's
+  // end) and `buf` 4096-aligned: Note [Placement units] guarantees this for
+  // whole units and sub-groups. Reading an NVMe unit never written throws.
+  void read(Category c, int64_t offset, int64_t numel, void* buf);
+  void write(Category c, int64_t offset, int64_t numel, const void* buf);
+
+  const LinkBytes& links() const { return links_; }
+  // Resident bytes per tier (state only; NVMe = bytes in the swap store).
+  std::array<int64_t, kNumTiers> state_bytes() const { return plan_.state_total(); }
+  int64_t device_arena_bytes() const { return int64_t(device_arena_.bytes()); }
+  int64_t host_arena_bytes() const { return int64_t(host_arena_.bytes()); }
+  const nvme::SwapStore* swap() const { return swap_.get(); }
+
+ private:
+  struct Home {
+    int64_t offset = 0;      // elements, in the rank's shard space
+    int64_t numel = 0;
+    Tier tier = Tier::kDevice;
+    std::byte* ptr = nullptr;  // device/host
+    nvme::RegionId region;     // NVMe
+  };
+  template <typename Fn>
+  void for_each_piece(Category c, int64_t offset, int64_t numel, Fn&& fn) const;
+
+  PlacementPlan plan_;
+  std::array<std::vector<Home>, kNumCategories> homes_;
+  HostBuffer device_arena_;
+  HostBuffer host_arena_;
+  std::unique_ptr<nvme::IoEngine> engine_;
+  std::unique_ptr<nvme::SwapStore> swap_;
+  LinkBytes links_;
+};
+
+}  // namespace strata
