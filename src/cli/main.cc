@@ -5,6 +5,8 @@
 #include <cstdio>
 #include <exception>
 
+#include "cli/bench_adam.h"
+#include "cli/bench_io.h"
 #include "cli/plan.h"
 #include "cli/train.h"
 #include "util/errors.h"
@@ -26,6 +28,8 @@ int main(int argc, char** argv) {
   });
   strata::register_train(app, result);
   strata::register_plan(app, result);
+  strata::register_bench_io(app, result);
+  strata::register_bench_adam(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
