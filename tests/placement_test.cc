@@ -65,12 +65,22 @@ TEST(PlacementTest, DeepSpeedParamOffloadToNvmeKeepsMaxInCpuOnHost) {
   StateLayout layout = make_layout();
   PlacementPlan p = make_plan(
       config_with({"zero_optimization.stage=3",
-                   "zero_optimization.offload_param={\"device\":\"nvme\",\"nvme_path\":\"/tmp/x\",\"max_in_cpu\":131072,\"buffer_size\":1000,\"buffer_count\":3}"}),
+                   "zero_optimization.offload_param={\"device\":\"nvme\",\"nvme_path\":\"/tmp/x\",\"max_in_cpu\":131072,\"buffer_size\":70000,\"buffer_count\":3}"}),
       layout, 0, unlimited());
   EXPECT_EQ(p.bytes[int(Category::kParam16)][int(Tier::kHost)], 2 * 65536 * 4);
   EXPECT_EQ(p.bytes[int(Category::kParam16)][int(Tier::kNvme)], 6 * 65536 * 4);
-  // Staging buffers are at least as large as the largest block shard.
-  EXPECT_EQ(p.param_staging_bytes, 3 * 65536 * 4);
+  EXPECT_EQ(p.param_staging_bytes, 3 * 70000 * 4);
+  // A staging buffer that cannot hold the largest block shard is refused at
+  // start, with the numbers, instead of failing deep in a step.
+  try {
+    make_plan(config_with({"zero_optimization.stage=3",
+                           "zero_optimization.offload_param={\"device\":\"nvme\",\"nvme_path\":\"/tmp/x\",\"max_in_cpu\":0,\"buffer_size\":1000}"}),
+              layout, 0, unlimited());
+    FAIL() << "expected ConfigError";
+  } catch (const ConfigError& e) {
+    EXPECT_EQ(e.key(), "zero_optimization.offload_param.buffer_size");
+    EXPECT_NE(std::string(e.what()).find("65536"), std::string::npos) << e.what();
+  }
 }
 
 TEST(PlacementTest, ThreeWaySplitPlacesWholeUnitsNearTheRequestedShares) {

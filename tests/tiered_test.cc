@@ -5,6 +5,7 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <dirent.h>
 #include <sys/stat.h>
 
 #include <random>
@@ -14,6 +15,7 @@
 #include "engine/trainer.h"
 #include "model/model.h"
 #include "test_util.h"
+#include "nvme/fault_backend.h"
 #include "util/errors.h"
 
 namespace strata {
@@ -146,6 +148,51 @@ TEST_F(TieredTest, DeviceBudgetTooSmallForResidentStateIsRejectedWithNumbers) {
   } catch (const OutOfMemoryError& e) {
     EXPECT_NE(std::string(e.what()).find("exceeds the budget of 1.0 MiB"), std::string::npos) << e.what();
   }
+}
+
+// A fault in the middle of an optimizer swap stops training with a clear error
+// (path, errno), and no swap file survives the trainer.
+void expect_swap_fault_is_reported(const std::string& data, const std::string& swap, nvme::FaultKind kind,
+                                   const std::string& errno_text) {
+  Config cfg = parse_config(base_config(data), {"zero_optimization.offload_optimizer={\"device\":\"nvme\",\"nvme_path\":\"" + swap + "\"}"});
+  Model model(cfg.model);
+  auto faults = std::make_shared<nvme::FaultPlan>();
+  faults->kind = kind;
+  faults->only_op = int(nvme::IoOp::kWrite);
+  faults->first_op = int64_t(1) << 60;  // none while the state is initialised
+  {
+    Trainer trainer(cfg, model, faults);
+    // The first optimizer step writes master, exp_avg, exp_avg_sq per
+    // sub-group: fail the second of those writes.
+    faults->first_op = faults->seen.load() + 2;
+    TokenDataset ds(cfg.data.paths, TokenFormat::kText, 256, cfg.model.seq_len, 0.0);
+    std::vector<int64_t> batch(size_t(4 * (cfg.model.seq_len + 1)));
+    std::mt19937_64 rng(1);
+    ds.sample_train(rng, 4, batch.data());
+    try {
+      trainer.step(batch.data());
+      FAIL() << "expected IoError";
+    } catch (const IoError& e) {
+      EXPECT_NE(std::string(e.what()).find(swap), std::string::npos) << e.what();
+      EXPECT_NE(std::string(e.what()).find(errno_text), std::string::npos) << e.what();
+    }
+    EXPECT_EQ(faults->injected.load(), 1);
+  }
+  // The store removed its files and private directory.
+  DIR* d = opendir(swap.c_str());
+  ASSERT_NE(d, nullptr);
+  int entries = 0;
+  while (dirent* e = readdir(d)) entries += std::string(e->d_name) != "." && std::string(e->d_name) != "..";
+  closedir(d);
+  EXPECT_EQ(entries, 0);
+}
+
+TEST_F(TieredTest, EioInTheMiddleOfAnOptimizerSwapStopsWithAClearError) {
+  expect_swap_fault_is_reported(data_, swap_, nvme::FaultKind::kEio, "Input/output error");
+}
+
+TEST_F(TieredTest, EnospcInTheMiddleOfAnOptimizerSwapStopsWithAClearError) {
+  expect_swap_fault_is_reported(data_, swap_, nvme::FaultKind::kEnospc, "No space left on device");
 }
 
 }  // namespace

@@ -51,7 +51,7 @@ nvme::EngineOptions engine_options(const AioConfig& aio) {
 
 }  // namespace
 
-Trainer::Trainer(const Config& cfg, const Model& model)
+Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::FaultPlan> faults)
     : cfg_(cfg), model_(model), layout_(model.layout_specs(), cfg.world_size),
       compute_dtype_(dtype_of(cfg.run.compute_dtype)) {
   if (compute_dtype_ == at::kHalf) {
@@ -69,6 +69,7 @@ Trainer::Trainer(const Config& cfg, const Model& model)
   PlacementPlan plan = plan_for_machine(cfg, layout_, &cap);
   TieredStateOptions so;
   so.engine = engine_options(cfg.aio);
+  so.engine.faults = std::move(faults);
   so.device_transient_bytes = max_block_numel_ * (2 * compute_bytes_ + 2 * 4);
   so.device_budget_bytes = cfg.run.device_memory_mb > 0 ? cfg.run.device_memory_mb << 20 : -1;
   state_ = std::make_unique<TieredState>(plan, so);

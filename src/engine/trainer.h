@@ -48,7 +48,8 @@ class Trainer {
  public:
   // Plans the placement for this machine, allocates and initialises all state
   // from cfg.run.seed (the same values whatever the placement).
-  Trainer(const Config& cfg, const Model& model);
+  // `faults` (tests): injected below the NVMe engine (nvme/fault_backend.h).
+  Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::FaultPlan> faults = nullptr);
   ~Trainer();
 
   // One optimizer step over `accum` micro-batches. `tokens` holds

@@ -267,10 +267,17 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
     throw ConfigError("placement.nvme_path", "state is placed on nvme but no swap directory is given");
   }
   if (params_on_nvme) {
-    // buffer_count buffers of buffer_size elements, each able to hold the
-    // largest block shard (DeepSpeed asserts deep in a step when it cannot).
-    plan.param_staging_bytes =
-        op.buffer_count * std::max(op.buffer_size, plan.largest_block_shard_numel) * std::max(int16_bytes, 4);
+    // buffer_count buffers of buffer_size elements; each must hold the largest
+    // block shard (DeepSpeed asserts deep in a step when it cannot: here it is
+    // refused before anything is allocated, with the numbers).
+    if (op.buffer_size < plan.largest_block_shard_numel) {
+      throw ConfigError("zero_optimization.offload_param.buffer_size",
+                        strprintf("%lld elements cannot hold the largest block shard (%lld elements); "
+                                  "raise it to at least %lld",
+                                  (long long)op.buffer_size, (long long)plan.largest_block_shard_numel,
+                                  (long long)plan.largest_block_shard_numel));
+    }
+    plan.param_staging_bytes = op.buffer_count * op.buffer_size * std::max(int16_bytes, 4);
   }
   if (optimizer_on_nvme) {
     // buffer_count sub-groups in flight (read ahead, in Adam, written back),
