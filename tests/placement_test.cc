@@ -36,7 +36,9 @@ TEST(PlacementTest, DefaultIsEverythingOnDevice) {
     EXPECT_EQ(p.bytes[c][0], kTotal * p.elem_bytes[c]) << category_name(Category(c));
     EXPECT_EQ(p.bytes[c][1] + p.bytes[c][2], 0);
   }
-  EXPECT_EQ(p.param_staging_bytes + p.optimizer_staging_bytes, 0);
+  // All resident: only the fp32 gradient staging of the largest block.
+  EXPECT_EQ(p.staging.device_bytes(), 65536 * 4);
+  EXPECT_EQ(p.staging.host_bytes(), 0);
 }
 
 TEST(PlacementTest, DeepSpeedOptimizerOffloadToCpuAndNvmeWithRatio) {
@@ -57,7 +59,10 @@ TEST(PlacementTest, DeepSpeedOptimizerOffloadToCpuAndNvmeWithRatio) {
   EXPECT_EQ(nvme.bytes[int(Category::kMaster)][int(Tier::kDevice)], 6 * 65536 * 4);
   // DeepSpeed keeps the gradients of offloaded optimizer state in host memory.
   EXPECT_EQ(nvme.bytes[int(Category::kGrad)][int(Tier::kHost)], 2 * 65536 * 4);
-  EXPECT_EQ(nvme.optimizer_staging_bytes, 4 * 65536 * 12);  // buffer_count 4 sub-groups x 3 arrays
+  // One swapped sub-group of master/exp_avg/exp_avg_sq at a time; gradients
+  // and working copy of a sub-group lie in one unit each, so are not staged.
+  EXPECT_EQ(nvme.staging.opt_state, 65536 * 12);
+  EXPECT_EQ(nvme.staging.opt_grad + nvme.staging.opt_emit, 0);
   EXPECT_EQ(nvme.nvme_paths, std::vector<std::string>{"/tmp/x"});
 }
 
@@ -69,7 +74,7 @@ TEST(PlacementTest, DeepSpeedParamOffloadToNvmeKeepsMaxInCpuOnHost) {
       layout, 0, unlimited());
   EXPECT_EQ(p.bytes[int(Category::kParam16)][int(Tier::kHost)], 2 * 65536 * 4);
   EXPECT_EQ(p.bytes[int(Category::kParam16)][int(Tier::kNvme)], 6 * 65536 * 4);
-  EXPECT_EQ(p.param_staging_bytes, 3 * 70000 * 4);
+  EXPECT_EQ(p.staging.gathered, 2 * 65536 * 4);  // two block slots (fp32 compute)
   // A staging buffer that cannot hold the largest block shard is refused at
   // start, with the numbers, instead of failing deep in a step.
   try {
@@ -128,16 +133,17 @@ TEST(PlacementTest, AutoFillsTheDeviceFirstWithParametersThenGradients) {
   StateLayout layout = make_layout();
   Config cfg = config_with({"placement={\"auto\":true,\"headroom\":0.0,\"nvme_path\":\"/tmp/x\"}",
                             "model.dim=8", "model.n_heads=2", "model.n_layers=1", "model.seq_len=8",
-                            "train_micro_batch_size_per_gpu=1",
-                            "zero_optimization.offload_optimizer.buffer_count=1"});
+                            "train_micro_batch_size_per_gpu=1"});
+  const int64_t activations = make_plan(cfg, layout, 0, unlimited()).activation_bytes;
+  const int64_t unit = 65536 * 4;  // every unit here: one block / one sub-group of fp32
   MachineCapacity cap;
   cap.device_is_host = false;
-  const int64_t transient = make_plan(cfg, layout, 0, unlimited()).activation_bytes;
-  cap.device_bytes = kTotal * 4 + kTotal * 2 + transient;  // param16 + half of grad
-  // rest of grad + 1.5 categories, plus the pinned buffers for the sub-groups on NVMe
-  // (one sub-group of 3 fp32 arrays, buffer_count 1): without that reserve the
-  // last category would partly fit on the host.
-  cap.host_bytes = kTotal * 4 * 2 + 1 * 65536 * 12;
+  // Device: all of param16, half of grad, the activations, and the staging a
+  // placement with gradients off the device needs (fp32 stage + read-modify-write).
+  cap.device_bytes = 8 * unit + 4 * unit + activations + 2 * unit;
+  // Host: the other half of grad, all of master, half of exp_avg, and the
+  // staging of one swapped sub-group (master, exp_avg, exp_avg_sq).
+  cap.host_bytes = 4 * unit + 8 * unit + 4 * unit + 3 * unit;
   cap.nvme_bytes = int64_t(1) << 40;
   PlacementPlan p = make_plan(cfg, layout, 0, cap);
   EXPECT_EQ(p.source, "auto");
@@ -146,8 +152,27 @@ TEST(PlacementTest, AutoFillsTheDeviceFirstWithParametersThenGradients) {
   EXPECT_NEAR(p.split[int(Category::kGrad)].host, 0.5, 1e-9);
   EXPECT_NEAR(p.split[int(Category::kMaster)].host, 1.0, 1e-9);
   EXPECT_NEAR(p.split[int(Category::kExpAvg)].host, 0.5, 1e-9);
+  EXPECT_NEAR(p.split[int(Category::kExpAvg)].nvme, 0.5, 1e-9);
   EXPECT_NEAR(p.split[int(Category::kExpAvgSq)].nvme, 1.0, 1e-9);
+  // What was placed, staging included, fits exactly what the tiers have.
+  const auto total = p.total();
+  EXPECT_LE(total[0], cap.device_bytes);
+  EXPECT_LE(total[1], cap.host_bytes);
   EXPECT_TRUE(plan_shortfalls(p, cap).empty());
+}
+
+TEST(PlacementTest, AutoOnCpuSharesOneHostPoolAndSpillsToNvme) {
+  StateLayout layout = make_layout();
+  Config cfg = config_with({"placement={\"auto\":true,\"headroom\":0.0,\"nvme_path\":\"/tmp/x\"}",
+                            "model.dim=8", "model.n_heads=2", "model.n_layers=1", "model.seq_len=8",
+                            "train_micro_batch_size_per_gpu=1"});
+  MachineCapacity cap;  // CPU compute, no device budget: the device tier is host RAM
+  cap.device_is_host = true;
+  cap.host_bytes = 20 * 65536 * 4;  // half of the 40 units of state, with room for staging
+  cap.nvme_bytes = int64_t(1) << 40;
+  PlacementPlan p = make_plan(cfg, layout, 0, cap);
+  EXPECT_GT(p.bytes[int(Category::kExpAvgSq)][int(Tier::kNvme)], 0);  // spilled, not all "device"
+  EXPECT_TRUE(plan_shortfalls(p, cap).empty()) << plan_shortfalls(p, cap)[0];
 }
 
 TEST(PlacementTest, ShortfallNamesTheTierAndTheNumbers) {
@@ -180,6 +205,7 @@ TEST(PlacementTest, BadPlacementSectionsNameTheKey) {
   EXPECT_EQ(key_of({"placement=\"manual\""}), "placement");
   EXPECT_EQ(key_of({"placement={\"param16\":{\"device\":1.5,\"host\":-0.5}}"}), "placement.param16.device");
   EXPECT_EQ(key_of({"run.device_memory_mb=-1"}), "run.device_memory_mb");
+  EXPECT_EQ(key_of({"placement={\"auto\":true,\"grad\":{\"host\":1.0}}"}), "placement.auto");
 }
 
 }  // namespace

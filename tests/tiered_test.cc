@@ -120,6 +120,30 @@ TEST_F(TieredTest, ThreeWaySplitOfEveryCategoryIsBitIdentical) {
   EXPECT_LT(r.peak[int(Tier::kDevice)], baseline_.peak[int(Tier::kDevice)]);
 }
 
+// `strata plan`'s numbers (state + staging per tier; activations are an
+// estimate of LibTorch's allocations and not measured) agree with what a run
+// allocates within 10%.
+TEST_F(TieredTest, PlanAgreesWithMeasuredAccounting) {
+  const std::string split = "{\"device\":0.2,\"host\":0.3,\"nvme\":0.5}";
+  for (const std::vector<std::string>& o : std::vector<std::vector<std::string>>{
+           {},
+           {"zero_optimization.offload_optimizer={\"device\":\"nvme\",\"nvme_path\":\"" + swap_ + "\"}"},
+           {"placement={\"param16\":" + split + ",\"grad\":" + split + ",\"optimizer\":" + split +
+            ",\"nvme_path\":\"" + swap_ + "\"}", "bf16.enabled=true"}}) {
+    Config cfg = parse_config(base_config(data_), o);
+    Model model(cfg.model);
+    Trainer trainer(cfg, model);
+    const PlacementPlan& plan = trainer.plan();
+    auto planned = plan.total();
+    planned[int(plan.activation_tier)] -= plan.activation_bytes;
+    const auto measured = trainer.peak_bytes();
+    for (int t = 0; t < kNumTiers; ++t) {
+      EXPECT_NEAR(double(measured[t]), double(planned[t]), 0.1 * double(planned[t]))
+          << tier_name(Tier(t)) << " with " << (o.empty() ? "defaults" : o[0]);
+    }
+  }
+}
+
 TEST_F(TieredTest, ParametersOnNvmeWithDeviceBudgetSmallerThanTheModel) {
   const std::vector<std::string> o = {
       "zero_optimization.stage=3",

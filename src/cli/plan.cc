@@ -55,9 +55,11 @@ nlohmann::json plan_json(const Computed& c) {
   }
   j["activation_bytes"] = p.activation_bytes;
   j["activation_tier"] = tier_name(p.activation_tier);
-  j["gathered_block_bytes"] = p.gathered_block_bytes;
-  j["param_staging_bytes"] = p.param_staging_bytes;
-  j["optimizer_staging_bytes"] = p.optimizer_staging_bytes;
+  j["staging_bytes"] = {{"gathered", p.staging.gathered}, {"grad_stage", p.staging.grad_stage},
+                        {"grad_rmw", p.staging.grad_rmw}, {"opt_grad", p.staging.opt_grad},
+                        {"opt_state", p.staging.opt_state}, {"opt_emit", p.staging.opt_emit}};
+  j["device_transient_bytes"] = p.staging.device_bytes();
+  j["host_staging_bytes"] = p.staging.host_bytes();
   j["sub_group_numel"] = p.sub_group_numel;
   j["nvme_paths"] = p.nvme_paths;
   j["capacity_bytes"] = {{"device", c.cap.device_bytes}, {"host", c.cap.host_bytes}, {"nvme", c.cap.nvme_bytes}};
@@ -97,8 +99,8 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   row("state total", st[0], st[1], st[2]);
   const bool act_dev = p.activation_tier == Tier::kDevice;
   row("activations", act_dev ? p.activation_bytes : 0, act_dev ? 0 : p.activation_bytes, 0);
-  row("gathered block", p.gathered_block_bytes, 0, 0);
-  row("pinned staging", 0, p.param_staging_bytes + p.optimizer_staging_bytes, 0);
+  row("gathered + grad staging", p.staging.device_bytes(), 0, 0);
+  row("optimizer staging", 0, p.staging.host_bytes(), 0);
   const auto tot = p.total();
   row("total", tot[0], tot[1], tot[2]);
   out += strprintf("  %-22s %12s %12s %12s\n", "this machine has", cap_cell(cap.device_bytes).c_str(),

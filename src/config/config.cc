@@ -799,6 +799,10 @@ void parse_placement(const json& root, Config& c) {
     }
   }
   read_paths(*v, path, "nvme_path", pc.nvme_path, true);
+  if (pc.auto_place && (pc.has_param16 || pc.has_grad || pc.has_master || pc.has_exp_avg ||
+                        pc.has_exp_avg_sq)) {
+    fail("placement.auto", "true cannot be combined with per-category splits (auto chooses them)");
+  }
   if (read(*v, path, "headroom", pc.headroom)) in_closed("placement.headroom", pc.headroom, 0.0, 0.9);
   const bool any_nvme = pc.param16.nvme > 0 || pc.grad.nvme > 0 || pc.master.nvme > 0 ||
                         pc.exp_avg.nvme > 0 || pc.exp_avg_sq.nvme > 0;

@@ -65,40 +65,32 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   for (const BlockLayout& b : layout_.blocks()) max_block_numel_ = std::max(max_block_numel_, b.padded_numel);
 
   // ---- placement and state --------------------------------------------------
+  // Single rank for now: the trainer addresses blocks by their model-wide
+  // offsets, which equal the shard-space offsets only when world_size is 1.
+  STRATA_CHECK(layout_.world_size() == 1, "multi-rank training is not implemented yet");
   MachineCapacity cap;
   PlacementPlan plan = plan_for_machine(cfg, layout_, &cap);
+  const StagingNeeds& need = plan.staging;
   TieredStateOptions so;
   so.engine = engine_options(cfg.aio);
   so.engine.faults = std::move(faults);
-  so.device_transient_bytes = max_block_numel_ * (2 * compute_bytes_ + 2 * 4);
+  so.device_transient_bytes = need.device_bytes();
   so.device_budget_bytes = cfg.run.device_memory_mb > 0 ? cfg.run.device_memory_mb << 20 : -1;
   state_ = std::make_unique<TieredState>(plan, so);
 
-  gathered_ = HostBuffer(size_t(2 * max_block_numel_ * compute_bytes_), "gathered blocks (2 slots)");
-  grad_stage_ = HostBuffer(size_t(max_block_numel_ * 4), "gradient staging");
-  bool grad_off_device = false, opt_on_nvme = false, param_off_resident = false;
-  for (const PlacementUnit& u : plan.units[size_t(Category::kGrad)]) grad_off_device |= u.tier != Tier::kDevice;
-  for (int c = int(Category::kMaster); c <= int(Category::kExpAvgSq); ++c) {
-    for (const PlacementUnit& u : plan.units[size_t(c)]) opt_on_nvme |= u.tier == Tier::kNvme;
-  }
+  // Buffers exactly as the plan counted them (placement.h, StagingNeeds).
   group_numel_ = std::min(plan.sub_group_numel, plan.shard_space_numel);
-  // A sub-group's gradient or working copy is resident only when one resident
-  // unit holds all of it; otherwise it is staged.
-  bool grad_staged = false;
-  for (const PlacementUnit& g : plan.units[size_t(Category::kMaster)]) {
-    grad_staged |= state_->resident(Category::kGrad, g.offset, g.numel) == nullptr;
-    param_off_resident |= state_->resident(Category::kParam16, g.offset, g.numel) == nullptr;
+  if (need.gathered > 0) gathered_ = HostBuffer(size_t(need.gathered), "gathered blocks (2 slots)");
+  grad_stage_ = HostBuffer(size_t(need.grad_stage), "gradient staging");
+  if (need.grad_rmw > 0) grad_rmw_ = HostBuffer(size_t(need.grad_rmw), "gradient read-modify-write");
+  if (need.opt_grad > 0) opt_grad_ = HostBuffer(size_t(need.opt_grad), "optimizer gradient staging");
+  if (need.opt_state > 0) {
+    opt_master_ = HostBuffer(size_t(need.opt_state / 3), "optimizer staging: master");
+    opt_avg_ = HostBuffer(size_t(need.opt_state / 3), "optimizer staging: exp_avg");
+    opt_avg_sq_ = HostBuffer(size_t(need.opt_state / 3), "optimizer staging: exp_avg_sq");
   }
-  if (grad_off_device) grad_rmw_ = HostBuffer(size_t(max_block_numel_ * 4), "gradient read-modify-write");
-  if (grad_staged) opt_grad_ = HostBuffer(size_t(group_numel_ * 4), "optimizer gradient staging");
-  if (opt_on_nvme) {
-    opt_master_ = HostBuffer(size_t(group_numel_ * 4), "optimizer staging: master");
-    opt_avg_ = HostBuffer(size_t(group_numel_ * 4), "optimizer staging: exp_avg");
-    opt_avg_sq_ = HostBuffer(size_t(group_numel_ * 4), "optimizer staging: exp_avg_sq");
-  }
-  if (param_off_resident) {
-    opt_emit_ = HostBuffer(size_t(group_numel_ * compute_bytes_), "optimizer staging: working copy");
-  }
+  if (need.opt_emit > 0) opt_emit_ = HostBuffer(size_t(need.opt_emit), "optimizer staging: working copy");
+  const bool opt_on_nvme = need.opt_state > 0;
 
   // ---- initial values -------------------------------------------------------
   // One generator, blocks initialised in model order into a staging buffer and
@@ -111,7 +103,9 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
     master.zero_();
     init_block(bl, master, gen);
     state_->write(Category::kMaster, bl.offset, bl.padded_numel, master.data_ptr());
-    at::Tensor working = block_flat(Category::kParam16, b, gathered_.data(), compute_dtype_);
+    // Start-up only: a temporary for the working copy (4 KiB-aligned for NVMe).
+    HostBuffer tmp(size_t(bl.padded_numel * compute_bytes_), "initial working copy");
+    at::Tensor working = block_flat(Category::kParam16, b, tmp.data(), compute_dtype_);
     working.copy_(master);
     state_->write(Category::kParam16, bl.offset, bl.padded_numel, working.data_ptr());
   }
@@ -149,13 +143,15 @@ StateBytes Trainer::state_bytes() const {
   return s;
 }
 
+// Measured from what was allocated: the arenas, the swap store's regions and
+// the step's buffers (all sized at start-up, so current = peak).
 std::array<int64_t, kNumTiers> Trainer::peak_bytes() const {
-  const PlacementPlan& p = state_->plan();
-  auto st = p.state_total();
-  st[0] += int64_t(gathered_.bytes() + grad_stage_.bytes() + grad_rmw_.bytes());
-  st[1] += int64_t(opt_grad_.bytes() + opt_master_.bytes() + opt_avg_.bytes() + opt_avg_sq_.bytes() +
-                   opt_emit_.bytes());
-  return st;
+  std::array<int64_t, kNumTiers> t{};
+  t[0] = state_->device_arena_bytes() + int64_t(gathered_.bytes() + grad_stage_.bytes() + grad_rmw_.bytes());
+  t[1] = state_->host_arena_bytes() + int64_t(opt_grad_.bytes() + opt_master_.bytes() + opt_avg_.bytes() +
+                                              opt_avg_sq_.bytes() + opt_emit_.bytes());
+  t[2] = state_->swap() != nullptr ? state_->swap()->used_bytes() : 0;
+  return t;
 }
 
 std::byte* Trainer::device_resident(Category c, int64_t offset, int64_t numel) const {
@@ -209,6 +205,10 @@ void Trainer::accumulate_grad(size_t b, const std::vector<at::Tensor>& grads, si
   at::Tensor stage = block_flat(Category::kGrad, b, grad_stage_.data(), at::kFloat);
   stage.zero_();
   std::vector<at::Tensor> dst = param_views(layout_.block(b), stage);
+  if (b == embedding_block_ && tied_grad_.defined()) {
+    dst[0].add_(tied_grad_);  // the head's share first, as autograd would sum it
+    tied_grad_ = at::Tensor();
+  }
   for (size_t i = 0; i < dst.size() && first + i < grads.size(); ++i) {
     const at::Tensor& g = grads[first + i];
     if (g.defined()) dst[i].add_(g);  // fp32 accumulation of 16-bit gradients
@@ -291,7 +291,9 @@ double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale, do
         torch::autograd::grad({loss * loss_scale}, wrt, /*grad_outputs=*/{}, /*retain_graph=*/false);
     dx = grads[0];
     accumulate_grad(head_block_, grads, 1);
-    if (tied.defined()) accumulate_grad(embedding_block_, {grads.back()}, 0);
+    // The head's gradient for the tied embedding is added when the embedding's
+    // own gradient is staged, so the embedding is flushed once per micro-batch.
+    if (tied.defined()) tied_grad_ = grads.back();
   }
 
   // Layers and embedding, in reverse, recomputed from their saved inputs.
@@ -331,7 +333,7 @@ double Trainer::global_grad_norm() {
 // Per sub-group, wherever its state lives: resident state is updated in place,
 // swapped state is read into staging, updated and written back. The working
 // copy comes out of the same pass (bf16: emitted by CPU Adam; fp32: copied).
-void Trainer::optimizer_step(float grad_scale, double lr) {
+void Trainer::optimizer_step(float grad_scale, double lr, int64_t step) {
   cpu_adam::AdamParams h;
   h.lr = lr;
   h.beta1 = cfg_.optimizer.beta1;
@@ -361,7 +363,7 @@ void Trainer::optimizer_step(float grad_scale, double lr) {
       spans.emit = working;
       spans.emit_type = cpu_adam::EmitType::kBF16;
     }
-    adam_->step(h, cpu_adam::StepArgs{step_, grad_scale}, spans);
+    adam_->step(h, cpu_adam::StepArgs{step, grad_scale}, spans);
     if (compute_dtype_ == at::kFloat) std::memcpy(working, spans.param, size_t(g.numel * 4));
     if (!state_->resident(Category::kMaster, g.offset, g.numel)) {
       state_->write(Category::kMaster, g.offset, g.numel, spans.param);
@@ -377,6 +379,10 @@ void Trainer::optimizer_step(float grad_scale, double lr) {
 }
 
 StepResult Trainer::step(const int64_t* tokens) {
+  if (broken_) {
+    throw Error("an earlier step failed part-way through the optimizer; the state is inconsistent "
+                "and training cannot continue (restart from a checkpoint)");
+  }
   const int64_t accum = cfg_.gradient_accumulation_steps;
   const int64_t micro = cfg_.train_micro_batch_size_per_gpu;
   const int64_t window = cfg_.model.seq_len + 1;
@@ -399,15 +405,28 @@ StepResult Trainer::step(const int64_t* tokens) {
     const double coef = cfg_.gradient_clipping / (r.grad_norm + 1e-6);
     if (coef < 1.0) grad_scale = float(coef);
   }
+  if (!std::isfinite(r.grad_norm)) {
+    // Stepping would turn every tier's optimizer state into NaN for good.
+    throw Error(strprintf("gradient norm is %f at step %lld: the optimizer step was skipped and the "
+                          "state is unchanged; lower optimizer.params.lr or enable gradient_clipping",
+                          r.grad_norm, (long long)(step_ + 1)));
+  }
+  r.lr = learning_rate(cfg_.scheduler, cfg_.optimizer.lr, step_ + 1);
+  try {
+    optimizer_step(grad_scale, r.lr, step_ + 1);
+  } catch (...) {
+    // Some sub-groups may have been updated and others not.
+    broken_ = true;
+    throw;
+  }
   ++step_;
-  r.lr = learning_rate(cfg_.scheduler, cfg_.optimizer.lr, step_);
-  optimizer_step(grad_scale, r.lr);
   r.optimizer_s = seconds_since(t_opt);
   r.links = state_->links() - links0;
   return r;
 }
 
 double Trainer::eval_loss(const int64_t* tokens, int64_t batches) {
+  STRATA_CHECK(!broken_, "eval after a failed optimizer step");
   at::NoGradGuard no_grad;
   const int64_t micro = cfg_.train_micro_batch_size_per_gpu;
   const int64_t window = cfg_.model.seq_len + 1;

@@ -73,9 +73,10 @@ class Trainer {
   // Block b's weights as the forward uses them (compute dtype), as copies.
   std::vector<at::Tensor> block_weights(size_t b);
 
-  // Peak bytes per tier the step uses: resident state plus the transient and
-  // staging buffers allocated for it (device: gathered blocks, gradient
-  // staging; host: optimizer staging), NVMe: swap in use.
+  // Peak bytes per tier, measured from the allocations: resident state plus
+  // the transient and staging buffers (device: gathered blocks, gradient
+  // staging; host: optimizer staging); NVMe: swap regions in use. LibTorch's
+  // activations are not included.
   std::array<int64_t, kNumTiers> peak_bytes() const;
 
  private:
@@ -89,7 +90,7 @@ class Trainer {
   void flush_grad(size_t b);
   double forward_backward(const at::Tensor& tokens, double loss_scale, double* wait_s);
   double global_grad_norm();
-  void optimizer_step(float grad_scale, double lr);
+  void optimizer_step(float grad_scale, double lr, int64_t step);
   at::Tensor loss_of(const at::Tensor& logits, const at::Tensor& targets) const;
 
   Config cfg_;
@@ -116,7 +117,9 @@ class Trainer {
 
   std::vector<char> grad_written_;        // per block: written since the step began
   std::vector<at::Tensor> saved_inputs_;  // per block, the activation checkpoint
+  at::Tensor tied_grad_;                  // head's gradient for the tied embedding, until flushed
   int64_t step_ = 0;
+  bool broken_ = false;                   // an optimizer step failed part-way
 };
 
 }  // namespace strata

@@ -7,6 +7,7 @@
 #include <algorithm>
 #include <cmath>
 #include <fstream>
+#include <limits>
 #include <sstream>
 
 #include "util/errors.h"
@@ -84,6 +85,51 @@ int compute_bytes(const Config& cfg) { return cfg.run.compute_dtype == "fp32" ? 
 
 }  // namespace
 
+std::optional<Tier> range_tier(const PlacementPlan& plan, Category c, int64_t offset, int64_t numel) {
+  std::optional<Tier> tier;
+  for (const PlacementUnit& u : plan.units[size_t(c)]) {
+    if (u.offset + u.numel <= offset || u.offset >= offset + numel) continue;
+    if (tier.has_value() && *tier != u.tier) return std::nullopt;
+    tier = u.tier;
+  }
+  return tier;
+}
+
+StagingNeeds staging_needs(const PlacementPlan& plan) {
+  StagingNeeds n;
+  const int64_t largest = plan.largest_block_numel;
+  auto off_device = [&](Category c) {
+    for (const PlacementUnit& u : plan.units[size_t(c)]) if (u.tier != Tier::kDevice) return true;
+    return false;
+  };
+  auto on_nvme = [&](Category c) {
+    for (const PlacementUnit& u : plan.units[size_t(c)]) if (u.tier == Tier::kNvme) return true;
+    return false;
+  };
+  // Device: two gathered-block slots (a block, and the tied embedding for the
+  // head) when any block's weights are not on the device; fp32 gradient
+  // staging for every block; a read-modify-write buffer when any block's
+  // gradient lives off the device.
+  n.gathered = off_device(Category::kParam16) ? 2 * largest * plan.compute_bytes : 0;
+  n.grad_stage = largest * 4;
+  n.grad_rmw = off_device(Category::kGrad) ? largest * 4 : 0;
+  // Host: per sub-group, what is not resident in one piece is staged.
+  const int64_t group = std::min(plan.sub_group_numel, plan.shard_space_numel);
+  bool grad_staged = false, emit_staged = false;
+  for (const PlacementUnit& g : plan.units[size_t(Category::kMaster)]) {
+    auto gt = range_tier(plan, Category::kGrad, g.offset, g.numel);
+    auto pt = range_tier(plan, Category::kParam16, g.offset, g.numel);
+    grad_staged |= !gt.has_value() || *gt == Tier::kNvme;
+    emit_staged |= !pt.has_value() || *pt == Tier::kNvme;
+  }
+  n.opt_grad = grad_staged ? group * 4 : 0;
+  const bool state_swapped =
+      on_nvme(Category::kMaster) || on_nvme(Category::kExpAvg) || on_nvme(Category::kExpAvgSq);
+  n.opt_state = state_swapped ? 3 * group * 4 : 0;
+  n.opt_emit = emit_staged ? group * plan.compute_bytes : 0;
+  return n;
+}
+
 MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::string>& nvme_paths) {
   MachineCapacity m;
   m.device_is_host = cfg.run.device == "cpu";
@@ -115,8 +161,8 @@ std::array<int64_t, kNumTiers> PlacementPlan::state_total() const {
 std::array<int64_t, kNumTiers> PlacementPlan::total() const {
   std::array<int64_t, kNumTiers> t = state_total();
   t[size_t(activation_tier)] += activation_bytes;
-  t[size_t(Tier::kDevice)] += gathered_block_bytes;
-  t[size_t(Tier::kHost)] += param_staging_bytes + optimizer_staging_bytes;
+  t[size_t(Tier::kDevice)] += staging.device_bytes();
+  t[size_t(Tier::kHost)] += staging.host_bytes();
   return t;
 }
 
@@ -130,7 +176,6 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
                         const MachineCapacity& capacity) {
   STRATA_CHECK(rank >= 0 && rank < layout.world_size(), "rank out of range");
   PlacementPlan plan;
-  const int64_t world = layout.world_size();
   const int int16_bytes = compute_bytes(cfg);  // the working copy: fp32 or 16-bit
   plan.elem_bytes = {int16_bytes, 4, 4, 4, 4};
   (void)rank;  // every rank owns equally sized shards: shard r of every block
@@ -200,64 +245,82 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   if (plan.activation_tier == Tier::kHost) plan.activation_bytes -= saved - (saved / (m.n_layers + 1));
   int64_t largest_block = 0;
   for (const BlockLayout& b : layout.blocks()) largest_block = std::max(largest_block, b.padded_numel);
+  plan.largest_block_numel = largest_block;
+  plan.compute_bytes = int(cb);
+  plan.tied = m.tie_embeddings;
 
-  // ---- auto: fill the fastest tiers first with what is touched most ----------
-  if (pc.auto_place) {
+  std::array<std::vector<PlacementUnit>, kNumCategories> units;
+  for (int c = 0; c < kNumCategories; ++c) units[size_t(c)] = c <= int(Category::kGrad) ? block_units : group_units;
+
+  if (!pc.auto_place) {
+    for (int c = 0; c < kNumCategories; ++c) assign(units[size_t(c)], split[size_t(c)], plan.shard_space_numel);
+  } else {
+    // ---- auto: fill the fastest tiers first with what is touched most --------
+    // param16 (every forward and backward), then grad (every backward), then
+    // optimizer state (once per step), whole units at a time: a unit goes to
+    // the device if it fits whole in what is left of the device budget, else
+    // to the host likewise, else to NVMe. With CPU compute the device tier is
+    // host memory, so the two share one budget. The staging buffers that what
+    // lands off the device needs are reserved and the fill redone until the
+    // reserve stops changing.
     plan.source = "auto";
-    // Order of preference for the fastest tiers: param16 (every forward and
-    // backward), grad (every backward), then optimizer state (once per step).
-    // Pinned staging buffers for whatever lands on NVMe come out of the host
-    // budget, so the fill is redone once with them reserved.
     const double keep = 1.0 - pc.headroom;
-    const std::array<int64_t, kNumCategories> need = {
-        plan.shard_space_numel * int16_bytes, plan.shard_space_numel * 4, plan.shard_space_numel * 4,
-        plan.shard_space_numel * 4, plan.shard_space_numel * 4};
-    auto fill = [&](double host_reserved) {
-      double dev_left = capacity.device_bytes < 0 ? -1.0 : double(capacity.device_bytes) * keep;
-      if (dev_left >= 0) dev_left = std::max(0.0, dev_left - double(plan.activation_bytes));
-      double host_left = capacity.host_bytes < 0 ? -1.0 : double(capacity.host_bytes) * keep;
-      if (capacity.device_is_host && host_left >= 0 && capacity.device_bytes >= 0) {
-        host_left -= double(capacity.device_bytes);
+    const int64_t kUnlimited = std::numeric_limits<int64_t>::max() / 4;
+    auto budget = [&](int64_t cap) { return cap < 0 ? kUnlimited : int64_t(double(cap) * keep); };
+    int64_t reserve_device = 0, reserve_host = 0;
+    for (int pass = 0; pass < 4; ++pass) {
+      int64_t dev_left, host_left;
+      const int64_t act_dev = plan.activation_tier == Tier::kDevice ? plan.activation_bytes : 0;
+      const int64_t act_host = plan.activation_bytes - act_dev;
+      if (capacity.device_is_host) {
+        // One pool of host RAM: the device budget (if one is set) is carved
+        // from it, and everything else, staging included, comes out of it too.
+        const int64_t pool = budget(capacity.host_bytes) - plan.activation_bytes - reserve_device - reserve_host;
+        dev_left = capacity.device_bytes >= 0
+                       ? std::min(budget(capacity.device_bytes) - act_dev - reserve_device, pool)
+                       : pool;
+        host_left = pool - dev_left;
+      } else {
+        dev_left = budget(capacity.device_bytes) - act_dev - reserve_device;
+        host_left = budget(capacity.host_bytes) - act_host - reserve_host;
       }
-      if (host_left >= 0) host_left = std::max(0.0, host_left - host_reserved);
       for (int c = 0; c < kNumCategories; ++c) {
-        const double n = double(need[size_t(c)]);
-        const double d = dev_left < 0 ? n : std::clamp(dev_left, 0.0, n);
-        if (dev_left >= 0) dev_left -= d;
-        const double h = host_left < 0 ? n - d : std::clamp(host_left, 0.0, n - d);
-        if (host_left >= 0) host_left -= h;
-        split[size_t(c)] = TierSplit{d / n, h / n, std::max(0.0, 1.0 - d / n - h / n)};
+        for (PlacementUnit& u : units[size_t(c)]) {
+          const int64_t bytes = u.numel * plan.elem_bytes[size_t(c)];
+          if (bytes <= dev_left) {
+            u.tier = Tier::kDevice;
+            dev_left -= bytes;
+          } else if (bytes <= host_left) {
+            u.tier = Tier::kHost;
+            host_left -= bytes;
+          } else {
+            u.tier = Tier::kNvme;
+          }
+        }
       }
-    };
-    fill(0.0);
-    double reserve = 0.0;
-    if (split[0].nvme > 0 || split[1].nvme > 0) {
-      reserve += double(op.buffer_count * std::max(op.buffer_size, plan.largest_block_shard_numel) *
-                        std::max(int16_bytes, 4));
+      plan.units = units;
+      const StagingNeeds need = staging_needs(plan);
+      if (need.device_bytes() == reserve_device && need.host_bytes() == reserve_host) break;
+      reserve_device = need.device_bytes();
+      reserve_host = need.host_bytes();
     }
-    if (split[2].nvme > 0 || split[3].nvme > 0 || split[4].nvme > 0) {
-      reserve += double(oo.buffer_count * std::min(plan.sub_group_numel, plan.shard_space_numel) * 12);
+    // Report the split that was reached.
+    for (int c = 0; c < kNumCategories; ++c) {
+      std::array<double, kNumTiers> b{};
+      for (const PlacementUnit& u : units[size_t(c)]) b[size_t(u.tier)] += double(u.numel);
+      const double total = double(plan.shard_space_numel);
+      split[size_t(c)] = TierSplit{b[0] / total, b[1] / total, b[2] / total};
     }
-    if (reserve > 0) fill(reserve);
   }
   plan.split = split;
-  // A block whose parameters are not resident on the device (sharded, or
-  // placed on host/NVMe) is gathered into a transient buffer with its gradient.
-  const bool gathers = world > 1 || split[0].device < 1.0;
-  plan.gathered_block_bytes = gathers ? largest_block * (int16_bytes + 4) : 0;
-
-  // ---- place the units ------------------------------------------------------
+  plan.units = std::move(units);
   for (int c = 0; c < kNumCategories; ++c) {
-    const bool per_block = c <= int(Category::kGrad);
-    std::vector<PlacementUnit> units = per_block ? block_units : group_units;
-    assign(units, split[size_t(c)], plan.shard_space_numel);
-    for (const PlacementUnit& u : units) {
+    for (const PlacementUnit& u : plan.units[size_t(c)]) {
       plan.bytes[size_t(c)][size_t(u.tier)] += u.numel * plan.elem_bytes[size_t(c)];
     }
-    plan.units[size_t(c)] = std::move(units);
   }
 
-  // ---- NVMe paths and pinned staging ------------------------------------------
+  // ---- NVMe paths and staging -----------------------------------------------
   bool params_on_nvme = plan.bytes[0][2] > 0 || plan.bytes[1][2] > 0;
   bool optimizer_on_nvme = plan.bytes[2][2] > 0 || plan.bytes[3][2] > 0 || plan.bytes[4][2] > 0;
   plan.nvme_paths = pc.nvme_path;
@@ -266,25 +329,16 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   if ((params_on_nvme || optimizer_on_nvme) && plan.nvme_paths.empty()) {
     throw ConfigError("placement.nvme_path", "state is placed on nvme but no swap directory is given");
   }
-  if (params_on_nvme) {
-    // buffer_count buffers of buffer_size elements; each must hold the largest
-    // block shard (DeepSpeed asserts deep in a step when it cannot: here it is
-    // refused before anything is allocated, with the numbers).
-    if (op.buffer_size < plan.largest_block_shard_numel) {
-      throw ConfigError("zero_optimization.offload_param.buffer_size",
-                        strprintf("%lld elements cannot hold the largest block shard (%lld elements); "
-                                  "raise it to at least %lld",
-                                  (long long)op.buffer_size, (long long)plan.largest_block_shard_numel,
-                                  (long long)plan.largest_block_shard_numel));
-    }
-    plan.param_staging_bytes = op.buffer_count * op.buffer_size * std::max(int16_bytes, 4);
+  if (params_on_nvme && op.device == "nvme" && op.buffer_size < plan.largest_block_shard_numel) {
+    // DeepSpeed asserts deep in a step when a parameter buffer cannot hold the
+    // largest block; here it is refused before anything is allocated.
+    throw ConfigError("zero_optimization.offload_param.buffer_size",
+                      strprintf("%lld elements cannot hold the largest block shard (%lld elements); "
+                                "raise it to at least %lld",
+                                (long long)op.buffer_size, (long long)plan.largest_block_shard_numel,
+                                (long long)plan.largest_block_shard_numel));
   }
-  if (optimizer_on_nvme) {
-    // buffer_count sub-groups in flight (read ahead, in Adam, written back),
-    // each with master, exp_avg and exp_avg_sq.
-    plan.optimizer_staging_bytes =
-        oo.buffer_count * std::min(plan.sub_group_numel, plan.shard_space_numel) * 12;
-  }
+  plan.staging = staging_needs(plan);
   return plan;
 }
 
@@ -315,7 +369,7 @@ std::vector<std::string> plan_shortfalls(const PlacementPlan& plan, const Machin
   else if (cap.device_is_host) host_need += t[0];
   check(Tier::kHost, host_need, cap.host_bytes,
         "move state to nvme (offload_optimizer.device \"nvme\" or a placement split), or lower "
-        "buffer_count / buffer_size / sub_group_size to shrink pinned staging buffers");
+        "zero_optimization.sub_group_size to shrink the optimizer staging buffers");
   check(Tier::kNvme, t[2], cap.nvme_bytes, "free disk space under the nvme_path directories or add more");
   return out;
 }

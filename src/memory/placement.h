@@ -5,6 +5,7 @@
 #pragma once
 
 #include <array>
+#include <optional>
 #include <cstdint>
 #include <string>
 #include <vector>
@@ -52,6 +53,19 @@ struct MachineCapacity {
 // of `nvme_paths` (the nearest existing ancestor of each).
 MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::string>& nvme_paths);
 
+// The transient and staging buffers the trainer allocates for a plan (bytes),
+// computed here so that `strata plan` reports exactly what a run will use.
+struct StagingNeeds {
+  int64_t gathered = 0;    // device: 2 slots of the largest block in the compute dtype
+  int64_t grad_stage = 0;  // device: fp32 gradient of the largest block
+  int64_t grad_rmw = 0;    // device: read-modify-write of a gradient that lives off the device
+  int64_t opt_grad = 0;    // host: a sub-group's gradient, when not resident in one piece
+  int64_t opt_state = 0;   // host: master + exp_avg + exp_avg_sq of a swapped sub-group
+  int64_t opt_emit = 0;    // host: a sub-group's new working copy, when not resident in one piece
+  int64_t device_bytes() const { return gathered + grad_stage + grad_rmw; }
+  int64_t host_bytes() const { return opt_grad + opt_state + opt_emit; }
+};
+
 struct PlacementPlan {
   std::array<TierSplit, kNumCategories> split;                      // as requested
   std::array<std::vector<PlacementUnit>, kNumCategories> units;     // as placed
@@ -64,17 +78,27 @@ struct PlacementPlan {
   int64_t shard_space_numel = 0; // elements of this rank's shards, all blocks
   int64_t largest_block_shard_numel = 0;
 
+  int64_t largest_block_numel = 0;   // padded, the largest gathered block
+  int compute_bytes = 4;             // bytes per element of the working copy
+  bool tied = false;
+
   // Transient and staging memory (bytes).
-  int64_t activation_bytes = 0;      // saved block inputs + one block's recompute
+  int64_t activation_bytes = 0;      // saved block inputs + one block's recompute (estimate)
   Tier activation_tier = Tier::kDevice;
-  int64_t gathered_block_bytes = 0;  // largest block, gathered, 16-bit + its gradient
-  int64_t param_staging_bytes = 0;   // pinned host: NVMe <-> device parameter buffers
-  int64_t optimizer_staging_bytes = 0;  // pinned host: NVMe optimizer swap buffers
+  StagingNeeds staging;              // exactly what the trainer allocates
 
   std::array<int64_t, kNumTiers> state_total() const;  // state bytes per tier
   std::array<int64_t, kNumTiers> total() const;        // state + transient + staging per tier
   int64_t category_total(Category c) const;
 };
+
+// The one tier holding all of [offset, offset + numel) of category c, or
+// nullopt when the range spans units on different tiers.
+std::optional<Tier> range_tier(const PlacementPlan& plan, Category c, int64_t offset, int64_t numel);
+
+// The trainer's buffers for `plan` (uses units, largest_block_numel,
+// compute_bytes, sub_group_numel).
+StagingNeeds staging_needs(const PlacementPlan& plan);
 
 // Computes the plan for `rank` (0 .. world_size-1). Throws ConfigError when
 // the config asks for something the layout cannot give (e.g. NVMe with no

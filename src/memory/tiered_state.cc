@@ -81,9 +81,19 @@ std::byte* TieredState::resident(Category c, int64_t offset, int64_t numel) cons
   auto it = std::upper_bound(homes.begin(), homes.end(), offset,
                              [](int64_t o, const Home& h) { return o < h.offset; });
   if (it == homes.begin()) return nullptr;
-  const Home& h = *std::prev(it);
-  if (h.tier == Tier::kNvme || offset + numel > h.offset + h.numel) return nullptr;
-  return h.ptr + (offset - h.offset) * plan_.elem_bytes[size_t(c)];
+  --it;
+  const Home& first = *it;
+  if (first.tier == Tier::kNvme) return nullptr;
+  // A range may span consecutive units of one tier: a category's units are
+  // carved from an arena in order, each a whole number of pages (Note
+  // [Placement units]: multiples of 2048 elements), so they are contiguous.
+  const int64_t eb = plan_.elem_bytes[size_t(c)];
+  for (const Home* h = &*it; h->offset + h->numel < offset + numel;) {
+    ++it;
+    if (it == homes.end() || it->tier != first.tier || it->ptr != h->ptr + h->numel * eb) return nullptr;
+    h = &*it;
+  }
+  return first.ptr + (offset - first.offset) * eb;
 }
 
 // Calls fn(home, first element in home, numel of the piece, byte offset in the caller's buffer).
@@ -108,7 +118,9 @@ void TieredState::for_each_piece(Category c, int64_t offset, int64_t numel, Fn&&
 
 void TieredState::read(Category c, int64_t offset, int64_t numel, void* buf) {
   const int64_t eb = plan_.elem_bytes[size_t(c)];
-  std::vector<nvme::SwapHandle> pending;
+  std::vector<nvme::SwapHandle>& pending = pending_;
+  pending.clear();
+  try {
   for_each_piece(c, offset, numel, [&](const Home& h, int64_t at, int64_t n, int64_t buf_off) {
     std::byte* dst = static_cast<std::byte*>(buf) + buf_off;
     if (h.tier == Tier::kNvme) {
@@ -119,12 +131,19 @@ void TieredState::read(Category c, int64_t offset, int64_t numel, void* buf) {
       if (h.tier == Tier::kHost) links_.h2d += n * eb;
     }
   });
-  for (auto& p : pending) p.wait();
+  } catch (...) {
+    // A submission refused mid-way: finish what was submitted, report the refusal.
+    try { wait_all(pending); } catch (...) {}
+    throw;
+  }
+  wait_all(pending);
 }
 
 void TieredState::write(Category c, int64_t offset, int64_t numel, const void* buf) {
   const int64_t eb = plan_.elem_bytes[size_t(c)];
-  std::vector<nvme::SwapHandle> pending;
+  std::vector<nvme::SwapHandle>& pending = pending_;
+  pending.clear();
+  try {
   for_each_piece(c, offset, numel, [&](const Home& h, int64_t at, int64_t n, int64_t buf_off) {
     const std::byte* src = static_cast<const std::byte*>(buf) + buf_off;
     if (h.tier == Tier::kNvme) {
@@ -135,7 +154,28 @@ void TieredState::write(Category c, int64_t offset, int64_t numel, const void* b
       if (h.tier == Tier::kHost) links_.d2h += n * eb;
     }
   });
-  for (auto& p : pending) p.wait();
+  } catch (...) {
+    // A submission refused mid-way: finish what was submitted, report the refusal.
+    try { wait_all(pending); } catch (...) {}
+    throw;
+  }
+  wait_all(pending);
+}
+
+// Waits for every handle, even after one failed, so that the store finishes
+// each I/O (a failed write clears its blocks' written marks); rethrows the
+// first error.
+void TieredState::wait_all(std::vector<nvme::SwapHandle>& pending) {
+  std::exception_ptr first;
+  for (auto& p : pending) {
+    try {
+      p.wait();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  pending.clear();
+  if (first) std::rethrow_exception(first);
 }
 
 }  // namespace strata

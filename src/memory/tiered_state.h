@@ -82,7 +82,10 @@ class TieredState {
   template <typename Fn>
   void for_each_piece(Category c, int64_t offset, int64_t numel, Fn&& fn) const;
 
+  void wait_all(std::vector<nvme::SwapHandle>& pending);
+
   PlacementPlan plan_;
+  std::vector<nvme::SwapHandle> pending_;  // reused: no allocation per transfer once grown
   std::array<std::vector<Home>, kNumCategories> homes_;
   HostBuffer device_arena_;
   HostBuffer host_arena_;
