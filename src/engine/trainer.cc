@@ -10,6 +10,7 @@
 
 #include "engine/lr_schedule.h"
 #include "util/errors.h"
+#include "util/fs.h"
 #include "util/logging.h"
 
 namespace strata {
@@ -71,6 +72,13 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   MachineCapacity cap;
   PlacementPlan plan = plan_for_machine(cfg, layout_, &cap);
   const StagingNeeds& need = plan.staging;
+  // Like DeepSpeed, create missing swap directories (private to the user).
+  for (const std::string& dir : plan.nvme_paths) {
+    if (!path_exists(dir)) {
+      make_dirs(dir, 0700);
+      log::info("created swap directory %s", dir.c_str());
+    }
+  }
   TieredStateOptions so;
   so.engine = engine_options(cfg.aio);
   so.engine.faults = std::move(faults);
