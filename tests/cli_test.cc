@@ -7,6 +7,7 @@
 #include <array>
 #include <cstdio>
 #include <fstream>
+#include <map>
 #include <sstream>
 #include <string>
 
@@ -150,6 +151,30 @@ TEST(CliTest, LossesAreWrittenWithFullPrecision) {
   ASSERT_NE(pos, std::string::npos);
   const std::string num = line.substr(pos + 7, line.find_first_of(",}", pos) - pos - 7);
   EXPECT_GE(num.size(), 12u) << num;
+}
+
+TEST(CliTest, TraceIsChromeTraceJsonWithComputeNvmeAndAdamTracks) {
+  TempDir dir;
+  const std::string data = dir.write("d.txt", testing::sample_text(4000));
+  nlohmann::json j = tiny_config(data, dir.file("m.jsonl"));
+  j["zero_optimization"] = {{"offload_optimizer", {{"device", "nvme"}, {"nvme_path", dir.file("swap")}}}};
+  const std::string cfg = write_config(dir, j);
+  Result r = run_strata("train " + cfg + " --steps 2 --trace " + dir.file("trace.json"));
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::ifstream f(dir.file("trace.json"));
+  nlohmann::json t = nlohmann::json::parse(f);  // throws (test fails) on malformed JSON
+  ASSERT_TRUE(t.is_array());
+  std::map<int, int> spans;  // track -> complete events
+  for (const auto& e : t) {
+    if (e["ph"] == "X") {
+      ++spans[e["tid"].get<int>()];
+      EXPECT_GE(e["dur"].get<double>(), 0.0);
+    }
+  }
+  EXPECT_GT(spans[1], 0);  // compute
+  EXPECT_GT(spans[3], 0);  // NVMe I/O (optimizer state)
+  EXPECT_EQ(spans[4], 2);  // one CPU Adam call per step (one sub-group)
+  EXPECT_FALSE(exists(dir.file("trace.json.tmp")));
 }
 
 TEST(CliTest, VersionAndHelp) {

@@ -20,6 +20,7 @@
 #include "util/fs.h"
 #include "util/logging.h"
 #include "util/progress.h"
+#include "util/trace.h"
 
 namespace strata {
 
@@ -30,6 +31,7 @@ struct TrainOptions {
   std::vector<std::string> overrides;
   int64_t steps = 0;        // 0 = from config
   std::string metrics;      // empty = from config
+  std::string trace;        // Chrome trace file; empty = no trace
 };
 
 // The metrics file is opened only once start-up has succeeded, so that a run
@@ -77,6 +79,12 @@ int run_train(const TrainOptions& opt) {
   Model model(cfg.model);
   Trainer trainer(cfg, model);
   MetricsWriter metrics(cfg.run.metrics);
+  // Events of about 400 steps of a small model; later ones are dropped (and said so).
+  std::unique_ptr<Tracer> tracer;
+  if (!opt.trace.empty()) {
+    tracer = std::make_unique<Tracer>(size_t(1) << 18);
+    Tracer::install(tracer.get());
+  }
 
   const StateBytes sb = trainer.state_bytes();
   const std::array<int64_t, kNumTiers> peak = trainer.peak_bytes();
@@ -161,6 +169,12 @@ int run_train(const TrainOptions& opt) {
     bar.update(s, suffix);
   }
   bar.finish();
+  if (tracer) {
+    Tracer::install(nullptr);
+    tracer->write(opt.trace);
+    log::info("trace: %zu events written to %s%s (open in https://ui.perfetto.dev)", tracer->size(),
+              opt.trace.c_str(), tracer->dropped() ? strprintf(", %lld dropped", (long long)tracer->dropped()).c_str() : "");
+  }
   const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   log::info("done: %lld steps in %.1fs; loss %.4f -> %.4f", (long long)cfg.run.steps, total_s,
             first_loss, last_loss);
@@ -178,6 +192,8 @@ void register_train(CLI::App& app, int& result) {
   cmd->add_option("--steps", opt->steps, "Number of optimizer steps (overrides run.steps)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--metrics", opt->metrics, "JSON-lines metrics file (overrides run.metrics)");
+  cmd->add_option("--trace", opt->trace,
+                  "Write a Chrome trace (compute, copies, NVMe I/O, CPU Adam tracks) to FILE at the end");
   cmd->callback([opt, &result]() { result = run_train(*opt); });
 }
 

@@ -11,6 +11,7 @@
 #include "engine/lr_schedule.h"
 #include "util/errors.h"
 #include "util/fs.h"
+#include "util/trace.h"
 #include "util/logging.h"
 
 namespace strata {
@@ -126,6 +127,10 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
     for (const PlacementUnit& g : plan.units[size_t(Category::kExpAvgSq)]) {
       if (g.tier == Tier::kNvme) state_->write(Category::kExpAvgSq, g.offset, g.numel, opt_avg_sq_.data());
     }
+  }
+  for (const BlockLayout& bl : layout_.blocks()) {
+    forward_names_.push_back("forward " + bl.name);
+    backward_names_.push_back("backward " + bl.name);
   }
   grad_written_.assign(layout_.num_blocks(), 0);
   saved_inputs_.resize(layout_.num_blocks());
@@ -278,7 +283,9 @@ double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale, do
     at::NoGradGuard no_grad;
     for (size_t b = 0; b < head_block_; ++b) {
       saved_inputs_[b] = x;
-      x = model_.forward(b, weights(b, 0, wait_s), x);
+      std::vector<at::Tensor> w = weights(b, 0, wait_s);
+      TraceSpan span(TraceTrack::kCompute, forward_names_[b].c_str());
+      x = model_.forward(b, w, x);
     }
   }
 
@@ -290,6 +297,7 @@ double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale, do
     std::vector<at::Tensor> w = as_leaves(weights(head_block_, 0, wait_s));
     at::Tensor tied;
     if (cfg_.model.tie_embeddings) tied = as_leaves(weights(embedding_block_, 1, wait_s))[0];
+    TraceSpan span(TraceTrack::kCompute, "head forward + backward");
     at::Tensor loss = loss_of(model_.forward(head_block_, w, xin, tied), targets);
     loss_value = loss.item<double>();
     std::vector<at::Tensor> wrt{xin};
@@ -309,11 +317,15 @@ double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale, do
     std::vector<at::Tensor> w = as_leaves(weights(b, 0, wait_s));
     const bool is_embedding = model_.blocks()[b].kind == BlockKind::kEmbedding;
     at::Tensor xin = is_embedding ? saved_inputs_[b] : saved_inputs_[b].detach().requires_grad_(true);
-    at::Tensor y = model_.forward(b, w, xin);
-    std::vector<at::Tensor> wrt;
-    if (!is_embedding) wrt.push_back(xin);
-    wrt.insert(wrt.end(), w.begin(), w.end());
-    std::vector<at::Tensor> grads = torch::autograd::grad({y}, wrt, {dx}, /*retain_graph=*/false);
+    std::vector<at::Tensor> grads;
+    {
+      TraceSpan span(TraceTrack::kCompute, backward_names_[b].c_str());
+      at::Tensor y = model_.forward(b, w, xin);
+      std::vector<at::Tensor> wrt;
+      if (!is_embedding) wrt.push_back(xin);
+      wrt.insert(wrt.end(), w.begin(), w.end());
+      grads = torch::autograd::grad({y}, wrt, {dx}, /*retain_graph=*/false);
+    }
     accumulate_grad(b, grads, is_embedding ? 0 : 1);
     if (!is_embedding) dx = grads[0];
     saved_inputs_[b] = at::Tensor();
@@ -371,7 +383,10 @@ void Trainer::optimizer_step(float grad_scale, double lr, int64_t step) {
       spans.emit = working;
       spans.emit_type = cpu_adam::EmitType::kBF16;
     }
-    adam_->step(h, cpu_adam::StepArgs{step, grad_scale}, spans);
+    {
+      TraceSpan span(TraceTrack::kAdam, "adam sub-group");
+      adam_->step(h, cpu_adam::StepArgs{step, grad_scale}, spans);
+    }
     if (compute_dtype_ == at::kFloat) std::memcpy(working, spans.param, size_t(g.numel * 4));
     if (!state_->resident(Category::kMaster, g.offset, g.numel)) {
       state_->write(Category::kMaster, g.offset, g.numel, spans.param);

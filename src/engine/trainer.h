@@ -10,6 +10,7 @@
 
 #include <cstdint>
 #include <memory>
+#include <string>
 #include <vector>
 
 #include "config/config.h"
@@ -115,6 +116,7 @@ class Trainer {
   int64_t group_numel_ = 0;
   HostBuffer opt_grad_, opt_master_, opt_avg_, opt_avg_sq_, opt_emit_;
 
+  std::vector<std::string> forward_names_, backward_names_;  // trace span names per block
   std::vector<char> grad_written_;        // per block: written since the step began
   std::vector<at::Tensor> saved_inputs_;  // per block, the activation checkpoint
   at::Tensor tied_grad_;                  // head's gradient for the tied embedding, until flushed

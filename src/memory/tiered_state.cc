@@ -5,6 +5,7 @@
 
 #include "util/errors.h"
 #include "util/logging.h"
+#include "util/trace.h"
 
 namespace strata {
 
@@ -116,7 +117,16 @@ void TieredState::for_each_piece(Category c, int64_t offset, int64_t numel, Fn&&
   }
 }
 
+namespace {
+const char* kReadNames[kNumCategories] = {"read param16", "read grad", "read master", "read exp_avg",
+                                          "read exp_avg_sq"};
+const char* kWriteNames[kNumCategories] = {"write param16", "write grad", "write master",
+                                           "write exp_avg", "write exp_avg_sq"};
+}  // namespace
+
 void TieredState::read(Category c, int64_t offset, int64_t numel, void* buf) {
+  TraceSpan span(tier_of(c, offset) == Tier::kNvme ? TraceTrack::kNvme : TraceTrack::kCopy,
+                 kReadNames[int(c)]);
   const int64_t eb = plan_.elem_bytes[size_t(c)];
   std::vector<nvme::SwapHandle>& pending = pending_;
   pending.clear();
@@ -140,6 +150,8 @@ void TieredState::read(Category c, int64_t offset, int64_t numel, void* buf) {
 }
 
 void TieredState::write(Category c, int64_t offset, int64_t numel, const void* buf) {
+  TraceSpan span(tier_of(c, offset) == Tier::kNvme ? TraceTrack::kNvme : TraceTrack::kCopy,
+                 kWriteNames[int(c)]);
   const int64_t eb = plan_.elem_bytes[size_t(c)];
   std::vector<nvme::SwapHandle>& pending = pending_;
   pending.clear();
