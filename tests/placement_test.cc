@@ -64,6 +64,13 @@ TEST(PlacementTest, DeepSpeedOptimizerOffloadToCpuAndNvmeWithRatio) {
   EXPECT_EQ(nvme.staging.opt_state, 65536 * 12);
   EXPECT_EQ(nvme.staging.opt_grad + nvme.staging.opt_emit, 0);
   EXPECT_EQ(nvme.nvme_paths, std::vector<std::string>{"/tmp/x"});
+  // Different directories for parameters and optimizer state: all of them are used.
+  PlacementPlan both = make_plan(
+      config_with({"zero_optimization.stage=3",
+                   "zero_optimization.offload_optimizer={\"device\":\"nvme\",\"nvme_path\":[\"/tmp/a\",\"/tmp/b\"]}",
+                   "zero_optimization.offload_param={\"device\":\"nvme\",\"nvme_path\":[\"/tmp/b\",\"/tmp/c\"],\"max_in_cpu\":0}"}),
+      layout, 0, unlimited());
+  EXPECT_EQ(both.nvme_paths, (std::vector<std::string>{"/tmp/a", "/tmp/b", "/tmp/c"}));
 }
 
 TEST(PlacementTest, DeepSpeedParamOffloadToNvmeKeepsMaxInCpuOnHost) {

@@ -323,9 +323,18 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   // ---- NVMe paths and staging -----------------------------------------------
   bool params_on_nvme = plan.bytes[0][2] > 0 || plan.bytes[1][2] > 0;
   bool optimizer_on_nvme = plan.bytes[2][2] > 0 || plan.bytes[3][2] > 0 || plan.bytes[4][2] > 0;
+  // Swap directories: the placement section's, else every directory the two
+  // offload sections name (the store stripes all state over all of them).
   plan.nvme_paths = pc.nvme_path;
-  if (plan.nvme_paths.empty()) plan.nvme_paths = optimizer_on_nvme && !oo.nvme_path.empty() ? oo.nvme_path : op.nvme_path;
-  if (plan.nvme_paths.empty()) plan.nvme_paths = oo.nvme_path;
+  if (plan.nvme_paths.empty()) {
+    for (const auto* list : {&oo.nvme_path, &op.nvme_path}) {
+      for (const std::string& d : *list) {
+        if (std::find(plan.nvme_paths.begin(), plan.nvme_paths.end(), d) == plan.nvme_paths.end()) {
+          plan.nvme_paths.push_back(d);
+        }
+      }
+    }
+  }
   if ((params_on_nvme || optimizer_on_nvme) && plan.nvme_paths.empty()) {
     throw ConfigError("placement.nvme_path", "state is placed on nvme but no swap directory is given");
   }
