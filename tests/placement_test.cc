@@ -61,7 +61,9 @@ TEST(PlacementTest, DeepSpeedOptimizerOffloadToCpuAndNvmeWithRatio) {
   EXPECT_EQ(nvme.bytes[int(Category::kGrad)][int(Tier::kHost)], 2 * 65536 * 4);
   // One swapped sub-group of master/exp_avg/exp_avg_sq at a time; gradients
   // and working copy of a sub-group lie in one unit each, so are not staged.
-  EXPECT_EQ(nvme.staging.opt_state, 65536 * 12);
+  // buffer_count 4 -> a pipeline of 3 staging sets (Note [Optimizer pipeline]).
+  EXPECT_EQ(nvme.staging.opt_sets, 3);
+  EXPECT_EQ(nvme.staging.opt_state, 3 * 65536 * 12);
   EXPECT_EQ(nvme.staging.opt_grad + nvme.staging.opt_emit, 0);
   EXPECT_EQ(nvme.nvme_paths, std::vector<std::string>{"/tmp/x"});
   // Different directories for parameters and optimizer state: all of them are used.
@@ -140,7 +142,8 @@ TEST(PlacementTest, AutoFillsTheDeviceFirstWithParametersThenGradients) {
   StateLayout layout = make_layout();
   Config cfg = config_with({"placement={\"auto\":true,\"headroom\":0.0,\"nvme_path\":\"/tmp/x\"}",
                             "model.dim=8", "model.n_heads=2", "model.n_layers=1", "model.seq_len=8",
-                            "train_micro_batch_size_per_gpu=1"});
+                            "train_micro_batch_size_per_gpu=1",
+                            "zero_optimization.offload_optimizer.buffer_count=1"});
   const int64_t activations = make_plan(cfg, layout, 0, unlimited()).activation_bytes;
   const int64_t unit = 65536 * 4;  // every unit here: one block / one sub-group of fp32
   MachineCapacity cap;
@@ -149,7 +152,8 @@ TEST(PlacementTest, AutoFillsTheDeviceFirstWithParametersThenGradients) {
   // placement with gradients off the device needs (fp32 stage + read-modify-write).
   cap.device_bytes = 8 * unit + 4 * unit + activations + 2 * unit;
   // Host: the other half of grad, all of master, half of exp_avg, and the
-  // staging of one swapped sub-group (master, exp_avg, exp_avg_sq).
+  // staging of one swapped sub-group (master, exp_avg, exp_avg_sq; buffer_count
+  // 1 = one staging set).
   cap.host_bytes = 4 * unit + 8 * unit + 4 * unit + 3 * unit;
   cap.nvme_bytes = int64_t(1) << 40;
   PlacementPlan p = make_plan(cfg, layout, 0, cap);

@@ -120,6 +120,18 @@ TEST_F(TieredTest, ThreeWaySplitOfEveryCategoryIsBitIdentical) {
   EXPECT_LT(r.peak[int(Tier::kDevice)], baseline_.peak[int(Tier::kDevice)]);
 }
 
+// The optimizer pipeline's depth (offload_optimizer.buffer_count, Note
+// [Optimizer pipeline]) changes the staging memory, never the results.
+TEST_F(TieredTest, OptimizerPipelineDepthChangesStagingNotResults) {
+  const std::string nv = "{\"device\":\"nvme\",\"nvme_path\":\"" + swap_ + "\",\"buffer_count\":";
+  TrainRun seq = train(base_config(data_), {"zero_optimization.offload_optimizer=" + nv + "1}"}, 4);
+  TrainRun deep = train(base_config(data_), {"zero_optimization.offload_optimizer=" + nv + "3}"}, 4);
+  expect_identical(seq, deep, "pipeline depth 1 vs 3");
+  for (size_t i = 0; i < seq.losses.size(); ++i) EXPECT_EQ(seq.losses[i], baseline_.losses[i]);
+  const int64_t group = 20480 * 4 * 3;  // one staging set: master, exp_avg, exp_avg_sq of a sub-group
+  EXPECT_EQ(deep.peak[int(Tier::kHost)] - seq.peak[int(Tier::kHost)], 2 * group);
+}
+
 // `strata plan`'s numbers (state + staging per tier; activations are an
 // estimate of LibTorch's allocations and not measured) agree with what a run
 // allocates within 10%.

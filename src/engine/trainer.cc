@@ -100,6 +100,9 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   }
   if (need.opt_emit > 0) opt_emit_ = HostBuffer(size_t(need.opt_emit), "optimizer staging: working copy");
   const bool opt_on_nvme = need.opt_state > 0;
+  opt_reads_.resize(size_t(std::max(1, need.opt_sets)));
+  opt_writes_.resize(size_t(std::max(1, need.opt_sets)));
+  opt_spans_.resize(size_t(std::max(1, need.opt_sets)));
 
   // ---- initial values -------------------------------------------------------
   // One generator, blocks initialised in model order into a staging buffer and
@@ -353,6 +356,14 @@ double Trainer::global_grad_norm() {
 // Per sub-group, wherever its state lives: resident state is updated in place,
 // swapped state is read into staging, updated and written back. The working
 // copy comes out of the same pass (bf16: emitted by CPU Adam; fp32: copied).
+//
+// Note [Optimizer pipeline]
+// Staging comes in `opt_sets` sets. With two or more, sub-group j+1's reads
+// are issued before sub-group j is updated, and j's write-backs are issued
+// right after it, so NVMe transfers run on the I/O threads while CPU Adam
+// runs on its own. A set is reused for j + opt_sets only once the write-backs
+// of the sub-group that used it last have completed. With one set the loop is
+// sequential. Arithmetic does not depend on the depth.
 void Trainer::optimizer_step(float grad_scale, double lr, int64_t step) {
   cpu_adam::AdamParams h;
   h.lr = lr;
@@ -362,43 +373,68 @@ void Trainer::optimizer_step(float grad_scale, double lr, int64_t step) {
   h.weight_decay = cfg_.optimizer.weight_decay;
   h.adamw = cfg_.optimizer.adam_w_mode;
   const PlacementPlan& plan = state_->plan();
-  auto fetch = [&](Category c, const PlacementUnit& g, HostBuffer& staging) -> float* {
-    std::byte* p = state_->resident(c, g.offset, g.numel);
-    if (p != nullptr) return reinterpret_cast<float*>(p);
-    state_->read(c, g.offset, g.numel, staging.data());
-    return staging.as<float>();
+  const std::vector<PlacementUnit>& groups = plan.units[size_t(Category::kMaster)];
+  const int sets = std::max(1, plan.staging.opt_sets);
+
+  // Set k's staging for one category (nullptr when that category is never staged).
+  auto slot = [&](HostBuffer& buf, int k, int64_t elem_bytes) -> std::byte* {
+    return buf.data() == nullptr ? nullptr
+                                 : buf.as<std::byte>() + size_t(k) * size_t(group_numel_ * elem_bytes);
   };
-  for (const PlacementUnit& g : plan.units[size_t(Category::kMaster)]) {
-    cpu_adam::AdamSpans spans;
-    spans.grad = fetch(Category::kGrad, g, opt_grad_);
-    spans.param = fetch(Category::kMaster, g, opt_master_);
-    spans.exp_avg = fetch(Category::kExpAvg, g, opt_avg_);
-    spans.exp_avg_sq = fetch(Category::kExpAvgSq, g, opt_avg_sq_);
-    spans.grad_type = cpu_adam::GradType::kF32;
-    spans.numel = g.numel;
-    std::byte* working = state_->resident(Category::kParam16, g.offset, g.numel);
-    const bool working_resident = working != nullptr;
-    if (!working_resident) working = opt_emit_.as<std::byte>();
+  auto issue_reads = [&](size_t j) {
+    const int k = int(j % size_t(sets));
+    const PlacementUnit& g = groups[j];
+    state_->wait(opt_writes_[size_t(k)]);  // the set's previous user is written back
+    auto fetch = [&](Category c, HostBuffer& staging) -> float* {
+      std::byte* p = state_->resident(c, g.offset, g.numel);
+      if (p != nullptr) return reinterpret_cast<float*>(p);
+      std::byte* dst = slot(staging, k, 4);
+      state_->read_async(c, g.offset, g.numel, dst, opt_reads_[size_t(k)]);
+      return reinterpret_cast<float*>(dst);
+    };
+    OptSet& sp = opt_spans_[size_t(k)];
+    sp.adam = cpu_adam::AdamSpans();
+    sp.adam.grad = fetch(Category::kGrad, opt_grad_);
+    sp.adam.param = fetch(Category::kMaster, opt_master_);
+    sp.adam.exp_avg = fetch(Category::kExpAvg, opt_avg_);
+    sp.adam.exp_avg_sq = fetch(Category::kExpAvgSq, opt_avg_sq_);
+    sp.adam.grad_type = cpu_adam::GradType::kF32;
+    sp.adam.numel = g.numel;
+    sp.working = state_->resident(Category::kParam16, g.offset, g.numel);
+    sp.working_resident = sp.working != nullptr;
+    if (!sp.working_resident) sp.working = slot(opt_emit_, k, compute_bytes_);
     if (compute_dtype_ == at::kBFloat16) {
-      spans.emit = working;
-      spans.emit_type = cpu_adam::EmitType::kBF16;
+      sp.adam.emit = sp.working;
+      sp.adam.emit_type = cpu_adam::EmitType::kBF16;
     }
+  };
+
+  if (!groups.empty()) issue_reads(0);
+  for (size_t j = 0; j < groups.size(); ++j) {
+    const int k = int(j % size_t(sets));
+    const PlacementUnit& g = groups[j];
+    if (sets > 1 && j + 1 < groups.size()) issue_reads(j + 1);  // read ahead
+    state_->wait(opt_reads_[size_t(k)]);
+    OptSet& sp = opt_spans_[size_t(k)];
     {
       TraceSpan span(TraceTrack::kAdam, "adam sub-group");
-      adam_->step(h, cpu_adam::StepArgs{step, grad_scale}, spans);
+      adam_->step(h, cpu_adam::StepArgs{step, grad_scale}, sp.adam);
     }
-    if (compute_dtype_ == at::kFloat) std::memcpy(working, spans.param, size_t(g.numel * 4));
+    if (compute_dtype_ == at::kFloat) std::memcpy(sp.working, sp.adam.param, size_t(g.numel * 4));
+    PendingIo& w = opt_writes_[size_t(k)];
     if (!state_->resident(Category::kMaster, g.offset, g.numel)) {
-      state_->write(Category::kMaster, g.offset, g.numel, spans.param);
+      state_->write_async(Category::kMaster, g.offset, g.numel, sp.adam.param, w);
     }
     if (!state_->resident(Category::kExpAvg, g.offset, g.numel)) {
-      state_->write(Category::kExpAvg, g.offset, g.numel, spans.exp_avg);
+      state_->write_async(Category::kExpAvg, g.offset, g.numel, sp.adam.exp_avg, w);
     }
     if (!state_->resident(Category::kExpAvgSq, g.offset, g.numel)) {
-      state_->write(Category::kExpAvgSq, g.offset, g.numel, spans.exp_avg_sq);
+      state_->write_async(Category::kExpAvgSq, g.offset, g.numel, sp.adam.exp_avg_sq, w);
     }
-    if (!working_resident) state_->write(Category::kParam16, g.offset, g.numel, working);
+    if (!sp.working_resident) state_->write_async(Category::kParam16, g.offset, g.numel, sp.working, w);
+    if (sets == 1 && j + 1 < groups.size()) issue_reads(j + 1);  // sequential: after the write-back
   }
+  for (PendingIo& w : opt_writes_) state_->wait(w);
 }
 
 StepResult Trainer::step(const int64_t* tokens) {

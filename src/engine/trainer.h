@@ -114,7 +114,14 @@ class Trainer {
   // Optimizer staging, allocated only for what is not resident: grad,
   // master, exp_avg, exp_avg_sq (fp32) and the emitted working copy.
   int64_t group_numel_ = 0;
-  HostBuffer opt_grad_, opt_master_, opt_avg_, opt_avg_sq_, opt_emit_;
+  HostBuffer opt_grad_, opt_master_, opt_avg_, opt_avg_sq_, opt_emit_;  // opt_sets sets each
+  std::vector<PendingIo> opt_reads_, opt_writes_;  // per staging set
+  struct OptSet {
+    cpu_adam::AdamSpans adam;
+    std::byte* working = nullptr;
+    bool working_resident = false;
+  };
+  std::vector<OptSet> opt_spans_;
 
   std::vector<std::string> forward_names_, backward_names_;  // trace span names per block
   std::vector<char> grad_written_;        // per block: written since the step began

@@ -122,11 +122,14 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
     grad_staged |= !gt.has_value() || *gt == Tier::kNvme;
     emit_staged |= !pt.has_value() || *pt == Tier::kNvme;
   }
-  n.opt_grad = grad_staged ? group * 4 : 0;
   const bool state_swapped =
       on_nvme(Category::kMaster) || on_nvme(Category::kExpAvg) || on_nvme(Category::kExpAvgSq);
-  n.opt_state = state_swapped ? 3 * group * 4 : 0;
-  n.opt_emit = emit_staged ? group * plan.compute_bytes : 0;
+  // Note [Optimizer pipeline]: with staging, `pipeline_depth` sets of it let
+  // sub-group j+1 be read while j is updated and j-1 written back.
+  n.opt_sets = grad_staged || state_swapped || emit_staged ? plan.pipeline_depth : 0;
+  n.opt_grad = grad_staged ? n.opt_sets * group * 4 : 0;
+  n.opt_state = state_swapped ? n.opt_sets * 3 * group * 4 : 0;
+  n.opt_emit = emit_staged ? n.opt_sets * group * plan.compute_bytes : 0;
   return n;
 }
 
@@ -247,6 +250,7 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   for (const BlockLayout& b : layout.blocks()) largest_block = std::max(largest_block, b.padded_numel);
   plan.largest_block_numel = largest_block;
   plan.compute_bytes = int(cb);
+  plan.pipeline_depth = int(std::clamp<int64_t>(cfg.zero.offload_optimizer.buffer_count, 1, 3));
   plan.tied = m.tie_embeddings;
 
   std::array<std::vector<PlacementUnit>, kNumCategories> units;

@@ -62,6 +62,7 @@ struct StagingNeeds {
   int64_t opt_grad = 0;    // host: a sub-group's gradient, when not resident in one piece
   int64_t opt_state = 0;   // host: master + exp_avg + exp_avg_sq of a swapped sub-group
   int64_t opt_emit = 0;    // host: a sub-group's new working copy, when not resident in one piece
+  int opt_sets = 0;        // sets of the three above (the optimizer pipeline's depth)
   int64_t device_bytes() const { return gathered + grad_stage + grad_rmw; }
   int64_t host_bytes() const { return opt_grad + opt_state + opt_emit; }
 };
@@ -80,6 +81,7 @@ struct PlacementPlan {
 
   int64_t largest_block_numel = 0;   // padded, the largest gathered block
   int compute_bytes = 4;             // bytes per element of the working copy
+  int pipeline_depth = 3;            // optimizer staging sets: clamp(offload_optimizer.buffer_count, 1, 3)
   bool tied = false;
 
   // Transient and staging memory (bytes).

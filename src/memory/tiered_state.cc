@@ -124,54 +124,68 @@ const char* kWriteNames[kNumCategories] = {"write param16", "write grad", "write
                                            "write exp_avg", "write exp_avg_sq"};
 }  // namespace
 
-void TieredState::read(Category c, int64_t offset, int64_t numel, void* buf) {
+void TieredState::read_async(Category c, int64_t offset, int64_t numel, void* buf, PendingIo& pending) {
   TraceSpan span(tier_of(c, offset) == Tier::kNvme ? TraceTrack::kNvme : TraceTrack::kCopy,
                  kReadNames[int(c)]);
   const int64_t eb = plan_.elem_bytes[size_t(c)];
-  std::vector<nvme::SwapHandle>& pending = pending_;
-  pending.clear();
+  const size_t before = pending.handles_.size();
   try {
-  for_each_piece(c, offset, numel, [&](const Home& h, int64_t at, int64_t n, int64_t buf_off) {
-    std::byte* dst = static_cast<std::byte*>(buf) + buf_off;
-    if (h.tier == Tier::kNvme) {
-      pending.push_back(swap_->read(h.region, at * eb, n * eb, dst));
-      links_.nvme_read += n * eb;
-    } else {
-      std::memcpy(dst, h.ptr + at * eb, size_t(n * eb));
-      if (h.tier == Tier::kHost) links_.h2d += n * eb;
-    }
-  });
+    for_each_piece(c, offset, numel, [&](const Home& h, int64_t at, int64_t n, int64_t buf_off) {
+      std::byte* dst = static_cast<std::byte*>(buf) + buf_off;
+      if (h.tier == Tier::kNvme) {
+        pending.handles_.push_back(swap_->read(h.region, at * eb, n * eb, dst));
+        links_.nvme_read += n * eb;
+      } else {
+        std::memcpy(dst, h.ptr + at * eb, size_t(n * eb));
+        if (h.tier == Tier::kHost) links_.h2d += n * eb;
+      }
+    });
   } catch (...) {
-    // A submission refused mid-way: finish what was submitted, report the refusal.
-    try { wait_all(pending); } catch (...) {}
+    // A submission refused mid-way: finish what this call submitted, report the refusal.
+    std::vector<nvme::SwapHandle> mine(std::make_move_iterator(pending.handles_.begin() + long(before)),
+                                       std::make_move_iterator(pending.handles_.end()));
+    pending.handles_.resize(before);
+    try { wait_all(mine); } catch (...) {}
     throw;
   }
-  wait_all(pending);
 }
 
-void TieredState::write(Category c, int64_t offset, int64_t numel, const void* buf) {
+void TieredState::write_async(Category c, int64_t offset, int64_t numel, const void* buf,
+                              PendingIo& pending) {
   TraceSpan span(tier_of(c, offset) == Tier::kNvme ? TraceTrack::kNvme : TraceTrack::kCopy,
                  kWriteNames[int(c)]);
   const int64_t eb = plan_.elem_bytes[size_t(c)];
-  std::vector<nvme::SwapHandle>& pending = pending_;
-  pending.clear();
+  const size_t before = pending.handles_.size();
   try {
-  for_each_piece(c, offset, numel, [&](const Home& h, int64_t at, int64_t n, int64_t buf_off) {
-    const std::byte* src = static_cast<const std::byte*>(buf) + buf_off;
-    if (h.tier == Tier::kNvme) {
-      pending.push_back(swap_->write(h.region, at * eb, n * eb, src));
-      links_.nvme_write += n * eb;
-    } else {
-      std::memcpy(h.ptr + at * eb, src, size_t(n * eb));
-      if (h.tier == Tier::kHost) links_.d2h += n * eb;
-    }
-  });
+    for_each_piece(c, offset, numel, [&](const Home& h, int64_t at, int64_t n, int64_t buf_off) {
+      const std::byte* src = static_cast<const std::byte*>(buf) + buf_off;
+      if (h.tier == Tier::kNvme) {
+        pending.handles_.push_back(swap_->write(h.region, at * eb, n * eb, src));
+        links_.nvme_write += n * eb;
+      } else {
+        std::memcpy(h.ptr + at * eb, src, size_t(n * eb));
+        if (h.tier == Tier::kHost) links_.d2h += n * eb;
+      }
+    });
   } catch (...) {
-    // A submission refused mid-way: finish what was submitted, report the refusal.
-    try { wait_all(pending); } catch (...) {}
+    std::vector<nvme::SwapHandle> mine(std::make_move_iterator(pending.handles_.begin() + long(before)),
+                                       std::make_move_iterator(pending.handles_.end()));
+    pending.handles_.resize(before);
+    try { wait_all(mine); } catch (...) {}
     throw;
   }
-  wait_all(pending);
+}
+
+void TieredState::read(Category c, int64_t offset, int64_t numel, void* buf) {
+  sync_.handles_.clear();
+  read_async(c, offset, numel, buf, sync_);
+  wait(sync_);
+}
+
+void TieredState::write(Category c, int64_t offset, int64_t numel, const void* buf) {
+  sync_.handles_.clear();
+  write_async(c, offset, numel, buf, sync_);
+  wait(sync_);
 }
 
 // Waits for every handle, even after one failed, so that the store finishes

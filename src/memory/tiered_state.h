@@ -37,6 +37,17 @@ struct TieredStateOptions {
   int64_t device_budget_bytes = -1;  // < 0: no budget
 };
 
+// Swap I/O in flight for one or more asynchronous reads/writes. Reused from
+// step to step (clear() keeps capacity): no allocation once grown.
+class PendingIo {
+ public:
+  bool empty() const { return handles_.empty(); }
+
+ private:
+  friend class TieredState;
+  std::vector<nvme::SwapHandle> handles_;
+};
+
 // Thread-safety: none; one thread drives a TieredState.
 class TieredState {
  public:
@@ -63,6 +74,14 @@ class TieredState {
   // whole units and sub-groups. Reading an NVMe unit never written throws.
   void read(Category c, int64_t offset, int64_t numel, void* buf);
   void write(Category c, int64_t offset, int64_t numel, const void* buf);
+  // The same, returning before NVMe transfers complete: their handles join
+  // `pending`; resident pieces are copied at once. `buf` must stay untouched
+  // (write) / unread (read) until wait(pending) returns.
+  void read_async(Category c, int64_t offset, int64_t numel, void* buf, PendingIo& pending);
+  void write_async(Category c, int64_t offset, int64_t numel, const void* buf, PendingIo& pending);
+  // Waits for every transfer in `pending` (all of them, even after one
+  // failed) and empties it; rethrows the first error.
+  void wait(PendingIo& pending) { wait_all(pending.handles_); }
 
   const LinkBytes& links() const { return links_; }
   // Resident bytes per tier (state only; NVMe = bytes in the swap store).
@@ -85,7 +104,7 @@ class TieredState {
   void wait_all(std::vector<nvme::SwapHandle>& pending);
 
   PlacementPlan plan_;
-  std::vector<nvme::SwapHandle> pending_;  // reused: no allocation per transfer once grown
+  PendingIo sync_;  // the synchronous read()/write()'s handles, reused
   std::array<std::vector<Home>, kNumCategories> homes_;
   HostBuffer device_arena_;
   HostBuffer host_arena_;
