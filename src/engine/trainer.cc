@@ -111,13 +111,13 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   at::Generator gen = at::detail::createCPUGenerator(cfg.run.seed);
   for (size_t b = 0; b < layout_.num_blocks(); ++b) {
     const BlockLayout& bl = layout_.block(b);
-    at::Tensor master = block_flat(Category::kMaster, b, grad_stage_.data(), at::kFloat);
+    at::Tensor master = block_flat(b, grad_stage_.data(), at::kFloat);
     master.zero_();
     init_block(bl, master, gen);
     state_->write(Category::kMaster, bl.offset, bl.padded_numel, master.data_ptr());
     // Start-up only: a temporary for the working copy (4 KiB-aligned for NVMe).
     HostBuffer tmp(size_t(bl.padded_numel * compute_bytes_), "initial working copy");
-    at::Tensor working = block_flat(Category::kParam16, b, tmp.data(), compute_dtype_);
+    at::Tensor working = block_flat(b, tmp.data(), compute_dtype_);
     working.copy_(master);
     state_->write(Category::kParam16, bl.offset, bl.padded_numel, working.data_ptr());
   }
@@ -130,6 +130,10 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
     for (const PlacementUnit& g : plan.units[size_t(Category::kExpAvgSq)]) {
       if (g.tier == Tier::kNvme) state_->write(Category::kExpAvgSq, g.offset, g.numel, opt_avg_sq_.data());
     }
+  }
+  for (size_t b = 0; b < layout_.num_blocks(); ++b) {
+    grad_stage_flat_.push_back(block_flat(b, grad_stage_.data(), at::kFloat));
+    grad_stage_views_.push_back(param_views(layout_.block(b), grad_stage_flat_.back()));
   }
   for (const BlockLayout& bl : layout_.blocks()) {
     forward_names_.push_back("forward " + bl.name);
@@ -175,8 +179,7 @@ std::byte* Trainer::device_resident(Category c, int64_t offset, int64_t numel) c
   return p != nullptr && state_->tier_of(c, offset) == Tier::kDevice ? p : nullptr;
 }
 
-at::Tensor Trainer::block_flat(Category c, size_t b, void* buf, at::ScalarType dtype) {
-  (void)c;
+at::Tensor Trainer::block_flat(size_t b, void* buf, at::ScalarType dtype) {
   return at::from_blob(buf, {layout_.block(b).padded_numel}, at::TensorOptions().dtype(dtype));
 }
 
@@ -191,7 +194,7 @@ std::vector<at::Tensor> Trainer::weights(size_t b, int slot, double* wait_s) {
     state_->read(Category::kParam16, bl.offset, bl.padded_numel, p);
     if (wait_s != nullptr) *wait_s += seconds_since(t0);
   }
-  return param_views(bl, block_flat(Category::kParam16, b, p, compute_dtype_));
+  return param_views(bl, block_flat(b, p, compute_dtype_));
 }
 
 std::vector<at::Tensor> Trainer::block_weights(size_t b) {
@@ -200,27 +203,24 @@ std::vector<at::Tensor> Trainer::block_weights(size_t b) {
   return w;
 }
 
-at::Tensor Trainer::master_block(size_t b) {
+// A copy of block b's fp32 state of category c, staged through an aligned
+// buffer (NVMe reads need 4 KiB alignment).
+at::Tensor Trainer::fp32_block_copy(Category c, size_t b) {
   const BlockLayout& bl = layout_.block(b);
   at::Tensor out = at::empty({bl.padded_numel}, at::kFloat);
-  // Staged through an aligned buffer (NVMe reads need 4 KiB alignment).
-  state_->read(Category::kMaster, bl.offset, bl.padded_numel, grad_stage_.data());
+  state_->read(c, bl.offset, bl.padded_numel, grad_stage_.data());
   std::memcpy(out.data_ptr(), grad_stage_.data(), size_t(bl.padded_numel * 4));
   return out;
 }
 
-at::Tensor Trainer::grad_block(size_t b) {
-  const BlockLayout& bl = layout_.block(b);
-  at::Tensor out = at::empty({bl.padded_numel}, at::kFloat);
-  state_->read(Category::kGrad, bl.offset, bl.padded_numel, grad_stage_.data());
-  std::memcpy(out.data_ptr(), grad_stage_.data(), size_t(bl.padded_numel * 4));
-  return out;
-}
+at::Tensor Trainer::master_block(size_t b) { return fp32_block_copy(Category::kMaster, b); }
+at::Tensor Trainer::grad_block(size_t b) { return fp32_block_copy(Category::kGrad, b); }
 
 void Trainer::accumulate_grad(size_t b, const std::vector<at::Tensor>& grads, size_t first) {
-  at::Tensor stage = block_flat(Category::kGrad, b, grad_stage_.data(), at::kFloat);
+  // Views over the staging buffer, built once per block in the constructor.
+  const at::Tensor& stage = grad_stage_flat_[b];
   stage.zero_();
-  std::vector<at::Tensor> dst = param_views(layout_.block(b), stage);
+  const std::vector<at::Tensor>& dst = grad_stage_views_[b];
   if (b == embedding_block_ && tied_grad_.defined()) {
     dst[0].add_(tied_grad_);  // the head's share first, as autograd would sum it
     tied_grad_ = at::Tensor();
@@ -238,7 +238,7 @@ void Trainer::accumulate_grad(size_t b, const std::vector<at::Tensor>& grads, si
 void Trainer::flush_grad(size_t b) {
   const BlockLayout& bl = layout_.block(b);
   const int64_t n = bl.padded_numel;
-  at::Tensor stage = block_flat(Category::kGrad, b, grad_stage_.data(), at::kFloat);
+  const at::Tensor& stage = grad_stage_flat_[b];
   // Added in place only on the device; a host home receives a D2H copy.
   std::byte* home = device_resident(Category::kGrad, bl.offset, n);
   if (!grad_written_[b]) {
@@ -251,10 +251,10 @@ void Trainer::flush_grad(size_t b) {
     return;
   }
   if (home != nullptr) {
-    block_flat(Category::kGrad, b, home, at::kFloat).add_(stage);
+    block_flat(b, home, at::kFloat).add_(stage);
     return;
   }
-  at::Tensor acc = block_flat(Category::kGrad, b, grad_rmw_.data(), at::kFloat);
+  at::Tensor acc = block_flat(b, grad_rmw_.data(), at::kFloat);
   state_->read(Category::kGrad, bl.offset, n, acc.data_ptr());
   acc.add_(stage);
   state_->write(Category::kGrad, bl.offset, n, acc.data_ptr());
@@ -347,7 +347,7 @@ double Trainer::global_grad_norm() {
       p = grad_stage_.as<std::byte>();
       state_->read(Category::kGrad, bl.offset, bl.padded_numel, p);
     }
-    const double n = block_flat(Category::kGrad, b, p, at::kFloat).norm().item<double>();
+    const double n = block_flat(b, p, at::kFloat).norm().item<double>();
     sum_sq += n * n;
   }
   return std::sqrt(sum_sq);

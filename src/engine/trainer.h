@@ -81,7 +81,9 @@ class Trainer {
   std::array<int64_t, kNumTiers> peak_bytes() const;
 
  private:
-  at::Tensor block_flat(Category c, size_t b, void* buf, at::ScalarType dtype);
+  // Block b's padded range of `buf` as a flat tensor of `dtype` (no copy).
+  at::Tensor block_flat(size_t b, void* buf, at::ScalarType dtype);
+  at::Tensor fp32_block_copy(Category c, size_t b);
   // The range when it is resident on the device tier, else nullptr.
   std::byte* device_resident(Category c, int64_t offset, int64_t numel) const;
   // Weights of block b in the compute dtype, resident or fetched into `slot`.
@@ -124,6 +126,8 @@ class Trainer {
   std::vector<OptSet> opt_spans_;
 
   std::vector<std::string> forward_names_, backward_names_;  // trace span names per block
+  std::vector<at::Tensor> grad_stage_flat_;                  // per block: its range of grad_stage_
+  std::vector<std::vector<at::Tensor>> grad_stage_views_;    // per block: parameter views of it
   std::vector<char> grad_written_;        // per block: written since the step began
   std::vector<at::Tensor> saved_inputs_;  // per block, the activation checkpoint
   at::Tensor tied_grad_;                  // head's gradient for the tied embedding, until flushed

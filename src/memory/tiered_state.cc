@@ -124,56 +124,51 @@ const char* kWriteNames[kNumCategories] = {"write param16", "write grad", "write
                                            "write exp_avg", "write exp_avg_sq"};
 }  // namespace
 
-void TieredState::read_async(Category c, int64_t offset, int64_t numel, void* buf, PendingIo& pending) {
+// Copies between homes and `buf` in direction `op`: resident pieces at once,
+// NVMe pieces submitted with their handles appended to `pending`.
+void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t numel, std::byte* buf,
+                           PendingIo& pending) {
+  const bool reading = op == nvme::IoOp::kRead;
   TraceSpan span(tier_of(c, offset) == Tier::kNvme ? TraceTrack::kNvme : TraceTrack::kCopy,
-                 kReadNames[int(c)]);
+                 reading ? kReadNames[int(c)] : kWriteNames[int(c)]);
   const int64_t eb = plan_.elem_bytes[size_t(c)];
   const size_t before = pending.handles_.size();
   try {
     for_each_piece(c, offset, numel, [&](const Home& h, int64_t at, int64_t n, int64_t buf_off) {
-      std::byte* dst = static_cast<std::byte*>(buf) + buf_off;
+      std::byte* mine = buf + buf_off;
+      const int64_t bytes = n * eb;
       if (h.tier == Tier::kNvme) {
-        pending.handles_.push_back(swap_->read(h.region, at * eb, n * eb, dst));
-        links_.nvme_read += n * eb;
+        pending.handles_.push_back(reading ? swap_->read(h.region, at * eb, bytes, mine)
+                                           : swap_->write(h.region, at * eb, bytes, mine));
+        (reading ? links_.nvme_read : links_.nvme_write) += bytes;
       } else {
-        std::memcpy(dst, h.ptr + at * eb, size_t(n * eb));
-        if (h.tier == Tier::kHost) links_.h2d += n * eb;
+        std::byte* home = h.ptr + at * eb;
+        std::memcpy(reading ? mine : home, reading ? home : mine, size_t(bytes));
+        if (h.tier == Tier::kHost) (reading ? links_.h2d : links_.d2h) += bytes;
       }
     });
   } catch (...) {
     // A submission refused mid-way: finish what this call submitted, report the refusal.
-    std::vector<nvme::SwapHandle> mine(std::make_move_iterator(pending.handles_.begin() + long(before)),
-                                       std::make_move_iterator(pending.handles_.end()));
+    std::vector<nvme::SwapHandle> submitted(
+        std::make_move_iterator(pending.handles_.begin() + long(before)),
+        std::make_move_iterator(pending.handles_.end()));
     pending.handles_.resize(before);
-    try { wait_all(mine); } catch (...) {}
+    try {
+      wait_all(submitted);
+    } catch (...) {
+    }
     throw;
   }
 }
 
+void TieredState::read_async(Category c, int64_t offset, int64_t numel, void* buf, PendingIo& pending) {
+  transfer(nvme::IoOp::kRead, c, offset, numel, static_cast<std::byte*>(buf), pending);
+}
+
 void TieredState::write_async(Category c, int64_t offset, int64_t numel, const void* buf,
                               PendingIo& pending) {
-  TraceSpan span(tier_of(c, offset) == Tier::kNvme ? TraceTrack::kNvme : TraceTrack::kCopy,
-                 kWriteNames[int(c)]);
-  const int64_t eb = plan_.elem_bytes[size_t(c)];
-  const size_t before = pending.handles_.size();
-  try {
-    for_each_piece(c, offset, numel, [&](const Home& h, int64_t at, int64_t n, int64_t buf_off) {
-      const std::byte* src = static_cast<const std::byte*>(buf) + buf_off;
-      if (h.tier == Tier::kNvme) {
-        pending.handles_.push_back(swap_->write(h.region, at * eb, n * eb, src));
-        links_.nvme_write += n * eb;
-      } else {
-        std::memcpy(h.ptr + at * eb, src, size_t(n * eb));
-        if (h.tier == Tier::kHost) links_.d2h += n * eb;
-      }
-    });
-  } catch (...) {
-    std::vector<nvme::SwapHandle> mine(std::make_move_iterator(pending.handles_.begin() + long(before)),
-                                       std::make_move_iterator(pending.handles_.end()));
-    pending.handles_.resize(before);
-    try { wait_all(mine); } catch (...) {}
-    throw;
-  }
+  // The swap store only reads `buf` for a write.
+  transfer(nvme::IoOp::kWrite, c, offset, numel, static_cast<std::byte*>(const_cast<void*>(buf)), pending);
 }
 
 void TieredState::read(Category c, int64_t offset, int64_t numel, void* buf) {

@@ -101,6 +101,8 @@ class TieredState {
   template <typename Fn>
   void for_each_piece(Category c, int64_t offset, int64_t numel, Fn&& fn) const;
 
+  void transfer(nvme::IoOp op, Category c, int64_t offset, int64_t numel, std::byte* buf,
+                PendingIo& pending);
   void wait_all(std::vector<nvme::SwapHandle>& pending);
 
   PlacementPlan plan_;
