@@ -1,1 +1,2 @@
 strata_test(placement_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/placement_test.cc LIBS strata_memory)
+strata_test(param_window_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/param_window_test.cc LIBS strata_memory)

@@ -83,7 +83,22 @@ TEST(PlacementTest, DeepSpeedParamOffloadToNvmeKeepsMaxInCpuOnHost) {
       layout, 0, unlimited());
   EXPECT_EQ(p.bytes[int(Category::kParam16)][int(Tier::kHost)], 2 * 65536 * 4);
   EXPECT_EQ(p.bytes[int(Category::kParam16)][int(Tier::kNvme)], 6 * 65536 * 4);
-  EXPECT_EQ(p.staging.gathered, 2 * 65536 * 4);  // two block slots (fp32 compute)
+  // DeepSpeed's default persistence threshold (1e5 elements) keeps these
+  // 64Ki-element blocks persistent; without it the window holds the current
+  // use (the head with the tied embedding: 2 blocks), one more per block of
+  // prefetch bucket.
+  EXPECT_EQ(p.staging.window.persistent_numel, 8 * 65536);
+  EXPECT_EQ(p.staging.gathered, 8 * 65536 * 4);
+  for (int64_t bucket : {0, 65536}) {
+    PlacementPlan q = make_plan(
+        config_with({"zero_optimization.stage=3", "zero_optimization.stage3_param_persistence_threshold=0",
+                     "zero_optimization.stage3_prefetch_bucket_size=" + std::to_string(bucket),
+                     "zero_optimization.offload_param={\"device\":\"nvme\",\"nvme_path\":\"/tmp/x\",\"max_in_cpu\":131072,\"buffer_size\":70000}"}),
+        layout, 0, unlimited());
+    const int slots = bucket == 0 ? 2 : 3;
+    EXPECT_EQ(q.staging.window.slots, slots) << "bucket " << bucket;
+    EXPECT_EQ(q.staging.gathered, slots * 65536 * 4) << "bucket " << bucket;
+  }
   // A staging buffer that cannot hold the largest block shard is refused at
   // start, with the numbers, instead of failing deep in a step.
   try {

@@ -27,6 +27,9 @@ struct TrainRun {
   std::array<int64_t, kNumTiers> peak{};
   LinkBytes links;                 // summed over steps
   StateBytes bytes;
+  int window_slots_planned = 0, window_slots_used = 0;
+  int64_t window_fetches = 0;
+  int64_t checkpoint_device = 0;   // peak saved-input bytes on the device
 };
 
 nlohmann::json base_config(const std::string& data) {
@@ -64,6 +67,10 @@ TrainRun train(const nlohmann::json& j, const std::vector<std::string>& override
   for (size_t b = 0; b < trainer.layout().num_blocks(); ++b) r.master.push_back(trainer.master_block(b));
   r.peak = trainer.peak_bytes();
   r.bytes = trainer.state_bytes();
+  r.window_slots_planned = trainer.plan().staging.window.slots;
+  r.window_slots_used = trainer.window().peak_slots();
+  r.window_fetches = trainer.window().fetches();
+  r.checkpoint_device = trainer.peak_checkpoint_device_bytes();
   return r;
 }
 
@@ -147,7 +154,7 @@ TEST_F(TieredTest, PlanAgreesWithMeasuredAccounting) {
     Trainer trainer(cfg, model);
     const PlacementPlan& plan = trainer.plan();
     auto planned = plan.total();
-    planned[int(plan.activation_tier)] -= plan.activation_bytes;
+    planned[int(Tier::kDevice)] -= plan.activation_bytes;  // LibTorch's, not measured
     const auto measured = trainer.peak_bytes();
     for (int t = 0; t < kNumTiers; ++t) {
       EXPECT_NEAR(double(measured[t]), double(planned[t]), 0.1 * double(planned[t]))
@@ -229,6 +236,81 @@ TEST_F(TieredTest, EioInTheMiddleOfAnOptimizerSwapStopsWithAClearError) {
 
 TEST_F(TieredTest, EnospcInTheMiddleOfAnOptimizerSwapStopsWithAClearError) {
   expect_swap_fault_is_reported(data_, swap_, nvme::FaultKind::kEnospc, "No space left on device");
+}
+
+}  // namespace
+}  // namespace strata
+
+namespace strata {
+namespace {
+
+// Note [Prefetch window]: the three stage3 knobs change device bytes and
+// traffic, never results. Parameters on the host tier, so every block goes
+// through the window (blocks: embedding 16Ki, 2 layers of 32Ki, head 2Ki
+// elements).
+TEST_F(TieredTest, PrefetchKnobsMoveDevicePeakNotResults) {
+  auto run = [&](int64_t bucket, int64_t live, int64_t persist) {
+    return train(base_config(data_),
+                 {"zero_optimization.stage=3", "zero_optimization.offload_param.device=cpu",
+                  "zero_optimization.stage3_prefetch_bucket_size=" + std::to_string(bucket),
+                  "zero_optimization.stage3_max_live_parameters=" + std::to_string(live),
+                  "zero_optimization.stage3_param_persistence_threshold=" + std::to_string(persist)},
+                 4);
+  };
+  const int64_t kBig = 1000000000;
+  const TrainRun none = run(0, kBig, 0);
+  const TrainRun wide = run(kBig, kBig, 0);
+  const TrainRun capped = run(kBig, 40000, 0);
+  const TrainRun persistent = run(0, kBig, kBig);
+  for (const TrainRun* r : {&none, &wide, &capped, &persistent}) {
+    ASSERT_EQ(r->losses.size(), 4u);
+    for (size_t i = 0; i < 4; ++i) EXPECT_EQ(r->losses[i], baseline_.losses[i]) << "step " << i + 1;
+    // The dry run of the plan and the real run agree.
+    EXPECT_EQ(r->window_slots_used, r->window_slots_planned);
+  }
+  const int dev = int(Tier::kDevice);
+  EXPECT_LT(none.peak[dev], wide.peak[dev]);      // prefetch bucket: more in flight
+  EXPECT_LT(capped.peak[dev], wide.peak[dev]);    // max live parameters: fewer at once
+  EXPECT_LT(capped.window_slots_used, wide.window_slots_used);
+  EXPECT_NE(persistent.peak[dev], none.peak[dev]);  // persistence: all blocks kept...
+  EXPECT_EQ(persistent.window_slots_used, 0);
+  // ...and fetched once per step (4 blocks, 4 steps) instead of at every use.
+  EXPECT_EQ(persistent.window_fetches, 4 * 4);
+  EXPECT_GT(none.window_fetches, 4 * 4);
+  EXPECT_LT(persistent.links.h2d, none.links.h2d);
+  EXPECT_LT(wide.links.h2d, none.links.h2d);  // blocks reused inside the window
+}
+
+TEST_F(TieredTest, DeviceBudgetBoundsTheParameterWindow) {
+  auto run = [&](int mb) {
+    return train(base_config(data_),
+                 {"zero_optimization.stage=3",
+                  "zero_optimization.offload_param={\"device\":\"nvme\",\"nvme_path\":\"" + swap_ +
+                      "\",\"max_in_cpu\":0}",
+                  "zero_optimization.offload_optimizer={\"device\":\"nvme\",\"nvme_path\":\"" + swap_ + "\"}",
+                  "zero_optimization.stage3_param_persistence_threshold=0", "run.device_memory_mb=" + std::to_string(mb)},
+                 3);
+  };
+  const TrainRun one = run(1), four = run(4);
+  EXPECT_LE(one.peak[int(Tier::kDevice)], int64_t(1) << 20);
+  EXPECT_LE(four.peak[int(Tier::kDevice)], int64_t(4) << 20);
+  EXPECT_LT(one.window_slots_used, four.window_slots_used);
+  for (size_t i = 0; i < 3; ++i) EXPECT_EQ(one.losses[i], four.losses[i]);
+}
+
+TEST_F(TieredTest, CpuCheckpointingOffloadsSavedInputsBitIdentically) {
+  const std::vector<std::string> four_layers = {"model.n_layers=4"};
+  std::vector<std::string> offload = four_layers;
+  offload.push_back("activation_checkpointing.cpu_checkpointing=true");
+  const TrainRun kept = train(base_config(data_), four_layers, 3);
+  const TrainRun off = train(base_config(data_), offload, 3);
+  expect_identical(kept, off, "cpu_checkpointing");
+  const int64_t ckpt = 2 * 32 * 64 * 4;  // micro x seq x dim x fp32: one layer's input
+  EXPECT_EQ(kept.checkpoint_device, 4 * ckpt);
+  EXPECT_EQ(off.checkpoint_device, 2 * ckpt);
+  // Each step: 2 micro-batches x 4 layers out and back in.
+  EXPECT_EQ(off.links.d2h - kept.links.d2h, 3 * 2 * 4 * ckpt);
+  EXPECT_EQ(off.links.h2d - kept.links.h2d, 3 * 2 * 4 * ckpt);
 }
 
 }  // namespace

@@ -54,8 +54,12 @@ nlohmann::json plan_json(const Computed& c) {
     j["total_bytes"][tier_name(Tier(t))] = tot[size_t(t)];
   }
   j["activation_bytes"] = p.activation_bytes;
-  j["activation_tier"] = tier_name(p.activation_tier);
+  j["cpu_checkpointing"] = p.cpu_checkpointing;
+  j["parameter_window"] = {{"slots", p.staging.window.slots},
+                           {"slot_elements", p.staging.window.slot_numel},
+                           {"persistent_elements", p.staging.window.persistent_numel}};
   j["staging_bytes"] = {{"gathered", p.staging.gathered}, {"grad_stage", p.staging.grad_stage},
+                        {"checkpoint_device", p.staging.ckpt_device}, {"checkpoint_host", p.staging.ckpt_host},
                         {"grad_rmw", p.staging.grad_rmw}, {"opt_grad", p.staging.opt_grad},
                         {"opt_state", p.staging.opt_state}, {"opt_emit", p.staging.opt_emit}};
   j["device_transient_bytes"] = p.staging.device_bytes();
@@ -97,10 +101,11 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   }
   const auto st = p.state_total();
   row("state total", st[0], st[1], st[2]);
-  const bool act_dev = p.activation_tier == Tier::kDevice;
-  row("activations", act_dev ? p.activation_bytes : 0, act_dev ? 0 : p.activation_bytes, 0);
-  row("gathered + grad staging", p.staging.device_bytes(), 0, 0);
-  row("optimizer staging", 0, p.staging.host_bytes(), 0);
+  row("activations", p.activation_bytes, 0, 0);
+  if (p.cpu_checkpointing) row("offloaded checkpoints", p.staging.ckpt_device, p.staging.ckpt_host, 0);
+  row("parameter window", p.staging.gathered, 0, 0);
+  row("gradient staging", p.staging.grad_stage + p.staging.grad_rmw, 0, 0);
+  row("optimizer staging", 0, p.staging.host_bytes() - p.staging.ckpt_host, 0);
   const auto tot = p.total();
   row("total", tot[0], tot[1], tot[2]);
   out += strprintf("  %-22s %12s %12s %12s\n", "this machine has", cap_cell(cap.device_bytes).c_str(),

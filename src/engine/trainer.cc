@@ -64,7 +64,8 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
     if (model_.blocks()[b].kind == BlockKind::kEmbedding) embedding_block_ = b;
     if (model_.blocks()[b].kind == BlockKind::kHead) head_block_ = b;
   }
-  for (const BlockLayout& b : layout_.blocks()) max_block_numel_ = std::max(max_block_numel_, b.padded_numel);
+  STRATA_CHECK(embedding_block_ == 0 && head_block_ == model_.num_blocks() - 1,
+               "the embedding must be the first block and the head the last");
 
   // ---- placement and state --------------------------------------------------
   // Single rank for now: the trainer addresses blocks by their model-wide
@@ -89,7 +90,21 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
 
   // Buffers exactly as the plan counted them (placement.h, StagingNeeds).
   group_numel_ = std::min(plan.sub_group_numel, plan.shard_space_numel);
-  if (need.gathered > 0) gathered_ = HostBuffer(size_t(need.gathered), "gathered blocks (2 slots)");
+  {
+    std::vector<char> fetched;
+    for (const PlacementUnit& u : plan.units[size_t(Category::kParam16)]) fetched.push_back(u.tier != Tier::kDevice);
+    window_ = std::make_unique<ParamWindow>(plan.block_numel, fetched, plan.window_knobs, plan.window_cap_bytes,
+                                            compute_bytes_);
+    window_->attach(state_.get(), need.window, compute_bytes_);
+    train_schedule_ = train_schedule(int(layout_.num_blocks()), cfg.model.tie_embeddings,
+                                     cfg.gradient_accumulation_steps);
+    eval_schedule_ = eval_schedule(int(layout_.num_blocks()), cfg.model.tie_embeddings);
+    if (need.gathered > 0) {
+      log::info("parameter window: %d slot(s) of %s, %s of persistent blocks", need.window.slots,
+                format_bytes(double(need.window.slot_numel * compute_bytes_)).c_str(),
+                format_bytes(double(need.window.persistent_numel * compute_bytes_)).c_str());
+    }
+  }
   grad_stage_ = HostBuffer(size_t(need.grad_stage), "gradient staging");
   if (need.grad_rmw > 0) grad_rmw_ = HostBuffer(size_t(need.grad_rmw), "gradient read-modify-write");
   if (need.opt_grad > 0) opt_grad_ = HostBuffer(size_t(need.opt_grad), "optimizer gradient staging");
@@ -99,6 +114,12 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
     opt_avg_sq_ = HostBuffer(size_t(need.opt_state / 3), "optimizer staging: exp_avg_sq");
   }
   if (need.opt_emit > 0) opt_emit_ = HostBuffer(size_t(need.opt_emit), "optimizer staging: working copy");
+  if (need.ckpt_host > 0) {
+    ckpt_bytes_ = plan.checkpoint_bytes;
+    ckpt_host_ = HostBuffer(size_t(need.ckpt_host), "offloaded activation checkpoints");
+    ckpt_device_ = HostBuffer(size_t(need.ckpt_device), "activation checkpoint slots (2)");
+    ckpt_shape_ = {cfg.train_micro_batch_size_per_gpu, cfg.model.seq_len, cfg.model.dim};
+  }
   const bool opt_on_nvme = need.opt_state > 0;
   opt_reads_.resize(size_t(std::max(1, need.opt_sets)));
   opt_writes_.resize(size_t(std::max(1, need.opt_sets)));
@@ -167,9 +188,10 @@ StateBytes Trainer::state_bytes() const {
 // the step's buffers (all sized at start-up, so current = peak).
 std::array<int64_t, kNumTiers> Trainer::peak_bytes() const {
   std::array<int64_t, kNumTiers> t{};
-  t[0] = state_->device_arena_bytes() + int64_t(gathered_.bytes() + grad_stage_.bytes() + grad_rmw_.bytes());
+  t[0] = state_->device_arena_bytes() + window_->shape().bytes(compute_bytes_) +
+         int64_t(grad_stage_.bytes() + grad_rmw_.bytes() + ckpt_device_.bytes());
   t[1] = state_->host_arena_bytes() + int64_t(opt_grad_.bytes() + opt_master_.bytes() + opt_avg_.bytes() +
-                                              opt_avg_sq_.bytes() + opt_emit_.bytes());
+                                              opt_avg_sq_.bytes() + opt_emit_.bytes() + ckpt_host_.bytes());
   t[2] = state_->swap() != nullptr ? state_->swap()->used_bytes() : 0;
   return t;
 }
@@ -183,22 +205,21 @@ at::Tensor Trainer::block_flat(size_t b, void* buf, at::ScalarType dtype) {
   return at::from_blob(buf, {layout_.block(b).padded_numel}, at::TensorOptions().dtype(dtype));
 }
 
-std::vector<at::Tensor> Trainer::weights(size_t b, int slot, double* wait_s) {
+// Compute uses device-resident weights in place; the others come through the
+// window (in place would hide the H2D copy a GPU must make).
+std::vector<at::Tensor> Trainer::weights(size_t b, std::byte* fetched) {
   const BlockLayout& bl = layout_.block(b);
-  // Compute uses device-resident weights in place; host-resident ones are
-  // copied to the device (in place would hide the H2D copy a GPU must make).
-  std::byte* p = device_resident(Category::kParam16, bl.offset, bl.padded_numel);
-  if (p == nullptr) {
-    const auto t0 = std::chrono::steady_clock::now();
-    p = gathered_.as<std::byte>() + size_t(slot) * size_t(max_block_numel_ * compute_bytes_);
-    state_->read(Category::kParam16, bl.offset, bl.padded_numel, p);
-    if (wait_s != nullptr) *wait_s += seconds_since(t0);
-  }
+  std::byte* p = fetched != nullptr ? fetched : device_resident(Category::kParam16, bl.offset, bl.padded_numel);
+  STRATA_CHECK(p != nullptr, "a block neither fetched nor resident on the device");
   return param_views(bl, block_flat(b, p, compute_dtype_));
 }
 
+// For tests and export, not the step: a copy through a temporary buffer.
 std::vector<at::Tensor> Trainer::block_weights(size_t b) {
-  std::vector<at::Tensor> w = weights(b, 0, nullptr);
+  const BlockLayout& bl = layout_.block(b);
+  HostBuffer tmp(size_t(bl.padded_numel * compute_bytes_), "block weights copy");
+  state_->read(Category::kParam16, bl.offset, bl.padded_numel, tmp.data());
+  std::vector<at::Tensor> w = param_views(bl, block_flat(b, tmp.data(), compute_dtype_));
   for (at::Tensor& t : w) t = t.clone();
   return w;
 }
@@ -265,6 +286,49 @@ at::Tensor Trainer::loss_of(const at::Tensor& logits, const at::Tensor& targets)
                                 targets.reshape({-1}));
 }
 
+// Layer inputs are saved on the device as LibTorch tensors, or with
+// cpu_checkpointing copied to the host (D2H) during forward and brought back
+// (H2D) during backward, one layer ahead: while layer b runs backward, layer
+// b - 1's input is already in the other device slot. With CPU compute the
+// copies are memcpy on the compute thread; a GPU build issues them on a copy
+// stream.
+void Trainer::save_input(size_t b, const at::Tensor& x) {
+  if (b == embedding_block_) {
+    saved_inputs_[b] = x;  // the token ids, kept with the batch
+    return;
+  }
+  if (ckpt_bytes_ == 0) {
+    saved_inputs_[b] = x;
+    ckpt_device_now_ += int64_t(x.nbytes());
+    peak_ckpt_device_ = std::max(peak_ckpt_device_, ckpt_device_now_);
+    return;
+  }
+  STRATA_CHECK(int64_t(x.nbytes()) == ckpt_bytes_ && x.is_contiguous(), "unexpected activation shape");
+  TraceSpan span(TraceTrack::kCopy, "offload checkpoint");
+  std::memcpy(ckpt_host_.as<std::byte>() + (b - 1) * size_t(ckpt_bytes_), x.data_ptr(), size_t(ckpt_bytes_));
+  state_->count_copy(/*to_device=*/false, ckpt_bytes_);
+}
+
+at::Tensor Trainer::restore_input(size_t b) {
+  if (ckpt_bytes_ == 0 || b == embedding_block_) {
+    at::Tensor x = saved_inputs_[b];
+    if (b != embedding_block_) ckpt_device_now_ -= int64_t(x.nbytes());
+    saved_inputs_[b] = at::Tensor();
+    return x;
+  }
+  auto bring = [&](size_t layer) {
+    TraceSpan span(TraceTrack::kCopy, "fetch checkpoint");
+    std::memcpy(ckpt_device_.as<std::byte>() + (layer % 2) * size_t(ckpt_bytes_),
+                ckpt_host_.as<std::byte>() + (layer - 1) * size_t(ckpt_bytes_), size_t(ckpt_bytes_));
+    state_->count_copy(/*to_device=*/true, ckpt_bytes_);
+  };
+  if (b + 1 == head_block_) bring(b);  // the first layer of the backward: nothing prefetched it
+  if (b - 1 != embedding_block_) bring(b - 1);  // prefetch into the other slot
+  peak_ckpt_device_ = int64_t(ckpt_device_.bytes());
+  return at::from_blob(ckpt_device_.as<std::byte>() + (b % 2) * size_t(ckpt_bytes_), ckpt_shape_,
+                       at::TensorOptions().dtype(compute_dtype_));
+}
+
 // Note [Step order]
 // Forward runs every block but the head without autograd and keeps each
 // block's input (the activation checkpoint). The head runs with autograd, so
@@ -275,20 +339,27 @@ at::Tensor Trainer::loss_of(const at::Tensor& logits, const at::Tensor& targets)
 // and added into the block's gradient home, so nothing but one block's graph
 // is alive at a time. A tied head adds its output-projection gradient into the
 // embedding block's gradient, which backward reaches last.
-double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale, double* wait_s) {
+double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale) {
   const int64_t T = cfg_.model.seq_len;
   at::Tensor inputs = tokens.narrow(1, 0, T);
   at::Tensor targets = tokens.narrow(1, 1, T);
   STRATA_CHECK(head_block_ == layout_.num_blocks() - 1, "the head must be the last block");
 
+  // The window hands out blocks in train_schedule's order (Note [Prefetch window]).
+  std::byte* fetched[2];
   at::Tensor x = inputs;
   {
     at::NoGradGuard no_grad;
     for (size_t b = 0; b < head_block_; ++b) {
-      saved_inputs_[b] = x;
-      std::vector<at::Tensor> w = weights(b, 0, wait_s);
-      TraceSpan span(TraceTrack::kCompute, forward_names_[b].c_str());
-      x = model_.forward(b, w, x);
+      save_input(b, x);
+      window_->acquire(fetched);
+      std::vector<at::Tensor> w = weights(b, fetched[0]);
+      {
+        TraceSpan span(TraceTrack::kCompute, forward_names_[b].c_str());
+        x = model_.forward(b, w, x);
+      }
+      w.clear();
+      window_->release();
     }
   }
 
@@ -297,9 +368,10 @@ double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale, do
   double loss_value = 0.0;
   {
     at::Tensor xin = x.detach().requires_grad_(true);
-    std::vector<at::Tensor> w = as_leaves(weights(head_block_, 0, wait_s));
+    window_->acquire(fetched);
+    std::vector<at::Tensor> w = as_leaves(weights(head_block_, fetched[0]));
     at::Tensor tied;
-    if (cfg_.model.tie_embeddings) tied = as_leaves(weights(embedding_block_, 1, wait_s))[0];
+    if (cfg_.model.tie_embeddings) tied = as_leaves(weights(embedding_block_, fetched[1]))[0];
     TraceSpan span(TraceTrack::kCompute, "head forward + backward");
     at::Tensor loss = loss_of(model_.forward(head_block_, w, xin, tied), targets);
     loss_value = loss.item<double>();
@@ -313,13 +385,18 @@ double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale, do
     // The head's gradient for the tied embedding is added when the embedding's
     // own gradient is staged, so the embedding is flushed once per micro-batch.
     if (tied.defined()) tied_grad_ = grads.back();
+    w.clear();
+    tied = at::Tensor();
+    window_->release();
   }
 
   // Layers and embedding, in reverse, recomputed from their saved inputs.
   for (size_t b = head_block_; b-- > 0;) {
-    std::vector<at::Tensor> w = as_leaves(weights(b, 0, wait_s));
+    window_->acquire(fetched);
+    std::vector<at::Tensor> w = as_leaves(weights(b, fetched[0]));
     const bool is_embedding = model_.blocks()[b].kind == BlockKind::kEmbedding;
-    at::Tensor xin = is_embedding ? saved_inputs_[b] : saved_inputs_[b].detach().requires_grad_(true);
+    at::Tensor saved = restore_input(b);
+    at::Tensor xin = is_embedding ? saved : saved.detach().requires_grad_(true);
     std::vector<at::Tensor> grads;
     {
       TraceSpan span(TraceTrack::kCompute, backward_names_[b].c_str());
@@ -331,7 +408,8 @@ double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale, do
     }
     accumulate_grad(b, grads, is_embedding ? 0 : 1);
     if (!is_embedding) dx = grads[0];
-    saved_inputs_[b] = at::Tensor();
+    w.clear();
+    window_->release();
   }
   return loss_value;
 }
@@ -448,11 +526,14 @@ StepResult Trainer::step(const int64_t* tokens) {
   const LinkBytes links0 = state_->links();
   std::fill(grad_written_.begin(), grad_written_.end(), 0);
   StepResult r;
+  const double wait0 = window_->wait_seconds();
+  window_->begin(&train_schedule_);
   for (int64_t m = 0; m < accum; ++m) {
     at::Tensor batch = at::from_blob(const_cast<int64_t*>(tokens + m * micro * window),
                                      {micro, window}, at::TensorOptions().dtype(at::kLong));
-    r.loss += forward_backward(batch, 1.0 / double(accum), &r.wait_s) / double(accum);
+    r.loss += forward_backward(batch, 1.0 / double(accum)) / double(accum);
   }
+  r.wait_s = window_->wait_seconds() - wait0;
   r.tokens = accum * micro * cfg_.model.seq_len;
 
   // Global-norm clipping folded into the optimizer as a gradient scale, with
@@ -472,6 +553,7 @@ StepResult Trainer::step(const int64_t* tokens) {
   }
   r.lr = learning_rate(cfg_.scheduler, cfg_.optimizer.lr, step_ + 1);
   try {
+    window_->invalidate();  // the optimizer rewrites the working copy
     optimizer_step(grad_scale, r.lr, step_ + 1);
   } catch (...) {
     // Some sub-groups may have been updated and others not.
@@ -495,11 +577,20 @@ double Trainer::eval_loss(const int64_t* tokens, int64_t batches) {
     at::Tensor batch = at::from_blob(const_cast<int64_t*>(tokens + i * micro * window),
                                      {micro, window}, at::TensorOptions().dtype(at::kLong));
     at::Tensor x = batch.narrow(1, 0, T);
-    for (size_t b = 0; b < head_block_; ++b) x = model_.forward(b, weights(b, 0, nullptr), x);
+    std::byte* fetched[2];
+    window_->begin(&eval_schedule_);
+    for (size_t b = 0; b < head_block_; ++b) {
+      window_->acquire(fetched);
+      x = model_.forward(b, weights(b, fetched[0]), x);
+      window_->release();
+    }
+    window_->acquire(fetched);
     at::Tensor tied;
-    if (cfg_.model.tie_embeddings) tied = weights(embedding_block_, 1, nullptr)[0];
-    at::Tensor logits = model_.forward(head_block_, weights(head_block_, 0, nullptr), x, tied);
+    if (cfg_.model.tie_embeddings) tied = weights(embedding_block_, fetched[1])[0];
+    at::Tensor logits = model_.forward(head_block_, weights(head_block_, fetched[0]), x, tied);
     total += loss_of(logits, batch.narrow(1, 1, T)).item<double>();
+    tied = at::Tensor();
+    window_->release();
   }
   return total / double(batches);
 }

@@ -17,6 +17,7 @@
 #include "cpu_adam/adam.h"
 #include "memory/buffer.h"
 #include "memory/layout.h"
+#include "memory/param_window.h"
 #include "memory/placement.h"
 #include "memory/tiered_state.h"
 #include "model/model.h"
@@ -74,6 +75,14 @@ class Trainer {
   // Block b's weights as the forward uses them (compute dtype), as copies.
   std::vector<at::Tensor> block_weights(size_t b);
 
+  // The parameter window (Note [Prefetch window]): measured peaks and fetches.
+  const ParamWindow& window() const { return *window_; }
+
+  // Peak bytes of saved block inputs (activation checkpoints) held on the
+  // device: the layers' saved inputs, or with cpu_checkpointing the two slots
+  // that bring them back.
+  int64_t peak_checkpoint_device_bytes() const { return peak_ckpt_device_; }
+
   // Peak bytes per tier, measured from the allocations: resident state plus
   // the transient and staging buffers (device: gathered blocks, gradient
   // staging; host: optimizer staging); NVMe: swap regions in use. LibTorch's
@@ -86,15 +95,20 @@ class Trainer {
   at::Tensor fp32_block_copy(Category c, size_t b);
   // The range when it is resident on the device tier, else nullptr.
   std::byte* device_resident(Category c, int64_t offset, int64_t numel) const;
-  // Weights of block b in the compute dtype, resident or fetched into `slot`.
-  std::vector<at::Tensor> weights(size_t b, int slot, double* wait_s);
+  // Views of block b's weights in the compute dtype: at `fetched` (from the
+  // window), or in place when the block is device-resident (fetched nullptr).
+  std::vector<at::Tensor> weights(size_t b, std::byte* fetched);
   // Adds `grads[first..]` (one per parameter of block b) into b's gradient home.
   void accumulate_grad(size_t b, const std::vector<at::Tensor>& grads, size_t first);
   void flush_grad(size_t b);
-  double forward_backward(const at::Tensor& tokens, double loss_scale, double* wait_s);
+  double forward_backward(const at::Tensor& tokens, double loss_scale);
   double global_grad_norm();
   void optimizer_step(float grad_scale, double lr, int64_t step);
   at::Tensor loss_of(const at::Tensor& logits, const at::Tensor& targets) const;
+  // Keeps x as layer b's saved input (on the device, or offloaded).
+  void save_input(size_t b, const at::Tensor& x);
+  // Layer b's saved input on the device for its backward; prefetches b - 1's.
+  at::Tensor restore_input(size_t b);
 
   Config cfg_;
   const Model& model_;
@@ -106,11 +120,11 @@ class Trainer {
   std::unique_ptr<TieredState> state_;
   std::unique_ptr<cpu_adam::CpuAdam> adam_;
 
-  // Transient device buffers: gathered blocks (2 slots: a block and, for a
-  // tied head, the embedding) and fp32 gradient staging (2: accumulate, and
+  // Transient device buffers: the parameter window (blocks not resident on
+  // the device) and fp32 gradient staging (2: accumulate, and
   // read-modify-write of a non-resident gradient).
-  int64_t max_block_numel_ = 0;
-  HostBuffer gathered_;
+  std::unique_ptr<ParamWindow> window_;
+  std::vector<WindowUse> train_schedule_, eval_schedule_;
   HostBuffer grad_stage_;
   HostBuffer grad_rmw_;
   // Optimizer staging, allocated only for what is not resident: grad,
@@ -130,6 +144,12 @@ class Trainer {
   std::vector<std::vector<at::Tensor>> grad_stage_views_;    // per block: parameter views of it
   std::vector<char> grad_written_;        // per block: written since the step began
   std::vector<at::Tensor> saved_inputs_;  // per block, the activation checkpoint
+  // cpu_checkpointing: layer b's saved input in host slot b, brought back
+  // into device slot b % 2 for its backward (the next one prefetched).
+  HostBuffer ckpt_host_, ckpt_device_;
+  int64_t ckpt_bytes_ = 0;
+  std::vector<int64_t> ckpt_shape_;
+  int64_t ckpt_device_now_ = 0, peak_ckpt_device_ = 0;
   at::Tensor tied_grad_;                  // head's gradient for the tied embedding, until flushed
   int64_t step_ = 0;
   bool broken_ = false;                   // an optimizer step failed part-way

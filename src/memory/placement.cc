@@ -95,6 +95,17 @@ std::optional<Tier> range_tier(const PlacementPlan& plan, Category c, int64_t of
   return tier;
 }
 
+WindowShape window_shape(const PlacementPlan& plan) {
+  const auto& units = plan.units[size_t(Category::kParam16)];
+  std::vector<char> fetched(units.size());
+  for (size_t b = 0; b < units.size(); ++b) fetched[b] = units[b].tier != Tier::kDevice;
+  ParamWindow w(plan.block_numel, fetched, plan.window_knobs, plan.window_cap_bytes, plan.compute_bytes);
+  const int n = int(plan.block_numel.size());
+  const std::vector<WindowUse> train = train_schedule(n, plan.tied, plan.accum);
+  const std::vector<WindowUse> eval = eval_schedule(n, plan.tied);
+  return w.plan({&train, &eval});
+}
+
 StagingNeeds staging_needs(const PlacementPlan& plan) {
   StagingNeeds n;
   const int64_t largest = plan.largest_block_numel;
@@ -106,13 +117,18 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
     for (const PlacementUnit& u : plan.units[size_t(c)]) if (u.tier == Tier::kNvme) return true;
     return false;
   };
-  // Device: two gathered-block slots (a block, and the tied embedding for the
-  // head) when any block's weights are not on the device; fp32 gradient
-  // staging for every block; a read-modify-write buffer when any block's
-  // gradient lives off the device.
-  n.gathered = off_device(Category::kParam16) ? 2 * largest * plan.compute_bytes : 0;
+  // Device: the parameter window for blocks whose weights are not on the
+  // device, sized by a dry run of the training and evaluation schedules; fp32
+  // gradient staging for every block; a read-modify-write buffer when any
+  // block's gradient lives off the device.
+  n.window = window_shape(plan);
+  n.gathered = n.window.bytes(plan.compute_bytes);
   n.grad_stage = largest * 4;
   n.grad_rmw = off_device(Category::kGrad) ? largest * 4 : 0;
+  if (plan.cpu_checkpointing) {
+    n.ckpt_device = std::min<int64_t>(2, plan.checkpoint_layers) * plan.checkpoint_bytes;
+    n.ckpt_host = plan.checkpoint_layers * plan.checkpoint_bytes;
+  }
   // Host: per sub-group, what is not resident in one piece is staged.
   const int64_t group = std::min(plan.sub_group_numel, plan.shard_space_numel);
   bool grad_staged = false, emit_staged = false;
@@ -163,7 +179,7 @@ std::array<int64_t, kNumTiers> PlacementPlan::state_total() const {
 
 std::array<int64_t, kNumTiers> PlacementPlan::total() const {
   std::array<int64_t, kNumTiers> t = state_total();
-  t[size_t(activation_tier)] += activation_bytes;
+  t[size_t(Tier::kDevice)] += activation_bytes;
   t[size_t(Tier::kDevice)] += staging.device_bytes();
   t[size_t(Tier::kHost)] += staging.host_bytes();
   return t;
@@ -240,15 +256,22 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   // autograd graph of one recomputed layer: about 10 x dim + 4 x ffn values per
   // token, and attention scores (heads x seq per token) when the attention
   // kernel materialises them; and the fp32 logits with their gradient.
-  const int64_t saved = tokens * 8 + (m.n_layers + 1) * tokens * m.dim * cb;
+  plan.checkpoint_bytes = tokens * m.dim * cb;
+  plan.checkpoint_layers = m.n_layers;
+  plan.cpu_checkpointing = cfg.activation_checkpointing.cpu_checkpointing;
+  const int64_t saved =
+      tokens * 8 + (plan.cpu_checkpointing ? 0 : plan.checkpoint_layers * plan.checkpoint_bytes);
   const int64_t layer = tokens * (10 * m.dim + 4 * m.ffn_dim()) * cb + 3 * tokens * m.n_heads * m.seq_len * 4;
   const int64_t head = 3 * tokens * m.vocab_size * 4;
   plan.activation_bytes = saved + std::max(layer, head);
-  plan.activation_tier = cfg.activation_checkpointing.cpu_checkpointing ? Tier::kHost : Tier::kDevice;
-  if (plan.activation_tier == Tier::kHost) plan.activation_bytes -= saved - (saved / (m.n_layers + 1));
   int64_t largest_block = 0;
   for (const BlockLayout& b : layout.blocks()) largest_block = std::max(largest_block, b.padded_numel);
   plan.largest_block_numel = largest_block;
+  for (const BlockLayout& b : layout.blocks()) plan.block_numel.push_back(b.shard_numel());
+  plan.accum = cfg.gradient_accumulation_steps;
+  plan.window_knobs.prefetch_numel = cfg.zero.stage3_prefetch_bucket_size;
+  plan.window_knobs.max_live_numel = cfg.zero.stage3_max_live_parameters;
+  plan.window_knobs.persistence_numel = cfg.zero.stage3_param_persistence_threshold;
   plan.compute_bytes = int(cb);
   plan.pipeline_depth = int(std::clamp<int64_t>(cfg.zero.offload_optimizer.buffer_count, 1, 3));
   plan.tied = m.tie_embeddings;
@@ -272,10 +295,10 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
     const int64_t kUnlimited = std::numeric_limits<int64_t>::max() / 4;
     auto budget = [&](int64_t cap) { return cap < 0 ? kUnlimited : int64_t(double(cap) * keep); };
     int64_t reserve_device = 0, reserve_host = 0;
+    plan.window_cap_bytes = 0;  // the window at its minimum while filling; widened below
     for (int pass = 0; pass < 4; ++pass) {
       int64_t dev_left, host_left;
-      const int64_t act_dev = plan.activation_tier == Tier::kDevice ? plan.activation_bytes : 0;
-      const int64_t act_host = plan.activation_bytes - act_dev;
+      const int64_t act_dev = plan.activation_bytes;
       if (capacity.device_is_host) {
         // One pool of host RAM: the device budget (if one is set) is carved
         // from it, and everything else, staging included, comes out of it too.
@@ -286,7 +309,7 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
         host_left = pool - dev_left;
       } else {
         dev_left = budget(capacity.device_bytes) - act_dev - reserve_device;
-        host_left = budget(capacity.host_bytes) - act_host - reserve_host;
+        host_left = budget(capacity.host_bytes) - reserve_host;
       }
       for (int c = 0; c < kNumCategories; ++c) {
         for (PlacementUnit& u : units[size_t(c)]) {
@@ -322,6 +345,28 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
     for (const PlacementUnit& u : plan.units[size_t(c)]) {
       plan.bytes[size_t(c)][size_t(u.tier)] += u.numel * plan.elem_bytes[size_t(c)];
     }
+  }
+
+  // ---- the parameter window's share of the device -----------------------------
+  // With a device budget, the window (Note [Prefetch window]) gets what the
+  // resident state, the other staging and the activations leave of it (under
+  // auto, less the headroom); the current block always gets a slot.
+  // Under auto on CPU without a device budget the device tier shares host
+  // RAM, so the window gets what is left of that instead.
+  const double keep = pc.auto_place ? 1.0 - pc.headroom : 1.0;
+  const bool shared_pool = pc.auto_place && capacity.device_is_host && capacity.device_bytes < 0;
+  const int64_t pool = shared_pool ? capacity.host_bytes : capacity.device_bytes;
+  plan.window_cap_bytes = -1;
+  if (pool >= 0) {
+    int64_t left = int64_t(double(pool) * keep);
+    for (int c = 0; c < kNumCategories; ++c) {
+      left -= plan.bytes[size_t(c)][size_t(Tier::kDevice)];
+      if (shared_pool) left -= plan.bytes[size_t(c)][size_t(Tier::kHost)];
+    }
+    left -= plan.activation_bytes;
+    const StagingNeeds other = staging_needs(plan);
+    left -= other.grad_stage + other.grad_rmw + other.ckpt_device + (shared_pool ? other.host_bytes() : 0);
+    plan.window_cap_bytes = std::max<int64_t>(0, left);
   }
 
   // ---- NVMe paths and staging -----------------------------------------------

@@ -12,6 +12,7 @@
 
 #include "config/config.h"
 #include "memory/layout.h"
+#include "memory/param_window.h"
 
 namespace strata {
 
@@ -56,15 +57,20 @@ MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::strin
 // The transient and staging buffers the trainer allocates for a plan (bytes),
 // computed here so that `strata plan` reports exactly what a run will use.
 struct StagingNeeds {
-  int64_t gathered = 0;    // device: 2 slots of the largest block in the compute dtype
+  WindowShape window;      // the parameter window (Note [Prefetch window])
+  int64_t gathered = 0;    // device: the window's slots and persistent blocks in the compute dtype
   int64_t grad_stage = 0;  // device: fp32 gradient of the largest block
   int64_t grad_rmw = 0;    // device: read-modify-write of a gradient that lives off the device
   int64_t opt_grad = 0;    // host: a sub-group's gradient, when not resident in one piece
   int64_t opt_state = 0;   // host: master + exp_avg + exp_avg_sq of a swapped sub-group
   int64_t opt_emit = 0;    // host: a sub-group's new working copy, when not resident in one piece
   int opt_sets = 0;        // sets of the three above (the optimizer pipeline's depth)
-  int64_t device_bytes() const { return gathered + grad_stage + grad_rmw; }
-  int64_t host_bytes() const { return opt_grad + opt_state + opt_emit; }
+  // activation_checkpointing.cpu_checkpointing: every layer's saved input in
+  // host memory, and two device slots to bring them back for the backward.
+  int64_t ckpt_device = 0;
+  int64_t ckpt_host = 0;
+  int64_t device_bytes() const { return gathered + grad_stage + grad_rmw + ckpt_device; }
+  int64_t host_bytes() const { return opt_grad + opt_state + opt_emit + ckpt_host; }
 };
 
 struct PlacementPlan {
@@ -83,10 +89,18 @@ struct PlacementPlan {
   int compute_bytes = 4;             // bytes per element of the working copy
   int pipeline_depth = 3;            // optimizer staging sets: clamp(offload_optimizer.buffer_count, 1, 3)
   bool tied = false;
+  int64_t accum = 1;                 // micro-batches per step
+  std::vector<int64_t> block_numel;  // padded elements per block
+  WindowKnobs window_knobs;          // from the stage3_* keys
+  int64_t window_cap_bytes = -1;     // device memory the window may use (< 0: no limit)
 
   // Transient and staging memory (bytes).
-  int64_t activation_bytes = 0;      // saved block inputs + one block's recompute (estimate)
-  Tier activation_tier = Tier::kDevice;
+  // Device memory LibTorch allocates for activations (estimate): the saved
+  // block inputs unless offloaded (cpu_checkpointing), one block's recompute.
+  int64_t activation_bytes = 0;
+  int64_t checkpoint_bytes = 0;      // one layer's saved input
+  int64_t checkpoint_layers = 0;     // layers whose input is saved
+  bool cpu_checkpointing = false;    // saved inputs offloaded to host (staging.ckpt_*)
   StagingNeeds staging;              // exactly what the trainer allocates
 
   std::array<int64_t, kNumTiers> state_total() const;  // state bytes per tier
@@ -98,8 +112,8 @@ struct PlacementPlan {
 // nullopt when the range spans units on different tiers.
 std::optional<Tier> range_tier(const PlacementPlan& plan, Category c, int64_t offset, int64_t numel);
 
-// The trainer's buffers for `plan` (uses units, largest_block_numel,
-// compute_bytes, sub_group_numel).
+// The trainer's buffers for `plan` (uses units, block_numel, window_knobs,
+// window_cap_bytes, tied, accum, compute_bytes, sub_group_numel).
 StagingNeeds staging_needs(const PlacementPlan& plan);
 
 // Computes the plan for `rank` (0 .. world_size-1). Throws ConfigError when

@@ -84,6 +84,9 @@ class TieredState {
   void wait(PendingIo& pending) { wait_all(pending.handles_); }
 
   const LinkBytes& links() const { return links_; }
+  // Counts a copy the caller made between the host tier and the compute side
+  // outside the state (offloaded activation checkpoints).
+  void count_copy(bool to_device, int64_t bytes) { (to_device ? links_.h2d : links_.d2h) += bytes; }
   // Resident bytes per tier (state only; NVMe = bytes in the swap store).
   std::array<int64_t, kNumTiers> state_bytes() const { return plan_.state_total(); }
   int64_t device_arena_bytes() const { return int64_t(device_arena_.bytes()); }

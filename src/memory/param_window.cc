@@ -1,0 +1,292 @@
+#include "memory/param_window.h"
+
+#include <algorithm>
+#include <chrono>
+#include <climits>
+#include <cstdint>
+
+#include "memory/tiered_state.h"
+#include "util/errors.h"
+#include "util/trace.h"
+
+namespace strata {
+
+namespace {
+
+WindowUse one(int32_t b) {
+  WindowUse u;
+  u.block[0] = b;
+  u.count = 1;
+  return u;
+}
+
+void append_forward_and_head(std::vector<WindowUse>& s, int num_blocks, bool tied) {
+  const int32_t head = num_blocks - 1;
+  for (int32_t b = 0; b < head; ++b) s.push_back(one(b));
+  WindowUse h = one(head);
+  if (tied) {
+    h.block[1] = 0;
+    h.count = 2;
+  }
+  s.push_back(h);
+}
+
+}  // namespace
+
+std::vector<WindowUse> train_schedule(int num_blocks, bool tied, int64_t accum) {
+  STRATA_CHECK(num_blocks >= 2, "a model has at least an embedding and a head");
+  std::vector<WindowUse> s;
+  for (int64_t m = 0; m < accum; ++m) {
+    append_forward_and_head(s, num_blocks, tied);
+    for (int32_t b = num_blocks - 1; b-- > 0;) s.push_back(one(b));
+  }
+  return s;
+}
+
+std::vector<WindowUse> eval_schedule(int num_blocks, bool tied) {
+  STRATA_CHECK(num_blocks >= 2, "a model has at least an embedding and a head");
+  std::vector<WindowUse> s;
+  append_forward_and_head(s, num_blocks, tied);
+  return s;
+}
+
+ParamWindow::ParamWindow(std::vector<int64_t> block_numel, std::vector<char> fetched,
+                         const WindowKnobs& knobs, int64_t cap_bytes, int elem_bytes)
+    : numel_(std::move(block_numel)), fetched_(std::move(fetched)), knobs_(knobs) {
+  STRATA_CHECK(numel_.size() == fetched_.size(), "one fetched flag per block");
+  persistent_.assign(numel_.size(), 0);
+  persistent_at_.assign(numel_.size(), -1);
+  persistent_valid_.assign(numel_.size(), 0);
+  slot_of_.assign(numel_.size(), -1);
+  // Persistent: fetched blocks under the threshold, smallest first, as far as
+  // the cap allows after two slots of the largest fetched block.
+  std::vector<size_t> small;
+  int64_t largest = 0;
+  for (size_t b = 0; b < numel_.size(); ++b) {
+    if (!fetched_[b]) continue;
+    largest = std::max(largest, numel_[b]);
+    if (numel_[b] < knobs_.persistence_numel) small.push_back(b);
+  }
+  std::stable_sort(small.begin(), small.end(), [&](size_t a, size_t b) { return numel_[a] < numel_[b]; });
+  int64_t room = cap_bytes < 0 ? INT64_MAX : cap_bytes / elem_bytes - 2 * largest;
+  for (size_t b : small) {
+    if (numel_[b] > room) break;
+    room -= numel_[b];
+    persistent_[b] = 1;
+  }
+  for (size_t b = 0; b < numel_.size(); ++b) {
+    if (!fetched_[b]) continue;
+    if (persistent_[b]) {
+      persistent_at_[b] = shape_.persistent_numel;
+      shape_.persistent_numel += numel_[b];
+    } else {
+      shape_.slot_numel = std::max(shape_.slot_numel, numel_[b]);
+    }
+  }
+  if (cap_bytes >= 0 && shape_.slot_numel > 0) {
+    const int64_t left = cap_bytes - shape_.persistent_numel * elem_bytes;
+    max_slots_ = int(std::max<int64_t>(0, left / (shape_.slot_numel * elem_bytes)));
+  }
+}
+
+ParamWindow::~ParamWindow() { drain(); }
+
+WindowShape ParamWindow::plan(const std::vector<const std::vector<WindowUse>*>& schedules) {
+  STRATA_CHECK(state_ == nullptr, "plan() is a dry run, before attach()");
+  for (const std::vector<WindowUse>* s : schedules) {
+    begin(s);
+    std::byte* out[2];
+    for (size_t i = 0; i < s->size(); ++i) {
+      acquire(out);
+      release();
+    }
+  }
+  WindowShape shape = shape_;
+  shape.slots = peak_slots_;
+  invalidate();
+  schedule_ = nullptr;
+  slots_.clear();
+  peak_slots_ = 0;
+  peak_live_ = 0;
+  peak_ahead_ = 0;
+  fetches_ = 0;
+  return shape;
+}
+
+void ParamWindow::attach(TieredState* state, const WindowShape& shape, int elem_bytes) {
+  STRATA_CHECK(shape.slot_numel == shape_.slot_numel && shape.persistent_numel == shape_.persistent_numel,
+               "window shape planned for other blocks");
+  state_ = state;
+  elem_bytes_ = elem_bytes;
+  shape_ = shape;
+  max_slots_ = shape.slots;
+  slots_.assign(size_t(shape.slots), Slot());
+  pending_.resize(size_t(shape.slots));
+  if (shape.slots > 0) {
+    slots_mem_ = HostBuffer(size_t(shape.slots * shape.slot_numel * elem_bytes), "parameter window slots");
+  }
+  if (shape.persistent_numel > 0) {
+    persistent_mem_ = HostBuffer(size_t(shape.persistent_numel * elem_bytes), "persistent parameters");
+  }
+}
+
+void ParamWindow::drain() {
+  for (PendingIo& p : pending_) {
+    if (state_ != nullptr && !p.empty()) {
+      try {
+        state_->wait(p);
+      } catch (...) {
+        // An earlier pass failed; its error was reported then.
+      }
+    }
+  }
+}
+
+void ParamWindow::begin(const std::vector<WindowUse>* schedule) {
+  drain();
+  for (Slot& s : slots_) s = Slot();
+  std::fill(slot_of_.begin(), slot_of_.end(), -1);
+  live_ = ahead_ = 0;
+  in_use_ = 0;
+  current_ = claimed_ = 0;
+  acquired_ = false;
+  schedule_ = schedule;
+  advance();
+}
+
+void ParamWindow::fetch_persistent(int32_t b) {
+  if (state_ != nullptr) {
+    const auto t0 = std::chrono::steady_clock::now();
+    std::byte* dst = persistent_mem_.as<std::byte>() + persistent_at_[size_t(b)] * elem_bytes_;
+    state_->read(Category::kParam16, state_->plan().units[size_t(Category::kParam16)][size_t(b)].offset,
+                 numel_[size_t(b)], dst);
+    wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  }
+  persistent_valid_[size_t(b)] = 1;
+  ++fetches_;
+}
+
+// Claims use `i`: its windowed blocks not in a slot get one and are fetched.
+// Unless `force`, only within the prefetch and live limits and the free slots.
+bool ParamWindow::try_claim(size_t i, bool force) {
+  const WindowUse& u = (*schedule_)[i];
+  int new_slots = 0;
+  int64_t new_numel = 0;
+  for (int k = 0; k < u.count; ++k) {
+    const int32_t b = u.block[k];
+    if (windowed(b) && slot_of_[size_t(b)] < 0) {
+      ++new_slots;
+      new_numel += numel_[size_t(b)];
+    }
+  }
+  if (!force) {
+    if (new_numel > 0 && (ahead_ + new_numel > knobs_.prefetch_numel || live_ + new_numel > knobs_.max_live_numel)) {
+      return false;
+    }
+    // Live: the slots allocated; dry run: the cap, if any.
+    const int64_t limit = state_ != nullptr ? int64_t(slots_.size()) : max_slots_ < 0 ? INT32_MAX : max_slots_;
+    if (in_use_ + new_slots > limit) return false;
+  }
+  for (int k = 0; k < u.count; ++k) {
+    const int32_t b = u.block[k];
+    if (!fetched_[size_t(b)]) continue;
+    if (persistent_[size_t(b)]) {
+      if (!persistent_valid_[size_t(b)]) fetch_persistent(b);
+      continue;
+    }
+    int s = slot_of_[size_t(b)];
+    if (s >= 0) {
+      ++slots_[size_t(s)].claims;
+      continue;
+    }
+    for (s = 0; s < int(slots_.size()) && slots_[size_t(s)].block >= 0; ++s) {
+    }
+    if (s == int(slots_.size())) {
+      STRATA_CHECK(state_ == nullptr, "parameter window: no free slot for the current block");
+      slots_.emplace_back();
+    }
+    Slot& slot = slots_[size_t(s)];
+    slot.block = b;
+    slot.claims = 1;
+    slot.ahead = !force;
+    slot_of_[size_t(b)] = s;
+    live_ += numel_[size_t(b)];
+    if (slot.ahead) ahead_ += numel_[size_t(b)];
+    ++in_use_;
+    ++fetches_;
+    if (state_ != nullptr) {
+      std::byte* dst = slots_mem_.as<std::byte>() + size_t(s) * size_t(shape_.slot_numel * elem_bytes_);
+      state_->read_async(Category::kParam16,
+                         state_->plan().units[size_t(Category::kParam16)][size_t(b)].offset, numel_[size_t(b)],
+                         dst, pending_[size_t(s)]);
+    }
+  }
+  peak_slots_ = std::max(peak_slots_, in_use_);
+  peak_live_ = std::max(peak_live_, live_);
+  peak_ahead_ = std::max(peak_ahead_, ahead_);
+  return true;
+}
+
+void ParamWindow::advance() {
+  while (claimed_ < schedule_->size() && try_claim(claimed_, false)) ++claimed_;
+}
+
+void ParamWindow::acquire(std::byte* out[2]) {
+  STRATA_CHECK(schedule_ != nullptr && !acquired_ && current_ < schedule_->size(),
+               "parameter window: acquire out of schedule");
+  if (claimed_ == current_) {
+    try_claim(current_, /*force=*/true);
+    ++claimed_;
+  }
+  const WindowUse& u = (*schedule_)[current_];
+  for (int k = 0; k < u.count; ++k) {
+    const int32_t b = u.block[k];
+    out[k] = nullptr;
+    if (!fetched_[size_t(b)]) continue;
+    if (persistent_[size_t(b)]) {
+      if (!persistent_valid_[size_t(b)]) fetch_persistent(b);
+      if (state_ != nullptr) out[k] = persistent_mem_.as<std::byte>() + persistent_at_[size_t(b)] * elem_bytes_;
+      continue;
+    }
+    const int s = slot_of_[size_t(b)];
+    STRATA_CHECK(s >= 0, "parameter window: a claimed block has no slot");
+    Slot& slot = slots_[size_t(s)];
+    if (slot.ahead) {
+      slot.ahead = false;
+      ahead_ -= numel_[size_t(b)];
+    }
+    if (state_ != nullptr) {
+      PendingIo& pending = pending_[size_t(s)];
+      if (!pending.empty()) {
+        TraceSpan span(TraceTrack::kCompute, "wait for parameters");
+        const auto t0 = std::chrono::steady_clock::now();
+        state_->wait(pending);
+        wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+      }
+      out[k] = slots_mem_.as<std::byte>() + size_t(s) * size_t(shape_.slot_numel * elem_bytes_);
+    }
+  }
+  acquired_ = true;
+  advance();
+}
+
+void ParamWindow::release() {
+  STRATA_CHECK(acquired_, "parameter window: release without acquire");
+  const WindowUse& u = (*schedule_)[current_];
+  for (int k = 0; k < u.count; ++k) {
+    const int32_t b = u.block[k];
+    if (!windowed(b)) continue;
+    Slot& slot = slots_[size_t(slot_of_[size_t(b)])];
+    if (--slot.claims == 0) {
+      slot.block = -1;
+      slot_of_[size_t(b)] = -1;
+      live_ -= numel_[size_t(b)];
+      --in_use_;
+    }
+  }
+  acquired_ = false;
+  ++current_;
+  advance();
+}
+
+}  // namespace strata

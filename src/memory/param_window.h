@@ -1,0 +1,143 @@
+// The parameter prefetch window: which blocks' 16-bit parameters are on the
+// device, fetched ahead of need along the step's static block order, within
+// the DeepSpeed ZeRO-3 limits. No LibTorch here. See Note [Prefetch window].
+#pragma once
+
+#include <cstdint>
+#include <vector>
+
+#include "memory/buffer.h"
+
+namespace strata {
+
+class TieredState;
+class PendingIo;
+
+// Note [Prefetch window]
+// A step uses blocks in an order known before it starts (the schedule):
+// forward 0..H-1, the head together with the tied embedding, backward H-1..0,
+// once per micro-batch. Blocks whose working copy lives on the device are used
+// in place. Every other block is fetched into a slot of the window before it is
+// used and its slot is freed once no claimed use remains. After each use the
+// window claims the next schedule entries in order, fetching what is not
+// already in a slot, while
+//   - the elements fetched for entries after the current one stay within
+//     `prefetch_numel` (stage3_prefetch_bucket_size; 0: no prefetch),
+//   - the elements in slots stay within `max_live_numel`
+//     (stage3_max_live_parameters), and
+//   - a slot is free (the slot count is fixed at start-up).
+// A block already in a slot is claimed again instead of fetched again (block
+// H-1 from forward to backward, block 0 from one micro-batch's backward to the
+// next one's forward). The current entry is always admitted, whatever the
+// limits. Blocks with fewer than `persistence_numel` elements
+// (stage3_param_persistence_threshold) are persistent: fetched into their own
+// area once per step (after the optimizer changed them) and kept; under a
+// device cap only as many as fit beside two slots, smallest first. The same
+// code sizes the window for `strata plan` (a dry run without I/O over the
+// training and evaluation schedules) and runs it, so plan and run agree.
+struct WindowKnobs {
+  int64_t prefetch_numel = 50000000;     // stage3_prefetch_bucket_size
+  int64_t max_live_numel = 1000000000;   // stage3_max_live_parameters
+  int64_t persistence_numel = 100000;    // stage3_param_persistence_threshold
+};
+
+// One use of blocks at once: one block, or the head with the tied embedding.
+struct WindowUse {
+  int32_t block[2] = {-1, -1};
+  int count = 0;
+};
+
+// The uses of one training step (`accum` micro-batches) and of one evaluation
+// batch, for `num_blocks` blocks where block 0 is the embedding and the last
+// one the head.
+std::vector<WindowUse> train_schedule(int num_blocks, bool tied, int64_t accum);
+std::vector<WindowUse> eval_schedule(int num_blocks, bool tied);
+
+struct WindowShape {
+  int64_t slot_numel = 0;          // padded elements of the largest windowed block
+  int slots = 0;                   // slots allocated
+  int64_t persistent_numel = 0;    // padded elements of all persistent blocks
+  int64_t bytes(int elem_bytes) const { return (slots * slot_numel + persistent_numel) * elem_bytes; }
+};
+
+class ParamWindow {
+ public:
+  // `block_numel`: padded elements per block; `fetched`: 1 where the block's
+  // working copy does not live on the device. `cap_bytes` caps the window's
+  // memory (persistent blocks first, then slots; < 0: no cap) for elements of
+  // `elem_bytes`; the current use's blocks are always given slots.
+  ParamWindow(std::vector<int64_t> block_numel, std::vector<char> fetched, const WindowKnobs& knobs,
+              int64_t cap_bytes, int elem_bytes);
+
+  // The shape that running `schedules` needs (a dry run; no memory, no I/O).
+  WindowShape plan(const std::vector<const std::vector<WindowUse>*>& schedules);
+
+  // Makes the window live: allocates `shape` and fetches through `state`
+  // (category param16, elem_bytes bytes per element).
+  void attach(TieredState* state, const WindowShape& shape, int elem_bytes);
+
+  // Starts a pass over `schedule` (which must outlive it); waits for and drops
+  // whatever an earlier, possibly failed, pass left in flight.
+  void begin(const std::vector<WindowUse>* schedule);
+  // The next use of the schedule: waits for its blocks, then prefetches ahead.
+  // Returns their weights (device pointers; nullptr for a resident block,
+  // which the caller uses in place) in `out` (use.count entries).
+  void acquire(std::byte* out[2]);
+  // The current use is finished with its blocks.
+  void release();
+  // The persistent copies are stale (the optimizer wrote the working copy).
+  void invalidate() { std::fill(persistent_valid_.begin(), persistent_valid_.end(), 0); }
+
+  // Measured: slots in use at once, elements in slots at once, and the
+  // seconds acquire() waited for transfers, since construction.
+  int peak_slots() const { return peak_slots_; }
+  int64_t peak_live_numel() const { return peak_live_; }
+  int64_t peak_ahead_numel() const { return peak_ahead_; }
+  double wait_seconds() const { return wait_s_; }
+  int64_t fetches() const { return fetches_; }
+  const WindowShape& shape() const { return shape_; }
+  ~ParamWindow();
+
+ private:
+  struct Slot {
+    int32_t block = -1;
+    int claims = 0;       // uses claimed and not yet released
+    bool ahead = false;   // fetched for a use after the current one, not yet acquired
+  };
+  bool windowed(int32_t b) const { return fetched_[size_t(b)] && !persistent_[size_t(b)]; }
+  bool try_claim(size_t use, bool force);
+  void advance();
+  void fetch_persistent(int32_t b);
+  void drain();
+
+  std::vector<int64_t> numel_;
+  std::vector<char> fetched_, persistent_;
+  WindowKnobs knobs_;
+  int max_slots_ = -1;
+
+  // Live mode.
+  TieredState* state_ = nullptr;
+  int elem_bytes_ = 0;
+  WindowShape shape_;
+  HostBuffer slots_mem_, persistent_mem_;
+  std::vector<int64_t> persistent_at_;   // element offset in persistent_mem_, per block
+  std::vector<char> persistent_valid_;
+
+  const std::vector<WindowUse>* schedule_ = nullptr;
+  std::vector<Slot> slots_;
+  std::vector<PendingIo> pending_;   // per slot (live mode)
+  std::vector<int> slot_of_;     // per block, -1 when not in a slot
+  size_t current_ = 0;           // the use acquire() hands out next / release() finishes
+  size_t claimed_ = 0;           // uses [0, claimed_) are claimed
+  bool acquired_ = false;
+  int64_t live_ = 0, ahead_ = 0;
+  int in_use_ = 0;
+
+  int peak_slots_ = 0;
+  int64_t peak_live_ = 0;
+  int64_t peak_ahead_ = 0;
+  double wait_s_ = 0.0;
+  int64_t fetches_ = 0;
+};
+
+}  // namespace strata
