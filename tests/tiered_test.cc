@@ -55,15 +55,17 @@ TrainRun train(const nlohmann::json& j, const std::vector<std::string>& override
   std::vector<int64_t> batch(size_t(n * (cfg.model.seq_len + 1)));
   std::mt19937_64 rng(5);
   TrainRun r;
+  const LinkBytes links0 = trainer.state().links();  // after initialisation
   for (int s = 0; s < steps; ++s) {
     data.sample_train(rng, n, batch.data());
     StepResult sr = trainer.step(batch.data());
     r.losses.push_back(sr.loss);
-    r.links.h2d += sr.links.h2d;
-    r.links.d2h += sr.links.d2h;
-    r.links.nvme_read += sr.links.nvme_read;
-    r.links.nvme_write += sr.links.nvme_write;
   }
+  // With the optimizer overlapped, the last step's swapping ends in finish().
+  trainer.finish();
+  const LinkBytes links1 = trainer.state().links();
+  r.links = {links1.h2d - links0.h2d, links1.d2h - links0.d2h, links1.nvme_read - links0.nvme_read,
+             links1.nvme_write - links0.nvme_write};
   for (size_t b = 0; b < trainer.layout().num_blocks(); ++b) r.master.push_back(trainer.master_block(b));
   r.peak = trainer.peak_bytes();
   r.bytes = trainer.state_bytes();
@@ -196,8 +198,9 @@ TEST_F(TieredTest, DeviceBudgetTooSmallForResidentStateIsRejectedWithNumbers) {
 // A fault in the middle of an optimizer swap stops training with a clear error
 // (path, errno), and no swap file survives the trainer.
 void expect_swap_fault_is_reported(const std::string& data, const std::string& swap, nvme::FaultKind kind,
-                                   const std::string& errno_text) {
-  Config cfg = parse_config(base_config(data), {"zero_optimization.offload_optimizer={\"device\":\"nvme\",\"nvme_path\":\"" + swap + "\"}"});
+                                   const std::string& errno_text, bool overlap) {
+  Config cfg = parse_config(base_config(data), {"zero_optimization.offload_optimizer={\"device\":\"nvme\",\"nvme_path\":\"" + swap + "\"}",
+                                                std::string("run.overlap_optimizer=") + (overlap ? "true" : "false")});
   Model model(cfg.model);
   auto faults = std::make_shared<nvme::FaultPlan>();
   faults->kind = kind;
@@ -214,12 +217,15 @@ void expect_swap_fault_is_reported(const std::string& data, const std::string& s
     ds.sample_train(rng, 4, batch.data());
     try {
       trainer.step(batch.data());
+      trainer.finish();  // with the optimizer overlapped, its failure surfaces here
       FAIL() << "expected IoError";
     } catch (const IoError& e) {
       EXPECT_NE(std::string(e.what()).find(swap), std::string::npos) << e.what();
       EXPECT_NE(std::string(e.what()).find(errno_text), std::string::npos) << e.what();
     }
     EXPECT_EQ(faults->injected.load(), 1);
+    // The state is half-updated: no further step.
+    EXPECT_THROW(trainer.step(batch.data()), Error);
   }
   // The store removed its files and private directory.
   DIR* d = opendir(swap.c_str());
@@ -231,11 +237,13 @@ void expect_swap_fault_is_reported(const std::string& data, const std::string& s
 }
 
 TEST_F(TieredTest, EioInTheMiddleOfAnOptimizerSwapStopsWithAClearError) {
-  expect_swap_fault_is_reported(data_, swap_, nvme::FaultKind::kEio, "Input/output error");
+  expect_swap_fault_is_reported(data_, swap_, nvme::FaultKind::kEio, "Input/output error", true);
+  expect_swap_fault_is_reported(data_, swap_, nvme::FaultKind::kEio, "Input/output error", false);
 }
 
 TEST_F(TieredTest, EnospcInTheMiddleOfAnOptimizerSwapStopsWithAClearError) {
-  expect_swap_fault_is_reported(data_, swap_, nvme::FaultKind::kEnospc, "No space left on device");
+  expect_swap_fault_is_reported(data_, swap_, nvme::FaultKind::kEnospc, "No space left on device", true);
+  expect_swap_fault_is_reported(data_, swap_, nvme::FaultKind::kEnospc, "No space left on device", false);
 }
 
 }  // namespace
@@ -311,6 +319,29 @@ TEST_F(TieredTest, CpuCheckpointingOffloadsSavedInputsBitIdentically) {
   // Each step: 2 micro-batches x 4 layers out and back in.
   EXPECT_EQ(off.links.d2h - kept.links.d2h, 3 * 2 * 4 * ckpt);
   EXPECT_EQ(off.links.h2d - kept.links.h2d, 3 * 2 * 4 * ckpt);
+}
+
+}  // namespace
+}  // namespace strata
+
+namespace strata {
+namespace {
+
+// Note [Optimizer overlap]: the optimizer on its own thread, overlapped with
+// the next forward, gives the same numbers as stepping in line, wherever the
+// state lives (the parameters' working copy on NVMe too, which the next
+// forward reads while the optimizer writes it).
+TEST_F(TieredTest, OverlappedOptimizerIsBitIdenticalToInline) {
+  const std::string split = "{\"device\":0.2,\"host\":0.3,\"nvme\":0.5}";
+  const std::string placement = "placement={\"param16\":" + split + ",\"grad\":" + split + ",\"optimizer\":" +
+                                split + ",\"nvme_path\":\"" + swap_ + "\"}";
+  for (const char* overlap : {"true", "false"}) {
+    TrainRun r = train(base_config(data_), {placement, std::string("run.overlap_optimizer=") + overlap,
+                                            "zero_optimization.stage3_param_persistence_threshold=0"});
+    expect_identical(baseline_, r, std::string("overlap ") + overlap);
+  }
+  TrainRun inline_default = train(base_config(data_), {"run.overlap_optimizer=false"});
+  expect_identical(baseline_, inline_default, "inline, all on device");
 }
 
 }  // namespace

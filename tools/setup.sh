@@ -35,6 +35,11 @@ if [ -z "${CMAKE_PREFIX_PATH:-}" ]; then
     python3 -m venv .venv
     .venv/bin/pip install -q --disable-pip-version-check "torch==$TORCH_VERSION"
   fi
+  # matplotlib: the plots of tools/bench_offload.py and other benchmark scripts.
+  if ! .venv/bin/python -c "import matplotlib" 2>/dev/null; then
+    say "installing matplotlib into .venv (benchmark plots)"
+    .venv/bin/pip install -q --disable-pip-version-check matplotlib
+  fi
   TORCH_PREFIX="$(.venv/bin/python -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' 2>/dev/null)"
   export CMAKE_PREFIX_PATH="$TORCH_PREFIX"
 fi

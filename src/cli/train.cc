@@ -152,6 +152,7 @@ int run_train(const TrainOptions& opt) {
         {"nvme_write_bytes", r.links.nvme_write},
         {"wait_s", r.wait_s},
         {"optimizer_s", r.optimizer_s},
+        {"optimizer_wait_s", r.optimizer_wait_s},
         {"peak_device_bytes", peak[0]},
         {"peak_host_bytes", peak[1]},
         {"peak_nvme_bytes", peak[2]},
@@ -168,6 +169,7 @@ int run_train(const TrainOptions& opt) {
     std::snprintf(suffix, sizeof(suffix), "loss %.4f | %.0f tok/s | lr %.2e", r.loss, tokens_per_s, r.lr);
     bar.update(s, suffix);
   }
+  trainer.finish();  // the last optimizer step (run.overlap_optimizer)
   bar.finish();
   if (tracer) {
     Tracer::install(nullptr);

@@ -47,6 +47,10 @@ struct RunConfig {
   std::string device = "cpu";      // cpu | cuda
   int64_t threads = 0;             // intra-op threads; 0 = all cores
   int64_t device_memory_mb = 0;    // device-tier budget in MiB; 0 = what the device has
+  // Run the optimizer on its own thread, overlapped with the next step's
+  // forward (each block waits only for its own sub-groups); see
+  // Note [Optimizer overlap]. Arithmetic is the same either way.
+  bool overlap_optimizer = true;
   std::string cpu_adam_isa = "auto";  // auto | scalar | avx2 | avx512 | avx512_bf16 (force a lower one)
   std::string compute_dtype = "";  // derived: fp32 | bf16 | fp16 (from bf16/fp16 sections)
 };

@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <chrono>
+#include <climits>
 #include <cmath>
 #include <cstring>
 
@@ -170,9 +171,109 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
                                               cpu_adam::isa_name(cpu_adam::best_isa()) + ")");
   }
   adam_ = std::make_unique<cpu_adam::CpuAdam>(int(cfg.run.threads), isa);
+
+  for (const PlacementUnit& u : plan.units[size_t(Category::kParam16)]) block_end_.push_back(u.offset + u.numel);
+  overlap_ = cfg.run.overlap_optimizer;
+  if (overlap_) opt_thread_ = std::thread([this] { optimizer_thread(); });
 }
 
-Trainer::~Trainer() = default;
+Trainer::~Trainer() {
+  if (opt_thread_.joinable()) {
+    {
+      std::unique_lock<std::mutex> lock(opt_mu_);
+      opt_cv_.wait(lock, [&] { return !opt_busy_; });
+      opt_quit_ = true;
+    }
+    opt_cv_.notify_all();
+    opt_thread_.join();
+  }
+}
+
+// Note [Optimizer overlap]
+// With run.overlap_optimizer, step() hands the optimizer to its own thread
+// once backward and the gradient norm are done, and returns. The optimizer
+// walks the sub-groups in shard-space order, which is the forward's block
+// order, and publishes after each sub-group how far the update is final
+// (for a working copy staged off the device: written). The next step's
+// forward waits per block only until that block's range is final, and the
+// parameter window prefetches only final blocks; by the head (the last
+// block) every update is done, so the backward never waits, while the last
+// NVMe write-backs finish during it. The next optimizer step, eval, checkpoint
+// and the state accessors wait for the thread first (finish()). The same
+// updates in the same order: arithmetic does not change.
+void Trainer::optimizer_thread() {
+  std::unique_lock<std::mutex> lock(opt_mu_);
+  for (;;) {
+    opt_cv_.wait(lock, [&] { return opt_job_ready_ || opt_quit_; });
+    if (opt_quit_) return;
+    opt_job_ready_ = false;
+    const OptJob job = opt_job_;
+    lock.unlock();
+    std::exception_ptr error;
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      optimizer_step(job.grad_scale, job.lr, job.step);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    lock.lock();
+    opt_seconds_ = seconds_since(t0);
+    opt_error_ = error;
+    opt_progress_ = INT64_MAX;
+    opt_busy_ = false;
+    opt_cv_.notify_all();
+  }
+}
+
+void Trainer::publish_progress(int64_t offset) {
+  if (!overlap_) return;
+  {
+    std::lock_guard<std::mutex> lock(opt_mu_);
+    opt_progress_ = offset;
+  }
+  opt_cv_.notify_all();
+}
+
+void Trainer::wait_progress(int64_t offset) {
+  if (!overlap_) return;
+  std::unique_lock<std::mutex> lock(opt_mu_);
+  if (opt_busy_ && opt_progress_ < offset) {
+    TraceSpan span(TraceTrack::kCompute, "wait for optimizer");
+    const auto t0 = std::chrono::steady_clock::now();
+    opt_cv_.wait(lock, [&] { return !opt_busy_ || opt_progress_ >= offset; });
+    opt_wait_s_ += seconds_since(t0);
+  }
+  if (!opt_busy_ && opt_error_) {
+    // Some sub-groups may have been updated and others not.
+    std::exception_ptr e = opt_error_;
+    opt_error_ = nullptr;
+    broken_ = true;
+    std::rethrow_exception(e);
+  }
+}
+
+// The thread sets the progress to INT64_MAX only as it finishes.
+void Trainer::finish() { wait_progress(INT64_MAX); }
+
+int32_t Trainer::ready_blocks() {
+  if (!overlap_) return INT32_MAX;
+  int64_t progress;
+  {
+    std::lock_guard<std::mutex> lock(opt_mu_);
+    progress = opt_progress_;
+  }
+  int32_t n = 0;
+  while (size_t(n) < block_end_.size() && block_end_[size_t(n)] <= progress) ++n;
+  return n;
+}
+
+void Trainer::acquire(std::byte* out[2], size_t b0, size_t b1) {
+  int64_t end = block_end_[b0];
+  if (b1 != SIZE_MAX) end = std::max(end, block_end_[b1]);
+  wait_progress(end);
+  window_->set_ready(ready_blocks());
+  window_->acquire(out);
+}
 
 StateBytes Trainer::state_bytes() const {
   const PlacementPlan& p = state_->plan();
@@ -216,6 +317,7 @@ std::vector<at::Tensor> Trainer::weights(size_t b, std::byte* fetched) {
 
 // For tests and export, not the step: a copy through a temporary buffer.
 std::vector<at::Tensor> Trainer::block_weights(size_t b) {
+  finish();
   const BlockLayout& bl = layout_.block(b);
   HostBuffer tmp(size_t(bl.padded_numel * compute_bytes_), "block weights copy");
   state_->read(Category::kParam16, bl.offset, bl.padded_numel, tmp.data());
@@ -227,6 +329,7 @@ std::vector<at::Tensor> Trainer::block_weights(size_t b) {
 // A copy of block b's fp32 state of category c, staged through an aligned
 // buffer (NVMe reads need 4 KiB alignment).
 at::Tensor Trainer::fp32_block_copy(Category c, size_t b) {
+  finish();
   const BlockLayout& bl = layout_.block(b);
   at::Tensor out = at::empty({bl.padded_numel}, at::kFloat);
   state_->read(c, bl.offset, bl.padded_numel, grad_stage_.data());
@@ -352,7 +455,7 @@ double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale) {
     at::NoGradGuard no_grad;
     for (size_t b = 0; b < head_block_; ++b) {
       save_input(b, x);
-      window_->acquire(fetched);
+      acquire(fetched, b, SIZE_MAX);
       std::vector<at::Tensor> w = weights(b, fetched[0]);
       {
         TraceSpan span(TraceTrack::kCompute, forward_names_[b].c_str());
@@ -368,7 +471,7 @@ double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale) {
   double loss_value = 0.0;
   {
     at::Tensor xin = x.detach().requires_grad_(true);
-    window_->acquire(fetched);
+    acquire(fetched, head_block_, cfg_.model.tie_embeddings ? embedding_block_ : SIZE_MAX);
     std::vector<at::Tensor> w = as_leaves(weights(head_block_, fetched[0]));
     at::Tensor tied;
     if (cfg_.model.tie_embeddings) tied = as_leaves(weights(embedding_block_, fetched[1]))[0];
@@ -392,7 +495,7 @@ double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale) {
 
   // Layers and embedding, in reverse, recomputed from their saved inputs.
   for (size_t b = head_block_; b-- > 0;) {
-    window_->acquire(fetched);
+    acquire(fetched, b, SIZE_MAX);
     std::vector<at::Tensor> w = as_leaves(weights(b, fetched[0]));
     const bool is_embedding = model_.blocks()[b].kind == BlockKind::kEmbedding;
     at::Tensor saved = restore_input(b);
@@ -509,7 +612,16 @@ void Trainer::optimizer_step(float grad_scale, double lr, int64_t step) {
     if (!state_->resident(Category::kExpAvgSq, g.offset, g.numel)) {
       state_->write_async(Category::kExpAvgSq, g.offset, g.numel, sp.adam.exp_avg_sq, w);
     }
-    if (!sp.working_resident) state_->write_async(Category::kParam16, g.offset, g.numel, sp.working, w);
+    if (!sp.working_resident) {
+      if (overlap_) {
+        // The next forward may read it as soon as the progress says so.
+        state_->write_async(Category::kParam16, g.offset, g.numel, sp.working, opt_param_write_);
+        state_->wait(opt_param_write_);
+      } else {
+        state_->write_async(Category::kParam16, g.offset, g.numel, sp.working, w);
+      }
+    }
+    publish_progress(g.offset + g.numel);
     if (sets == 1 && j + 1 < groups.size()) issue_reads(j + 1);  // sequential: after the write-back
   }
   for (PendingIo& w : opt_writes_) state_->wait(w);
@@ -527,13 +639,16 @@ StepResult Trainer::step(const int64_t* tokens) {
   std::fill(grad_written_.begin(), grad_written_.end(), 0);
   StepResult r;
   const double wait0 = window_->wait_seconds();
+  const double opt_wait0 = opt_wait_s_;
+  window_->set_ready(ready_blocks());
   window_->begin(&train_schedule_);
   for (int64_t m = 0; m < accum; ++m) {
     at::Tensor batch = at::from_blob(const_cast<int64_t*>(tokens + m * micro * window),
                                      {micro, window}, at::TensorOptions().dtype(at::kLong));
     r.loss += forward_backward(batch, 1.0 / double(accum)) / double(accum);
   }
-  r.wait_s = window_->wait_seconds() - wait0;
+  r.optimizer_wait_s = opt_wait_s_ - opt_wait0;
+  r.wait_s = window_->wait_seconds() - wait0 + r.optimizer_wait_s;
   r.tokens = accum * micro * cfg_.model.seq_len;
 
   // Global-norm clipping folded into the optimizer as a gradient scale, with
@@ -552,22 +667,37 @@ StepResult Trainer::step(const int64_t* tokens) {
                           r.grad_norm, (long long)(step_ + 1)));
   }
   r.lr = learning_rate(cfg_.scheduler, cfg_.optimizer.lr, step_ + 1);
-  try {
-    window_->invalidate();  // the optimizer rewrites the working copy
-    optimizer_step(grad_scale, r.lr, step_ + 1);
-  } catch (...) {
-    // Some sub-groups may have been updated and others not.
-    broken_ = true;
-    throw;
+  window_->invalidate();  // the optimizer rewrites the working copy
+  if (overlap_) {
+    finish();  // the previous step's write-backs are done and its staging is free
+    {
+      std::lock_guard<std::mutex> lock(opt_mu_);
+      opt_job_ = OptJob{grad_scale, r.lr, step_ + 1};
+      opt_job_ready_ = true;
+      opt_busy_ = true;
+      opt_progress_ = 0;
+      r.optimizer_s = opt_seconds_;
+    }
+    opt_cv_.notify_all();
+  } else {
+    try {
+      optimizer_step(grad_scale, r.lr, step_ + 1);
+    } catch (...) {
+      // Some sub-groups may have been updated and others not.
+      broken_ = true;
+      throw;
+    }
+    r.optimizer_s = seconds_since(t_opt);
   }
   ++step_;
-  r.optimizer_s = seconds_since(t_opt);
   r.links = state_->links() - links0;
   return r;
 }
 
 double Trainer::eval_loss(const int64_t* tokens, int64_t batches) {
+  finish();
   STRATA_CHECK(!broken_, "eval after a failed optimizer step");
+  window_->set_ready(INT32_MAX);
   at::NoGradGuard no_grad;
   const int64_t micro = cfg_.train_micro_batch_size_per_gpu;
   const int64_t window = cfg_.model.seq_len + 1;

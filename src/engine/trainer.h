@@ -8,8 +8,12 @@
 
 #include <ATen/ATen.h>
 
+#include <condition_variable>
 #include <cstdint>
+#include <exception>
 #include <memory>
+#include <mutex>
+#include <thread>
 #include <string>
 #include <vector>
 
@@ -31,7 +35,9 @@ struct StepResult {
   int64_t tokens = 0;      // tokens trained on in this step
   LinkBytes links;         // bytes moved in this step, per link
   double wait_s = 0.0;     // seconds compute waited for parameters / gradients to arrive
-  double optimizer_s = 0.0;  // seconds in the optimizer (including its swapping)
+  double optimizer_s = 0.0;  // seconds in the optimizer (including its swapping); with
+                             // run.overlap_optimizer: the last optimizer step that finished
+  double optimizer_wait_s = 0.0;  // seconds this step's compute waited for the optimizer
 };
 
 // Bytes of each state category, for the start-up report.
@@ -57,6 +63,10 @@ class Trainer {
   // One optimizer step over `accum` micro-batches. `tokens` holds
   // accum x micro_batch windows of seq_len + 1 tokens (int64, row-major).
   StepResult step(const int64_t* tokens);
+
+  // Waits for the last step's optimizer (Note [Optimizer overlap]) and
+  // rethrows its failure; the state is then final. Call before the end.
+  void finish();
 
   // Mean loss over `batches` windows of micro_batch x (seq_len + 1) tokens,
   // without gradients.
@@ -104,6 +114,14 @@ class Trainer {
   double forward_backward(const at::Tensor& tokens, double loss_scale);
   double global_grad_norm();
   void optimizer_step(float grad_scale, double lr, int64_t step);
+  // Note [Optimizer overlap]: the optimizer thread and how compute waits for it.
+  void optimizer_thread();
+  void publish_progress(int64_t offset);
+  void wait_progress(int64_t offset);   // until [0, offset) of shard space is final
+  int32_t ready_blocks();
+  // The window's next use (blocks `b0` and, for the tied head, `b1`), once
+  // the optimizer has finished them.
+  void acquire(std::byte* out[2], size_t b0, size_t b1);
   at::Tensor loss_of(const at::Tensor& logits, const at::Tensor& targets) const;
   // Keeps x as layer b's saved input (on the device, or offloaded).
   void save_input(size_t b, const at::Tensor& x);
@@ -153,6 +171,24 @@ class Trainer {
   at::Tensor tied_grad_;                  // head's gradient for the tied embedding, until flushed
   int64_t step_ = 0;
   bool broken_ = false;                   // an optimizer step failed part-way
+
+  // The optimizer thread (run.overlap_optimizer).
+  bool overlap_ = false;
+  std::vector<int64_t> block_end_;        // per block: end of its range in shard space
+  std::thread opt_thread_;
+  std::mutex opt_mu_;
+  std::condition_variable opt_cv_;
+  struct OptJob {
+    float grad_scale = 1.0f;
+    double lr = 0.0;
+    int64_t step = 0;
+  } opt_job_;                             // guarded by opt_mu_, as are the next five
+  bool opt_job_ready_ = false, opt_busy_ = false, opt_quit_ = false;
+  int64_t opt_progress_ = INT64_MAX;      // shard-space elements whose update is final
+  std::exception_ptr opt_error_;
+  double opt_seconds_ = 0.0;              // duration of the last finished optimizer step
+  double opt_wait_s_ = 0.0;               // compute thread: seconds waited for the optimizer
+  PendingIo opt_param_write_;             // a staged working copy's write, waited at once
 };
 
 }  // namespace strata

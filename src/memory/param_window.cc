@@ -174,6 +174,7 @@ bool ParamWindow::try_claim(size_t i, bool force) {
   int64_t new_numel = 0;
   for (int k = 0; k < u.count; ++k) {
     const int32_t b = u.block[k];
+    if (!force && fetched_[size_t(b)] && b >= ready_) return false;  // still being updated
     if (windowed(b) && slot_of_[size_t(b)] < 0) {
       ++new_slots;
       new_numel += numel_[size_t(b)];

@@ -4,6 +4,7 @@
 #pragma once
 
 #include <cstdint>
+#include <climits>
 #include <vector>
 
 #include "memory/buffer.h"
@@ -85,6 +86,10 @@ class ParamWindow {
   void acquire(std::byte* out[2]);
   // The current use is finished with its blocks.
   void release();
+  // Blocks [0, blocks) hold their final values (Note [Optimizer overlap]);
+  // prefetch does not touch the others. The caller makes sure the current
+  // use's blocks are ready before acquire().
+  void set_ready(int32_t blocks) { ready_ = blocks; }
   // The persistent copies are stale (the optimizer wrote the working copy).
   void invalidate() { std::fill(persistent_valid_.begin(), persistent_valid_.end(), 0); }
 
@@ -130,6 +135,7 @@ class ParamWindow {
   size_t current_ = 0;           // the use acquire() hands out next / release() finishes
   size_t claimed_ = 0;           // uses [0, claimed_) are claimed
   bool acquired_ = false;
+  int32_t ready_ = INT32_MAX;
   int64_t live_ = 0, ahead_ = 0;
   int in_use_ = 0;
 

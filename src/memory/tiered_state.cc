@@ -140,11 +140,11 @@ void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t nu
       if (h.tier == Tier::kNvme) {
         pending.handles_.push_back(reading ? swap_->read(h.region, at * eb, bytes, mine)
                                            : swap_->write(h.region, at * eb, bytes, mine));
-        (reading ? links_.nvme_read : links_.nvme_write) += bytes;
+        links_[reading ? 2 : 3] += bytes;
       } else {
         std::byte* home = h.ptr + at * eb;
         std::memcpy(reading ? mine : home, reading ? home : mine, size_t(bytes));
-        if (h.tier == Tier::kHost) (reading ? links_.h2d : links_.d2h) += bytes;
+        if (h.tier == Tier::kHost) links_[reading ? 0 : 1] += bytes;
       }
     });
   } catch (...) {

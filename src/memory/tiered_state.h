@@ -7,6 +7,7 @@
 #pragma once
 
 #include <array>
+#include <atomic>
 #include <cstddef>
 #include <cstdint>
 #include <memory>
@@ -48,7 +49,10 @@ class PendingIo {
   std::vector<nvme::SwapHandle> handles_;
 };
 
-// Thread-safety: none; one thread drives a TieredState.
+// Thread-safety: read_async/write_async/wait/resident/links may be called
+// from two threads at once for disjoint ranges and their own PendingIo (the
+// trainer's optimizer thread and its compute thread); read()/write() and the
+// rest from one thread only.
 class TieredState {
  public:
   // Allocates the device and host arenas and, when the plan places anything
@@ -83,10 +87,14 @@ class TieredState {
   // failed) and empties it; rethrows the first error.
   void wait(PendingIo& pending) { wait_all(pending.handles_); }
 
-  const LinkBytes& links() const { return links_; }
+  // A snapshot (the counters may move under another thread's transfers).
+  LinkBytes links() const {
+    return {links_[0].load(std::memory_order_relaxed), links_[1].load(std::memory_order_relaxed),
+            links_[2].load(std::memory_order_relaxed), links_[3].load(std::memory_order_relaxed)};
+  }
   // Counts a copy the caller made between the host tier and the compute side
   // outside the state (offloaded activation checkpoints).
-  void count_copy(bool to_device, int64_t bytes) { (to_device ? links_.h2d : links_.d2h) += bytes; }
+  void count_copy(bool to_device, int64_t bytes) { links_[to_device ? 0 : 1] += bytes; }
   // Resident bytes per tier (state only; NVMe = bytes in the swap store).
   std::array<int64_t, kNumTiers> state_bytes() const { return plan_.state_total(); }
   int64_t device_arena_bytes() const { return int64_t(device_arena_.bytes()); }
@@ -115,7 +123,7 @@ class TieredState {
   HostBuffer host_arena_;
   std::unique_ptr<nvme::IoEngine> engine_;
   std::unique_ptr<nvme::SwapStore> swap_;
-  LinkBytes links_;
+  std::array<std::atomic<int64_t>, 4> links_{};  // h2d, d2h, nvme_read, nvme_write
 };
 
 }  // namespace strata

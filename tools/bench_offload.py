@@ -1,0 +1,227 @@
+#!/usr/bin/env python3
+"""What NVMe bandwidth costs a training step: Strata's optimizer state swept
+over NVMe shares, timed against the I/O bound measured in the same run.
+
+For a model whose optimizer state is several GB (default: ~250M parameters,
+3 GB of fp32 master + exp_avg + exp_avg_sq), each round
+  1. measures the swap directory's write and read bandwidth with
+     `strata bench-io` (the same block size, queue depth and rings as the
+     training config's aio section),
+  2. trains a few steps with 0, 25, 50, 75 and 100 % of the optimizer state on
+     NVMe (the rest, and the gradients, in host RAM) and reads the metrics.
+It prints, per share, the median step time, optimizer time and bytes per
+link, and two same-run ratios:
+  - optimizer step with 100 % on NVMe / its I/O bound, where the bound is
+    nvme_read_bytes / read GB/s + nvme_write_bytes / write GB/s;
+  - full step with 100 % on NVMe / full step with it in RAM (0 %).
+With --plot FILE it draws step time and bytes per link against the share
+(needs matplotlib: tools/setup.sh installs it into .venv).
+
+Usage:
+  .venv/bin/python tools/bench_offload.py --strata build/strata --dir /mnt/nvme/strata-bench \\
+      [--rounds 3] [--steps 3] [--layers 20] [--dim 1024] [--plot out/bench-offload.png]
+"""
+import argparse
+import json
+import os
+import shutil
+import statistics
+import subprocess
+import sys
+import tempfile
+
+LICENSES = ["/usr/share/common-licenses/" + n for n in
+            ("GPL-3", "GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "GFDL-1.3", "Artistic")]
+
+
+def parse_size(text):
+    units = {"K": 1 << 10, "M": 1 << 20, "G": 1 << 30}
+    if text[-1].upper() in units:
+        return int(float(text[:-1]) * units[text[-1].upper()])
+    return int(text)
+
+
+def make_config(args, share, swap_dir, metrics):
+    nvme = share / 100.0
+    split = {"device": 0.0, "host": round(1.0 - nvme, 6), "nvme": nvme}
+    return {
+        "train_micro_batch_size_per_gpu": args.micro_batch,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "steps_per_print": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 3, "sub_group_size": args.sub_group_size},
+        "placement": {"param16": {"device": 1.0}, "grad": {"host": 1.0}, "optimizer": split,
+                      "nvme_path": swap_dir},
+        "aio": {"block_size": parse_size(args.block_size), "queue_depth": args.queue_depth,
+                "intra_op_parallelism": args.rings},
+        "model": {"vocab_size": 256, "dim": args.dim, "n_layers": args.layers, "n_heads": args.dim // 64,
+                  "n_kv_heads": args.dim // 64, "seq_len": args.seq_len, "tie_embeddings": True},
+        "data": {"path": [p for p in LICENSES if os.path.exists(p)], "format": "text",
+                 "val_fraction": 0.0, "eval_interval": 0},
+        "run": {"steps": args.steps + args.warmup, "seed": 1, "metrics": metrics},
+    }
+
+
+def run(cmd, **kw):
+    p = subprocess.run(cmd, capture_output=True, text=True, **kw)
+    if p.returncode != 0:
+        sys.exit(f"bench_offload: {' '.join(cmd)} failed ({p.returncode}):\n{p.stderr[-3000:]}")
+    return p.stdout
+
+
+def bench_io(args, directory):
+    out = run([args.strata, "bench-io", "--dir", directory, "--size-mb", str(args.io_size_mb),
+               "--block-size", args.block_size, "--queue-depth", str(args.queue_depth),
+               "--rings", str(args.rings), "--json"])
+    bw = {}
+    for line in out.splitlines():
+        line = line.strip()
+        if line.startswith("{"):
+            m = json.loads(line)
+            bw[m["op"]] = m["gbps"]
+    if "read" not in bw or "write" not in bw:
+        sys.exit("bench_offload: bench-io printed no read/write figures:\n" + out)
+    return bw
+
+
+def train(args, share, work):
+    swap = os.path.join(work, "swap")
+    os.makedirs(swap, exist_ok=True)
+    metrics = os.path.join(work, f"metrics-{share}.jsonl")
+    cfg_path = os.path.join(work, f"config-{share}.json")
+    with open(cfg_path, "w") as f:
+        json.dump(make_config(args, share, swap, metrics), f, indent=1)
+    run([args.strata, "train", cfg_path])
+    steps = [json.loads(l) for l in open(metrics) if l.strip()]
+    timed = steps[args.warmup:]
+    shutil.rmtree(swap, ignore_errors=True)
+    med = lambda k: statistics.median(s[k] for s in timed)
+    return {k: med(k) for k in ("step_s", "optimizer_s", "wait_s", "h2d_bytes", "d2h_bytes",
+                                 "nvme_read_bytes", "nvme_write_bytes")}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--strata", default="build/strata")
+    ap.add_argument("--dir", required=True, help="directory on the NVMe device to benchmark (created)")
+    ap.add_argument("--rounds", type=int, default=3, help="rounds of (bench-io + sweep); medians across rounds")
+    ap.add_argument("--steps", type=int, default=3, help="timed steps per run (after --warmup)")
+    ap.add_argument("--warmup", type=int, default=1)
+    ap.add_argument("--shares", default="0,25,50,75,100", help="NVMe shares of optimizer state, percent")
+    ap.add_argument("--layers", type=int, default=20)
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--seq-len", type=int, default=128)
+    ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--sub-group-size", type=int, default=10_000_000)
+    ap.add_argument("--block-size", default="4M")
+    ap.add_argument("--queue-depth", type=int, default=32)
+    ap.add_argument("--rings", type=int, default=2)
+    ap.add_argument("--io-size-mb", type=int, default=2048)
+    ap.add_argument("--json", help="write all figures to this file")
+    ap.add_argument("--plot", help="draw step time and bytes per link against the share into this PNG")
+    args = ap.parse_args()
+    shares = [int(s) for s in args.shares.split(",")]
+
+    os.makedirs(args.dir, exist_ok=True)
+    work = tempfile.mkdtemp(prefix="bench-offload-", dir=args.dir)
+    plan = json.loads(run([args.strata, "plan", "--json",
+                           _write(work, "plan.json", make_config(args, 100, os.path.join(work, "swap"), "/dev/null"))]))
+    opt_bytes = sum(sum(plan["state_bytes"][c].values()) for c in ("master", "exp_avg", "exp_avg_sq"))
+    params = sum(plan["state_bytes"]["master"].values()) // 4
+    print(f"model: {params / 1e6:.0f}M parameters; optimizer state "
+          f"{opt_bytes / 1e9:.2f} GB; {args.rounds} round(s) x {len(shares)} shares x "
+          f"{args.warmup}+{args.steps} steps", flush=True)
+
+    rounds = []
+    try:
+        for r in range(args.rounds):
+            io = bench_io(args, work)
+            print(f"round {r + 1}: bench-io write {io['write']:.2f} GB/s, read {io['read']:.2f} GB/s", flush=True)
+            per_share = {}
+            for s in shares:
+                m = train(args, s, work)
+                per_share[s] = m
+                print(f"  nvme {s:3d}%: step {m['step_s']:.2f} s, optimizer {m['optimizer_s']:.2f} s, "
+                      f"nvme read {m['nvme_read_bytes'] / 1e9:.2f} GB, write {m['nvme_write_bytes'] / 1e9:.2f} GB",
+                      flush=True)
+            rounds.append({"io": io, "shares": per_share})
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+
+    def bound(rd, s):
+        m = rd["shares"][s]
+        return m["nvme_read_bytes"] / (rd["io"]["read"] * 1e9) + m["nvme_write_bytes"] / (rd["io"]["write"] * 1e9)
+
+    summary = {"parameters": params, "optimizer_state_bytes": opt_bytes, "shares": {}}
+    print(f"\n{'nvme %':>6} {'step s':>8} {'optim s':>8} {'wait s':>7} {'nvme rd GB':>10} {'nvme wr GB':>10} "
+          f"{'h2d GB':>7} {'d2h GB':>7} {'io bound s':>10}")
+    for s in shares:
+        med = lambda k: statistics.median(rd["shares"][s][k] for rd in rounds)
+        b = statistics.median(bound(rd, s) for rd in rounds)
+        row = {k: med(k) for k in rounds[0]["shares"][s]}
+        row["io_bound_s"] = b
+        summary["shares"][s] = row
+        print(f"{s:6d} {row['step_s']:8.2f} {row['optimizer_s']:8.2f} {row['wait_s']:7.2f} "
+              f"{row['nvme_read_bytes'] / 1e9:10.2f} {row['nvme_write_bytes'] / 1e9:10.2f} "
+              f"{row['h2d_bytes'] / 1e9:7.2f} {row['d2h_bytes'] / 1e9:7.2f} {b:10.2f}")
+    if 100 in shares:
+        opt_ratio = statistics.median(rd["shares"][100]["optimizer_s"] / bound(rd, 100) for rd in rounds)
+        summary["optimizer_over_io_bound"] = opt_ratio
+        print(f"\noptimizer step, 100% on NVMe / I/O bound (same round): {opt_ratio:.3f}x (target <= 1.10)")
+        if 0 in shares:
+            step_ratio = statistics.median(rd["shares"][100]["step_s"] / rd["shares"][0]["step_s"] for rd in rounds)
+            summary["step_nvme_over_ram"] = step_ratio
+            io_vs_compute = statistics.median(
+                bound(rd, 100) / (rd["shares"][0]["step_s"] - rd["shares"][0]["optimizer_s"]) for rd in rounds)
+            summary["io_bound_over_compute"] = io_vs_compute
+            print(f"full step, optimizer 100% on NVMe / in RAM (same round): {step_ratio:.3f}x (target <= 1.10; "
+                  f"I/O bound is {io_vs_compute:.2f}x the compute time)")
+    summary["rounds"] = rounds
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(summary, f, indent=1)
+    if args.plot:
+        plot(summary, shares, args.plot)
+        print(f"plot: {args.plot}")
+
+
+def _write(work, name, obj):
+    path = os.path.join(work, name)
+    with open(path, "w") as f:
+        json.dump(obj, f)
+    return path
+
+
+def plot(summary, shares, path):
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    rows = [summary["shares"][s] for s in shares]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
+    compute = [r["step_s"] - r["optimizer_s"] for r in rows]
+    optim = [r["optimizer_s"] for r in rows]
+    a.bar(shares, compute, width=12, label="forward + backward")
+    a.bar(shares, optim, width=12, bottom=compute, label="optimizer (incl. swapping)")
+    a.plot(shares, [r["io_bound_s"] for r in rows], "k--", marker="o", label="NVMe I/O bound (bench-io)")
+    a.set_xlabel("optimizer state on NVMe (%)")
+    a.set_ylabel("seconds per step (median)")
+    a.set_xticks(shares)
+    a.legend(fontsize=8)
+    a.set_title("step time")
+    for key, label in (("nvme_read_bytes", "NVMe read"), ("nvme_write_bytes", "NVMe write"),
+                       ("h2d_bytes", "host to device"), ("d2h_bytes", "device to host")):
+        b.plot(shares, [r[key] / 1e9 for r in rows], marker="o", label=label)
+    b.set_xlabel("optimizer state on NVMe (%)")
+    b.set_ylabel("GB per step")
+    b.set_xticks(shares)
+    b.legend(fontsize=8)
+    b.set_title("bytes per link")
+    fig.suptitle(f"Strata: {summary['parameters'] / 1e6:.0f}M parameters, "
+                 f"{summary['optimizer_state_bytes'] / 1e9:.1f} GB optimizer state")
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+
+
+if __name__ == "__main__":
+    main()
