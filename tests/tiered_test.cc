@@ -319,6 +319,13 @@ TEST_F(TieredTest, CpuCheckpointingOffloadsSavedInputsBitIdentically) {
   // Each step: 2 micro-batches x 4 layers out and back in.
   EXPECT_EQ(off.links.d2h - kept.links.d2h, 3 * 2 * 4 * ckpt);
   EXPECT_EQ(off.links.h2d - kept.links.h2d, 3 * 2 * 4 * ckpt);
+  // One layer (a single device slot) and an odd count.
+  for (const char* layers : {"model.n_layers=1", "model.n_layers=3"}) {
+    const TrainRun k = train(base_config(data_), {layers}, 2);
+    const TrainRun o = train(base_config(data_), {layers, "activation_checkpointing.cpu_checkpointing=true"}, 2);
+    expect_identical(k, o, std::string("cpu_checkpointing with ") + layers);
+    EXPECT_EQ(o.checkpoint_device, (layers[15] == '1' ? 1 : 2) * ckpt) << layers;
+  }
 }
 
 }  // namespace
@@ -340,6 +347,8 @@ TEST_F(TieredTest, OverlappedOptimizerIsBitIdenticalToInline) {
                                             "zero_optimization.stage3_param_persistence_threshold=0"});
     expect_identical(baseline_, r, std::string("overlap ") + overlap);
   }
+  TrainRun unchecked = train(base_config(data_), {placement, "run.swap_checksums=false"});
+  expect_identical(baseline_, unchecked, "swap checksums off");
   TrainRun inline_default = train(base_config(data_), {"run.overlap_optimizer=false"});
   expect_identical(baseline_, inline_default, "inline, all on device");
 }

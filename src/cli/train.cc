@@ -77,14 +77,19 @@ int run_train(const TrainOptions& opt) {
   TokenDataset data(cfg.data.paths, parse_token_format(cfg.data.format), cfg.model.vocab_size,
                     cfg.model.seq_len, cfg.data.val_fraction);
   Model model(cfg.model);
-  Trainer trainer(cfg, model);
-  MetricsWriter metrics(cfg.run.metrics);
-  // Events of about 400 steps of a small model; later ones are dropped (and said so).
+  // Events of about 400 steps of a small model; later ones are dropped (and
+  // said so). Declared before the trainer, whose optimizer thread records
+  // into it until the trainer is gone, also when a step throws.
   std::unique_ptr<Tracer> tracer;
+  struct Uninstall {
+    ~Uninstall() { Tracer::install(nullptr); }
+  } uninstall;
   if (!opt.trace.empty()) {
     tracer = std::make_unique<Tracer>(size_t(1) << 18);
     Tracer::install(tracer.get());
   }
+  Trainer trainer(cfg, model);
+  MetricsWriter metrics(cfg.run.metrics);
 
   const StateBytes sb = trainer.state_bytes();
   const std::array<int64_t, kNumTiers> peak = trainer.peak_bytes();

@@ -728,7 +728,8 @@ void parse_run(const json& root, Config& c) {
   const json& r = section(root, "", path);
   check_keys(r, path,
              {"steps", "seed", "metrics", "log_file", "log_level", "device", "threads",
-              "device_memory_mb", "cpu_adam_isa", "overlap_optimizer"},
+              "device_memory_mb", "cpu_adam_isa", "overlap_optimizer",
+              "swap_checksums"},
              kNone, c.ignored_keys);
   RunConfig& rc = c.run;
   if (read(r, path, "steps", rc.steps)) positive("run.steps", rc.steps);
@@ -744,6 +745,7 @@ void parse_run(const json& root, Config& c) {
   read_enum(r, path, "cpu_adam_isa", rc.cpu_adam_isa,
             {"auto", "scalar", "avx2", "avx512", "avx512_bf16"});
   read(r, path, "overlap_optimizer", rc.overlap_optimizer);
+  read(r, path, "swap_checksums", rc.swap_checksums);
 }
 
 // One category's split: {"device": f, "host": f, "nvme": f}, absent tiers 0,

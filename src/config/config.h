@@ -51,6 +51,8 @@ struct RunConfig {
   // forward (each block waits only for its own sub-groups); see
   // Note [Optimizer overlap]. Arithmetic is the same either way.
   bool overlap_optimizer = true;
+  // CRC-32C per 4 KiB swap block, computed on write and verified on read.
+  bool swap_checksums = true;
   std::string cpu_adam_isa = "auto";  // auto | scalar | avx2 | avx512 | avx512_bf16 (force a lower one)
   std::string compute_dtype = "";  // derived: fp32 | bf16 | fp16 (from bf16/fp16 sections)
 };

@@ -85,6 +85,7 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   TieredStateOptions so;
   so.engine = engine_options(cfg.aio);
   so.engine.faults = std::move(faults);
+  so.checksums = cfg.run.swap_checksums;
   so.device_transient_bytes = need.device_bytes();
   so.device_budget_bytes = cfg.run.device_memory_mb > 0 ? cfg.run.device_memory_mb << 20 : -1;
   state_ = std::make_unique<TieredState>(plan, so);
@@ -183,6 +184,15 @@ Trainer::~Trainer() {
       std::unique_lock<std::mutex> lock(opt_mu_);
       opt_cv_.wait(lock, [&] { return !opt_busy_; });
       opt_quit_ = true;
+      if (opt_error_) {
+        try {
+          std::rethrow_exception(opt_error_);
+        } catch (const std::exception& e) {
+          log::warn("the last optimizer step failed and nobody asked: %s", e.what());
+        } catch (...) {
+          log::warn("the last optimizer step failed and nobody asked");
+        }
+      }
     }
     opt_cv_.notify_all();
     opt_thread_.join();
@@ -419,16 +429,18 @@ at::Tensor Trainer::restore_input(size_t b) {
     saved_inputs_[b] = at::Tensor();
     return x;
   }
+  // Slots alternate from the first layer of the backward (the last layer).
+  auto slot = [&](size_t layer) { return (head_block_ - 1 - layer) % 2; };
   auto bring = [&](size_t layer) {
     TraceSpan span(TraceTrack::kCopy, "fetch checkpoint");
-    std::memcpy(ckpt_device_.as<std::byte>() + (layer % 2) * size_t(ckpt_bytes_),
+    std::memcpy(ckpt_device_.as<std::byte>() + slot(layer) * size_t(ckpt_bytes_),
                 ckpt_host_.as<std::byte>() + (layer - 1) * size_t(ckpt_bytes_), size_t(ckpt_bytes_));
     state_->count_copy(/*to_device=*/true, ckpt_bytes_);
   };
   if (b + 1 == head_block_) bring(b);  // the first layer of the backward: nothing prefetched it
   if (b - 1 != embedding_block_) bring(b - 1);  // prefetch into the other slot
   peak_ckpt_device_ = int64_t(ckpt_device_.bytes());
-  return at::from_blob(ckpt_device_.as<std::byte>() + (b % 2) * size_t(ckpt_bytes_), ckpt_shape_,
+  return at::from_blob(ckpt_device_.as<std::byte>() + slot(b) * size_t(ckpt_bytes_), ckpt_shape_,
                        at::TensorOptions().dtype(compute_dtype_));
 }
 
@@ -637,6 +649,7 @@ StepResult Trainer::step(const int64_t* tokens) {
   const int64_t window = cfg_.model.seq_len + 1;
   const LinkBytes links0 = state_->links();
   std::fill(grad_written_.begin(), grad_written_.end(), 0);
+  ckpt_device_now_ = 0;  // nothing saved survives a step (nor a failed one)
   StepResult r;
   const double wait0 = window_->wait_seconds();
   const double opt_wait0 = opt_wait_s_;
@@ -647,8 +660,7 @@ StepResult Trainer::step(const int64_t* tokens) {
                                      {micro, window}, at::TensorOptions().dtype(at::kLong));
     r.loss += forward_backward(batch, 1.0 / double(accum)) / double(accum);
   }
-  r.optimizer_wait_s = opt_wait_s_ - opt_wait0;
-  r.wait_s = window_->wait_seconds() - wait0 + r.optimizer_wait_s;
+  const double param_wait = window_->wait_seconds() - wait0;
   r.tokens = accum * micro * cfg_.model.seq_len;
 
   // Global-norm clipping folded into the optimizer as a gradient scale, with
@@ -690,6 +702,8 @@ StepResult Trainer::step(const int64_t* tokens) {
     r.optimizer_s = seconds_since(t_opt);
   }
   ++step_;
+  r.optimizer_wait_s = opt_wait_s_ - opt_wait0;
+  r.wait_s = param_wait + r.optimizer_wait_s;
   r.links = state_->links() - links0;
   return r;
 }

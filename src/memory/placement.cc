@@ -353,20 +353,25 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   // auto, less the headroom); the current block always gets a slot.
   // Under auto on CPU without a device budget the device tier shares host
   // RAM, so the window gets what is left of that instead.
+  // Under auto on CPU the device tier also shares host RAM, so the window
+  // gets no more than what is left of that either.
   const double keep = pc.auto_place ? 1.0 - pc.headroom : 1.0;
-  const bool shared_pool = pc.auto_place && capacity.device_is_host && capacity.device_bytes < 0;
-  const int64_t pool = shared_pool ? capacity.host_bytes : capacity.device_bytes;
-  plan.window_cap_bytes = -1;
-  if (pool >= 0) {
+  const StagingNeeds other = staging_needs(plan);
+  auto left_of = [&](int64_t pool, bool shared) {
     int64_t left = int64_t(double(pool) * keep);
     for (int c = 0; c < kNumCategories; ++c) {
       left -= plan.bytes[size_t(c)][size_t(Tier::kDevice)];
-      if (shared_pool) left -= plan.bytes[size_t(c)][size_t(Tier::kHost)];
+      if (shared) left -= plan.bytes[size_t(c)][size_t(Tier::kHost)];
     }
-    left -= plan.activation_bytes;
-    const StagingNeeds other = staging_needs(plan);
-    left -= other.grad_stage + other.grad_rmw + other.ckpt_device + (shared_pool ? other.host_bytes() : 0);
-    plan.window_cap_bytes = std::max<int64_t>(0, left);
+    left -= plan.activation_bytes + other.grad_stage + other.grad_rmw + other.ckpt_device;
+    if (shared) left -= other.host_bytes();
+    return std::max<int64_t>(0, left);
+  };
+  plan.window_cap_bytes = -1;
+  if (capacity.device_bytes >= 0) plan.window_cap_bytes = left_of(capacity.device_bytes, false);
+  if (pc.auto_place && capacity.device_is_host && capacity.host_bytes >= 0) {
+    const int64_t shared = left_of(capacity.host_bytes, true);
+    plan.window_cap_bytes = plan.window_cap_bytes < 0 ? shared : std::min(plan.window_cap_bytes, shared);
   }
 
   // ---- NVMe paths and staging -----------------------------------------------
