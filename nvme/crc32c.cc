@@ -88,6 +88,24 @@ __attribute__((target("sse4.2"))) uint32_t hw_stream(uint32_t c, const unsigned 
   return c;
 }
 
+// Multiplication by one constant K modulo p, by table: the product is linear
+// in the other factor, so it is the XOR of K x (each byte in its place),
+// looked up. Built once for the lane length of a 4 KiB block (the swap store's
+// checksum unit), where the bitwise combine would cost 8x the CRC itself.
+struct ShiftTable {
+  size_t lane = 0;
+  uint32_t t[4][256];
+  explicit ShiftTable(size_t lane_bytes) : lane(lane_bytes) {
+    const uint32_t k = x8n_mod_p(lane_bytes);
+    for (int i = 0; i < 4; ++i) {
+      for (uint32_t b = 0; b < 256; ++b) t[i][b] = mult_mod_p(k, b << (8 * i));
+    }
+  }
+  uint32_t times(uint32_t v) const {
+    return t[0][v & 0xFF] ^ t[1][(v >> 8) & 0xFF] ^ t[2][(v >> 16) & 0xFF] ^ t[3][v >> 24];
+  }
+};
+
 // Three independent crc32 chains hide the instruction's 3-cycle latency.
 __attribute__((target("sse4.2"))) uint32_t hw_3way(uint32_t c, const unsigned char* p, size_t n) {
   constexpr size_t kMinBytes = 3 * 1024;
@@ -107,13 +125,53 @@ __attribute__((target("sse4.2"))) uint32_t hw_3way(uint32_t c, const unsigned ch
   }
   // Finalized CRCs of the lanes, combined: crc(A||B) = crc(A) x^8|B| + crc(B).
   uint32_t crc = ~uint32_t(c0);
-  crc = mult_mod_p(x8n_mod_p(lane), crc) ^ ~uint32_t(c1);
-  crc = mult_mod_p(x8n_mod_p(lane), crc) ^ ~uint32_t(c2);
+  static const ShiftTable k4096(4096 / 3 / 8 * 8);
+  if (lane == k4096.lane) {
+    crc = k4096.times(crc) ^ ~uint32_t(c1);
+    crc = k4096.times(crc) ^ ~uint32_t(c2);
+  } else {
+    const uint32_t k = x8n_mod_p(lane);
+    crc = mult_mod_p(k, crc) ^ ~uint32_t(c1);
+    crc = mult_mod_p(k, crc) ^ ~uint32_t(c2);
+  }
   return hw_stream(~crc, p + 3 * lane, n - 3 * lane);
+}
+// Three whole blocks side by side: independent CRCs, so no combine, and
+// three sequential streams the hardware prefetcher follows.
+__attribute__((target("sse4.2"))) void hw_blocks3(const unsigned char* p, size_t blk, uint32_t* out) {
+  const unsigned char* p1 = p + blk;
+  const unsigned char* p2 = p + 2 * blk;
+  uint64_t c0 = 0xFFFFFFFFu, c1 = 0xFFFFFFFFu, c2 = 0xFFFFFFFFu;
+  size_t i = 0;
+  for (; i + 8 <= blk; i += 8) {
+    uint64_t v0, v1, v2;
+    std::memcpy(&v0, p + i, 8);
+    std::memcpy(&v1, p1 + i, 8);
+    std::memcpy(&v2, p2 + i, 8);
+    c0 = _mm_crc32_u64(c0, v0);
+    c1 = _mm_crc32_u64(c1, v1);
+    c2 = _mm_crc32_u64(c2, v2);
+  }
+  out[0] = ~hw_stream(uint32_t(c0), p + i, blk - i);
+  out[1] = ~hw_stream(uint32_t(c1), p1 + i, blk - i);
+  out[2] = ~hw_stream(uint32_t(c2), p2 + i, blk - i);
 }
 #endif
 
 }  // namespace
+
+void crc32c_blocks(const void* data, size_t bytes, size_t block_bytes, uint32_t* out) {
+  const auto* p = static_cast<const unsigned char*>(data);
+  const size_t full = bytes / block_bytes;
+  size_t k = 0;
+#if defined(__x86_64__)
+  if (crc32c_hardware_available()) {
+    for (; k + 3 <= full; k += 3) hw_blocks3(p + k * block_bytes, block_bytes, out + k);
+  }
+#endif
+  for (; k < full; ++k) out[k] = crc32c(p + k * block_bytes, block_bytes);
+  if (bytes % block_bytes != 0) out[full] = crc32c(p + full * block_bytes, bytes % block_bytes);
+}
 
 uint32_t crc32c_software(const void* data, size_t bytes, uint32_t crc) {
   const auto* p = static_cast<const unsigned char*>(data);

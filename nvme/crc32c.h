@@ -13,6 +13,12 @@ namespace strata::nvme {
 // returned for the preceding bytes; 0 to start). Thread-safe.
 uint32_t crc32c(const void* data, size_t bytes, uint32_t crc = 0);
 
+// The CRC-32C of each `block_bytes` block of `bytes` bytes at `data` into
+// out[0..], the last block possibly shorter: what crc32c() gives per block,
+// three blocks at a time (three sequential streams, no combine), about 3x
+// faster than block by block for 4 KiB blocks. Thread-safe.
+void crc32c_blocks(const void* data, size_t bytes, size_t block_bytes, uint32_t* out);
+
 // The individual implementations, for tests and benchmarks.
 uint32_t crc32c_software(const void* data, size_t bytes, uint32_t crc = 0);
 // REQUIRES: crc32c_hardware_available().

@@ -557,6 +557,25 @@ TEST(Crc32cTest, HardwareMatchesSoftwareAndContinues) {
     ASSERT_EQ(crc32c(data.data() + start + cut, len - cut, a), sw);
     ASSERT_EQ(crc32c_combine(a, crc32c(data.data() + start + cut, len - cut), len - cut), sw);
   }
+  // Per-block CRCs, three blocks at a time, with a short last block.
+  for (size_t bytes : {size_t(4096), size_t(3 * 4096), size_t(7 * 4096 + 100), size_t(100), size_t(5 * 4096 - 8)}) {
+    std::vector<uint32_t> out((bytes + 4095) / 4096);
+    crc32c_blocks(data.data() + 5, bytes, 4096, out.data());
+    for (size_t k = 0; k < out.size(); ++k) {
+      const size_t len = std::min<size_t>(4096, bytes - k * 4096);
+      EXPECT_EQ(out[k], crc32c_software(data.data() + 5 + k * 4096, len)) << bytes << " block " << k;
+    }
+  }
+  // The swap store's 4 KiB blocks take a table-driven combine of their own.
+  for (size_t len : {size_t(4096), size_t(4095), size_t(4097), size_t(8192)}) {
+    for (size_t start : {size_t(0), size_t(3), size_t(4096)}) {
+      const uint32_t sw = crc32c_software(data.data() + start, len);
+      EXPECT_EQ(crc32c(data.data() + start, len), sw) << start << " " << len;
+      if (crc32c_hardware_available()) {
+        EXPECT_EQ(crc32c_hardware(data.data() + start, len), sw);
+      }
+    }
+  }
 }
 
 // ---- swap store -----------------------------------------------------------------------

@@ -30,6 +30,7 @@ struct TrainRun {
   int window_slots_planned = 0, window_slots_used = 0;
   int64_t window_fetches = 0;
   int64_t checkpoint_device = 0;   // peak saved-input bytes on the device
+  std::vector<LinkBytes> step_links;  // as each StepResult reported them
 };
 
 nlohmann::json base_config(const std::string& data) {
@@ -60,6 +61,7 @@ TrainRun train(const nlohmann::json& j, const std::vector<std::string>& override
     data.sample_train(rng, n, batch.data());
     StepResult sr = trainer.step(batch.data());
     r.losses.push_back(sr.loss);
+    r.step_links.push_back(sr.links);
   }
   // With the optimizer overlapped, the last step's swapping ends in finish().
   trainer.finish();
@@ -351,6 +353,24 @@ TEST_F(TieredTest, OverlappedOptimizerIsBitIdenticalToInline) {
   expect_identical(baseline_, unchecked, "swap checksums off");
   TrainRun inline_default = train(base_config(data_), {"run.overlap_optimizer=false"});
   expect_identical(baseline_, inline_default, "inline, all on device");
+}
+
+// Each optimizer step's swapping is reported once, with the step that
+// reports its optimizer_s: its own step inline, the next one overlapped.
+TEST_F(TieredTest, StepMetricsCountEachOptimizerStepsBytesOnce) {
+  const std::string nvme = "zero_optimization.offload_optimizer={\"device\":\"nvme\",\"nvme_path\":\"" + swap_ + "\"}";
+  const TrainRun inl = train(base_config(data_), {nvme, "run.overlap_optimizer=false"}, 4);
+  const TrainRun ovl = train(base_config(data_), {nvme}, 4);
+  const int64_t state = inl.bytes.master + inl.bytes.optimizer;
+  for (size_t i = 0; i < 4; ++i) {
+    EXPECT_EQ(inl.step_links[i].nvme_read, state) << "inline step " << i + 1;
+    EXPECT_EQ(inl.step_links[i].nvme_write, state) << "inline step " << i + 1;
+    EXPECT_EQ(ovl.step_links[i].nvme_read, i == 0 ? 0 : state) << "overlapped step " << i + 1;
+    EXPECT_EQ(ovl.step_links[i].nvme_write, i == 0 ? 0 : state) << "overlapped step " << i + 1;
+    // Gradients go to the host tier (D2H) in the step that computes them.
+    EXPECT_EQ(ovl.step_links[i].d2h, inl.step_links[i].d2h) << "step " << i + 1;
+    EXPECT_GT(ovl.step_links[i].d2h, 0);
+  }
 }
 
 }  // namespace

@@ -106,7 +106,7 @@ def train(args, share, work, overlap=True, checksums=True):
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--strata", default="build/strata")
-    ap.add_argument("--dir", required=True, help="directory on the NVMe device to benchmark (created)")
+    ap.add_argument("--dir", help="directory on the NVMe device to benchmark (created); required unless --replot")
     ap.add_argument("--rounds", type=int, default=3, help="rounds of (bench-io + sweep); medians across rounds")
     ap.add_argument("--steps", type=int, default=3, help="timed steps per run (after --warmup)")
     ap.add_argument("--warmup", type=int, default=1)
@@ -122,9 +122,19 @@ def main():
     ap.add_argument("--io-size-mb", type=int, default=2048)
     ap.add_argument("--json", help="write all figures to this file")
     ap.add_argument("--plot", help="draw step time and bytes per link against the share into this PNG")
+    ap.add_argument("--replot", metavar="JSON", help="only draw --plot from a --json file of an earlier run")
     args = ap.parse_args()
     shares = [int(s) for s in args.shares.split(",")]
+    if args.replot:
+        if not args.plot:
+            sys.exit("bench_offload: --replot needs --plot FILE")
+        summary = json.load(open(args.replot))
+        plot(summary, [int(s) for s in summary["shares"]], args.plot)
+        print(f"plot: {args.plot}")
+        return
 
+    if not args.dir:
+        sys.exit("bench_offload: --dir DIR is required")
     os.makedirs(args.dir, exist_ok=True)
     work = tempfile.mkdtemp(prefix="bench-offload-", dir=args.dir)
     plan = json.loads(run([args.strata, "plan", "--json",
@@ -216,21 +226,22 @@ def plot(summary, shares, path):
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-    rows = [summary["shares"][s] for s in shares]
-    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.2))
-    compute = [r["step_s"] - r["optimizer_s"] for r in rows]
-    optim = [r["optimizer_s"] for r in rows]
-    a.bar(shares, compute, width=12, label="forward + backward")
-    a.bar(shares, optim, width=12, bottom=compute, label="optimizer (incl. swapping)")
-    a.plot(shares, [r["io_bound_s"] for r in rows], "k--", marker="o", label="NVMe I/O bound (bench-io)")
+    rows = [summary["shares"][str(s)] if str(s) in summary["shares"] else summary["shares"][s] for s in shares]
+    fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.4))
+    a.bar(shares, [r["step_s"] for r in rows], width=12, color="#9ecae1", label="training step")
+    a.plot(shares, [r["optimizer_s"] for r in rows], color="#e6550d", marker="s",
+           label="optimizer incl. swapping (own thread, overlapped)")
+    a.plot(shares, [r["io_bound_s"] for r in rows], "k--", marker="o", label="NVMe I/O bound (bench-io, same run)")
+    a.plot(shares, [r["wait_s"] for r in rows], color="#31a354", marker="^", label="compute waiting for data")
     a.set_xlabel("optimizer state on NVMe (%)")
     a.set_ylabel("seconds per step (median)")
     a.set_xticks(shares)
-    a.legend(fontsize=8)
+    a.set_ylim(0, max(r["step_s"] for r in rows) * 1.35)
+    a.legend(fontsize=8, loc="upper left")
     a.set_title("step time")
-    for key, label in (("nvme_read_bytes", "NVMe read"), ("nvme_write_bytes", "NVMe write"),
-                       ("h2d_bytes", "host to device"), ("d2h_bytes", "device to host")):
-        b.plot(shares, [r[key] / 1e9 for r in rows], marker="o", label=label)
+    for key, label, style in (("nvme_read_bytes", "NVMe read", "o-"), ("nvme_write_bytes", "NVMe write", "x--"),
+                              ("h2d_bytes", "host to device", "^-"), ("d2h_bytes", "device to host", "v-")):
+        b.plot(shares, [r[key] / 1e9 for r in rows], style, label=label)
     b.set_xlabel("optimizer state on NVMe (%)")
     b.set_ylabel("GB per step")
     b.set_xticks(shares)

@@ -38,8 +38,8 @@ std::vector<at::Tensor> as_leaves(const std::vector<at::Tensor>& views) {
   return leaves;
 }
 
-LinkBytes operator-(const LinkBytes& a, const LinkBytes& b) {
-  return {a.h2d - b.h2d, a.d2h - b.d2h, a.nvme_read - b.nvme_read, a.nvme_write - b.nvme_write};
+LinkBytes operator+(const LinkBytes& a, const LinkBytes& b) {
+  return {a.h2d + b.h2d, a.d2h + b.d2h, a.nvme_read + b.nvme_read, a.nvme_write + b.nvme_write};
 }
 
 nvme::EngineOptions engine_options(const AioConfig& aio) {
@@ -221,13 +221,16 @@ void Trainer::optimizer_thread() {
     lock.unlock();
     std::exception_ptr error;
     const auto t0 = std::chrono::steady_clock::now();
+    LinkBytes moved;
     try {
+      TieredState::TallyScope tally(&moved);
       optimizer_step(job.grad_scale, job.lr, job.step);
     } catch (...) {
       error = std::current_exception();
     }
     lock.lock();
     opt_seconds_ = seconds_since(t0);
+    opt_links_ = moved;
     opt_error_ = error;
     opt_progress_ = INT64_MAX;
     opt_busy_ = false;
@@ -647,7 +650,10 @@ StepResult Trainer::step(const int64_t* tokens) {
   const int64_t accum = cfg_.gradient_accumulation_steps;
   const int64_t micro = cfg_.train_micro_batch_size_per_gpu;
   const int64_t window = cfg_.model.seq_len + 1;
-  const LinkBytes links0 = state_->links();
+  // This thread's transfers in this step, plus (below) those of the
+  // optimizer step reported with it.
+  LinkBytes moved;
+  TieredState::TallyScope tally(&moved);
   std::fill(grad_written_.begin(), grad_written_.end(), 0);
   ckpt_device_now_ = 0;  // nothing saved survives a step (nor a failed one)
   StepResult r;
@@ -688,11 +694,14 @@ StepResult Trainer::step(const int64_t* tokens) {
       opt_job_ready_ = true;
       opt_busy_ = true;
       opt_progress_ = 0;
-      r.optimizer_s = opt_seconds_;
+      r.optimizer_s = opt_seconds_;  // the previous step's, finished
+      r.links = opt_links_;
+      opt_links_ = LinkBytes();
     }
     opt_cv_.notify_all();
   } else {
     try {
+      TieredState::TallyScope opt_tally(&r.links);
       optimizer_step(grad_scale, r.lr, step_ + 1);
     } catch (...) {
       // Some sub-groups may have been updated and others not.
@@ -704,7 +713,7 @@ StepResult Trainer::step(const int64_t* tokens) {
   ++step_;
   r.optimizer_wait_s = opt_wait_s_ - opt_wait0;
   r.wait_s = param_wait + r.optimizer_wait_s;
-  r.links = state_->links() - links0;
+  r.links = r.links + moved;
   return r;
 }
 

@@ -33,7 +33,8 @@ struct StepResult {
   double grad_norm = 0.0;  // global L2 norm before clipping
   double lr = 0.0;
   int64_t tokens = 0;      // tokens trained on in this step
-  LinkBytes links;         // bytes moved in this step, per link
+  LinkBytes links;         // bytes moved by this step's compute and by the optimizer step
+                           // reported in optimizer_s, per link
   double wait_s = 0.0;     // seconds compute waited for parameters / gradients to arrive
   double optimizer_s = 0.0;  // seconds in the optimizer (including its swapping); with
                              // run.overlap_optimizer: the last optimizer step that finished
@@ -187,6 +188,7 @@ class Trainer {
   int64_t opt_progress_ = INT64_MAX;      // shard-space elements whose update is final
   std::exception_ptr opt_error_;
   double opt_seconds_ = 0.0;              // duration of the last finished optimizer step
+  LinkBytes opt_links_;                   // its bytes moved, until reported by a step
   double opt_wait_s_ = 0.0;               // compute thread: seconds waited for the optimizer
   PendingIo opt_param_write_;             // a staged working copy's write, waited at once
 };

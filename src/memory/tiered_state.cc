@@ -118,6 +118,21 @@ void TieredState::for_each_piece(Category c, int64_t offset, int64_t numel, Fn&&
 }
 
 namespace {
+thread_local LinkBytes* t_tally = nullptr;
+}  // namespace
+
+TieredState::TallyScope::TallyScope(LinkBytes* tally) : previous_(t_tally) { t_tally = tally; }
+TieredState::TallyScope::~TallyScope() { t_tally = previous_; }
+
+void TieredState::count(int link, int64_t bytes) {
+  links_[size_t(link)] += bytes;
+  if (t_tally != nullptr) {
+    int64_t* f[4] = {&t_tally->h2d, &t_tally->d2h, &t_tally->nvme_read, &t_tally->nvme_write};
+    *f[link] += bytes;
+  }
+}
+
+namespace {
 const char* kReadNames[kNumCategories] = {"read param16", "read grad", "read master", "read exp_avg",
                                           "read exp_avg_sq"};
 const char* kWriteNames[kNumCategories] = {"write param16", "write grad", "write master",
@@ -140,11 +155,11 @@ void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t nu
       if (h.tier == Tier::kNvme) {
         pending.handles_.push_back(reading ? swap_->read(h.region, at * eb, bytes, mine)
                                            : swap_->write(h.region, at * eb, bytes, mine));
-        links_[reading ? 2 : 3] += bytes;
+        count(reading ? 2 : 3, bytes);
       } else {
         std::byte* home = h.ptr + at * eb;
         std::memcpy(reading ? mine : home, reading ? home : mine, size_t(bytes));
-        if (h.tier == Tier::kHost) links_[reading ? 0 : 1] += bytes;
+        if (h.tier == Tier::kHost) count(reading ? 0 : 1, bytes);
       }
     });
   } catch (...) {

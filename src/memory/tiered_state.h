@@ -94,7 +94,21 @@ class TieredState {
   }
   // Counts a copy the caller made between the host tier and the compute side
   // outside the state (offloaded activation checkpoints).
-  void count_copy(bool to_device, int64_t bytes) { links_[to_device ? 0 : 1] += bytes; }
+  void count_copy(bool to_device, int64_t bytes) { count(to_device ? 0 : 1, bytes); }
+
+  // While alive, this thread's transfers are also added to `*tally` (each
+  // thread its own; scopes nest), so that a caller can attribute bytes to the
+  // work of one thread exactly while another thread moves bytes too.
+  class TallyScope {
+   public:
+    explicit TallyScope(LinkBytes* tally);
+    ~TallyScope();
+    TallyScope(const TallyScope&) = delete;
+    TallyScope& operator=(const TallyScope&) = delete;
+
+   private:
+    LinkBytes* previous_;
+  };
   // Resident bytes per tier (state only; NVMe = bytes in the swap store).
   std::array<int64_t, kNumTiers> state_bytes() const { return plan_.state_total(); }
   int64_t device_arena_bytes() const { return int64_t(device_arena_.bytes()); }
@@ -115,6 +129,7 @@ class TieredState {
   void transfer(nvme::IoOp op, Category c, int64_t offset, int64_t numel, std::byte* buf,
                 PendingIo& pending);
   void wait_all(std::vector<nvme::SwapHandle>& pending);
+  void count(int link, int64_t bytes);  // 0 h2d, 1 d2h, 2 nvme_read, 3 nvme_write
 
   PlacementPlan plan_;
   PendingIo sync_;  // the synchronous read()/write()'s handles, reused
