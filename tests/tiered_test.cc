@@ -375,3 +375,31 @@ TEST_F(TieredTest, StepMetricsCountEachOptimizerStepsBytesOnce) {
 
 }  // namespace
 }  // namespace strata
+
+namespace strata {
+namespace {
+
+// Note [Pipeline pieces]: sub-groups larger than a pipeline piece are swapped
+// and updated piece by piece, with staging for one piece per set.
+TEST_F(TieredTest, SubGroupsLargerThanAPipelinePieceAreBitIdentical) {
+  const std::vector<std::string> big = {"model.dim=256", "model.n_heads=4", "model.ffn_hidden=512",
+                                        "zero_optimization.sub_group_size=1000000000"};
+  std::vector<std::string> nvme = big;
+  nvme.push_back("zero_optimization.offload_optimizer={\"device\":\"nvme\",\"nvme_path\":\"" + swap_ + "\"}");
+  const TrainRun dev = train(base_config(data_), big, 3);
+  const TrainRun nv = train(base_config(data_), nvme, 3);
+  expect_identical(dev, nv, "one sub-group, several pieces, on nvme");
+  // More than one piece, and the staging is a piece per set, not a sub-group.
+  Config cfg = parse_config(base_config(data_), nvme);
+  Model model(cfg.model);
+  const PlacementPlan plan = make_plan(cfg, StateLayout(model.layout_specs(), 1), 0, MachineCapacity{});
+  ASSERT_EQ(plan.units[int(Category::kMaster)].size(), 1u);
+  EXPECT_GT(plan.shard_space_numel, kPipelineChunkElems);
+  const std::vector<PlacementUnit> pieces = pipeline_pieces(plan);
+  EXPECT_EQ(int64_t(pieces.size()), (plan.shard_space_numel + kPipelineChunkElems - 1) / kPipelineChunkElems);
+  EXPECT_EQ(plan.staging.opt_state, plan.staging.opt_sets * 3 * kPipelineChunkElems * 4);
+  EXPECT_EQ(nv.step_links.back().nvme_read, nv.bytes.master + nv.bytes.optimizer);
+}
+
+}  // namespace
+}  // namespace strata

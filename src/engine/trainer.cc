@@ -91,7 +91,8 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   state_ = std::make_unique<TieredState>(plan, so);
 
   // Buffers exactly as the plan counted them (placement.h, StagingNeeds).
-  group_numel_ = std::min(plan.sub_group_numel, plan.shard_space_numel);
+  group_numel_ = pipeline_piece_numel(plan);
+  pieces_ = pipeline_pieces(plan);
   {
     std::vector<char> fetched;
     for (const PlacementUnit& u : plan.units[size_t(Category::kParam16)]) fetched.push_back(u.tier != Tier::kDevice);
@@ -569,7 +570,7 @@ void Trainer::optimizer_step(float grad_scale, double lr, int64_t step) {
   h.weight_decay = cfg_.optimizer.weight_decay;
   h.adamw = cfg_.optimizer.adam_w_mode;
   const PlacementPlan& plan = state_->plan();
-  const std::vector<PlacementUnit>& groups = plan.units[size_t(Category::kMaster)];
+  const std::vector<PlacementUnit>& groups = pieces_;  // Note [Pipeline pieces] in placement.h
   const int sets = std::max(1, plan.staging.opt_sets);
 
   // Set k's staging for one category (nullptr when that category is never staged).

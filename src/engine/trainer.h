@@ -148,7 +148,8 @@ class Trainer {
   HostBuffer grad_rmw_;
   // Optimizer staging, allocated only for what is not resident: grad,
   // master, exp_avg, exp_avg_sq (fp32) and the emitted working copy.
-  int64_t group_numel_ = 0;
+  int64_t group_numel_ = 0;               // elements of a pipeline piece
+  std::vector<PlacementUnit> pieces_;     // the optimizer's pipeline pieces, in shard order
   HostBuffer opt_grad_, opt_master_, opt_avg_, opt_avg_sq_, opt_emit_;  // opt_sets sets each
   std::vector<PendingIo> opt_reads_, opt_writes_;  // per staging set
   struct OptSet {

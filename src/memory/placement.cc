@@ -106,6 +106,19 @@ WindowShape window_shape(const PlacementPlan& plan) {
   return w.plan({&train, &eval});
 }
 
+int64_t pipeline_piece_numel(const PlacementPlan& plan) {
+  return std::min({plan.sub_group_numel, plan.shard_space_numel, kPipelineChunkElems});
+}
+
+std::vector<PlacementUnit> pipeline_pieces(const PlacementPlan& plan) {
+  const int64_t chunk = pipeline_piece_numel(plan);
+  std::vector<PlacementUnit> out;
+  for (const PlacementUnit& g : plan.units[size_t(Category::kMaster)]) {
+    for (int64_t o = 0; o < g.numel; o += chunk) out.push_back({g.offset + o, std::min(chunk, g.numel - o), g.tier});
+  }
+  return out;
+}
+
 StagingNeeds staging_needs(const PlacementPlan& plan) {
   StagingNeeds n;
   const int64_t largest = plan.largest_block_numel;
@@ -129,8 +142,9 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
     n.ckpt_device = std::min<int64_t>(2, plan.checkpoint_layers) * plan.checkpoint_bytes;
     n.ckpt_host = plan.checkpoint_layers * plan.checkpoint_bytes;
   }
-  // Host: per sub-group, what is not resident in one piece is staged.
-  const int64_t group = std::min(plan.sub_group_numel, plan.shard_space_numel);
+  // Host: per sub-group, what is not resident in one piece is staged, a
+  // pipeline piece at a time (Note [Pipeline pieces]).
+  const int64_t group = pipeline_piece_numel(plan);
   bool grad_staged = false, emit_staged = false;
   for (const PlacementUnit& g : plan.units[size_t(Category::kMaster)]) {
     auto gt = range_tier(plan, Category::kGrad, g.offset, g.numel);

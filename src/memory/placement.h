@@ -112,6 +112,19 @@ struct PlacementPlan {
 // nullopt when the range spans units on different tiers.
 std::optional<Tier> range_tier(const PlacementPlan& plan, Category c, int64_t offset, int64_t numel);
 
+// Note [Pipeline pieces]
+// The optimizer's pipeline (Note [Optimizer pipeline] in trainer.cc) walks
+// sub-groups in pieces of at most kPipelineChunkElems elements: a piece's
+// master, exp_avg and exp_avg_sq (12 MiB of fp32) stay in the last-level
+// cache between CPU Adam and the checksum of their write-back, and between the
+// checksum of their read and CPU Adam; the staging buffers are sized by a
+// piece, not by sub_group_size (DeepSpeed's default of 1e9 would otherwise
+// mean 36 GB of staging). Placement still moves whole sub-groups; Adam is
+// elementwise, so the arithmetic does not change.
+inline constexpr int64_t kPipelineChunkElems = int64_t(1) << 20;
+int64_t pipeline_piece_numel(const PlacementPlan& plan);
+std::vector<PlacementUnit> pipeline_pieces(const PlacementPlan& plan);
+
 // The trainer's buffers for `plan` (uses units, block_numel, window_knobs,
 // window_cap_bytes, tied, accum, compute_bytes, sub_group_numel).
 StagingNeeds staging_needs(const PlacementPlan& plan);
