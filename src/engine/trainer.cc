@@ -555,9 +555,11 @@ double Trainer::global_grad_norm() {
 // copy comes out of the same pass (bf16: emitted by CPU Adam; fp32: copied).
 //
 // Note [Optimizer pipeline]
-// Staging comes in `opt_sets` sets. With two or more, sub-group j+1's reads
-// are issued before sub-group j is updated, and j's write-backs are issued
-// right after it, so NVMe transfers run on the I/O threads while CPU Adam
+// The loop walks pipeline pieces (sub-groups cut to at most
+// kPipelineChunkElems, Note [Pipeline pieces]); "sub-group" below means a
+// piece. Staging comes in `opt_sets` sets. With two or more, sub-group j+1's
+// reads are issued before sub-group j is updated, and j's write-backs are
+// issued right after it, so NVMe transfers run on the I/O threads while CPU Adam
 // runs on its own. A set is reused for j + opt_sets only once the write-backs
 // of the sub-group that used it last have completed. With one set the loop is
 // sequential. Arithmetic does not depend on the depth.
