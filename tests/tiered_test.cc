@@ -389,6 +389,10 @@ TEST_F(TieredTest, SubGroupsLargerThanAPipelinePieceAreBitIdentical) {
   const TrainRun dev = train(base_config(data_), big, 3);
   const TrainRun nv = train(base_config(data_), nvme, 3);
   expect_identical(dev, nv, "one sub-group, several pieces, on nvme");
+  // One staging set: the sub-group is larger than all the staging there is.
+  std::vector<std::string> one_set = nvme;
+  one_set.push_back("zero_optimization.offload_optimizer.buffer_count=1");
+  expect_identical(dev, train(base_config(data_), one_set, 3), "pieces with one staging set");
   // More than one piece, and the staging is a piece per set, not a sub-group.
   Config cfg = parse_config(base_config(data_), nvme);
   Model model(cfg.model);

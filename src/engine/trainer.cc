@@ -147,12 +147,18 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   }
   // Adam moments start at zero; resident homes are zero already, swapped ones
   // are written once so that reading them is valid.
+  // The zeros come from a staging buffer, which holds opt_sets pipeline
+  // pieces: a sub-group is written in runs of that size.
   if (opt_on_nvme) {
-    for (const PlacementUnit& g : plan.units[size_t(Category::kExpAvg)]) {
-      if (g.tier == Tier::kNvme) state_->write(Category::kExpAvg, g.offset, g.numel, opt_avg_.data());
-    }
-    for (const PlacementUnit& g : plan.units[size_t(Category::kExpAvgSq)]) {
-      if (g.tier == Tier::kNvme) state_->write(Category::kExpAvgSq, g.offset, g.numel, opt_avg_sq_.data());
+    const int64_t run = int64_t(opt_avg_.bytes() / 4);
+    STRATA_CHECK(run >= group_numel_ && run % kShardAlignElems == 0, "optimizer staging smaller than a piece");
+    for (Category c : {Category::kExpAvg, Category::kExpAvgSq}) {
+      for (const PlacementUnit& g : plan.units[size_t(c)]) {
+        if (g.tier != Tier::kNvme) continue;
+        for (int64_t o = 0; o < g.numel; o += run) {
+          state_->write(c, g.offset + o, std::min(run, g.numel - o), opt_avg_.data());
+        }
+      }
     }
   }
   for (size_t b = 0; b < layout_.num_blocks(); ++b) {
