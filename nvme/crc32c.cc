@@ -106,7 +106,23 @@ struct ShiftTable {
   }
 };
 
-// Three independent crc32 chains hide the instruction's 3-cycle latency.
+// Advances three CRC chains over [p0, p0 + n), [p1, ...), [p2, ...); n a
+// multiple of 8. Independent chains hide the instruction's 3-cycle latency.
+__attribute__((target("sse4.2"))) inline void three_chains(const unsigned char* p0, const unsigned char* p1,
+                                                           const unsigned char* p2, size_t n, uint64_t& c0,
+                                                           uint64_t& c1, uint64_t& c2) {
+  for (size_t i = 0; i < n; i += 8) {
+    uint64_t v0, v1, v2;
+    std::memcpy(&v0, p0 + i, 8);
+    std::memcpy(&v1, p1 + i, 8);
+    std::memcpy(&v2, p2 + i, 8);
+    c0 = _mm_crc32_u64(c0, v0);
+    c1 = _mm_crc32_u64(c1, v1);
+    c2 = _mm_crc32_u64(c2, v2);
+  }
+}
+
+// One buffer as three lanes, combined.
 __attribute__((target("sse4.2"))) uint32_t hw_3way(uint32_t c, const unsigned char* p, size_t n) {
   constexpr size_t kMinBytes = 3 * 1024;
   if (n < kMinBytes) return hw_stream(c, p, n);
@@ -114,15 +130,7 @@ __attribute__((target("sse4.2"))) uint32_t hw_3way(uint32_t c, const unsigned ch
   const unsigned char* p1 = p + lane;
   const unsigned char* p2 = p + 2 * lane;
   uint64_t c0 = c, c1 = 0xFFFFFFFFu, c2 = 0xFFFFFFFFu;  // c1, c2: fresh CRCs (pre-inverted)
-  for (size_t i = 0; i < lane; i += 8) {
-    uint64_t v0, v1, v2;
-    std::memcpy(&v0, p + i, 8);
-    std::memcpy(&v1, p1 + i, 8);
-    std::memcpy(&v2, p2 + i, 8);
-    c0 = _mm_crc32_u64(c0, v0);
-    c1 = _mm_crc32_u64(c1, v1);
-    c2 = _mm_crc32_u64(c2, v2);
-  }
+  three_chains(p, p1, p2, lane, c0, c1, c2);
   // Finalized CRCs of the lanes, combined: crc(A||B) = crc(A) x^8|B| + crc(B).
   uint32_t crc = ~uint32_t(c0);
   static const ShiftTable k4096(4096 / 3 / 8 * 8);
@@ -142,16 +150,8 @@ __attribute__((target("sse4.2"))) void hw_blocks3(const unsigned char* p, size_t
   const unsigned char* p1 = p + blk;
   const unsigned char* p2 = p + 2 * blk;
   uint64_t c0 = 0xFFFFFFFFu, c1 = 0xFFFFFFFFu, c2 = 0xFFFFFFFFu;
-  size_t i = 0;
-  for (; i + 8 <= blk; i += 8) {
-    uint64_t v0, v1, v2;
-    std::memcpy(&v0, p + i, 8);
-    std::memcpy(&v1, p1 + i, 8);
-    std::memcpy(&v2, p2 + i, 8);
-    c0 = _mm_crc32_u64(c0, v0);
-    c1 = _mm_crc32_u64(c1, v1);
-    c2 = _mm_crc32_u64(c2, v2);
-  }
+  const size_t i = blk / 8 * 8;
+  three_chains(p, p1, p2, i, c0, c1, c2);
   out[0] = ~hw_stream(uint32_t(c0), p + i, blk - i);
   out[1] = ~hw_stream(uint32_t(c1), p1 + i, blk - i);
   out[2] = ~hw_stream(uint32_t(c2), p2 + i, blk - i);
