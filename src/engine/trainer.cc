@@ -94,14 +94,10 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   group_numel_ = pipeline_piece_numel(plan);
   pieces_ = pipeline_pieces(plan);
   {
-    std::vector<char> fetched;
-    for (const PlacementUnit& u : plan.units[size_t(Category::kParam16)]) fetched.push_back(u.tier != Tier::kDevice);
-    window_ = std::make_unique<ParamWindow>(plan.block_numel, fetched, plan.window_knobs, plan.window_cap_bytes,
-                                            compute_bytes_);
+    window_ = make_param_window(plan);
     window_->attach(state_.get(), need.window, compute_bytes_);
-    train_schedule_ = train_schedule(int(layout_.num_blocks()), cfg.model.tie_embeddings,
-                                     cfg.gradient_accumulation_steps);
-    eval_schedule_ = eval_schedule(int(layout_.num_blocks()), cfg.model.tie_embeddings);
+    train_schedule_ = train_schedule(int(layout_.num_blocks()), plan.tied, plan.accum);
+    eval_schedule_ = eval_schedule(int(layout_.num_blocks()), plan.tied);
     if (need.gathered > 0) {
       log::info("parameter window: %d slot(s) of %s, %s of persistent blocks", need.window.slots,
                 format_bytes(double(need.window.slot_numel * compute_bytes_)).c_str(),

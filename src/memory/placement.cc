@@ -95,16 +95,22 @@ std::optional<Tier> range_tier(const PlacementPlan& plan, Category c, int64_t of
   return tier;
 }
 
-WindowShape window_shape(const PlacementPlan& plan) {
+std::unique_ptr<ParamWindow> make_param_window(const PlacementPlan& plan) {
   const auto& units = plan.units[size_t(Category::kParam16)];
   std::vector<char> fetched(units.size());
   for (size_t b = 0; b < units.size(); ++b) fetched[b] = units[b].tier != Tier::kDevice;
-  ParamWindow w(plan.block_numel, fetched, plan.window_knobs, plan.window_cap_bytes, plan.compute_bytes);
+  return std::make_unique<ParamWindow>(plan.block_numel, fetched, plan.window_knobs, plan.window_cap_bytes,
+                                       plan.compute_bytes);
+}
+
+namespace {
+WindowShape window_shape(const PlacementPlan& plan) {
   const int n = int(plan.block_numel.size());
   const std::vector<WindowUse> train = train_schedule(n, plan.tied, plan.accum);
   const std::vector<WindowUse> eval = eval_schedule(n, plan.tied);
-  return w.plan({&train, &eval});
+  return make_param_window(plan)->plan({&train, &eval});
 }
+}  // namespace
 
 int64_t pipeline_piece_numel(const PlacementPlan& plan) {
   return std::min({plan.sub_group_numel, plan.shard_space_numel, kPipelineChunkElems});

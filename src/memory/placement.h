@@ -7,6 +7,7 @@
 #include <array>
 #include <optional>
 #include <cstdint>
+#include <memory>
 #include <string>
 #include <vector>
 
@@ -124,6 +125,11 @@ std::optional<Tier> range_tier(const PlacementPlan& plan, Category c, int64_t of
 inline constexpr int64_t kPipelineChunkElems = int64_t(1) << 20;
 int64_t pipeline_piece_numel(const PlacementPlan& plan);
 std::vector<PlacementUnit> pipeline_pieces(const PlacementPlan& plan);
+
+// The parameter window for `plan`'s blocks (fetched: those whose working
+// copy is off the device), not yet attached; the trainer runs it and
+// staging_needs sizes it with the same construction.
+std::unique_ptr<ParamWindow> make_param_window(const PlacementPlan& plan);
 
 // The trainer's buffers for `plan` (uses units, block_numel, window_knobs,
 // window_cap_bytes, tied, accum, compute_bytes, sub_group_numel).
