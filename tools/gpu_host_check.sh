@@ -1,0 +1,61 @@
+#!/usr/bin/env bash
+# Runs a build made on the dev machine on a lent GPU host (device tool): the
+# test binaries on that host's CPU (AVX-512) and GPU, then the CPU Adam
+# benchmarks. The host has LibTorch 2.11.0+cu130 in its python3 (the same
+# build the binaries link) but none of the Debian libraries, so those travel.
+#
+# Here, before the call (the folder .dev/ is git-ignored):
+#   mkdir -p .dev/bin .dev/lib
+#   strip -o .dev/bin/strata build/strata
+#   for t in build/tests/*_test build/tests/bench_adam_torch; do strip -o .dev/bin/${t##*/} $t; done
+#   cp -L /lib/x86_64-linux-gnu/{libtbb.so.12,liburing.so.2,libspdlog.so.1.10,libfmt.so.9} .dev/lib/
+# Then run `bash tools/gpu_host_check.sh [tests|bench|all]` there with carry [".dev"]; logs and
+# JSON lines go to $OUT (or out/gpu-host). BENCH_THREADS and BENCH_ROUNDS set the sweep
+# (tools/bench_adam_sweep.sh; default "1 2 16" threads, 2 rounds).
+set -uo pipefail
+WHAT=${1:-all}
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+cd "$ROOT"
+BIN=$ROOT/.dev/bin
+DEST=${OUT:-$ROOT/out/gpu-host}
+mkdir -p "$DEST"
+
+SITE=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
+LD=$ROOT/.dev/lib:$SITE/torch/lib
+for d in "$SITE"/nvidia/*/lib; do LD=$LD:$d; done
+export LD_LIBRARY_PATH=$LD${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
+
+# cli_test runs the strata binary from the build folder it was compiled for.
+if [ ! -x /work/main/build/strata ]; then
+  mkdir -p /work/main/build && cp "$BIN/strata" /work/main/build/strata
+fi
+
+{
+  echo "== host"; date -u; uname -r; nproc; free -g | head -2
+  lscpu | grep -E 'Model name|Socket|Thread|Core|NUMA node\(s\)|L3'
+  echo "avx512 flags: $(grep -o 'avx512[a-z_0-9]*' /proc/cpuinfo | sort -u | tr '\n' ' ')"
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
+  python3 -c 'import torch; print("torch", torch.__version__)'
+} 2>&1 | tee "$DEST/host.txt"
+
+if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
+  echo "== tests"
+  export OMP_NUM_THREADS=1
+  pids=()
+  for t in "$BIN"/*_test; do
+    name=${t##*/}
+    ( timeout 400 "$t" --gtest_brief=1 >"$DEST/$name.log" 2>&1; echo "$name rc=$?" >>"$DEST/tests.txt" ) &
+    pids+=($!)
+  done
+  wait "${pids[@]}"
+  sort "$DEST/tests.txt"
+  grep -h -E '^\[  (PASSED|SKIPPED|FAILED) ' "$DEST"/*_test.log | sort | uniq -c
+  grep -h -E '^\[  (FAILED|SKIPPED) +\]' "$DEST"/*_test.log | head -40
+  unset OMP_NUM_THREADS
+fi
+
+if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
+  echo "== bench-adam and bench_adam_torch"
+  bash "$ROOT/tools/bench_adam_sweep.sh" --strata "$BIN/strata" --torch-tool "$BIN/bench_adam_torch" \
+    --threads "${BENCH_THREADS:-1 2 16}" --rounds "${BENCH_ROUNDS:-2}" --out "$DEST/bench-adam.jsonl"
+fi
