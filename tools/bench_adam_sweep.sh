@@ -27,8 +27,11 @@ for f in "$STRATA" "$TORCH_TOOL"; do
 done
 mkdir -p "$(dirname "$OUTFILE")"
 : >"$OUTFILE"
+LOG=$OUTFILE.log  # the tools' own progress lines and errors
+: >"$LOG"
+trap 'echo "bench_adam_sweep.sh: a run failed; see $LOG" >&2' ERR
 tag() {  # adds the round (and a tool name) to one JSON object on stdin
-  python3 -c "import json, sys; d = json.load(sys.stdin); d.update(json.loads(sys.argv[1])); print(json.dumps(d))" "$1"
+  python3 -c "import json, sys; t = sys.stdin.read(); t.strip() or sys.exit(1); print(json.dumps({**json.loads(t), **json.loads(sys.argv[1])}))" "$1"
 }
 for round in $(seq "$ROUNDS"); do
   for n in 25000000 100000000; do
@@ -36,10 +39,10 @@ for round in $(seq "$ROUNDS"); do
     for t in $THREADS; do
       echo "round $round/$ROUNDS: $n parameters, $t threads" >&2
       for isa in auto avx2; do
-        "$STRATA" bench-adam --numel $n --threads $t --reps $reps --isa $isa --json 2>/dev/null \
+        "$STRATA" bench-adam --numel $n --threads $t --reps $reps --isa $isa --json 2>>"$LOG" \
           | tag "{\"round\": $round, \"tool\": \"bench-adam\"}" >>"$OUTFILE"
       done
-      "$TORCH_TOOL" --numel $n --threads $t --reps $treps --json 2>/dev/null \
+      "$TORCH_TOOL" --numel $n --threads $t --reps $treps --json 2>>"$LOG" \
         | tag "{\"round\": $round, \"tool\": \"bench_adam_torch\"}" >>"$OUTFILE"
     done
   done
