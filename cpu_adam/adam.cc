@@ -77,6 +77,14 @@ const char* grad_type_name(GradType type) {
   return "?";
 }
 
+const char* state_type_name(StateType type) {
+  switch (type) {
+    case StateType::kF32: return "fp32";
+    case StateType::kBF16: return "bf16";
+  }
+  return "?";
+}
+
 namespace detail {
 
 StepConstants make_constants(const AdamParams& p, const StepArgs& args) {
@@ -94,6 +102,8 @@ StepConstants make_constants(const AdamParams& p, const StepArgs& args) {
   c.inv_bias_correction2_sqrt = static_cast<float>(1.0 / std::sqrt(bias_correction2));
   c.neg_step_size = static_cast<float>(-(p.lr / bias_correction1));
   c.eps = static_cast<float>(p.eps);
+  c.rounding_offset = args.rounding_offset;
+  c.step_key = static_cast<uint32_t>(args.step) * kRoundingStepMul;
   c.decay_mode = p.weight_decay == 0.0 ? DecayMode::kNone
                  : p.adamw             ? DecayMode::kDecoupled
                                        : DecayMode::kL2;

@@ -63,6 +63,22 @@ struct Avx2 {
   static F sqrt(F a) { return _mm256_sqrt_ps(a); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static bool any_nan(F a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0; }
+
+  // Note [bf16 state]
+  using I = __m256i;
+  static I lanes() { return _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7); }
+  static I set1_u32(uint32_t x) { return _mm256_set1_epi32(static_cast<int>(x)); }
+  static I add_u32(I a, I b) { return _mm256_add_epi32(a, b); }
+  static I mul_u32(I a, I b) { return _mm256_mullo_epi32(a, b); }
+  static I xor_u32(I a, I b) { return _mm256_xor_si256(a, b); }
+  static I and_u32(I a, I b) { return _mm256_and_si256(a, b); }
+  template <int N>
+  static I srl_u32(I a) { return _mm256_srli_epi32(a, N); }
+  static H bf16_stochastic(F x, I r) {
+    const __m256i h = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
+    // Values are 0..0xFFFF, so the signed-to-unsigned saturating pack keeps them.
+    return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
+  }
 };
 
 }  // namespace

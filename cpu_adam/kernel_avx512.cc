@@ -92,6 +92,24 @@ struct Avx512 {
   static F sqrt(F a) { return _mm512_sqrt_ps(a); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static bool any_nan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0; }
+
+  // Note [bf16 state]
+  using I = __m512i;
+  static I lanes() {
+    alignas(64) static constexpr uint32_t kLanes[16] = {0, 1, 2,  3,  4,  5,  6,  7,
+                                                        8, 9, 10, 11, 12, 13, 14, 15};
+    return _mm512_load_si512(kLanes);
+  }
+  static I set1_u32(uint32_t x) { return _mm512_set1_epi32(static_cast<int>(x)); }
+  static I add_u32(I a, I b) { return _mm512_add_epi32(a, b); }
+  static I mul_u32(I a, I b) { return _mm512_mullo_epi32(a, b); }
+  static I xor_u32(I a, I b) { return _mm512_xor_si512(a, b); }
+  static I and_u32(I a, I b) { return _mm512_and_si512(a, b); }
+  template <int N>
+  static I srl_u32(I a) { return _mm512_srli_epi32(a, N); }
+  static H bf16_stochastic(F x, I r) {
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16));
+  }
 };
 
 }  // namespace

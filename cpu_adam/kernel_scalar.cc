@@ -2,6 +2,7 @@
 // a multiply and an add where the SIMD kernels fuse them (generic x86-64 has
 // no FMA instruction, and std::fma would be a library call per element).
 #include <cmath>
+#include <cstring>
 
 #include "cpu_adam/kernels.h"
 
@@ -15,7 +16,29 @@ float load_grad(const void* grad, int64_t i) {
   if constexpr (G == GradType::kF16) return fp16_to_float(static_cast<const uint16_t*>(grad)[i]);
 }
 
-template <GradType G, EmitType E, DecayMode D>
+// Note [bf16 state]: the 32 random bits of element `index`.
+uint32_t rounding_bits(const StepConstants& c, uint64_t index) {
+  uint32_t x = static_cast<uint32_t>(index) * kRoundingIndexMul + c.step_key;
+  x ^= x >> 16;
+  x *= kRoundingMix1;
+  x ^= x >> 15;
+  x *= kRoundingMix2;
+  return x ^ (x >> 16);
+}
+
+uint16_t bf16_stochastic(float x, uint32_t r16) {
+  uint32_t bits;
+  std::memcpy(&bits, &x, sizeof bits);
+  return static_cast<uint16_t>((bits + r16) >> 16);
+}
+
+template <StateType S>
+float load_state(const void* state, int64_t i) {
+  if constexpr (S == StateType::kF32) return static_cast<const float*>(state)[i];
+  if constexpr (S == StateType::kBF16) return bf16_to_float(static_cast<const uint16_t*>(state)[i]);
+}
+
+template <GradType G, EmitType E, DecayMode D, StateType S>
 bool step_range(const StepConstants& c, const AdamSpans& s, int64_t begin, int64_t end) {
   float nonfinite = 0.0f;
   for (int64_t i = begin; i < end; ++i) {
@@ -24,47 +47,61 @@ bool step_range(const StepConstants& c, const AdamSpans& s, int64_t begin, int64
     float p = s.param[i];
     if constexpr (D == DecayMode::kL2) g = g + p * c.weight_decay;
     if constexpr (D == DecayMode::kDecoupled) p = p * c.decay;
-    float m = s.exp_avg[i];
+    float m = load_state<S>(s.exp_avg, i);
     m = m + c.one_minus_beta1 * (g - m);
-    float v = s.exp_avg_sq[i];
+    float v = load_state<S>(s.exp_avg_sq, i);
     v = v * c.beta2 + (c.one_minus_beta2 * g) * g;
     const float denom = std::sqrt(v) * c.inv_bias_correction2_sqrt + c.eps;
     p = p + (c.neg_step_size * m) / denom;
     s.param[i] = p;
-    s.exp_avg[i] = m;
-    s.exp_avg_sq[i] = v;
+    if constexpr (S == StateType::kF32) {
+      static_cast<float*>(s.exp_avg)[i] = m;
+      static_cast<float*>(s.exp_avg_sq)[i] = v;
+    } else {
+      const uint32_t bits = rounding_bits(c, c.rounding_offset + i);
+      static_cast<uint16_t*>(s.exp_avg)[i] = bf16_stochastic(m, bits & 0xFFFFu);
+      static_cast<uint16_t*>(s.exp_avg_sq)[i] = bf16_stochastic(v, bits >> 16);
+    }
     if constexpr (E == EmitType::kBF16) static_cast<uint16_t*>(s.emit)[i] = float_to_bf16(p);
     if constexpr (E == EmitType::kF16) static_cast<uint16_t*>(s.emit)[i] = float_to_fp16(p);
   }
   return !std::isnan(nonfinite);
 }
 
+template <GradType G, EmitType E, DecayMode D>
+StepKernel pick_state(StateType st) {
+  return st == StateType::kF32 ? &step_range<G, E, D, StateType::kF32>
+                               : &step_range<G, E, D, StateType::kBF16>;
+}
+
 template <GradType G, EmitType E>
-StepKernel pick_decay(DecayMode d) {
+StepKernel pick_decay(DecayMode d, StateType st) {
   switch (d) {
-    case DecayMode::kNone: return &step_range<G, E, DecayMode::kNone>;
-    case DecayMode::kDecoupled: return &step_range<G, E, DecayMode::kDecoupled>;
-    case DecayMode::kL2: return &step_range<G, E, DecayMode::kL2>;
+    case DecayMode::kNone: return pick_state<G, E, DecayMode::kNone>(st);
+    case DecayMode::kDecoupled: return pick_state<G, E, DecayMode::kDecoupled>(st);
+    case DecayMode::kL2: return pick_state<G, E, DecayMode::kL2>(st);
   }
   return nullptr;
 }
 
 template <GradType G>
-StepKernel pick_emit(EmitType e, DecayMode d) {
+StepKernel pick_emit(EmitType e, DecayMode d, StateType st) {
   switch (e) {
-    case EmitType::kNone: return pick_decay<G, EmitType::kNone>(d);
-    case EmitType::kBF16: return pick_decay<G, EmitType::kBF16>(d);
-    case EmitType::kF16: return pick_decay<G, EmitType::kF16>(d);
+    case EmitType::kNone: return pick_decay<G, EmitType::kNone>(d, st);
+    case EmitType::kBF16: return pick_decay<G, EmitType::kBF16>(d, st);
+    case EmitType::kF16: return pick_decay<G, EmitType::kF16>(d, st);
   }
   return nullptr;
 }
 
 bool scalar_step(const StepConstants& c, const AdamSpans& s, int64_t begin, int64_t end) {
   StepKernel kernel = nullptr;
+  const DecayMode d = c.decay_mode;
+  const StateType st = s.state_type;
   switch (s.grad_type) {
-    case GradType::kF32: kernel = pick_emit<GradType::kF32>(s.emit_type, c.decay_mode); break;
-    case GradType::kBF16: kernel = pick_emit<GradType::kBF16>(s.emit_type, c.decay_mode); break;
-    case GradType::kF16: kernel = pick_emit<GradType::kF16>(s.emit_type, c.decay_mode); break;
+    case GradType::kF32: kernel = pick_emit<GradType::kF32>(s.emit_type, d, st); break;
+    case GradType::kBF16: kernel = pick_emit<GradType::kBF16>(s.emit_type, d, st); break;
+    case GradType::kF16: kernel = pick_emit<GradType::kF16>(s.emit_type, d, st); break;
   }
   return kernel(c, s, begin, end);
 }

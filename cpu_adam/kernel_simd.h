@@ -7,7 +7,10 @@
 // load_f16 (widen to F); to_bf16 and to_f16 (F -> H, Note [16-bit rounding]);
 // store16 and stream16 (a non-temporal store, REQUIRES: sizeof(H)-aligned)
 // of H, and fence() after streaming; set1, add, sub, mul, div, sqrt,
-// fma(a, b, c) = a*b + c rounded once, and any_nan.
+// fma(a, b, c) = a*b + c rounded once, and any_nan. For Note [bf16 state]:
+// I (kWidth 32-bit integers), lanes() = {0, 1, ..., kWidth-1}, set1_u32,
+// add_u32, mul_u32 (low 32 bits), xor_u32, and_u32, srl_u32<N>, and
+// bf16_stochastic(x, r) = the high halves of bits(x) + r (r < 2^16) as H.
 //
 // Everything here is in an anonymous namespace and templated on V (itself in
 // an anonymous namespace of the including file), so no symbol compiled with
@@ -26,6 +29,9 @@ template <class V>
 struct VectorConstants {
   typename V::F grad_scale, decay, weight_decay, one_minus_beta1, beta2, one_minus_beta2,
       inv_bias_correction2_sqrt, neg_step_size, eps, zero;
+  typename V::I lane_keys, mix1, mix2, low16;  // Note [bf16 state]
+  uint64_t rounding_offset;
+  uint32_t step_key;
   explicit VectorConstants(const StepConstants& c)
       : grad_scale(V::set1(c.grad_scale)),
         decay(V::set1(c.decay)),
@@ -36,8 +42,46 @@ struct VectorConstants {
         inv_bias_correction2_sqrt(V::set1(c.inv_bias_correction2_sqrt)),
         neg_step_size(V::set1(c.neg_step_size)),
         eps(V::set1(c.eps)),
-        zero(V::set1(0.0f)) {}
+        zero(V::set1(0.0f)),
+        lane_keys(V::mul_u32(V::lanes(), V::set1_u32(kRoundingIndexMul))),
+        mix1(V::set1_u32(kRoundingMix1)),
+        mix2(V::set1_u32(kRoundingMix2)),
+        low16(V::set1_u32(0xFFFFu)),
+        rounding_offset(c.rounding_offset),
+        step_key(c.step_key) {}
 };
+
+// Note [bf16 state]: 32 random bits for each of the kWidth elements from
+// `index` on (index = rounding_offset + position in the span).
+template <class V>
+inline typename V::I rounding_bits(const VectorConstants<V>& k, uint64_t index) {
+  const uint32_t base = static_cast<uint32_t>(index) * kRoundingIndexMul + k.step_key;
+  typename V::I x = V::add_u32(V::set1_u32(base), k.lane_keys);
+  x = V::xor_u32(x, V::template srl_u32<16>(x));
+  x = V::mul_u32(x, k.mix1);
+  x = V::xor_u32(x, V::template srl_u32<15>(x));
+  x = V::mul_u32(x, k.mix2);
+  return V::xor_u32(x, V::template srl_u32<16>(x));
+}
+
+template <class V, StateType S>
+inline typename V::F load_state(const void* state, int64_t i) {
+  if constexpr (S == StateType::kF32) {
+    return V::load(static_cast<const float*>(state) + i);
+  } else {
+    return V::load_bf16(static_cast<const uint16_t*>(state) + i);
+  }
+}
+
+// r: the element's 16 random bits (bf16 state only).
+template <class V, StateType S>
+inline void store_state(void* state, int64_t i, typename V::F x, typename V::I r) {
+  if constexpr (S == StateType::kF32) {
+    V::store(static_cast<float*>(state) + i, x);
+  } else {
+    V::store16(static_cast<uint16_t*>(state) + i, V::bf16_stochastic(x, r));
+  }
+}
 
 template <class V, GradType G>
 inline typename V::F load_grad(const void* grad, int64_t i) {
@@ -86,11 +130,13 @@ inline bool can_stream(const void* emit, int64_t numel, int64_t begin) {
   return numel >= kStreamMinNumel && address % sizeof(typename V::H) == 0;
 }
 
-// One vector of Note [AdamW numerics], at element i of each span. `nonfinite`
-// accumulates g*0 + acc, which turns NaN as soon as any g is NaN or +-Inf.
-template <class V, GradType G, EmitType E, DecayMode D, bool kStream>
+// One vector of Note [AdamW numerics], at element i of each span; `index` is
+// the first element's index for the rounding hash (Note [bf16 state]).
+// `nonfinite` accumulates g*0 + acc, which turns NaN as soon as any g is NaN
+// or +-Inf.
+template <class V, GradType G, EmitType E, DecayMode D, StateType S, bool kStream>
 inline void step_vector(const VectorConstants<V>& k, float* param, const void* grad,
-                        float* exp_avg, float* exp_avg_sq, void* emit, int64_t i,
+                        void* exp_avg, void* exp_avg_sq, void* emit, int64_t i, uint64_t index,
                         typename V::F& nonfinite) {
   using F = typename V::F;
   F g = V::mul(load_grad<V, G>(grad, i), k.grad_scale);
@@ -98,21 +144,29 @@ inline void step_vector(const VectorConstants<V>& k, float* param, const void* g
   F p = V::load(param + i);
   if constexpr (D == DecayMode::kL2) g = V::fma(p, k.weight_decay, g);
   if constexpr (D == DecayMode::kDecoupled) p = V::mul(p, k.decay);
-  F m = V::load(exp_avg + i);
+  F m = load_state<V, S>(exp_avg, i);
   m = V::fma(k.one_minus_beta1, V::sub(g, m), m);
-  F v = V::load(exp_avg_sq + i);
+  F v = load_state<V, S>(exp_avg_sq, i);
   v = V::fma(V::mul(k.one_minus_beta2, g), g, V::mul(v, k.beta2));
   const F denom = V::fma(V::sqrt(v), k.inv_bias_correction2_sqrt, k.eps);
   p = V::add(p, V::div(V::mul(k.neg_step_size, m), denom));
   V::store(param + i, p);
-  V::store(exp_avg + i, m);
-  V::store(exp_avg_sq + i, v);
+  if constexpr (S == StateType::kF32) {
+    store_state<V, S>(exp_avg, i, m, k.low16);
+    store_state<V, S>(exp_avg_sq, i, v, k.low16);
+  } else {
+    const typename V::I bits = rounding_bits(k, index);
+    store_state<V, S>(exp_avg, i, m, V::and_u32(bits, k.low16));
+    store_state<V, S>(exp_avg_sq, i, v, V::template srl_u32<16>(bits));
+  }
   store_emit<V, E, kStream>(emit, i, p);
 }
 
+inline int state_bytes(StateType type) { return type == StateType::kF32 ? 4 : 2; }
+
 inline int grad_bytes(GradType type) { return type == GradType::kF32 ? 4 : 2; }
 
-template <class V, GradType G, EmitType E, DecayMode D>
+template <class V, GradType G, EmitType E, DecayMode D, StateType S>
 bool step_range(const StepConstants& c, const AdamSpans& s, int64_t begin, int64_t end) {
   constexpr int W = V::kWidth;
   const VectorConstants<V> k(c);
@@ -120,33 +174,35 @@ bool step_range(const StepConstants& c, const AdamSpans& s, int64_t begin, int64
   int64_t i = begin;
   if (E != EmitType::kNone && can_stream<V>(s.emit, s.numel, begin)) {  // Note [Streaming the 16-bit copy]
     for (; i + W <= end; i += W) {
-      step_vector<V, G, E, D, true>(k, s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.emit, i,
-                                    nonfinite);
+      step_vector<V, G, E, D, S, true>(k, s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.emit, i,
+                                       k.rounding_offset + i, nonfinite);
     }
     V::fence();
   }
   for (; i + W <= end; i += W) {
-    step_vector<V, G, E, D, false>(k, s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.emit, i,
-                                   nonfinite);
+    step_vector<V, G, E, D, S, false>(k, s.param, s.grad, s.exp_avg, s.exp_avg_sq, s.emit, i,
+                                      k.rounding_offset + i, nonfinite);
   }
   if (i < end) {
     // The tail runs the same vector code on zero-padded copies, so every
-    // element sees the same arithmetic (a zero gradient is finite).
+    // element sees the same arithmetic (a zero gradient is finite) and draws
+    // the same rounding bits.
     const int64_t n = end - i;
     const int gb = grad_bytes(G);
+    const int sb = state_bytes(S);
     alignas(64) float p[W] = {};
-    alignas(64) float m[W] = {};
-    alignas(64) float v[W] = {};
+    alignas(64) unsigned char m[W * 4] = {};
+    alignas(64) unsigned char v[W * 4] = {};
     alignas(64) unsigned char g[W * 4] = {};
     alignas(64) uint16_t e[W] = {};
     std::memcpy(p, s.param + i, n * sizeof(float));
-    std::memcpy(m, s.exp_avg + i, n * sizeof(float));
-    std::memcpy(v, s.exp_avg_sq + i, n * sizeof(float));
+    std::memcpy(m, static_cast<const unsigned char*>(s.exp_avg) + i * sb, n * sb);
+    std::memcpy(v, static_cast<const unsigned char*>(s.exp_avg_sq) + i * sb, n * sb);
     std::memcpy(g, static_cast<const unsigned char*>(s.grad) + i * gb, n * gb);
-    step_vector<V, G, E, D, false>(k, p, g, m, v, e, 0, nonfinite);
+    step_vector<V, G, E, D, S, false>(k, p, g, m, v, e, 0, k.rounding_offset + i, nonfinite);
     std::memcpy(s.param + i, p, n * sizeof(float));
-    std::memcpy(s.exp_avg + i, m, n * sizeof(float));
-    std::memcpy(s.exp_avg_sq + i, v, n * sizeof(float));
+    std::memcpy(static_cast<unsigned char*>(s.exp_avg) + i * sb, m, n * sb);
+    std::memcpy(static_cast<unsigned char*>(s.exp_avg_sq) + i * sb, v, n * sb);
     if constexpr (E != EmitType::kNone) {
       std::memcpy(static_cast<uint16_t*>(s.emit) + i, e, n * sizeof(uint16_t));
     }
@@ -154,22 +210,28 @@ bool step_range(const StepConstants& c, const AdamSpans& s, int64_t begin, int64
   return !V::any_nan(nonfinite);
 }
 
+template <class V, GradType G, EmitType E, DecayMode D>
+StepKernel pick_state(StateType st) {
+  return st == StateType::kF32 ? &step_range<V, G, E, D, StateType::kF32>
+                               : &step_range<V, G, E, D, StateType::kBF16>;
+}
+
 template <class V, GradType G, EmitType E>
-StepKernel pick_decay(DecayMode d) {
+StepKernel pick_decay(DecayMode d, StateType st) {
   switch (d) {
-    case DecayMode::kNone: return &step_range<V, G, E, DecayMode::kNone>;
-    case DecayMode::kDecoupled: return &step_range<V, G, E, DecayMode::kDecoupled>;
-    case DecayMode::kL2: return &step_range<V, G, E, DecayMode::kL2>;
+    case DecayMode::kNone: return pick_state<V, G, E, DecayMode::kNone>(st);
+    case DecayMode::kDecoupled: return pick_state<V, G, E, DecayMode::kDecoupled>(st);
+    case DecayMode::kL2: return pick_state<V, G, E, DecayMode::kL2>(st);
   }
   return nullptr;
 }
 
 template <class V, GradType G>
-StepKernel pick_emit(EmitType e, DecayMode d) {
+StepKernel pick_emit(EmitType e, DecayMode d, StateType st) {
   switch (e) {
-    case EmitType::kNone: return pick_decay<V, G, EmitType::kNone>(d);
-    case EmitType::kBF16: return pick_decay<V, G, EmitType::kBF16>(d);
-    case EmitType::kF16: return pick_decay<V, G, EmitType::kF16>(d);
+    case EmitType::kNone: return pick_decay<V, G, EmitType::kNone>(d, st);
+    case EmitType::kBF16: return pick_decay<V, G, EmitType::kBF16>(d, st);
+    case EmitType::kF16: return pick_decay<V, G, EmitType::kF16>(d, st);
   }
   return nullptr;
 }
@@ -179,10 +241,12 @@ StepKernel pick_emit(EmitType e, DecayMode d) {
 template <class V>
 bool simd_step(const StepConstants& c, const AdamSpans& s, int64_t begin, int64_t end) {
   StepKernel kernel = nullptr;
+  const DecayMode d = c.decay_mode;
+  const StateType st = s.state_type;
   switch (s.grad_type) {
-    case GradType::kF32: kernel = pick_emit<V, GradType::kF32>(s.emit_type, c.decay_mode); break;
-    case GradType::kBF16: kernel = pick_emit<V, GradType::kBF16>(s.emit_type, c.decay_mode); break;
-    case GradType::kF16: kernel = pick_emit<V, GradType::kF16>(s.emit_type, c.decay_mode); break;
+    case GradType::kF32: kernel = pick_emit<V, GradType::kF32>(s.emit_type, d, st); break;
+    case GradType::kBF16: kernel = pick_emit<V, GradType::kBF16>(s.emit_type, d, st); break;
+    case GradType::kF16: kernel = pick_emit<V, GradType::kF16>(s.emit_type, d, st); break;
   }
   return kernel(c, s, begin, end);
 }

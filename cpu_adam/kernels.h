@@ -25,7 +25,17 @@ struct StepConstants {
   float neg_step_size;    // -lr / (1 - beta1^t)
   float eps;
   DecayMode decay_mode;
+  // Note [bf16 state]: the hash key of element i is
+  // uint32(rounding_offset + i) * kRoundingIndexMul + step_key.
+  uint64_t rounding_offset;
+  uint32_t step_key;
 };
+
+constexpr uint32_t kRoundingIndexMul = 0x9E3779B1u;  // odd: a bijection of the index
+constexpr uint32_t kRoundingStepMul = 0x85EBCA77u;
+// The mixer of the rounding hash (a 32-bit xorshift-multiply finaliser).
+constexpr uint32_t kRoundingMix1 = 0x7FEB352Du;
+constexpr uint32_t kRoundingMix2 = 0x846CA68Bu;
 
 StepConstants make_constants(const AdamParams& params, const StepArgs& args);
 

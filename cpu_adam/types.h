@@ -77,6 +77,29 @@ Isa parse_isa(std::string_view name);
 enum class GradType { kF32, kBF16, kF16 };
 const char* grad_type_name(GradType type);  // "fp32", "bf16", "fp16"
 
+// Note [bf16 state]
+// exp_avg and exp_avg_sq may be kept in bf16 (StateType::kBF16): 4 bytes of
+// moments per parameter instead of 8, and 20 bytes of DRAM traffic per step
+// instead of 28. A step widens them exactly, computes Note [AdamW numerics] in
+// fp32 (the parameter update uses the unrounded new moments), and stores the
+// new moments rounded to bf16 STOCHASTICALLY: 16 random bits are added to the
+// fp32 bit pattern, which is then truncated, so the stored value is one of the
+// two neighbouring bf16 values and its expectation is the fp32 value.
+// Rounding to nearest would not do: with beta2 = 0.999, v moves by 0.1% a
+// step when the gradient shrinks, less than half a bf16 ulp (0.2-0.4%), so v
+// would never decay and the effective step size would only ever shrink.
+// The random bits are a hash of (index, step), where index is the element's
+// position in the span plus StepArgs::rounding_offset (a caller stepping one
+// array in several spans passes each span's offset, so no two elements of the
+// array draw the same bits): the result does not depend on the thread count
+// or the tiling, the SIMD kernels agree bit for bit, and rerunning a step
+// from the same state gives the same bits. m takes the hash's low 16 bits, v
+// its high 16. NaN stays NaN (arithmetic NaNs are quiet, and adding under
+// 2^16 to a quiet NaN's bits keeps it NaN); +-Inf stays +-Inf; a finite value
+// above the largest bf16 may round to Inf.
+enum class StateType { kF32, kBF16 };
+const char* state_type_name(StateType type);  // "fp32", "bf16"
+
 // Hyperparameters. Defaults are PyTorch's AdamW defaults.
 struct AdamParams {
   double lr = 1e-3;
@@ -90,6 +113,7 @@ struct AdamParams {
 struct StepArgs {
   int64_t step = 1;         // 1-based: the first step is 1 (bias correction uses it)
   float grad_scale = 1.0f;  // multiplies every gradient first (1/loss_scale, clip coefficient)
+  uint64_t rounding_offset = 0;  // bf16 state: index of the spans' element 0 in the whole array
 };
 
 // The spans of one step. Views: CpuAdam owns none of them.
@@ -97,8 +121,9 @@ struct AdamSpans {
   float* param = nullptr;       // (numel) fp32 master weights, updated in place
   const void* grad = nullptr;   // (numel) of grad_type
   GradType grad_type = GradType::kF32;
-  float* exp_avg = nullptr;     // (numel) fp32, zero before step 1
-  float* exp_avg_sq = nullptr;  // (numel) fp32, zero before step 1
+  void* exp_avg = nullptr;      // (numel) of state_type, zero before step 1
+  void* exp_avg_sq = nullptr;   // (numel) of state_type, zero before step 1
+  StateType state_type = StateType::kF32;
   void* emit = nullptr;         // (numel) of emit_type, or null with EmitType::kNone
   EmitType emit_type = EmitType::kNone;
   int64_t numel = 0;

@@ -129,6 +129,14 @@ EMU_INLINE __mmask16 _mm512_cmp_ps_mask(__m512 a, __m512 b, int predicate) {
 EMU_INLINE __m512i _mm512_and_si512(__m512i a, __m512i b) { return avx512_emulation::map_epi32(a, b, [](uint32_t x, uint32_t y) { return x & y; }); }
 EMU_INLINE __m512i _mm512_or_si512(__m512i a, __m512i b) { return avx512_emulation::map_epi32(a, b, [](uint32_t x, uint32_t y) { return x | y; }); }
 EMU_INLINE __m512i _mm512_add_epi32(__m512i a, __m512i b) { return avx512_emulation::map_epi32(a, b, [](uint32_t x, uint32_t y) { return x + y; }); }
+EMU_INLINE __m512i _mm512_xor_si512(__m512i a, __m512i b) { return avx512_emulation::map_epi32(a, b, [](uint32_t x, uint32_t y) { return x ^ y; }); }
+EMU_INLINE __m512i _mm512_mullo_epi32(__m512i a, __m512i b) { return avx512_emulation::map_epi32(a, b, [](uint32_t x, uint32_t y) { return x * y; }); }
+EMU_INLINE __m512i _mm512_load_si512(const void* p) {  // REQUIRES: 64-byte aligned
+  if (reinterpret_cast<uintptr_t>(p) % 64 != 0) __builtin_trap();
+  __m512i r;
+  std::memcpy(&r, p, 64);
+  return r;
+}
 EMU_INLINE __m512i _mm512_sub_epi32(__m512i a, __m512i b) { return avx512_emulation::map_epi32(a, b, [](uint32_t x, uint32_t y) { return x - y; }); }
 EMU_INLINE __m512i _mm512_slli_epi32(__m512i a, unsigned n) {
   return avx512_emulation::map_epi32(a, a, [n](uint32_t x, uint32_t) { return n > 31 ? 0u : x << n; });

@@ -116,6 +116,48 @@ TEST(CpuAdamEmulatedAvx512, StepMatchesAvx2BitForBit) {
   }
 }
 
+// Note [bf16 state]: the emulated AVX-512 kernels draw the same rounding bits
+// and store the same bf16 moments as the AVX2 kernel.
+TEST(CpuAdamEmulatedAvx512, Bf16StateMatchesAvx2BitForBit) {
+  if (!isa_supported(Isa::kAvx2)) GTEST_SKIP() << "CPU lacks avx2 (the comparison kernel)";
+  const Kernels avx2 = detail::kernels_for(Isa::kAvx2);
+  std::mt19937_64 rng(78);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (const Emulated& emu : emulated()) {
+    for (int64_t n : {1, 15, 16, 17, 4097, 20011}) {
+      std::vector<float> pa(n), pb(n), g(n);
+      std::vector<uint16_t> ma(n), mb(n), va(n), vb(n), ea(n), eb(n);
+      for (int64_t i = 0; i < n; ++i) {
+        pa[i] = pb[i] = normal(rng);
+        ma[i] = mb[i] = float_to_bf16(0.01f * normal(rng));
+        const float r = 0.01f * normal(rng);
+        va[i] = vb[i] = float_to_bf16(r * r);
+      }
+      const AdamParams hp{.lr = 1e-2, .weight_decay = 0.1};
+      for (int t = 1; t <= 5; ++t) {
+        for (float& x : g) x = 0.01f * normal(rng);
+        const detail::StepConstants c =
+            detail::make_constants(hp, {.step = t, .grad_scale = 0.5f, .rounding_offset = 3});
+        auto spans = [&](std::vector<float>& p, std::vector<uint16_t>& m, std::vector<uint16_t>& v,
+                         std::vector<uint16_t>& e) {
+          return AdamSpans{.param = p.data(), .grad = g.data(), .exp_avg = m.data(),
+                           .exp_avg_sq = v.data(), .state_type = StateType::kBF16,
+                           .emit = e.data(), .emit_type = EmitType::kBF16, .numel = n};
+        };
+        ASSERT_TRUE(avx2.step(c, spans(pa, ma, va, ea), 0, n));
+        const int64_t mid = n > 32 ? 32 : n;
+        ASSERT_TRUE(emu.kernels.step(c, spans(pb, mb, vb, eb), 0, mid));
+        ASSERT_TRUE(emu.kernels.step(c, spans(pb, mb, vb, eb), mid, n));
+      }
+      const std::string what = std::string(emu.name) + " n=" + std::to_string(n);
+      ASSERT_EQ(pa, pb) << what;
+      ASSERT_EQ(ma, mb) << what;
+      ASSERT_EQ(va, vb) << what;
+      ASSERT_EQ(ea, eb) << what;
+    }
+  }
+}
+
 // Special values through the conversion, where the hardware instructions
 // (as emulated) differ from LibTorch and the kernel must correct them.
 TEST(CpuAdamEmulatedAvx512, ConvertMatchesScalarOnSpecialValues) {

@@ -566,10 +566,189 @@ TEST(CpuAdamIsaAgreement, SimdKernelsAgreeBitForBit) {
   }
 }
 
+// ---- bf16 state (Note [bf16 state]) -----------------------------------------
+
+// A problem with exp_avg and exp_avg_sq stored in bf16, started from non-zero
+// moments (as after some steps).
+struct Bf16StateProblem {
+  std::vector<float> param, grad;
+  std::vector<uint16_t> m, v, emit;
+  std::mt19937_64 rng;
+
+  Bf16StateProblem(int64_t n, uint64_t seed) : param(n), grad(n), m(n), v(n), emit(n), rng(seed) {
+    std::normal_distribution<float> d(0.0f, 1.0f);
+    for (int64_t i = 0; i < n; ++i) {
+      param[i] = d(rng);
+      m[i] = float_to_bf16(0.01f * d(rng));
+      const float s = 0.01f * d(rng);
+      v[i] = float_to_bf16(s * s);
+    }
+    new_grads();
+  }
+  void new_grads() {
+    std::normal_distribution<float> d(0.0f, 0.01f);
+    for (float& g : grad) g = d(rng);
+  }
+  AdamSpans spans(int64_t begin, int64_t end) {
+    return AdamSpans{.param = param.data() + begin, .grad = grad.data() + begin,
+                     .exp_avg = m.data() + begin, .exp_avg_sq = v.data() + begin,
+                     .state_type = StateType::kBF16, .emit = emit.data() + begin,
+                     .emit_type = EmitType::kBF16, .numel = end - begin};
+  }
+  AdamSpans spans() { return spans(0, int64_t(param.size())); }
+  static std::vector<float> widen(const std::vector<uint16_t>& x) {
+    std::vector<float> out(x.size());
+    for (size_t i = 0; i < x.size(); ++i) out[i] = bf16_to_float(x[i]);
+    return out;
+  }
+};
+
+// The spacing of bf16 values at |x| (at least that of the smallest normal).
+double bf16_ulp(double x) {
+  const int e = std::max(std::ilogb(std::max(std::fabs(x), 1e-300)), -126);
+  return std::ldexp(1.0, e - 7);
+}
+
+class CpuAdamBf16State : public ::testing::TestWithParam<Isa> {};
+
+// Every step from the kernel's own state: the fp32 parameters within 1e-6 of
+// the exact step (the update uses the unrounded moments), the stored moments
+// within one bf16 spacing of the exact new moments (stochastic rounding picks
+// one of the two neighbours).
+TEST_P(CpuAdamBf16State, EachStepMatchesReferenceWithinOneBf16Spacing) {
+  const Isa isa = GetParam();
+  SKIP_UNLESS_SUPPORTED(isa);
+  CpuAdam adam(2, isa);
+  for (int64_t n : {int64_t{1}, int64_t{17}, int64_t{100003}}) {
+    Bf16StateProblem prob(n, 11 + n);
+    const AdamParams hp{.lr = 1e-2, .weight_decay = 0.1};
+    double worst_p = 0, worst_m = 0, worst_v = 0;
+    for (int t = 1; t <= 20; ++t) {
+      prob.new_grads();
+      Reference ref(prob.param);
+      const std::vector<float> m0 = Bf16StateProblem::widen(prob.m), v0 = Bf16StateProblem::widen(prob.v);
+      ref.load(prob.param.data(), m0.data(), v0.data());
+      ref.step(hp, t, 1.0f, prob.grad);
+      ASSERT_TRUE(adam.step(hp, {.step = t}, prob.spans()));
+      for (int64_t i = 0; i < n; ++i) {
+        worst_p = std::max(worst_p, rel_error(prob.param[i], ref.p[i], ref.mag_p[i]));
+        const double m = bf16_to_float(prob.m[i]), v = bf16_to_float(prob.v[i]);
+        worst_m = std::max(worst_m, std::fabs(m - ref.m[i]) /
+                                        std::max(bf16_ulp(ref.m[i]), kTolerance * ref.mag_m[i]));
+        worst_v = std::max(worst_v, std::fabs(v - ref.v[i]) /
+                                        std::max(bf16_ulp(ref.v[i]), kTolerance * ref.mag_v[i]));
+        ASSERT_EQ(prob.emit[i], float_to_bf16(prob.param[i])) << "emit, element " << i;
+      }
+    }
+    EXPECT_LE(worst_p, kTolerance) << "n=" << n;
+    EXPECT_LE(worst_m, 1.0) << "n=" << n << " (in bf16 spacings)";
+    EXPECT_LE(worst_v, 1.0) << "n=" << n << " (in bf16 spacings)";
+  }
+}
+
+// The reason for stochastic rounding: with beta2 = 0.999 and zero gradients,
+// v must decay by 0.1% a step. Rounded to nearest it would never move; the
+// stochastically rounded mean must follow 0.999^t.
+TEST_P(CpuAdamBf16State, SecondMomentDecaysUnbiased) {
+  const Isa isa = GetParam();
+  SKIP_UNLESS_SUPPORTED(isa);
+  ASSERT_EQ(float_to_bf16(0.999f), float_to_bf16(1.0f)) << "premise: nearest rounding would stall";
+  const int64_t n = 1 << 16;
+  std::vector<float> param(n, 0.0f), grad(n, 0.0f);
+  std::vector<uint16_t> m(n, 0), v(n, float_to_bf16(1.0f));
+  CpuAdam adam(2, isa);
+  const AdamParams hp{.beta2 = 0.999, .weight_decay = 0.0};
+  const int steps = 1000;
+  for (int t = 1; t <= steps; ++t) {
+    adam.step(hp, {.step = t},
+              {.param = param.data(), .grad = grad.data(), .exp_avg = m.data(), .exp_avg_sq = v.data(),
+               .state_type = StateType::kBF16, .numel = n});
+  }
+  double mean = 0;
+  for (uint16_t x : v) mean += bf16_to_float(x);
+  mean /= double(n);
+  const double expected = std::pow(double(0.999f), steps);  // 0.368
+  EXPECT_NEAR(mean, expected, 0.01 * expected);
+  for (float p : param) ASSERT_EQ(p, 0.0f);  // m stayed 0, so no update
+}
+
+// The rounding bits depend on (index, step) only: the thread count and the
+// split into spans (with rounding_offset) do not change a bit, and the
+// offset does change the draws.
+TEST_P(CpuAdamBf16State, RoundingDependsOnIndexNotOnSplitOrThreads) {
+  const Isa isa = GetParam();
+  SKIP_UNLESS_SUPPORTED(isa);
+  const int64_t n = 3 * CpuAdam::kTileNumel + 101;
+  const int64_t cut = CpuAdam::kTileNumel + 37;
+  Bf16StateProblem whole(n, 5), split(n, 5), single(n, 5), shifted(n, 5);
+  CpuAdam two(2, isa), one(1, isa);
+  for (int t = 1; t <= 3; ++t) {
+    for (Bf16StateProblem* p : {&whole, &split, &single, &shifted}) p->new_grads();
+    two.step({}, {.step = t}, whole.spans());
+    one.step({}, {.step = t}, single.spans());
+    two.step({}, {.step = t}, split.spans(0, cut));
+    two.step({}, {.step = t, .rounding_offset = uint64_t(cut)}, split.spans(cut, n));
+    two.step({}, {.step = t, .rounding_offset = 12345}, shifted.spans());
+  }
+  EXPECT_EQ(whole.m, single.m);
+  EXPECT_EQ(whole.v, single.v);
+  EXPECT_EQ(whole.param, single.param);
+  EXPECT_EQ(whole.m, split.m);
+  EXPECT_EQ(whole.v, split.v);
+  EXPECT_EQ(whole.param, split.param);
+  int64_t differ = 0;
+  for (int64_t i = 0; i < n; ++i) differ += whole.v[i] != shifted.v[i];
+  EXPECT_GT(differ, n / 10) << "rounding_offset must change the draws";
+}
+
+TEST_P(CpuAdamBf16State, NonFiniteGradientsGiveNonFiniteState) {
+  const Isa isa = GetParam();
+  SKIP_UNLESS_SUPPORTED(isa);
+  CpuAdam adam(1, isa);
+  Bf16StateProblem prob(33, 9);
+  prob.grad[3] = std::numeric_limits<float>::quiet_NaN();
+  prob.grad[20] = std::numeric_limits<float>::infinity();
+  EXPECT_FALSE(adam.step({}, {.step = 1}, prob.spans()));
+  EXPECT_TRUE(std::isnan(bf16_to_float(prob.m[3])));
+  EXPECT_TRUE(std::isnan(bf16_to_float(prob.v[3])));
+  EXPECT_EQ(bf16_to_float(prob.v[20]), std::numeric_limits<float>::infinity());
+  EXPECT_TRUE(std::isnan(prob.param[20]));
+  for (int64_t i : {0, 2, 4, 19, 21, 32}) {
+    EXPECT_TRUE(std::isfinite(bf16_to_float(prob.m[i])) && std::isfinite(bf16_to_float(prob.v[i])))
+        << "element " << i;
+  }
+}
+
+INSTANTIATE_TEST_SUITE_P(AllIsas, CpuAdamBf16State, ::testing::ValuesIn(kAllIsas),
+                         [](const auto& info) { return std::string(isa_name(info.param)); });
+
+TEST(CpuAdamIsaAgreement, SimdKernelsAgreeBitForBitWithBf16State) {
+  if (!isa_supported(Isa::kAvx512)) GTEST_SKIP() << "CPU lacks avx512";
+  std::vector<Isa> isas = {Isa::kAvx2, Isa::kAvx512};
+  if (isa_supported(Isa::kAvx512Bf16)) isas.push_back(Isa::kAvx512Bf16);
+  std::vector<Bf16StateProblem> probs;
+  for (Isa isa : isas) {
+    CpuAdam adam(2, isa);
+    Bf16StateProblem& prob = probs.emplace_back(100003, 21);
+    for (int t = 1; t <= 10; ++t) {
+      prob.new_grads();
+      adam.step({}, {.step = t, .grad_scale = 0.7f}, prob.spans());
+    }
+  }
+  for (size_t k = 1; k < probs.size(); ++k) {
+    EXPECT_EQ(probs[0].param, probs[k].param) << isa_name(isas[k]);
+    EXPECT_EQ(probs[0].m, probs[k].m) << isa_name(isas[k]);
+    EXPECT_EQ(probs[0].v, probs[k].v) << isa_name(isas[k]);
+    EXPECT_EQ(probs[0].emit, probs[k].emit) << isa_name(isas[k]);
+  }
+}
+
 // ---- API --------------------------------------------------------------------
 
 TEST(CpuAdamApi, IsaNamesAndSupport) {
   for (Isa isa : kAllIsas) EXPECT_EQ(parse_isa(isa_name(isa)), isa);
+  EXPECT_STREQ(state_type_name(StateType::kF32), "fp32");
+  EXPECT_STREQ(state_type_name(StateType::kBF16), "bf16");
   EXPECT_EQ(parse_isa("auto"), best_isa());
   EXPECT_THROW(parse_isa("avx9000"), std::invalid_argument);
   EXPECT_TRUE(isa_supported(Isa::kScalar));

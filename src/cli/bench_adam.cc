@@ -36,12 +36,14 @@ namespace {
 using cpu_adam::CpuAdam;
 using cpu_adam::EmitType;
 using cpu_adam::GradType;
+using cpu_adam::StateType;
 
 struct BenchAdamOptions {
   int64_t numel = 25'000'000;
   int threads = 0;  // 0: all cores
   std::string grad_dtype = "fp32";
   std::string emit = "bf16";
+  std::string state = "fp32";  // exp_avg / exp_avg_sq storage
   std::string isa = "auto";
   int reps = 9;
   bool json = false;
@@ -148,9 +150,17 @@ void run_bench_adam(const BenchAdamOptions& o) {
   tbb::task_arena arena(adam.threads());
   const int64_t n = o.numel;
   const int64_t grad_bytes = grad_type == GradType::kF32 ? 4 : 2;
+  const StateType state_type = o.state == "bf16" ? StateType::kBF16 : StateType::kF32;
+  const int64_t state_bytes = state_type == StateType::kF32 ? 4 : 2;
 
   Buffer param(n * 4), exp_avg(n * 4), exp_avg_sq(n * 4), grad(n * grad_bytes), grad32(n * 4),
       emit(n * 2);
+  // The step's moments: the roof's fp32 arrays, or bf16 arrays of their own
+  // (Note [bf16 state]; the roof stays what an fp32 step must move).
+  Buffer exp_avg16(state_type == StateType::kBF16 ? n * 2 : 1),
+      exp_avg_sq16(state_type == StateType::kBF16 ? n * 2 : 1);
+  void* step_m = state_type == StateType::kBF16 ? exp_avg16.as<void>() : exp_avg.as<void>();
+  void* step_v = state_type == StateType::kBF16 ? exp_avg_sq16.as<void>() : exp_avg_sq.as<void>();
   // First touch on the benchmark's threads, with values a step can chew on.
   parallel_tiles(arena, n, [&](int64_t b, int64_t e) {
     for (int64_t i = b; i < e; ++i) {
@@ -160,6 +170,10 @@ void run_bench_adam(const BenchAdamOptions& o) {
       exp_avg_sq.as<float>()[i] = 0.0f;
       grad32.as<float>()[i] = 1e-3f * x;
       emit.as<uint16_t>()[i] = 0;
+      if (state_type == StateType::kBF16) {
+        exp_avg16.as<uint16_t>()[i] = 0;
+        exp_avg_sq16.as<uint16_t>()[i] = 0;
+      }
     }
   });
   if (grad_type == GradType::kF32) {
@@ -172,8 +186,8 @@ void run_bench_adam(const BenchAdamOptions& o) {
   }
 
   cpu_adam::AdamSpans spans{.param = param.as<float>(), .grad = grad.as<void>(),
-                            .grad_type = grad_type, .exp_avg = exp_avg.as<float>(),
-                            .exp_avg_sq = exp_avg_sq.as<float>(), .numel = n};
+                            .grad_type = grad_type, .exp_avg = step_m, .exp_avg_sq = step_v,
+                            .state_type = state_type, .numel = n};
   cpu_adam::AdamSpans fused_spans = spans;
   fused_spans.emit = emit.as<void>();
   fused_spans.emit_type = emit_type;
@@ -228,7 +242,7 @@ void run_bench_adam(const BenchAdamOptions& o) {
   // Bytes each variant must move through DRAM (stores of lines already read
   // cost no extra read; the 16-bit emit is written without being read first
   // only with streaming stores, which these kernels do not use).
-  const double step_bytes = double(n) * (4 + grad_bytes + 4 + 4 + 4 + 4 + 4);
+  const double step_bytes = double(n) * (4 + grad_bytes + 4 * state_bytes + 4);
   const double emit_bytes = double(n) * 2;
   auto result = [&](const char* name) {
     for (const Variant& v : variants) {
@@ -247,6 +261,7 @@ void run_bench_adam(const BenchAdamOptions& o) {
                         {"isa", cpu_adam::isa_name(adam.isa())},
                         {"grad_dtype", cpu_adam::grad_type_name(grad_type)},
                         {"emit", cpu_adam::emit_type_name(emit_type)},
+                        {"state", cpu_adam::state_type_name(state_type)},
                         {"reps", o.reps},
                         {"roof_ms", roof_ms},
                         {"step_ms", step_ms},
@@ -264,9 +279,11 @@ void run_bench_adam(const BenchAdamOptions& o) {
     std::printf("%s\n", j.dump().c_str());
     return;
   }
-  std::printf("bench-adam: %lld params, %d threads, isa %s, grad %s, emit %s; medians of %d reps\n",
-              static_cast<long long>(n), adam.threads(), cpu_adam::isa_name(adam.isa()),
-              cpu_adam::grad_type_name(grad_type), cpu_adam::emit_type_name(emit_type), o.reps);
+  std::printf(
+      "bench-adam: %lld params, %d threads, isa %s, grad %s, emit %s, state %s; medians of %d reps\n",
+      static_cast<long long>(n), adam.threads(), cpu_adam::isa_name(adam.isa()),
+      cpu_adam::grad_type_name(grad_type), cpu_adam::emit_type_name(emit_type),
+      cpu_adam::state_type_name(state_type), o.reps);
   auto line = [&](const char* what, double ms, double bytes) {
     std::printf("  %-34s %9.2f ms  %7.3f Gparam/s  %6.1f GB/s\n", what, ms, n / ms * 1e-6,
                 bytes / ms * 1e-6);
@@ -305,6 +322,9 @@ void register_bench_adam(CLI::App& app) {
   sub->add_option("--emit", opts->emit, "16-bit copy of the params written by the step")
       ->capture_default_str()
       ->check(CLI::IsMember({"bf16", "fp16", "none"}));
+  sub->add_option("--state", opts->state, "Storage of exp_avg and exp_avg_sq (bf16: stochastic rounding)")
+      ->capture_default_str()
+      ->check(CLI::IsMember({"fp32", "bf16"}));
   sub->add_option("--isa", opts->isa, "Kernel instruction set (forces a lower one)")
       ->capture_default_str()
       ->check(CLI::IsMember({"auto", "scalar", "avx2", "avx512", "avx512_bf16"}));
