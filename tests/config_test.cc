@@ -83,6 +83,7 @@ TEST(ConfigDefaults, MinimalConfigGivesDocumentedDefaults) {
   EXPECT_EQ(c.run.seed, 1234u);
   EXPECT_EQ(c.run.log_level, "info");
   EXPECT_EQ(c.run.device, "cpu");
+  EXPECT_EQ(c.run.optimizer_state_dtype, "fp32");
   EXPECT_EQ(c.run.threads, 0);
   EXPECT_EQ(c.run.compute_dtype, "fp32");
   EXPECT_TRUE(c.run.metrics.empty());
@@ -400,6 +401,8 @@ TEST(ConfigEnums, BadEnumListsTheChoices) {
   EXPECT_CONFIG_ERROR(with({{"run", {{"log_level", "loud"}}}}), "run.log_level",
                       "expected trace, debug, info, warn, error or off");
   EXPECT_CONFIG_ERROR(with({{"run", {{"device", "tpu"}}}}), "run.device", "expected cpu or cuda");
+  EXPECT_CONFIG_ERROR(with({{"run", {{"optimizer_state_dtype", "fp8"}}}}), "run.optimizer_state_dtype",
+                      "expected fp32 or bf16");
   EXPECT_CONFIG_ERROR(with({{"data", {{"path", "x"}, {"format", "int8"}}}}), "data.format",
                       "expected text, uint16 or uint32");
 }

@@ -729,7 +729,7 @@ void parse_run(const json& root, Config& c) {
   check_keys(r, path,
              {"steps", "seed", "metrics", "log_file", "log_level", "device", "threads",
               "device_memory_mb", "cpu_adam_isa", "overlap_optimizer",
-              "swap_checksums"},
+              "swap_checksums", "optimizer_state_dtype"},
              kNone, c.ignored_keys);
   RunConfig& rc = c.run;
   if (read(r, path, "steps", rc.steps)) positive("run.steps", rc.steps);
@@ -746,6 +746,7 @@ void parse_run(const json& root, Config& c) {
             {"auto", "scalar", "avx2", "avx512", "avx512_bf16"});
   read(r, path, "overlap_optimizer", rc.overlap_optimizer);
   read(r, path, "swap_checksums", rc.swap_checksums);
+  read_enum(r, path, "optimizer_state_dtype", rc.optimizer_state_dtype, {"fp32", "bf16"});
 }
 
 // One category's split: {"device": f, "host": f, "nvme": f}, absent tiers 0,

@@ -54,6 +54,9 @@ struct RunConfig {
   // CRC-32C per 4 KiB swap block, computed on write and verified on read.
   bool swap_checksums = true;
   std::string cpu_adam_isa = "auto";  // auto | scalar | avx2 | avx512 | avx512_bf16 (force a lower one)
+  // Storage of the Adam moments exp_avg and exp_avg_sq: fp32, or bf16 with
+  // stochastic rounding (Note [bf16 state] in cpu_adam/types.h).
+  std::string optimizer_state_dtype = "fp32";
   std::string compute_dtype = "";  // derived: fp32 | bf16 | fp16 (from bf16/fp16 sections)
 };
 

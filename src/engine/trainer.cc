@@ -108,9 +108,16 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   if (need.grad_rmw > 0) grad_rmw_ = HostBuffer(size_t(need.grad_rmw), "gradient read-modify-write");
   if (need.opt_grad > 0) opt_grad_ = HostBuffer(size_t(need.opt_grad), "optimizer gradient staging");
   if (need.opt_state > 0) {
-    opt_master_ = HostBuffer(size_t(need.opt_state / 3), "optimizer staging: master");
-    opt_avg_ = HostBuffer(size_t(need.opt_state / 3), "optimizer staging: exp_avg");
-    opt_avg_sq_ = HostBuffer(size_t(need.opt_state / 3), "optimizer staging: exp_avg_sq");
+    // need.opt_state = opt_sets pieces of each of the three, at their element sizes.
+    auto staging = [&](Category c) {
+      return size_t(std::max(1, need.opt_sets)) * size_t(group_numel_ * plan.elem_bytes[size_t(c)]);
+    };
+    STRATA_CHECK(int64_t(staging(Category::kMaster) + staging(Category::kExpAvg) +
+                         staging(Category::kExpAvgSq)) == need.opt_state,
+                 "optimizer staging does not add up to the plan's");
+    opt_master_ = HostBuffer(staging(Category::kMaster), "optimizer staging: master");
+    opt_avg_ = HostBuffer(staging(Category::kExpAvg), "optimizer staging: exp_avg");
+    opt_avg_sq_ = HostBuffer(staging(Category::kExpAvgSq), "optimizer staging: exp_avg_sq");
   }
   if (need.opt_emit > 0) opt_emit_ = HostBuffer(size_t(need.opt_emit), "optimizer staging: working copy");
   if (need.ckpt_host > 0) {
@@ -146,7 +153,7 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   // The zeros come from a staging buffer, which holds opt_sets pipeline
   // pieces: a sub-group is written in runs of that size.
   if (opt_on_nvme) {
-    const int64_t run = int64_t(opt_avg_.bytes() / 4);
+    const int64_t run = int64_t(opt_avg_.bytes()) / plan.elem_bytes[size_t(Category::kExpAvg)];
     STRATA_CHECK(run >= group_numel_ && run % kShardAlignElems == 0, "optimizer staging smaller than a piece");
     for (Category c : {Category::kExpAvg, Category::kExpAvgSq}) {
       for (const PlacementUnit& g : plan.units[size_t(c)]) {
@@ -586,19 +593,21 @@ void Trainer::optimizer_step(float grad_scale, double lr, int64_t step) {
     const int k = int(j % size_t(sets));
     const PlacementUnit& g = groups[j];
     state_->wait(opt_writes_[size_t(k)]);  // the set's previous user is written back
-    auto fetch = [&](Category c, HostBuffer& staging) -> float* {
+    auto fetch = [&](Category c, HostBuffer& staging) -> std::byte* {
       std::byte* p = state_->resident(c, g.offset, g.numel);
-      if (p != nullptr) return reinterpret_cast<float*>(p);
-      std::byte* dst = slot(staging, k, 4);
+      if (p != nullptr) return p;
+      std::byte* dst = slot(staging, k, state_->elem_bytes(c));
       state_->read_async(c, g.offset, g.numel, dst, opt_reads_[size_t(k)]);
-      return reinterpret_cast<float*>(dst);
+      return dst;
     };
     OptSet& sp = opt_spans_[size_t(k)];
     sp.adam = cpu_adam::AdamSpans();
     sp.adam.grad = fetch(Category::kGrad, opt_grad_);
-    sp.adam.param = fetch(Category::kMaster, opt_master_);
+    sp.adam.param = reinterpret_cast<float*>(fetch(Category::kMaster, opt_master_));
     sp.adam.exp_avg = fetch(Category::kExpAvg, opt_avg_);
     sp.adam.exp_avg_sq = fetch(Category::kExpAvgSq, opt_avg_sq_);
+    sp.adam.state_type = state_->elem_bytes(Category::kExpAvg) == 2 ? cpu_adam::StateType::kBF16
+                                                                     : cpu_adam::StateType::kF32;
     sp.adam.grad_type = cpu_adam::GradType::kF32;
     sp.adam.numel = g.numel;
     sp.working = state_->resident(Category::kParam16, g.offset, g.numel);
@@ -619,7 +628,9 @@ void Trainer::optimizer_step(float grad_scale, double lr, int64_t step) {
     OptSet& sp = opt_spans_[size_t(k)];
     {
       TraceSpan span(TraceTrack::kAdam, "adam sub-group");
-      adam_->step(h, cpu_adam::StepArgs{step, grad_scale}, sp.adam);
+      // The rounding of bf16 moments is keyed by the model-wide element index
+      // (Note [bf16 state]), so it does not depend on pieces or placement.
+      adam_->step(h, cpu_adam::StepArgs{step, grad_scale, uint64_t(g.offset)}, sp.adam);
     }
     if (compute_dtype_ == at::kFloat) std::memcpy(sp.working, sp.adam.param, size_t(g.numel * 4));
     PendingIo& w = opt_writes_[size_t(k)];

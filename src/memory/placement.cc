@@ -164,7 +164,10 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
   // sub-group j+1 be read while j is updated and j-1 written back.
   n.opt_sets = grad_staged || state_swapped || emit_staged ? plan.pipeline_depth : 0;
   n.opt_grad = grad_staged ? n.opt_sets * group * 4 : 0;
-  n.opt_state = state_swapped ? n.opt_sets * 3 * group * 4 : 0;
+  const int64_t state_elem_bytes = plan.elem_bytes[size_t(Category::kMaster)] +
+                                   plan.elem_bytes[size_t(Category::kExpAvg)] +
+                                   plan.elem_bytes[size_t(Category::kExpAvgSq)];
+  n.opt_state = state_swapped ? n.opt_sets * group * state_elem_bytes : 0;
   n.opt_emit = emit_staged ? n.opt_sets * group * plan.compute_bytes : 0;
   return n;
 }
@@ -216,7 +219,8 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   STRATA_CHECK(rank >= 0 && rank < layout.world_size(), "rank out of range");
   PlacementPlan plan;
   const int int16_bytes = compute_bytes(cfg);  // the working copy: fp32 or 16-bit
-  plan.elem_bytes = {int16_bytes, 4, 4, 4, 4};
+  const int moment_bytes = cfg.run.optimizer_state_dtype == "bf16" ? 2 : 4;  // Note [bf16 state]
+  plan.elem_bytes = {int16_bytes, 4, 4, moment_bytes, moment_bytes};
   (void)rank;  // every rank owns equally sized shards: shard r of every block
 
   // ---- units ----------------------------------------------------------------

@@ -63,7 +63,7 @@ struct StagingNeeds {
   int64_t grad_stage = 0;  // device: fp32 gradient of the largest block
   int64_t grad_rmw = 0;    // device: read-modify-write of a gradient that lives off the device
   int64_t opt_grad = 0;    // host: a sub-group's gradient, when not resident in one piece
-  int64_t opt_state = 0;   // host: master + exp_avg + exp_avg_sq of a swapped sub-group
+  int64_t opt_state = 0;   // host: master + exp_avg + exp_avg_sq of a swapped sub-group, per set
   int64_t opt_emit = 0;    // host: a sub-group's new working copy, when not resident in one piece
   int opt_sets = 0;        // sets of the three above (the optimizer pipeline's depth)
   // activation_checkpointing.cpu_checkpointing: every layer's saved input in
