@@ -1,5 +1,6 @@
-// CPU Adam/AdamW over flat fp32 spans, with the gradient scale folded in and an
-// optional 16-bit copy of the updated parameters written in the same pass.
+// CPU Adam/AdamW over flat spans (fp32 master weights, fp32 or bf16 moments),
+// with the gradient scale folded in and an optional 16-bit copy of the
+// updated parameters written in the same pass.
 // Leaf library: no LibTorch, no other Strata module.
 #pragma once
 

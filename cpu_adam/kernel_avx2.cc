@@ -75,7 +75,9 @@ struct Avx2 {
   template <int N>
   static I srl_u32(I a) { return _mm256_srli_epi32(a, N); }
   static H bf16_stochastic(F x, I r) {
-    const __m256i h = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
+    __m256i h = _mm256_srli_epi32(_mm256_add_epi32(_mm256_castps_si256(x), r), 16);
+    const __m256i nan = _mm256_castps_si256(_mm256_cmp_ps(x, x, _CMP_UNORD_Q));
+    h = _mm256_blendv_epi8(h, _mm256_set1_epi32(0x7FC0), nan);
     // Values are 0..0xFFFF, so the signed-to-unsigned saturating pack keeps them.
     return _mm_packus_epi32(_mm256_castsi256_si128(h), _mm256_extracti128_si256(h, 1));
   }

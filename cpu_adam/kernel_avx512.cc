@@ -108,7 +108,10 @@ struct Avx512 {
   template <int N>
   static I srl_u32(I a) { return _mm512_srli_epi32(a, N); }
   static H bf16_stochastic(F x, I r) {
-    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16));
+    __m512i h = _mm512_srli_epi32(_mm512_add_epi32(_mm512_castps_si512(x), r), 16);
+    const __mmask16 nan = _mm512_cmp_ps_mask(x, x, _CMP_UNORD_Q);
+    h = _mm512_mask_blend_epi32(nan, h, _mm512_set1_epi32(0x7FC0));
+    return _mm512_cvtepi32_epi16(h);
   }
 };
 

@@ -27,6 +27,7 @@ uint32_t rounding_bits(const StepConstants& c, uint64_t index) {
 }
 
 uint16_t bf16_stochastic(float x, uint32_t r16) {
+  if (std::isnan(x)) return 0x7FC0;
   uint32_t bits;
   std::memcpy(&bits, &x, sizeof bits);
   return static_cast<uint16_t>((bits + r16) >> 16);

@@ -10,7 +10,8 @@
 // fma(a, b, c) = a*b + c rounded once, and any_nan. For Note [bf16 state]:
 // I (kWidth 32-bit integers), lanes() = {0, 1, ..., kWidth-1}, set1_u32,
 // add_u32, mul_u32 (low 32 bits), xor_u32, and_u32, srl_u32<N>, and
-// bf16_stochastic(x, r) = the high halves of bits(x) + r (r < 2^16) as H.
+// bf16_stochastic(x, r) = the high halves of bits(x) + r (r < 2^16) as H,
+// 0x7FC0 for NaN.
 //
 // Everything here is in an anonymous namespace and templated on V (itself in
 // an anonymous namespace of the including file), so no symbol compiled with

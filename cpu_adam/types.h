@@ -90,13 +90,17 @@ const char* grad_type_name(GradType type);  // "fp32", "bf16", "fp16"
 // would never decay and the effective step size would only ever shrink.
 // The random bits are a hash of (index, step), where index is the element's
 // position in the span plus StepArgs::rounding_offset (a caller stepping one
-// array in several spans passes each span's offset, so no two elements of the
-// array draw the same bits): the result does not depend on the thread count
-// or the tiling, the SIMD kernels agree bit for bit, and rerunning a step
-// from the same state gives the same bits. m takes the hash's low 16 bits, v
-// its high 16. NaN stays NaN (arithmetic NaNs are quiet, and adding under
-// 2^16 to a quiet NaN's bits keeps it NaN); +-Inf stays +-Inf; a finite value
-// above the largest bf16 may round to Inf.
+// array in several spans passes each span's offset): the result does not
+// depend on the thread count or the tiling, the SIMD kernels agree bit for
+// bit, and rerunning a step from the same state gives the same bits. With
+// i = uint32(index) (the index modulo 2^32: elements 2^32 apart draw the same
+// bits, each still unbiased) and t = uint32(step), all arithmetic mod 2^32:
+//   h = i * 0x9E3779B1 + t * 0x85EBCA77
+//   h ^= h >> 16;  h *= 0x7FEB352D;  h ^= h >> 15;  h *= 0x846CA68B;  h ^= h >> 16
+// m takes h & 0xFFFF, v takes h >> 16. NaN becomes 0x7FC0 (c10's canonical
+// NaN, as in Note [16-bit rounding]; adding to a NaN's bits could carry into
+// the sign); +-Inf stays +-Inf; a finite value above the largest bf16 may
+// round to Inf.
 enum class StateType { kF32, kBF16 };
 const char* state_type_name(StateType type);  // "fp32", "bf16"
 

@@ -708,14 +708,60 @@ TEST_P(CpuAdamBf16State, NonFiniteGradientsGiveNonFiniteState) {
   Bf16StateProblem prob(33, 9);
   prob.grad[3] = std::numeric_limits<float>::quiet_NaN();
   prob.grad[20] = std::numeric_limits<float>::infinity();
+  // NaNs whose payload fills the low bits: adding the rounding bits would
+  // carry into the sign (0x7FFFE000 is what fp16 0x7FFF widens to).
+  prob.grad[5] = bits_to_float(0x7FFFE000u);
+  prob.grad[6] = bits_to_float(0xFFFFFFFFu);
   EXPECT_FALSE(adam.step({}, {.step = 1}, prob.spans()));
-  EXPECT_TRUE(std::isnan(bf16_to_float(prob.m[3])));
-  EXPECT_TRUE(std::isnan(bf16_to_float(prob.v[3])));
+  for (int64_t i : {3, 5, 6}) {
+    EXPECT_EQ(prob.m[i], 0x7FC0) << "element " << i;
+    EXPECT_EQ(prob.v[i], 0x7FC0) << "element " << i;
+  }
   EXPECT_EQ(bf16_to_float(prob.v[20]), std::numeric_limits<float>::infinity());
   EXPECT_TRUE(std::isnan(prob.param[20]));
-  for (int64_t i : {0, 2, 4, 19, 21, 32}) {
+  for (int64_t i : {0, 2, 4, 7, 19, 21, 32}) {
     EXPECT_TRUE(std::isfinite(bf16_to_float(prob.m[i])) && std::isfinite(bf16_to_float(prob.v[i])))
         << "element " << i;
+  }
+}
+
+// The rounding bits as Note [bf16 state] writes them down, computed here: with
+// zero gradients the new moments are exact functions of the old ones (for v
+// the same in every kernel; for m with or without the SIMD kernels' fused
+// multiply-add), so the stored bits are known exactly.
+TEST_P(CpuAdamBf16State, RoundingBitsAreTheNotesHash) {
+  const Isa isa = GetParam();
+  SKIP_UNLESS_SUPPORTED(isa);
+  const int64_t n = 100, t = 3;
+  const uint64_t offset = (uint64_t{5} << 32) + 0xFFFFFFF0u;  // index mod 2^32 wraps inside the span
+  std::mt19937_64 rng(4);
+  std::uniform_real_distribution<float> u(0.5f, 2.0f);
+  std::vector<float> param(n, 1.0f), grad(n, 0.0f), m_old(n), v_old(n);
+  std::vector<uint16_t> m(n), v(n);
+  for (int64_t i = 0; i < n; ++i) {
+    m[i] = float_to_bf16(u(rng));
+    v[i] = float_to_bf16(u(rng));
+    m_old[i] = bf16_to_float(m[i]);
+    v_old[i] = bf16_to_float(v[i]);
+  }
+  const AdamParams hp{.beta1 = 0.9, .beta2 = 0.999, .weight_decay = 0.0};
+  CpuAdam adam(1, isa);
+  adam.step(hp, {.step = t, .rounding_offset = offset},
+            {.param = param.data(), .grad = grad.data(), .exp_avg = m.data(), .exp_avg_sq = v.data(),
+             .state_type = StateType::kBF16, .numel = n});
+  const float w1 = static_cast<float>(1.0 - hp.beta1), b2 = static_cast<float>(hp.beta2);
+  for (int64_t i = 0; i < n; ++i) {
+    uint32_t h = static_cast<uint32_t>(offset + uint64_t(i)) * 0x9E3779B1u + uint32_t(t) * 0x85EBCA77u;
+    h ^= h >> 16;
+    h *= 0x7FEB352Du;
+    h ^= h >> 15;
+    h *= 0x846CA68Bu;
+    h ^= h >> 16;
+    const float new_m = isa == Isa::kScalar ? m_old[i] + w1 * (0.0f - m_old[i])
+                                            : std::fma(w1, 0.0f - m_old[i], m_old[i]);
+    const float new_v = v_old[i] * b2;
+    ASSERT_EQ(m[i], uint16_t((float_to_bits(new_m) + (h & 0xFFFFu)) >> 16)) << "m, element " << i;
+    ASSERT_EQ(v[i], uint16_t((float_to_bits(new_v) + (h >> 16)) >> 16)) << "v, element " << i;
   }
 }
 

@@ -170,7 +170,7 @@ TEST_F(TieredTest, PlanAgreesWithMeasuredAccounting) {
     const auto measured = trainer.peak_bytes();
     for (int t = 0; t < kNumTiers; ++t) {
       EXPECT_NEAR(double(measured[t]), double(planned[t]), 0.1 * double(planned[t]))
-          << tier_name(Tier(t)) << " with " << (o.empty() ? "defaults" : o[0]);
+          << tier_name(Tier(t)) << " with " << (o.empty() ? "defaults" : nlohmann::json(o).dump());
     }
   }
 }

@@ -19,6 +19,8 @@ def main(path):
             if r["tool"] == "bench_adam_torch":
                 torch[(r["numel"], r["threads"])].append(r)
             else:
+                if r.get("state", "fp32") != "fp32":
+                    continue  # bf16 moments are another comparison (BENCHMARKS.md)
                 adam[(r["numel"], r["threads"], r["isa"])].append(r)
     rounds = max((r["round"] for v in adam.values() for r in v), default=0)
     print(f"medians of {rounds} rounds ({path})\n")

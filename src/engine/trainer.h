@@ -146,8 +146,9 @@ class Trainer {
   std::vector<WindowUse> train_schedule_, eval_schedule_;
   HostBuffer grad_stage_;
   HostBuffer grad_rmw_;
-  // Optimizer staging, allocated only for what is not resident: grad,
-  // master, exp_avg, exp_avg_sq (fp32) and the emitted working copy.
+  // Optimizer staging, allocated only for what is not resident: grad and
+  // master (fp32), exp_avg and exp_avg_sq (the plan's element size: fp32 or
+  // bf16) and the emitted working copy.
   int64_t group_numel_ = 0;               // elements of a pipeline piece
   std::vector<PlacementUnit> pieces_;     // the optimizer's pipeline pieces, in shard order
   HostBuffer opt_grad_, opt_master_, opt_avg_, opt_avg_sq_, opt_emit_;  // opt_sets sets each
