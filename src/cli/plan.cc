@@ -65,7 +65,7 @@ nlohmann::json plan_json(const Computed& c) {
   j["device_transient_bytes"] = p.staging.device_bytes();
   j["host_staging_bytes"] = p.staging.host_bytes();
   j["sub_group_numel"] = p.sub_group_numel;
-  j["optimizer_state_dtype"] = p.elem_bytes[size_t(Category::kExpAvg)] == 2 ? "bf16" : "fp32";
+  j["optimizer_state_dtype"] = p.bf16_moments() ? "bf16" : "fp32";
   j["nvme_paths"] = p.nvme_paths;
   j["capacity_bytes"] = {{"device", c.cap.device_bytes}, {"host", c.cap.host_bytes}, {"nvme", c.cap.nvme_bytes}};
   j["fits"] = c.shortfalls.empty();
@@ -114,7 +114,7 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   if (cap.device_is_host) out += "  (CPU compute: the device tier is host memory)\n";
   out += strprintf("  optimizer sub-groups of %lld elements; Adam moments in %s; swap directories: %s\n",
                    (long long)p.sub_group_numel,
-                   p.elem_bytes[size_t(Category::kExpAvg)] == 2 ? "bf16 (stochastic rounding)" : "fp32",
+                   p.bf16_moments() ? "bf16 (stochastic rounding)" : "fp32",
                    p.nvme_paths.empty() ? "none" : nlohmann::json(p.nvme_paths).dump().c_str());
   if (shortfalls.empty()) {
     out += "verdict: fits\n";

@@ -606,8 +606,7 @@ void Trainer::optimizer_step(float grad_scale, double lr, int64_t step) {
     sp.adam.param = reinterpret_cast<float*>(fetch(Category::kMaster, opt_master_));
     sp.adam.exp_avg = fetch(Category::kExpAvg, opt_avg_);
     sp.adam.exp_avg_sq = fetch(Category::kExpAvgSq, opt_avg_sq_);
-    sp.adam.state_type = state_->elem_bytes(Category::kExpAvg) == 2 ? cpu_adam::StateType::kBF16
-                                                                     : cpu_adam::StateType::kF32;
+    sp.adam.state_type = plan.bf16_moments() ? cpu_adam::StateType::kBF16 : cpu_adam::StateType::kF32;
     sp.adam.grad_type = cpu_adam::GradType::kF32;
     sp.adam.numel = g.numel;
     sp.working = state_->resident(Category::kParam16, g.offset, g.numel);

@@ -107,6 +107,9 @@ struct PlacementPlan {
   std::array<int64_t, kNumTiers> state_total() const;  // state bytes per tier
   std::array<int64_t, kNumTiers> total() const;        // state + transient + staging per tier
   int64_t category_total(Category c) const;
+  // exp_avg and exp_avg_sq stored in bf16 (run.optimizer_state_dtype; Note
+  // [bf16 state] in cpu_adam/types.h), read off their element size.
+  bool bf16_moments() const { return elem_bytes[size_t(Category::kExpAvg)] == 2; }
 };
 
 // The one tier holding all of [offset, offset + numel) of category c, or
