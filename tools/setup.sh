@@ -16,7 +16,7 @@ say() { echo "[setup] $*" >&2; }
 
 # ---- Debian packages --------------------------------------------------------
 PKGS=(cmake g++ pkg-config python3-venv liburing-dev libtbb-dev libspdlog-dev nlohmann-json3-dev
-      libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev ninja-build ccache fio)
+      libcli11-dev libgtest-dev libgmock-dev libbenchmark-dev ninja-build ccache fio libgloo-dev)
 missing=()
 for p in "${PKGS[@]}"; do
   dpkg-query -W -f='${Status}' "$p" 2>/dev/null | grep -q "install ok installed" || missing+=("$p")

@@ -29,11 +29,11 @@ struct Computed {
   std::vector<std::string> shortfalls;
 };
 
-Computed compute(const Config& cfg) {
+Computed compute(const Config& cfg, int rank, int local_ranks) {
   Model model(cfg.model);
-  StateLayout layout(model.layout_specs(), cfg.world_size);
+  StateLayout layout(model.layout_specs(), shard_count(cfg));
   Computed c;
-  c.plan = plan_for_machine(cfg, layout, &c.cap);
+  c.plan = plan_for_machine(cfg, layout, &c.cap, rank, local_ranks);
   c.shortfalls = plan_shortfalls(c.plan, c.cap);
   return c;
 }
@@ -75,7 +75,7 @@ nlohmann::json plan_json(const Computed& c) {
 
 int run_plan(const PlanOptions& opt) {
   Config cfg = load_config(opt.config_path, opt.overrides);
-  Computed c = compute(cfg);
+  Computed c = compute(cfg, 0, 1);
   if (opt.json) {
     std::printf("%s\n", plan_json(c).dump(2).c_str());
   } else {
@@ -106,6 +106,10 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   if (p.cpu_checkpointing) row("offloaded checkpoints", p.staging.ckpt_device, p.staging.ckpt_host, 0);
   row("parameter window", p.staging.gathered, 0, 0);
   row("gradient staging", p.staging.grad_stage + p.staging.grad_rmw, 0, 0);
+  if (p.world_size > 1) {
+    row("gathered blocks", p.staging.gather, 0, 0);
+    row("gradient reduction", p.staging.grad_sync, 0, 0);
+  }
   row("optimizer staging", 0, p.staging.host_bytes() - p.staging.ckpt_host, 0);
   const auto tot = p.total();
   row("total", tot[0], tot[1], tot[2]);
@@ -125,8 +129,8 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   return out;
 }
 
-void check_plan_fits(const Config& cfg) {
-  Computed c = compute(cfg);
+void check_plan_fits(const Config& cfg, int rank, int local_ranks) {
+  Computed c = compute(cfg, rank, local_ranks);
   if (c.shortfalls.empty()) return;
   std::string msg = "the placement plan does not fit this machine (see `strata plan`): ";
   for (size_t i = 0; i < c.shortfalls.size(); ++i) msg += (i ? "; " : "") + c.shortfalls[i];

@@ -18,8 +18,9 @@ void register_plan(CLI::App& app, int& result);
 std::string format_plan(const PlacementPlan& plan, const MachineCapacity& cap,
                         const std::vector<std::string>& shortfalls);
 
-// Computes the plan for rank 0 of `cfg` on this machine; throws ConfigError
-// with the shortfall lines when it does not fit (what `strata train` runs first).
-void check_plan_fits(const Config& cfg);
+// Computes the plan for `rank` of `cfg` on this machine (one of `local_ranks`
+// ranks sharing it); throws ConfigError with the shortfall lines when it does
+// not fit (what `strata train` runs first).
+void check_plan_fits(const Config& cfg, int rank = 0, int local_ranks = 1);
 
 }  // namespace strata

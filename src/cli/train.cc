@@ -2,8 +2,12 @@
 
 #include <ATen/Parallel.h>
 
+#include <signal.h>
+
+#include <atomic>
 #include <chrono>
 #include <cmath>
+#include <cstdlib>
 #include <cstdio>
 #include <fstream>
 #include <memory>
@@ -12,6 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cli/plan.h"
+#include "comm/communicator.h"
 #include "config/config.h"
 #include "data/dataset.h"
 #include "engine/trainer.h"
@@ -57,12 +62,65 @@ class MetricsWriter {
   std::ofstream out_;
 };
 
+// A stop requested by SIGINT/SIGTERM: the first one lets every rank finish
+// the step it is in (the request is combined over the ranks at the step
+// boundary); a second one exits at once.
+std::atomic<int> g_stop_signals{0};
+
+void on_stop_signal(int sig) {
+  if (g_stop_signals.fetch_add(1) >= 1) {
+    ::signal(sig, SIG_DFL);
+    ::raise(sig);
+  }
+}
+
+// "{rank}" in a path becomes the rank.
+std::string with_rank(std::string path, int rank) {
+  const size_t at = path.find("{rank}");
+  if (at != std::string::npos) path.replace(at, 6, std::to_string(rank));
+  return path;
+}
+
+// A per-rank output path: with "{rank}" every rank writes its own file;
+// without, only rank 0 writes (the others get "").
+std::string rank_path(const std::string& path, int rank) {
+  if (path.find("{rank}") != std::string::npos) return with_rank(path, rank);
+  return rank == 0 ? path : "";
+}
+
+// Every rank publishes its effective config (less the per-rank keys); each
+// compares with rank 0's, and all agree on whether to stop, so that a
+// mismatch ends every rank with the same one line.
+void check_configs_agree(const Config& cfg, Communicator& comm) {
+  if (comm.world_size() == 1) return;
+  const nlohmann::json mine = rank_invariant_config(cfg);
+  if (comm.rank() == 0) comm.store_set("config/0", mine.dump());
+  std::string diff;
+  if (comm.rank() != 0) diff = first_difference(nlohmann::json::parse(comm.store_get("config/0")), mine);
+  comm.store_set("configdiff/" + std::to_string(comm.rank()), diff);
+  int64_t mismatch = diff.empty() ? 0 : 1;
+  comm.all_reduce(&mismatch, 1, DType::kI64, ReduceOp::kSum).wait();
+  if (mismatch == 0) return;
+  for (int r = 1; r < comm.world_size(); ++r) {
+    const std::string d = comm.store_get("configdiff/" + std::to_string(r));
+    if (!d.empty()) {
+      throw ConfigError(d, strprintf("rank %d's config differs from rank 0's (only metrics, log and trace "
+                                     "paths, nvme_path and run.threads may differ between ranks)", r));
+    }
+  }
+}
+
 int run_train(const TrainOptions& opt) {
+  const RankInfo who = rank_info_from_environment();
   std::vector<std::string> overrides = opt.overrides;
   if (opt.steps > 0) overrides.push_back("run.steps=" + std::to_string(opt.steps));
   if (!opt.metrics.empty()) overrides.push_back("run.metrics=" + nlohmann::json(opt.metrics).dump());
-  Config cfg = load_config(opt.config_path, overrides);
-  setup_logging(cfg.run.log_level, cfg.run.log_file);
+  Config cfg = load_config(opt.config_path, overrides, who.world_size);
+  const bool multi = who.world_size > 1;
+  cfg.run.metrics = rank_path(cfg.run.metrics, who.rank);
+  if (!cfg.run.log_file.empty()) cfg.run.log_file = with_rank(cfg.run.log_file, who.rank);
+  setup_logging(cfg.run.log_level, cfg.run.log_file, multi ? who.rank : -1);
+  const std::string trace_path = rank_path(opt.trace, who.rank);
   for (const std::string& key : cfg.ignored_keys) {
     log::warn("config key '%s' is a DeepSpeed key Strata does not act on; ignored", key.c_str());
   }
@@ -71,9 +129,23 @@ int run_train(const TrainOptions& opt) {
   }
   if (cfg.run.threads > 0) at::set_num_threads(int(cfg.run.threads));
 
+  // The ranks meet first: a rank whose config differs, or a world size that
+  // does not divide the batch (load_config), stops every rank at start.
+  CommOptions co;
+  co.backend = cfg.comm.backend == "auto" ? (cfg.run.device == "cuda" ? "nccl" : "gloo") : cfg.comm.backend;
+  co.timeout_s = cfg.comm.timeout_s;
+  if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) co.socket_ifname = ifname;
+  std::unique_ptr<Communicator> comm = make_communicator(who, co);
+  if (multi) {
+    log::info("rank %d of %d (local %d of %d) via %s, %s backend, store %s:%d", who.rank, who.world_size,
+              who.local_rank, who.local_world_size, who.source.c_str(), comm->backend(),
+              who.master_addr.c_str(), who.master_port);
+  }
+  check_configs_agree(cfg, *comm);
+
   // Everything that can fail on bad input happens before the first byte of
   // output is written. First: does the placement fit this machine?
-  check_plan_fits(cfg);
+  check_plan_fits(cfg, who.rank, who.local_world_size);
   TokenDataset data(cfg.data.paths, parse_token_format(cfg.data.format), cfg.model.vocab_size,
                     cfg.model.seq_len, cfg.data.val_fraction);
   Model model(cfg.model);
@@ -84,11 +156,12 @@ int run_train(const TrainOptions& opt) {
   struct Uninstall {
     ~Uninstall() { Tracer::install(nullptr); }
   } uninstall;
-  if (!opt.trace.empty()) {
+  if (!trace_path.empty()) {
     tracer = std::make_unique<Tracer>(size_t(1) << 18);
+    if (multi) tracer->set_rank(who.rank);
     Tracer::install(tracer.get());
   }
-  Trainer trainer(cfg, model);
+  Trainer trainer(cfg, model, nullptr, comm.get(), who.local_world_size);
   MetricsWriter metrics(cfg.run.metrics);
 
   const StateBytes sb = trainer.state_bytes();
@@ -109,30 +182,39 @@ int run_train(const TrainOptions& opt) {
             trainer.plan().source.c_str(), format_bytes(double(peak[0])).c_str(),
             format_bytes(double(peak[1])).c_str(), format_bytes(double(peak[2])).c_str());
   log::info("data: %lld tokens (%lld train, %lld held out); batch %lld = %lld micro x %lld "
-            "accumulation; compute %s; %d threads",
+            "accumulation x %d ranks; ZeRO stage %lld; compute %s; %d threads",
             (long long)data.num_tokens(), (long long)data.train_tokens(),
             (long long)data.val_tokens(), (long long)cfg.train_batch_size,
             (long long)cfg.train_micro_batch_size_per_gpu,
-            (long long)cfg.gradient_accumulation_steps, cfg.run.compute_dtype.c_str(),
-            at::get_num_threads());
+            (long long)cfg.gradient_accumulation_steps, who.world_size, (long long)cfg.zero.stage,
+            cfg.run.compute_dtype.c_str(), at::get_num_threads());
 
   const int64_t micro = cfg.train_micro_batch_size_per_gpu;
   const int64_t accum = cfg.gradient_accumulation_steps;
   const int64_t window = cfg.model.seq_len + 1;
-  // Batch buffers sized once; sampling fills them in place every step.
-  std::vector<int64_t> batch(size_t(accum * micro * window));
+  // Batch buffers sized once; sampling fills them in place every step. The
+  // global batch of a step is the same windows whatever the world size: every
+  // rank draws all of it from the same generator and trains on its slice.
+  std::vector<int64_t> batch(size_t(cfg.train_batch_size * window));
+  const int64_t* my_batch = batch.data() + size_t(who.rank) * size_t(accum * micro * window);
   const int64_t eval_batches = cfg.data.eval_batches;
   std::vector<int64_t> eval_batch(size_t(eval_batches * micro * window));
   const bool can_eval = data.val_tokens() > cfg.model.seq_len && cfg.data.eval_interval > 0;
   std::mt19937_64 rng(cfg.run.seed);
 
-  ProgressBar bar("train", cfg.run.steps, cfg.steps_per_print);
+  // Progress from rank 0 only.
+  std::unique_ptr<ProgressBar> bar;
+  if (who.rank == 0) bar = std::make_unique<ProgressBar>("train", cfg.run.steps, cfg.steps_per_print);
+  ::signal(SIGINT, on_stop_signal);
+  ::signal(SIGTERM, on_stop_signal);
   const auto start = std::chrono::steady_clock::now();
   double first_loss = NAN, last_loss = NAN;
+  int64_t steps_done = 0;
   for (int64_t s = 1; s <= cfg.run.steps; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
-    data.sample_train(rng, accum * micro, batch.data());
-    StepResult r = trainer.step(batch.data());
+    data.sample_train(rng, cfg.train_batch_size, batch.data());
+    StepResult r = trainer.step(my_batch, g_stop_signals.load() > 0);
+    steps_done = s;
     const double step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     if (!std::isfinite(r.loss)) {
       throw Error("loss is " + std::to_string(r.loss) + " at step " + std::to_string(s) +
@@ -161,6 +243,9 @@ int run_train(const TrainOptions& opt) {
         {"peak_device_bytes", peak[0]},
         {"peak_host_bytes", peak[1]},
         {"peak_nvme_bytes", peak[2]},
+        {"world_size", who.world_size},
+        {"net_bytes", r.net_bytes},
+        {"comm_wait_s", r.comm_wait_s},
     };
     if (can_eval && (s % cfg.data.eval_interval == 0 || s == cfg.run.steps)) {
       // The same held-out windows at every eval, so eval losses compare.
@@ -172,18 +257,23 @@ int run_train(const TrainOptions& opt) {
     metrics.write(line);
     char suffix[96];
     std::snprintf(suffix, sizeof(suffix), "loss %.4f | %.0f tok/s | lr %.2e", r.loss, tokens_per_s, r.lr);
-    bar.update(s, suffix);
+    if (bar) bar->update(s, suffix);
+    if (r.stop) {
+      log::info("stop requested: every rank stops after step %lld", (long long)s);
+      break;
+    }
   }
   trainer.finish();  // the last optimizer step (run.overlap_optimizer)
-  bar.finish();
+  comm->barrier();   // no rank leaves while another may still need it
+  if (bar) bar->finish();
   if (tracer) {
     Tracer::install(nullptr);
-    tracer->write(opt.trace);
+    tracer->write(trace_path);
     log::info("trace: %zu events written to %s%s (open in https://ui.perfetto.dev)", tracer->size(),
-              opt.trace.c_str(), tracer->dropped() ? strprintf(", %lld dropped", (long long)tracer->dropped()).c_str() : "");
+              trace_path.c_str(), tracer->dropped() ? strprintf(", %lld dropped", (long long)tracer->dropped()).c_str() : "");
   }
   const double total_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
-  log::info("done: %lld steps in %.1fs; loss %.4f -> %.4f", (long long)cfg.run.steps, total_s,
+  log::info("done: %lld steps in %.1fs; loss %.4f -> %.4f", (long long)steps_done, total_s,
             first_loss, last_loss);
   return kExitOk;
 }

@@ -312,7 +312,8 @@ void in_closed(const std::string& key, double v, double lo, double hi) {
 const Keys kTopKnown = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "gradient_clipping", "steps_per_print", "optimizer", "scheduler", "fp16", "bf16", "bfloat16",
-    "zero_optimization", "aio", "activation_checkpointing", "model", "data", "run", "placement"};
+    "zero_optimization", "aio", "activation_checkpointing", "model", "data", "run", "placement",
+    "comm"};
 
 // DeepSpeed keys that Strata accepts but does not act on.
 const Keys kTopIgnored = {
@@ -749,6 +750,14 @@ void parse_run(const json& root, Config& c) {
   read_enum(r, path, "optimizer_state_dtype", rc.optimizer_state_dtype, {"fp32", "bf16"});
 }
 
+void parse_comm(const json& root, Config& c) {
+  const std::string path = "comm";
+  const json& r = section(root, "", path);
+  check_keys(r, path, {"backend", "timeout_s"}, kNone, c.ignored_keys);
+  read_enum(r, path, "backend", c.comm.backend, {"auto", "gloo", "nccl"});
+  if (read(r, path, "timeout_s", c.comm.timeout_s)) positive("comm.timeout_s", c.comm.timeout_s);
+}
+
 // One category's split: {"device": f, "host": f, "nvme": f}, absent tiers 0,
 // each in [0, 1], summing to 1.
 TierSplit read_split(const json& v, const std::string& key) {
@@ -857,11 +866,12 @@ void apply_override(json& root, const std::string& override_text) {
 
 }  // namespace
 
-Config parse_config(nlohmann::json j, const std::vector<std::string>& overrides) {
+Config parse_config(nlohmann::json j, const std::vector<std::string>& overrides, int64_t world_size) {
   if (!j.is_object()) fail("", "the config must be a JSON object, got " + describe(j));
   for (const auto& o : overrides) apply_override(j, o);
 
   Config c;
+  c.world_size = world_size;
   check_keys(j, "", kTopKnown, kTopIgnored, c.ignored_keys);
 
   parse_batch(j, c);
@@ -881,6 +891,7 @@ Config parse_config(nlohmann::json j, const std::vector<std::string>& overrides)
   parse_data(j, c);
   parse_run(j, c);
   parse_placement(j, c);
+  parse_comm(j, c);
 
   if (c.data.format == "text" && c.model.vocab_size != 256) {
     fail("model.vocab_size", "must be 256 for data.format text (bytes), got " +
@@ -891,7 +902,7 @@ Config parse_config(nlohmann::json j, const std::vector<std::string>& overrides)
   return c;
 }
 
-Config load_config(const std::string& path, const std::vector<std::string>& overrides) {
+Config load_config(const std::string& path, const std::vector<std::string>& overrides, int64_t world_size) {
   // POSIX, not std::filesystem: Note [No std::filesystem next to LibTorch] (util/fs.h).
   if (is_directory(path)) fail(path, "cannot read config file (it is a directory)");
   std::ifstream in(path, std::ios::binary);
@@ -913,7 +924,46 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
     fail(path, "invalid JSON " + detail);
   }
   if (!j.is_object()) fail(path, "the config must be a JSON object, got " + describe(j));
-  return parse_config(std::move(j), overrides);
+  return parse_config(std::move(j), overrides, world_size);
+}
+
+nlohmann::json rank_invariant_config(const Config& c) {
+  json j = c.raw;
+  auto drop = [&](std::initializer_list<const char*> path) {
+    json* node = &j;
+    std::vector<const char*> parts(path);
+    for (size_t i = 0; i + 1 < parts.size(); ++i) {
+      if (!node->is_object() || !node->contains(parts[i])) return;
+      node = &(*node)[parts[i]];
+    }
+    if (node->is_object()) node->erase(parts.back());
+  };
+  drop({"run", "metrics"});
+  drop({"run", "log_file"});
+  drop({"run", "threads"});
+  drop({"placement", "nvme_path"});
+  drop({"zero_optimization", "offload_param", "nvme_path"});
+  drop({"zero_optimization", "offload_optimizer", "nvme_path"});
+  return j;
+}
+
+std::string first_difference(const json& a, const json& b, const std::string& path) {
+  if (a.is_object() && b.is_object()) {
+    std::vector<std::string> keys;
+    for (auto it = a.begin(); it != a.end(); ++it) keys.push_back(it.key());
+    for (auto it = b.begin(); it != b.end(); ++it) {
+      if (!a.contains(it.key())) keys.push_back(it.key());
+    }
+    std::sort(keys.begin(), keys.end());
+    for (const std::string& k : keys) {
+      const std::string sub = path.empty() ? k : path + "." + k;
+      if (!a.contains(k) || !b.contains(k)) return sub;
+      const std::string d = first_difference(a[k], b[k], sub);
+      if (!d.empty()) return d;
+    }
+    return "";
+  }
+  return a == b ? "" : (path.empty() ? "(the whole config)" : path);
 }
 
 }  // namespace strata

@@ -164,12 +164,18 @@ struct PlacementConfig {
   double headroom = 0.1;               // fraction of each tier kept free by "auto"
 };
 
+// Communication between ranks (src/comm/); ignored at world size 1.
+struct CommConfig {
+  std::string backend = "auto";    // auto (gloo for run.device cpu, nccl for cuda) | gloo | nccl
+  double timeout_s = 300.0;        // every collective and rendezvous wait; a lost rank is named within it
+};
+
 struct Config {
   // Batch sizes: train_batch_size = micro_batch x grad_accum x world_size.
   int64_t train_batch_size = 0;
   int64_t train_micro_batch_size_per_gpu = 0;
   int64_t gradient_accumulation_steps = 0;
-  int64_t world_size = 1;          // ranks; 1 until the multi-rank issue
+  int64_t world_size = 1;          // ranks (from the launcher's environment, not a key)
   double gradient_clipping = 1.0;  // 0 = off
   int64_t steps_per_print = 10;
 
@@ -184,6 +190,7 @@ struct Config {
   AioConfig aio;
   ActivationCheckpointingConfig activation_checkpointing;
   PlacementConfig placement;
+  CommConfig comm;
 
   // The JSON after defaults and overrides, as loaded (for logs and checkpoints).
   nlohmann::json raw;
@@ -194,10 +201,20 @@ struct Config {
 // Parses and validates `j`. `source` names the file in messages. `overrides`
 // are "a.b.c=value" strings applied before validation (value parsed as JSON,
 // else taken as a string). Throws ConfigError naming the key.
-Config parse_config(nlohmann::json j, const std::vector<std::string>& overrides = {});
+// `world_size` (ranks of the run) enters the batch arithmetic.
+Config parse_config(nlohmann::json j, const std::vector<std::string>& overrides = {},
+                    int64_t world_size = 1);
 
 // Reads the JSON file at `path` and parses it. Throws ConfigError (path in the
 // key) for a missing/unreadable file or bad JSON (with line/column).
-Config load_config(const std::string& path, const std::vector<std::string>& overrides = {});
+Config load_config(const std::string& path, const std::vector<std::string>& overrides = {},
+                   int64_t world_size = 1);
+
+// The effective config less the keys that may differ between ranks (metrics,
+// log and trace paths, nvme_path lists, run.threads): what ranks compare at
+// start. And the first key (dotted path) where two such configs differ, ""
+// when equal.
+nlohmann::json rank_invariant_config(const Config& c);
+std::string first_difference(const nlohmann::json& a, const nlohmann::json& b, const std::string& path = "");
 
 }  // namespace strata

@@ -54,9 +54,16 @@ nvme::EngineOptions engine_options(const AioConfig& aio) {
 
 }  // namespace
 
-Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::FaultPlan> faults)
-    : cfg_(cfg), model_(model), layout_(model.layout_specs(), cfg.world_size),
+Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::FaultPlan> faults,
+                 Communicator* comm, int local_ranks)
+    : cfg_(cfg), model_(model), layout_(model.layout_specs(), shard_count(cfg)),
       compute_dtype_(dtype_of(cfg.run.compute_dtype)) {
+  if (comm == nullptr) {
+    own_comm_ = make_local_communicator();
+    comm = own_comm_.get();
+  }
+  comm_ = comm;
+  STRATA_CHECK(comm_->world_size() == cfg.world_size, "the communicator's world size is not the config's");
   if (compute_dtype_ == at::kHalf) {
     throw ConfigError("fp16.enabled", "fp16 compute (with loss scaling) is not supported yet; use bf16");
   }
@@ -69,11 +76,12 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
                "the embedding must be the first block and the head the last");
 
   // ---- placement and state --------------------------------------------------
-  // Single rank for now: the trainer addresses blocks by their model-wide
-  // offsets, which equal the shard-space offsets only when world_size is 1.
-  STRATA_CHECK(layout_.world_size() == 1, "multi-rank training is not implemented yet");
+  shards_ = layout_.world_size();
+  shard_rank_ = shards_ > 1 ? comm_->rank() : 0;
+  gather_each_use_ = shards_ > 1 && cfg.zero.stage == 3;
+  gather_once_ = shards_ > 1 && cfg.zero.stage < 3;
   MachineCapacity cap;
-  PlacementPlan plan = plan_for_machine(cfg, layout_, &cap);
+  PlacementPlan plan = plan_for_machine(cfg, layout_, &cap, comm_->rank(), local_ranks);
   const StagingNeeds& need = plan.staging;
   // Like DeepSpeed, create missing swap directories (private to the user).
   for (const std::string& dir : plan.nvme_paths) {
@@ -105,6 +113,12 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
     }
   }
   grad_stage_ = HostBuffer(size_t(need.grad_stage), "gradient staging");
+  if (need.gather > 0) gather_mem_ = HostBuffer(size_t(need.gather), "gathered blocks");
+  if (need.grad_sync > 0) {
+    grad_stage2_ = HostBuffer(size_t(layout_.blocks().empty() ? 0 : need.grad_stage), "gradient staging (2nd)");
+    const int64_t shard_bytes = need.grad_sync - need.grad_stage;
+    if (shard_bytes > 0) grad_shards_ = HostBuffer(size_t(shard_bytes), "reduce-scattered gradient shards");
+  }
   if (need.grad_rmw > 0) grad_rmw_ = HostBuffer(size_t(need.grad_rmw), "gradient read-modify-write");
   if (need.opt_grad > 0) opt_grad_ = HostBuffer(size_t(need.opt_grad), "optimizer gradient staging");
   if (need.opt_state > 0) {
@@ -135,18 +149,27 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   // One generator, blocks initialised in model order into a staging buffer and
   // written to their homes: the same seed gives the same weights whatever the
   // placement or world size.
+  // Every rank draws every block (the draws follow the unpadded parameters
+  // in model order) and keeps its shard.
+  for (const PlacementUnit& u : plan.units[size_t(Category::kParam16)]) shard_offset_.push_back(u.offset);
+  int64_t global = 0;
+  for (const BlockLayout& bl : layout_.blocks()) {
+    global_index_.push_back(global);
+    global += bl.numel;
+  }
   at::Generator gen = at::detail::createCPUGenerator(cfg.run.seed);
   for (size_t b = 0; b < layout_.num_blocks(); ++b) {
     const BlockLayout& bl = layout_.block(b);
+    const int64_t n = bl.shard_numel();
     at::Tensor master = block_flat(b, grad_stage_.data(), at::kFloat);
     master.zero_();
     init_block(bl, master, gen);
-    state_->write(Category::kMaster, bl.offset, bl.padded_numel, master.data_ptr());
+    state_->write(Category::kMaster, shard_offset_[b], n, master.data_ptr<float>() + shard_rank_ * n);
     // Start-up only: a temporary for the working copy (4 KiB-aligned for NVMe).
     HostBuffer tmp(size_t(bl.padded_numel * compute_bytes_), "initial working copy");
     at::Tensor working = block_flat(b, tmp.data(), compute_dtype_);
     working.copy_(master);
-    state_->write(Category::kParam16, bl.offset, bl.padded_numel, working.data_ptr());
+    state_->write(Category::kParam16, shard_offset_[b], n, tmp.as<std::byte>() + shard_rank_ * n * compute_bytes_);
   }
   // Adam moments start at zero; resident homes are zero already, swapped ones
   // are written once so that reading them is valid.
@@ -164,9 +187,37 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
       }
     }
   }
+  for (int k = 0; k < 2; ++k) {
+    void* mem = k == 0 ? grad_stage_.data() : grad_stage2_.data();
+    if (mem == nullptr) break;
+    for (size_t b = 0; b < layout_.num_blocks(); ++b) {
+      grad_stage_flat_[k].push_back(block_flat(b, mem, at::kFloat));
+      grad_stage_views_[k].push_back(param_views(layout_.block(b), grad_stage_flat_[k].back()));
+    }
+  }
+  // The gradient norm (Note [Gathered blocks]): each rank sums the squares of
+  // its shards; with one shard but several ranks (stage 0) each takes an
+  // equal part of every block, so that the all-reduced sum counts every
+  // element once.
   for (size_t b = 0; b < layout_.num_blocks(); ++b) {
-    grad_stage_flat_.push_back(block_flat(b, grad_stage_.data(), at::kFloat));
-    grad_stage_views_.push_back(param_views(layout_.block(b), grad_stage_flat_.back()));
+    const int64_t n = layout_.block(b).shard_numel();
+    const int64_t ws = comm_->world_size(), r = comm_->rank();
+    norm_lo_.push_back(shards_ == 1 ? n * r / ws : 0);
+    norm_hi_.push_back(shards_ == 1 ? n * (r + 1) / ws : n);
+  }
+  block_sq_.assign(layout_.num_blocks(), 0.0);
+  gathered_valid_.assign(layout_.num_blocks(), 0);
+  // Runs of each optimizer piece inside one block shard.
+  for (const PlacementUnit& piece : pieces_) {
+    std::vector<AdamRun> runs;
+    for (size_t b = 0; b < layout_.num_blocks(); ++b) {
+      const int64_t lo = std::max(piece.offset, shard_offset_[b]);
+      const int64_t hi = std::min(piece.offset + piece.numel, shard_offset_[b] + layout_.block(b).shard_numel());
+      if (lo >= hi) continue;
+      const int64_t in_block = shard_rank_ * layout_.block(b).shard_numel() + (lo - shard_offset_[b]);
+      runs.push_back({lo - piece.offset, hi - lo, uint64_t(global_index_[b] + in_block)});
+    }
+    piece_runs_.push_back(std::move(runs));
   }
   for (const BlockLayout& bl : layout_.blocks()) {
     forward_names_.push_back("forward " + bl.name);
@@ -313,7 +364,8 @@ StateBytes Trainer::state_bytes() const {
 std::array<int64_t, kNumTiers> Trainer::peak_bytes() const {
   std::array<int64_t, kNumTiers> t{};
   t[0] = state_->device_arena_bytes() + window_->shape().bytes(compute_bytes_) +
-         int64_t(grad_stage_.bytes() + grad_rmw_.bytes() + ckpt_device_.bytes());
+         int64_t(grad_stage_.bytes() + grad_rmw_.bytes() + ckpt_device_.bytes() + gather_mem_.bytes() +
+                 grad_stage2_.bytes() + grad_shards_.bytes());
   t[1] = state_->host_arena_bytes() + int64_t(opt_grad_.bytes() + opt_master_.bytes() + opt_avg_.bytes() +
                                               opt_avg_sq_.bytes() + opt_emit_.bytes() + ckpt_host_.bytes());
   t[2] = state_->swap() != nullptr ? state_->swap()->used_bytes() : 0;
@@ -331,43 +383,53 @@ at::Tensor Trainer::block_flat(size_t b, void* buf, at::ScalarType dtype) {
 
 // Compute uses device-resident weights in place; the others come through the
 // window (in place would hide the H2D copy a GPU must make).
-std::vector<at::Tensor> Trainer::weights(size_t b, std::byte* fetched) {
-  const BlockLayout& bl = layout_.block(b);
-  std::byte* p = fetched != nullptr ? fetched : device_resident(Category::kParam16, bl.offset, bl.padded_numel);
-  STRATA_CHECK(p != nullptr, "a block neither fetched nor resident on the device");
-  return param_views(bl, block_flat(b, p, compute_dtype_));
+// `p`: the block's gathered weights (Note [Gathered blocks]).
+std::vector<at::Tensor> Trainer::weights(size_t b, std::byte* p) {
+  STRATA_CHECK(p != nullptr, "a block neither gathered nor resident on the device");
+  return param_views(layout_.block(b), block_flat(b, p, compute_dtype_));
 }
 
 // For tests and export, not the step: a copy through a temporary buffer.
 std::vector<at::Tensor> Trainer::block_weights(size_t b) {
-  finish();
-  const BlockLayout& bl = layout_.block(b);
-  HostBuffer tmp(size_t(bl.padded_numel * compute_bytes_), "block weights copy");
-  state_->read(Category::kParam16, bl.offset, bl.padded_numel, tmp.data());
-  std::vector<at::Tensor> w = param_views(bl, block_flat(b, tmp.data(), compute_dtype_));
+  at::Tensor flat = gathered_copy(Category::kParam16, b, compute_dtype_);
+  std::vector<at::Tensor> w = param_views(layout_.block(b), flat);
   for (at::Tensor& t : w) t = t.clone();
   return w;
 }
 
-// A copy of block b's fp32 state of category c, staged through an aligned
-// buffer (NVMe reads need 4 KiB alignment).
-at::Tensor Trainer::fp32_block_copy(Category c, size_t b) {
+// A copy of block b's state of category c gathered from every rank (the
+// shard staged through an aligned buffer: NVMe reads need 4 KiB alignment).
+at::Tensor Trainer::gathered_copy(Category c, size_t b, at::ScalarType dtype) {
   finish();
   const BlockLayout& bl = layout_.block(b);
-  at::Tensor out = at::empty({bl.padded_numel}, at::kFloat);
-  state_->read(c, bl.offset, bl.padded_numel, grad_stage_.data());
-  std::memcpy(out.data_ptr(), grad_stage_.data(), size_t(bl.padded_numel * 4));
+  const int64_t n = bl.shard_numel();
+  const int eb = state_->elem_bytes(c);
+  HostBuffer shard(size_t(n * eb), "shard copy");
+  state_->read(c, shard_offset_[b], n, shard.data());
+  at::Tensor out = at::empty({bl.padded_numel}, at::TensorOptions().dtype(dtype));
+  STRATA_CHECK(int64_t(out.element_size()) == eb, "dtype does not match the category's element size");
+  if (shards_ == 1) {
+    std::memcpy(out.data_ptr(), shard.data(), size_t(n * eb));
+  } else {
+    comm_->all_gather(shard.data(), out.data_ptr(), n, eb == 4 ? DType::kF32 : DType::kBF16).wait();
+  }
   return out;
 }
 
-at::Tensor Trainer::master_block(size_t b) { return fp32_block_copy(Category::kMaster, b); }
-at::Tensor Trainer::grad_block(size_t b) { return fp32_block_copy(Category::kGrad, b); }
+at::Tensor Trainer::master_block(size_t b) { return gathered_copy(Category::kMaster, b, at::kFloat); }
+at::Tensor Trainer::grad_block(size_t b) { return gathered_copy(Category::kGrad, b, at::kFloat); }
+at::Tensor Trainer::exp_avg_block(size_t b) {
+  return gathered_copy(Category::kExpAvg, b,
+                       state_->elem_bytes(Category::kExpAvg) == 4 ? at::kFloat : at::kBFloat16);
+}
 
 void Trainer::accumulate_grad(size_t b, const std::vector<at::Tensor>& grads, size_t first) {
+  const int k = comm_->world_size() > 1 ? grad_turn_ : 0;
+  if (comm_->world_size() > 1) complete_grad_sync(k);  // the stage's previous block is reduced
   // Views over the staging buffer, built once per block in the constructor.
-  const at::Tensor& stage = grad_stage_flat_[b];
+  const at::Tensor& stage = grad_stage_flat_[k][b];
   stage.zero_();
-  const std::vector<at::Tensor>& dst = grad_stage_views_[b];
+  const std::vector<at::Tensor>& dst = grad_stage_views_[k][b];
   if (b == embedding_block_ && tied_grad_.defined()) {
     dst[0].add_(tied_grad_);  // the head's share first, as autograd would sum it
     tied_grad_ = at::Tensor();
@@ -376,35 +438,84 @@ void Trainer::accumulate_grad(size_t b, const std::vector<at::Tensor>& grads, si
     const at::Tensor& g = grads[first + i];
     if (g.defined()) dst[i].add_(g);  // fp32 accumulation of 16-bit gradients
   }
-  flush_grad(b);
+  float* full = stage.data_ptr<float>();
+  if (comm_->world_size() == 1) {
+    flush_grad(b, full);
+    return;
+  }
+  // Note [Gathered blocks]: reduce while the next block's backward runs.
+  const int64_t n = layout_.block(b).shard_numel();
+  GradSync& gs = grad_sync_[k];
+  gs.block = int(b);
+  if (cfg_.zero.stage >= 2) {
+    float* shard = grad_shards_.as<float>() + size_t(k) * size_t(state_->plan().largest_block_shard_numel);
+    gs.done = comm_->reduce_scatter(full, shard, n, DType::kF32);
+    gs.shard = shard;
+  } else {
+    gs.done = comm_->all_reduce(full, layout_.block(b).padded_numel, DType::kF32, ReduceOp::kSum);
+    gs.shard = full + shard_rank_ * n;
+  }
+  grad_seq_[k] = ++grad_issued_;
+  grad_turn_ = 1 - k;
 }
 
-// Adds the staged gradient of block b into its home: the first time in a step
-// a plain copy, afterwards an add (in place when resident, else read, add,
-// write). The arithmetic is the same on every tier.
-void Trainer::flush_grad(size_t b) {
-  const BlockLayout& bl = layout_.block(b);
-  const int64_t n = bl.padded_numel;
-  const at::Tensor& stage = grad_stage_flat_[b];
+void Trainer::complete_grad_sync(int k) {
+  GradSync& gs = grad_sync_[k];
+  if (gs.block < 0) return;
+  {
+    TraceSpan span(TraceTrack::kComm, "wait gradient reduction");
+    gs.done.wait();
+  }
+  const int b = gs.block;
+  gs.block = -1;
+  flush_grad(size_t(b), gs.shard);
+}
+
+// Adds the rank's shard of block b's gradient into its home: the first time
+// in a step a plain copy, afterwards an add (in place when resident, else
+// read, add, write). The arithmetic is the same on every tier. On the last
+// micro-batch the rank's part of the final gradient gives its squared norm.
+void Trainer::flush_grad(size_t b, const float* shard) {
+  const int64_t n = layout_.block(b).shard_numel();
+  const int64_t off = shard_offset_[b];
+  auto flat = [&](const void* p) {
+    return at::from_blob(const_cast<void*>(p), {n}, at::TensorOptions().dtype(at::kFloat));
+  };
   // Added in place only on the device; a host home receives a D2H copy.
-  std::byte* home = device_resident(Category::kGrad, bl.offset, n);
+  std::byte* home = device_resident(Category::kGrad, off, n);
+  const float* final_values = nullptr;
   if (!grad_written_[b]) {
     if (home != nullptr) {
-      std::memcpy(home, stage.data_ptr(), size_t(n * 4));
+      std::memcpy(home, shard, size_t(n * 4));
+      final_values = reinterpret_cast<const float*>(home);
+    } else if (reinterpret_cast<uintptr_t>(shard) % kPageBytes == 0) {
+      state_->write(Category::kGrad, off, n, shard);
+      final_values = shard;
     } else {
-      state_->write(Category::kGrad, bl.offset, n, stage.data_ptr());
+      std::memcpy(grad_rmw_.data(), shard, size_t(n * 4));  // aligned for O_DIRECT
+      state_->write(Category::kGrad, off, n, grad_rmw_.data());
+      final_values = grad_rmw_.as<float>();
     }
     grad_written_[b] = 1;
-    return;
+  } else if (home != nullptr) {
+    flat(home).add_(flat(shard));
+    final_values = reinterpret_cast<const float*>(home);
+  } else {
+    at::Tensor acc = flat(grad_rmw_.data());
+    state_->read(Category::kGrad, off, n, acc.data_ptr());
+    acc.add_(flat(shard));
+    state_->write(Category::kGrad, off, n, acc.data_ptr());
+    final_values = grad_rmw_.as<float>();
   }
-  if (home != nullptr) {
-    block_flat(b, home, at::kFloat).add_(stage);
-    return;
+  if (last_micro_) {
+    // fp32 norm as LibTorch computes it, squared in double; summed in block
+    // (shard) order when the step ends, never in completion order.
+    const double norm = at::from_blob(const_cast<float*>(final_values) + norm_lo_[b],
+                                      {norm_hi_[b] - norm_lo_[b]}, at::TensorOptions().dtype(at::kFloat))
+                            .norm()
+                            .item<double>();
+    block_sq_[b] = norm * norm;
   }
-  at::Tensor acc = block_flat(b, grad_rmw_.data(), at::kFloat);
-  state_->read(Category::kGrad, bl.offset, n, acc.data_ptr());
-  acc.add_(stage);
-  state_->write(Category::kGrad, bl.offset, n, acc.data_ptr());
 }
 
 at::Tensor Trainer::loss_of(const at::Tensor& logits, const at::Tensor& targets) const {
@@ -464,42 +575,28 @@ at::Tensor Trainer::restore_input(size_t b) {
 // reverse: recompute the block from its saved input with autograd over leaf
 // views of its weights, and ask autograd for the gradients of the input and of
 // the weights given the output gradient. Weight gradients are staged per block
-// and added into the block's gradient home, so nothing but one block's graph
-// is alive at a time. A tied head adds its output-projection gradient into the
-// embedding block's gradient, which backward reaches last.
+// and reduced into the block's gradient home (Note [Gathered blocks]), so
+// nothing but one block's graph is alive at a time. A tied head adds its
+// output-projection gradient into the embedding block's gradient, which
+// backward reaches last.
 double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale) {
   const int64_t T = cfg_.model.seq_len;
   at::Tensor inputs = tokens.narrow(1, 0, T);
   at::Tensor targets = tokens.narrow(1, 1, T);
   STRATA_CHECK(head_block_ == layout_.num_blocks() - 1, "the head must be the last block");
 
-  // The window hands out blocks in train_schedule's order (Note [Prefetch window]).
-  std::byte* fetched[2];
-  at::Tensor x = inputs;
-  {
-    at::NoGradGuard no_grad;
-    for (size_t b = 0; b < head_block_; ++b) {
-      save_input(b, x);
-      acquire(fetched, b, SIZE_MAX);
-      std::vector<at::Tensor> w = weights(b, fetched[0]);
-      {
-        TraceSpan span(TraceTrack::kCompute, forward_names_[b].c_str());
-        x = model_.forward(b, w, x);
-      }
-      w.clear();
-      window_->release();
-    }
-  }
+  at::Tensor x = forward_layers(inputs, /*train=*/true);
 
   // Head and loss, with autograd.
+  std::byte* gathered[2];
   at::Tensor dx;
   double loss_value = 0.0;
   {
     at::Tensor xin = x.detach().requires_grad_(true);
-    acquire(fetched, head_block_, cfg_.model.tie_embeddings ? embedding_block_ : SIZE_MAX);
-    std::vector<at::Tensor> w = as_leaves(weights(head_block_, fetched[0]));
+    next_use(gathered);
+    std::vector<at::Tensor> w = as_leaves(weights(head_block_, gathered[0]));
     at::Tensor tied;
-    if (cfg_.model.tie_embeddings) tied = as_leaves(weights(embedding_block_, fetched[1]))[0];
+    if (cfg_.model.tie_embeddings) tied = as_leaves(weights(embedding_block_, gathered[1]))[0];
     TraceSpan span(TraceTrack::kCompute, "head forward + backward");
     at::Tensor loss = loss_of(model_.forward(head_block_, w, xin, tied), targets);
     loss_value = loss.item<double>();
@@ -509,19 +606,19 @@ double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale) {
     std::vector<at::Tensor> grads =
         torch::autograd::grad({loss * loss_scale}, wrt, /*grad_outputs=*/{}, /*retain_graph=*/false);
     dx = grads[0];
-    accumulate_grad(head_block_, grads, 1);
     // The head's gradient for the tied embedding is added when the embedding's
     // own gradient is staged, so the embedding is flushed once per micro-batch.
     if (tied.defined()) tied_grad_ = grads.back();
     w.clear();
     tied = at::Tensor();
-    window_->release();
+    end_use();
+    accumulate_grad(head_block_, grads, 1);
   }
 
   // Layers and embedding, in reverse, recomputed from their saved inputs.
   for (size_t b = head_block_; b-- > 0;) {
-    acquire(fetched, b, SIZE_MAX);
-    std::vector<at::Tensor> w = as_leaves(weights(b, fetched[0]));
+    next_use(gathered);
+    std::vector<at::Tensor> w = as_leaves(weights(b, gathered[0]));
     const bool is_embedding = model_.blocks()[b].kind == BlockKind::kEmbedding;
     at::Tensor saved = restore_input(b);
     at::Tensor xin = is_embedding ? saved : saved.detach().requires_grad_(true);
@@ -534,30 +631,108 @@ double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale) {
       wrt.insert(wrt.end(), w.begin(), w.end());
       grads = torch::autograd::grad({y}, wrt, {dx}, /*retain_graph=*/false);
     }
+    w.clear();
+    end_use();
     accumulate_grad(b, grads, is_embedding ? 0 : 1);
     if (!is_embedding) dx = grads[0];
-    w.clear();
-    window_->release();
+  }
+  // The last reductions, oldest first.
+  if (comm_->world_size() > 1) {
+    const int first = grad_seq_[0] < grad_seq_[1] ? 0 : 1;
+    complete_grad_sync(first);
+    complete_grad_sync(1 - first);
   }
   return loss_value;
 }
 
-// The global L2 norm of the gradient: per-block norms (fp32, as LibTorch
-// computes them) combined in double, the same on every tier.
-double Trainer::global_grad_norm() {
-  double sum_sq = 0.0;
-  for (size_t b = 0; b < layout_.num_blocks(); ++b) {
-    const BlockLayout& bl = layout_.block(b);
-    std::byte* p = state_->resident(Category::kGrad, bl.offset, bl.padded_numel);
-    if (p == nullptr) {
-      p = grad_stage_.as<std::byte>();
-      state_->read(Category::kGrad, bl.offset, bl.padded_numel, p);
+// The blocks before the head, in order; training keeps each block's input.
+// Shared by training and evaluation.
+at::Tensor Trainer::forward_layers(at::Tensor x, bool train) {
+  at::NoGradGuard no_grad;
+  std::byte* gathered[2];
+  for (size_t b = 0; b < head_block_; ++b) {
+    if (train) save_input(b, x);
+    next_use(gathered);
+    std::vector<at::Tensor> w = weights(b, gathered[0]);
+    {
+      TraceSpan span(TraceTrack::kCompute, forward_names_[b].c_str());
+      x = model_.forward(b, w, x);
     }
-    const double n = block_flat(b, p, at::kFloat).norm().item<double>();
-    sum_sq += n * n;
+    w.clear();
+    end_use();
   }
-  return std::sqrt(sum_sq);
+  return x;
 }
+
+// ---- Note [Gathered blocks]: uses of a schedule -------------------------------
+
+void Trainer::begin_uses(const std::vector<WindowUse>* schedule) {
+  // A failed pass may have left gathers in flight: their buffers are reused.
+  for (auto& slot : gather_done_) for (Completion& c : slot) c.wait();
+  window_->begin(schedule);
+  uses_ = schedule;
+  use_ = 0;
+  use_issued_ = false;
+}
+
+// Acquires use u's shards from the window and starts gathering them.
+void Trainer::issue_gather(size_t u) {
+  const WindowUse& use = (*uses_)[u];
+  std::byte* shard[2];
+  acquire(shard, size_t(use.block[0]), use.count > 1 ? size_t(use.block[1]) : SIZE_MAX);
+  const int slot = int(u % 2);
+  const DType dt = compute_dtype_ == at::kFloat ? DType::kF32 : DType::kBF16;
+  for (int i = 0; i < use.count; ++i) {
+    const size_t b = size_t(use.block[i]);
+    const int64_t n = layout_.block(b).shard_numel();
+    std::byte* src = shard[i] != nullptr ? shard[i] : device_resident(Category::kParam16, shard_offset_[b], n);
+    STRATA_CHECK(src != nullptr, "a block neither fetched nor resident on the device");
+    if (gather_once_) {
+      gathered_[slot][i] = gather_mem_.as<std::byte>() + layout_.block(b).offset * compute_bytes_;
+      if (gathered_valid_[b]) continue;
+      gathered_valid_[b] = 1;
+    } else {
+      gathered_[slot][i] = gather_mem_.as<std::byte>() +
+                           size_t(slot * 2 + i) * size_t(state_->plan().largest_block_numel * compute_bytes_);
+    }
+    TraceSpan span(TraceTrack::kComm, "all_gather");
+    gather_done_[slot][i] = comm_->all_gather(src, gathered_[slot][i], n, dt);
+  }
+}
+
+void Trainer::next_use(std::byte* out[2]) {
+  if (shards_ == 1) {
+    // One shard: the shard is the block, used in place (fetched or resident).
+    const WindowUse& use = (*uses_)[use_];
+    acquire(out, size_t(use.block[0]), use.count > 1 ? size_t(use.block[1]) : SIZE_MAX);
+    for (int i = 0; i < use.count; ++i) {
+      if (out[i] == nullptr) {
+        const size_t b = size_t(use.block[i]);
+        out[i] = device_resident(Category::kParam16, shard_offset_[b], layout_.block(b).shard_numel());
+      }
+    }
+    return;
+  }
+  if (!use_issued_) issue_gather(use_);
+  const int slot = int(use_ % 2);
+  {
+    TraceSpan span(TraceTrack::kComm, "wait all_gather");
+    for (Completion& c : gather_done_[slot]) c.wait();
+  }
+  window_->release();  // the shards are in the gathered buffers now
+  // The next use's gather runs while this one computes.
+  use_issued_ = use_ + 1 < uses_->size();
+  if (use_issued_) issue_gather(use_ + 1);
+  out[0] = gathered_[slot][0];
+  out[1] = gathered_[slot][1];
+}
+
+void Trainer::end_use() {
+  if (shards_ == 1) window_->release();
+  ++use_;
+}
+
+// ---- the optimizer ----------------------------------------------------------------
 
 // Per sub-group, wherever its state lives: resident state is updated in place,
 // swapped state is read into staging, updated and written back. The working
@@ -619,6 +794,7 @@ void Trainer::optimizer_step(float grad_scale, double lr, int64_t step) {
   };
 
   if (!groups.empty()) issue_reads(0);
+  const int64_t moment_bytes = plan.elem_bytes[size_t(Category::kExpAvg)];
   for (size_t j = 0; j < groups.size(); ++j) {
     const int k = int(j % size_t(sets));
     const PlacementUnit& g = groups[j];
@@ -627,9 +803,19 @@ void Trainer::optimizer_step(float grad_scale, double lr, int64_t step) {
     OptSet& sp = opt_spans_[size_t(k)];
     {
       TraceSpan span(TraceTrack::kAdam, "adam sub-group");
-      // The rounding of bf16 moments is keyed by the model-wide element index
-      // (Note [bf16 state]), so it does not depend on pieces or placement.
-      adam_->step(h, cpu_adam::StepArgs{step, grad_scale, uint64_t(g.offset)}, sp.adam);
+      // One call per run inside a block shard: the rounding of bf16 moments
+      // is keyed by the global unpadded parameter index (Note [bf16 state]),
+      // so it depends on neither pieces, placement nor world size.
+      for (const AdamRun& run : piece_runs_[j]) {
+        cpu_adam::AdamSpans part = sp.adam;
+        part.param += run.start;
+        part.grad = static_cast<const float*>(part.grad) + run.start;
+        part.exp_avg = static_cast<std::byte*>(part.exp_avg) + run.start * moment_bytes;
+        part.exp_avg_sq = static_cast<std::byte*>(part.exp_avg_sq) + run.start * moment_bytes;
+        if (part.emit != nullptr) part.emit = static_cast<std::byte*>(part.emit) + run.start * compute_bytes_;
+        part.numel = run.numel;
+        adam_->step(h, cpu_adam::StepArgs{step, grad_scale, run.key}, part);
+      }
     }
     if (compute_dtype_ == at::kFloat) std::memcpy(sp.working, sp.adam.param, size_t(g.numel * 4));
     PendingIo& w = opt_writes_[size_t(k)];
@@ -657,7 +843,9 @@ void Trainer::optimizer_step(float grad_scale, double lr, int64_t step) {
   for (PendingIo& w : opt_writes_) state_->wait(w);
 }
 
-StepResult Trainer::step(const int64_t* tokens) {
+// ---- the step ---------------------------------------------------------------------
+
+StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
   if (broken_) {
     throw Error("an earlier step failed part-way through the optimizer; the state is inconsistent "
                 "and training cannot continue (restart from a checkpoint)");
@@ -665,42 +853,64 @@ StepResult Trainer::step(const int64_t* tokens) {
   const int64_t accum = cfg_.gradient_accumulation_steps;
   const int64_t micro = cfg_.train_micro_batch_size_per_gpu;
   const int64_t window = cfg_.model.seq_len + 1;
+  const int64_t ranks = comm_->world_size();
   // This thread's transfers in this step, plus (below) those of the
   // optimizer step reported with it.
   LinkBytes moved;
   TieredState::TallyScope tally(&moved);
   std::fill(grad_written_.begin(), grad_written_.end(), 0);
+  std::fill(block_sq_.begin(), block_sq_.end(), 0.0);
   ckpt_device_now_ = 0;  // nothing saved survives a step (nor a failed one)
   StepResult r;
   const double wait0 = window_->wait_seconds();
   const double opt_wait0 = opt_wait_s_;
+  const int64_t net0 = comm_->bytes_sent();
+  const double comm_wait0 = comm_->wait_seconds();
   window_->set_ready(ready_blocks());
-  window_->begin(&train_schedule_);
+  begin_uses(&train_schedule_);
+  // Each micro-batch's loss is scaled by 1 / (accum x ranks): the reduced
+  // gradient is then the gradient of the global batch's mean loss.
+  double local_loss = 0.0;
   for (int64_t m = 0; m < accum; ++m) {
     at::Tensor batch = at::from_blob(const_cast<int64_t*>(tokens + m * micro * window),
                                      {micro, window}, at::TensorOptions().dtype(at::kLong));
-    r.loss += forward_backward(batch, 1.0 / double(accum)) / double(accum);
+    last_micro_ = m + 1 == accum;
+    local_loss += forward_backward(batch, 1.0 / double(accum * ranks)) / double(accum * ranks);
   }
   const double param_wait = window_->wait_seconds() - wait0;
-  r.tokens = accum * micro * cfg_.model.seq_len;
+  r.tokens = accum * micro * cfg_.model.seq_len * ranks;
 
+  // The gradient norm, the global batch's loss and the stop requests: one
+  // all-reduce of three numbers. Each rank's squared norm was accumulated
+  // as its last micro-batch's gradient reached its home (flush_grad), summed
+  // here in block order.
+  const auto t_opt = std::chrono::steady_clock::now();
+  double sums[3] = {0.0, local_loss, stop_requested ? 1.0 : 0.0};
+  for (double sq : block_sq_) sums[0] += sq;
+  {
+    TraceSpan span(TraceTrack::kComm, "all_reduce norm, loss, stop");
+    comm_->all_reduce(sums, 3, DType::kF64, ReduceOp::kSum).wait();
+  }
+  r.grad_norm = std::sqrt(sums[0]);
+  r.loss = sums[1];
+  r.stop = sums[2] > 0.0;
   // Global-norm clipping folded into the optimizer as a gradient scale, with
   // torch.nn.utils.clip_grad_norm_'s formula.
-  const auto t_opt = std::chrono::steady_clock::now();
-  r.grad_norm = global_grad_norm();
   float grad_scale = 1.0f;
   if (cfg_.gradient_clipping > 0.0) {
     const double coef = cfg_.gradient_clipping / (r.grad_norm + 1e-6);
     if (coef < 1.0) grad_scale = float(coef);
   }
   if (!std::isfinite(r.grad_norm)) {
-    // Stepping would turn every tier's optimizer state into NaN for good.
+    // Stepping would turn every tier's optimizer state into NaN for good. The
+    // norm is all-reduced, so every rank stops here.
     throw Error(strprintf("gradient norm is %f at step %lld: the optimizer step was skipped and the "
                           "state is unchanged; lower optimizer.params.lr or enable gradient_clipping",
                           r.grad_norm, (long long)(step_ + 1)));
   }
   r.lr = learning_rate(cfg_.scheduler, cfg_.optimizer.lr, step_ + 1);
   window_->invalidate();  // the optimizer rewrites the working copy
+  std::fill(gathered_valid_.begin(), gathered_valid_.end(), 0);
   if (overlap_) {
     finish();  // the previous step's write-backs are done and its staging is free
     {
@@ -729,9 +939,14 @@ StepResult Trainer::step(const int64_t* tokens) {
   r.optimizer_wait_s = opt_wait_s_ - opt_wait0;
   r.wait_s = param_wait + r.optimizer_wait_s;
   r.links = r.links + moved;
+  r.net_bytes = comm_->bytes_sent() - net0;
+  r.comm_wait_s = comm_->wait_seconds() - comm_wait0;
   return r;
 }
 
+// Evaluation shares the forward (forward_layers) and the gathered blocks with
+// training. Every rank evaluates the same windows (collective: at stage 3 the
+// blocks are gathered), so every rank returns the same loss.
 double Trainer::eval_loss(const int64_t* tokens, int64_t batches) {
   finish();
   STRATA_CHECK(!broken_, "eval after a failed optimizer step");
@@ -744,21 +959,16 @@ double Trainer::eval_loss(const int64_t* tokens, int64_t batches) {
   for (int64_t i = 0; i < batches; ++i) {
     at::Tensor batch = at::from_blob(const_cast<int64_t*>(tokens + i * micro * window),
                                      {micro, window}, at::TensorOptions().dtype(at::kLong));
-    at::Tensor x = batch.narrow(1, 0, T);
-    std::byte* fetched[2];
-    window_->begin(&eval_schedule_);
-    for (size_t b = 0; b < head_block_; ++b) {
-      window_->acquire(fetched);
-      x = model_.forward(b, weights(b, fetched[0]), x);
-      window_->release();
-    }
-    window_->acquire(fetched);
+    begin_uses(&eval_schedule_);
+    at::Tensor x = forward_layers(batch.narrow(1, 0, T), /*train=*/false);
+    std::byte* gathered[2];
+    next_use(gathered);
     at::Tensor tied;
-    if (cfg_.model.tie_embeddings) tied = weights(embedding_block_, fetched[1])[0];
-    at::Tensor logits = model_.forward(head_block_, weights(head_block_, fetched[0]), x, tied);
+    if (cfg_.model.tie_embeddings) tied = weights(embedding_block_, gathered[1])[0];
+    at::Tensor logits = model_.forward(head_block_, weights(head_block_, gathered[0]), x, tied);
     total += loss_of(logits, batch.narrow(1, 1, T)).item<double>();
     tied = at::Tensor();
-    window_->release();
+    end_use();
   }
   return total / double(batches);
 }

@@ -17,6 +17,7 @@
 #include <string>
 #include <vector>
 
+#include "comm/communicator.h"
 #include "config/config.h"
 #include "cpu_adam/adam.h"
 #include "memory/buffer.h"
@@ -39,6 +40,9 @@ struct StepResult {
   double optimizer_s = 0.0;  // seconds in the optimizer (including its swapping); with
                              // run.overlap_optimizer: the last optimizer step that finished
   double optimizer_wait_s = 0.0;  // seconds this step's compute waited for the optimizer
+  int64_t net_bytes = 0;     // bytes this rank sent over the network in the step
+  double comm_wait_s = 0.0;  // seconds compute waited for collectives
+  bool stop = false;         // some rank asked to stop: every rank stops after this step
 };
 
 // Bytes of each state category, for the start-up report.
@@ -50,20 +54,39 @@ struct StateBytes {
   int64_t total() const { return param16 + master + grad + optimizer; }
 };
 
+// Note [Gathered blocks]
+// State lives in the rank's shard space (memory/layout.h); compute sees
+// gathered blocks, and the two meet only in the Communicator. Before a use,
+// the block's param16 shard (in place when device-resident, else from the
+// parameter window) is all-gathered into a gathered buffer; the next use's
+// gather is issued before the current use computes, so it overlaps compute.
+// Stage 3 gathers at every use into a ring of two uses' buffers; stages 1-2
+// keep param16 replicated: a block is gathered into a whole-model buffer at
+// its first use after each optimizer step and reused. After a block's
+// backward its full fp32 gradient is reduce-scattered (stages 2-3) or
+// all-reduced (stages 0-1) while the next block's backward runs, and the
+// rank's shard is then added into its gradient home. With one shard (world
+// size 1, or stage 0) the shard is the block: no gather buffer, used in place.
+//
 // Owns the model's state and the buffers of the step, all sized at
 // construction: nothing on the step's path allocates except LibTorch's own
-// activations. Not thread-safe.
+// activations and c10d's work handles. Not thread-safe.
 class Trainer {
  public:
   // Plans the placement for this machine, allocates and initialises all state
-  // from cfg.run.seed (the same values whatever the placement).
+  // from cfg.run.seed (the same values whatever the placement or world size).
   // `faults` (tests): injected below the NVMe engine (nvme/fault_backend.h).
-  Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::FaultPlan> faults = nullptr);
+  // `comm`: the ranks of the run (must outlive the trainer; world size
+  // cfg.world_size); nullptr: world size 1.
+  Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::FaultPlan> faults = nullptr,
+          Communicator* comm = nullptr, int local_ranks = 1);
   ~Trainer();
 
-  // One optimizer step over `accum` micro-batches. `tokens` holds
+  // One optimizer step over this rank's `accum` micro-batches. `tokens` holds
   // accum x micro_batch windows of seq_len + 1 tokens (int64, row-major).
-  StepResult step(const int64_t* tokens);
+  // `stop_requested`: this rank wants to stop (a signal); combined over the
+  // ranks into StepResult::stop. Collective: every rank calls it.
+  StepResult step(const int64_t* tokens, bool stop_requested = false);
 
   // Waits for the last step's optimizer (Note [Optimizer overlap]) and
   // rethrows its failure; the state is then final. Call before the end.
@@ -80,11 +103,14 @@ class Trainer {
   int64_t steps_done() const { return step_; }
   at::ScalarType compute_dtype() const { return compute_dtype_; }
 
-  // Copies of block b's state (padded flat, for tests, export, checkpoints).
+  // Copies of block b's state, gathered from every rank (padded flat, for
+  // tests, export, checkpoints). Collective: every rank calls them.
   at::Tensor master_block(size_t b);
   at::Tensor grad_block(size_t b);
+  at::Tensor exp_avg_block(size_t b);  // fp32 or bf16, as stored
   // Block b's weights as the forward uses them (compute dtype), as copies.
   std::vector<at::Tensor> block_weights(size_t b);
+  Communicator& comm() const { return *comm_; }
 
   // The parameter window (Note [Prefetch window]): measured peaks and fetches.
   const ParamWindow& window() const { return *window_; }
@@ -103,17 +129,26 @@ class Trainer {
  private:
   // Block b's padded range of `buf` as a flat tensor of `dtype` (no copy).
   at::Tensor block_flat(size_t b, void* buf, at::ScalarType dtype);
-  at::Tensor fp32_block_copy(Category c, size_t b);
+  at::Tensor gathered_copy(Category c, size_t b, at::ScalarType dtype);
   // The range when it is resident on the device tier, else nullptr.
   std::byte* device_resident(Category c, int64_t offset, int64_t numel) const;
   // Views of block b's weights in the compute dtype: at `fetched` (from the
   // window), or in place when the block is device-resident (fetched nullptr).
   std::vector<at::Tensor> weights(size_t b, std::byte* fetched);
-  // Adds `grads[first..]` (one per parameter of block b) into b's gradient home.
+  // Stages `grads[first..]` (one per parameter of block b) as b's full fp32
+  // gradient and starts its reduction (Note [Gathered blocks]).
   void accumulate_grad(size_t b, const std::vector<at::Tensor>& grads, size_t first);
-  void flush_grad(size_t b);
+  // Waits for the oldest reduction in flight and adds its shard into the home.
+  void complete_grad_sync(int k);
+  void flush_grad(size_t b, const float* shard);
   double forward_backward(const at::Tensor& tokens, double loss_scale);
-  double global_grad_norm();
+  // Forward over the blocks before the head (saving inputs when training).
+  at::Tensor forward_layers(at::Tensor x, bool train);
+  // Note [Gathered blocks]: the uses of a schedule, one after another.
+  void begin_uses(const std::vector<WindowUse>* schedule);
+  void next_use(std::byte* out[2]);
+  void end_use();
+  void issue_gather(size_t u);
   void optimizer_step(float grad_scale, double lr, int64_t step);
   // Note [Optimizer overlap]: the optimizer thread and how compute waits for it.
   void optimizer_thread();
@@ -151,6 +186,14 @@ class Trainer {
   // bf16) and the emitted working copy.
   int64_t group_numel_ = 0;               // elements of a pipeline piece
   std::vector<PlacementUnit> pieces_;     // the optimizer's pipeline pieces, in shard order
+  // Per piece, its runs inside one block shard, with the global unpadded
+  // index of their first element: the key of bf16 moments' rounding.
+  struct AdamRun {
+    int64_t start = 0;   // elements from the piece's start
+    int64_t numel = 0;
+    uint64_t key = 0;
+  };
+  std::vector<std::vector<AdamRun>> piece_runs_;
   HostBuffer opt_grad_, opt_master_, opt_avg_, opt_avg_sq_, opt_emit_;  // opt_sets sets each
   std::vector<PendingIo> opt_reads_, opt_writes_;  // per staging set
   struct OptSet {
@@ -160,9 +203,40 @@ class Trainer {
   };
   std::vector<OptSet> opt_spans_;
 
+  // Ranks (Note [Gathered blocks]).
+  std::unique_ptr<Communicator> own_comm_;  // world size 1 without a caller's
+  Communicator* comm_ = nullptr;
+  int64_t shards_ = 1;                    // shards per block
+  int64_t shard_rank_ = 0;                // this rank's shard (0 with one shard)
+  bool gather_each_use_ = false;          // stage 3 with several shards
+  bool gather_once_ = false;              // stages 1-2 with several shards
+  std::vector<int64_t> shard_offset_;     // per block: its shard's offset in shard space
+  std::vector<int64_t> global_index_;     // per block: global unpadded index of its element 0
+  HostBuffer gather_mem_;                 // gathered blocks (ring, or the whole model)
+  std::vector<char> gathered_valid_;      // gather_once_: per block, gathered since the optimizer
+  const std::vector<WindowUse>* uses_ = nullptr;
+  size_t use_ = 0;                        // the use next_use() hands out
+  bool use_issued_ = false;               // its gather was issued
+  Completion gather_done_[2][2];          // per ring slot, per block of the use
+  std::byte* gathered_[2][2] = {};        // per ring slot, per block of the use
+  // The gradient's reduction: two fp32 stages (one reduced while the next
+  // block's backward fills the other) and, at stages 2-3, two shards.
+  HostBuffer grad_stage2_, grad_shards_;
+  struct GradSync {
+    int block = -1;
+    Completion done;
+    const float* shard = nullptr;
+  } grad_sync_[2];
+  int grad_turn_ = 0;                     // the stage the next block fills
+  uint64_t grad_seq_[2] = {0, 0};         // issue order of the two syncs
+  uint64_t grad_issued_ = 0;
+  bool last_micro_ = false;               // the micro-batch whose flush takes the norm
+  std::vector<double> block_sq_;          // per block: squared norm of this rank's range
+  std::vector<int64_t> norm_lo_, norm_hi_;  // per block: this rank's norm range within its shard
+
   std::vector<std::string> forward_names_, backward_names_;  // trace span names per block
-  std::vector<at::Tensor> grad_stage_flat_;                  // per block: its range of grad_stage_
-  std::vector<std::vector<at::Tensor>> grad_stage_views_;    // per block: parameter views of it
+  std::vector<at::Tensor> grad_stage_flat_[2];               // per stage, per block: its range
+  std::vector<std::vector<at::Tensor>> grad_stage_views_[2]; // per stage, per block: parameter views
   std::vector<char> grad_written_;        // per block: written since the step began
   std::vector<at::Tensor> saved_inputs_;  // per block, the activation checkpoint
   // cpu_checkpointing: layer b's saved input in host slot b, brought back

@@ -144,6 +144,14 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
   n.gathered = n.window.bytes(plan.compute_bytes);
   n.grad_stage = largest * 4;
   n.grad_rmw = off_device(Category::kGrad) ? largest * 4 : 0;
+  if (plan.shards > 1 && plan.stage == 3) {
+    n.gather = 2 * (plan.tied ? 2 : 1) * largest * plan.compute_bytes;
+  } else if (plan.shards > 1) {
+    n.gather = plan.gathered_numel * plan.compute_bytes;
+  }
+  if (plan.world_size > 1) {
+    n.grad_sync = largest * 4 + (plan.stage >= 2 ? 2 * plan.largest_block_shard_numel * 4 : 0);
+  }
   if (plan.cpu_checkpointing) {
     n.ckpt_device = std::min<int64_t>(2, plan.checkpoint_layers) * plan.checkpoint_bytes;
     n.ckpt_host = plan.checkpoint_layers * plan.checkpoint_bytes;
@@ -172,10 +180,15 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
   return n;
 }
 
-MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::string>& nvme_paths) {
+int64_t shard_count(const Config& cfg) { return cfg.zero.stage == 0 ? 1 : cfg.world_size; }
+
+MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::string>& nvme_paths,
+                                 int local_ranks) {
   MachineCapacity m;
+  local_ranks = std::max(1, local_ranks);
   m.device_is_host = cfg.run.device == "cpu";
   m.host_bytes = mem_available_bytes();
+  if (m.host_bytes > 0) m.host_bytes /= local_ranks;
   if (cfg.run.device_memory_mb > 0) {
     m.device_bytes = cfg.run.device_memory_mb << 20;
   } else if (m.device_is_host) {
@@ -190,6 +203,7 @@ MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::strin
     const int64_t free = free_bytes_under(p);
     if (free >= 0) m.nvme_bytes = std::max<int64_t>(m.nvme_bytes, 0) + free;
   }
+  if (m.nvme_bytes > 0) m.nvme_bytes /= local_ranks;
   return m;
 }
 
@@ -216,12 +230,19 @@ int64_t PlacementPlan::category_total(Category c) const {
 
 PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t rank,
                         const MachineCapacity& capacity) {
-  STRATA_CHECK(rank >= 0 && rank < layout.world_size(), "rank out of range");
+  STRATA_CHECK(layout.world_size() == shard_count(cfg), "the layout's shards are not the config's");
+  STRATA_CHECK(rank >= 0 && rank < std::max<int64_t>(1, cfg.world_size), "rank out of range");
   PlacementPlan plan;
+  plan.world_size = int(cfg.world_size);
+  plan.stage = int(cfg.zero.stage);
+  plan.shards = layout.world_size();
+  plan.rank = int(rank);
+  plan.gathered_numel = layout.total_numel();
   const int int16_bytes = compute_bytes(cfg);  // the working copy: fp32 or 16-bit
   const int moment_bytes = cfg.run.optimizer_state_dtype == "bf16" ? 2 : 4;  // Note [bf16 state]
   plan.elem_bytes = {int16_bytes, 4, 4, moment_bytes, moment_bytes};
-  (void)rank;  // every rank owns equally sized shards: shard r of every block
+  // Every rank owns equally sized shards (shard r of every block), so the
+  // plans of all ranks are the same.
 
   // ---- units ----------------------------------------------------------------
   int64_t offset = 0;
@@ -429,13 +450,14 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   return plan;
 }
 
-PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, MachineCapacity* capacity) {
+PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, MachineCapacity* capacity,
+                               int64_t rank, int local_ranks) {
   // The swap directories are known only from a first plan; capacity matters
   // only to auto, which the second call redoes with the directories measured.
-  PlacementPlan first = make_plan(cfg, layout, 0, measure_capacity(cfg, {}));
-  MachineCapacity cap = measure_capacity(cfg, first.nvme_paths);
+  PlacementPlan first = make_plan(cfg, layout, rank, measure_capacity(cfg, {}, local_ranks));
+  MachineCapacity cap = measure_capacity(cfg, first.nvme_paths, local_ranks);
   if (capacity != nullptr) *capacity = cap;
-  return cfg.placement.auto_place ? make_plan(cfg, layout, 0, cap) : first;
+  return cfg.placement.auto_place ? make_plan(cfg, layout, rank, cap) : first;
 }
 
 std::vector<std::string> plan_shortfalls(const PlacementPlan& plan, const MachineCapacity& cap) {

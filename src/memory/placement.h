@@ -52,8 +52,11 @@ struct MachineCapacity {
 
 // Measures the capacity: device budget from run.device_memory_mb (CPU: else
 // unlimited), MemAvailable from /proc/meminfo, statvfs free space under each
-// of `nvme_paths` (the nearest existing ancestor of each).
-MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::string>& nvme_paths);
+// of `nvme_paths` (the nearest existing ancestor of each). With
+// `local_ranks` > 1 ranks share the node: each gets its share of RAM and disk
+// (the device budget is per rank already).
+MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::string>& nvme_paths,
+                                 int local_ranks = 1);
 
 // The transient and staging buffers the trainer allocates for a plan (bytes),
 // computed here so that `strata plan` reports exactly what a run will use.
@@ -70,11 +73,27 @@ struct StagingNeeds {
   // host memory, and two device slots to bring them back for the backward.
   int64_t ckpt_device = 0;
   int64_t ckpt_host = 0;
-  int64_t device_bytes() const { return gathered + grad_stage + grad_rmw + ckpt_device; }
+  // Ranks (Note [Gathered blocks] in trainer.h): device buffers of gathered
+  // blocks in the compute dtype (stage 3: two uses of up to two blocks; stages
+  // 1-2: the whole replicated model), and the gradient's synchronisation (a
+  // second fp32 gradient stage so that one block's reduction overlaps the next
+  // block's backward, and at stages 2-3 two reduce-scattered shards).
+  int64_t gather = 0;
+  int64_t grad_sync = 0;
+  int64_t device_bytes() const { return gathered + grad_stage + grad_rmw + ckpt_device + gather + grad_sync; }
   int64_t host_bytes() const { return opt_grad + opt_state + opt_emit + ckpt_host; }
 };
 
+// Shards per block: the world size, except at ZeRO stage 0 where every rank
+// keeps the whole state (DESIGN.md, "State, shards and gathered blocks").
+int64_t shard_count(const Config& cfg);
+
 struct PlacementPlan {
+  int world_size = 1;            // ranks
+  int stage = 0;                 // zero_optimization.stage
+  int64_t shards = 1;            // shard_count(): 1 at stage 0
+  int rank = 0;                  // the rank this plan is for
+  int64_t gathered_numel = 0;    // padded elements of all blocks (gathered space)
   std::array<TierSplit, kNumCategories> split;                      // as requested
   std::array<std::vector<PlacementUnit>, kNumCategories> units;     // as placed
   std::array<std::array<int64_t, kNumTiers>, kNumCategories> bytes{};  // per category, tier
@@ -144,9 +163,11 @@ StagingNeeds staging_needs(const PlacementPlan& plan);
 PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t rank,
                         const MachineCapacity& capacity);
 
-// measure_capacity + make_plan for rank 0, measuring NVMe space under the
-// directories the plan itself names (what `strata plan` and `strata train` use).
-PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, MachineCapacity* capacity);
+// measure_capacity + make_plan for `rank`, measuring NVMe space under the
+// directories the plan itself names (what `strata plan` and `strata train`
+// use), each of `local_ranks` ranks of the node taking its share.
+PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, MachineCapacity* capacity,
+                               int64_t rank = 0, int local_ranks = 1);
 
 // The verdict: empty when the plan fits `capacity`; otherwise one line per
 // short tier ("host: short by 3.2 GiB (needs 35.2 GiB, has 32.0 GiB); move

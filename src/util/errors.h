@@ -58,6 +58,13 @@ class OutOfMemoryError : public Error {
   explicit OutOfMemoryError(const std::string& what) : Error(what) {}
 };
 
+// Communication between ranks failed: a peer lost (the message names it), a
+// collective or store wait that timed out, a port already in use.
+class CommError : public Error {
+ public:
+  explicit CommError(const std::string& what) : Error(what) {}
+};
+
 // A broken invariant: a bug in Strata, reported with file:line.
 class InternalError : public Error {
  public:

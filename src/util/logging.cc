@@ -10,14 +10,15 @@
 
 namespace strata {
 
-void setup_logging(const std::string& level, const std::string& log_file) {
+void setup_logging(const std::string& level, const std::string& log_file, int rank) {
   std::vector<spdlog::sink_ptr> sinks;
   sinks.push_back(std::make_shared<spdlog::sinks::stderr_color_sink_mt>());
   if (!log_file.empty()) {
     sinks.push_back(std::make_shared<spdlog::sinks::basic_file_sink_mt>(log_file, /*truncate=*/true));
   }
   auto logger = std::make_shared<spdlog::logger>("strata", sinks.begin(), sinks.end());
-  logger->set_pattern("[%H:%M:%S.%e] [%^%l%$] %v");
+  logger->set_pattern(rank < 0 ? std::string("[%H:%M:%S.%e] [%^%l%$] %v")
+                               : "[%H:%M:%S.%e] [rank " + std::to_string(rank) + "] [%^%l%$] %v");
   logger->set_level(spdlog::level::from_str(level));
   spdlog::set_default_logger(logger);
 }

@@ -11,7 +11,8 @@ namespace strata {
 
 // level: trace|debug|info|warn|error|off. log_file empty: stderr only.
 // REQUIRES: called before any other thread logs.
-void setup_logging(const std::string& level, const std::string& log_file);
+// rank >= 0 (a multi-rank run): every line carries "[rank r]".
+void setup_logging(const std::string& level, const std::string& log_file, int rank = -1);
 
 namespace log {
 void debug(const char* fmt, ...) __attribute__((format(printf, 1, 2)));

@@ -6,6 +6,7 @@
 #include <cstring>
 
 #include "util/errors.h"
+#include "util/logging.h"
 
 namespace strata {
 
@@ -36,18 +37,21 @@ void Tracer::write(const std::string& path) const {
   FILE* f = std::fopen(tmp.c_str(), "w");
   if (f == nullptr) throw IoError(tmp, errno, "cannot create trace file");
   std::fputs("[\n", f);
-  const char* tracks[] = {"", "compute", "copies (host <-> device)", "NVMe I/O", "CPU Adam"};
-  for (int t = 1; t <= 4; ++t) {
+  const char* tracks[] = {"", "compute", "copies (host <-> device)", "NVMe I/O", "CPU Adam", "collectives"};
+  // One process per rank, so that traces of several ranks merge in Perfetto.
+  const int pid = rank_ < 0 ? 1 : rank_ + 1;
+  for (int t = 1; t <= 5; ++t) {
     std::fprintf(f,
-                 "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":1,\"tid\":%d,\"args\":{\"name\":\"%s\"}},\n"
-                 "{\"ph\":\"M\",\"name\":\"thread_sort_index\",\"pid\":1,\"tid\":%d,\"args\":{\"sort_index\":%d}},\n",
-                 t, tracks[t], t, t);
+                 "{\"ph\":\"M\",\"name\":\"thread_name\",\"pid\":%d,\"tid\":%d,\"args\":{\"name\":\"%s\"}},\n"
+                 "{\"ph\":\"M\",\"name\":\"thread_sort_index\",\"pid\":%d,\"tid\":%d,\"args\":{\"sort_index\":%d}},\n",
+                 pid, t, tracks[t], pid, t, t);
   }
-  std::fputs("{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":1,\"args\":{\"name\":\"strata\"}}", f);
+  std::fprintf(f, "{\"ph\":\"M\",\"name\":\"process_name\",\"pid\":%d,\"args\":{\"name\":\"%s\"}}", pid,
+               rank_ < 0 ? "strata" : strprintf("strata rank %d", rank_).c_str());
   for (const Event& e : events_) {
     // Names are Strata's own ("forward layer.3"): no characters that need escaping.
-    std::fprintf(f, ",\n{\"name\":\"%s\",\"ph\":\"X\",\"pid\":1,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f}", e.name,
-                 e.track, double(e.start_ns) / 1e3, double(e.dur_ns) / 1e3);
+    std::fprintf(f, ",\n{\"name\":\"%s\",\"ph\":\"X\",\"pid\":%d,\"tid\":%d,\"ts\":%.3f,\"dur\":%.3f}", e.name,
+                 pid, e.track, double(e.start_ns) / 1e3, double(e.dur_ns) / 1e3);
   }
   std::fputs("\n]\n", f);
   const bool ok = std::fflush(f) == 0 && std::ferror(f) == 0;

@@ -13,7 +13,7 @@
 namespace strata {
 
 // One track per kind of work (Chrome trace "tid").
-enum class TraceTrack : int { kCompute = 1, kCopy = 2, kNvme = 3, kAdam = 4 };
+enum class TraceTrack : int { kCompute = 1, kCopy = 2, kNvme = 3, kAdam = 4, kComm = 5 };
 
 class Tracer {
  public:
@@ -26,6 +26,9 @@ class Tracer {
   void record(TraceTrack track, const char* name, Clock::time_point start, Clock::time_point end);
   size_t size() const { return events_.size(); }
   int64_t dropped() const { return dropped_; }
+
+  // The process this trace shows (one per rank: pid rank + 1, "strata rank r").
+  void set_rank(int rank) { rank_ = rank; }
 
   // Writes the JSON array (atomically: temporary name, then rename). Throws IoError.
   void write(const std::string& path) const;
@@ -45,6 +48,7 @@ class Tracer {
   size_t max_events_;
   int64_t dropped_ = 0;
   Clock::time_point origin_;
+  int rank_ = -1;  // -1: a single-process run
   mutable std::mutex mu_;
   static Tracer* current_;
 };
