@@ -7,6 +7,10 @@
 #include <sys/statvfs.h>
 #include <unistd.h>
 
+#include <dirent.h>
+#include <ftw.h>
+#include <sys/file.h>
+
 #include <algorithm>
 #include <cstring>
 
@@ -186,8 +190,22 @@ void SwapStore::create_files() {
       if (::mkdtemp(tmpl.data()) == nullptr) {  // mode 0700
         throw_io_error(options_.dirs[d], errno, "swap directory is not writable");
       }
-      store_dirs_.push_back(tmpl);
       if (::chmod(tmpl.c_str(), 0700) != 0) throw_io_error(tmpl, errno, "cannot set permissions");
+      if (options_.rank >= 0) {
+        // Note [Swap directory layout]: lock first, then make it visible.
+        top_dirs_.push_back(tmpl);
+        const std::string pending = tmpl + "/lock.new";
+        const int fd = ::open(pending.c_str(), O_WRONLY | O_CREAT | O_EXCL | O_CLOEXEC, 0600);
+        if (fd < 0) throw_io_error(pending, errno, "cannot create the swap lock");
+        lock_fds_.push_back(fd);
+        if (::flock(fd, LOCK_EX | LOCK_NB) != 0) throw_io_error(pending, errno, "cannot lock the swap directory");
+        if (::rename(pending.c_str(), (tmpl + "/lock").c_str()) != 0) {
+          throw_io_error(pending, errno, "cannot rename the swap lock");
+        }
+        tmpl += "/rank" + std::to_string(options_.rank);
+        if (::mkdir(tmpl.c_str(), 0700) != 0) throw_io_error(tmpl, errno, "cannot create the rank's swap directory");
+      }
+      store_dirs_.push_back(tmpl);
       const std::string path = tmpl + "/swap." + std::to_string(d);
       File f = File::open(path, OpenOptions{.write = true,
                                             .create = true,
@@ -261,6 +279,57 @@ void SwapStore::remove_files() noexcept {
       log::warn("%s: cannot remove swap directory: %s", d.c_str(), std::strerror(errno));
     }
   }
+  // The lock goes last: until then no other run may reclaim the directory.
+  for (const std::string& t : top_dirs_) {
+    (void)::unlink((t + "/lock").c_str());
+    (void)::unlink((t + "/lock.new").c_str());
+    if (::rmdir(t.c_str()) != 0 && errno != ENOENT) {
+      log::warn("%s: cannot remove swap directory: %s", t.c_str(), std::strerror(errno));
+    }
+  }
+  for (int fd : lock_fds_) ::close(fd);
+  lock_fds_.clear();
+}
+
+namespace {
+int64_t g_tree_bytes = 0;
+int add_size(const char*, const struct stat* st, int type, struct FTW*) {
+  if (type == FTW_F) g_tree_bytes += int64_t(st->st_blocks) * 512;
+  return 0;
+}
+int remove_entry(const char* path, const struct stat*, int, struct FTW*) { return ::remove(path); }
+}  // namespace
+
+std::vector<ReclaimedSwap> reclaim_abandoned_swap(const std::string& dir) {
+  std::vector<ReclaimedSwap> out;
+  DIR* d = ::opendir(dir.c_str());
+  if (d == nullptr) return out;
+  std::vector<std::string> candidates;
+  while (const dirent* e = ::readdir(d)) {
+    if (std::strncmp(e->d_name, "strata-swap.", 12) == 0) candidates.push_back(dir + "/" + e->d_name);
+  }
+  ::closedir(d);
+  std::sort(candidates.begin(), candidates.end());
+  for (const std::string& top : candidates) {
+    const std::string lock = top + "/lock";
+    const int fd = ::open(lock.c_str(), O_RDONLY | O_CLOEXEC);
+    if (fd < 0) continue;  // no lock file: not ours to judge
+    if (::flock(fd, LOCK_EX | LOCK_NB) != 0) {
+      ::close(fd);  // held by a live run
+      continue;
+    }
+    g_tree_bytes = 0;
+    ::nftw(top.c_str(), add_size, 16, FTW_PHYS);
+    const int64_t bytes = g_tree_bytes;
+    const int rc = ::nftw(top.c_str(), remove_entry, 16, FTW_DEPTH | FTW_PHYS);
+    ::close(fd);
+    if (rc != 0) {
+      log::warn("%s: cannot remove an abandoned swap directory: %s", top.c_str(), std::strerror(errno));
+      continue;
+    }
+    out.push_back({top, bytes});
+  }
+  return out;
 }
 
 void SwapStore::flush() {

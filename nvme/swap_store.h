@@ -47,7 +47,29 @@ struct SwapOptions {
   // Keep the files (and write the index) at exit instead of removing them.
   bool keep_files = false;
   DirectIo direct = DirectIo::kAuto;
+  // Note [Swap directory layout]: >= 0 puts the files under
+  // <dir>/strata-swap.XXXXXX/rank<rank>/ with an flock held on
+  // <dir>/strata-swap.XXXXXX/lock for the store's life; < 0 (tools, tests)
+  // directly under <dir>/strata-swap.XXXXXX/ without a lock.
+  int rank = -1;
 };
+
+// Note [Swap directory layout]
+// A run swaps under <nvme_path>/strata-swap.XXXXXX/rank<r>/ and holds an
+// exclusive flock on <nvme_path>/strata-swap.XXXXXX/lock while it lives (the
+// lock file is created and locked under another name, then renamed, so it is
+// never seen unlocked). The kernel drops the lock when the process dies, even
+// by SIGKILL, so a swap directory whose lock nobody holds belongs to a run
+// that is gone: the next run removes it (reclaim_abandoned_swap) instead of
+// letting crashed runs' state (hundreds of GB for a real model) fill the disk.
+// A directory without a lock file is never touched.
+struct ReclaimedSwap {
+  std::string path;
+  int64_t bytes = 0;
+};
+// Removes every strata-swap.* directory under `dir` whose lock nobody holds.
+// Errors removing one are logged, not thrown.
+std::vector<ReclaimedSwap> reclaim_abandoned_swap(const std::string& dir);
 
 struct RegionId {
   int index = -1;
@@ -171,6 +193,8 @@ class SwapStore {
   int64_t capacity_bytes_ = 0;
   int64_t file_bytes_ = 0;  // per file
   std::vector<std::string> store_dirs_;
+  std::vector<std::string> top_dirs_;  // strata-swap.XXXXXX (Note [Swap directory layout])
+  std::vector<int> lock_fds_;          // its lock, held while the store lives
   std::vector<std::string> file_paths_;
   std::vector<FileId> files_;
   bool closed_ = false;

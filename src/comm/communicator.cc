@@ -2,6 +2,7 @@
 // TCPStore), with the heartbeats of Note [Lost ranks].
 #include "comm/communicator.h"
 
+#include <c10/util/Logging.h>
 #include <torch/csrc/distributed/c10d/PrefixStore.hpp>
 #include <torch/csrc/distributed/c10d/TCPStore.hpp>
 
@@ -114,6 +115,9 @@ std::string exit_key(int r) { return "exit/" + std::to_string(r); }
 class C10dCommunicator final : public Communicator {
  public:
   C10dCommunicator(const RankInfo& who, const CommOptions& options) : who_(who), options_(options) {
+    // c10d logs every failed store or socket operation as a warning with a
+    // C++ stack trace; Strata reports a lost peer in one line of its own.
+    FLAGS_caffe2_log_level = std::max<int>(FLAGS_caffe2_log_level, 2);
     const auto timeout = std::chrono::milliseconds(int64_t(options.timeout_s * 1000.0));
     const bool server = who.rank == 0 && !who.agent_store;
     try {

@@ -37,7 +37,15 @@ TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& op
   host_arena_ = HostBuffer(size_t(need[1]), "host tier (resident state)");
   if (nvme_bytes > 0) {
     engine_ = std::make_unique<nvme::IoEngine>(options.engine);
+    // Note [Swap directory layout]: what killed runs left behind goes first.
+    for (const std::string& dir : plan_.nvme_paths) {
+      for (const nvme::ReclaimedSwap& r : nvme::reclaim_abandoned_swap(dir)) {
+        log::warn("removed %s (%s), the swap directory of a run that is gone", r.path.c_str(),
+                  format_bytes(double(r.bytes)).c_str());
+      }
+    }
     nvme::SwapOptions so;
+    so.rank = plan_.rank;
     so.dirs = plan_.nvme_paths;
     so.capacity_bytes = nvme_bytes;
     so.block_bytes = kSwapBlockBytes;
