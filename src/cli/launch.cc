@@ -122,6 +122,8 @@ int run_launch(const LaunchOptions& opt) {
     const pid_t pid = ::fork();
     if (pid < 0) throw IoError("fork", errno, "cannot start rank " + std::to_string(r));
     if (pid == 0) {
+      // Its own process group, so that stopping a rank stops what it started.
+      ::setpgid(0, 0);
       ::close(fds[0]);
       ::dup2(fds[1], STDOUT_FILENO);
       ::dup2(fds[1], STDERR_FILENO);
@@ -145,6 +147,7 @@ int run_launch(const LaunchOptions& opt) {
       ::_exit(127);
     }
     ::close(fds[1]);
+    ::setpgid(pid, pid);  // also here: no race with the child's own call
     ranks[size_t(r)].pid = pid;
     ranks[size_t(r)].out = fds[0];
   }
@@ -177,7 +180,7 @@ int run_launch(const LaunchOptions& opt) {
     const int sig = g_forward_signal.exchange(0);
     if (sig != 0) {
       ++forwarded;
-      for (Rank& k : ranks) if (k.running) ::kill(k.pid, forwarded >= 2 ? SIGKILL : sig);
+      for (Rank& k : ranks) if (k.running) ::kill(-k.pid, forwarded >= 2 ? SIGKILL : sig);
     }
     for (int r = 0; r < opt.nproc; ++r) {
       Rank& k = ranks[size_t(r)];
@@ -192,16 +195,18 @@ int run_launch(const LaunchOptions& opt) {
         failed = r;
         std::fprintf(stderr, "strata launch: rank %d exited with status %d; stopping the other ranks\n", r,
                      k.status);
-        for (Rank& o : ranks) if (o.running) ::kill(o.pid, SIGTERM);
+        for (Rank& o : ranks) if (o.running) ::kill(-o.pid, SIGTERM);
         stop_at = std::chrono::steady_clock::now() + std::chrono::milliseconds(int64_t(opt.grace_s * 1000));
       }
     }
     if (!killed && std::chrono::steady_clock::now() >= stop_at) {
       killed = true;
-      for (Rank& o : ranks) if (o.running) ::kill(o.pid, SIGKILL);
+      for (Rank& o : ranks) if (o.running) ::kill(-o.pid, SIGKILL);
     }
   }
+  // What the ranks wrote last; whatever they started is stopped with them.
   for (int r = 0; r < opt.nproc; ++r) {
+    if (failed >= 0) ::kill(-ranks[size_t(r)].pid, SIGKILL);
     while (ranks[size_t(r)].out >= 0 && drain(r, ranks[size_t(r)])) {
     }
   }

@@ -418,9 +418,10 @@ at::Tensor Trainer::gathered_copy(Category c, size_t b, at::ScalarType dtype) {
 
 at::Tensor Trainer::master_block(size_t b) { return gathered_copy(Category::kMaster, b, at::kFloat); }
 at::Tensor Trainer::grad_block(size_t b) { return gathered_copy(Category::kGrad, b, at::kFloat); }
-at::Tensor Trainer::exp_avg_block(size_t b) {
-  return gathered_copy(Category::kExpAvg, b,
-                       state_->elem_bytes(Category::kExpAvg) == 4 ? at::kFloat : at::kBFloat16);
+at::Tensor Trainer::state_block(Category c, size_t b) {
+  const int eb = state_->elem_bytes(c);
+  const at::ScalarType t = eb == 4 ? at::kFloat : c == Category::kParam16 ? compute_dtype_ : at::kBFloat16;
+  return gathered_copy(c, b, t);
 }
 
 void Trainer::accumulate_grad(size_t b, const std::vector<at::Tensor>& grads, size_t first) {

@@ -107,7 +107,7 @@ class Trainer {
   // tests, export, checkpoints). Collective: every rank calls them.
   at::Tensor master_block(size_t b);
   at::Tensor grad_block(size_t b);
-  at::Tensor exp_avg_block(size_t b);  // fp32 or bf16, as stored
+  at::Tensor state_block(Category c, size_t b);  // in the category's stored dtype
   // Block b's weights as the forward uses them (compute dtype), as copies.
   std::vector<at::Tensor> block_weights(size_t b);
   Communicator& comm() const { return *comm_; }

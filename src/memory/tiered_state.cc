@@ -75,6 +75,14 @@ TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& op
   }
 }
 
+int64_t TieredState::allocated_bytes(Category c) const {
+  int64_t bytes = 0;
+  for (const Home& h : homes_[size_t(c)]) {
+    bytes += h.tier == Tier::kNvme ? swap_->region_bytes(h.region) : h.numel * elem_bytes(c);
+  }
+  return bytes;
+}
+
 TieredState::~TieredState() = default;
 
 Tier TieredState::tier_of(Category c, int64_t offset) const {

@@ -109,6 +109,9 @@ class TieredState {
    private:
     LinkBytes* previous_;
   };
+  // Bytes of the homes given to category c (arena ranges and swap regions),
+  // summed over what was set up, whatever the tier.
+  int64_t allocated_bytes(Category c) const;
   // Resident bytes per tier (state only; NVMe = bytes in the swap store).
   std::array<int64_t, kNumTiers> state_bytes() const { return plan_.state_total(); }
   int64_t device_arena_bytes() const { return int64_t(device_arena_.bytes()); }

@@ -1,0 +1,463 @@
+// Multi-process tests of ranks (CPU, Gloo): world sizes and ZeRO stages agree
+// with one rank, NVMe equals RAM, bf16 moments do not depend on the world
+// size, lost ranks are named, launchers work. Every rank runs one thread, a
+// few steps of a tiny model; one such test at a time (CTest resource lock).
+#include <gtest/gtest.h>
+#include <fcntl.h>
+#include <netinet/in.h>
+#include <signal.h>
+#include <sys/file.h>
+#include <sys/socket.h>
+#include <sys/stat.h>
+#include <sys/wait.h>
+#include <unistd.h>
+
+#include <array>
+#include <chrono>
+#include <cmath>
+#include <cstdio>
+#include <cstring>
+#include <fstream>
+#include <map>
+#include <sstream>
+#include <string>
+#include <thread>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "test_util.h"
+
+namespace strata {
+namespace {
+
+using testing::TempDir;
+
+const std::string kStrata = std::string(STRATA_BINARY_DIR) + "/strata";
+const std::string kWorker = std::string(STRATA_BINARY_DIR) + "/tests/rank_worker";
+
+struct Result {
+  int code = -1;
+  std::string output;
+};
+
+Result sh(const std::string& cmd) {
+  Result r;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (p == nullptr) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
+  const int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
+  return r;
+}
+
+// A model whose blocks do not split evenly into 2, 3 or 4 shards of whole
+// 2048-element pieces: dim 48 gives layers of 27,744 elements.
+nlohmann::json base_config(const std::string& data) {
+  return {
+      {"train_batch_size", 24},
+      {"train_micro_batch_size_per_gpu", 2},
+      {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 2e-3}}}}},
+      {"zero_optimization", {{"stage", 3}}},
+      {"model", {{"dim", 48}, {"n_layers", 2}, {"n_heads", 4}, {"seq_len", 16}}},
+      {"data", {{"path", data}, {"eval_interval", 0}}},
+      {"run", {{"steps", 10}, {"threads", 1}, {"log_level", "warn"}, {"overlap_optimizer", true}}},
+      {"comm", {{"timeout_s", 20}}},
+  };
+}
+
+std::string write_config(const TempDir& dir, const std::string& name, const nlohmann::json& j) {
+  return dir.write(name, j.dump(2));
+}
+
+std::vector<double> read_losses(const std::string& path) {
+  std::vector<double> v;
+  std::ifstream in(path);
+  double x;
+  while (in >> x) v.push_back(x);
+  return v;
+}
+
+std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+std::vector<float> read_floats(const std::string& path) {
+  const std::string b = read_bytes(path);
+  std::vector<float> v(b.size() / 4);
+  std::memcpy(v.data(), b.data(), v.size() * 4);
+  return v;
+}
+
+std::vector<int64_t> tensor_sizes(const std::string& path) {
+  std::vector<int64_t> v;
+  std::ifstream in(path);
+  std::string block, name;
+  int64_t n;
+  while (in >> block >> name >> n) v.push_back(n);
+  return v;
+}
+
+// Runs `ranks` rank_workers under strata launch; the outputs go to OUT.*.
+Result run_workers(int ranks, const std::string& config, const std::string& out, const std::string& sets = "") {
+  return sh(kStrata + " launch --nproc " + std::to_string(ranks) + " -- " + kWorker + " " + config + " " +
+            out + " " + sets);
+}
+
+void expect_same_training(const std::string& ref, const std::string& got, const std::string& what) {
+  const std::vector<double> a = read_losses(ref + ".losses"), b = read_losses(got + ".losses");
+  ASSERT_EQ(a.size(), b.size()) << what;
+  ASSERT_FALSE(a.empty()) << what;
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_LE(std::abs(a[i] - b[i]), 1e-5 * std::abs(a[i])) << what << ": step " << i + 1 << " loss " << a[i]
+                                                           << " vs " << b[i];
+  }
+  // The losses moved: the comparison is of training, not of initial values.
+  EXPECT_LT(a.back(), a.front() - 0.05) << what;
+  const std::vector<float> wa = read_floats(ref + ".master"), wb = read_floats(got + ".master");
+  ASSERT_EQ(wa.size(), wb.size()) << what;
+  size_t at = 0;
+  for (int64_t n : tensor_sizes(ref + ".tensors")) {
+    double max_w = 0.0, max_d = 0.0;
+    for (int64_t i = 0; i < n; ++i, ++at) {
+      max_w = std::max(max_w, double(std::abs(wa[at])));
+      max_d = std::max(max_d, double(std::abs(wa[at] - wb[at])));
+    }
+    EXPECT_LE(max_d, 1e-4 * max_w) << what << ": a tensor of " << n << " elements differs";
+  }
+  EXPECT_EQ(at, wa.size());
+}
+
+class RanksTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    data_ = dir_.write("data.txt", testing::sample_text(60000));
+  }
+  TempDir dir_;
+  std::string data_;
+};
+
+TEST_F(RanksTest, WorldSizes1To4AgreeAndShardTheirState) {
+  const std::string cfg = write_config(dir_, "c.json", base_config(data_));
+  for (int ws : {1, 2, 3, 4}) {
+    const std::string out = dir_.file("ws" + std::to_string(ws));
+    Result r = run_workers(ws, cfg, out);
+    ASSERT_EQ(r.code, 0) << r.output;
+    if (ws > 1) expect_same_training(dir_.file("ws1"), out, "world size " + std::to_string(ws));
+    // Per-rank bytes of every sharded category: 1/ws of the whole plus padding.
+    for (int rank = 0; rank < ws; ++rank) {
+      const nlohmann::json j = nlohmann::json::parse(read_bytes(out + ".rank" + std::to_string(rank) + ".json"));
+      const int64_t params = j["parameter_count"], blocks = j["num_blocks"];
+      for (const char* c : {"param16", "grad", "master", "exp_avg", "exp_avg_sq"}) {
+        const int64_t bytes = j["allocated"][c];
+        const int64_t elem = 4;  // fp32 compute and moments
+        EXPECT_GE(bytes * ws, params * elem) << c << " at world size " << ws;
+        EXPECT_LE(bytes, (params + ws - 1) / ws * elem + blocks * 2048 * elem) << c << " at world size " << ws;
+      }
+    }
+    if (ws == 3) {
+      // The premise of "uneven": a block whose last rank holds both parameters
+      // and padding (2 shards < numel < 3 shards).
+      std::map<std::string, int64_t> numel;
+      std::ifstream in(out + ".tensors");
+      std::string block, name;
+      int64_t n;
+      while (in >> block >> name >> n) numel[block] += n;
+      bool uneven = false;
+      for (const auto& [b, k] : numel) {
+        const int64_t shard = (k + 3 * 2048 - 1) / (3 * 2048) * 2048;
+        uneven |= k > 2 * shard && k < 3 * shard;
+      }
+      EXPECT_TRUE(uneven) << "no block pads its last rank's shard";
+    }
+  }
+}
+
+TEST_F(RanksTest, StagesAgreeWithOneRank) {
+  nlohmann::json c = base_config(data_);
+  c["zero_optimization"]["stage"] = 0;
+  const std::string cfg = write_config(dir_, "c.json", c);
+  Result one = run_workers(1, cfg, dir_.file("ref"));
+  ASSERT_EQ(one.code, 0) << one.output;
+  for (int stage : {0, 1, 2, 3}) {
+    const std::string out = dir_.file("s" + std::to_string(stage));
+    Result r = run_workers(2, cfg, out, "zero_optimization.stage=" + std::to_string(stage));
+    ASSERT_EQ(r.code, 0) << r.output;
+    expect_same_training(dir_.file("ref"), out, "stage " + std::to_string(stage));
+  }
+}
+
+TEST_F(RanksTest, NvmeEqualsRamBitForBitAtWorldSize2) {
+  nlohmann::json c = base_config(data_);
+  c["run"]["steps"] = 4;
+  const std::string ram = write_config(dir_, "ram.json", c);
+  const std::string swap = dir_.file("swap");
+  ASSERT_EQ(mkdir(swap.c_str(), 0700), 0);
+  c["zero_optimization"]["offload_optimizer"] = {{"device", "nvme"}, {"nvme_path", swap}};
+  c["zero_optimization"]["offload_param"] = {{"device", "nvme"}, {"nvme_path", swap}};
+  c["zero_optimization"]["sub_group_size"] = 8192;
+  const std::string nvme = write_config(dir_, "nvme.json", c);
+  Result a = run_workers(2, ram, dir_.file("ram"));
+  ASSERT_EQ(a.code, 0) << a.output;
+  Result b = run_workers(2, nvme, dir_.file("nvme"));
+  ASSERT_EQ(b.code, 0) << b.output;
+  EXPECT_EQ(read_bytes(dir_.file("ram.losses")), read_bytes(dir_.file("nvme.losses")));
+  EXPECT_EQ(read_bytes(dir_.file("ram.master")), read_bytes(dir_.file("nvme.master")));
+  EXPECT_EQ(read_bytes(dir_.file("ram.exp_avg_sq")), read_bytes(dir_.file("nvme.exp_avg_sq")));
+  // Both ranks swapped: the NVMe state really lived on NVMe.
+  for (int rank = 0; rank < 2; ++rank) {
+    const nlohmann::json j =
+        nlohmann::json::parse(read_bytes(dir_.file("nvme.rank" + std::to_string(rank) + ".json")));
+    EXPECT_GT(int64_t(j["allocated"]["master"]), 0);
+  }
+  // Every swap directory was removed at exit.
+  EXPECT_EQ(sh("ls -A " + swap).output, "");
+}
+
+// One step from the same state and the same gradients at world sizes 1 and
+// 2 (two micro-batches summed once in either case, no clipping): the bf16
+// moments, rounded stochastically by the global parameter index, are the
+// same bits although the shards and their padding differ.
+TEST_F(RanksTest, Bf16MomentsDoNotDependOnWorldSize) {
+  nlohmann::json c = base_config(data_);
+  c["train_batch_size"] = 4;
+  c["gradient_clipping"] = 0.0;
+  c["run"]["steps"] = 1;
+  c["run"]["optimizer_state_dtype"] = "bf16";
+  const std::string cfg = write_config(dir_, "c.json", c);
+  Result a = run_workers(1, cfg, dir_.file("one"));
+  ASSERT_EQ(a.code, 0) << a.output;
+  Result b = run_workers(2, cfg, dir_.file("two"));
+  ASSERT_EQ(b.code, 0) << b.output;
+  const std::string m1 = read_bytes(dir_.file("one.exp_avg_sq")), m2 = read_bytes(dir_.file("two.exp_avg_sq"));
+  ASSERT_FALSE(m1.empty());
+  EXPECT_EQ(m1.size(), m2.size());
+  EXPECT_TRUE(m1 == m2) << "gathered bf16 exp_avg_sq differs between world sizes 1 and 2";
+  EXPECT_TRUE(read_bytes(dir_.file("one.exp_avg")) == read_bytes(dir_.file("two.exp_avg")));
+  EXPECT_TRUE(read_bytes(dir_.file("one.master")) == read_bytes(dir_.file("two.master")));
+}
+
+TEST_F(RanksTest, LaunchReturnsTheFailingRanksStatus) {
+  Result r = sh(kStrata + " launch --nproc 2 --grace 2 -- sh -c 'if [ $RANK = 1 ]; then exit 3; fi; sleep 30'");
+  EXPECT_EQ(r.code, 3) << r.output;
+  EXPECT_NE(r.output.find("rank 1 exited with status 3"), std::string::npos) << r.output;
+  Result ok = sh(kStrata + " launch --nproc 3 -- sh -c 'echo hello from $RANK of $WORLD_SIZE'");
+  EXPECT_EQ(ok.code, 0);
+  EXPECT_NE(ok.output.find("[rank 2] hello from 2 of 3"), std::string::npos) << ok.output;
+}
+
+// Starts `n` ranks of `strata train` directly (no launcher that would stop
+// the others), each with its output in a file.
+struct Ranks {
+  std::vector<pid_t> pids;
+  std::vector<std::string> logs;
+};
+
+int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
+}
+
+Ranks start_ranks(int n, const TempDir& dir, const std::vector<std::vector<std::string>>& args, int port) {
+  Ranks rs;
+  for (int r = 0; r < n; ++r) {
+    const std::string log = dir.file("rank" + std::to_string(r) + ".log");
+    const pid_t pid = fork();
+    if (pid == 0) {
+      const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+      dup2(fd, 1);
+      dup2(fd, 2);
+      setenv("RANK", std::to_string(r).c_str(), 1);
+      setenv("WORLD_SIZE", std::to_string(n).c_str(), 1);
+      setenv("MASTER_ADDR", "127.0.0.1", 1);
+      setenv("MASTER_PORT", std::to_string(port).c_str(), 1);
+      std::vector<std::string> a = args[size_t(r)];
+      std::vector<char*> argv;
+      for (std::string& s : a) argv.push_back(s.data());
+      argv.push_back(nullptr);
+      execv(argv[0], argv.data());
+      _exit(127);
+    }
+    rs.pids.push_back(pid);
+    rs.logs.push_back(log);
+  }
+  return rs;
+}
+
+// Waits for pid up to `seconds`; returns its exit code, or -1 (killed then).
+int wait_for(pid_t pid, double seconds) {
+  const auto t0 = std::chrono::steady_clock::now();
+  for (;;) {
+    int st = 0;
+    if (waitpid(pid, &st, WNOHANG) == pid) return WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
+    if (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() > seconds) {
+      kill(pid, SIGKILL);
+      waitpid(pid, &st, 0);
+      return -1;
+    }
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+}
+
+bool wait_for_text(const std::string& path, const std::string& text, double seconds) {
+  const auto t0 = std::chrono::steady_clock::now();
+  while (std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count() < seconds) {
+    if (read_bytes(path).find(text) != std::string::npos) return true;
+    std::this_thread::sleep_for(std::chrono::milliseconds(50));
+  }
+  return false;
+}
+
+// A rank killed mid-run (SIGKILL) or stopped (SIGSTOP): every other rank
+// exits non-zero with one line naming it, within comm.timeout_s + 10 s.
+void lost_rank_case(const TempDir& dir, const std::string& data, int sig) {
+  nlohmann::json c = base_config(data);
+  const double timeout = 6.0;
+  c["comm"]["timeout_s"] = timeout;
+  c["run"]["steps"] = 100000;
+  c["run"]["log_level"] = "info";
+  const std::string cfg = write_config(dir, "c.json", c);
+  std::vector<std::vector<std::string>> args(3, {kStrata, "train", cfg, "--metrics", dir.file("m{rank}.jsonl")});
+  Ranks rs = start_ranks(3, dir, args, free_port());
+  ASSERT_TRUE(wait_for_text(dir.file("m1.jsonl"), "\"step\":3,", 60)) << read_bytes(rs.logs[1]);
+  kill(rs.pids[1], sig);
+  const auto t0 = std::chrono::steady_clock::now();
+  for (int r : {0, 2}) {
+    const int code = wait_for(rs.pids[size_t(r)], timeout + 10.0);
+    const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    const std::string log = read_bytes(rs.logs[size_t(r)]);
+    EXPECT_NE(code, 0) << log;
+    EXPECT_NE(code, -1) << "rank " << r << " still running after " << took << " s";
+    EXPECT_LE(took, timeout + 10.0);
+    EXPECT_NE(log.find("strata: error: lost rank 1"), std::string::npos) << log;
+    EXPECT_EQ(log.find("frame #"), std::string::npos) << "a stack trace: " << log;
+  }
+  kill(rs.pids[1], SIGKILL);
+  wait_for(rs.pids[1], 10);
+}
+
+TEST_F(RanksTest, KilledRankIsNamedByTheOthers) { lost_rank_case(dir_, data_, SIGKILL); }
+TEST_F(RanksTest, HungRankIsNamedByTheOthersWithinTheTimeout) { lost_rank_case(dir_, data_, SIGSTOP); }
+
+TEST_F(RanksTest, MismatchedConfigsStopEveryRankNamingTheKey) {
+  const std::string cfg = write_config(dir_, "c.json", base_config(data_));
+  std::vector<std::vector<std::string>> args = {
+      {kStrata, "train", cfg},
+      {kStrata, "train", cfg, "--set", "optimizer.params.lr=0.5", "--set", "run.threads=2"}};
+  Ranks rs = start_ranks(2, dir_, args, free_port());
+  for (int r = 0; r < 2; ++r) {
+    EXPECT_EQ(wait_for(rs.pids[size_t(r)], 60), 2);
+    const std::string log = read_bytes(rs.logs[size_t(r)]);
+    // run.threads may differ; the learning rate may not.
+    EXPECT_NE(log.find("strata: error: optimizer.params.lr: rank 1's config differs from rank 0's"),
+              std::string::npos)
+        << log;
+  }
+}
+
+TEST_F(RanksTest, WorldSizeThatDoesNotDivideTheBatchIsRefused) {
+  nlohmann::json c = base_config(data_);
+  c["train_batch_size"] = 6;  // 2 micro x 2 ranks does not divide it
+  const std::string cfg = write_config(dir_, "c.json", c);
+  Result r = sh(kStrata + " launch --nproc 2 -- strata train " + cfg);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_NE(r.output.find("train_batch_size: 6 is not divisible by train_micro_batch_size_per_gpu 2 x world_size 2"),
+            std::string::npos)
+      << r.output;
+}
+
+TEST_F(RanksTest, MasterPortInUseIsOneClearLine) {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_ANY);
+  socklen_t len = sizeof(a);
+  ASSERT_EQ(bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a)), 0);
+  ASSERT_EQ(listen(fd, 4), 0);
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  const int port = ntohs(a.sin_port);
+  const std::string cfg = write_config(dir_, "c.json", base_config(data_));
+  Result r = sh(kStrata + " launch --nproc 2 --grace 2 --master-port " + std::to_string(port) +
+                " -- strata train " + cfg);
+  close(fd);
+  EXPECT_EQ(r.code, 1) << r.output;
+  EXPECT_NE(r.output.find("[rank 0] strata: error: rank 0 cannot serve the rendezvous store on port " +
+                          std::to_string(port) + " (MASTER_PORT)"),
+            std::string::npos)
+      << r.output;
+  EXPECT_EQ(r.output.find("frame #"), std::string::npos) << r.output;
+}
+
+TEST_F(RanksTest, TorchrunRunsTwoRanksOfStrata) {
+  const std::string torchrun = std::string(STRATA_SOURCE_DIR) + "/.venv/bin/torchrun";
+  if (access(torchrun.c_str(), X_OK) != 0) GTEST_SKIP() << "no torchrun in .venv";
+  nlohmann::json c = base_config(data_);
+  c["run"]["steps"] = 3;
+  const std::string cfg = write_config(dir_, "c.json", c);
+  Result t = sh("OMP_NUM_THREADS=1 " + torchrun + " --no-python --nproc-per-node 2 --master-port " +
+                std::to_string(free_port()) + " " + kStrata + " train " + cfg + " --metrics " + dir_.file("t.jsonl"));
+  ASSERT_EQ(t.code, 0) << t.output;
+  Result l = sh(kStrata + " launch --nproc 2 -- strata train " + cfg + " --metrics " + dir_.file("l.jsonl"));
+  ASSERT_EQ(l.code, 0) << l.output;
+  auto losses = [&](const std::string& f) {
+    std::vector<double> v;
+    std::ifstream in(f);
+    std::string line;
+    while (std::getline(in, line)) v.push_back(nlohmann::json::parse(line)["loss"]);
+    return v;
+  };
+  const std::vector<double> a = losses(dir_.file("t.jsonl")), b = losses(dir_.file("l.jsonl"));
+  EXPECT_EQ(a.size(), 3u);
+  EXPECT_EQ(a, b);
+  const nlohmann::json last = nlohmann::json::parse(read_bytes(dir_.file("t.jsonl")).substr(
+      read_bytes(dir_.file("t.jsonl")).rfind('{')));
+  EXPECT_EQ(last["world_size"], 2);
+  EXPECT_GT(int64_t(last["net_bytes"]), 0);
+}
+
+// A run killed with SIGKILL leaves its swap directory behind; the next run
+// removes it and says so, and leaves alone one whose lock a live run holds.
+TEST_F(RanksTest, SwapDirectoryOfAKilledRunIsReclaimed) {
+  const std::string swap = dir_.file("swap");
+  ASSERT_EQ(mkdir(swap.c_str(), 0700), 0);
+  nlohmann::json c = base_config(data_);
+  c["zero_optimization"]["offload_optimizer"] = {{"device", "nvme"}, {"nvme_path", swap}};
+  c["run"]["steps"] = 100000;
+  const std::string cfg = write_config(dir_, "c.json", c);
+  Ranks rs = start_ranks(1, dir_, {{kStrata, "train", cfg, "--metrics", dir_.file("m.jsonl")}}, free_port());
+  ASSERT_TRUE(wait_for_text(dir_.file("m.jsonl"), "\"step\":2,", 60)) << read_bytes(rs.logs[0]);
+  kill(rs.pids[0], SIGKILL);
+  wait_for(rs.pids[0], 10);
+  const std::string left = sh("ls " + swap).output;
+  ASSERT_NE(left.find("strata-swap."), std::string::npos) << "the killed run left nothing to reclaim";
+  const std::string killed_dir = swap + "/" + left.substr(0, left.find('\n'));
+  // A directory a live run holds (its lock taken by this test process).
+  const std::string live = swap + "/strata-swap.live01";
+  ASSERT_EQ(mkdir(live.c_str(), 0700), 0);
+  const int lock = open((live + "/lock").c_str(), O_CREAT | O_WRONLY, 0600);
+  ASSERT_EQ(flock(lock, LOCK_EX), 0);
+  c["run"]["steps"] = 1;
+  const std::string cfg2 = write_config(dir_, "c2.json", c);
+  Result r = sh(kStrata + " train " + cfg2);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("removed " + killed_dir), std::string::npos) << r.output;
+  struct stat st;
+  EXPECT_NE(stat(killed_dir.c_str(), &st), 0) << killed_dir << " is still there";
+  EXPECT_EQ(stat(live.c_str(), &st), 0) << "a live run's swap directory was removed";
+  close(lock);
+}
+
+}  // namespace
+}  // namespace strata
