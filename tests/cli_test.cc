@@ -103,6 +103,35 @@ TEST(CliTest, MissingDataFileExits2NamingTheFileAndLeavesNoMetrics) {
   EXPECT_FALSE(exists(dir.file("m.jsonl")));
 }
 
+TEST(CliTest, DataPathNamingADirectoryIsOneLine) {
+  TempDir dir;
+  const std::string cfg = write_config(dir, tiny_config(dir.path(), dir.file("m.jsonl")));
+  Result r = run_strata("train " + cfg);
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(count_lines(r.output), 1) << r.output;
+  EXPECT_NE(r.output.find(dir.path() + ": is a directory"), std::string::npos) << r.output;
+}
+
+// The plan sizes a model from its specs with checked arithmetic and never
+// builds it: far too large is the plan's verdict, absurd is a config error,
+// never an allocator's stack trace.
+TEST(CliTest, ModelFarTooLargeIsThePlansVerdict) {
+  TempDir dir;
+  const std::string data = dir.write("d.txt", testing::sample_text(4000));
+  const std::string cfg = write_config(dir, tiny_config(data, dir.file("m.jsonl")));
+  for (const char* cmd : {"train", "plan"}) {
+    Result big = run_strata(std::string(cmd) + " " + cfg + " --set model.dim=262144 --set model.n_heads=1");
+    EXPECT_EQ(big.code, 2) << big.output;
+    EXPECT_NE(big.output.find("short by"), std::string::npos) << big.output;
+    EXPECT_EQ(big.output.find("frame #"), std::string::npos) << big.output;
+    Result absurd = run_strata(std::string(cmd) + " " + cfg + " --set model.dim=1000000000");
+    EXPECT_EQ(absurd.code, 2) << absurd.output;
+    EXPECT_EQ(count_lines(absurd.output), 1) << absurd.output;
+    EXPECT_NE(absurd.output.find("model: parameter"), std::string::npos) << absurd.output;
+  }
+  EXPECT_FALSE(exists(dir.file("m.jsonl")));
+}
+
 TEST(CliTest, TooShortDataFileExits2AndLeavesNoMetrics) {
   TempDir dir;
   const std::string data = dir.write("d.txt", "too short");

@@ -427,6 +427,32 @@ TEST_F(RanksTest, TorchrunRunsTwoRanksOfStrata) {
   EXPECT_GT(int64_t(last["net_bytes"]), 0);
 }
 
+// `strata plan --world-size` predicts what each rank sends per step from the
+// schedule; the run counts what its collectives sent.
+TEST_F(RanksTest, PlanPredictsTheNetworkBytesOfEachStage) {
+  nlohmann::json c = base_config(data_);
+  c["run"]["steps"] = 2;
+  const std::string cfg = write_config(dir_, "c.json", c);
+  for (int stage : {0, 1, 2, 3}) {
+    const std::string set = " --set zero_optimization.stage=" + std::to_string(stage);
+    Result p = sh(kStrata + " plan --json --world-size 3 " + cfg + set);
+    ASSERT_EQ(p.code, 0) << p.output;
+    const int64_t planned = nlohmann::json::parse(p.output)["network"]["bytes_per_step_per_rank"];
+    const std::string m = dir_.file("m" + std::to_string(stage) + ".jsonl");
+    Result r = sh(kStrata + " launch --nproc 3 -- strata train " + cfg + set + " --metrics " + m);
+    ASSERT_EQ(r.code, 0) << r.output;
+    std::ifstream in(m);
+    std::string line;
+    int steps = 0;
+    while (std::getline(in, line)) {
+      ++steps;
+      EXPECT_EQ(int64_t(nlohmann::json::parse(line)["net_bytes"]), planned) << "stage " << stage;
+    }
+    EXPECT_EQ(steps, 2);
+    EXPECT_GT(planned, 0);
+  }
+}
+
 // A run killed with SIGKILL leaves its swap directory behind; the next run
 // removes it and says so, and leaves alone one whose lock a live run holds.
 TEST_F(RanksTest, SwapDirectoryOfAKilledRunIsReclaimed) {

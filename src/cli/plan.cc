@@ -5,7 +5,9 @@
 
 #include <nlohmann/json.hpp>
 
+#include "comm/communicator.h"
 #include "memory/layout.h"
+#include "memory/param_window.h"
 #include "model/model.h"
 #include "util/errors.h"
 #include "util/logging.h"
@@ -18,6 +20,9 @@ struct PlanOptions {
   std::string config_path;
   std::vector<std::string> overrides;
   bool json = false;
+  int world_size = 1;
+  int nodes = 1;
+  double net_gbps = 100.0;
 };
 
 std::string cell(int64_t bytes) { return bytes == 0 ? "-" : format_bytes(double(bytes)); }
@@ -27,14 +32,47 @@ struct Computed {
   PlacementPlan plan;
   MachineCapacity cap;
   std::vector<std::string> shortfalls;
+  int ranks_per_node = 1;
+  int64_t net_bytes = 0;  // sent by one rank per training step
 };
 
+// Bytes one rank sends per training step, from the step's schedule of uses
+// (Note [Gathered blocks] in engine/trainer.h): the param16 all-gathers
+// (stage 3: every use; stages 1-2: each block once per step), one gradient
+// reduction per block per micro-batch (reduce-scatter at stages 2-3, all-reduce
+// at 0-1), and the all-reduce of the norm, loss and stop flag. Ring
+// collectives, the byte counts the Communicator reports as net_bytes.
+int64_t step_network_bytes(const PlacementPlan& p) {
+  const int ws = p.world_size;
+  if (ws <= 1) return 0;
+  const DType param_t = p.compute_bytes == 4 ? DType::kF32 : DType::kBF16;
+  int64_t bytes = 0;
+  if (p.shards > 1) {
+    if (p.stage == 3) {
+      const auto uses = train_schedule(int(p.block_numel.size()), p.tied, p.accum);
+      for (const WindowUse& u : uses) {
+        for (int i = 0; i < u.count; ++i) bytes += ring_gather_bytes(ws, p.block_numel[size_t(u.block[i])], param_t);
+      }
+    } else {
+      for (int64_t shard : p.block_numel) bytes += ring_gather_bytes(ws, shard, param_t);
+    }
+  }
+  for (int64_t shard : p.block_numel) {
+    bytes += p.accum * (p.stage >= 2 ? ring_gather_bytes(ws, shard, DType::kF32)
+                                     : ring_all_reduce_bytes(ws, shard * p.shards, DType::kF32));
+  }
+  return bytes + ring_all_reduce_bytes(ws, 3, DType::kF64);
+}
+
 Computed compute(const Config& cfg, int rank, int local_ranks) {
-  Model model(cfg.model);
-  StateLayout layout(model.layout_specs(), shard_count(cfg));
+  // From the specs alone, never the model: its tensors could be larger than
+  // the machine, which is what the plan is there to say.
+  StateLayout layout(model_layout_specs(cfg.model), shard_count(cfg));
   Computed c;
   c.plan = plan_for_machine(cfg, layout, &c.cap, rank, local_ranks);
   c.shortfalls = plan_shortfalls(c.plan, c.cap);
+  c.ranks_per_node = local_ranks;
+  c.net_bytes = step_network_bytes(c.plan);
   return c;
 }
 
@@ -68,20 +106,45 @@ nlohmann::json plan_json(const Computed& c) {
   j["optimizer_state_dtype"] = p.bf16_moments() ? "bf16" : "fp32";
   j["nvme_paths"] = p.nvme_paths;
   j["capacity_bytes"] = {{"device", c.cap.device_bytes}, {"host", c.cap.host_bytes}, {"nvme", c.cap.nvme_bytes}};
+  j["world_size"] = p.world_size;
+  j["stage"] = p.stage;
+  j["ranks_per_node"] = c.ranks_per_node;
+  for (int t = 0; t < kNumTiers; ++t) j["node_total_bytes"][tier_name(Tier(t))] = tot[size_t(t)] * c.ranks_per_node;
+  j["network"] = {{"bytes_per_step_per_rank", c.net_bytes}};
   j["fits"] = c.shortfalls.empty();
   j["shortfalls"] = c.shortfalls;
   return j;
 }
 
 int run_plan(const PlanOptions& opt) {
-  Config cfg = load_config(opt.config_path, opt.overrides);
-  Computed c = compute(cfg, 0, 1);
+  if (opt.world_size < 1) throw ConfigError("--world-size", "must be at least 1");
+  if (opt.nodes < 1 || opt.world_size % opt.nodes != 0) {
+    throw ConfigError("--nodes", strprintf("%d nodes do not divide --world-size %d into equal nodes", opt.nodes,
+                                           opt.world_size));
+  }
+  if (!(opt.net_gbps > 0)) throw ConfigError("--net-gbps", "must be positive");
+  Config cfg = load_config(opt.config_path, opt.overrides, opt.world_size);
+  const int per_node = opt.world_size / opt.nodes;
+  Computed c = compute(cfg, 0, per_node);
+  const double net_s = double(c.net_bytes) * 8.0 / (opt.net_gbps * 1e9);
   if (opt.json) {
-    std::printf("%s\n", plan_json(c).dump(2).c_str());
+    nlohmann::json j = plan_json(c);
+    j["nodes"] = opt.nodes;
+    j["network"]["net_gbps"] = opt.net_gbps;
+    j["network"]["seconds_per_step"] = net_s;
+    std::printf("%s\n", j.dump(2).c_str());
   } else {
-    std::printf("Placement plan for %s (from %s keys), rank 0 of %lld\n", opt.config_path.c_str(),
-                c.plan.source.c_str(), (long long)cfg.world_size);
+    std::printf("Placement plan for %s (from %s keys), rank 0 of %d (%d per node, ZeRO stage %d)\n",
+                opt.config_path.c_str(), c.plan.source.c_str(), opt.world_size, per_node, c.plan.stage);
     std::fputs(format_plan(c.plan, c.cap, c.shortfalls).c_str(), stdout);
+    if (opt.world_size > 1) {
+      const auto tot = c.plan.total();
+      std::printf("node total (%d ranks): device %s, host %s, nvme %s\n", per_node,
+                  cell(tot[0] * per_node).c_str(), cell(tot[1] * per_node).c_str(), cell(tot[2] * per_node).c_str());
+      std::printf("network: each rank sends %s per step: %.3f s at %g Gbit/s%s\n",
+                  format_bytes(double(c.net_bytes)).c_str(), net_s, opt.net_gbps,
+                  opt.nodes > 1 ? "" : " (one node: loopback or NVLink in practice)");
+    }
   }
   return c.shortfalls.empty() ? kExitOk : kExitBadInput;
 }
@@ -144,6 +207,9 @@ void register_plan(CLI::App& app, int& result) {
   cmd->add_option("config", opt->config_path, "JSON config file")->required();
   cmd->add_option("--set", opt->overrides, "Override a config key")->type_name("KEY=VALUE");
   cmd->add_flag("--json", opt->json, "Print the plan as one JSON object");
+  cmd->add_option("--world-size", opt->world_size, "Plan for this many ranks (one rank's plan, the node's total)");
+  cmd->add_option("--nodes", opt->nodes, "Nodes the ranks are spread over (each plans with its node's share)");
+  cmd->add_option("--net-gbps", opt->net_gbps, "Network bandwidth per rank for the communication time (Gbit/s)");
   cmd->callback([opt, &result]() { result = run_plan(*opt); });
 }
 

@@ -6,6 +6,7 @@
 #include <fstream>
 
 #include "util/errors.h"
+#include "util/fs.h"
 
 namespace strata {
 
@@ -19,6 +20,7 @@ TokenFormat parse_token_format(const std::string& s) {
 namespace {
 
 std::vector<char> read_file(const std::string& path) {
+  if (is_directory(path)) throw InputError(path, "is a directory; data.path names a file or a list of files");
   std::ifstream f(path, std::ios::binary | std::ios::ate);
   if (!f) throw InputError(path, std::string("cannot open data file: ") + std::strerror(errno));
   const std::streamsize size = f.tellg();

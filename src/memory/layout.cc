@@ -4,9 +4,23 @@
 
 namespace strata {
 
+namespace {
+// Sizes come from the config and can be absurd (model.dim = 1e9): every
+// product and sum is checked, and the whole stays below kMaxModelElems so
+// that bytes of every category, tier and staging buffer fit int64 too.
+constexpr int64_t kMaxModelElems = int64_t(1) << 56;
+
+[[noreturn]] void too_large(const std::string& what) {
+  throw ConfigError("model", what + " has more elements than Strata can address (2^56); "
+                                    "check model.dim, model.n_layers and model.vocab_size");
+}
+}  // namespace
+
 int64_t ParamSpec::numel() const {
   int64_t n = 1;
-  for (int64_t d : shape) n *= d;
+  for (int64_t d : shape) {
+    if (d < 0 || __builtin_mul_overflow(n, d, &n) || n > kMaxModelElems) too_large("parameter " + name);
+  }
   return n;
 }
 
@@ -21,12 +35,15 @@ StateLayout::StateLayout(
     b.world_size = world_size;
     b.offset = total_numel_;
     for (const ParamSpec& s : specs) {
-      STRATA_CHECK(s.numel() > 0, "parameter " + name + "." + s.name + " has no elements");
+      const int64_t n = s.numel();
+      STRATA_CHECK(n > 0, "parameter " + name + "." + s.name + " has no elements");
       b.params.push_back({s, b.numel});
-      b.numel += s.numel();
+      if (__builtin_add_overflow(b.numel, n, &b.numel) || b.numel > kMaxModelElems) too_large("block " + name);
     }
     b.padded_numel = (b.numel + quantum - 1) / quantum * quantum;
-    total_numel_ += b.padded_numel;
+    if (__builtin_add_overflow(total_numel_, b.padded_numel, &total_numel_) || total_numel_ > kMaxModelElems) {
+      too_large("the model");
+    }
     parameter_count_ += b.numel;
     blocks_.push_back(std::move(b));
   }

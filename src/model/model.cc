@@ -6,7 +6,8 @@
 
 namespace strata {
 
-Model::Model(const ModelConfig& cfg) : cfg_(cfg) {
+std::vector<BlockDesc> model_blocks(const ModelConfig& cfg) {
+  std::vector<BlockDesc> blocks_;
   const int64_t d = cfg.dim, hd = cfg.head_dim(), h = cfg.n_heads, kv = cfg.kv_heads();
   const int64_t f = cfg.ffn_dim(), v = cfg.vocab_size;
   const double std = cfg.init_std;
@@ -33,7 +34,11 @@ Model::Model(const ModelConfig& cfg) : cfg_(cfg) {
   BlockDesc head{BlockKind::kHead, "head", {{"final_norm", {d}, Init::kOnes, 0.0}}};
   if (!cfg.tie_embeddings) head.params.push_back({"output", {v, d}, Init::kNormal, std});
   blocks_.push_back(std::move(head));
+  return blocks_;
+}
 
+Model::Model(const ModelConfig& cfg) : cfg_(cfg), blocks_(model_blocks(cfg)) {
+  const int64_t hd = cfg.head_dim();
   // Rotary tables: angle(t, i) = t * theta^(-2i/hd), duplicated over both halves.
   auto opts = at::TensorOptions().dtype(at::kFloat);
   at::Tensor inv_freq =
@@ -43,6 +48,12 @@ Model::Model(const ModelConfig& cfg) : cfg_(cfg) {
   angles = at::cat({angles, angles}, /*dim=*/-1);       // [T, hd]
   cos_f32_ = angles.cos().to(at::kFloat);
   sin_f32_ = angles.sin().to(at::kFloat);
+}
+
+std::vector<std::pair<std::string, std::vector<ParamSpec>>> model_layout_specs(const ModelConfig& cfg) {
+  std::vector<std::pair<std::string, std::vector<ParamSpec>>> out;
+  for (const BlockDesc& b : model_blocks(cfg)) out.emplace_back(b.name, b.params);
+  return out;
 }
 
 std::vector<std::pair<std::string, std::vector<ParamSpec>>> Model::layout_specs() const {

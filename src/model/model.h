@@ -24,6 +24,12 @@ struct BlockDesc {
   std::vector<ParamSpec> params;
 };
 
+// The blocks and their parameter specs, from the config alone: no tensors, so
+// that `strata plan` can size a model far too large for the machine.
+std::vector<BlockDesc> model_blocks(const ModelConfig& cfg);
+// (name, specs) per block, the input of StateLayout.
+std::vector<std::pair<std::string, std::vector<ParamSpec>>> model_layout_specs(const ModelConfig& cfg);
+
 class Model {
  public:
   // REQUIRES: cfg validated by parse_config.
