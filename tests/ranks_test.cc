@@ -12,6 +12,7 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <chrono>
 #include <cmath>
@@ -350,6 +351,24 @@ void lost_rank_case(const TempDir& dir, const std::string& data, int sig) {
 
 TEST_F(RanksTest, KilledRankIsNamedByTheOthers) { lost_rank_case(dir_, data_, SIGKILL); }
 TEST_F(RanksTest, HungRankIsNamedByTheOthersWithinTheTimeout) { lost_rank_case(dir_, data_, SIGSTOP); }
+
+// SIGTERM to one rank: the request is combined at the step boundary, so
+// every rank stops after the same step and exits 0.
+TEST_F(RanksTest, StopRequestedOnOneRankStopsAllAfterTheSameStep) {
+  nlohmann::json c = base_config(data_);
+  c["run"]["steps"] = 100000;
+  const std::string cfg = write_config(dir_, "c.json", c);
+  std::vector<std::vector<std::string>> args(2, {kStrata, "train", cfg, "--metrics", dir_.file("m{rank}.jsonl")});
+  Ranks rs = start_ranks(2, dir_, args, free_port());
+  ASSERT_TRUE(wait_for_text(dir_.file("m1.jsonl"), "\"step\":3,", 60)) << read_bytes(rs.logs[1]);
+  kill(rs.pids[1], SIGTERM);
+  for (int r = 0; r < 2; ++r) EXPECT_EQ(wait_for(rs.pids[size_t(r)], 60), 0) << read_bytes(rs.logs[size_t(r)]);
+  const std::string m0 = read_bytes(dir_.file("m0.jsonl")), m1 = read_bytes(dir_.file("m1.jsonl"));
+  const auto lines = [](const std::string& t) { return std::count(t.begin(), t.end(), '\n'); };
+  EXPECT_GE(lines(m0), 3);
+  EXPECT_EQ(lines(m0), lines(m1));
+  EXPECT_NE(read_bytes(rs.logs[0]).find("stop requested (SIGINT/SIGTERM on some rank): every rank stops after step"), std::string::npos);
+}
 
 TEST_F(RanksTest, MismatchedConfigsStopEveryRankNamingTheKey) {
   const std::string cfg = write_config(dir_, "c.json", base_config(data_));

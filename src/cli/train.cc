@@ -259,7 +259,7 @@ int run_train(const TrainOptions& opt) {
     std::snprintf(suffix, sizeof(suffix), "loss %.4f | %.0f tok/s | lr %.2e", r.loss, tokens_per_s, r.lr);
     if (bar) bar->update(s, suffix);
     if (r.stop) {
-      log::info("stop requested: every rank stops after step %lld", (long long)s);
+      log::warn("stop requested (SIGINT/SIGTERM on some rank): every rank stops after step %lld", (long long)s);
       break;
     }
   }
