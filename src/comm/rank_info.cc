@@ -45,14 +45,21 @@ std::string first_slurm_host(const std::string& nodelist) {
     if (c == ']') --depth;
     first += c;
   }
-  const size_t lb = first.find('[');
-  if (lb == std::string::npos) return first;
-  // prefix[003-005,7]suffix -> prefix003suffix
-  const size_t rb = first.find(']', lb);
-  std::string range = first.substr(lb + 1, rb == std::string::npos ? std::string::npos : rb - lb - 1);
-  const size_t stop = range.find_first_of(",-");
-  if (stop != std::string::npos) range = range.substr(0, stop);
-  return first.substr(0, lb) + range + (rb == std::string::npos ? "" : first.substr(rb + 1));
+  // Every bracket group stands for its first member: prefix[003-005,7]-n[1-2] -> prefix003-n1.
+  std::string host;
+  for (size_t i = 0; i < first.size(); ++i) {
+    if (first[i] != '[') {
+      host += first[i];
+      continue;
+    }
+    const size_t rb = first.find(']', i);
+    std::string range = first.substr(i + 1, rb == std::string::npos ? std::string::npos : rb - i - 1);
+    const size_t stop = range.find_first_of(",-");
+    host += stop == std::string::npos ? range : range.substr(0, stop);
+    if (rb == std::string::npos) break;
+    i = rb;
+  }
+  return host;
 }
 
 RankInfo rank_info_from_environment() {

@@ -6,6 +6,7 @@
 #include "config/config.h"
 
 #include <algorithm>
+#include <functional>
 #include <cctype>
 #include <cmath>
 #include <fstream>
@@ -944,6 +945,19 @@ nlohmann::json rank_invariant_config(const Config& c) {
   drop({"placement", "nvme_path"});
   drop({"zero_optimization", "offload_param", "nvme_path"});
   drop({"zero_optimization", "offload_optimizer", "nvme_path"});
+  // A section left empty says nothing (and may be absent on another rank).
+  std::function<void(json&)> prune = [&](json& node) {
+    if (!node.is_object()) return;
+    for (auto it = node.begin(); it != node.end();) {
+      prune(*it);
+      if (it->is_object() && it->empty()) {
+        it = node.erase(it);
+      } else {
+        ++it;
+      }
+    }
+  };
+  prune(j);
   return j;
 }
 
