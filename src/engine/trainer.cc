@@ -54,288 +54,314 @@ nvme::EngineOptions engine_options(const AioConfig& aio) {
 
 }  // namespace
 
-Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::FaultPlan> faults,
-                 Communicator* comm, int local_ranks)
-    : cfg_(cfg), model_(model), layout_(model.layout_specs(), shard_count(cfg)),
-      compute_dtype_(dtype_of(cfg.run.compute_dtype)) {
-  if (comm == nullptr) {
-    own_comm_ = make_local_communicator();
-    comm = own_comm_.get();
+// The step: every micro-batch's forward and backward (gradients reduced into
+// their homes as each block's backward ends), one all-reduce of the norm,
+// loss and stop flag, then the optimizer (on its own thread, or inline).
+StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
+  if (broken_) {
+    throw Error("an earlier step failed part-way through the optimizer; the state is inconsistent "
+                "and training cannot continue (restart from a checkpoint)");
   }
-  comm_ = comm;
-  STRATA_CHECK(comm_->world_size() == cfg.world_size, "the communicator's world size is not the config's");
-  if (compute_dtype_ == at::kHalf) {
-    throw ConfigError("fp16.enabled", "fp16 compute (with loss scaling) is not supported yet; use bf16");
+  const int64_t accum = cfg_.gradient_accumulation_steps;
+  const int64_t micro = cfg_.train_micro_batch_size_per_gpu;
+  const int64_t window = cfg_.model.seq_len + 1;
+  const int64_t ranks = comm_->world_size();
+  // This thread's transfers in this step, plus (below) those of the
+  // optimizer step reported with it.
+  LinkBytes moved;
+  TieredState::TallyScope tally(&moved);
+  std::fill(grad_written_.begin(), grad_written_.end(), 0);
+  std::fill(block_sq_.begin(), block_sq_.end(), 0.0);
+  checkpoints_->reset();
+  StepResult r;
+  const double wait0 = window_->wait_seconds();
+  const double opt_wait0 = opt_wait_s_;
+  const int64_t net0 = comm_->bytes_sent();
+  const double comm_wait0 = comm_->wait_seconds();
+  window_->set_ready(ready_blocks());
+  begin_uses(&train_schedule_);
+  // Each micro-batch's loss is scaled by 1 / (accum x ranks): the reduced
+  // gradient is then the gradient of the global batch's mean loss.
+  double local_loss = 0.0;
+  for (int64_t m = 0; m < accum; ++m) {
+    at::Tensor batch = at::from_blob(const_cast<int64_t*>(tokens + m * micro * window),
+                                     {micro, window}, at::TensorOptions().dtype(at::kLong));
+    last_micro_ = m + 1 == accum;
+    local_loss += forward_backward(batch, 1.0 / double(accum * ranks)) / double(accum * ranks);
   }
-  compute_bytes_ = compute_dtype_ == at::kFloat ? 4 : 2;
-  for (size_t b = 0; b < model_.num_blocks(); ++b) {
-    if (model_.blocks()[b].kind == BlockKind::kEmbedding) embedding_block_ = b;
-    if (model_.blocks()[b].kind == BlockKind::kHead) head_block_ = b;
-  }
-  STRATA_CHECK(embedding_block_ == 0 && head_block_ == model_.num_blocks() - 1,
-               "the embedding must be the first block and the head the last");
+  const double param_wait = window_->wait_seconds() - wait0;
+  r.tokens = accum * micro * cfg_.model.seq_len * ranks;
 
-  // ---- placement and state --------------------------------------------------
-  shards_ = layout_.world_size();
-  shard_rank_ = shards_ > 1 ? comm_->rank() : 0;
-  gather_each_use_ = shards_ > 1 && cfg.zero.stage == 3;
-  gather_once_ = shards_ > 1 && cfg.zero.stage < 3;
-  MachineCapacity cap;
-  PlacementPlan plan = plan_for_machine(cfg, layout_, &cap, comm_->rank(), local_ranks);
-  const StagingNeeds& need = plan.staging;
-  // Like DeepSpeed, create missing swap directories (private to the user).
-  for (const std::string& dir : plan.nvme_paths) {
-    if (!path_exists(dir)) {
-      make_dirs(dir, 0700);
-      log::info("created swap directory %s", dir.c_str());
-    }
-  }
-  TieredStateOptions so;
-  so.engine = engine_options(cfg.aio);
-  so.engine.faults = std::move(faults);
-  so.checksums = cfg.run.swap_checksums;
-  so.device_transient_bytes = need.device_bytes();
-  so.device_budget_bytes = cfg.run.device_memory_mb > 0 ? cfg.run.device_memory_mb << 20 : -1;
-  state_ = std::make_unique<TieredState>(plan, so);
-
-  // Buffers exactly as the plan counted them (placement.h, StagingNeeds).
-  group_numel_ = pipeline_piece_numel(plan);
-  pieces_ = pipeline_pieces(plan);
+  // The gradient norm, the global batch's loss and the stop requests: one
+  // all-reduce of three numbers. Each rank's squared norm was accumulated
+  // as its last micro-batch's gradient reached its home (flush_grad), summed
+  // here in block order.
+  const auto t_opt = std::chrono::steady_clock::now();
+  double sums[3] = {0.0, local_loss, stop_requested ? 1.0 : 0.0};
+  for (double sq : block_sq_) sums[0] += sq;
   {
-    window_ = make_param_window(plan);
-    window_->attach(state_.get(), need.window, compute_bytes_);
-    train_schedule_ = train_schedule(int(layout_.num_blocks()), plan.tied, plan.accum);
-    eval_schedule_ = eval_schedule(int(layout_.num_blocks()), plan.tied);
-    if (need.gathered > 0) {
-      log::info("parameter window: %d slot(s) of %s, %s of persistent blocks", need.window.slots,
-                format_bytes(double(need.window.slot_numel * compute_bytes_)).c_str(),
-                format_bytes(double(need.window.persistent_numel * compute_bytes_)).c_str());
-    }
+    TraceSpan span(TraceTrack::kComm, "all_reduce norm, loss, stop");
+    comm_->all_reduce(sums, 3, DType::kF64, ReduceOp::kSum).wait();
   }
-  grad_stage_ = HostBuffer(size_t(need.grad_stage), "gradient staging");
-  if (need.gather > 0) gather_mem_ = HostBuffer(size_t(need.gather), "gathered blocks");
-  if (need.grad_sync > 0) {
-    grad_stage2_ = HostBuffer(size_t(layout_.blocks().empty() ? 0 : need.grad_stage), "gradient staging (2nd)");
-    const int64_t shard_bytes = need.grad_sync - need.grad_stage;
-    if (shard_bytes > 0) grad_shards_ = HostBuffer(size_t(shard_bytes), "reduce-scattered gradient shards");
+  r.grad_norm = std::sqrt(sums[0]);
+  r.loss = sums[1];
+  r.stop = sums[2] > 0.0;
+  // Global-norm clipping folded into the optimizer as a gradient scale, with
+  // torch.nn.utils.clip_grad_norm_'s formula.
+  float grad_scale = 1.0f;
+  if (cfg_.gradient_clipping > 0.0) {
+    const double coef = cfg_.gradient_clipping / (r.grad_norm + 1e-6);
+    if (coef < 1.0) grad_scale = float(coef);
   }
-  if (need.grad_rmw > 0) grad_rmw_ = HostBuffer(size_t(need.grad_rmw), "gradient read-modify-write");
-  if (need.opt_grad > 0) opt_grad_ = HostBuffer(size_t(need.opt_grad), "optimizer gradient staging");
-  if (need.opt_state > 0) {
-    // need.opt_state = opt_sets pieces of each of the three, at their element sizes.
-    auto staging = [&](Category c) {
-      return size_t(std::max(1, need.opt_sets)) * size_t(group_numel_ * plan.elem_bytes[size_t(c)]);
-    };
-    STRATA_CHECK(int64_t(staging(Category::kMaster) + staging(Category::kExpAvg) +
-                         staging(Category::kExpAvgSq)) == need.opt_state,
-                 "optimizer staging does not add up to the plan's");
-    opt_master_ = HostBuffer(staging(Category::kMaster), "optimizer staging: master");
-    opt_avg_ = HostBuffer(staging(Category::kExpAvg), "optimizer staging: exp_avg");
-    opt_avg_sq_ = HostBuffer(staging(Category::kExpAvgSq), "optimizer staging: exp_avg_sq");
+  if (!std::isfinite(r.grad_norm)) {
+    // Stepping would turn every tier's optimizer state into NaN for good. The
+    // norm is all-reduced, so every rank stops here.
+    throw Error(strprintf("gradient norm is %f at step %lld: the optimizer step was skipped and the "
+                          "state is unchanged; lower optimizer.params.lr or enable gradient_clipping",
+                          r.grad_norm, (long long)(step_ + 1)));
   }
-  if (need.opt_emit > 0) opt_emit_ = HostBuffer(size_t(need.opt_emit), "optimizer staging: working copy");
-  if (need.ckpt_host > 0) {
-    ckpt_bytes_ = plan.checkpoint_bytes;
-    ckpt_host_ = HostBuffer(size_t(need.ckpt_host), "offloaded activation checkpoints");
-    ckpt_device_ = HostBuffer(size_t(need.ckpt_device), "activation checkpoint slots (2)");
-    ckpt_shape_ = {cfg.train_micro_batch_size_per_gpu, cfg.model.seq_len, cfg.model.dim};
-  }
-  const bool opt_on_nvme = need.opt_state > 0;
-  opt_reads_.resize(size_t(std::max(1, need.opt_sets)));
-  opt_writes_.resize(size_t(std::max(1, need.opt_sets)));
-  opt_spans_.resize(size_t(std::max(1, need.opt_sets)));
-
-  // ---- initial values -------------------------------------------------------
-  // One generator, blocks initialised in model order into a staging buffer and
-  // written to their homes: the same seed gives the same weights whatever the
-  // placement or world size.
-  // Every rank draws every block (the draws follow the unpadded parameters
-  // in model order) and keeps its shard.
-  for (const PlacementUnit& u : plan.units[size_t(Category::kParam16)]) shard_offset_.push_back(u.offset);
-  int64_t global = 0;
-  for (const BlockLayout& bl : layout_.blocks()) {
-    global_index_.push_back(global);
-    global += bl.numel;
-  }
-  at::Generator gen = at::detail::createCPUGenerator(cfg.run.seed);
-  for (size_t b = 0; b < layout_.num_blocks(); ++b) {
-    const BlockLayout& bl = layout_.block(b);
-    const int64_t n = bl.shard_numel();
-    at::Tensor master = block_flat(b, grad_stage_.data(), at::kFloat);
-    master.zero_();
-    init_block(bl, master, gen);
-    state_->write(Category::kMaster, shard_offset_[b], n, master.data_ptr<float>() + shard_rank_ * n);
-    // Start-up only: a temporary for the working copy (4 KiB-aligned for NVMe).
-    HostBuffer tmp(size_t(bl.padded_numel * compute_bytes_), "initial working copy");
-    at::Tensor working = block_flat(b, tmp.data(), compute_dtype_);
-    working.copy_(master);
-    state_->write(Category::kParam16, shard_offset_[b], n, tmp.as<std::byte>() + shard_rank_ * n * compute_bytes_);
-  }
-  // Adam moments start at zero; resident homes are zero already, swapped ones
-  // are written once so that reading them is valid.
-  // The zeros come from a staging buffer, which holds opt_sets pipeline
-  // pieces: a sub-group is written in runs of that size.
-  if (opt_on_nvme) {
-    const int64_t run = int64_t(opt_avg_.bytes()) / plan.elem_bytes[size_t(Category::kExpAvg)];
-    STRATA_CHECK(run >= group_numel_ && run % kShardAlignElems == 0, "optimizer staging smaller than a piece");
-    for (Category c : {Category::kExpAvg, Category::kExpAvgSq}) {
-      for (const PlacementUnit& g : plan.units[size_t(c)]) {
-        if (g.tier != Tier::kNvme) continue;
-        for (int64_t o = 0; o < g.numel; o += run) {
-          state_->write(c, g.offset + o, std::min(run, g.numel - o), opt_avg_.data());
-        }
-      }
-    }
-  }
-  for (int k = 0; k < 2; ++k) {
-    void* mem = k == 0 ? grad_stage_.data() : grad_stage2_.data();
-    if (mem == nullptr) break;
-    for (size_t b = 0; b < layout_.num_blocks(); ++b) {
-      grad_stage_flat_[k].push_back(block_flat(b, mem, at::kFloat));
-      grad_stage_views_[k].push_back(param_views(layout_.block(b), grad_stage_flat_[k].back()));
-    }
-  }
-  // The gradient norm (Note [Gathered blocks]): each rank sums the squares of
-  // its shards; with one shard but several ranks (stage 0) each takes an
-  // equal part of every block, so that the all-reduced sum counts every
-  // element once.
-  for (size_t b = 0; b < layout_.num_blocks(); ++b) {
-    const int64_t n = layout_.block(b).shard_numel();
-    const int64_t ws = comm_->world_size(), r = comm_->rank();
-    norm_lo_.push_back(shards_ == 1 ? n * r / ws : 0);
-    norm_hi_.push_back(shards_ == 1 ? n * (r + 1) / ws : n);
-  }
-  block_sq_.assign(layout_.num_blocks(), 0.0);
-  gathered_valid_.assign(layout_.num_blocks(), 0);
-  // Runs of each optimizer piece inside one block shard.
-  for (const PlacementUnit& piece : pieces_) {
-    std::vector<AdamRun> runs;
-    for (size_t b = 0; b < layout_.num_blocks(); ++b) {
-      const int64_t lo = std::max(piece.offset, shard_offset_[b]);
-      const int64_t hi = std::min(piece.offset + piece.numel, shard_offset_[b] + layout_.block(b).shard_numel());
-      if (lo >= hi) continue;
-      const int64_t in_block = shard_rank_ * layout_.block(b).shard_numel() + (lo - shard_offset_[b]);
-      runs.push_back({lo - piece.offset, hi - lo, uint64_t(global_index_[b] + in_block)});
-    }
-    piece_runs_.push_back(std::move(runs));
-  }
-  for (const BlockLayout& bl : layout_.blocks()) {
-    forward_names_.push_back("forward " + bl.name);
-    backward_names_.push_back("backward " + bl.name);
-  }
-  grad_written_.assign(layout_.num_blocks(), 0);
-  saved_inputs_.resize(layout_.num_blocks());
-
-  const cpu_adam::Isa isa = cpu_adam::parse_isa(cfg.run.cpu_adam_isa);
-  if (!cpu_adam::isa_supported(isa)) {
-    throw ConfigError("run.cpu_adam_isa", std::string(cpu_adam::isa_name(isa)) +
-                                              " is not supported by this CPU (best: " +
-                                              cpu_adam::isa_name(cpu_adam::best_isa()) + ")");
-  }
-  adam_ = std::make_unique<cpu_adam::CpuAdam>(int(cfg.run.threads), isa);
-
-  for (const PlacementUnit& u : plan.units[size_t(Category::kParam16)]) block_end_.push_back(u.offset + u.numel);
-  overlap_ = cfg.run.overlap_optimizer;
-  if (overlap_) opt_thread_ = std::thread([this] { optimizer_thread(); });
-}
-
-Trainer::~Trainer() {
-  if (opt_thread_.joinable()) {
-    {
-      std::unique_lock<std::mutex> lock(opt_mu_);
-      opt_cv_.wait(lock, [&] { return !opt_busy_; });
-      opt_quit_ = true;
-      if (opt_error_) {
-        try {
-          std::rethrow_exception(opt_error_);
-        } catch (const std::exception& e) {
-          log::warn("the last optimizer step failed and nobody asked: %s", e.what());
-        } catch (...) {
-          log::warn("the last optimizer step failed and nobody asked");
-        }
-      }
-    }
-    opt_cv_.notify_all();
-    opt_thread_.join();
-  }
-}
-
-// Note [Optimizer overlap]
-// With run.overlap_optimizer, step() hands the optimizer to its own thread
-// once backward and the gradient norm are done, and returns. The optimizer
-// walks the sub-groups in shard-space order, which is the forward's block
-// order, and publishes after each sub-group how far the update is final
-// (for a working copy staged off the device: written). The next step's
-// forward waits per block only until that block's range is final, and the
-// parameter window prefetches only final blocks; by the head (the last
-// block) every update is done, so the backward never waits, while the last
-// NVMe write-backs finish during it. The next optimizer step, eval, checkpoint
-// and the state accessors wait for the thread first (finish()). The same
-// updates in the same order: arithmetic does not change.
-void Trainer::optimizer_thread() {
-  std::unique_lock<std::mutex> lock(opt_mu_);
-  for (;;) {
-    opt_cv_.wait(lock, [&] { return opt_job_ready_ || opt_quit_; });
-    if (opt_quit_) return;
-    opt_job_ready_ = false;
-    const OptJob job = opt_job_;
-    lock.unlock();
-    std::exception_ptr error;
-    const auto t0 = std::chrono::steady_clock::now();
-    LinkBytes moved;
+  r.lr = learning_rate(cfg_.scheduler, cfg_.optimizer.lr, step_ + 1);
+  window_->invalidate();  // the optimizer rewrites the working copy
+  std::fill(gathered_valid_.begin(), gathered_valid_.end(), 0);
+  const OptimizerThread::Job job{grad_scale, r.lr, step_ + 1};
+  if (opt_thread_) {
+    finish();  // the previous step's write-backs are done and its staging is free
+    const OptimizerThread::Report last = opt_thread_->take_report();  // the previous step's
+    r.optimizer_s = last.seconds;
+    r.links = last.links;
+    opt_thread_->start(job);
+  } else {
     try {
-      TieredState::TallyScope tally(&moved);
-      optimizer_step(job.grad_scale, job.lr, job.step);
+      TieredState::TallyScope opt_tally(&r.links);
+      optimizer_step(job);
     } catch (...) {
-      error = std::current_exception();
+      // Some sub-groups may have been updated and others not.
+      broken_ = true;
+      throw;
     }
-    lock.lock();
-    opt_seconds_ = seconds_since(t0);
-    opt_links_ = moved;
-    opt_error_ = error;
-    opt_progress_ = INT64_MAX;
-    opt_busy_ = false;
-    opt_cv_.notify_all();
+    r.optimizer_s = seconds_since(t_opt);
   }
+  ++step_;
+  r.optimizer_wait_s = opt_wait_s_ - opt_wait0;
+  r.wait_s = param_wait + r.optimizer_wait_s;
+  r.links = r.links + moved;
+  r.net_bytes = comm_->bytes_sent() - net0;
+  r.comm_wait_s = comm_->wait_seconds() - comm_wait0;
+  return r;
 }
 
-void Trainer::publish_progress(int64_t offset) {
-  if (!overlap_) return;
+// Note [Step order]
+// Forward runs every block but the head without autograd and keeps each
+// block's input (the activation checkpoint). The head runs with autograd, so
+// the loss gives d(loss)/d(head input). Backward then walks the blocks in
+// reverse: recompute the block from its saved input with autograd over leaf
+// views of its weights, and ask autograd for the gradients of the input and of
+// the weights given the output gradient. Weight gradients are staged per block
+// and reduced into the block's gradient home (Note [Gathered blocks]), so
+// nothing but one block's graph is alive at a time. A tied head adds its
+// output-projection gradient into the embedding block's gradient, which
+// backward reaches last.
+double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale) {
+  const int64_t T = cfg_.model.seq_len;
+  at::Tensor inputs = tokens.narrow(1, 0, T);
+  at::Tensor targets = tokens.narrow(1, 1, T);
+  STRATA_CHECK(head_block_ == layout_.num_blocks() - 1, "the head must be the last block");
+
+  at::Tensor x = forward_layers(inputs, /*train=*/true);
+
+  // Head and loss, with autograd.
+  std::byte* gathered[2];
+  at::Tensor dx;
+  double loss_value = 0.0;
   {
-    std::lock_guard<std::mutex> lock(opt_mu_);
-    opt_progress_ = offset;
+    at::Tensor xin = x.detach().requires_grad_(true);
+    next_use(gathered);
+    std::vector<at::Tensor> w = as_leaves(weights(head_block_, gathered[0]));
+    at::Tensor tied;
+    if (cfg_.model.tie_embeddings) tied = as_leaves(weights(embedding_block_, gathered[1]))[0];
+    TraceSpan span(TraceTrack::kCompute, "head forward + backward");
+    at::Tensor loss = loss_of(model_.forward(head_block_, w, xin, tied), targets);
+    loss_value = loss.item<double>();
+    std::vector<at::Tensor> wrt{xin};
+    wrt.insert(wrt.end(), w.begin(), w.end());
+    if (tied.defined()) wrt.push_back(tied);
+    std::vector<at::Tensor> grads =
+        torch::autograd::grad({loss * loss_scale}, wrt, /*grad_outputs=*/{}, /*retain_graph=*/false);
+    dx = grads[0];
+    // The head's gradient for the tied embedding is added when the embedding's
+    // own gradient is staged, so the embedding is flushed once per micro-batch.
+    if (tied.defined()) tied_grad_ = grads.back();
+    w.clear();
+    tied = at::Tensor();
+    end_use();
+    accumulate_grad(head_block_, grads, 1);
   }
-  opt_cv_.notify_all();
+
+  // Layers and embedding, in reverse, recomputed from their saved inputs.
+  for (size_t b = head_block_; b-- > 0;) {
+    next_use(gathered);
+    std::vector<at::Tensor> w = as_leaves(weights(b, gathered[0]));
+    const bool is_embedding = model_.blocks()[b].kind == BlockKind::kEmbedding;
+    at::Tensor saved = checkpoints_->restore(b);
+    at::Tensor xin = is_embedding ? saved : saved.detach().requires_grad_(true);
+    std::vector<at::Tensor> grads;
+    {
+      TraceSpan span(TraceTrack::kCompute, backward_names_[b].c_str());
+      at::Tensor y = model_.forward(b, w, xin);
+      std::vector<at::Tensor> wrt;
+      if (!is_embedding) wrt.push_back(xin);
+      wrt.insert(wrt.end(), w.begin(), w.end());
+      grads = torch::autograd::grad({y}, wrt, {dx}, /*retain_graph=*/false);
+    }
+    w.clear();
+    end_use();
+    accumulate_grad(b, grads, is_embedding ? 0 : 1);
+    if (!is_embedding) dx = grads[0];
+  }
+  // The last reductions, oldest first.
+  if (comm_->world_size() > 1) {
+    const int first = grad_seq_[0] < grad_seq_[1] ? 0 : 1;
+    complete_grad_sync(first);
+    complete_grad_sync(1 - first);
+  }
+  return loss_value;
 }
 
-void Trainer::wait_progress(int64_t offset) {
-  if (!overlap_) return;
-  std::unique_lock<std::mutex> lock(opt_mu_);
-  if (opt_busy_ && opt_progress_ < offset) {
-    TraceSpan span(TraceTrack::kCompute, "wait for optimizer");
-    const auto t0 = std::chrono::steady_clock::now();
-    opt_cv_.wait(lock, [&] { return !opt_busy_ || opt_progress_ >= offset; });
-    opt_wait_s_ += seconds_since(t0);
+// The blocks before the head, in order; training keeps each block's input.
+// Shared by training and evaluation.
+at::Tensor Trainer::forward_layers(at::Tensor x, bool train) {
+  at::NoGradGuard no_grad;
+  std::byte* gathered[2];
+  for (size_t b = 0; b < head_block_; ++b) {
+    if (train) checkpoints_->save(b, x);
+    next_use(gathered);
+    std::vector<at::Tensor> w = weights(b, gathered[0]);
+    {
+      TraceSpan span(TraceTrack::kCompute, forward_names_[b].c_str());
+      x = model_.forward(b, w, x);
+    }
+    w.clear();
+    end_use();
   }
-  if (!opt_busy_ && opt_error_) {
+  return x;
+}
+
+// Evaluation shares the forward (forward_layers) and the gathered blocks with
+// training. Every rank evaluates the same windows (collective: at stage 3 the
+// blocks are gathered), so every rank returns the same loss.
+double Trainer::eval_loss(const int64_t* tokens, int64_t batches) {
+  finish();
+  STRATA_CHECK(!broken_, "eval after a failed optimizer step");
+  window_->set_ready(INT32_MAX);
+  at::NoGradGuard no_grad;
+  const int64_t micro = cfg_.train_micro_batch_size_per_gpu;
+  const int64_t window = cfg_.model.seq_len + 1;
+  const int64_t T = cfg_.model.seq_len;
+  double total = 0.0;
+  for (int64_t i = 0; i < batches; ++i) {
+    at::Tensor batch = at::from_blob(const_cast<int64_t*>(tokens + i * micro * window),
+                                     {micro, window}, at::TensorOptions().dtype(at::kLong));
+    begin_uses(&eval_schedule_);
+    at::Tensor x = forward_layers(batch.narrow(1, 0, T), /*train=*/false);
+    std::byte* gathered[2];
+    next_use(gathered);
+    at::Tensor tied;
+    if (cfg_.model.tie_embeddings) tied = weights(embedding_block_, gathered[1])[0];
+    at::Tensor logits = model_.forward(head_block_, weights(head_block_, gathered[0]), x, tied);
+    total += loss_of(logits, batch.narrow(1, 1, T)).item<double>();
+    tied = at::Tensor();
+    end_use();
+  }
+  return total / double(batches);
+}
+
+// ---- Note [Gathered blocks]: uses of a schedule -------------------------------
+
+void Trainer::begin_uses(const std::vector<WindowUse>* schedule) {
+  // A failed pass may have left gathers in flight: their buffers are reused.
+  for (auto& slot : gather_done_) for (Completion& c : slot) c.wait();
+  window_->begin(schedule);
+  uses_ = schedule;
+  use_ = 0;
+  use_issued_ = false;
+}
+
+// Acquires use u's shards from the window and starts gathering them.
+void Trainer::issue_gather(size_t u) {
+  const WindowUse& use = (*uses_)[u];
+  std::byte* shard[2];
+  acquire(shard, size_t(use.block[0]), use.count > 1 ? size_t(use.block[1]) : SIZE_MAX);
+  const int slot = int(u % 2);
+  const DType dt = compute_dtype_ == at::kFloat ? DType::kF32 : DType::kBF16;
+  for (int i = 0; i < use.count; ++i) {
+    const size_t b = size_t(use.block[i]);
+    const int64_t n = layout_.block(b).shard_numel();
+    std::byte* src = shard[i] != nullptr ? shard[i] : device_resident(Category::kParam16, shard_offset_[b], n);
+    STRATA_CHECK(src != nullptr, "a block neither fetched nor resident on the device");
+    if (gather_once_) {
+      gathered_[slot][i] = gather_mem_.as<std::byte>() + layout_.block(b).offset * compute_bytes_;
+      if (gathered_valid_[b]) continue;
+      gathered_valid_[b] = 1;
+    } else {
+      gathered_[slot][i] = gather_mem_.as<std::byte>() +
+                           size_t(slot * 2 + i) * size_t(state_->plan().largest_block_numel * compute_bytes_);
+    }
+    TraceSpan span(TraceTrack::kComm, "all_gather");
+    gather_done_[slot][i] = comm_->all_gather(src, gathered_[slot][i], n, dt);
+  }
+}
+
+void Trainer::next_use(std::byte* out[2]) {
+  if (shards_ == 1) {
+    // One shard: the shard is the block, used in place (fetched or resident).
+    const WindowUse& use = (*uses_)[use_];
+    acquire(out, size_t(use.block[0]), use.count > 1 ? size_t(use.block[1]) : SIZE_MAX);
+    for (int i = 0; i < use.count; ++i) {
+      if (out[i] == nullptr) {
+        const size_t b = size_t(use.block[i]);
+        out[i] = device_resident(Category::kParam16, shard_offset_[b], layout_.block(b).shard_numel());
+      }
+    }
+    return;
+  }
+  if (!use_issued_) issue_gather(use_);
+  const int slot = int(use_ % 2);
+  {
+    TraceSpan span(TraceTrack::kComm, "wait all_gather");
+    for (Completion& c : gather_done_[slot]) c.wait();
+  }
+  window_->release();  // the shards are in the gathered buffers now
+  // The next use's gather runs while this one computes.
+  use_issued_ = use_ + 1 < uses_->size();
+  if (use_issued_) issue_gather(use_ + 1);
+  out[0] = gathered_[slot][0];
+  out[1] = gathered_[slot][1];
+}
+
+void Trainer::end_use() {
+  if (shards_ == 1) window_->release();
+  ++use_;
+}
+
+// ---- the optimizer thread (Note [Optimizer overlap] in optimizer_thread.h) --------
+
+void Trainer::wait_optimizer(int64_t offset) {
+  if (!opt_thread_) return;
+  try {
+    opt_thread_->wait(offset, &opt_wait_s_);
+  } catch (...) {
     // Some sub-groups may have been updated and others not.
-    std::exception_ptr e = opt_error_;
-    opt_error_ = nullptr;
     broken_ = true;
-    std::rethrow_exception(e);
+    throw;
   }
 }
 
-// The thread sets the progress to INT64_MAX only as it finishes.
-void Trainer::finish() { wait_progress(INT64_MAX); }
+// The thread's progress is INT64_MAX only once it has finished.
+void Trainer::finish() { wait_optimizer(INT64_MAX); }
 
 int32_t Trainer::ready_blocks() {
-  if (!overlap_) return INT32_MAX;
-  int64_t progress;
-  {
-    std::lock_guard<std::mutex> lock(opt_mu_);
-    progress = opt_progress_;
-  }
+  if (!opt_thread_) return INT32_MAX;
+  const int64_t progress = opt_thread_->progress();
   int32_t n = 0;
   while (size_t(n) < block_end_.size() && block_end_[size_t(n)] <= progress) ++n;
   return n;
@@ -344,85 +370,12 @@ int32_t Trainer::ready_blocks() {
 void Trainer::acquire(std::byte* out[2], size_t b0, size_t b1) {
   int64_t end = block_end_[b0];
   if (b1 != SIZE_MAX) end = std::max(end, block_end_[b1]);
-  wait_progress(end);
+  wait_optimizer(end);
   window_->set_ready(ready_blocks());
   window_->acquire(out);
 }
 
-StateBytes Trainer::state_bytes() const {
-  const PlacementPlan& p = state_->plan();
-  StateBytes s;
-  s.param16 = p.category_total(Category::kParam16);
-  s.master = p.category_total(Category::kMaster);
-  s.grad = p.category_total(Category::kGrad);
-  s.optimizer = p.category_total(Category::kExpAvg) + p.category_total(Category::kExpAvgSq);
-  return s;
-}
-
-// Measured from what was allocated: the arenas, the swap store's regions and
-// the step's buffers (all sized at start-up, so current = peak).
-std::array<int64_t, kNumTiers> Trainer::peak_bytes() const {
-  std::array<int64_t, kNumTiers> t{};
-  t[0] = state_->device_arena_bytes() + window_->shape().bytes(compute_bytes_) +
-         int64_t(grad_stage_.bytes() + grad_rmw_.bytes() + ckpt_device_.bytes() + gather_mem_.bytes() +
-                 grad_stage2_.bytes() + grad_shards_.bytes());
-  t[1] = state_->host_arena_bytes() + int64_t(opt_grad_.bytes() + opt_master_.bytes() + opt_avg_.bytes() +
-                                              opt_avg_sq_.bytes() + opt_emit_.bytes() + ckpt_host_.bytes());
-  t[2] = state_->swap() != nullptr ? state_->swap()->used_bytes() : 0;
-  return t;
-}
-
-std::byte* Trainer::device_resident(Category c, int64_t offset, int64_t numel) const {
-  std::byte* p = state_->resident(c, offset, numel);
-  return p != nullptr && state_->tier_of(c, offset) == Tier::kDevice ? p : nullptr;
-}
-
-at::Tensor Trainer::block_flat(size_t b, void* buf, at::ScalarType dtype) {
-  return at::from_blob(buf, {layout_.block(b).padded_numel}, at::TensorOptions().dtype(dtype));
-}
-
-// Compute uses device-resident weights in place; the others come through the
-// window (in place would hide the H2D copy a GPU must make).
-// `p`: the block's gathered weights (Note [Gathered blocks]).
-std::vector<at::Tensor> Trainer::weights(size_t b, std::byte* p) {
-  STRATA_CHECK(p != nullptr, "a block neither gathered nor resident on the device");
-  return param_views(layout_.block(b), block_flat(b, p, compute_dtype_));
-}
-
-// For tests and export, not the step: a copy through a temporary buffer.
-std::vector<at::Tensor> Trainer::block_weights(size_t b) {
-  at::Tensor flat = gathered_copy(Category::kParam16, b, compute_dtype_);
-  std::vector<at::Tensor> w = param_views(layout_.block(b), flat);
-  for (at::Tensor& t : w) t = t.clone();
-  return w;
-}
-
-// A copy of block b's state of category c gathered from every rank (the
-// shard staged through an aligned buffer: NVMe reads need 4 KiB alignment).
-at::Tensor Trainer::gathered_copy(Category c, size_t b, at::ScalarType dtype) {
-  finish();
-  const BlockLayout& bl = layout_.block(b);
-  const int64_t n = bl.shard_numel();
-  const int eb = state_->elem_bytes(c);
-  HostBuffer shard(size_t(n * eb), "shard copy");
-  state_->read(c, shard_offset_[b], n, shard.data());
-  at::Tensor out = at::empty({bl.padded_numel}, at::TensorOptions().dtype(dtype));
-  STRATA_CHECK(int64_t(out.element_size()) == eb, "dtype does not match the category's element size");
-  if (shards_ == 1) {
-    std::memcpy(out.data_ptr(), shard.data(), size_t(n * eb));
-  } else {
-    comm_->all_gather(shard.data(), out.data_ptr(), n, eb == 4 ? DType::kF32 : DType::kBF16).wait();
-  }
-  return out;
-}
-
-at::Tensor Trainer::master_block(size_t b) { return gathered_copy(Category::kMaster, b, at::kFloat); }
-at::Tensor Trainer::grad_block(size_t b) { return gathered_copy(Category::kGrad, b, at::kFloat); }
-at::Tensor Trainer::state_block(Category c, size_t b) {
-  const int eb = state_->elem_bytes(c);
-  const at::ScalarType t = eb == 4 ? at::kFloat : c == Category::kParam16 ? compute_dtype_ : at::kBFloat16;
-  return gathered_copy(c, b, t);
-}
+// ---- gradients ------------------------------------------------------------------
 
 void Trainer::accumulate_grad(size_t b, const std::vector<at::Tensor>& grads, size_t first) {
   const int k = comm_->world_size() > 1 ? grad_turn_ : 0;
@@ -524,215 +477,6 @@ at::Tensor Trainer::loss_of(const at::Tensor& logits, const at::Tensor& targets)
                                 targets.reshape({-1}));
 }
 
-// Layer inputs are saved on the device as LibTorch tensors, or with
-// cpu_checkpointing copied to the host (D2H) during forward and brought back
-// (H2D) during backward, one layer ahead: while layer b runs backward, layer
-// b - 1's input is already in the other device slot. With CPU compute the
-// copies are memcpy on the compute thread; a GPU build issues them on a copy
-// stream.
-void Trainer::save_input(size_t b, const at::Tensor& x) {
-  if (b == embedding_block_) {
-    saved_inputs_[b] = x;  // the token ids, kept with the batch
-    return;
-  }
-  if (ckpt_bytes_ == 0) {
-    saved_inputs_[b] = x;
-    ckpt_device_now_ += int64_t(x.nbytes());
-    peak_ckpt_device_ = std::max(peak_ckpt_device_, ckpt_device_now_);
-    return;
-  }
-  STRATA_CHECK(int64_t(x.nbytes()) == ckpt_bytes_ && x.is_contiguous(), "unexpected activation shape");
-  TraceSpan span(TraceTrack::kCopy, "offload checkpoint");
-  std::memcpy(ckpt_host_.as<std::byte>() + (b - 1) * size_t(ckpt_bytes_), x.data_ptr(), size_t(ckpt_bytes_));
-  state_->count_copy(/*to_device=*/false, ckpt_bytes_);
-}
-
-at::Tensor Trainer::restore_input(size_t b) {
-  if (ckpt_bytes_ == 0 || b == embedding_block_) {
-    at::Tensor x = saved_inputs_[b];
-    if (b != embedding_block_) ckpt_device_now_ -= int64_t(x.nbytes());
-    saved_inputs_[b] = at::Tensor();
-    return x;
-  }
-  // Slots alternate from the first layer of the backward (the last layer).
-  auto slot = [&](size_t layer) { return (head_block_ - 1 - layer) % 2; };
-  auto bring = [&](size_t layer) {
-    TraceSpan span(TraceTrack::kCopy, "fetch checkpoint");
-    std::memcpy(ckpt_device_.as<std::byte>() + slot(layer) * size_t(ckpt_bytes_),
-                ckpt_host_.as<std::byte>() + (layer - 1) * size_t(ckpt_bytes_), size_t(ckpt_bytes_));
-    state_->count_copy(/*to_device=*/true, ckpt_bytes_);
-  };
-  if (b + 1 == head_block_) bring(b);  // the first layer of the backward: nothing prefetched it
-  if (b - 1 != embedding_block_) bring(b - 1);  // prefetch into the other slot
-  peak_ckpt_device_ = int64_t(ckpt_device_.bytes());
-  return at::from_blob(ckpt_device_.as<std::byte>() + slot(b) * size_t(ckpt_bytes_), ckpt_shape_,
-                       at::TensorOptions().dtype(compute_dtype_));
-}
-
-// Note [Step order]
-// Forward runs every block but the head without autograd and keeps each
-// block's input (the activation checkpoint). The head runs with autograd, so
-// the loss gives d(loss)/d(head input). Backward then walks the blocks in
-// reverse: recompute the block from its saved input with autograd over leaf
-// views of its weights, and ask autograd for the gradients of the input and of
-// the weights given the output gradient. Weight gradients are staged per block
-// and reduced into the block's gradient home (Note [Gathered blocks]), so
-// nothing but one block's graph is alive at a time. A tied head adds its
-// output-projection gradient into the embedding block's gradient, which
-// backward reaches last.
-double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale) {
-  const int64_t T = cfg_.model.seq_len;
-  at::Tensor inputs = tokens.narrow(1, 0, T);
-  at::Tensor targets = tokens.narrow(1, 1, T);
-  STRATA_CHECK(head_block_ == layout_.num_blocks() - 1, "the head must be the last block");
-
-  at::Tensor x = forward_layers(inputs, /*train=*/true);
-
-  // Head and loss, with autograd.
-  std::byte* gathered[2];
-  at::Tensor dx;
-  double loss_value = 0.0;
-  {
-    at::Tensor xin = x.detach().requires_grad_(true);
-    next_use(gathered);
-    std::vector<at::Tensor> w = as_leaves(weights(head_block_, gathered[0]));
-    at::Tensor tied;
-    if (cfg_.model.tie_embeddings) tied = as_leaves(weights(embedding_block_, gathered[1]))[0];
-    TraceSpan span(TraceTrack::kCompute, "head forward + backward");
-    at::Tensor loss = loss_of(model_.forward(head_block_, w, xin, tied), targets);
-    loss_value = loss.item<double>();
-    std::vector<at::Tensor> wrt{xin};
-    wrt.insert(wrt.end(), w.begin(), w.end());
-    if (tied.defined()) wrt.push_back(tied);
-    std::vector<at::Tensor> grads =
-        torch::autograd::grad({loss * loss_scale}, wrt, /*grad_outputs=*/{}, /*retain_graph=*/false);
-    dx = grads[0];
-    // The head's gradient for the tied embedding is added when the embedding's
-    // own gradient is staged, so the embedding is flushed once per micro-batch.
-    if (tied.defined()) tied_grad_ = grads.back();
-    w.clear();
-    tied = at::Tensor();
-    end_use();
-    accumulate_grad(head_block_, grads, 1);
-  }
-
-  // Layers and embedding, in reverse, recomputed from their saved inputs.
-  for (size_t b = head_block_; b-- > 0;) {
-    next_use(gathered);
-    std::vector<at::Tensor> w = as_leaves(weights(b, gathered[0]));
-    const bool is_embedding = model_.blocks()[b].kind == BlockKind::kEmbedding;
-    at::Tensor saved = restore_input(b);
-    at::Tensor xin = is_embedding ? saved : saved.detach().requires_grad_(true);
-    std::vector<at::Tensor> grads;
-    {
-      TraceSpan span(TraceTrack::kCompute, backward_names_[b].c_str());
-      at::Tensor y = model_.forward(b, w, xin);
-      std::vector<at::Tensor> wrt;
-      if (!is_embedding) wrt.push_back(xin);
-      wrt.insert(wrt.end(), w.begin(), w.end());
-      grads = torch::autograd::grad({y}, wrt, {dx}, /*retain_graph=*/false);
-    }
-    w.clear();
-    end_use();
-    accumulate_grad(b, grads, is_embedding ? 0 : 1);
-    if (!is_embedding) dx = grads[0];
-  }
-  // The last reductions, oldest first.
-  if (comm_->world_size() > 1) {
-    const int first = grad_seq_[0] < grad_seq_[1] ? 0 : 1;
-    complete_grad_sync(first);
-    complete_grad_sync(1 - first);
-  }
-  return loss_value;
-}
-
-// The blocks before the head, in order; training keeps each block's input.
-// Shared by training and evaluation.
-at::Tensor Trainer::forward_layers(at::Tensor x, bool train) {
-  at::NoGradGuard no_grad;
-  std::byte* gathered[2];
-  for (size_t b = 0; b < head_block_; ++b) {
-    if (train) save_input(b, x);
-    next_use(gathered);
-    std::vector<at::Tensor> w = weights(b, gathered[0]);
-    {
-      TraceSpan span(TraceTrack::kCompute, forward_names_[b].c_str());
-      x = model_.forward(b, w, x);
-    }
-    w.clear();
-    end_use();
-  }
-  return x;
-}
-
-// ---- Note [Gathered blocks]: uses of a schedule -------------------------------
-
-void Trainer::begin_uses(const std::vector<WindowUse>* schedule) {
-  // A failed pass may have left gathers in flight: their buffers are reused.
-  for (auto& slot : gather_done_) for (Completion& c : slot) c.wait();
-  window_->begin(schedule);
-  uses_ = schedule;
-  use_ = 0;
-  use_issued_ = false;
-}
-
-// Acquires use u's shards from the window and starts gathering them.
-void Trainer::issue_gather(size_t u) {
-  const WindowUse& use = (*uses_)[u];
-  std::byte* shard[2];
-  acquire(shard, size_t(use.block[0]), use.count > 1 ? size_t(use.block[1]) : SIZE_MAX);
-  const int slot = int(u % 2);
-  const DType dt = compute_dtype_ == at::kFloat ? DType::kF32 : DType::kBF16;
-  for (int i = 0; i < use.count; ++i) {
-    const size_t b = size_t(use.block[i]);
-    const int64_t n = layout_.block(b).shard_numel();
-    std::byte* src = shard[i] != nullptr ? shard[i] : device_resident(Category::kParam16, shard_offset_[b], n);
-    STRATA_CHECK(src != nullptr, "a block neither fetched nor resident on the device");
-    if (gather_once_) {
-      gathered_[slot][i] = gather_mem_.as<std::byte>() + layout_.block(b).offset * compute_bytes_;
-      if (gathered_valid_[b]) continue;
-      gathered_valid_[b] = 1;
-    } else {
-      gathered_[slot][i] = gather_mem_.as<std::byte>() +
-                           size_t(slot * 2 + i) * size_t(state_->plan().largest_block_numel * compute_bytes_);
-    }
-    TraceSpan span(TraceTrack::kComm, "all_gather");
-    gather_done_[slot][i] = comm_->all_gather(src, gathered_[slot][i], n, dt);
-  }
-}
-
-void Trainer::next_use(std::byte* out[2]) {
-  if (shards_ == 1) {
-    // One shard: the shard is the block, used in place (fetched or resident).
-    const WindowUse& use = (*uses_)[use_];
-    acquire(out, size_t(use.block[0]), use.count > 1 ? size_t(use.block[1]) : SIZE_MAX);
-    for (int i = 0; i < use.count; ++i) {
-      if (out[i] == nullptr) {
-        const size_t b = size_t(use.block[i]);
-        out[i] = device_resident(Category::kParam16, shard_offset_[b], layout_.block(b).shard_numel());
-      }
-    }
-    return;
-  }
-  if (!use_issued_) issue_gather(use_);
-  const int slot = int(use_ % 2);
-  {
-    TraceSpan span(TraceTrack::kComm, "wait all_gather");
-    for (Completion& c : gather_done_[slot]) c.wait();
-  }
-  window_->release();  // the shards are in the gathered buffers now
-  // The next use's gather runs while this one computes.
-  use_issued_ = use_ + 1 < uses_->size();
-  if (use_issued_) issue_gather(use_ + 1);
-  out[0] = gathered_[slot][0];
-  out[1] = gathered_[slot][1];
-}
-
-void Trainer::end_use() {
-  if (shards_ == 1) window_->release();
-  ++use_;
-}
-
 // ---- the optimizer ----------------------------------------------------------------
 
 // Per sub-group, wherever its state lives: resident state is updated in place,
@@ -748,9 +492,9 @@ void Trainer::end_use() {
 // runs on its own. A set is reused for j + opt_sets only once the write-backs
 // of the sub-group that used it last have completed. With one set the loop is
 // sequential. Arithmetic does not depend on the depth.
-void Trainer::optimizer_step(float grad_scale, double lr, int64_t step) {
+void Trainer::optimizer_step(const OptimizerThread::Job& job) {
   cpu_adam::AdamParams h;
-  h.lr = lr;
+  h.lr = job.lr;
   h.beta1 = cfg_.optimizer.beta1;
   h.beta2 = cfg_.optimizer.beta2;
   h.eps = cfg_.optimizer.eps;
@@ -758,36 +502,32 @@ void Trainer::optimizer_step(float grad_scale, double lr, int64_t step) {
   h.adamw = cfg_.optimizer.adam_w_mode;
   const PlacementPlan& plan = state_->plan();
   const std::vector<PlacementUnit>& groups = pieces_;  // Note [Pipeline pieces] in placement.h
-  const int sets = std::max(1, plan.staging.opt_sets);
+  OptimizerStaging& st = *staging_;
+  const int sets = st.sets();
 
-  // Set k's staging for one category (nullptr when that category is never staged).
-  auto slot = [&](HostBuffer& buf, int k, int64_t elem_bytes) -> std::byte* {
-    return buf.data() == nullptr ? nullptr
-                                 : buf.as<std::byte>() + size_t(k) * size_t(group_numel_ * elem_bytes);
-  };
   auto issue_reads = [&](size_t j) {
     const int k = int(j % size_t(sets));
     const PlacementUnit& g = groups[j];
-    state_->wait(opt_writes_[size_t(k)]);  // the set's previous user is written back
-    auto fetch = [&](Category c, HostBuffer& staging) -> std::byte* {
+    state_->wait(st.writes(k));  // the set's previous user is written back
+    auto fetch = [&](Category c) -> std::byte* {
       std::byte* p = state_->resident(c, g.offset, g.numel);
       if (p != nullptr) return p;
-      std::byte* dst = slot(staging, k, state_->elem_bytes(c));
-      state_->read_async(c, g.offset, g.numel, dst, opt_reads_[size_t(k)]);
+      std::byte* dst = st.slot(c, k);
+      state_->read_async(c, g.offset, g.numel, dst, st.reads(k));
       return dst;
     };
     OptSet& sp = opt_spans_[size_t(k)];
     sp.adam = cpu_adam::AdamSpans();
-    sp.adam.grad = fetch(Category::kGrad, opt_grad_);
-    sp.adam.param = reinterpret_cast<float*>(fetch(Category::kMaster, opt_master_));
-    sp.adam.exp_avg = fetch(Category::kExpAvg, opt_avg_);
-    sp.adam.exp_avg_sq = fetch(Category::kExpAvgSq, opt_avg_sq_);
+    sp.adam.grad = fetch(Category::kGrad);
+    sp.adam.param = reinterpret_cast<float*>(fetch(Category::kMaster));
+    sp.adam.exp_avg = fetch(Category::kExpAvg);
+    sp.adam.exp_avg_sq = fetch(Category::kExpAvgSq);
     sp.adam.state_type = plan.bf16_moments() ? cpu_adam::StateType::kBF16 : cpu_adam::StateType::kF32;
     sp.adam.grad_type = cpu_adam::GradType::kF32;
     sp.adam.numel = g.numel;
     sp.working = state_->resident(Category::kParam16, g.offset, g.numel);
     sp.working_resident = sp.working != nullptr;
-    if (!sp.working_resident) sp.working = slot(opt_emit_, k, compute_bytes_);
+    if (!sp.working_resident) sp.working = st.slot(Category::kParam16, k);
     if (compute_dtype_ == at::kBFloat16) {
       sp.adam.emit = sp.working;
       sp.adam.emit_type = cpu_adam::EmitType::kBF16;
@@ -800,7 +540,7 @@ void Trainer::optimizer_step(float grad_scale, double lr, int64_t step) {
     const int k = int(j % size_t(sets));
     const PlacementUnit& g = groups[j];
     if (sets > 1 && j + 1 < groups.size()) issue_reads(j + 1);  // read ahead
-    state_->wait(opt_reads_[size_t(k)]);
+    state_->wait(st.reads(k));
     OptSet& sp = opt_spans_[size_t(k)];
     {
       TraceSpan span(TraceTrack::kAdam, "adam sub-group");
@@ -815,11 +555,11 @@ void Trainer::optimizer_step(float grad_scale, double lr, int64_t step) {
         part.exp_avg_sq = static_cast<std::byte*>(part.exp_avg_sq) + run.start * moment_bytes;
         if (part.emit != nullptr) part.emit = static_cast<std::byte*>(part.emit) + run.start * compute_bytes_;
         part.numel = run.numel;
-        adam_->step(h, cpu_adam::StepArgs{step, grad_scale, run.key}, part);
+        adam_->step(h, cpu_adam::StepArgs{job.step, job.grad_scale, run.key}, part);
       }
     }
     if (compute_dtype_ == at::kFloat) std::memcpy(sp.working, sp.adam.param, size_t(g.numel * 4));
-    PendingIo& w = opt_writes_[size_t(k)];
+    PendingIo& w = st.writes(k);
     if (!state_->resident(Category::kMaster, g.offset, g.numel)) {
       state_->write_async(Category::kMaster, g.offset, g.numel, sp.adam.param, w);
     }
@@ -830,7 +570,7 @@ void Trainer::optimizer_step(float grad_scale, double lr, int64_t step) {
       state_->write_async(Category::kExpAvgSq, g.offset, g.numel, sp.adam.exp_avg_sq, w);
     }
     if (!sp.working_resident) {
-      if (overlap_) {
+      if (opt_thread_) {
         // The next forward may read it as soon as the progress says so.
         state_->write_async(Category::kParam16, g.offset, g.numel, sp.working, opt_param_write_);
         state_->wait(opt_param_write_);
@@ -838,140 +578,265 @@ void Trainer::optimizer_step(float grad_scale, double lr, int64_t step) {
         state_->write_async(Category::kParam16, g.offset, g.numel, sp.working, w);
       }
     }
-    publish_progress(g.offset + g.numel);
+    if (opt_thread_) opt_thread_->publish(g.offset + g.numel);
     if (sets == 1 && j + 1 < groups.size()) issue_reads(j + 1);  // sequential: after the write-back
   }
-  for (PendingIo& w : opt_writes_) state_->wait(w);
+  for (int k = 0; k < sets; ++k) state_->wait(st.writes(k));
 }
 
-// ---- the step ---------------------------------------------------------------------
+// ---- start-up ---------------------------------------------------------------------
 
-StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
-  if (broken_) {
-    throw Error("an earlier step failed part-way through the optimizer; the state is inconsistent "
-                "and training cannot continue (restart from a checkpoint)");
+Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::FaultPlan> faults,
+                 Communicator* comm, int local_ranks)
+    : cfg_(cfg), model_(model), layout_(model.layout_specs(), shard_count(cfg)),
+      compute_dtype_(dtype_of(cfg.run.compute_dtype)) {
+  if (comm == nullptr) {
+    own_comm_ = make_local_communicator();
+    comm = own_comm_.get();
   }
-  const int64_t accum = cfg_.gradient_accumulation_steps;
-  const int64_t micro = cfg_.train_micro_batch_size_per_gpu;
-  const int64_t window = cfg_.model.seq_len + 1;
-  const int64_t ranks = comm_->world_size();
-  // This thread's transfers in this step, plus (below) those of the
-  // optimizer step reported with it.
-  LinkBytes moved;
-  TieredState::TallyScope tally(&moved);
-  std::fill(grad_written_.begin(), grad_written_.end(), 0);
-  std::fill(block_sq_.begin(), block_sq_.end(), 0.0);
-  ckpt_device_now_ = 0;  // nothing saved survives a step (nor a failed one)
-  StepResult r;
-  const double wait0 = window_->wait_seconds();
-  const double opt_wait0 = opt_wait_s_;
-  const int64_t net0 = comm_->bytes_sent();
-  const double comm_wait0 = comm_->wait_seconds();
-  window_->set_ready(ready_blocks());
-  begin_uses(&train_schedule_);
-  // Each micro-batch's loss is scaled by 1 / (accum x ranks): the reduced
-  // gradient is then the gradient of the global batch's mean loss.
-  double local_loss = 0.0;
-  for (int64_t m = 0; m < accum; ++m) {
-    at::Tensor batch = at::from_blob(const_cast<int64_t*>(tokens + m * micro * window),
-                                     {micro, window}, at::TensorOptions().dtype(at::kLong));
-    last_micro_ = m + 1 == accum;
-    local_loss += forward_backward(batch, 1.0 / double(accum * ranks)) / double(accum * ranks);
+  comm_ = comm;
+  STRATA_CHECK(comm_->world_size() == cfg.world_size, "the communicator's world size is not the config's");
+  if (compute_dtype_ == at::kHalf) {
+    throw ConfigError("fp16.enabled", "fp16 compute (with loss scaling) is not supported yet; use bf16");
   }
-  const double param_wait = window_->wait_seconds() - wait0;
-  r.tokens = accum * micro * cfg_.model.seq_len * ranks;
+  compute_bytes_ = compute_dtype_ == at::kFloat ? 4 : 2;
+  for (size_t b = 0; b < model_.num_blocks(); ++b) {
+    if (model_.blocks()[b].kind == BlockKind::kEmbedding) embedding_block_ = b;
+    if (model_.blocks()[b].kind == BlockKind::kHead) head_block_ = b;
+  }
+  STRATA_CHECK(embedding_block_ == 0 && head_block_ == model_.num_blocks() - 1,
+               "the embedding must be the first block and the head the last");
+  const cpu_adam::Isa isa = cpu_adam::parse_isa(cfg.run.cpu_adam_isa);
+  if (!cpu_adam::isa_supported(isa)) {
+    throw ConfigError("run.cpu_adam_isa", std::string(cpu_adam::isa_name(isa)) +
+                                              " is not supported by this CPU (best: " +
+                                              cpu_adam::isa_name(cpu_adam::best_isa()) + ")");
+  }
 
-  // The gradient norm, the global batch's loss and the stop requests: one
-  // all-reduce of three numbers. Each rank's squared norm was accumulated
-  // as its last micro-batch's gradient reached its home (flush_grad), summed
-  // here in block order.
-  const auto t_opt = std::chrono::steady_clock::now();
-  double sums[3] = {0.0, local_loss, stop_requested ? 1.0 : 0.0};
-  for (double sq : block_sq_) sums[0] += sq;
-  {
-    TraceSpan span(TraceTrack::kComm, "all_reduce norm, loss, stop");
-    comm_->all_reduce(sums, 3, DType::kF64, ReduceOp::kSum).wait();
-  }
-  r.grad_norm = std::sqrt(sums[0]);
-  r.loss = sums[1];
-  r.stop = sums[2] > 0.0;
-  // Global-norm clipping folded into the optimizer as a gradient scale, with
-  // torch.nn.utils.clip_grad_norm_'s formula.
-  float grad_scale = 1.0f;
-  if (cfg_.gradient_clipping > 0.0) {
-    const double coef = cfg_.gradient_clipping / (r.grad_norm + 1e-6);
-    if (coef < 1.0) grad_scale = float(coef);
-  }
-  if (!std::isfinite(r.grad_norm)) {
-    // Stepping would turn every tier's optimizer state into NaN for good. The
-    // norm is all-reduced, so every rank stops here.
-    throw Error(strprintf("gradient norm is %f at step %lld: the optimizer step was skipped and the "
-                          "state is unchanged; lower optimizer.params.lr or enable gradient_clipping",
-                          r.grad_norm, (long long)(step_ + 1)));
-  }
-  r.lr = learning_rate(cfg_.scheduler, cfg_.optimizer.lr, step_ + 1);
-  window_->invalidate();  // the optimizer rewrites the working copy
-  std::fill(gathered_valid_.begin(), gathered_valid_.end(), 0);
-  if (overlap_) {
-    finish();  // the previous step's write-backs are done and its staging is free
-    {
-      std::lock_guard<std::mutex> lock(opt_mu_);
-      opt_job_ = OptJob{grad_scale, r.lr, step_ + 1};
-      opt_job_ready_ = true;
-      opt_busy_ = true;
-      opt_progress_ = 0;
-      r.optimizer_s = opt_seconds_;  // the previous step's, finished
-      r.links = opt_links_;
-      opt_links_ = LinkBytes();
+  // Placement and state.
+  shards_ = layout_.world_size();
+  shard_rank_ = shards_ > 1 ? comm_->rank() : 0;
+  gather_each_use_ = shards_ > 1 && cfg.zero.stage == 3;
+  gather_once_ = shards_ > 1 && cfg.zero.stage < 3;
+  MachineCapacity cap;
+  PlacementPlan plan = plan_for_machine(cfg, layout_, &cap, comm_->rank(), local_ranks);
+  // Like DeepSpeed, create missing swap directories (private to the user).
+  for (const std::string& dir : plan.nvme_paths) {
+    if (!path_exists(dir)) {
+      make_dirs(dir, 0700);
+      log::info("created swap directory %s", dir.c_str());
     }
-    opt_cv_.notify_all();
-  } else {
-    try {
-      TieredState::TallyScope opt_tally(&r.links);
-      optimizer_step(grad_scale, r.lr, step_ + 1);
-    } catch (...) {
-      // Some sub-groups may have been updated and others not.
-      broken_ = true;
-      throw;
-    }
-    r.optimizer_s = seconds_since(t_opt);
   }
-  ++step_;
-  r.optimizer_wait_s = opt_wait_s_ - opt_wait0;
-  r.wait_s = param_wait + r.optimizer_wait_s;
-  r.links = r.links + moved;
-  r.net_bytes = comm_->bytes_sent() - net0;
-  r.comm_wait_s = comm_->wait_seconds() - comm_wait0;
-  return r;
+  TieredStateOptions so;
+  so.engine = engine_options(cfg.aio);
+  so.engine.faults = std::move(faults);
+  so.checksums = cfg.run.swap_checksums;
+  so.device_transient_bytes = plan.staging.device_bytes();
+  so.device_budget_bytes = cfg.run.device_memory_mb > 0 ? cfg.run.device_memory_mb << 20 : -1;
+  state_ = std::make_unique<TieredState>(plan, so);
+
+  allocate_step_buffers(plan);
+  initialise_state(plan);
+  adam_ = std::make_unique<cpu_adam::CpuAdam>(int(cfg.run.threads), isa);
+  if (cfg.run.overlap_optimizer) {
+    opt_thread_ = std::make_unique<OptimizerThread>([this](const OptimizerThread::Job& job) { optimizer_step(job); });
+  }
 }
 
-// Evaluation shares the forward (forward_layers) and the gathered blocks with
-// training. Every rank evaluates the same windows (collective: at stage 3 the
-// blocks are gathered), so every rank returns the same loss.
-double Trainer::eval_loss(const int64_t* tokens, int64_t batches) {
+// The optimizer thread goes first (its destructor waits for a running job):
+// it uses the buffers below.
+Trainer::~Trainer() { opt_thread_.reset(); }
+
+// Buffers exactly as the plan counted them (placement.h, StagingNeeds), and
+// what is computed once per block and per piece.
+void Trainer::allocate_step_buffers(const PlacementPlan& plan) {
+  const StagingNeeds& need = plan.staging;
+  for (const PlacementUnit& u : plan.units[size_t(Category::kParam16)]) {
+    shard_offset_.push_back(u.offset);
+    block_end_.push_back(u.offset + u.numel);
+  }
+  int64_t global = 0;
+  for (const BlockLayout& bl : layout_.blocks()) {
+    global_index_.push_back(global);
+    global += bl.numel;
+  }
+
+  window_ = make_param_window(plan);
+  window_->attach(state_.get(), need.window, compute_bytes_);
+  train_schedule_ = train_schedule(int(layout_.num_blocks()), plan.tied, plan.accum);
+  eval_schedule_ = eval_schedule(int(layout_.num_blocks()), plan.tied);
+  if (need.gathered > 0) {
+    log::info("parameter window: %d slot(s) of %s, %s of persistent blocks", need.window.slots,
+              format_bytes(double(need.window.slot_numel * compute_bytes_)).c_str(),
+              format_bytes(double(need.window.persistent_numel * compute_bytes_)).c_str());
+  }
+  if (need.gather > 0) gather_mem_ = HostBuffer(size_t(need.gather), "gathered blocks");
+  gathered_valid_.assign(layout_.num_blocks(), 0);
+
+  grad_stage_ = HostBuffer(size_t(need.grad_stage), "gradient staging");
+  if (need.grad_sync > 0) {
+    grad_stage2_ = HostBuffer(size_t(need.grad_stage), "gradient staging (2nd)");
+    const int64_t shard_bytes = need.grad_sync - need.grad_stage;
+    if (shard_bytes > 0) grad_shards_ = HostBuffer(size_t(shard_bytes), "reduce-scattered gradient shards");
+  }
+  if (need.grad_rmw > 0) grad_rmw_ = HostBuffer(size_t(need.grad_rmw), "gradient read-modify-write");
+  for (int k = 0; k < 2; ++k) {
+    void* mem = k == 0 ? grad_stage_.data() : grad_stage2_.data();
+    if (mem == nullptr) break;
+    for (size_t b = 0; b < layout_.num_blocks(); ++b) {
+      grad_stage_flat_[k].push_back(block_flat(b, mem, at::kFloat));
+      grad_stage_views_[k].push_back(param_views(layout_.block(b), grad_stage_flat_[k].back()));
+    }
+  }
+  grad_written_.assign(layout_.num_blocks(), 0);
+  // The gradient norm (Note [Gathered blocks]): each rank sums the squares of
+  // its shards; with one shard but several ranks (stage 0) each takes an
+  // equal part of every block, so that the all-reduced sum counts every
+  // element once.
+  for (size_t b = 0; b < layout_.num_blocks(); ++b) {
+    const int64_t n = layout_.block(b).shard_numel();
+    const int64_t ws = comm_->world_size(), r = comm_->rank();
+    norm_lo_.push_back(shards_ == 1 ? n * r / ws : 0);
+    norm_hi_.push_back(shards_ == 1 ? n * (r + 1) / ws : n);
+  }
+  block_sq_.assign(layout_.num_blocks(), 0.0);
+
+  checkpoints_ = std::make_unique<ActivationCheckpoints>(
+      plan, layout_.num_blocks(),
+      std::vector<int64_t>{cfg_.train_micro_batch_size_per_gpu, cfg_.model.seq_len, cfg_.model.dim}, compute_dtype_,
+      state_.get());
+
+  pieces_ = pipeline_pieces(plan);
+  staging_ = std::make_unique<OptimizerStaging>(plan);
+  opt_spans_.resize(size_t(staging_->sets()));
+  // Runs of each optimizer piece inside one block shard.
+  for (const PlacementUnit& piece : pieces_) {
+    std::vector<AdamRun> runs;
+    for (size_t b = 0; b < layout_.num_blocks(); ++b) {
+      const int64_t lo = std::max(piece.offset, shard_offset_[b]);
+      const int64_t hi = std::min(piece.offset + piece.numel, shard_offset_[b] + layout_.block(b).shard_numel());
+      if (lo >= hi) continue;
+      const int64_t in_block = shard_rank_ * layout_.block(b).shard_numel() + (lo - shard_offset_[b]);
+      runs.push_back({lo - piece.offset, hi - lo, uint64_t(global_index_[b] + in_block)});
+    }
+    piece_runs_.push_back(std::move(runs));
+  }
+  for (const BlockLayout& bl : layout_.blocks()) {
+    forward_names_.push_back("forward " + bl.name);
+    backward_names_.push_back("backward " + bl.name);
+  }
+}
+
+// One generator, blocks initialised in model order: every rank draws every
+// block (the draws follow the unpadded parameters in model order) and keeps
+// its shard, so the same seed gives the same weights whatever the placement
+// or world size.
+void Trainer::initialise_state(const PlacementPlan& plan) {
+  at::Generator gen = at::detail::createCPUGenerator(cfg_.run.seed);
+  for (size_t b = 0; b < layout_.num_blocks(); ++b) {
+    const BlockLayout& bl = layout_.block(b);
+    const int64_t n = bl.shard_numel();
+    at::Tensor master = block_flat(b, grad_stage_.data(), at::kFloat);
+    master.zero_();
+    init_block(bl, master, gen);
+    state_->write(Category::kMaster, shard_offset_[b], n, master.data_ptr<float>() + shard_rank_ * n);
+    // Start-up only: a temporary for the working copy (4 KiB-aligned for NVMe).
+    HostBuffer tmp(size_t(bl.padded_numel * compute_bytes_), "initial working copy");
+    at::Tensor working = block_flat(b, tmp.data(), compute_dtype_);
+    working.copy_(master);
+    state_->write(Category::kParam16, shard_offset_[b], n, tmp.as<std::byte>() + shard_rank_ * n * compute_bytes_);
+  }
+  // Adam moments start at zero; resident homes are zero already, swapped ones
+  // are written once so that reading them is valid. The zeros come from the
+  // optimizer's exp_avg staging (zero-initialised, `sets` pieces long): a
+  // sub-group is written in runs of that size.
+  std::byte* zeros = staging_->slot(Category::kExpAvg, 0);
+  if (zeros == nullptr) return;
+  const int64_t run = int64_t(staging_->sets()) * staging_->piece_numel();
+  STRATA_CHECK(run % kShardAlignElems == 0 || run == plan.shard_space_numel, "optimizer staging not aligned");
+  for (Category c : {Category::kExpAvg, Category::kExpAvgSq}) {
+    for (const PlacementUnit& g : plan.units[size_t(c)]) {
+      if (g.tier != Tier::kNvme) continue;
+      for (int64_t o = 0; o < g.numel; o += run) state_->write(c, g.offset + o, std::min(run, g.numel - o), zeros);
+    }
+  }
+}
+
+// ---- state accessors --------------------------------------------------------------
+
+StateBytes Trainer::state_bytes() const {
+  const PlacementPlan& p = state_->plan();
+  StateBytes s;
+  s.param16 = p.category_total(Category::kParam16);
+  s.master = p.category_total(Category::kMaster);
+  s.grad = p.category_total(Category::kGrad);
+  s.optimizer = p.category_total(Category::kExpAvg) + p.category_total(Category::kExpAvgSq);
+  return s;
+}
+
+// Measured from what was allocated: the arenas, the swap store's regions and
+// the step's buffers (all sized at start-up, so current = peak).
+std::array<int64_t, kNumTiers> Trainer::peak_bytes() const {
+  std::array<int64_t, kNumTiers> t{};
+  t[0] = state_->device_arena_bytes() + window_->shape().bytes(compute_bytes_) +
+         int64_t(grad_stage_.bytes() + grad_rmw_.bytes() + gather_mem_.bytes() + grad_stage2_.bytes() +
+                 grad_shards_.bytes()) +
+         checkpoints_->device_slot_bytes();
+  t[1] = state_->host_arena_bytes() + staging_->bytes() + checkpoints_->host_slot_bytes();
+  t[2] = state_->swap() != nullptr ? state_->swap()->used_bytes() : 0;
+  return t;
+}
+
+std::byte* Trainer::device_resident(Category c, int64_t offset, int64_t numel) const {
+  std::byte* p = state_->resident(c, offset, numel);
+  return p != nullptr && state_->tier_of(c, offset) == Tier::kDevice ? p : nullptr;
+}
+
+at::Tensor Trainer::block_flat(size_t b, void* buf, at::ScalarType dtype) {
+  return at::from_blob(buf, {layout_.block(b).padded_numel}, at::TensorOptions().dtype(dtype));
+}
+
+// Compute uses device-resident weights in place; the others come through the
+// window (in place would hide the H2D copy a GPU must make).
+// `p`: the block's gathered weights (Note [Gathered blocks]).
+std::vector<at::Tensor> Trainer::weights(size_t b, std::byte* p) {
+  STRATA_CHECK(p != nullptr, "a block neither gathered nor resident on the device");
+  return param_views(layout_.block(b), block_flat(b, p, compute_dtype_));
+}
+
+// For tests and export, not the step: a copy through a temporary buffer.
+std::vector<at::Tensor> Trainer::block_weights(size_t b) {
+  at::Tensor flat = gathered_copy(Category::kParam16, b, compute_dtype_);
+  std::vector<at::Tensor> w = param_views(layout_.block(b), flat);
+  for (at::Tensor& t : w) t = t.clone();
+  return w;
+}
+
+// A copy of block b's state of category c gathered from every rank (the
+// shard staged through an aligned buffer: NVMe reads need 4 KiB alignment).
+at::Tensor Trainer::gathered_copy(Category c, size_t b, at::ScalarType dtype) {
   finish();
-  STRATA_CHECK(!broken_, "eval after a failed optimizer step");
-  window_->set_ready(INT32_MAX);
-  at::NoGradGuard no_grad;
-  const int64_t micro = cfg_.train_micro_batch_size_per_gpu;
-  const int64_t window = cfg_.model.seq_len + 1;
-  const int64_t T = cfg_.model.seq_len;
-  double total = 0.0;
-  for (int64_t i = 0; i < batches; ++i) {
-    at::Tensor batch = at::from_blob(const_cast<int64_t*>(tokens + i * micro * window),
-                                     {micro, window}, at::TensorOptions().dtype(at::kLong));
-    begin_uses(&eval_schedule_);
-    at::Tensor x = forward_layers(batch.narrow(1, 0, T), /*train=*/false);
-    std::byte* gathered[2];
-    next_use(gathered);
-    at::Tensor tied;
-    if (cfg_.model.tie_embeddings) tied = weights(embedding_block_, gathered[1])[0];
-    at::Tensor logits = model_.forward(head_block_, weights(head_block_, gathered[0]), x, tied);
-    total += loss_of(logits, batch.narrow(1, 1, T)).item<double>();
-    tied = at::Tensor();
-    end_use();
+  const BlockLayout& bl = layout_.block(b);
+  const int64_t n = bl.shard_numel();
+  const int eb = state_->elem_bytes(c);
+  HostBuffer shard(size_t(n * eb), "shard copy");
+  state_->read(c, shard_offset_[b], n, shard.data());
+  at::Tensor out = at::empty({bl.padded_numel}, at::TensorOptions().dtype(dtype));
+  STRATA_CHECK(int64_t(out.element_size()) == eb, "dtype does not match the category's element size");
+  if (shards_ == 1) {
+    std::memcpy(out.data_ptr(), shard.data(), size_t(n * eb));
+  } else {
+    comm_->all_gather(shard.data(), out.data_ptr(), n, eb == 4 ? DType::kF32 : DType::kBF16).wait();
   }
-  return total / double(batches);
+  return out;
+}
+
+at::Tensor Trainer::master_block(size_t b) { return gathered_copy(Category::kMaster, b, at::kFloat); }
+at::Tensor Trainer::grad_block(size_t b) { return gathered_copy(Category::kGrad, b, at::kFloat); }
+at::Tensor Trainer::state_block(Category c, size_t b) {
+  const int eb = state_->elem_bytes(c);
+  const at::ScalarType t = eb == 4 ? at::kFloat : c == Category::kParam16 ? compute_dtype_ : at::kBFloat16;
+  return gathered_copy(c, b, t);
 }
 
 }  // namespace strata

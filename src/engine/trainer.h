@@ -8,18 +8,17 @@
 
 #include <ATen/ATen.h>
 
-#include <condition_variable>
 #include <cstdint>
-#include <exception>
 #include <memory>
-#include <mutex>
-#include <thread>
 #include <string>
 #include <vector>
 
 #include "comm/communicator.h"
 #include "config/config.h"
 #include "cpu_adam/adam.h"
+#include "engine/activation_checkpoints.h"
+#include "engine/optimizer_staging.h"
+#include "engine/optimizer_thread.h"
 #include "memory/buffer.h"
 #include "memory/layout.h"
 #include "memory/param_window.h"
@@ -118,7 +117,7 @@ class Trainer {
   // Peak bytes of saved block inputs (activation checkpoints) held on the
   // device: the layers' saved inputs, or with cpu_checkpointing the two slots
   // that bring them back.
-  int64_t peak_checkpoint_device_bytes() const { return peak_ckpt_device_; }
+  int64_t peak_checkpoint_device_bytes() const { return checkpoints_->peak_device_bytes(); }
 
   // Peak bytes per tier, measured from the allocations: resident state plus
   // the transient and staging buffers (device: gathered blocks, gradient
@@ -127,42 +126,44 @@ class Trainer {
   std::array<int64_t, kNumTiers> peak_bytes() const;
 
  private:
+  // The step (trainer.cc, in this order): forward and backward of one
+  // micro-batch; the uses of a schedule with their gathered blocks (Note
+  // [Gathered blocks]); the gradient's reduction into its homes; the
+  // optimizer (Note [Optimizer pipeline]).
+  double forward_backward(const at::Tensor& tokens, double loss_scale);
+  // Forward over the blocks before the head (saving inputs when training);
+  // shared by training and evaluation.
+  at::Tensor forward_layers(at::Tensor x, bool train);
+  at::Tensor loss_of(const at::Tensor& logits, const at::Tensor& targets) const;
+  void begin_uses(const std::vector<WindowUse>* schedule);
+  void next_use(std::byte* out[2]);
+  void end_use();
+  void issue_gather(size_t u);
+  // The window's next use (blocks `b0` and, for the tied head, `b1`), once
+  // the optimizer has finished them.
+  void acquire(std::byte* out[2], size_t b0, size_t b1);
+  // Waits until the optimizer has finished [0, offset) of shard space.
+  void wait_optimizer(int64_t offset);
+  int32_t ready_blocks();
+  // Stages `grads[first..]` (one per parameter of block b) as b's full fp32
+  // gradient and starts its reduction (Note [Gathered blocks]).
+  void accumulate_grad(size_t b, const std::vector<at::Tensor>& grads, size_t first);
+  // Waits for the reduction of stage k and adds its shard into the home.
+  void complete_grad_sync(int k);
+  void flush_grad(size_t b, const float* shard);
+  void optimizer_step(const OptimizerThread::Job& job);
+
+  // Start-up (trainer.cc, at the end).
+  void allocate_step_buffers(const PlacementPlan& plan);
+  void initialise_state(const PlacementPlan& plan);
+
   // Block b's padded range of `buf` as a flat tensor of `dtype` (no copy).
   at::Tensor block_flat(size_t b, void* buf, at::ScalarType dtype);
   at::Tensor gathered_copy(Category c, size_t b, at::ScalarType dtype);
   // The range when it is resident on the device tier, else nullptr.
   std::byte* device_resident(Category c, int64_t offset, int64_t numel) const;
-  // Views of block b's weights in the compute dtype: at `fetched` (from the
-  // window), or in place when the block is device-resident (fetched nullptr).
-  std::vector<at::Tensor> weights(size_t b, std::byte* fetched);
-  // Stages `grads[first..]` (one per parameter of block b) as b's full fp32
-  // gradient and starts its reduction (Note [Gathered blocks]).
-  void accumulate_grad(size_t b, const std::vector<at::Tensor>& grads, size_t first);
-  // Waits for the oldest reduction in flight and adds its shard into the home.
-  void complete_grad_sync(int k);
-  void flush_grad(size_t b, const float* shard);
-  double forward_backward(const at::Tensor& tokens, double loss_scale);
-  // Forward over the blocks before the head (saving inputs when training).
-  at::Tensor forward_layers(at::Tensor x, bool train);
-  // Note [Gathered blocks]: the uses of a schedule, one after another.
-  void begin_uses(const std::vector<WindowUse>* schedule);
-  void next_use(std::byte* out[2]);
-  void end_use();
-  void issue_gather(size_t u);
-  void optimizer_step(float grad_scale, double lr, int64_t step);
-  // Note [Optimizer overlap]: the optimizer thread and how compute waits for it.
-  void optimizer_thread();
-  void publish_progress(int64_t offset);
-  void wait_progress(int64_t offset);   // until [0, offset) of shard space is final
-  int32_t ready_blocks();
-  // The window's next use (blocks `b0` and, for the tied head, `b1`), once
-  // the optimizer has finished them.
-  void acquire(std::byte* out[2], size_t b0, size_t b1);
-  at::Tensor loss_of(const at::Tensor& logits, const at::Tensor& targets) const;
-  // Keeps x as layer b's saved input (on the device, or offloaded).
-  void save_input(size_t b, const at::Tensor& x);
-  // Layer b's saved input on the device for its backward; prefetches b - 1's.
-  at::Tensor restore_input(size_t b);
+  // Views of block b's weights (compute dtype) at `p`, its gathered copy.
+  std::vector<at::Tensor> weights(size_t b, std::byte* p);
 
   Config cfg_;
   const Model& model_;
@@ -173,35 +174,8 @@ class Trainer {
   size_t head_block_ = 0;
   std::unique_ptr<TieredState> state_;
   std::unique_ptr<cpu_adam::CpuAdam> adam_;
-
-  // Transient device buffers: the parameter window (blocks not resident on
-  // the device) and fp32 gradient staging (2: accumulate, and
-  // read-modify-write of a non-resident gradient).
-  std::unique_ptr<ParamWindow> window_;
-  std::vector<WindowUse> train_schedule_, eval_schedule_;
-  HostBuffer grad_stage_;
-  HostBuffer grad_rmw_;
-  // Optimizer staging, allocated only for what is not resident: grad and
-  // master (fp32), exp_avg and exp_avg_sq (the plan's element size: fp32 or
-  // bf16) and the emitted working copy.
-  int64_t group_numel_ = 0;               // elements of a pipeline piece
-  std::vector<PlacementUnit> pieces_;     // the optimizer's pipeline pieces, in shard order
-  // Per piece, its runs inside one block shard, with the global unpadded
-  // index of their first element: the key of bf16 moments' rounding.
-  struct AdamRun {
-    int64_t start = 0;   // elements from the piece's start
-    int64_t numel = 0;
-    uint64_t key = 0;
-  };
-  std::vector<std::vector<AdamRun>> piece_runs_;
-  HostBuffer opt_grad_, opt_master_, opt_avg_, opt_avg_sq_, opt_emit_;  // opt_sets sets each
-  std::vector<PendingIo> opt_reads_, opt_writes_;  // per staging set
-  struct OptSet {
-    cpu_adam::AdamSpans adam;
-    std::byte* working = nullptr;
-    bool working_resident = false;
-  };
-  std::vector<OptSet> opt_spans_;
+  int64_t step_ = 0;
+  bool broken_ = false;                   // an optimizer step failed part-way
 
   // Ranks (Note [Gathered blocks]).
   std::unique_ptr<Communicator> own_comm_;  // world size 1 without a caller's
@@ -211,7 +185,13 @@ class Trainer {
   bool gather_each_use_ = false;          // stage 3 with several shards
   bool gather_once_ = false;              // stages 1-2 with several shards
   std::vector<int64_t> shard_offset_;     // per block: its shard's offset in shard space
+  std::vector<int64_t> block_end_;        // per block: end of its shard in shard space
   std::vector<int64_t> global_index_;     // per block: global unpadded index of its element 0
+
+  // Parameters: the window (blocks not resident on the device) and the
+  // gathered blocks.
+  std::unique_ptr<ParamWindow> window_;
+  std::vector<WindowUse> train_schedule_, eval_schedule_;
   HostBuffer gather_mem_;                 // gathered blocks (ring, or the whole model)
   std::vector<char> gathered_valid_;      // gather_once_: per block, gathered since the optimizer
   const std::vector<WindowUse>* uses_ = nullptr;
@@ -219,9 +199,13 @@ class Trainer {
   bool use_issued_ = false;               // its gather was issued
   Completion gather_done_[2][2];          // per ring slot, per block of the use
   std::byte* gathered_[2][2] = {};        // per ring slot, per block of the use
-  // The gradient's reduction: two fp32 stages (one reduced while the next
-  // block's backward fills the other) and, at stages 2-3, two shards.
-  HostBuffer grad_stage2_, grad_shards_;
+
+  // Gradients: two fp32 stages of a whole block (one reduced while the next
+  // block's backward fills the other; one without ranks), a read-modify-write
+  // buffer for homes off the device, and at stages 2-3 two reduced shards.
+  HostBuffer grad_stage_, grad_stage2_, grad_rmw_, grad_shards_;
+  std::vector<at::Tensor> grad_stage_flat_[2];               // per stage, per block: its range
+  std::vector<std::vector<at::Tensor>> grad_stage_views_[2]; // per stage, per block: parameter views
   struct GradSync {
     int block = -1;
     Completion done;
@@ -230,43 +214,37 @@ class Trainer {
   int grad_turn_ = 0;                     // the stage the next block fills
   uint64_t grad_seq_[2] = {0, 0};         // issue order of the two syncs
   uint64_t grad_issued_ = 0;
+  std::vector<char> grad_written_;        // per block: written since the step began
+  at::Tensor tied_grad_;                  // head's gradient for the tied embedding, until flushed
   bool last_micro_ = false;               // the micro-batch whose flush takes the norm
   std::vector<double> block_sq_;          // per block: squared norm of this rank's range
   std::vector<int64_t> norm_lo_, norm_hi_;  // per block: this rank's norm range within its shard
 
-  std::vector<std::string> forward_names_, backward_names_;  // trace span names per block
-  std::vector<at::Tensor> grad_stage_flat_[2];               // per stage, per block: its range
-  std::vector<std::vector<at::Tensor>> grad_stage_views_[2]; // per stage, per block: parameter views
-  std::vector<char> grad_written_;        // per block: written since the step began
-  std::vector<at::Tensor> saved_inputs_;  // per block, the activation checkpoint
-  // cpu_checkpointing: layer b's saved input in host slot b, brought back
-  // into device slot b % 2 for its backward (the next one prefetched).
-  HostBuffer ckpt_host_, ckpt_device_;
-  int64_t ckpt_bytes_ = 0;
-  std::vector<int64_t> ckpt_shape_;
-  int64_t ckpt_device_now_ = 0, peak_ckpt_device_ = 0;
-  at::Tensor tied_grad_;                  // head's gradient for the tied embedding, until flushed
-  int64_t step_ = 0;
-  bool broken_ = false;                   // an optimizer step failed part-way
+  // Activations: the layers' saved inputs.
+  std::unique_ptr<ActivationCheckpoints> checkpoints_;
 
-  // The optimizer thread (run.overlap_optimizer).
-  bool overlap_ = false;
-  std::vector<int64_t> block_end_;        // per block: end of its range in shard space
-  std::thread opt_thread_;
-  std::mutex opt_mu_;
-  std::condition_variable opt_cv_;
-  struct OptJob {
-    float grad_scale = 1.0f;
-    double lr = 0.0;
-    int64_t step = 0;
-  } opt_job_;                             // guarded by opt_mu_, as are the next five
-  bool opt_job_ready_ = false, opt_busy_ = false, opt_quit_ = false;
-  int64_t opt_progress_ = INT64_MAX;      // shard-space elements whose update is final
-  std::exception_ptr opt_error_;
-  double opt_seconds_ = 0.0;              // duration of the last finished optimizer step
-  LinkBytes opt_links_;                   // its bytes moved, until reported by a step
-  double opt_wait_s_ = 0.0;               // compute thread: seconds waited for the optimizer
+  // The optimizer: pipeline pieces in shard order, their runs inside one
+  // block shard (with the global unpadded index of their first element: the
+  // key of bf16 moments' rounding), staging, and its thread.
+  std::vector<PlacementUnit> pieces_;
+  struct AdamRun {
+    int64_t start = 0;   // elements from the piece's start
+    int64_t numel = 0;
+    uint64_t key = 0;
+  };
+  std::vector<std::vector<AdamRun>> piece_runs_;
+  std::unique_ptr<OptimizerStaging> staging_;
+  struct OptSet {
+    cpu_adam::AdamSpans adam;
+    std::byte* working = nullptr;
+    bool working_resident = false;
+  };
+  std::vector<OptSet> opt_spans_;         // per staging set
   PendingIo opt_param_write_;             // a staged working copy's write, waited at once
+  std::unique_ptr<OptimizerThread> opt_thread_;  // run.overlap_optimizer
+  double opt_wait_s_ = 0.0;               // seconds compute waited for the optimizer
+
+  std::vector<std::string> forward_names_, backward_names_;  // trace span names per block
 };
 
 }  // namespace strata

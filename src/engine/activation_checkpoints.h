@@ -1,0 +1,51 @@
+// The activation checkpoints of a step: each layer's input, kept from its
+// forward to its backward on the device, or with
+// activation_checkpointing.cpu_checkpointing offloaded to host slots and
+// brought back one layer ahead into two device slots.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <cstdint>
+#include <vector>
+
+#include "memory/buffer.h"
+#include "memory/placement.h"
+#include "memory/tiered_state.h"
+
+namespace strata {
+
+// Blocks: 0 is the embedding (its "input" is the token ids), 1..layers are the
+// layers, the head is not saved. Not thread-safe.
+class ActivationCheckpoints {
+ public:
+  // Allocates the host and device slots the plan counted (staging.ckpt_*).
+  // `shape`: one layer's input [micro_batch, seq_len, dim] in `dtype`.
+  ActivationCheckpoints(const PlacementPlan& plan, size_t num_blocks, std::vector<int64_t> shape,
+                        at::ScalarType dtype, TieredState* state);
+
+  // A step begins: nothing saved survives it (nor a failed one).
+  void reset() { device_now_ = 0; }
+  // Keeps x as block b's input (on the device, or offloaded to the host).
+  void save(size_t b, const at::Tensor& x);
+  // Block b's input on the device for its backward; prefetches b - 1's.
+  at::Tensor restore(size_t b);
+
+  // Peak bytes of saved inputs on the device (the layers' inputs, or the two
+  // slots that bring them back).
+  int64_t peak_device_bytes() const { return peak_device_; }
+  int64_t device_slot_bytes() const { return int64_t(device_.bytes()); }
+  int64_t host_slot_bytes() const { return int64_t(host_.bytes()); }
+
+ private:
+  size_t head_;                       // the head's block index (layers are 1..head_-1)
+  std::vector<at::Tensor> saved_;     // per block, when kept on the device
+  HostBuffer host_, device_;          // cpu_checkpointing: layer b in host slot b - 1, device slot b % 2
+  int64_t bytes_ = 0;                 // one layer's input; 0 without cpu_checkpointing
+  std::vector<int64_t> shape_;
+  at::ScalarType dtype_;
+  TieredState* state_;
+  int64_t device_now_ = 0, peak_device_ = 0;
+};
+
+}  // namespace strata

@@ -1,0 +1,112 @@
+#include "engine/optimizer_thread.h"
+
+#include <chrono>
+#include <climits>
+
+#include "util/logging.h"
+#include "util/trace.h"
+
+namespace strata {
+
+namespace {
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+}  // namespace
+
+OptimizerThread::OptimizerThread(Work work) : work_(std::move(work)) {
+  thread_ = std::thread([this] { loop(); });
+}
+
+OptimizerThread::~OptimizerThread() {
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    cv_.wait(lock, [&] { return !busy_; });
+    quit_ = true;
+    if (error_) {
+      try {
+        std::rethrow_exception(error_);
+      } catch (const std::exception& e) {
+        log::warn("the last optimizer step failed and nobody asked: %s", e.what());
+      } catch (...) {
+        log::warn("the last optimizer step failed and nobody asked");
+      }
+    }
+  }
+  cv_.notify_all();
+  thread_.join();
+}
+
+void OptimizerThread::loop() {
+  std::unique_lock<std::mutex> lock(mu_);
+  for (;;) {
+    cv_.wait(lock, [&] { return ready_ || quit_; });
+    if (quit_) return;
+    ready_ = false;
+    const Job job = job_;
+    lock.unlock();
+    std::exception_ptr error;
+    const auto t0 = std::chrono::steady_clock::now();
+    LinkBytes moved;
+    try {
+      TieredState::TallyScope tally(&moved);
+      work_(job);
+    } catch (...) {
+      error = std::current_exception();
+    }
+    lock.lock();
+    report_ = Report{seconds_since(t0), moved};
+    error_ = error;
+    progress_ = INT64_MAX;
+    busy_ = false;
+    cv_.notify_all();
+  }
+}
+
+void OptimizerThread::start(const Job& job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    job_ = job;
+    ready_ = true;
+    busy_ = true;
+    progress_ = 0;
+  }
+  cv_.notify_all();
+}
+
+void OptimizerThread::publish(int64_t offset) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    progress_ = offset;
+  }
+  cv_.notify_all();
+}
+
+void OptimizerThread::wait(int64_t offset, double* waited) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (busy_ && progress_ < offset) {
+    TraceSpan span(TraceTrack::kCompute, "wait for optimizer");
+    const auto t0 = std::chrono::steady_clock::now();
+    cv_.wait(lock, [&] { return !busy_ || progress_ >= offset; });
+    *waited += seconds_since(t0);
+  }
+  if (!busy_ && error_) {
+    std::exception_ptr e = error_;
+    error_ = nullptr;
+    std::rethrow_exception(e);
+  }
+}
+
+int64_t OptimizerThread::progress() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return progress_;
+}
+
+OptimizerThread::Report OptimizerThread::take_report() {
+  std::lock_guard<std::mutex> lock(mu_);
+  Report r = report_;
+  report_ = Report();
+  return r;
+}
+
+}  // namespace strata
