@@ -228,23 +228,12 @@ int64_t PlacementPlan::category_total(Category c) const {
   return s;
 }
 
-PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t rank,
-                        const MachineCapacity& capacity) {
-  STRATA_CHECK(layout.world_size() == shard_count(cfg), "the layout's shards are not the config's");
-  STRATA_CHECK(rank >= 0 && rank < std::max<int64_t>(1, cfg.world_size), "rank out of range");
-  PlacementPlan plan;
-  plan.world_size = int(cfg.world_size);
-  plan.stage = int(cfg.zero.stage);
-  plan.shards = layout.world_size();
-  plan.rank = int(rank);
-  plan.gathered_numel = layout.total_numel();
-  const int int16_bytes = compute_bytes(cfg);  // the working copy: fp32 or 16-bit
-  const int moment_bytes = cfg.run.optimizer_state_dtype == "bf16" ? 2 : 4;  // Note [bf16 state]
-  plan.elem_bytes = {int16_bytes, 4, 4, moment_bytes, moment_bytes};
-  // Every rank owns equally sized shards (shard r of every block), so the
-  // plans of all ranks are the same.
+namespace {
 
-  // ---- units ----------------------------------------------------------------
+// Note [Placement units]: param16 and grad per block shard, optimizer state
+// per sub-group of the rank's shard space.
+void cut_units(const Config& cfg, const StateLayout& layout, PlacementPlan& plan,
+               std::array<std::vector<PlacementUnit>, kNumCategories>& units) {
   int64_t offset = 0;
   std::vector<PlacementUnit> block_units;
   for (const BlockLayout& b : layout.blocks()) {
@@ -259,8 +248,12 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   for (int64_t o = 0; o < plan.shard_space_numel; o += plan.sub_group_numel) {
     group_units.push_back({o, std::min(plan.sub_group_numel, plan.shard_space_numel - o), Tier::kDevice});
   }
+  for (int c = 0; c < kNumCategories; ++c) units[size_t(c)] = c <= int(Category::kGrad) ? block_units : group_units;
+}
 
-  // ---- splits: DeepSpeed keys, then the placement section, or auto -------------
+// The split each category asks for: DeepSpeed's offload keys, overridden per
+// category by the placement section. Sets plan.source.
+std::array<TierSplit, kNumCategories> requested_splits(const Config& cfg, PlacementPlan& plan) {
   const OffloadOptimizerConfig& oo = cfg.zero.offload_optimizer;
   const OffloadParamConfig& op = cfg.zero.offload_param;
   TierSplit optimizer = on(Tier::kDevice), grad = on(Tier::kDevice), param16 = on(Tier::kDevice);
@@ -292,8 +285,11 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   if (pc.has_param16 || pc.has_grad || pc.has_master || pc.has_exp_avg || pc.has_exp_avg_sq) {
     plan.source = "placement";
   }
+  return split;
+}
 
-  // ---- transient and staging (needed by auto, reported by all) ----------------
+// Activations and the inputs of staging_needs (needed by auto, reported by all).
+void estimate_transients(const Config& cfg, const StateLayout& layout, PlacementPlan& plan) {
   const ModelConfig& m = cfg.model;
   const int64_t tokens = cfg.train_micro_batch_size_per_gpu * m.seq_len;
   const int64_t cb = compute_bytes(cfg);
@@ -320,79 +316,75 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   plan.compute_bytes = int(cb);
   plan.pipeline_depth = int(std::clamp<int64_t>(cfg.zero.offload_optimizer.buffer_count, 1, 3));
   plan.tied = m.tie_embeddings;
+}
 
-  std::array<std::vector<PlacementUnit>, kNumCategories> units;
-  for (int c = 0; c < kNumCategories; ++c) units[size_t(c)] = c <= int(Category::kGrad) ? block_units : group_units;
-
-  if (!pc.auto_place) {
-    for (int c = 0; c < kNumCategories; ++c) assign(units[size_t(c)], split[size_t(c)], plan.shard_space_numel);
-  } else {
-    // ---- auto: fill the fastest tiers first with what is touched most --------
-    // param16 (every forward and backward), then grad (every backward), then
-    // optimizer state (once per step), whole units at a time: a unit goes to
-    // the device if it fits whole in what is left of the device budget, else
-    // to the host likewise, else to NVMe. With CPU compute the device tier is
-    // host memory, so the two share one budget. The staging buffers that what
-    // lands off the device needs are reserved and the fill redone until the
-    // reserve stops changing.
-    plan.source = "auto";
-    const double keep = 1.0 - pc.headroom;
-    const int64_t kUnlimited = std::numeric_limits<int64_t>::max() / 4;
-    auto budget = [&](int64_t cap) { return cap < 0 ? kUnlimited : int64_t(double(cap) * keep); };
-    int64_t reserve_device = 0, reserve_host = 0;
-    plan.window_cap_bytes = 0;  // the window at its minimum while filling; widened below
-    for (int pass = 0; pass < 4; ++pass) {
-      int64_t dev_left, host_left;
-      const int64_t act_dev = plan.activation_bytes;
-      if (capacity.device_is_host) {
-        // One pool of host RAM: the device budget (if one is set) is carved
-        // from it, and everything else, staging included, comes out of it too.
-        const int64_t pool = budget(capacity.host_bytes) - plan.activation_bytes - reserve_device - reserve_host;
-        dev_left = capacity.device_bytes >= 0
-                       ? std::min(budget(capacity.device_bytes) - act_dev - reserve_device, pool)
-                       : pool;
-        host_left = pool - dev_left;
-      } else {
-        dev_left = budget(capacity.device_bytes) - act_dev - reserve_device;
-        host_left = budget(capacity.host_bytes) - reserve_host;
-      }
-      for (int c = 0; c < kNumCategories; ++c) {
-        for (PlacementUnit& u : units[size_t(c)]) {
-          const int64_t bytes = u.numel * plan.elem_bytes[size_t(c)];
-          if (bytes <= dev_left) {
-            u.tier = Tier::kDevice;
-            dev_left -= bytes;
-          } else if (bytes <= host_left) {
-            u.tier = Tier::kHost;
-            host_left -= bytes;
-          } else {
-            u.tier = Tier::kNvme;
-          }
+// "auto": fills the fastest tiers first; returns the split that was reached.
+std::array<TierSplit, kNumCategories> fill_auto(const Config& cfg, const MachineCapacity& capacity,
+                                                PlacementPlan& plan,
+                                                std::array<std::vector<PlacementUnit>, kNumCategories>& units) {
+  const PlacementConfig& pc = cfg.placement;
+  std::array<TierSplit, kNumCategories> split;
+  // param16 (every forward and backward), then grad (every backward), then
+  // optimizer state (once per step), whole units at a time: a unit goes to
+  // the device if it fits whole in what is left of the device budget, else
+  // to the host likewise, else to NVMe. With CPU compute the device tier is
+  // host memory, so the two share one budget. The staging buffers that what
+  // lands off the device needs are reserved and the fill redone until the
+  // reserve stops changing.
+  plan.source = "auto";
+  const double keep = 1.0 - pc.headroom;
+  const int64_t kUnlimited = std::numeric_limits<int64_t>::max() / 4;
+  auto budget = [&](int64_t cap) { return cap < 0 ? kUnlimited : int64_t(double(cap) * keep); };
+  int64_t reserve_device = 0, reserve_host = 0;
+  plan.window_cap_bytes = 0;  // the window at its minimum while filling; widened below
+  for (int pass = 0; pass < 4; ++pass) {
+    int64_t dev_left, host_left;
+    const int64_t act_dev = plan.activation_bytes;
+    if (capacity.device_is_host) {
+      // One pool of host RAM: the device budget (if one is set) is carved
+      // from it, and everything else, staging included, comes out of it too.
+      const int64_t pool = budget(capacity.host_bytes) - plan.activation_bytes - reserve_device - reserve_host;
+      dev_left = capacity.device_bytes >= 0
+                     ? std::min(budget(capacity.device_bytes) - act_dev - reserve_device, pool)
+                     : pool;
+      host_left = pool - dev_left;
+    } else {
+      dev_left = budget(capacity.device_bytes) - act_dev - reserve_device;
+      host_left = budget(capacity.host_bytes) - reserve_host;
+    }
+    for (int c = 0; c < kNumCategories; ++c) {
+      for (PlacementUnit& u : units[size_t(c)]) {
+        const int64_t bytes = u.numel * plan.elem_bytes[size_t(c)];
+        if (bytes <= dev_left) {
+          u.tier = Tier::kDevice;
+          dev_left -= bytes;
+        } else if (bytes <= host_left) {
+          u.tier = Tier::kHost;
+          host_left -= bytes;
+        } else {
+          u.tier = Tier::kNvme;
         }
       }
-      plan.units = units;
-      const StagingNeeds need = staging_needs(plan);
-      if (need.device_bytes() == reserve_device && need.host_bytes() == reserve_host) break;
-      reserve_device = need.device_bytes();
-      reserve_host = need.host_bytes();
     }
-    // Report the split that was reached.
-    for (int c = 0; c < kNumCategories; ++c) {
-      std::array<double, kNumTiers> b{};
-      for (const PlacementUnit& u : units[size_t(c)]) b[size_t(u.tier)] += double(u.numel);
-      const double total = double(plan.shard_space_numel);
-      split[size_t(c)] = TierSplit{b[0] / total, b[1] / total, b[2] / total};
-    }
+    plan.units = units;
+    const StagingNeeds need = staging_needs(plan);
+    if (need.device_bytes() == reserve_device && need.host_bytes() == reserve_host) break;
+    reserve_device = need.device_bytes();
+    reserve_host = need.host_bytes();
   }
-  plan.split = split;
-  plan.units = std::move(units);
+  // Report the split that was reached.
   for (int c = 0; c < kNumCategories; ++c) {
-    for (const PlacementUnit& u : plan.units[size_t(c)]) {
-      plan.bytes[size_t(c)][size_t(u.tier)] += u.numel * plan.elem_bytes[size_t(c)];
-    }
+    std::array<double, kNumTiers> b{};
+    for (const PlacementUnit& u : units[size_t(c)]) b[size_t(u.tier)] += double(u.numel);
+    const double total = double(plan.shard_space_numel);
+    split[size_t(c)] = TierSplit{b[0] / total, b[1] / total, b[2] / total};
   }
+  return split;
+}
 
-  // ---- the parameter window's share of the device -----------------------------
+// The parameter window's share of the device (plan.window_cap_bytes).
+void cap_window(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
+  const PlacementConfig& pc = cfg.placement;
   // With a device budget, the window (Note [Prefetch window]) gets what the
   // resident state, the other staging and the activations leave of it (under
   // auto, less the headroom); the current block always gets a slot.
@@ -418,10 +410,15 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
     const int64_t shared = left_of(capacity.host_bytes, true);
     plan.window_cap_bytes = plan.window_cap_bytes < 0 ? shared : std::min(plan.window_cap_bytes, shared);
   }
+}
 
-  // ---- NVMe paths and staging -----------------------------------------------
-  bool params_on_nvme = plan.bytes[0][2] > 0 || plan.bytes[1][2] > 0;
-  bool optimizer_on_nvme = plan.bytes[2][2] > 0 || plan.bytes[3][2] > 0 || plan.bytes[4][2] > 0;
+// The swap directories, and what the NVMe placement requires of the config.
+void choose_swap_paths(const Config& cfg, PlacementPlan& plan) {
+  const OffloadOptimizerConfig& oo = cfg.zero.offload_optimizer;
+  const OffloadParamConfig& op = cfg.zero.offload_param;
+  const PlacementConfig& pc = cfg.placement;
+  const bool params_on_nvme = plan.bytes[0][2] > 0 || plan.bytes[1][2] > 0;
+  const bool optimizer_on_nvme = plan.bytes[2][2] > 0 || plan.bytes[3][2] > 0 || plan.bytes[4][2] > 0;
   // Swap directories: the placement section's, else every directory the two
   // offload sections name (the store stripes all state over all of them).
   plan.nvme_paths = pc.nvme_path;
@@ -446,6 +443,43 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
                                 (long long)op.buffer_size, (long long)plan.largest_block_shard_numel,
                                 (long long)plan.largest_block_shard_numel));
   }
+}
+
+}  // namespace
+
+PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t rank,
+                        const MachineCapacity& capacity) {
+  STRATA_CHECK(layout.world_size() == shard_count(cfg), "the layout's shards are not the config's");
+  STRATA_CHECK(rank >= 0 && rank < std::max<int64_t>(1, cfg.world_size), "rank out of range");
+  PlacementPlan plan;
+  plan.world_size = int(cfg.world_size);
+  plan.stage = int(cfg.zero.stage);
+  plan.shards = layout.world_size();
+  plan.rank = int(rank);
+  plan.gathered_numel = layout.total_numel();
+  const int int16_bytes = compute_bytes(cfg);  // the working copy: fp32 or 16-bit
+  const int moment_bytes = cfg.run.optimizer_state_dtype == "bf16" ? 2 : 4;  // Note [bf16 state]
+  plan.elem_bytes = {int16_bytes, 4, 4, moment_bytes, moment_bytes};
+  // Every rank owns equally sized shards (shard r of every block), so the
+  // plans of all ranks are the same.
+  std::array<std::vector<PlacementUnit>, kNumCategories> units;
+  cut_units(cfg, layout, plan, units);
+  std::array<TierSplit, kNumCategories> split = requested_splits(cfg, plan);
+  estimate_transients(cfg, layout, plan);
+  if (!cfg.placement.auto_place) {
+    for (int c = 0; c < kNumCategories; ++c) assign(units[size_t(c)], split[size_t(c)], plan.shard_space_numel);
+  } else {
+    split = fill_auto(cfg, capacity, plan, units);
+  }
+  plan.split = split;
+  plan.units = std::move(units);
+  for (int c = 0; c < kNumCategories; ++c) {
+    for (const PlacementUnit& u : plan.units[size_t(c)]) {
+      plan.bytes[size_t(c)][size_t(u.tier)] += u.numel * plan.elem_bytes[size_t(c)];
+    }
+  }
+  cap_window(cfg, capacity, plan);
+  choose_swap_paths(cfg, plan);
   plan.staging = staging_needs(plan);
   return plan;
 }
