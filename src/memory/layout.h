@@ -33,8 +33,11 @@ struct ParamLayout {
 // block's range is padded so that it splits into `world_size` equal shards,
 // each a multiple of kShardAlignElems elements. With the same offsets used for
 // every state category and every tier, a shard of any category is one
-// contiguous range, and moving it between tiers is a single copy. Blocks are
-// concatenated in model order into one model-wide flat buffer per category.
+// contiguous range, and moving it between tiers is a single copy. Blocks'
+// padded ranges concatenated in model order are the gathered space (what
+// compute sees); rank r's shards of every block concatenated are its shard
+// space (where its state lives: Note [Placement units], Note [Gathered
+// blocks] in engine/trainer.h).
 // Padding elements are zero in every category and stay zero (their gradient
 // is zero, so Adam leaves them at zero).
 inline constexpr int64_t kShardAlignElems = 2048;  // 4 KiB of 16-bit elements, 8 KiB of fp32
@@ -42,7 +45,7 @@ inline constexpr int64_t kShardAlignElems = 2048;  // 4 KiB of 16-bit elements, 
 struct BlockLayout {
   std::string name;             // "embedding", "layer.3", "head"
   std::vector<ParamLayout> params;
-  int64_t offset = 0;           // elements from the start of the model-wide buffer
+  int64_t offset = 0;           // elements from the start of the gathered space
   int64_t numel = 0;            // sum of parameter numels (unpadded)
   int64_t padded_numel = 0;     // multiple of world_size * kShardAlignElems
   int64_t shard_numel() const { return padded_numel / world_size; }
