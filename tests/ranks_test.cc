@@ -446,6 +446,42 @@ TEST_F(RanksTest, TorchrunRunsTwoRanksOfStrata) {
   EXPECT_GT(int64_t(last["net_bytes"]), 0);
 }
 
+// What srun gives each task: Slurm's variables and none of torchrun's. Two
+// tasks so started train exactly as `strata launch` does.
+TEST_F(RanksTest, SlurmEnvironmentRunsTwoRanksOfStrata) {
+  nlohmann::json c = base_config(data_);
+  c["run"]["steps"] = 3;
+  c["run"]["log_level"] = "info";
+  const std::string cfg = write_config(dir_, "c.json", c);
+  const std::string port = std::to_string(free_port());
+  std::string cmd;
+  for (const std::string r : {"0", "1"}) {
+    cmd += "env -u RANK -u WORLD_SIZE -u LOCAL_RANK -u LOCAL_WORLD_SIZE -u MASTER_ADDR "
+           "-u TORCHELASTIC_USE_AGENT_STORE SLURM_PROCID=" + r + " SLURM_NTASKS=2 SLURM_LOCALID=" + r +
+           " SLURM_NTASKS_PER_NODE=2 SLURM_JOB_NODELIST=localhost MASTER_PORT=" + port +
+           " OMP_NUM_THREADS=1 " + kStrata + " train " + cfg + " --metrics " + dir_.file("s.jsonl") + " > " +
+           dir_.file("slurm" + r + ".log") + " 2>&1 & p" + r + "=$!; ";
+  }
+  cmd += "wait $p0; a=$?; wait $p1; b=$?; exit $((a | b))";
+  Result s = sh(cmd);
+  const std::string log0 = read_bytes(dir_.file("slurm0.log")), log1 = read_bytes(dir_.file("slurm1.log"));
+  ASSERT_EQ(s.code, 0) << s.output << log0 << log1;
+  EXPECT_NE(log0.find("rank 0 of 2 (local 0 of 2) via slurm"), std::string::npos) << log0;
+  EXPECT_NE(log1.find("rank 1 of 2 (local 1 of 2) via slurm"), std::string::npos) << log1;
+  Result l = sh(kStrata + " launch --nproc 2 -- strata train " + cfg + " --metrics " + dir_.file("l.jsonl"));
+  ASSERT_EQ(l.code, 0) << l.output;
+  auto losses = [&](const std::string& f) {
+    std::vector<double> v;
+    std::ifstream in(f);
+    std::string line;
+    while (std::getline(in, line)) v.push_back(nlohmann::json::parse(line)["loss"]);
+    return v;
+  };
+  const std::vector<double> a = losses(dir_.file("s.jsonl")), b = losses(dir_.file("l.jsonl"));
+  EXPECT_EQ(a.size(), 3u);
+  EXPECT_EQ(a, b);
+}
+
 // `strata plan --world-size` predicts what each rank sends per step from the
 // schedule; the run counts what its collectives sent.
 TEST_F(RanksTest, PlanPredictsTheNetworkBytesOfEachStage) {

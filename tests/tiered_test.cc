@@ -446,3 +446,58 @@ TEST_F(TieredTest, SubGroupsLargerThanAPipelinePieceAreBitIdentical) {
 
 }  // namespace
 }  // namespace strata
+
+namespace strata {
+namespace {
+
+// The engine waits on one type for NVMe transfers and collectives alike
+// (memory/completion.h): a swap read/write returns a Completion that is
+// pending until its I/O is waited, an already-waited one returns at once,
+// and a failed transfer rethrows from wait() and leaves its group reusable.
+TEST_F(TieredTest, SwapTransfersCompleteThroughTheEnginesCompletion) {
+  Config cfg = parse_config(base_config(data_), {"zero_optimization.offload_optimizer={\"device\":\"nvme\",\"nvme_path\":\"" + swap_ + "\"}"});
+  Model model(cfg.model);
+  Trainer trainer(cfg, model);  // only for its plan
+  const PlacementPlan& plan = trainer.plan();
+  const PlacementUnit& u = plan.units[size_t(Category::kMaster)][0];
+  ASSERT_EQ(plan.units[size_t(Category::kMaster)][0].tier, Tier::kNvme);
+  auto faults = std::make_shared<nvme::FaultPlan>();
+  faults->only_op = int(nvme::IoOp::kRead);
+  faults->first_op = int64_t(1) << 60;
+  TieredStateOptions so;
+  so.engine.faults = faults;
+  TieredState st(plan, so);
+
+  HostBuffer out(size_t(u.numel * 4), "test out"), in(size_t(u.numel * 4), "test in");
+  for (int64_t i = 0; i < u.numel; ++i) out.as<float>()[i] = float(i) * 0.5f;
+  PendingIo group;
+  Completion written = st.write_async(Category::kMaster, u.offset, u.numel, out.data(), group);
+  EXPECT_TRUE(written.pending());
+  Completion copy = written;  // a copy names the same work
+  written.wait();
+  EXPECT_FALSE(written.pending());
+  copy.wait();  // that round was waited: returns at once
+
+  Completion read = st.read_async(Category::kMaster, u.offset, u.numel, in.data(), group);
+  EXPECT_TRUE(read.pending());
+  read.wait();
+  EXPECT_EQ(std::memcmp(in.data(), out.data(), size_t(u.numel * 4)), 0);
+
+  // Resident work is done when the call returns.
+  const PlacementUnit& p = plan.units[size_t(Category::kParam16)][0];
+  ASSERT_NE(p.tier, Tier::kNvme);
+  PendingIo other;
+  EXPECT_FALSE(st.read_async(Category::kParam16, p.offset, p.numel, in.data(), other).pending());
+
+  // A failed read rethrows from wait(); the group then serves the next round.
+  faults->first_op = faults->seen.load() + 1;
+  Completion failed = st.read_async(Category::kMaster, u.offset, u.numel, in.data(), group);
+  EXPECT_THROW(failed.wait(), IoError);
+  EXPECT_EQ(faults->injected.load(), 1);
+  std::memset(in.data(), 0, size_t(u.numel * 4));
+  st.read_async(Category::kMaster, u.offset, u.numel, in.data(), group).wait();
+  EXPECT_EQ(std::memcmp(in.data(), out.data(), size_t(u.numel * 4)), 0);
+}
+
+}  // namespace
+}  // namespace strata

@@ -138,6 +138,8 @@ class C10dCommunicator final : public Communicator {
     // Every rank beats before the process group exists, so the monitor never
     // sees a key that was not set yet.
     monitor_store_->add(hb_key(who.rank), 1);
+    changed_.assign(size_t(who.world_size), std::chrono::steady_clock::now());
+    exited_.assign(size_t(who.world_size), 0);
     monitor_ = std::thread([this] { monitor(); });
     try {
       auto pg_store = c10::make_intrusive<c10d::PrefixStore>("pg", store_);
@@ -229,7 +231,11 @@ class C10dCommunicator final : public Communicator {
     for (;;) {
       {
         std::lock_guard<std::mutex> lock(mu_);
-        if (store_lost_) return who_.agent_store ? "the rendezvous store (torchrun's agent)" : "rank 0 (store host)";
+        if (store_lost_) {
+          // A peer that left on purpose before the store went named the rank it lost.
+          if (!blamed_.empty()) return blamed_;
+          return who_.agent_store ? "the rendezvous store (torchrun's agent)" : "rank 0 (store host)";
+        }
         const auto now = std::chrono::steady_clock::now();
         int worst = -1;
         double worst_s = 0.0;
@@ -327,18 +333,37 @@ class C10dCommunicator final : public Communicator {
       msg = "rank " + std::to_string(who_.rank) + ": communication failed: " + what;
       mark_exit("communication failed");
     }
+    if (who_.rank == 0 && !who_.agent_store) linger_as_store_host();
     throw CommError(msg);
+  }
+
+  // The store lives in this process and leaves with it: before leaving, give
+  // the ranks still beating a moment to find out who was lost and to say why
+  // they leave, or they would all blame rank 0 (Note [Lost ranks]). Bounded:
+  // a rank that neither beats nor leaves within a few intervals is given up.
+  void linger_as_store_host() {
+    const double limit = std::min(options_.timeout_s, 5.0 * options_.heartbeat_s + 2.0);
+    const auto t0 = std::chrono::steady_clock::now();
+    while (seconds_since(t0) < limit) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (store_lost_) return;
+        const auto now = std::chrono::steady_clock::now();
+        bool waiting = false;
+        for (int r = 1; r < who_.world_size; ++r) {
+          const double stale = std::chrono::duration<double>(now - changed_[size_t(r)]).count();
+          waiting = waiting || (!exited_[size_t(r)] && stale <= 3.0 * options_.heartbeat_s);
+        }
+        if (!waiting) return;
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(50));
+    }
   }
 
   // Note [Lost ranks]: beat, and watch the others' beats.
   void monitor() {
     const int n = who_.world_size;
     std::vector<int64_t> last(size_t(n), -1);
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      changed_.assign(size_t(n), std::chrono::steady_clock::now());
-      exited_.assign(size_t(n), 0);
-    }
     std::unique_lock<std::mutex> lock(mu_);
     while (!quit_) {
       lock.unlock();

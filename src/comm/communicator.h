@@ -61,7 +61,9 @@ struct CommOptions {
 // timeout, "unknown". A rank that exits on purpose first writes why
 // ("exit/<r>"), so the others do not blame it, and report the rank it blamed.
 // When the store itself is gone (it lives in rank 0, or in torchrun's agent)
-// the answer is "rank 0 (store host)". Destroying a c10d process group after
+// the answer is "rank 0 (store host)" unless a peer already named the lost
+// rank; so a failed rank 0 that serves the store stays a few heartbeats,
+// until every rank still beating has said why it leaves. Destroying a c10d process group after
 // a failed collective can block joining its threads, so a failed
 // communicator is leaked, never destroyed.
 class Communicator : public Waiter {

@@ -24,6 +24,8 @@ OptimizerStaging::OptimizerStaging(const PlacementPlan& plan)
   }
   reads_.resize(size_t(sets_));
   writes_.resize(size_t(sets_));
+  read_done_.resize(size_t(sets_));
+  write_done_.resize(size_t(sets_));
 }
 
 std::byte* OptimizerStaging::slot(Category c, int k) const {

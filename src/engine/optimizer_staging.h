@@ -23,10 +23,12 @@ class OptimizerStaging {
   // Set k's buffer for category c, nullptr when c is never staged; kParam16
   // is the new working copy the step emits.
   std::byte* slot(Category c, int k) const;
-  // Reads and write-backs in flight per set: a set is reused only once the
-  // write-backs of its previous piece have completed.
+  // Reads and write-backs in flight per set, and their completions: a set is
+  // reused only once the write-backs of its previous piece have completed.
   PendingIo& reads(int k) { return reads_[size_t(k)]; }
   PendingIo& writes(int k) { return writes_[size_t(k)]; }
+  Completion& read_done(int k) { return read_done_[size_t(k)]; }
+  Completion& write_done(int k) { return write_done_[size_t(k)]; }
   // Bytes allocated (host).
   int64_t bytes() const;
 
@@ -35,7 +37,8 @@ class OptimizerStaging {
   int64_t piece_numel_ = 0;
   std::array<int, kNumCategories> elem_bytes_{};
   std::array<HostBuffer, kNumCategories> buf_;  // per category, `sets_` pieces each
-  std::vector<PendingIo> reads_, writes_;
+  std::vector<PendingIo> reads_, writes_;  // sized once: completions point into them
+  std::vector<Completion> read_done_, write_done_;
 };
 
 }  // namespace strata

@@ -508,12 +508,12 @@ void Trainer::optimizer_step(const OptimizerThread::Job& job) {
   auto issue_reads = [&](size_t j) {
     const int k = int(j % size_t(sets));
     const PlacementUnit& g = groups[j];
-    state_->wait(st.writes(k));  // the set's previous user is written back
+    st.write_done(k).wait();  // the set's previous user is written back
     auto fetch = [&](Category c) -> std::byte* {
       std::byte* p = state_->resident(c, g.offset, g.numel);
       if (p != nullptr) return p;
       std::byte* dst = st.slot(c, k);
-      state_->read_async(c, g.offset, g.numel, dst, st.reads(k));
+      st.read_done(k) = state_->read_async(c, g.offset, g.numel, dst, st.reads(k));
       return dst;
     };
     OptSet& sp = opt_spans_[size_t(k)];
@@ -540,7 +540,7 @@ void Trainer::optimizer_step(const OptimizerThread::Job& job) {
     const int k = int(j % size_t(sets));
     const PlacementUnit& g = groups[j];
     if (sets > 1 && j + 1 < groups.size()) issue_reads(j + 1);  // read ahead
-    state_->wait(st.reads(k));
+    st.read_done(k).wait();
     OptSet& sp = opt_spans_[size_t(k)];
     {
       TraceSpan span(TraceTrack::kAdam, "adam sub-group");
@@ -560,28 +560,28 @@ void Trainer::optimizer_step(const OptimizerThread::Job& job) {
     }
     if (compute_dtype_ == at::kFloat) std::memcpy(sp.working, sp.adam.param, size_t(g.numel * 4));
     PendingIo& w = st.writes(k);
+    Completion& written = st.write_done(k);
     if (!state_->resident(Category::kMaster, g.offset, g.numel)) {
-      state_->write_async(Category::kMaster, g.offset, g.numel, sp.adam.param, w);
+      written = state_->write_async(Category::kMaster, g.offset, g.numel, sp.adam.param, w);
     }
     if (!state_->resident(Category::kExpAvg, g.offset, g.numel)) {
-      state_->write_async(Category::kExpAvg, g.offset, g.numel, sp.adam.exp_avg, w);
+      written = state_->write_async(Category::kExpAvg, g.offset, g.numel, sp.adam.exp_avg, w);
     }
     if (!state_->resident(Category::kExpAvgSq, g.offset, g.numel)) {
-      state_->write_async(Category::kExpAvgSq, g.offset, g.numel, sp.adam.exp_avg_sq, w);
+      written = state_->write_async(Category::kExpAvgSq, g.offset, g.numel, sp.adam.exp_avg_sq, w);
     }
     if (!sp.working_resident) {
       if (opt_thread_) {
         // The next forward may read it as soon as the progress says so.
-        state_->write_async(Category::kParam16, g.offset, g.numel, sp.working, opt_param_write_);
-        state_->wait(opt_param_write_);
+        state_->write_async(Category::kParam16, g.offset, g.numel, sp.working, opt_param_write_).wait();
       } else {
-        state_->write_async(Category::kParam16, g.offset, g.numel, sp.working, w);
+        written = state_->write_async(Category::kParam16, g.offset, g.numel, sp.working, w);
       }
     }
     if (opt_thread_) opt_thread_->publish(g.offset + g.numel);
     if (sets == 1 && j + 1 < groups.size()) issue_reads(j + 1);  // sequential: after the write-back
   }
-  for (int k = 0; k < sets; ++k) state_->wait(st.writes(k));
+  for (int k = 0; k < sets; ++k) st.write_done(k).wait();
 }
 
 // ---- start-up ---------------------------------------------------------------------

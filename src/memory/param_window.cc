@@ -122,6 +122,7 @@ void ParamWindow::attach(TieredState* state, const WindowShape& shape, int elem_
   max_slots_ = shape.slots;
   slots_.assign(size_t(shape.slots), Slot());
   pending_.resize(size_t(shape.slots));
+  done_.assign(size_t(shape.slots), Completion());
   if (shape.slots > 0) {
     slots_mem_ = HostBuffer(size_t(shape.slots * shape.slot_numel * elem_bytes), "parameter window slots");
   }
@@ -131,13 +132,11 @@ void ParamWindow::attach(TieredState* state, const WindowShape& shape, int elem_
 }
 
 void ParamWindow::drain() {
-  for (PendingIo& p : pending_) {
-    if (state_ != nullptr && !p.empty()) {
-      try {
-        state_->wait(p);
-      } catch (...) {
-        // An earlier pass failed; its error was reported then.
-      }
+  for (Completion& c : done_) {
+    try {
+      c.wait();
+    } catch (...) {
+      // An earlier pass failed; its error was reported then.
     }
   }
 }
@@ -217,9 +216,9 @@ bool ParamWindow::try_claim(size_t i, bool force) {
     ++fetches_;
     if (state_ != nullptr) {
       std::byte* dst = slots_mem_.as<std::byte>() + size_t(s) * size_t(shape_.slot_numel * elem_bytes_);
-      state_->read_async(Category::kParam16,
-                         state_->plan().units[size_t(Category::kParam16)][size_t(b)].offset, numel_[size_t(b)],
-                         dst, pending_[size_t(s)]);
+      done_[size_t(s)] =
+          state_->read_async(Category::kParam16, state_->plan().units[size_t(Category::kParam16)][size_t(b)].offset,
+                             numel_[size_t(b)], dst, pending_[size_t(s)]);
     }
   }
   peak_slots_ = std::max(peak_slots_, in_use_);
@@ -257,11 +256,11 @@ void ParamWindow::acquire(std::byte* out[2]) {
       ahead_ -= numel_[size_t(b)];
     }
     if (state_ != nullptr) {
-      PendingIo& pending = pending_[size_t(s)];
-      if (!pending.empty()) {
+      Completion& fetched = done_[size_t(s)];
+      if (fetched.pending()) {
         TraceSpan span(TraceTrack::kCompute, "wait for parameters");
         const auto t0 = std::chrono::steady_clock::now();
-        state_->wait(pending);
+        fetched.wait();
         wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
       }
       out[k] = slots_mem_.as<std::byte>() + size_t(s) * size_t(shape_.slot_numel * elem_bytes_);

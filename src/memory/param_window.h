@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "memory/buffer.h"
+#include "memory/completion.h"
 
 namespace strata {
 
@@ -130,7 +131,8 @@ class ParamWindow {
 
   const std::vector<WindowUse>* schedule_ = nullptr;
   std::vector<Slot> slots_;
-  std::vector<PendingIo> pending_;   // per slot (live mode)
+  std::vector<PendingIo> pending_;   // per slot (live mode); sized once: done_ points into it
+  std::vector<Completion> done_;     // per slot: its fetch
   std::vector<int> slot_of_;     // per block, -1 when not in a slot
   size_t current_ = 0;           // the use acquire() hands out next / release() finishes
   size_t claimed_ = 0;           // uses [0, claimed_) are claimed

@@ -153,6 +153,23 @@ const char* kReadNames[kNumCategories] = {"read param16", "read grad", "read mas
                                           "read exp_avg_sq"};
 const char* kWriteNames[kNumCategories] = {"write param16", "write grad", "write master",
                                            "write exp_avg", "write exp_avg_sq"};
+
+// Waits for every handle, even after one failed, so that the store finishes
+// each I/O (a failed write clears its blocks' written marks); rethrows the
+// first error.
+void wait_all_handles(std::vector<nvme::SwapHandle>& pending) {
+  std::exception_ptr first;
+  for (auto& p : pending) {
+    try {
+      p.wait();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  pending.clear();
+  if (first) std::rethrow_exception(first);
+}
+
 }  // namespace
 
 // Copies between homes and `buf` in direction `op`: resident pieces at once,
@@ -185,49 +202,38 @@ void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t nu
         std::make_move_iterator(pending.handles_.end()));
     pending.handles_.resize(before);
     try {
-      wait_all(submitted);
+      wait_all_handles(submitted);
     } catch (...) {
     }
     throw;
   }
 }
 
-void TieredState::read_async(Category c, int64_t offset, int64_t numel, void* buf, PendingIo& pending) {
+Completion TieredState::read_async(Category c, int64_t offset, int64_t numel, void* buf,
+                                   PendingIo& pending) {
   transfer(nvme::IoOp::kRead, c, offset, numel, static_cast<std::byte*>(buf), pending);
+  return pending.completion();
 }
 
-void TieredState::write_async(Category c, int64_t offset, int64_t numel, const void* buf,
-                              PendingIo& pending) {
+Completion TieredState::write_async(Category c, int64_t offset, int64_t numel, const void* buf,
+                                    PendingIo& pending) {
   // The swap store only reads `buf` for a write.
   transfer(nvme::IoOp::kWrite, c, offset, numel, static_cast<std::byte*>(const_cast<void*>(buf)), pending);
+  return pending.completion();
 }
 
 void TieredState::read(Category c, int64_t offset, int64_t numel, void* buf) {
-  sync_.handles_.clear();
-  read_async(c, offset, numel, buf, sync_);
-  wait(sync_);
+  read_async(c, offset, numel, buf, sync_).wait();
 }
 
 void TieredState::write(Category c, int64_t offset, int64_t numel, const void* buf) {
-  sync_.handles_.clear();
-  write_async(c, offset, numel, buf, sync_);
-  wait(sync_);
+  write_async(c, offset, numel, buf, sync_).wait();
 }
 
-// Waits for every handle, even after one failed, so that the store finishes
-// each I/O (a failed write clears its blocks' written marks); rethrows the
-// first error.
-void TieredState::wait_all(std::vector<nvme::SwapHandle>& pending) {
-  std::exception_ptr first;
-  for (auto& p : pending) {
-    try {
-      p.wait();
-    } catch (...) {
-      if (!first) first = std::current_exception();
-    }
-  }
-  pending.clear();
-  if (first) std::rethrow_exception(first);
+void PendingIo::wait_ticket(uint64_t ticket) {
+  if (ticket != round_) return;  // an earlier round, waited for then
+  ++round_;
+  wait_all_handles(handles_);
 }
 
 }  // namespace strata

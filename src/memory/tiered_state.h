@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "memory/buffer.h"
+#include "memory/completion.h"
 #include "memory/placement.h"
 #include "nvme/engine.h"
 #include "nvme/swap_store.h"
@@ -38,15 +39,24 @@ struct TieredStateOptions {
   int64_t device_budget_bytes = -1;  // < 0: no budget
 };
 
-// Swap I/O in flight for one or more asynchronous reads/writes. Reused from
-// step to step (clear() keeps capacity): no allocation once grown.
-class PendingIo {
+// Swap I/O in flight for a group of asynchronous reads/writes: the storage
+// behind their Completion. Reused from step to step (waiting keeps capacity):
+// no allocation once grown. It must not move while a completion of it is
+// pending (owners size their arrays of them at start-up).
+class PendingIo final : public Waiter {
  public:
   bool empty() const { return handles_.empty(); }
+  // The completion of everything added since the group was last waited for.
+  // A completion of an earlier round returns at once.
+  Completion completion() { return handles_.empty() ? Completion() : Completion(this, round_); }
+  // Waits for every transfer (all of them, even after one failed), empties
+  // the group and rethrows the first error.
+  void wait_ticket(uint64_t ticket) override;
 
  private:
   friend class TieredState;
   std::vector<nvme::SwapHandle> handles_;
+  uint64_t round_ = 0;
 };
 
 // Thread-safety: read_async/write_async/wait/resident/links may be called
@@ -79,13 +89,13 @@ class TieredState {
   void read(Category c, int64_t offset, int64_t numel, void* buf);
   void write(Category c, int64_t offset, int64_t numel, const void* buf);
   // The same, returning before NVMe transfers complete: their handles join
-  // `pending`; resident pieces are copied at once. `buf` must stay untouched
-  // (write) / unread (read) until wait(pending) returns.
-  void read_async(Category c, int64_t offset, int64_t numel, void* buf, PendingIo& pending);
-  void write_async(Category c, int64_t offset, int64_t numel, const void* buf, PendingIo& pending);
-  // Waits for every transfer in `pending` (all of them, even after one
-  // failed) and empties it; rethrows the first error.
-  void wait(PendingIo& pending) { wait_all(pending.handles_); }
+  // the group `pending`, whose completion is returned (already complete when
+  // everything was resident: those pieces are copied at once). `buf` must
+  // stay untouched (write) / unread (read) until the completion is waited.
+  [[nodiscard]] Completion read_async(Category c, int64_t offset, int64_t numel, void* buf,
+                                      PendingIo& pending);
+  [[nodiscard]] Completion write_async(Category c, int64_t offset, int64_t numel, const void* buf,
+                                       PendingIo& pending);
 
   // A snapshot (the counters may move under another thread's transfers).
   LinkBytes links() const {
@@ -131,7 +141,6 @@ class TieredState {
 
   void transfer(nvme::IoOp op, Category c, int64_t offset, int64_t numel, std::byte* buf,
                 PendingIo& pending);
-  void wait_all(std::vector<nvme::SwapHandle>& pending);
   void count(int link, int64_t bytes);  // 0 h2d, 1 d2h, 2 nvme_read, 3 nvme_write
 
   PlacementPlan plan_;
