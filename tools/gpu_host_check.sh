@@ -7,11 +7,12 @@
 # Here, before the call (the folder .dev/ is git-ignored):
 #   mkdir -p .dev/bin .dev/lib
 #   strip -o .dev/bin/strata build/strata
-#   for t in build/tests/*_test build/tests/bench_adam_torch; do strip -o .dev/bin/${t##*/} $t; done
+#   for t in build/tests/*_test build/tests/bench_adam_torch build/tests/rank_worker; do strip -o .dev/bin/${t##*/} $t; done
 #   cp -L /lib/x86_64-linux-gnu/{libtbb.so.12,liburing.so.2,libspdlog.so.1.10,libfmt.so.9} .dev/lib/
-# Then run `bash tools/gpu_host_check.sh [tests|bench|all]` there with carry [".dev"]; logs and
+# Then run `bash tools/gpu_host_check.sh [tests|bench|ranks|all]` there with carry [".dev"]; logs and
 # JSON lines go to $OUT (or out/gpu-host). BENCH_THREADS and BENCH_ROUNDS set the sweep
-# (tools/bench_adam_sweep.sh; default "1 2 16" threads, 2 rounds).
+# (tools/bench_adam_sweep.sh; default "1 2 16" threads, 2 rounds). `ranks` runs
+# tools/bench_ranks.py at world sizes RANKS_SIZES (default 1,2,4,8) on all cores.
 set -uo pipefail
 WHAT=${1:-all}
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -28,6 +29,10 @@ export LD_LIBRARY_PATH=$LD${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 # cli_test runs the strata binary from the build folder it was compiled for.
 if [ ! -x /work/main/build/strata ]; then
   mkdir -p /work/main/build && cp "$BIN/strata" /work/main/build/strata
+fi
+# ranks_test starts its worker from there too.
+if [ -x "$BIN/rank_worker" ] && [ ! -x /work/main/build/tests/rank_worker ]; then
+  mkdir -p /work/main/build/tests && cp "$BIN/rank_worker" /work/main/build/tests/rank_worker
 fi
 
 {
@@ -58,4 +63,11 @@ if [ "$WHAT" = bench ] || [ "$WHAT" = all ]; then
   echo "== bench-adam and bench_adam_torch"
   bash "$ROOT/tools/bench_adam_sweep.sh" --strata "$BIN/strata" --torch-tool "$BIN/bench_adam_torch" \
     --threads "${BENCH_THREADS:-1 2 16}" --rounds "${BENCH_ROUNDS:-2}" --out "$DEST/bench-adam.jsonl"
+fi
+
+if [ "$WHAT" = ranks ] || [ "$WHAT" = all ]; then
+  echo "== bench_ranks"
+  python3 "$ROOT/tools/bench_ranks.py" --strata "$BIN/strata" --dir "${TMPDIR:-/tmp}/bench-ranks" \
+    --world-sizes "${RANKS_SIZES:-1,2,4,8}" --rounds "${BENCH_ROUNDS:-2}" --steps 4 \
+    --json "$DEST/bench-ranks.json" 2>&1 | tee "$DEST/bench-ranks.log"
 fi
