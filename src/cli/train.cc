@@ -4,6 +4,7 @@
 
 #include <signal.h>
 
+#include <algorithm>
 #include <atomic>
 #include <chrono>
 #include <cmath>
@@ -12,9 +13,11 @@
 #include <fstream>
 #include <memory>
 #include <random>
+#include <sstream>
 
 #include <nlohmann/json.hpp>
 
+#include "checkpoint/checkpoint.h"
 #include "cli/plan.h"
 #include "comm/communicator.h"
 #include "config/config.h"
@@ -37,16 +40,19 @@ struct TrainOptions {
   int64_t steps = 0;        // 0 = from config
   std::string metrics;      // empty = from config
   std::string trace;        // Chrome trace file; empty = no trace
+  bool resume = false;      // --resume [DIR]
+  std::string resume_dir;   // empty = run.checkpoint.dir
 };
 
 // The metrics file is opened only once start-up has succeeded, so that a run
 // that fails at start-up leaves nothing behind.
 class MetricsWriter {
  public:
-  explicit MetricsWriter(const std::string& path) : path_(path) {
+  // `append`: a resumed run adds to the file of the run it continues.
+  MetricsWriter(const std::string& path, bool append) : path_(path) {
     if (path.empty()) return;
     make_dirs(parent_dir(path));
-    out_.open(path, std::ios::out | std::ios::trunc);
+    out_.open(path, std::ios::out | (append ? std::ios::app : std::ios::trunc));
     if (!out_) throw InputError(path, std::string("cannot open metrics file for writing: ") +
                                           std::strerror(errno));
   }
@@ -110,6 +116,56 @@ void check_configs_agree(const Config& cfg, Communicator& comm) {
   }
 }
 
+// Runs `fn` on every rank and agrees on its outcome: when it failed on some
+// rank, that rank rethrows its error and the others stop naming it, so that
+// no rank goes on to a collective the failed one never reaches.
+template <typename Fn>
+void on_every_rank(Communicator& comm, const char* what, Fn&& fn) {
+  std::exception_ptr mine;
+  try {
+    fn();
+  } catch (const Error&) {
+    mine = std::current_exception();
+  }
+  if (comm.world_size() == 1) {
+    if (mine) std::rethrow_exception(mine);
+    return;
+  }
+  int64_t failed[2] = {mine ? 1 : 0, mine ? int64_t(comm.rank()) : -1};
+  comm.all_reduce(failed, 2, DType::kI64, ReduceOp::kMax).wait();
+  if (mine) std::rethrow_exception(mine);
+  if (failed[0] != 0) throw Error(strprintf("rank %lld failed %s; see its message", (long long)failed[1], what));
+}
+
+// The value at a dotted key of `j`, as JSON text.
+std::string value_at(const nlohmann::json& j, const std::string& dotted) {
+  std::string ptr = "/" + dotted;
+  std::replace(ptr.begin(), ptr.end(), '.', '/');
+  const nlohmann::json::json_pointer p(ptr);
+  return j.contains(p) ? j[p].dump() : "nothing";
+}
+
+// The resumed run's checkpoint: opened and checked against this run before
+// anything is allocated.
+std::unique_ptr<CheckpointReader> open_resume(const TrainOptions& opt, const Config& cfg,
+                                              const nvme::EngineOptions& engine) {
+  const std::string dir = opt.resume_dir.empty() ? cfg.run.checkpoint.dir : opt.resume_dir;
+  if (dir.empty()) {
+    throw ConfigError("run.checkpoint.dir", "--resume without a directory needs run.checkpoint.dir");
+  }
+  auto reader = std::make_unique<CheckpointReader>(resolve_checkpoint(dir), engine);
+  const nlohmann::json mine = resume_invariants(cfg);
+  const nlohmann::json& saved = reader->manifest().invariants;
+  const std::string key = first_difference(saved, mine);
+  if (!key.empty()) {
+    throw ConfigError(key, "the checkpoint " + reader->dir() + " was saved with " + value_at(saved, key) +
+                               ", this run has " + value_at(mine, key) +
+                               " (a resume may change the world size, ZeRO stage, placement, paths and step "
+                               "count, nothing else)");
+  }
+  return reader;
+}
+
 int run_train(const TrainOptions& opt) {
   const RankInfo who = rank_info_from_environment();
   std::vector<std::string> overrides = opt.overrides;
@@ -161,8 +217,39 @@ int run_train(const TrainOptions& opt) {
     if (multi) tracer->set_rank(who.rank);
     Tracer::install(tracer.get());
   }
+  nvme::EngineOptions ckpt_engine;
+  ckpt_engine.block_size_bytes = cfg.aio.block_size;
+  ckpt_engine.queue_depth = int(std::max<int64_t>(cfg.aio.queue_depth, 8));
+  ckpt_engine.rings = int(cfg.aio.intra_op_parallelism);
+  std::unique_ptr<CheckpointReader> resume;
+  if (opt.resume) on_every_rank(*comm, "to open the checkpoint", [&] { resume = open_resume(opt, cfg, ckpt_engine); });
+
   Trainer trainer(cfg, model, nullptr, comm.get(), who.local_world_size);
-  MetricsWriter metrics(cfg.run.metrics);
+  std::mt19937_64 rng(cfg.run.seed);
+  int64_t first_step = 1;
+  if (resume) {
+    const Manifest& m = resume->manifest();
+    on_every_rank(*comm, "to load the checkpoint", [&] {
+      const std::string mpath = resume->dir() + "/manifest.json";
+      if (m.data.value("tokens", int64_t(-1)) != data.num_tokens()) {
+        throw ConfigError("data.path", strprintf("the checkpoint %s was trained on data of %lld tokens, this "
+                                                 "run's data has %lld", resume->dir().c_str(),
+                                                 (long long)m.data.value("tokens", int64_t(-1)),
+                                                 (long long)data.num_tokens()));
+      }
+      std::istringstream state(m.data.value("rng", std::string()));
+      state >> rng;
+      if (state.fail()) throw InputError(mpath, "manifest data.rng: not a generator state");
+      const auto t0 = std::chrono::steady_clock::now();
+      trainer.load_checkpoint(*resume);
+      log::info("resumed from %s (step %lld, saved by %lld rank(s)) in %.1f s", resume->dir().c_str(),
+                (long long)m.step, (long long)m.saved_world_size,
+                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    });
+    first_step = m.step + 1;
+    resume.reset();
+  }
+  MetricsWriter metrics(cfg.run.metrics, opt.resume);
 
   const StateBytes sb = trainer.state_bytes();
   const std::array<int64_t, kNumTiers> peak = trainer.peak_bytes();
@@ -200,8 +287,34 @@ int run_train(const TrainOptions& opt) {
   const int64_t eval_batches = cfg.data.eval_batches;
   std::vector<int64_t> eval_batch(size_t(eval_batches * micro * window));
   const bool can_eval = data.val_tokens() > cfg.model.seq_len && cfg.data.eval_interval > 0;
-  std::mt19937_64 rng(cfg.run.seed);
 
+  // Checkpoints (Note [Checkpoint protocol]).
+  CheckpointOptions ckpt;
+  ckpt.dir = cfg.run.checkpoint.dir;
+  ckpt.keep = cfg.run.checkpoint.keep;
+  ckpt.engine = ckpt_engine;
+  auto save = [&](int64_t s, double lr) {
+    Manifest h;
+    std::ostringstream state;
+    state << rng;
+    h.trainer = {{"step", s}, {"scheduler", {{"type", cfg.scheduler.type}, {"step", s}, {"lr", lr}}},
+                 {"loss_scale", nullptr}};
+    h.data = {{"rng", state.str()}, {"sequences", s * cfg.train_batch_size}, {"tokens", data.num_tokens()}};
+    h.config = rank_invariant_config(cfg);
+    h.invariants = resume_invariants(cfg);
+    log::info("checkpoint: saving step %lld to %s", (long long)s, ckpt.dir.c_str());
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::string dir = trainer.save_checkpoint(ckpt, std::move(h));
+    log::info("checkpoint: step %lld saved to %s in %.1f s", (long long)s, dir.c_str(),
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  };
+
+  if (first_step > cfg.run.steps) {
+    log::warn("the checkpoint is at step %lld, run.steps is %lld: nothing to train (--steps is the total)",
+              (long long)(first_step - 1), (long long)cfg.run.steps);
+    comm->barrier();
+    return kExitOk;
+  }
   // Progress from rank 0 only.
   std::unique_ptr<ProgressBar> bar;
   if (who.rank == 0) bar = std::make_unique<ProgressBar>("train", cfg.run.steps, cfg.steps_per_print);
@@ -210,7 +323,7 @@ int run_train(const TrainOptions& opt) {
   const auto start = std::chrono::steady_clock::now();
   double first_loss = NAN, last_loss = NAN;
   int64_t steps_done = 0;
-  for (int64_t s = 1; s <= cfg.run.steps; ++s) {
+  for (int64_t s = first_step; s <= cfg.run.steps; ++s) {
     const auto t0 = std::chrono::steady_clock::now();
     data.sample_train(rng, cfg.train_batch_size, batch.data());
     StepResult r = trainer.step(my_batch, g_stop_signals.load() > 0);
@@ -220,7 +333,7 @@ int run_train(const TrainOptions& opt) {
       throw Error("loss is " + std::to_string(r.loss) + " at step " + std::to_string(s) +
                   "; lower optimizer.params.lr or enable gradient_clipping");
     }
-    if (s == 1) first_loss = r.loss;
+    if (s == first_step) first_loss = r.loss;
     last_loss = r.loss;
     const double tokens_per_s = double(r.tokens) / step_s;
     nlohmann::json line = {
@@ -259,9 +372,12 @@ int run_train(const TrainOptions& opt) {
     std::snprintf(suffix, sizeof(suffix), "loss %.4f | %.0f tok/s | lr %.2e", r.loss, tokens_per_s, r.lr);
     if (bar) bar->update(s, suffix);
     if (r.stop) {
-      log::warn("stop requested (SIGINT/SIGTERM on some rank): every rank stops after step %lld", (long long)s);
-      break;
+      log::warn("stop requested (SIGINT/SIGTERM on some rank): every rank stops after step %lld%s", (long long)s,
+                ckpt.dir.empty() ? "" : " and saves a checkpoint");
     }
+    const bool due = cfg.run.checkpoint.every > 0 && s % cfg.run.checkpoint.every == 0;
+    if (!ckpt.dir.empty() && (due || r.stop || s == cfg.run.steps)) save(s, r.lr);
+    if (r.stop) break;
   }
   trainer.finish();  // the last optimizer step (run.overlap_optimizer)
   comm->barrier();   // no rank leaves while another may still need it
@@ -289,9 +405,18 @@ void register_train(CLI::App& app, int& result) {
   cmd->add_option("--steps", opt->steps, "Number of optimizer steps (overrides run.steps)")
       ->check(CLI::PositiveNumber);
   cmd->add_option("--metrics", opt->metrics, "JSON-lines metrics file (overrides run.metrics)");
+  CLI::Option* resume =
+      cmd->add_option("--resume", opt->resume_dir,
+                      "Resume from the latest checkpoint in DIR (default: run.checkpoint.dir), or from DIR when it "
+                      "is a checkpoint itself; --steps is then the total")
+          ->expected(0, 1)
+          ->type_name("[DIR]");
   cmd->add_option("--trace", opt->trace,
                   "Write a Chrome trace (compute, copies, NVMe I/O, CPU Adam tracks) to FILE at the end");
-  cmd->callback([opt, &result]() { result = run_train(*opt); });
+  cmd->callback([opt, resume, &result]() {
+    opt->resume = resume->count() > 0;
+    result = run_train(*opt);
+  });
 }
 
 }  // namespace strata

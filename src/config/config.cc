@@ -731,7 +731,7 @@ void parse_run(const json& root, Config& c) {
   check_keys(r, path,
              {"steps", "seed", "metrics", "log_file", "log_level", "device", "threads",
               "device_memory_mb", "cpu_adam_isa", "overlap_optimizer",
-              "swap_checksums", "optimizer_state_dtype"},
+              "swap_checksums", "optimizer_state_dtype", "checkpoint"},
              kNone, c.ignored_keys);
   RunConfig& rc = c.run;
   if (read(r, path, "steps", rc.steps)) positive("run.steps", rc.steps);
@@ -749,6 +749,14 @@ void parse_run(const json& root, Config& c) {
   read(r, path, "overlap_optimizer", rc.overlap_optimizer);
   read(r, path, "swap_checksums", rc.swap_checksums);
   read_enum(r, path, "optimizer_state_dtype", rc.optimizer_state_dtype, {"fp32", "bf16"});
+  const json& ck = section(r, path, "checkpoint");
+  check_keys(ck, "run.checkpoint", {"dir", "every", "keep"}, kNone, c.ignored_keys);
+  read(ck, "run.checkpoint", "dir", rc.checkpoint.dir);
+  if (read(ck, "run.checkpoint", "every", rc.checkpoint.every)) non_negative("run.checkpoint.every", rc.checkpoint.every);
+  if (read(ck, "run.checkpoint", "keep", rc.checkpoint.keep)) positive("run.checkpoint.keep", rc.checkpoint.keep);
+  if (rc.checkpoint.every > 0 && rc.checkpoint.dir.empty()) {
+    fail("run.checkpoint.dir", "required when run.checkpoint.every is set");
+  }
 }
 
 void parse_comm(const json& root, Config& c) {
@@ -959,6 +967,30 @@ nlohmann::json rank_invariant_config(const Config& c) {
   };
   prune(j);
   return j;
+}
+
+json resume_invariants(const Config& c) {
+  const ModelConfig& m = c.model;
+  const SchedulerConfig& s = c.scheduler;
+  const OptimizerConfig& o = c.optimizer;
+  return {
+      {"model", {{"vocab_size", m.vocab_size}, {"dim", m.dim}, {"n_layers", m.n_layers}, {"n_heads", m.n_heads},
+                 {"n_kv_heads", m.kv_heads()}, {"ffn_hidden", m.ffn_dim()}, {"seq_len", m.seq_len},
+                 {"tie_embeddings", m.tie_embeddings}, {"rope_theta", m.rope_theta}, {"norm_eps", m.norm_eps}}},
+      {"optimizer", {{"type", o.type}, {"params", {{"lr", o.lr}, {"betas", {o.beta1, o.beta2}}, {"eps", o.eps},
+                                                   {"weight_decay", o.weight_decay}}}}},
+      {"scheduler", {{"type", s.type}, {"params", {{"warmup_min_lr", s.warmup_min_lr}, {"warmup_max_lr", s.warmup_max_lr},
+                                                   {"warmup_num_steps", s.warmup_num_steps},
+                                                   {"warmup_type", s.warmup_type},
+                                                   {"total_num_steps", s.total_num_steps},
+                                                   {"warmup_min_ratio", s.warmup_min_ratio},
+                                                   {"cos_min_ratio", s.cos_min_ratio}}}}},
+      {"gradient_clipping", c.gradient_clipping},
+      {"train_batch_size", c.train_batch_size},
+      {"run", {{"seed", c.run.seed}, {"compute_dtype", c.run.compute_dtype},
+               {"optimizer_state_dtype", c.run.optimizer_state_dtype}}},
+      {"data", {{"format", c.data.format}, {"val_fraction", c.data.val_fraction}}},
+  };
 }
 
 std::string first_difference(const json& a, const json& b, const std::string& path) {

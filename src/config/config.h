@@ -38,6 +38,15 @@ struct DataConfig {
   int64_t eval_batches = 4;        // micro-batches per eval
 };
 
+// run.checkpoint: where and how often the training state is saved
+// (checkpoint/checkpoint.h). A dir enables saving at every `every` steps,
+// at a stop signal and at the end of the run.
+struct CheckpointConfig {
+  std::string dir;                 // "" = no checkpoints
+  int64_t every = 0;               // steps between saves; 0 = only on a stop and at the end
+  int64_t keep = 2;                // complete checkpoints kept (the newest)
+};
+
 struct RunConfig {
   int64_t steps = 200;
   uint64_t seed = 1234;
@@ -58,6 +67,7 @@ struct RunConfig {
   // stochastic rounding (Note [bf16 state] in cpu_adam/types.h).
   std::string optimizer_state_dtype = "fp32";
   std::string compute_dtype = "";  // derived: fp32 | bf16 | fp16 (from bf16/fp16 sections)
+  CheckpointConfig checkpoint;
 };
 
 struct OptimizerConfig {
@@ -215,6 +225,10 @@ Config load_config(const std::string& path, const std::vector<std::string>& over
 // start. And the first key (dotted path) where two such configs differ, ""
 // when equal.
 nlohmann::json rank_invariant_config(const Config& c);
+// What a resumed run may not change from the run that saved the checkpoint
+// (model, optimizer, schedule, global batch, seed, data, dtypes), as
+// effective values; compared with first_difference().
+nlohmann::json resume_invariants(const Config& c);
 std::string first_difference(const nlohmann::json& a, const nlohmann::json& b, const std::string& path = "");
 
 }  // namespace strata

@@ -5,6 +5,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <chrono>
+#include <algorithm>
 #include <climits>
 #include <cmath>
 #include <cstring>
@@ -582,6 +583,112 @@ void Trainer::optimizer_step(const OptimizerThread::Job& job) {
     if (sets == 1 && j + 1 < groups.size()) issue_reads(j + 1);  // sequential: after the write-back
   }
   for (int k = 0; k < sets; ++k) st.write_done(k).wait();
+}
+
+// ---- checkpoints ------------------------------------------------------------------
+
+std::vector<ShardRange> Trainer::checkpoint_ranges(bool save) const {
+  std::vector<ShardRange> out;
+  const int64_t world = comm_->world_size(), rank = comm_->rank();
+  int64_t j = 0;  // chunk counter: with replicated state, chunk j is saved by rank j % world
+  for (Category c : kSavedCategories) {
+    for (size_t b = 0; b < layout_.num_blocks(); ++b) {
+      const BlockLayout& bl = layout_.block(b);
+      const int64_t sn = bl.shard_numel();
+      const int64_t first = shard_rank_ * sn;  // the held range's first element within the block
+      const int64_t real = std::clamp<int64_t>(bl.numel - first, 0, sn);
+      for (int64_t a = 0; a < real; a += kCheckpointChunkElems, ++j) {
+        if (save && shards_ == 1 && j % world != rank) continue;
+        ShardRange r;
+        r.category = c;
+        r.numel = std::min(kCheckpointChunkElems, real - a);
+        r.shard_offset = shard_offset_[b] + a;
+        r.shard_numel = std::min(sn - a, (r.numel + kShardAlignElems - 1) / kShardAlignElems * kShardAlignElems);
+        r.start = global_index_[b] + first + a;
+        out.push_back(r);
+      }
+    }
+  }
+  return out;
+}
+
+std::vector<TensorEntry> Trainer::tensor_entries() const {
+  std::vector<TensorEntry> out;
+  for (size_t b = 0; b < layout_.num_blocks(); ++b) {
+    for (const ParamLayout& p : layout_.block(b).params) {
+      out.push_back({layout_.block(b).name + "." + p.spec.name, p.spec.shape, global_index_[b] + p.offset});
+    }
+  }
+  return out;
+}
+
+std::string Trainer::save_checkpoint(const CheckpointOptions& options, Manifest header) {
+  finish();  // the last step's optimizer has written its state
+  TraceSpan span(TraceTrack::kNvme, "checkpoint save");
+  header.step = step_;
+  header.parameters = layout_.parameter_count();
+  header.tensors = tensor_entries();
+  for (Category c : kSavedCategories) header.elem_bytes[c] = state_->elem_bytes(c);
+  const std::vector<ShardRange> ranges = checkpoint_ranges(true);
+  return strata::save_checkpoint(options, *comm_, std::move(header), ranges, [&](size_t i, std::byte* buf) {
+    const ShardRange& r = ranges[i];
+    state_->read(r.category, r.shard_offset, r.shard_numel, buf);
+  });
+}
+
+void Trainer::load_checkpoint(CheckpointReader& reader) {
+  STRATA_CHECK(step_ == 0, "a checkpoint is loaded before the first step");
+  const Manifest& m = reader.manifest();
+  const std::string mpath = reader.dir() + "/manifest.json";
+  const std::vector<TensorEntry> mine = tensor_entries();
+  auto shape_text = [](const std::vector<int64_t>& s) {
+    std::string t = "[";
+    for (size_t i = 0; i < s.size(); ++i) t += (i ? ", " : "") + std::to_string(s[i]);
+    return t + "]";
+  };
+  if (m.tensors.size() != mine.size() || m.parameters != layout_.parameter_count()) {
+    throw InputError(mpath, strprintf("a checkpoint of another model shape: %zu tensors, %lld parameters there; "
+                                      "%zu tensors, %lld parameters here",
+                                      m.tensors.size(), (long long)m.parameters, mine.size(),
+                                      (long long)layout_.parameter_count()));
+  }
+  for (size_t i = 0; i < mine.size(); ++i) {
+    const TensorEntry& a = m.tensors[i];
+    const TensorEntry& b = mine[i];
+    if (a.name != b.name || a.shape != b.shape || a.start != b.start) {
+      throw InputError(mpath, "a checkpoint of another model shape: tensor " + std::to_string(i) + " is " + a.name +
+                                  " " + shape_text(a.shape) + " there, " + b.name + " " + shape_text(b.shape) + " here");
+    }
+  }
+  for (Category c : kSavedCategories) {
+    if (reader.elem_bytes(c) != state_->elem_bytes(c)) {
+      throw InputError(mpath, std::string("dtypes.") + category_name(c) +
+                                  " differs from this run's (run.optimizer_state_dtype)");
+    }
+  }
+  TraceSpan span(TraceTrack::kNvme, "checkpoint load");
+  const std::vector<ShardRange> ranges = checkpoint_ranges(false);
+  int64_t largest = 0;
+  for (const ShardRange& r : ranges) largest = std::max(largest, r.shard_numel);
+  // Start-up only: staging for one chunk and its working copy.
+  HostBuffer buf(size_t(largest * 4), "checkpoint load staging");
+  HostBuffer working(size_t(largest * compute_bytes_), "checkpoint load working copy");
+  for (const ShardRange& r : ranges) {
+    const int eb = state_->elem_bytes(r.category);
+    std::memset(buf.data(), 0, size_t(r.shard_numel * eb));
+    reader.read(r.category, r.start, r.numel, buf.as<std::byte>());
+    state_->write(r.category, r.shard_offset, r.shard_numel, buf.data());
+    if (r.category == Category::kMaster) {
+      // The working copy is the master weights in the compute dtype, as the
+      // optimizer emits it.
+      at::from_blob(working.data(), {r.shard_numel}, at::TensorOptions().dtype(compute_dtype_))
+          .copy_(at::from_blob(buf.data(), {r.shard_numel}, at::TensorOptions().dtype(at::kFloat)));
+      state_->write(Category::kParam16, r.shard_offset, r.shard_numel, working.data());
+    }
+  }
+  window_->invalidate();  // nothing fetched before the load is valid now
+  std::fill(gathered_valid_.begin(), gathered_valid_.end(), 0);
+  step_ = m.step;
 }
 
 // ---- start-up ---------------------------------------------------------------------

@@ -13,6 +13,7 @@
 #include <string>
 #include <vector>
 
+#include "checkpoint/checkpoint.h"
 #include "comm/communicator.h"
 #include "config/config.h"
 #include "cpu_adam/adam.h"
@@ -27,6 +28,10 @@
 #include "model/model.h"
 
 namespace strata {
+
+// Checkpoints move state in chunks of at most this many elements (64 MiB of
+// fp32): the staging a save or load needs, whatever the model size.
+inline constexpr int64_t kCheckpointChunkElems = int64_t(1) << 24;
 
 struct StepResult {
   double loss = 0.0;       // mean over the micro-batches of the step
@@ -110,6 +115,22 @@ class Trainer {
   // Block b's weights as the forward uses them (compute dtype), as copies.
   std::vector<at::Tensor> block_weights(size_t b);
   Communicator& comm() const { return *comm_; }
+
+  // Checkpoints (checkpoint/checkpoint.h). The pieces of this rank's shard
+  // space that hold parameters, per saved category, in chunks of at most
+  // kCheckpointChunkElems: those it saves (with replicated state, every rank
+  // a share), or all it holds (to load).
+  std::vector<ShardRange> checkpoint_ranges(bool save) const;
+  // Every parameter's name, shape and global unpadded index (for manifests).
+  std::vector<TensorEntry> tensor_entries() const;
+  // Saves the state after the optimizer of the last step has finished, as
+  // step steps_done() (collective). Returns the checkpoint directory.
+  std::string save_checkpoint(const CheckpointOptions& options, Manifest header);
+  // Loads master weights and Adam moments from `reader` (the working copy is
+  // derived from the master weights) and continues from its step. Before
+  // the first step only. Throws InputError naming the file when the
+  // checkpoint does not fit this model or fails its checks.
+  void load_checkpoint(CheckpointReader& reader);
 
   // The parameter window (Note [Prefetch window]): measured peaks and fetches.
   const ParamWindow& window() const { return *window_; }

@@ -10,6 +10,9 @@
 #pragma once
 
 #include <string>
+#include <vector>
+
+#include <string>
 
 namespace strata {
 
@@ -21,5 +24,21 @@ std::string parent_dir(const std::string& path);
 void make_dirs(const std::string& path, unsigned mode = 0755);
 // Removes a file if it exists; errors other than "does not exist" throw IoError.
 void remove_file(const std::string& path);
+// Removes a directory and everything under it (symbolic links are removed,
+// never followed); a missing path is not an error. Throws IoError.
+void remove_tree(const std::string& path);
+// The names in a directory, sorted, without "." and "..". Throws IoError.
+std::vector<std::string> list_dir(const std::string& path);
+// rename(2). Throws IoError naming both paths.
+void rename_path(const std::string& from, const std::string& to);
+// fsync of a directory, so that the entries created, renamed or removed in
+// it are durable. Throws IoError.
+void sync_dir(const std::string& path);
+// The whole file as bytes. Throws InputError naming the path.
+std::string file_contents(const std::string& path);
+// Writes `text` to `path` atomically: to PATH.tmp (0600), fsynced, renamed
+// over `path`, the directory fsynced. Throws IoError; a failure leaves
+// `path` as it was.
+void write_file_atomic(const std::string& path, const std::string& text);
 
 }  // namespace strata

@@ -1,0 +1,336 @@
+// Checkpoints in one process (the Trainer API): a save and a load continue
+// training bit for bit, across placements; corrupted, truncated, missing or
+// foreign checkpoints are refused naming the file; a failing save (ENOSPC)
+// leaves the state and the previous checkpoint as they were; pruning keeps
+// the newest. Process kills, ranks and resharding: checkpoint_cli_test.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <fstream>
+#include <random>
+#include <sstream>
+
+#include "checkpoint/checkpoint.h"
+#include "config/config.h"
+#include "data/dataset.h"
+#include "engine/trainer.h"
+#include "model/model.h"
+#include "nvme/fault_backend.h"
+#include "test_util.h"
+#include "util/errors.h"
+#include "util/fs.h"
+
+namespace strata {
+namespace {
+
+using testing::TempDir;
+
+nlohmann::json base_config(const std::string& data) {
+  return {
+      {"train_micro_batch_size_per_gpu", 2},
+      {"gradient_accumulation_steps", 2},
+      {"gradient_clipping", 0.5},
+      {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-3}, {"weight_decay", 0.1}}}}},
+      {"scheduler", {{"type", "WarmupLR"}, {"params", {{"warmup_num_steps", 5}, {"warmup_max_lr", 3e-3}}}}},
+      {"zero_optimization", {{"sub_group_size", 20000}}},
+      {"model", {{"dim", 64}, {"n_layers", 2}, {"n_heads", 4}, {"n_kv_heads", 2}, {"ffn_hidden", 96},
+                 {"seq_len", 32}}},
+      {"data", {{"path", data}, {"val_fraction", 0.0}}},
+      {"run", {{"steps", 10}, {"seed", 11}}},
+  };
+}
+
+// Training as `strata train` does it: one generator draws every batch, and
+// a checkpoint carries its state.
+class Session {
+ public:
+  Session(const nlohmann::json& j, const std::vector<std::string>& overrides,
+          std::shared_ptr<nvme::FaultPlan> faults = nullptr)
+      : cfg_(parse_config(j, overrides)),
+        model_(cfg_.model),
+        trainer_(cfg_, model_, std::move(faults)),
+        data_(cfg_.data.paths, TokenFormat::kText, 256, cfg_.model.seq_len, 0.0),
+        rng_(cfg_.run.seed),
+        batch_(size_t(cfg_.train_batch_size * (cfg_.model.seq_len + 1))) {}
+
+  std::vector<double> train(int steps) {
+    std::vector<double> losses;
+    for (int s = 0; s < steps; ++s) {
+      data_.sample_train(rng_, cfg_.train_batch_size, batch_.data());
+      losses.push_back(trainer_.step(batch_.data()).loss);
+    }
+    trainer_.finish();
+    return losses;
+  }
+  std::string save(const std::string& dir, std::shared_ptr<nvme::FaultPlan> faults = nullptr, int64_t keep = 2) {
+    CheckpointOptions o;
+    o.dir = dir;
+    o.keep = keep;
+    o.engine.faults = std::move(faults);
+    Manifest h;
+    std::ostringstream state;
+    state << rng_;
+    h.data = {{"rng", state.str()}, {"tokens", data_.num_tokens()}};
+    h.invariants = resume_invariants(cfg_);
+    return trainer_.save_checkpoint(o, std::move(h));
+  }
+  void load(const std::string& dir) {
+    CheckpointReader r(resolve_checkpoint(dir), nvme::EngineOptions());
+    trainer_.load_checkpoint(r);
+    std::istringstream state(r.manifest().data["rng"].get<std::string>());
+    state >> rng_;
+  }
+  // Every saved category's blocks, gathered.
+  std::vector<at::Tensor> state() {
+    std::vector<at::Tensor> out;
+    for (Category c : kSavedCategories) {
+      for (size_t b = 0; b < trainer_.layout().num_blocks(); ++b) out.push_back(trainer_.state_block(c, b));
+    }
+    for (size_t b = 0; b < trainer_.layout().num_blocks(); ++b) {
+      out.push_back(trainer_.state_block(Category::kParam16, b));
+    }
+    return out;
+  }
+  Trainer& trainer() { return trainer_; }
+
+ private:
+  Config cfg_;
+  Model model_;
+  Trainer trainer_;
+  TokenDataset data_;
+  std::mt19937_64 rng_;
+  std::vector<int64_t> batch_;
+};
+
+void expect_equal_state(const std::vector<at::Tensor>& a, const std::vector<at::Tensor>& b, const std::string& what) {
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) EXPECT_TRUE(at::equal(a[i], b[i])) << what << ": tensor " << i;
+}
+
+class CheckpointTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    data_ = dir_.write("text.txt", testing::sample_text(20000));
+    swap_ = dir_.file("swap");
+    mkdir(swap_.c_str(), 0700);
+  }
+  std::string nvme_optimizer() const {
+    return "zero_optimization.offload_optimizer={\"device\":\"nvme\",\"nvme_path\":\"" + swap_ + "\"}";
+  }
+  // 6 steps straight against 3 + save + (a new trainer, `resume_overrides`) load + 3.
+  void expect_resume_is_exact(const std::vector<std::string>& overrides,
+                              const std::vector<std::string>& resume_overrides, const std::string& what) {
+    Session straight(base_config(data_), overrides);
+    const std::vector<double> ref = straight.train(6);
+    const std::vector<at::Tensor> ref_state = straight.state();
+    const std::string ck = dir_.file("ck-" + std::to_string(++cases_));
+    {
+      Session first(base_config(data_), overrides);
+      first.train(3);
+      first.save(ck);
+    }
+    Session second(base_config(data_), resume_overrides);
+    second.load(ck);
+    EXPECT_EQ(second.trainer().steps_done(), 3);
+    const std::vector<double> rest = second.train(3);
+    for (int i = 0; i < 3; ++i) EXPECT_EQ(rest[size_t(i)], ref[size_t(3 + i)]) << what << ": step " << 4 + i;
+    expect_equal_state(second.state(), ref_state, what);
+  }
+  TempDir dir_;
+  std::string data_, swap_;
+  int cases_ = 0;
+};
+
+TEST_F(CheckpointTest, ResumeIsBitExactFp32) { expect_resume_is_exact({}, {}, "fp32"); }
+
+TEST_F(CheckpointTest, ResumeIsBitExactBf16WithBf16Moments) {
+  const std::vector<std::string> o = {"bf16={\"enabled\":true}", "run.optimizer_state_dtype=\"bf16\""};
+  expect_resume_is_exact(o, o, "bf16, bf16 moments");
+}
+
+TEST_F(CheckpointTest, ResumeIsBitExactWithTheOptimizerOnNvme) {
+  expect_resume_is_exact({nvme_optimizer()}, {nvme_optimizer()}, "optimizer on nvme");
+  expect_resume_is_exact({nvme_optimizer(), "bf16={\"enabled\":true}"},
+                         {nvme_optimizer(), "bf16={\"enabled\":true}"}, "bf16, optimizer on nvme");
+}
+
+TEST_F(CheckpointTest, ResumeWithOnlyThePlacementChangedIsBitExact) {
+  expect_resume_is_exact({}, {nvme_optimizer()}, "device -> nvme");
+  expect_resume_is_exact({nvme_optimizer()}, {"placement={\"param16\":{\"host\":1},\"master\":{\"host\":1}}"},
+                         "nvme -> host");
+}
+
+TEST_F(CheckpointTest, SavedDirectoryHasTheDocumentedShape) {
+  Session s(base_config(data_), {});
+  s.train(2);
+  const std::string ck = dir_.file("ck");
+  const std::string saved = s.save(ck);
+  EXPECT_EQ(saved, ck + "/step-00000002");
+  EXPECT_EQ(file_contents(ck + "/latest"), "step-00000002\n");
+  EXPECT_EQ(list_dir(saved), (std::vector<std::string>{"manifest.json", "rank-00000.bin"}));
+  // Private, like swap files.
+  struct stat st;
+  ASSERT_EQ(stat(saved.c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
+  ASSERT_EQ(stat((saved + "/rank-00000.bin").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0600u);
+  // The manifest read independently: every saved category covers every
+  // parameter once, and each range's bytes match its CRCs.
+  const nlohmann::json m = nlohmann::json::parse(file_contents(saved + "/manifest.json"));
+  EXPECT_EQ(m["format"], "strata-checkpoint");
+  EXPECT_EQ(m["step"], 2);
+  const int64_t n = m["parameters"];
+  EXPECT_EQ(n, s.trainer().layout().parameter_count());
+  const std::string bin = file_contents(saved + "/rank-00000.bin");
+  std::map<std::string, int64_t> covered;
+  for (const auto& r : m["ranges"]) {
+    const int64_t bytes = int64_t(r["numel"]) * (m["dtypes"][r["category"].get<std::string>()] == "fp32" ? 4 : 2);
+    const int64_t off = r["offset"];
+    ASSERT_LE(off + bytes, int64_t(bin.size()));
+    EXPECT_EQ(off % 4096, 0);
+    covered[r["category"]] += int64_t(r["numel"]);
+    ASSERT_EQ(r["crc32c"].size(), size_t((bytes + (1 << 20) - 1) >> 20));
+  }
+  EXPECT_EQ(covered, (std::map<std::string, int64_t>{{"master", n}, {"exp_avg", n}, {"exp_avg_sq", n}}));
+  // The saved master weights are the trainer's, unpadded, at their global index.
+  const at::Tensor master0 = s.trainer().master_block(0);
+  for (const auto& r : m["ranges"]) {
+    if (r["category"] != "master" || r["start"] != 0) continue;
+    const float* saved_w = reinterpret_cast<const float*>(bin.data() + int64_t(r["offset"]));
+    const int64_t k = std::min(r["numel"].get<int64_t>(), master0.numel());
+    EXPECT_EQ(std::memcmp(saved_w, master0.data_ptr<float>(), size_t(k * 4)), 0);
+  }
+}
+
+TEST_F(CheckpointTest, PruningKeepsTheNewestAndRemovesCrashedSaves) {
+  Session s(base_config(data_), {});
+  const std::string ck = dir_.file("ck");
+  make_dirs(ck + "/step-00000001.tmp", 0700);  // a crashed save's leftover
+  for (int i = 0; i < 4; ++i) {
+    s.train(1);
+    s.save(ck, nullptr, /*keep=*/2);
+  }
+  EXPECT_EQ(list_dir(ck), (std::vector<std::string>{"latest", "step-00000003", "step-00000004"}));
+  EXPECT_EQ(resolve_checkpoint(ck), ck + "/step-00000004");
+}
+
+TEST_F(CheckpointTest, EnospcDuringASaveLeavesStateAndThePreviousCheckpoint) {
+  Session straight(base_config(data_), {nvme_optimizer()});
+  const std::vector<double> ref = straight.train(4);
+
+  Session s(base_config(data_), {nvme_optimizer()});
+  s.train(2);
+  const std::string ck = dir_.file("ck");
+  s.save(ck);
+  auto faults = std::make_shared<nvme::FaultPlan>();
+  faults->kind = nvme::FaultKind::kEnospc;
+  faults->only_op = int(nvme::IoOp::kWrite);
+  faults->first_op = 2;
+  try {
+    s.save(ck, faults);
+    FAIL() << "expected the save to fail";
+  } catch (const Error& e) {
+    EXPECT_NE(std::string(e.what()).find("No space left on device"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find(ck + "/step-00000002.tmp/rank-00000.bin"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(faults->injected.load(), 1);
+  // Nothing half-written is left, latest still names the complete one.
+  EXPECT_EQ(list_dir(ck), (std::vector<std::string>{"latest", "step-00000002"}));
+  // Training goes on from an untouched state.
+  const std::vector<double> rest = s.train(2);
+  EXPECT_EQ(rest[0], ref[2]);
+  EXPECT_EQ(rest[1], ref[3]);
+  // And the previous checkpoint loads and resumes exactly.
+  Session again(base_config(data_), {});
+  again.load(ck);
+  const std::vector<double> resumed = again.train(2);
+  EXPECT_EQ(resumed[0], ref[2]);
+  EXPECT_EQ(resumed[1], ref[3]);
+}
+
+// Each damage is refused before any step, naming the file.
+class DamagedCheckpointTest : public CheckpointTest {
+ protected:
+  void SetUp() override {
+    CheckpointTest::SetUp();
+    Session s(base_config(data_), {});
+    s.train(1);
+    ck_ = s.save(dir_.file("ck"));
+  }
+  // Loading `ck_` into a fresh trainer fails with a message containing every one of `parts`.
+  void expect_refused(const std::vector<std::string>& parts, const std::vector<std::string>& overrides = {}) {
+    try {
+      Session s(base_config(data_), overrides);
+      s.load(ck_);
+      FAIL() << "expected the load to fail";
+    } catch (const InputError& e) {
+      for (const std::string& p : parts) EXPECT_NE(std::string(e.what()).find(p), std::string::npos) << e.what();
+    }
+  }
+  void edit_manifest(const std::function<void(nlohmann::json&)>& edit) {
+    nlohmann::json m = nlohmann::json::parse(file_contents(ck_ + "/manifest.json"));
+    edit(m);
+    std::ofstream(ck_ + "/manifest.json") << m.dump();
+  }
+  std::string ck_;
+};
+
+TEST_F(DamagedCheckpointTest, CorruptedByteFailsItsChecksum) {
+  const std::string bin = ck_ + "/rank-00000.bin";
+  std::fstream f(bin, std::ios::in | std::ios::out | std::ios::binary);
+  f.seekp(5000);
+  char c = 0;
+  f.read(&c, 1);
+  f.seekp(5000);
+  c = char(c ^ 0x10);
+  f.write(&c, 1);
+  f.close();
+  expect_refused({bin, "checksum mismatch in bytes 0..", "corrupted"});
+}
+
+TEST_F(DamagedCheckpointTest, TruncatedFileIsRefused) {
+  const std::string bin = ck_ + "/rank-00000.bin";
+  ASSERT_EQ(truncate(bin.c_str(), 4096), 0);
+  expect_refused({bin, "truncated: 4096 bytes"});
+}
+
+TEST_F(DamagedCheckpointTest, MissingFileIsRefused) {
+  remove_file(ck_ + "/rank-00000.bin");
+  expect_refused({ck_ + "/rank-00000.bin", "missing"});
+}
+
+TEST_F(DamagedCheckpointTest, MissingOrGarbledManifestIsRefused) {
+  std::ofstream(ck_ + "/manifest.json") << "{\"format\": \"strata-checkpoint\", \"version\": 1, ";
+  expect_refused({ck_ + "/manifest.json", "not valid JSON"});
+  remove_file(ck_ + "/manifest.json");
+  try {
+    resolve_checkpoint(ck_);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("no checkpoint to resume from"), std::string::npos) << e.what();
+  }
+}
+
+TEST_F(DamagedCheckpointTest, PathEscapingTheDirectoryIsRefused) {
+  edit_manifest([](nlohmann::json& m) {
+    const std::string f = m["ranges"][0]["file"];
+    m["files"]["../" + f] = m["files"][f];
+    m["ranges"][0]["file"] = "../" + f;
+  });
+  expect_refused({ck_ + "/manifest.json", "'../rank-00000.bin' is not a plain file name"});
+}
+
+TEST_F(DamagedCheckpointTest, MissingRangeIsRefused) {
+  edit_manifest([](nlohmann::json& m) { m["ranges"].erase(1); });
+  expect_refused({ck_ + "/manifest.json", "manifest ranges", "missing"});
+}
+
+TEST_F(DamagedCheckpointTest, AnotherModelShapeIsRefused) {
+  expect_refused({ck_ + "/manifest.json", "another model shape"}, {"model.ffn_hidden=128"});
+}
+
+}  // namespace
+}  // namespace strata
