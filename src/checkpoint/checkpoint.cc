@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <chrono>
 #include <cstdlib>
 #include <cstring>
 
@@ -26,6 +27,10 @@ constexpr int64_t kAlign = nvme::kDirectAlignmentBytes;
 constexpr int64_t kScratchBytes = int64_t(64) << 20;  // reader: the most read at once
 
 int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
+
+double seconds_since(std::chrono::steady_clock::time_point t0) {
+  return std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
 
 const char* saved_name(Category c) { return category_name(c); }
 
@@ -61,6 +66,8 @@ int64_t integer(const json& j, const char* key, const std::string& path, const s
 }
 
 std::string rank_file(int rank, const char* ext) { return strprintf("rank-%05d.%s", rank, ext); }
+
+std::string file_name_for_log(const std::string& dir, int rank) { return dir + "/" + rank_file(rank, "bin"); }
 
 std::string step_name(int64_t step) { return strprintf("step-%08lld", (long long)step); }
 
@@ -302,8 +309,10 @@ RankFileWriter::~RankFileWriter() {
 std::byte* RankFileWriter::buffer(size_t i) {
   nvme::IoHandle& h = pending_[i % 2];
   if (h.valid()) {
+    const auto t0 = std::chrono::steady_clock::now();
     nvme::IoHandle done = std::move(h);
     done.wait();
+    wait_s_ += seconds_since(t0);
   }
   return buf_[i % 2].as<std::byte>();
 }
@@ -323,7 +332,9 @@ void RankFileWriter::write(size_t i) {
   s.file = file_;
   s.offset = at_;
   s.crc.resize(size_t((bytes + kChecksumBytes - 1) / kChecksumBytes));
+  const auto t0 = std::chrono::steady_clock::now();
   nvme::crc32c_blocks(buf, size_t(bytes), size_t(kChecksumBytes), s.crc.data());
+  crc_s_ += seconds_since(t0);
   checkpoint_fault_point("write");
   pending_[i % 2] = engine_->submit(nvme::IoRequest{nvme::IoOp::kWrite, id_, at_, padded, buf});
   at_ += padded;
@@ -331,17 +342,21 @@ void RankFileWriter::write(size_t i) {
 }
 
 std::vector<SavedRange> RankFileWriter::finish() {
+  auto t0 = std::chrono::steady_clock::now();
   for (nvme::IoHandle& h : pending_) {
     if (h.valid()) {
       nvme::IoHandle done = std::move(h);
       done.wait();
     }
   }
+  wait_s_ += seconds_since(t0);
   nvme::File f = engine_->detach(id_);
   id_ = nvme::FileId();
   checkpoint_fault_point("fsync");
+  t0 = std::chrono::steady_clock::now();
   f.sync();
   f.close();
+  sync_s_ += seconds_since(t0);
   return std::move(saved_);
 }
 
@@ -563,13 +578,22 @@ std::string save_checkpoint(const CheckpointOptions& options, Communicator& comm
   agree(comm, st, "creating the directory");
 
   try {
+    const auto t0 = std::chrono::steady_clock::now();
     RankFileWriter w(tmp, rank_file(rank, "bin"), ranges, header.elem_bytes, options.engine);
+    const double setup_s = seconds_since(t0);
+    double fill_s = 0.0;
     for (size_t i = 0; i < ranges.size(); ++i) {
       std::byte* buf = w.buffer(i);
+      const auto t1 = std::chrono::steady_clock::now();
       fill(i, buf);
+      fill_s += seconds_since(t1);
       w.write(i);
     }
     const std::vector<SavedRange> saved = w.finish();
+    log::debug("checkpoint: rank %d wrote %s in %.3f s: set-up %.3f s, tier reads %.3f s, checksums %.3f s, "
+               "waiting for writes %.3f s, fsync %.3f s",
+               rank, file_name_for_log(tmp, rank).c_str(), seconds_since(t0), setup_s, fill_s, w.crc_s(), w.wait_s(),
+               w.sync_s());
     json part = {{"bytes", int64_t(0)}, {"ranges", json::array()}};
     int64_t bytes = 0;
     for (const SavedRange& s : saved) {

@@ -112,6 +112,10 @@ class RankFileWriter {
   void write(size_t i);
   // Waits for every write, fsyncs and closes the file; the ranges written.
   std::vector<SavedRange> finish();
+  // Seconds spent checksumming, waiting for writes, and in fsync.
+  double crc_s() const { return crc_s_; }
+  double wait_s() const { return wait_s_; }
+  double sync_s() const { return sync_s_; }
 
  private:
   std::string path_, file_;
@@ -123,6 +127,7 @@ class RankFileWriter {
   nvme::IoHandle pending_[2];
   std::vector<SavedRange> saved_;
   int64_t at_ = 0;  // bytes written so far (4 KiB multiples)
+  double crc_s_ = 0.0, wait_s_ = 0.0, sync_s_ = 0.0;
 };
 
 // A complete checkpoint directory, opened for reading: the manifest checked,

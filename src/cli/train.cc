@@ -217,9 +217,11 @@ int run_train(const TrainOptions& opt) {
     if (multi) tracer->set_rank(who.rank);
     Tracer::install(tracer.get());
   }
+  // Checkpoint files are long sequential streams: at least 4 MiB requests,
+  // 32 in flight, whatever the aio section asks of the swap.
   nvme::EngineOptions ckpt_engine;
-  ckpt_engine.block_size_bytes = cfg.aio.block_size;
-  ckpt_engine.queue_depth = int(std::max<int64_t>(cfg.aio.queue_depth, 8));
+  ckpt_engine.block_size_bytes = std::max<int64_t>(cfg.aio.block_size, int64_t(4) << 20);
+  ckpt_engine.queue_depth = int(std::max<int64_t>(cfg.aio.queue_depth, 32));
   ckpt_engine.rings = int(cfg.aio.intra_op_parallelism);
   std::unique_ptr<CheckpointReader> resume;
   if (opt.resume) on_every_rank(*comm, "to open the checkpoint", [&] { resume = open_resume(opt, cfg, ckpt_engine); });
@@ -242,7 +244,7 @@ int run_train(const TrainOptions& opt) {
       if (state.fail()) throw InputError(mpath, "manifest data.rng: not a generator state");
       const auto t0 = std::chrono::steady_clock::now();
       trainer.load_checkpoint(*resume);
-      log::info("resumed from %s (step %lld, saved by %lld rank(s)) in %.1f s", resume->dir().c_str(),
+      log::info("resumed from %s (step %lld, saved by %lld rank(s)) in %.3f s", resume->dir().c_str(),
                 (long long)m.step, (long long)m.saved_world_size,
                 std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
     });
@@ -293,7 +295,8 @@ int run_train(const TrainOptions& opt) {
   ckpt.dir = cfg.run.checkpoint.dir;
   ckpt.keep = cfg.run.checkpoint.keep;
   ckpt.engine = ckpt_engine;
-  auto save = [&](int64_t s, double lr) {
+  // Returns {seconds, bytes this rank wrote}.
+  auto save = [&](int64_t s, double lr) -> std::pair<double, int64_t> {
     Manifest h;
     std::ostringstream state;
     state << rng;
@@ -302,11 +305,16 @@ int run_train(const TrainOptions& opt) {
     h.data = {{"rng", state.str()}, {"sequences", s * cfg.train_batch_size}, {"tokens", data.num_tokens()}};
     h.config = rank_invariant_config(cfg);
     h.invariants = resume_invariants(cfg);
+    trainer.finish();  // the step's optimizer (overlapped) is not the save's time
     log::info("checkpoint: saving step %lld to %s", (long long)s, ckpt.dir.c_str());
     const auto t0 = std::chrono::steady_clock::now();
     const std::string dir = trainer.save_checkpoint(ckpt, std::move(h));
-    log::info("checkpoint: step %lld saved to %s in %.1f s", (long long)s, dir.c_str(),
-              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    int64_t bytes = 0;
+    for (const ShardRange& x : trainer.checkpoint_ranges(true)) bytes += x.numel * trainer.state().elem_bytes(x.category);
+    log::info("checkpoint: step %lld saved to %s in %.3f s (%s from this rank, %s/s)", (long long)s, dir.c_str(),
+              secs, format_bytes(double(bytes)).c_str(), format_bytes(double(bytes) / std::max(secs, 1e-9)).c_str());
+    return {secs, bytes};
   };
 
   if (first_step > cfg.run.steps) {
@@ -367,16 +375,20 @@ int run_train(const TrainOptions& opt) {
       line["eval_loss"] = trainer.eval_loss(eval_batch.data(), eval_batches);
       log::info("step %lld: eval loss %.4f", (long long)s, line["eval_loss"].get<double>());
     }
-    metrics.write(line);
-    char suffix[96];
-    std::snprintf(suffix, sizeof(suffix), "loss %.4f | %.0f tok/s | lr %.2e", r.loss, tokens_per_s, r.lr);
-    if (bar) bar->update(s, suffix);
     if (r.stop) {
       log::warn("stop requested (SIGINT/SIGTERM on some rank): every rank stops after step %lld%s", (long long)s,
                 ckpt.dir.empty() ? "" : " and saves a checkpoint");
     }
     const bool due = cfg.run.checkpoint.every > 0 && s % cfg.run.checkpoint.every == 0;
-    if (!ckpt.dir.empty() && (due || r.stop || s == cfg.run.steps)) save(s, r.lr);
+    if (!ckpt.dir.empty() && (due || r.stop || s == cfg.run.steps)) {
+      const auto [secs, bytes] = save(s, r.lr);
+      line["checkpoint_s"] = secs;
+      line["checkpoint_bytes"] = bytes;
+    }
+    metrics.write(line);
+    char suffix[96];
+    std::snprintf(suffix, sizeof(suffix), "loss %.4f | %.0f tok/s | lr %.2e", r.loss, tokens_per_s, r.lr);
+    if (bar) bar->update(s, suffix);
     if (r.stop) break;
   }
   trainer.finish();  // the last optimizer step (run.overlap_optimizer)

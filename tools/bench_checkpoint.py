@@ -1,0 +1,137 @@
+#!/usr/bin/env python3
+"""What a checkpoint costs: its write and read bandwidth against `strata bench-io` on the same
+disk, and the time a save adds to the step it happens in, measured in one run.
+
+Each round (interleaved, so the disk's drift hits both alike):
+  1. `strata bench-io --dir DIR` writes and reads as many bytes as the checkpoint holds
+     (the same block size and queue depth as the checkpoint's I/O engine: 4 MiB, 32);
+  2. `strata train` of a model whose state is about --params parameters, saving every
+     --every steps: each save's checkpoint_s and checkpoint_bytes from the metrics give the
+     write bandwidth; the step intervals (elapsed_s) with a save against those without give
+     the time the save added;
+  3. `strata train --resume` loads the checkpoint (the log's "resumed ... in X s").
+It prints medians over rounds and the same-run ratios to bench-io.
+
+Usage:
+  .venv/bin/python tools/bench_checkpoint.py --strata build/strata --dir /tmp/bench-ckpt \\
+      [--dim 1024] [--layers 8] [--rounds 3] [--json out.json]
+"""
+import argparse
+import json
+import os
+import re
+import shutil
+import statistics
+import subprocess
+import sys
+
+
+def run(cmd, env=None):
+    p = subprocess.run(cmd, capture_output=True, text=True, env=env)
+    if p.returncode != 0:
+        sys.exit(f"failed ({p.returncode}): {' '.join(cmd)}\n{p.stdout}\n{p.stderr}")
+    return p.stdout + p.stderr
+
+
+def bench_io(strata, d, mib, args):
+    out = run([strata, "bench-io", "--dir", d, "--size-mb", str(mib), "--json", "--block-size",
+               str(args.block_size), "--queue-depth", str(args.queue_depth)])
+    res = {}
+    for line in out.splitlines():
+        if line.startswith("{"):
+            j = json.loads(line)
+            res[j["op"]] = j["gbps"]
+    return res
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--strata", default="build/strata")
+    ap.add_argument("--dir", required=True, help="scratch directory on the disk to measure")
+    ap.add_argument("--dim", type=int, default=1024)
+    ap.add_argument("--layers", type=int, default=8)
+    ap.add_argument("--seq-len", type=int, default=32)
+    ap.add_argument("--steps", type=int, default=7)
+    ap.add_argument("--every", type=int, default=3)
+    ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--threads", type=int, default=os.cpu_count())
+    ap.add_argument("--block-size", type=int, default=4 << 20)
+    ap.add_argument("--queue-depth", type=int, default=32)
+    ap.add_argument("--json")
+    args = ap.parse_args()
+
+    os.makedirs(args.dir, exist_ok=True)
+    data = os.path.join(args.dir, "data.txt")
+    with open(data, "w") as f:
+        f.write("The quick brown fox jumps over the lazy dog. " * 20000)
+    ck = os.path.join(args.dir, "ckpt")
+    cfg = {
+        "train_micro_batch_size_per_gpu": 1,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "aio": {"block_size": args.block_size, "queue_depth": args.queue_depth},
+        "model": {"dim": args.dim, "n_layers": args.layers, "n_heads": 8, "seq_len": args.seq_len},
+        "data": {"path": data, "eval_interval": 0, "val_fraction": 0.0},
+        "run": {"steps": args.steps, "threads": args.threads, "log_level": "info",
+                "checkpoint": {"dir": ck, "every": args.every, "keep": 1}},
+    }
+    cfg_path = os.path.join(args.dir, "c.json")
+    with open(cfg_path, "w") as f:
+        json.dump(cfg, f)
+
+    rows = []
+    for rnd in range(args.rounds):
+        shutil.rmtree(ck, ignore_errors=True)
+        metrics = os.path.join(args.dir, f"m{rnd}.jsonl")
+        log = run([args.strata, "train", cfg_path, "--metrics", metrics, "--set", "run.log_level=debug"])
+        fsyncs = [float(x) for x in re.findall(r"rank 0 wrote .* fsync ([0-9.]+) s", log)]
+        lines = [json.loads(x) for x in open(metrics)]
+        saves = [x for x in lines if "checkpoint_s" in x]
+        ck_bytes = saves[0]["checkpoint_bytes"]
+        write_gbps = statistics.median(x["checkpoint_bytes"] / x["checkpoint_s"] / 1e9 for x in saves)
+        save_s = statistics.median(x["checkpoint_s"] for x in saves)
+        # Without the fsync (what bench-io's write pass measures: it does not sync).
+        nosync_gbps = statistics.median(x["checkpoint_bytes"] / (x["checkpoint_s"] - f) / 1e9
+                                        for x, f in zip(saves, fsyncs))
+        el = {x["step"]: x["elapsed_s"] for x in lines}
+        saved_after = {x["step"] for x in saves}
+        with_save, without = [], []
+        for s in range(2, args.steps):  # interval s -> s + 1 (step 1 is warm-up)
+            (with_save if s in saved_after else without).append(el[s + 1] - el[s])
+        added_s = statistics.median(with_save) - statistics.median(without)
+        out = run([args.strata, "train", cfg_path, "--resume", "--steps", str(args.steps)])
+        m = re.search(r"resumed from \S+ \(step \d+, saved by \d+ rank\(s\)\) in ([0-9.]+) s", out)
+        if not m:
+            sys.exit("no 'resumed ... in X s' line in:\n" + out)
+        read_s = float(m.group(1))
+        io = bench_io(args.strata, args.dir, max(64, ck_bytes >> 20), args)
+        row = {"round": rnd, "checkpoint_bytes": ck_bytes, "save_s": save_s, "write_gbps": write_gbps,
+               "write_nosync_gbps": nosync_gbps, "fsync_s": statistics.median(fsyncs),
+               "read_s": read_s, "read_gbps": ck_bytes / read_s / 1e9, "bench_io_write_gbps": io["write"],
+               "bench_io_read_gbps": io["read"], "step_s": statistics.median(without),
+               "added_s": added_s}
+        row["write_ratio"] = row["write_gbps"] / row["bench_io_write_gbps"]
+        row["write_nosync_ratio"] = row["write_nosync_gbps"] / row["bench_io_write_gbps"]
+        row["read_ratio"] = row["read_gbps"] / row["bench_io_read_gbps"]
+        row["added_over_save"] = added_s / save_s
+        rows.append(row)
+        print(json.dumps(row), flush=True)
+
+    med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "round"}
+    print(f"\nmedians of {args.rounds} rounds; checkpoint {med['checkpoint_bytes'] / 1e9:.2f} GB "
+          f"(dim {args.dim}, {args.layers} layers), step {med['step_s']:.2f} s:")
+    print(f"  write  {med['write_gbps']:.2f} GB/s vs bench-io {med['bench_io_write_gbps']:.2f} GB/s: "
+          f"ratio {med['write_ratio']:.2f} (same-run ratios, median)")
+    print(f"  write without its fsync ({med['fsync_s']:.2f} s) {med['write_nosync_gbps']:.2f} GB/s: "
+          f"ratio {med['write_nosync_ratio']:.2f}")
+    print(f"  read   {med['read_gbps']:.2f} GB/s vs bench-io {med['bench_io_read_gbps']:.2f} GB/s: "
+          f"ratio {med['read_ratio']:.2f}")
+    print(f"  a save adds {med['added_s']:.2f} s to its step: {100 * med['added_over_save']:.0f}% of the "
+          f"save's {med['save_s']:.2f} s")
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump({"rounds": rows, "median": med}, f, indent=1)
+
+
+if __name__ == "__main__":
+    main()
