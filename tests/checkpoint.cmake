@@ -5,3 +5,6 @@ strata_test(checkpoint_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/checkpoint_test.
 strata_test(checkpoint_cli_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/checkpoint_cli_test.cc
             LIBS nlohmann_json::nlohmann_json LOCK ranks)
 add_dependencies(checkpoint_cli_test strata)
+# Hugging Face export against transformers (the .venv's, installed by tools/setup.sh).
+strata_test(hf_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/hf_test.cc LIBS strata_engine)
+add_dependencies(hf_test strata)

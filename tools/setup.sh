@@ -11,6 +11,8 @@ cd "$ROOT"
 BUILD_DIR="${STRATA_BUILD_DIR:-build}"
 JOBS="${STRATA_JOBS:-$(nproc)}"
 TORCH_VERSION="2.11.0"
+TRANSFORMERS_VERSION="5.23.0"
+SAFETENSORS_VERSION="0.8.0"
 
 say() { echo "[setup] $*" >&2; }
 
@@ -39,6 +41,13 @@ if [ -z "${CMAKE_PREFIX_PATH:-}" ]; then
   if ! .venv/bin/python -c "import matplotlib" 2>/dev/null; then
     say "installing matplotlib into .venv (benchmark plots)"
     .venv/bin/pip install -q --disable-pip-version-check matplotlib
+  fi
+  # transformers and safetensors (pinned): the Hugging Face checks of export
+  # and model.init_from compare Strata with LlamaForCausalLM.
+  if ! .venv/bin/python -c "import transformers, safetensors, sys; sys.exit(0 if (transformers.__version__, safetensors.__version__) == ('$TRANSFORMERS_VERSION', '$SAFETENSORS_VERSION') else 1)" 2>/dev/null; then
+    say "installing transformers==$TRANSFORMERS_VERSION safetensors==$SAFETENSORS_VERSION into .venv (Hugging Face checks)"
+    .venv/bin/pip install -q --disable-pip-version-check "transformers==$TRANSFORMERS_VERSION" \
+      "safetensors==$SAFETENSORS_VERSION"
   fi
   TORCH_PREFIX="$(.venv/bin/python -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' 2>/dev/null)"
   export CMAKE_PREFIX_PATH="$TORCH_PREFIX"

@@ -7,6 +7,7 @@
 
 #include "cli/bench_adam.h"
 #include "cli/bench_io.h"
+#include "cli/export.h"
 #include "cli/launch.h"
 #include "cli/plan.h"
 #include "cli/train.h"
@@ -30,6 +31,7 @@ int main(int argc, char** argv) {
   strata::register_train(app, result);
   strata::register_plan(app, result);
   strata::register_launch(app, result);
+  strata::register_export(app, result);
   strata::register_bench_io(app, result);
   strata::register_bench_adam(app);
   try {

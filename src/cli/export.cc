@@ -1,0 +1,251 @@
+// `strata export`: a checkpoint's weights as Hugging Face LLaMA safetensors
+// and a config.json, streamed one tensor at a time (host memory: the largest
+// tensor, whatever the model size). No LibTorch here.
+#include "cli/export.h"
+
+#include <fcntl.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <cmath>
+#include <cstring>
+#include <map>
+#include <memory>
+#include <string>
+#include <vector>
+
+#include <nlohmann/json.hpp>
+
+#include "checkpoint/checkpoint.h"
+#include "memory/buffer.h"
+#include "util/errors.h"
+#include "util/fs.h"
+#include "util/logging.h"
+#include "util/progress.h"
+
+namespace strata {
+
+namespace {
+
+using nlohmann::json;
+
+struct ExportOptions {
+  std::string checkpoint;
+  std::string out;
+  std::string dtype = "bf16";
+  std::string max_shard_size = "5GB";
+};
+
+// "5GB", "500MB", "2GiB", "1000000" -> bytes. Throws ConfigError naming the flag.
+int64_t parse_size(const std::string& text) {
+  size_t used = 0;
+  double v = 0.0;
+  try {
+    v = std::stod(text, &used);
+  } catch (...) {
+    throw ConfigError("--max-shard-size", "expected a size like 5GB or 500MB, got '" + text + "'");
+  }
+  std::string unit = text.substr(used);
+  for (char& c : unit) c = char(std::toupper(static_cast<unsigned char>(c)));
+  const std::map<std::string, double> units = {{"", 1.0},       {"B", 1.0},          {"KB", 1e3},
+                                               {"MB", 1e6},     {"GB", 1e9},         {"TB", 1e12},
+                                               {"KIB", 1024.0}, {"MIB", 1048576.0},  {"GIB", 1073741824.0}};
+  auto it = units.find(unit);
+  if (it == units.end() || !(v > 0.0)) {
+    throw ConfigError("--max-shard-size", "expected a positive size like 5GB or 500MB, got '" + text + "'");
+  }
+  return int64_t(v * it->second);
+}
+
+// Strata's parameter names -> Hugging Face LlamaForCausalLM's.
+std::string hf_name(const std::string& name) {
+  static const std::map<std::string, std::string> layer = {
+      {"attn_norm", "input_layernorm.weight"}, {"wq", "self_attn.q_proj.weight"},
+      {"wk", "self_attn.k_proj.weight"},       {"wv", "self_attn.v_proj.weight"},
+      {"wo", "self_attn.o_proj.weight"},       {"mlp_norm", "post_attention_layernorm.weight"},
+      {"w1", "mlp.gate_proj.weight"},          {"w3", "mlp.up_proj.weight"},
+      {"w2", "mlp.down_proj.weight"}};
+  if (name == "embedding.tok_embedding") return "model.embed_tokens.weight";
+  if (name == "head.final_norm") return "model.norm.weight";
+  if (name == "head.output") return "lm_head.weight";
+  if (name.rfind("layer.", 0) == 0) {
+    const size_t dot = name.find('.', 6);
+    auto it = dot == std::string::npos ? layer.end() : layer.find(name.substr(dot + 1));
+    if (it != layer.end()) return "model.layers." + name.substr(6, dot - 6) + "." + it->second;
+  }
+  throw Error("export: no Hugging Face name for parameter '" + name + "'");
+}
+
+// fp32 -> bf16, round to nearest even (NaN stays NaN), as torch converts.
+uint16_t to_bf16(float f) {
+  uint32_t u;
+  std::memcpy(&u, &f, 4);
+  if (std::isnan(f)) return uint16_t((u >> 16) | 0x40);
+  u += 0x7FFF + ((u >> 16) & 1);
+  return uint16_t(u >> 16);
+}
+
+// The config.json that makes transformers build exactly this model: every
+// field whose default would differ is set.
+json hf_config(const json& model, const std::string& dtype) {
+  const int64_t dim = model.at("dim"), heads = model.at("n_heads");
+  const double theta = model.at("rope_theta");
+  return {{"architectures", {"LlamaForCausalLM"}},
+          {"model_type", "llama"},
+          {"hidden_size", dim},
+          {"intermediate_size", model.at("ffn_hidden")},
+          {"num_hidden_layers", model.at("n_layers")},
+          {"num_attention_heads", heads},
+          {"num_key_value_heads", model.at("n_kv_heads")},
+          {"head_dim", dim / heads},
+          {"vocab_size", model.at("vocab_size")},
+          {"max_position_embeddings", model.at("seq_len")},
+          {"rms_norm_eps", model.at("norm_eps")},
+          {"rope_theta", theta},
+          {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", theta}}},
+          {"rope_scaling", nullptr},
+          {"tie_word_embeddings", model.at("tie_embeddings")},
+          {"attention_bias", false},
+          {"attention_dropout", 0.0},
+          {"mlp_bias", false},
+          {"hidden_act", "silu"},
+          {"pretraining_tp", 1},
+          {"use_cache", true},
+          {"bos_token_id", nullptr},
+          {"eos_token_id", nullptr},
+          {"pad_token_id", nullptr},
+          {"torch_dtype", dtype == "bf16" ? "bfloat16" : "float32"},
+          {"dtype", dtype == "bf16" ? "bfloat16" : "float32"}};
+}
+
+void write_all(int fd, const void* p, size_t n, const std::string& path) {
+  const char* c = static_cast<const char*>(p);
+  while (n > 0) {
+    const ssize_t w = ::write(fd, c, n);
+    if (w < 0 && errno == EINTR) continue;
+    if (w < 0) throw IoError(path, errno, "cannot write");
+    c += w;
+    n -= size_t(w);
+  }
+}
+
+int run_export(const ExportOptions& opt) {
+  if (opt.dtype != "bf16" && opt.dtype != "fp32") {
+    throw ConfigError("--dtype", "expected bf16 or fp32, got '" + opt.dtype + "'");
+  }
+  const int64_t max_shard = parse_size(opt.max_shard_size);
+  nvme::EngineOptions engine;
+  engine.block_size_bytes = int64_t(4) << 20;
+  CheckpointReader reader(resolve_checkpoint(opt.checkpoint), engine);
+  const Manifest& m = reader.manifest();
+  const std::string mpath = reader.dir() + "/manifest.json";
+  if (!m.invariants.contains("model")) throw InputError(mpath, "manifest invariants.model: missing");
+  const json& model = m.invariants["model"];
+  if (is_directory(opt.out) && !list_dir(opt.out).empty()) {
+    throw InputError(opt.out, "exists and is not empty; export writes into a new or empty directory");
+  }
+  make_dirs(opt.out, 0755);
+
+  // Plan the shards: tensors in model order, a new file when the next would
+  // pass the limit (a tensor larger than the limit gets a file of its own).
+  const int eb = opt.dtype == "bf16" ? 2 : 4;
+  struct Item {
+    const TensorEntry* t;
+    std::string name;
+    int64_t numel, begin;  // begin: offset in its file's data section
+    size_t shard;
+  };
+  std::vector<Item> items;
+  std::vector<int64_t> shard_bytes;
+  int64_t largest = 0, total = 0;
+  for (const TensorEntry& t : m.tensors) {
+    int64_t numel = 1;
+    for (int64_t d : t.shape) numel *= d;
+    const int64_t bytes = numel * eb;
+    if (shard_bytes.empty() || (shard_bytes.back() > 0 && shard_bytes.back() + bytes > max_shard)) {
+      shard_bytes.push_back(0);
+    }
+    items.push_back({&t, hf_name(t.name), numel, shard_bytes.back(), shard_bytes.size() - 1});
+    shard_bytes.back() += bytes;
+    largest = std::max(largest, numel);
+    total += bytes;
+  }
+  const size_t shards = shard_bytes.size();
+  auto file_name = [&](size_t s) {
+    return shards == 1 ? std::string("model.safetensors")
+                       : strprintf("model-%05zu-of-%05zu.safetensors", s + 1, shards);
+  };
+
+  HostBuffer f32(size_t(largest * 4), "export: one tensor (fp32)");
+  HostBuffer out(size_t(largest * eb), "export: one tensor (output dtype)");
+  ProgressBar bar("export", int64_t(items.size()));
+  json weight_map = json::object();
+  size_t done = 0;
+  for (size_t s = 0; s < shards; ++s) {
+    json header = json::object();
+    header["__metadata__"] = {{"format", "pt"}};
+    for (const Item& it : items) {
+      if (it.shard != s) continue;
+      header[it.name] = {{"dtype", opt.dtype == "bf16" ? "BF16" : "F32"},
+                         {"shape", it.t->shape},
+                         {"data_offsets", {it.begin, it.begin + it.numel * eb}}};
+      weight_map[it.name] = file_name(s);
+    }
+    std::string h = header.dump();
+    while ((h.size() + 8) % 8 != 0) h.push_back(' ');  // the data section starts 8-aligned
+    const std::string path = opt.out + "/" + file_name(s);
+    const std::string tmp = opt.out + "/." + file_name(s) + ".tmp";
+    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+    if (fd < 0) throw IoError(tmp, errno, "cannot create");
+    try {
+      const uint64_t hlen = h.size();
+      write_all(fd, &hlen, 8, tmp);  // little-endian on every machine Strata runs on
+      write_all(fd, h.data(), h.size(), tmp);
+      for (const Item& it : items) {
+        if (it.shard != s) continue;
+        reader.read(Category::kMaster, it.t->start, it.numel, f32.as<std::byte>());
+        const void* src = f32.data();
+        if (eb == 2) {
+          const float* x = f32.as<float>();
+          uint16_t* y = out.as<uint16_t>();
+          for (int64_t i = 0; i < it.numel; ++i) y[i] = to_bf16(x[i]);
+          src = out.data();
+        }
+        write_all(fd, src, size_t(it.numel * eb), tmp);
+        bar.update(int64_t(++done), it.name);
+      }
+      if (::fsync(fd) != 0) throw IoError(tmp, errno, "cannot sync");
+    } catch (...) {
+      ::close(fd);
+      ::unlink(tmp.c_str());
+      throw;
+    }
+    if (::close(fd) != 0) throw IoError(tmp, errno, "cannot close");
+    rename_path(tmp, path);
+  }
+  bar.finish();
+  if (shards > 1) {
+    write_file_atomic(opt.out + "/model.safetensors.index.json",
+                      json({{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}).dump(2) + "\n");
+  }
+  write_file_atomic(opt.out + "/config.json", hf_config(model, opt.dtype).dump(2) + "\n");
+  log::info("exported step %lld of %s: %zu tensors, %s in %zu file(s) to %s", (long long)m.step,
+            reader.dir().c_str(), items.size(), format_bytes(double(total)).c_str(), shards, opt.out.c_str());
+  return kExitOk;
+}
+
+}  // namespace
+
+void register_export(CLI::App& app, int& result) {
+  auto opt = std::make_shared<ExportOptions>();
+  CLI::App* cmd = app.add_subcommand("export", "Write a checkpoint's weights as Hugging Face LLaMA safetensors");
+  cmd->add_option("checkpoint", opt->checkpoint, "Checkpoint directory (or a directory of them with 'latest')")
+      ->required();
+  cmd->add_option("--out", opt->out, "Output directory (new or empty)")->required();
+  cmd->add_option("--dtype", opt->dtype, "bf16 | fp32")->capture_default_str();
+  cmd->add_option("--max-shard-size", opt->max_shard_size, "Largest safetensors file: 5GB, 500MB, ...")
+      ->capture_default_str();
+  cmd->callback([opt, &result]() { result = run_export(*opt); });
+}
+
+}  // namespace strata
