@@ -22,6 +22,7 @@
 #include "engine/trainer.h"
 #include "model/model.h"
 #include "test_util.h"
+#include "util/errors.h"
 #include "util/fs.h"
 
 namespace strata {
@@ -238,6 +239,68 @@ TEST_F(HfTest, ExportedFilesReadBackWithAnIndependentReader) {
   EXPECT_EQ(c["tie_word_embeddings"], false);
   EXPECT_EQ(c["num_key_value_heads"], 4);
   EXPECT_EQ(c["attention_bias"], false);
+}
+
+// Hugging Face weights in: a model saved by transformers (save_pretrained,
+// safetensors) initialises Strata through model.init_from (its config.json
+// filling the model section), and the first step's loss equals
+// transformers' on the same windows.
+void expect_init_from_matches(const TempDir& dir, const std::string& data, const std::string& tie, int kv) {
+  const std::string what = tie + "-kv" + std::to_string(kv);
+  const std::string model_dir = dir.file("hf-" + what);
+  const int64_t window = 33;
+  nlohmann::json j = config(data, "", {{"seq_len", window - 1}, {"init_from", model_dir}});
+  j["run"].erase("checkpoint");
+  std::vector<int64_t> batch(size_t(2 * window));
+  {
+    TokenDataset ds({data}, TokenFormat::kText, 256, window - 1, 0.0);
+    std::mt19937_64 rng(9);
+    ds.sample_train(rng, 2, batch.data());
+  }
+  const std::string tok = dir.file("windows-" + what + ".bin");
+  std::ofstream(tok, std::ios::binary).write(reinterpret_cast<const char*>(batch.data()), std::streamsize(batch.size() * 8));
+  Result r = sh(kPython + " " + std::string(STRATA_SOURCE_DIR) + "/tests/hf_make.py " + model_dir + " " + tok +
+                " 2 " + std::to_string(window) + " " + tie + " " + std::to_string(kv));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const size_t at = r.output.rfind("loss ");
+  ASSERT_NE(at, std::string::npos) << r.output;
+  const double hf_loss = std::stod(r.output.substr(at + 5));
+  Config cfg = parse_config(j);
+  EXPECT_EQ(cfg.model.dim, 64);  // filled from config.json
+  EXPECT_EQ(cfg.model.kv_heads(), kv);
+  EXPECT_EQ(cfg.model.tie_embeddings, tie == "tied");
+  Model model(cfg.model);
+  Trainer trainer(cfg, model);
+  const double loss = trainer.step(batch.data()).loss;
+  EXPECT_LE(std::abs(loss - hf_loss), 1e-5 * hf_loss) << what << ": Strata " << loss << ", transformers " << hf_loss;
+}
+
+TEST_F(HfTest, InitFromTransformersModelsGivesTheirFirstLoss) {
+  expect_init_from_matches(dir_, data_, "tied", 4);
+  expect_init_from_matches(dir_, data_, "untied", 2);
+}
+
+TEST_F(HfTest, InitFromRefusesWhatStratasModelLacks) {
+  const std::string d = dir_.file("llama31");
+  make_dirs(d);
+  std::ofstream(d + "/config.json") << R"({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 256,
+      "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})";
+  try {
+    parse_config(config(data_, "", {{"init_from", d}}));
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("rope_scaling with rope_type 'llama3'"), std::string::npos) << e.what();
+  }
+  std::ofstream(d + "/config.json") << R"({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
+      "num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 256})";
+  try {
+    parse_config(config(data_, "", {{"init_from", d}, {"dim", 128}}));
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("model.dim: 128 here, but " + d + "/config.json says 64"), std::string::npos)
+        << e.what();
+  }
 }
 
 }  // namespace

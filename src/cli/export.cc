@@ -17,6 +17,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/safetensors.h"
 #include "memory/buffer.h"
 #include "util/errors.h"
 #include "util/fs.h"
@@ -55,25 +56,6 @@ int64_t parse_size(const std::string& text) {
     throw ConfigError("--max-shard-size", "expected a positive size like 5GB or 500MB, got '" + text + "'");
   }
   return int64_t(v * it->second);
-}
-
-// Strata's parameter names -> Hugging Face LlamaForCausalLM's.
-std::string hf_name(const std::string& name) {
-  static const std::map<std::string, std::string> layer = {
-      {"attn_norm", "input_layernorm.weight"}, {"wq", "self_attn.q_proj.weight"},
-      {"wk", "self_attn.k_proj.weight"},       {"wv", "self_attn.v_proj.weight"},
-      {"wo", "self_attn.o_proj.weight"},       {"mlp_norm", "post_attention_layernorm.weight"},
-      {"w1", "mlp.gate_proj.weight"},          {"w3", "mlp.up_proj.weight"},
-      {"w2", "mlp.down_proj.weight"}};
-  if (name == "embedding.tok_embedding") return "model.embed_tokens.weight";
-  if (name == "head.final_norm") return "model.norm.weight";
-  if (name == "head.output") return "lm_head.weight";
-  if (name.rfind("layer.", 0) == 0) {
-    const size_t dot = name.find('.', 6);
-    auto it = dot == std::string::npos ? layer.end() : layer.find(name.substr(dot + 1));
-    if (it != layer.end()) return "model.layers." + name.substr(6, dot - 6) + "." + it->second;
-  }
-  throw Error("export: no Hugging Face name for parameter '" + name + "'");
 }
 
 // fp32 -> bf16, round to nearest even (NaN stays NaN), as torch converts.
@@ -165,7 +147,7 @@ int run_export(const ExportOptions& opt) {
     if (shard_bytes.empty() || (shard_bytes.back() > 0 && shard_bytes.back() + bytes > max_shard)) {
       shard_bytes.push_back(0);
     }
-    items.push_back({&t, hf_name(t.name), numel, shard_bytes.back(), shard_bytes.size() - 1});
+    items.push_back({&t, hf_tensor_name(t.name), numel, shard_bytes.back(), shard_bytes.size() - 1});
     shard_bytes.back() += bytes;
     largest = std::max(largest, numel);
     total += bytes;

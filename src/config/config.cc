@@ -662,14 +662,88 @@ void parse_activation_checkpointing(const json& root, Config& c) {
   read(a, path, "profile", ac.profile);
 }
 
+// model.init_from: the Hugging Face config.json next to the weights fills
+// the model keys the config leaves out and must agree with those it sets;
+// features Strata's model lacks are refused by name.
+json model_with_hf_config(const json& m, const std::string& from) {
+  std::string dir = from;
+  if (!is_directory(from)) {
+    if (!path_exists(from)) fail("model.init_from", "'" + from + "' does not exist");
+    dir = from.find('/') == std::string::npos ? "." : from.substr(0, from.find_last_of('/'));
+  }
+  const std::string cpath = dir + "/config.json";
+  if (!path_exists(cpath)) {
+    if (is_directory(from)) fail("model.init_from", "no config.json in " + from);
+    return m;  // one file without a config: the model section says it all
+  }
+  std::ifstream in(cpath);
+  json hf = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (hf.is_discarded() || !hf.is_object()) fail("model.init_from", cpath + " is not a JSON object");
+  const std::string where = "model.init_from (" + cpath + ")";
+  if (hf.value("model_type", std::string("llama")) != "llama") {
+    fail(where, "model_type '" + hf["model_type"].get<std::string>() + "' is not a LLaMA model");
+  }
+  auto refuse_rope = [&](const char* key) {
+    if (!hf.contains(key) || hf[key].is_null()) return;
+    const json& r = hf[key];
+    const std::string type = r.value("rope_type", r.value("type", std::string("default")));
+    if (type != "default") {
+      fail(where, std::string(key) + " with rope_type '" + type + "' (scaled rotary embeddings) is not supported");
+    }
+  };
+  refuse_rope("rope_scaling");
+  refuse_rope("rope_parameters");
+  for (const char* b : {"attention_bias", "mlp_bias"}) {
+    if (hf.value(b, false)) fail(where, std::string(b) + " true is not supported (Strata's layers have no biases)");
+  }
+  if (hf.value("hidden_act", std::string("silu")) != "silu") {
+    fail(where, "hidden_act '" + hf["hidden_act"].get<std::string>() + "' is not supported (SwiGLU uses silu)");
+  }
+  json theta = hf.contains("rope_theta") ? hf["rope_theta"] : json();
+  if (hf.contains("rope_parameters") && hf["rope_parameters"].is_object() && hf["rope_parameters"].contains("rope_theta")) {
+    theta = hf["rope_parameters"]["rope_theta"];
+  }
+  const std::vector<std::pair<const char*, json>> fields = {
+      {"dim", hf.value("hidden_size", json())},
+      {"n_layers", hf.value("num_hidden_layers", json())},
+      {"n_heads", hf.value("num_attention_heads", json())},
+      {"n_kv_heads", hf.value("num_key_value_heads", hf.value("num_attention_heads", json()))},
+      {"ffn_hidden", hf.value("intermediate_size", json())},
+      {"vocab_size", hf.value("vocab_size", json())},
+      {"norm_eps", hf.value("rms_norm_eps", json())},
+      {"rope_theta", theta},
+      {"tie_embeddings", hf.value("tie_word_embeddings", json(true))}};
+  json out = m;
+  for (const auto& [key, v] : fields) {
+    if (v.is_null()) continue;
+    if (!m.contains(key)) {
+      out[key] = v;
+      continue;
+    }
+    const bool same = v.is_number() && m[key].is_number() ? v.get<double>() == m[key].get<double>() : v == m[key];
+    if (!same) {
+      fail(std::string("model.") + key, m[key].dump() + " here, but " + cpath + " says " + v.dump());
+    }
+  }
+  if (hf.contains("head_dim") && !hf["head_dim"].is_null() && out.contains("dim") && out.contains("n_heads") &&
+      hf["head_dim"].get<int64_t>() * out["n_heads"].get<int64_t>() != out["dim"].get<int64_t>()) {
+    fail(where, "head_dim " + hf["head_dim"].dump() + " differs from hidden_size / num_attention_heads");
+  }
+  return out;
+}
+
 void parse_model(const json& root, Config& c) {
   const std::string path = "model";
-  const json& m = section(root, "", path);
-  check_keys(m, path,
+  json merged = section(root, "", path);
+  check_keys(merged, path,
              {"vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "multiple_of",
-              "seq_len", "tie_embeddings", "rope_theta", "norm_eps", "init_std"},
+              "seq_len", "tie_embeddings", "rope_theta", "norm_eps", "init_std", "init_from"},
              kNone, c.ignored_keys);
   ModelConfig& mc = c.model;
+  if (read(merged, path, "init_from", mc.init_from) && !mc.init_from.empty()) {
+    merged = model_with_hf_config(merged, mc.init_from);
+  }
+  const json& m = merged;
   auto pos = [&](std::string_view key, int64_t& out) {
     if (read(m, path, key, out)) positive(join(path, key), out);
   };

@@ -24,6 +24,9 @@ struct ModelConfig {
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
   double init_std = 0.02;         // std of normal init for matrices and embedding
+  // Hugging Face LLaMA safetensors (a directory with config.json, or one
+  // file) whose weights initialise training; "" = random init from run.seed.
+  std::string init_from;
 
   int64_t head_dim() const { return dim / n_heads; }
   int64_t kv_heads() const { return n_kv_heads == 0 ? n_heads : n_kv_heads; }

@@ -10,6 +10,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "checkpoint/safetensors.h"
 #include "engine/lr_schedule.h"
 #include "util/errors.h"
 #include "util/fs.h"
@@ -838,14 +839,31 @@ void Trainer::allocate_step_buffers(const PlacementPlan& plan) {
 // block (the draws follow the unpadded parameters in model order) and keeps
 // its shard, so the same seed gives the same weights whatever the placement
 // or world size.
+// With model.init_from, the weights come from Hugging Face safetensors
+// instead, one block at a time.
 void Trainer::initialise_state(const PlacementPlan& plan) {
   at::Generator gen = at::detail::createCPUGenerator(cfg_.run.seed);
+  std::unique_ptr<SafetensorsSet> hf;
+  if (!cfg_.model.init_from.empty()) hf = std::make_unique<SafetensorsSet>(cfg_.model.init_from);
   for (size_t b = 0; b < layout_.num_blocks(); ++b) {
     const BlockLayout& bl = layout_.block(b);
     const int64_t n = bl.shard_numel();
     at::Tensor master = block_flat(b, grad_stage_.data(), at::kFloat);
     master.zero_();
-    init_block(bl, master, gen);
+    if (hf) {
+      for (const ParamLayout& p : bl.params) {
+        const std::string name = hf_tensor_name(bl.name + "." + p.spec.name);
+        if (!hf->has(name)) {
+          throw InputError(cfg_.model.init_from, "no tensor " + name + " (Strata's " + bl.name + "." + p.spec.name + ")");
+        }
+        if (hf->shape(name) != p.spec.shape) {
+          throw InputError(cfg_.model.init_from, "tensor " + name + " has another shape than the model's");
+        }
+        hf->read_f32(name, master.data_ptr<float>() + p.offset);
+      }
+    } else {
+      init_block(bl, master, gen);
+    }
     state_->write(Category::kMaster, shard_offset_[b], n, master.data_ptr<float>() + shard_rank_ * n);
     // Start-up only: a temporary for the working copy (4 KiB-aligned for NVMe).
     HostBuffer tmp(size_t(bl.padded_numel * compute_bytes_), "initial working copy");

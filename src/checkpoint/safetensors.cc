@@ -1,0 +1,165 @@
+#include "checkpoint/safetensors.h"
+
+#include <fcntl.h>
+#include <unistd.h>
+
+#include <cstring>
+#include <map>
+
+#include <nlohmann/json.hpp>
+
+#include "util/errors.h"
+#include "util/fs.h"
+#include "util/logging.h"
+
+namespace strata {
+
+namespace {
+
+float bf16_to_f32(uint16_t v) {
+  const uint32_t u = uint32_t(v) << 16;
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+float f16_to_f32(uint16_t h) {
+  const uint32_t sign = uint32_t(h & 0x8000) << 16;
+  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, u;
+  if (exp == 0) {
+    if (mant == 0) {
+      u = sign;
+    } else {  // subnormal: normalise
+      exp = 127 - 15 + 1;
+      while ((mant & 0x400) == 0) {
+        mant <<= 1;
+        --exp;
+      }
+      u = sign | (exp << 23) | ((mant & 0x3ff) << 13);
+    }
+  } else if (exp == 31) {
+    u = sign | 0x7f800000u | (mant << 13);
+  } else {
+    u = sign | ((exp + 127 - 15) << 23) | (mant << 13);
+  }
+  float f;
+  std::memcpy(&f, &u, 4);
+  return f;
+}
+
+void pread_all(const std::string& path, int64_t offset, int64_t bytes, void* out) {
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw InputError(path, std::string("cannot open: ") + std::strerror(errno));
+  char* p = static_cast<char*>(out);
+  while (bytes > 0) {
+    const ssize_t n = ::pread(fd, p, size_t(bytes), offset);
+    if (n < 0 && errno == EINTR) continue;
+    if (n <= 0) {
+      ::close(fd);
+      throw InputError(path, strprintf("truncated: cannot read %lld bytes at offset %lld", (long long)bytes,
+                                       (long long)offset));
+    }
+    p += n;
+    offset += n;
+    bytes -= n;
+  }
+  ::close(fd);
+}
+
+}  // namespace
+
+std::string hf_tensor_name(const std::string& name) {
+  static const std::map<std::string, std::string> layer = {
+      {"attn_norm", "input_layernorm.weight"}, {"wq", "self_attn.q_proj.weight"},
+      {"wk", "self_attn.k_proj.weight"},       {"wv", "self_attn.v_proj.weight"},
+      {"wo", "self_attn.o_proj.weight"},       {"mlp_norm", "post_attention_layernorm.weight"},
+      {"w1", "mlp.gate_proj.weight"},          {"w3", "mlp.up_proj.weight"},
+      {"w2", "mlp.down_proj.weight"}};
+  if (name == "embedding.tok_embedding") return "model.embed_tokens.weight";
+  if (name == "head.final_norm") return "model.norm.weight";
+  if (name == "head.output") return "lm_head.weight";
+  if (name.rfind("layer.", 0) == 0) {
+    const size_t dot = name.find('.', 6);
+    auto it = dot == std::string::npos ? layer.end() : layer.find(name.substr(dot + 1));
+    if (it != layer.end()) return "model.layers." + name.substr(6, dot - 6) + "." + it->second;
+  }
+  throw Error("no Hugging Face name for parameter '" + name + "'");
+}
+
+SafetensorsSet::SafetensorsSet(const std::string& path) {
+  if (!is_directory(path)) {
+    add_file(path);
+    return;
+  }
+  const std::string index = path + "/model.safetensors.index.json";
+  if (path_exists(index)) {
+    const nlohmann::json j = nlohmann::json::parse(file_contents(index), nullptr, false);
+    if (j.is_discarded() || !j.contains("weight_map") || !j["weight_map"].is_object()) {
+      throw InputError(index, "not a safetensors index (no weight_map)");
+    }
+    std::map<std::string, bool> files;
+    for (const auto& [name, file] : j["weight_map"].items()) {
+      const std::string f = file.get<std::string>();
+      if (f.empty() || f.find('/') != std::string::npos) throw InputError(index, "'" + f + "' is not a file name here");
+      files[f] = true;
+    }
+    for (const auto& [f, unused] : files) add_file(path + "/" + f);
+    return;
+  }
+  bool any = false;
+  for (const std::string& n : list_dir(path)) {
+    if (n.size() > 12 && n.compare(n.size() - 12, 12, ".safetensors") == 0) {
+      add_file(path + "/" + n);
+      any = true;
+    }
+  }
+  if (!any) throw InputError(path, "no .safetensors files");
+}
+
+void SafetensorsSet::add_file(const std::string& path) {
+  uint64_t n = 0;
+  pread_all(path, 0, 8, &n);
+  if (n == 0 || n > (uint64_t(100) << 20)) throw InputError(path, "not a safetensors file (header length)");
+  std::string text(size_t(n), '\0');
+  pread_all(path, 8, int64_t(n), text.data());
+  const nlohmann::json h = nlohmann::json::parse(text, nullptr, false);
+  if (h.is_discarded() || !h.is_object()) throw InputError(path, "not a safetensors file (header is not JSON)");
+  for (const auto& [name, meta] : h.items()) {
+    if (name == "__metadata__") continue;
+    Entry e;
+    e.file = path;
+    try {
+      e.dtype = meta.at("dtype").get<std::string>();
+      e.shape = meta.at("shape").get<std::vector<int64_t>>();
+      e.begin = 8 + int64_t(n) + meta.at("data_offsets").at(0).get<int64_t>();
+      e.end = 8 + int64_t(n) + meta.at("data_offsets").at(1).get<int64_t>();
+    } catch (const std::exception&) {
+      throw InputError(path, "tensor '" + name + "': malformed header entry");
+    }
+    tensors_[name] = std::move(e);
+  }
+}
+
+const std::vector<int64_t>& SafetensorsSet::shape(const std::string& name) const { return tensors_.at(name).shape; }
+
+std::vector<std::string> SafetensorsSet::names() const {
+  std::vector<std::string> out;
+  for (const auto& [n, e] : tensors_) out.push_back(n);
+  return out;
+}
+
+void SafetensorsSet::read_f32(const std::string& name, float* out) const {
+  const Entry& e = tensors_.at(name);
+  int64_t numel = 1;
+  for (int64_t d : e.shape) numel *= d;
+  const int eb = e.dtype == "F32" ? 4 : (e.dtype == "BF16" || e.dtype == "F16") ? 2 : 0;
+  if (eb == 0) throw InputError(e.file, "tensor '" + name + "' has dtype " + e.dtype + " (F32, BF16 or F16 expected)");
+  if (e.end - e.begin != numel * eb) throw InputError(e.file, "tensor '" + name + "': data_offsets do not match its shape");
+  if (eb == 4) return pread_all(e.file, e.begin, numel * 4, out);
+  // 16-bit: read into the upper half of `out`, widen from the front.
+  uint16_t* half = reinterpret_cast<uint16_t*>(out) + numel;
+  pread_all(e.file, e.begin, numel * 2, half);
+  for (int64_t i = 0; i < numel; ++i) out[i] = e.dtype == "BF16" ? bf16_to_f32(half[i]) : f16_to_f32(half[i]);
+}
+
+}  // namespace strata

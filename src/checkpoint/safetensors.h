@@ -1,0 +1,40 @@
+// Reading Hugging Face safetensors: one file, or a directory of shards with
+// model.safetensors.index.json (or of *.safetensors files without one).
+// Tensors are read one at a time and converted to fp32. No LibTorch here.
+#pragma once
+
+#include <cstdint>
+#include <map>
+#include <string>
+#include <vector>
+
+namespace strata {
+
+// Hugging Face LlamaForCausalLM's name for a Strata parameter ("layer.3.wq"
+// -> "model.layers.3.self_attn.q_proj.weight"). Throws Error for a name
+// without one.
+std::string hf_tensor_name(const std::string& strata_name);
+
+class SafetensorsSet {
+ public:
+  // Parses every file's header. Throws InputError naming the file.
+  explicit SafetensorsSet(const std::string& path);
+
+  bool has(const std::string& name) const { return tensors_.count(name) > 0; }
+  const std::vector<int64_t>& shape(const std::string& name) const;
+  // Reads tensor `name` (F32, BF16 or F16) into out[0..numel) as fp32.
+  // Throws InputError naming the file for a short read or another dtype.
+  void read_f32(const std::string& name, float* out) const;
+  std::vector<std::string> names() const;
+
+ private:
+  struct Entry {
+    std::string file, dtype;
+    std::vector<int64_t> shape;
+    int64_t begin = 0, end = 0;  // absolute byte offsets in the file
+  };
+  void add_file(const std::string& path);
+  std::map<std::string, Entry> tensors_;
+};
+
+}  // namespace strata
