@@ -9,7 +9,8 @@ Each round (interleaved, so the disk's drift hits both alike):
      --every steps: each save's checkpoint_s and checkpoint_bytes from the metrics give the
      write bandwidth; the step intervals (elapsed_s) with a save against those without give
      the time the save added;
-  3. `strata train --resume` loads the checkpoint (the log's "resumed ... in X s").
+  3. `strata train --resume` loads the checkpoint (the log's "resumed ... in X s");
+  4. `strata export` writes its weights as bf16 safetensors (whole command, timed).
 It prints medians over rounds and the same-run ratios to bench-io.
 
 Usage:
@@ -24,6 +25,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import time
 
 
 def run(cmd, env=None):
@@ -104,12 +106,20 @@ def main():
         if not m:
             sys.exit("no 'resumed ... in X s' line in:\n" + out)
         read_s = float(m.group(1))
+        # Export: the master weights (a third of the checkpoint) to bf16 safetensors.
+        exp_dir = os.path.join(args.dir, "export")
+        shutil.rmtree(exp_dir, ignore_errors=True)
+        t0 = time.monotonic()
+        run([args.strata, "export", ck, "--out", exp_dir, "--dtype", "bf16"])
+        export_s = time.monotonic() - t0
+        export_out = sum(os.path.getsize(os.path.join(exp_dir, f)) for f in os.listdir(exp_dir))
         io = bench_io(args.strata, args.dir, max(64, ck_bytes >> 20), args)
         row = {"round": rnd, "checkpoint_bytes": ck_bytes, "save_s": save_s, "write_gbps": write_gbps,
                "write_nosync_gbps": nosync_gbps, "fsync_s": statistics.median(fsyncs),
                "read_s": read_s, "read_gbps": ck_bytes / read_s / 1e9, "bench_io_write_gbps": io["write"],
                "bench_io_read_gbps": io["read"], "step_s": statistics.median(without),
-               "added_s": added_s}
+               "added_s": added_s, "export_s": export_s,
+               "export_read_gbps": ck_bytes / 3 / export_s / 1e9, "export_write_gbps": export_out / export_s / 1e9}
         row["write_ratio"] = row["write_gbps"] / row["bench_io_write_gbps"]
         row["write_nosync_ratio"] = row["write_nosync_gbps"] / row["bench_io_write_gbps"]
         row["read_ratio"] = row["read_gbps"] / row["bench_io_read_gbps"]
@@ -126,6 +136,8 @@ def main():
           f"ratio {med['write_nosync_ratio']:.2f}")
     print(f"  read   {med['read_gbps']:.2f} GB/s vs bench-io {med['bench_io_read_gbps']:.2f} GB/s: "
           f"ratio {med['read_ratio']:.2f}")
+    print(f"  export (bf16, whole command) {med['export_s']:.2f} s: reads {med['export_read_gbps']:.2f} GB/s of fp32 "
+          f"master weights, writes {med['export_write_gbps']:.2f} GB/s of safetensors")
     print(f"  a save adds {med['added_s']:.2f} s to its step: {100 * med['added_over_save']:.0f}% of the "
           f"save's {med['save_s']:.2f} s")
     if args.json:
