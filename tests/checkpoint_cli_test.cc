@@ -32,33 +32,12 @@
 namespace strata {
 namespace {
 
+using testing::read_bytes;
+using testing::Result;
+using testing::sh;
 using testing::TempDir;
 
 const std::string kStrata = std::string(STRATA_BINARY_DIR) + "/strata";
-
-struct Result {
-  int code = -1;
-  std::string output;
-};
-
-Result sh(const std::string& cmd) {
-  Result r;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (p == nullptr) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : WIFSIGNALED(status) ? 128 + WTERMSIG(status) : -1;
-  return r;
-}
-
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
-}
 
 // step -> loss, from a metrics file.
 std::map<int64_t, double> losses(const std::string& path) {
@@ -72,6 +51,22 @@ std::map<int64_t, double> losses(const std::string& path) {
     out[j["step"].get<int64_t>()] = j["loss"].get<double>();
   }
   return out;
+}
+
+// Starts `args` in the background with stdout and stderr to `log`.
+pid_t spawn(std::vector<std::string> args, const std::string& log) {
+  const pid_t pid = fork();
+  if (pid == 0) {
+    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
+    dup2(fd, 1);
+    dup2(fd, 2);
+    std::vector<char*> argv;
+    for (std::string& a : args) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    execv(argv[0], argv.data());
+    _exit(127);
+  }
+  return pid;
 }
 
 // A model whose blocks do not split evenly into 2, 3 or 4 shards.
@@ -194,19 +189,9 @@ TEST_F(CheckpointCliTest, RandomKillsDuringSavesNeverLoseTheLatestCheckpoint) {
   for (int i = 0; i < 22 && kills < 20; ++i) {
     const std::string m = dir_.file("m" + std::to_string(i) + ".jsonl");
     const bool resume = access((ck + "/latest").c_str(), F_OK) == 0;
-    const pid_t pid = fork();
-    if (pid == 0) {
-      const int fd = open(dir_.file("log" + std::to_string(i)).c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-      dup2(fd, 1);
-      dup2(fd, 2);
-      std::vector<std::string> args = {kStrata, "train", cfg, "--metrics", m};
-      if (resume) args.push_back("--resume");
-      std::vector<char*> argv;
-      for (std::string& s : args) argv.push_back(s.data());
-      argv.push_back(nullptr);
-      execv(argv[0], argv.data());
-      _exit(127);
-    }
+    std::vector<std::string> args = {kStrata, "train", cfg, "--metrics", m};
+    if (resume) args.push_back("--resume");
+    const pid_t pid = spawn(args, dir_.file("log" + std::to_string(i)));
     // Once it trains (a metrics line), kill it somewhere in the next steps' saves.
     const auto t0 = std::chrono::steady_clock::now();
     int st = 0;
@@ -251,15 +236,8 @@ TEST_F(CheckpointCliTest, StopSignalSavesAndExitsZero) {
   c["run"]["checkpoint"]["dir"] = b;
   const std::string cfg = config("b.json", c);
   const std::string log = dir_.file("launch.log");
-  const pid_t pid = fork();
-  if (pid == 0) {
-    const int fd = open(log.c_str(), O_WRONLY | O_CREAT | O_TRUNC, 0600);
-    dup2(fd, 1);
-    dup2(fd, 2);
-    execl(kStrata.c_str(), kStrata.c_str(), "launch", "--nproc", "2", "--", "strata", "train", cfg.c_str(),
-          "--metrics", (b + "-1.jsonl").c_str(), (char*)nullptr);
-    _exit(127);
-  }
+  const pid_t pid =
+      spawn({kStrata, "launch", "--nproc", "2", "--", "strata", "train", cfg, "--metrics", b + "-1.jsonl"}, log);
   const auto t0 = std::chrono::steady_clock::now();
   while (read_bytes(b + "-1.jsonl").find("\"step\":3,") == std::string::npos) {
     ASSERT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 60.0) << read_bytes(log);

@@ -20,22 +20,10 @@ namespace {
 
 using testing::TempDir;
 
-struct Result {
-  int code = -1;
-  std::string output;  // stdout and stderr
-};
+using testing::Result;
 
 Result run_strata(const std::string& args) {
-  const std::string cmd = std::string(STRATA_BINARY_DIR) + "/strata " + args + " 2>&1";
-  Result r;
-  FILE* p = popen(cmd.c_str(), "r");
-  if (p == nullptr) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
+  return testing::sh(std::string(STRATA_BINARY_DIR) + "/strata " + args);
 }
 
 bool exists(const std::string& path) {

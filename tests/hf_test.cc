@@ -28,28 +28,13 @@
 namespace strata {
 namespace {
 
+using testing::Result;
+using testing::sh;
 using testing::TempDir;
 
 const std::string kStrata = std::string(STRATA_BINARY_DIR) + "/strata";
 const std::string kPython = std::string(STRATA_SOURCE_DIR) + "/.venv/bin/python";
 const std::string kLogits = std::string(STRATA_SOURCE_DIR) + "/tests/hf_logits.py";
-
-struct Result {
-  int code = -1;
-  std::string output;
-};
-
-Result sh(const std::string& cmd) {
-  Result r;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (p == nullptr) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
 
 bool have_transformers() { return sh(kPython + " -c 'import transformers, safetensors'").code == 0; }
 

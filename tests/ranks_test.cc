@@ -32,27 +32,14 @@
 namespace strata {
 namespace {
 
+using testing::free_port;
+using testing::read_bytes;
+using testing::Result;
+using testing::sh;
 using testing::TempDir;
 
 const std::string kStrata = std::string(STRATA_BINARY_DIR) + "/strata";
 const std::string kWorker = std::string(STRATA_BINARY_DIR) + "/tests/rank_worker";
-
-struct Result {
-  int code = -1;
-  std::string output;
-};
-
-Result sh(const std::string& cmd) {
-  Result r;
-  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
-  if (p == nullptr) return r;
-  std::array<char, 4096> buf;
-  size_t n;
-  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
-  const int status = pclose(p);
-  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : -1;
-  return r;
-}
 
 // A model whose blocks do not split evenly into 2, 3 or 4 shards of whole
 // 2048-element pieces: dim 48 gives layers of 27,744 elements.
@@ -79,13 +66,6 @@ std::vector<double> read_losses(const std::string& path) {
   double x;
   while (in >> x) v.push_back(x);
   return v;
-}
-
-std::string read_bytes(const std::string& path) {
-  std::ifstream in(path, std::ios::binary);
-  std::ostringstream s;
-  s << in.rdbuf();
-  return s.str();
 }
 
 std::vector<float> read_floats(const std::string& path) {
@@ -132,6 +112,15 @@ void expect_same_training(const std::string& ref, const std::string& got, const 
     EXPECT_LE(max_d, 1e-4 * max_w) << what << ": a tensor of " << n << " elements differs";
   }
   EXPECT_EQ(at, wa.size());
+}
+
+// The losses of a metrics file, step by step.
+std::vector<double> metric_losses(const std::string& path) {
+  std::vector<double> v;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) v.push_back(nlohmann::json::parse(line)["loss"]);
+  return v;
 }
 
 class RanksTest : public ::testing::Test {
@@ -258,18 +247,6 @@ struct Ranks {
   std::vector<pid_t> pids;
   std::vector<std::string> logs;
 };
-
-int free_port() {
-  const int fd = socket(AF_INET, SOCK_STREAM, 0);
-  sockaddr_in a{};
-  a.sin_family = AF_INET;
-  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
-  socklen_t len = sizeof(a);
-  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
-  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
-  close(fd);
-  return ntohs(a.sin_port);
-}
 
 Ranks start_ranks(int n, const TempDir& dir, const std::vector<std::vector<std::string>>& args, int port) {
   Ranks rs;
@@ -430,14 +407,7 @@ TEST_F(RanksTest, TorchrunRunsTwoRanksOfStrata) {
   ASSERT_EQ(t.code, 0) << t.output;
   Result l = sh(kStrata + " launch --nproc 2 -- strata train " + cfg + " --metrics " + dir_.file("l.jsonl"));
   ASSERT_EQ(l.code, 0) << l.output;
-  auto losses = [&](const std::string& f) {
-    std::vector<double> v;
-    std::ifstream in(f);
-    std::string line;
-    while (std::getline(in, line)) v.push_back(nlohmann::json::parse(line)["loss"]);
-    return v;
-  };
-  const std::vector<double> a = losses(dir_.file("t.jsonl")), b = losses(dir_.file("l.jsonl"));
+  const std::vector<double> a = metric_losses(dir_.file("t.jsonl")), b = metric_losses(dir_.file("l.jsonl"));
   EXPECT_EQ(a.size(), 3u);
   EXPECT_EQ(a, b);
   const nlohmann::json last = nlohmann::json::parse(read_bytes(dir_.file("t.jsonl")).substr(
@@ -470,14 +440,7 @@ TEST_F(RanksTest, SlurmEnvironmentRunsTwoRanksOfStrata) {
   EXPECT_NE(log1.find("rank 1 of 2 (local 1 of 2) via slurm"), std::string::npos) << log1;
   Result l = sh(kStrata + " launch --nproc 2 -- strata train " + cfg + " --metrics " + dir_.file("l.jsonl"));
   ASSERT_EQ(l.code, 0) << l.output;
-  auto losses = [&](const std::string& f) {
-    std::vector<double> v;
-    std::ifstream in(f);
-    std::string line;
-    while (std::getline(in, line)) v.push_back(nlohmann::json::parse(line)["loss"]);
-    return v;
-  };
-  const std::vector<double> a = losses(dir_.file("s.jsonl")), b = losses(dir_.file("l.jsonl"));
+  const std::vector<double> a = metric_losses(dir_.file("s.jsonl")), b = metric_losses(dir_.file("l.jsonl"));
   EXPECT_EQ(a.size(), 3u);
   EXPECT_EQ(a, b);
 }

@@ -1,13 +1,20 @@
-// Helpers shared by the test suites: temporary directories and files.
+// Helpers shared by the test suites: temporary directories and files,
+// shell commands, free ports.
 #pragma once
 
+#include <arpa/inet.h>
 #include <ftw.h>
+#include <netinet/in.h>
 #include <stdlib.h>
+#include <sys/socket.h>
+#include <sys/wait.h>
 #include <unistd.h>
 
+#include <array>
 #include <cstdio>
 #include <cstdlib>
 #include <fstream>
+#include <sstream>
 #include <string>
 
 namespace strata::testing {
@@ -53,6 +60,46 @@ inline std::string sample_text(size_t min_bytes) {
   std::string out;
   while (out.size() < min_bytes) out += para;
   return out;
+}
+
+// A shell command's exit status (128 + the signal when one killed it) and
+// its stdout and stderr together.
+struct Result {
+  int code = -1;
+  std::string output;
+};
+
+inline Result sh(const std::string& cmd) {
+  Result r;
+  FILE* p = popen((cmd + " 2>&1").c_str(), "r");
+  if (p == nullptr) return r;
+  std::array<char, 4096> buf;
+  size_t n;
+  while ((n = fread(buf.data(), 1, buf.size(), p)) > 0) r.output.append(buf.data(), n);
+  const int status = pclose(p);
+  r.code = WIFEXITED(status) ? WEXITSTATUS(status) : WIFSIGNALED(status) ? 128 + WTERMSIG(status) : -1;
+  return r;
+}
+
+// The whole file ("" when it cannot be read).
+inline std::string read_bytes(const std::string& path) {
+  std::ifstream in(path, std::ios::binary);
+  std::ostringstream s;
+  s << in.rdbuf();
+  return s.str();
+}
+
+// A TCP port free right now on the loopback interface (from bind(0)).
+inline int free_port() {
+  const int fd = socket(AF_INET, SOCK_STREAM, 0);
+  sockaddr_in a{};
+  a.sin_family = AF_INET;
+  a.sin_addr.s_addr = htonl(INADDR_LOOPBACK);
+  socklen_t len = sizeof(a);
+  bind(fd, reinterpret_cast<sockaddr*>(&a), sizeof(a));
+  getsockname(fd, reinterpret_cast<sockaddr*>(&a), &len);
+  close(fd);
+  return ntohs(a.sin_port);
 }
 
 }  // namespace strata::testing

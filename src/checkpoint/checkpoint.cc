@@ -65,6 +65,18 @@ int64_t integer(const json& j, const char* key, const std::string& path, const s
   return v.get<int64_t>();
 }
 
+json range_to_json(const SavedRange& r) {
+  return {{"category", saved_name(r.category)}, {"start", r.start}, {"numel", r.numel},
+          {"file", r.file},                     {"offset", r.offset}, {"crc32c", r.crc}};
+}
+
+// Ranges in manifest order: by category, then start.
+void sort_ranges(std::vector<SavedRange>& ranges) {
+  std::stable_sort(ranges.begin(), ranges.end(), [](const SavedRange& a, const SavedRange& b) {
+    return a.category != b.category ? a.category < b.category : a.start < b.start;
+  });
+}
+
 std::string rank_file(int rank, const char* ext) { return strprintf("rank-%05d.%s", rank, ext); }
 
 std::string file_name_for_log(const std::string& dir, int rank) { return dir + "/" + rank_file(rank, "bin"); }
@@ -80,12 +92,10 @@ struct PhaseStatus {
 // one failed: the failing rank with its own message, the others naming the
 // highest-numbered rank that failed.
 void agree(Communicator& comm, const PhaseStatus& mine, const char* phase) {
-  int64_t failed[2] = {mine.error.empty() ? 0 : 1, mine.error.empty() ? -1 : int64_t(comm.rank())};
-  comm.all_reduce(failed, 2, DType::kI64, ReduceOp::kMax).wait();
-  if (failed[0] == 0) return;
+  const int64_t failed = failed_rank(comm, !mine.error.empty());
+  if (failed < 0) return;
   if (!mine.error.empty()) throw Error("checkpoint save failed (" + std::string(phase) + "): " + mine.error);
-  throw Error(strprintf("checkpoint save failed (%s) on rank %lld; see its message", phase,
-                        (long long)failed[1]));
+  throw Error(strprintf("checkpoint save failed (%s) on rank %lld; see its message", phase, (long long)failed));
 }
 
 }  // namespace
@@ -131,14 +141,7 @@ json manifest_to_json(const Manifest& m) {
   json dtypes = json::object();
   for (const auto& [c, eb] : m.elem_bytes) dtypes[saved_name(c)] = eb == 4 ? "fp32" : "bf16";
   json ranges = json::array();
-  for (const SavedRange& r : m.ranges) {
-    ranges.push_back({{"category", saved_name(r.category)},
-                      {"start", r.start},
-                      {"numel", r.numel},
-                      {"file", r.file},
-                      {"offset", r.offset},
-                      {"crc32c", r.crc}});
-  }
+  for (const SavedRange& r : m.ranges) ranges.push_back(range_to_json(r));
   json files = json::object();
   for (const auto& [name, bytes] : m.files) files[name] = bytes;
   return {{"format", "strata-checkpoint"},
@@ -249,9 +252,7 @@ Manifest manifest_from_json(const json& j, const std::string& path) {
     }
     m.ranges.push_back(std::move(s));
   }
-  std::stable_sort(m.ranges.begin(), m.ranges.end(), [](const SavedRange& a, const SavedRange& b) {
-    return a.category != b.category ? a.category < b.category : a.start < b.start;
-  });
+  sort_ranges(m.ranges);
   // Every saved category is tiled exactly: no gap, no overlap.
   for (Category c : kSavedCategories) {
     int64_t next = 0;
@@ -470,6 +471,7 @@ namespace {
 // Rank 0, once every rank's part is written: the manifest, the rename, latest, pruning.
 std::string publish(const CheckpointOptions& options, Manifest m, int world, const std::string& tmp,
                     const std::string& final_dir) {
+  json parts = json::array();
   for (int r = 0; r < world; ++r) {
     const std::string part = tmp + "/" + rank_file(r, "json");
     const json j = json::parse(file_contents(part), nullptr, false);
@@ -477,22 +479,13 @@ std::string publish(const CheckpointOptions& options, Manifest m, int world, con
       throw InputError(part, "a rank's part of the manifest is malformed");
     }
     m.files[rank_file(r, "bin")] = j["bytes"].get<int64_t>();
-    for (const json& x : j["ranges"]) {
-      SavedRange s;
-      parse_category(x["category"].get<std::string>(), &s.category);
-      s.start = x["start"];
-      s.numel = x["numel"];
-      s.file = x["file"];
-      s.offset = x["offset"];
-      s.crc = x["crc32c"].get<std::vector<uint32_t>>();
-      m.ranges.push_back(std::move(s));
-    }
+    for (const json& x : j["ranges"]) parts.push_back(x);
   }
-  std::stable_sort(m.ranges.begin(), m.ranges.end(), [](const SavedRange& a, const SavedRange& b) {
-    return a.category != b.category ? a.category < b.category : a.start < b.start;
-  });
-  // What is about to be published must read back: the same checks as a load.
-  manifest_from_json(manifest_to_json(m), tmp + "/manifest.json");
+  // The parts parsed, sorted and checked as a load will: what is about to be
+  // published must read back.
+  json whole = manifest_to_json(m);
+  whole["ranges"] = std::move(parts);
+  m = manifest_from_json(whole, tmp + "/manifest.json");
   checkpoint_fault_point("fsync");
   write_file_atomic(tmp + "/manifest.json", manifest_to_json(m).dump(1) + "\n");
   for (int r = 0; r < world; ++r) remove_file(tmp + "/" + rank_file(r, "json"));
@@ -597,12 +590,7 @@ std::string save_checkpoint(const CheckpointOptions& options, Communicator& comm
     json part = {{"bytes", int64_t(0)}, {"ranges", json::array()}};
     int64_t bytes = 0;
     for (const SavedRange& s : saved) {
-      part["ranges"].push_back({{"category", saved_name(s.category)},
-                                {"start", s.start},
-                                {"numel", s.numel},
-                                {"file", s.file},
-                                {"offset", s.offset},
-                                {"crc32c", s.crc}});
+      part["ranges"].push_back(range_to_json(s));
       bytes = std::max(bytes, s.offset + round_up(s.numel * header.elem_bytes.at(s.category), kAlign));
     }
     part["bytes"] = bytes;

@@ -8,6 +8,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cpu_adam/convert.h"
 #include "util/errors.h"
 #include "util/fs.h"
 #include "util/logging.h"
@@ -15,37 +16,6 @@
 namespace strata {
 
 namespace {
-
-float bf16_to_f32(uint16_t v) {
-  const uint32_t u = uint32_t(v) << 16;
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
-
-float f16_to_f32(uint16_t h) {
-  const uint32_t sign = uint32_t(h & 0x8000) << 16;
-  uint32_t exp = (h >> 10) & 0x1f, mant = h & 0x3ff, u;
-  if (exp == 0) {
-    if (mant == 0) {
-      u = sign;
-    } else {  // subnormal: normalise
-      exp = 127 - 15 + 1;
-      while ((mant & 0x400) == 0) {
-        mant <<= 1;
-        --exp;
-      }
-      u = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-    }
-  } else if (exp == 31) {
-    u = sign | 0x7f800000u | (mant << 13);
-  } else {
-    u = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &u, 4);
-  return f;
-}
 
 void pread_all(const std::string& path, int64_t offset, int64_t bytes, void* out) {
   const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
@@ -159,7 +129,9 @@ void SafetensorsSet::read_f32(const std::string& name, float* out) const {
   // 16-bit: read into the upper half of `out`, widen from the front.
   uint16_t* half = reinterpret_cast<uint16_t*>(out) + numel;
   pread_all(e.file, e.begin, numel * 2, half);
-  for (int64_t i = 0; i < numel; ++i) out[i] = e.dtype == "BF16" ? bf16_to_f32(half[i]) : f16_to_f32(half[i]);
+  for (int64_t i = 0; i < numel; ++i) {
+    out[i] = e.dtype == "BF16" ? cpu_adam::bf16_to_float(half[i]) : cpu_adam::fp16_to_float(half[i]);
+  }
 }
 
 }  // namespace strata

@@ -7,7 +7,6 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
-#include <cmath>
 #include <cstring>
 #include <map>
 #include <memory>
@@ -18,6 +17,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "checkpoint/safetensors.h"
+#include "cpu_adam/convert.h"
 #include "memory/buffer.h"
 #include "util/errors.h"
 #include "util/fs.h"
@@ -56,15 +56,6 @@ int64_t parse_size(const std::string& text) {
     throw ConfigError("--max-shard-size", "expected a positive size like 5GB or 500MB, got '" + text + "'");
   }
   return int64_t(v * it->second);
-}
-
-// fp32 -> bf16, round to nearest even (NaN stays NaN), as torch converts.
-uint16_t to_bf16(float f) {
-  uint32_t u;
-  std::memcpy(&u, &f, 4);
-  if (std::isnan(f)) return uint16_t((u >> 16) | 0x40);
-  u += 0x7FFF + ((u >> 16) & 1);
-  return uint16_t(u >> 16);
 }
 
 // The config.json that makes transformers build exactly this model: every
@@ -190,7 +181,7 @@ int run_export(const ExportOptions& opt) {
         if (eb == 2) {
           const float* x = f32.as<float>();
           uint16_t* y = out.as<uint16_t>();
-          for (int64_t i = 0; i < it.numel; ++i) y[i] = to_bf16(x[i]);
+          for (int64_t i = 0; i < it.numel; ++i) y[i] = cpu_adam::float_to_bf16(x[i]);  // as torch converts
           src = out.data();
         }
         write_all(fd, src, size_t(it.numel * eb), tmp);

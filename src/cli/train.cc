@@ -127,14 +127,9 @@ void on_every_rank(Communicator& comm, const char* what, Fn&& fn) {
   } catch (const Error&) {
     mine = std::current_exception();
   }
-  if (comm.world_size() == 1) {
-    if (mine) std::rethrow_exception(mine);
-    return;
-  }
-  int64_t failed[2] = {mine ? 1 : 0, mine ? int64_t(comm.rank()) : -1};
-  comm.all_reduce(failed, 2, DType::kI64, ReduceOp::kMax).wait();
+  const int64_t failed = failed_rank(comm, mine != nullptr);
   if (mine) std::rethrow_exception(mine);
-  if (failed[0] != 0) throw Error(strprintf("rank %lld failed %s; see its message", (long long)failed[1], what));
+  if (failed >= 0) throw Error(strprintf("rank %lld failed %s; see its message", (long long)failed, what));
 }
 
 // The value at a dotted key of `j`, as JSON text.

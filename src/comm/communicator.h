@@ -102,6 +102,16 @@ class Communicator : public Waiter {
 
 // World size 1: copies and no-ops, no sockets.
 std::unique_ptr<Communicator> make_local_communicator();
+
+// Collective: every rank says whether its part of some work failed. Returns
+// -1 when no rank failed, else the highest rank that did, so that all ranks
+// stop together rather than one going on to a collective the other never
+// reaches.
+inline int64_t failed_rank(Communicator& comm, bool failed) {
+  int64_t v = failed ? int64_t(comm.rank()) : -1;
+  if (comm.world_size() > 1) comm.all_reduce(&v, 1, DType::kI64, ReduceOp::kMax).wait();
+  return v;
+}
 // Connects to the store (serving it from rank 0 unless torchrun's agent does)
 // and builds the backend's process group. Throws CommError on failure (the
 // message names the address, e.g. MASTER_PORT already in use).
