@@ -43,7 +43,9 @@ namespace strata::cpu_adam {
 // (scalar with std::fma, AVX2, AVX-512, and the CUDA kernel of
 // kernels/adam.h, compiled with -fmad=false and __fmaf_rn at these points)
 // evaluates exactly this sequence with IEEE rounding of every operation, so
-// they agree bit for bit (tested). LibTorch's CPU kernels fuse some of these
+// they agree bit for bit (tested; for the CUDA kernel with finite gradients:
+// the bits of a NaN produced from an Inf or NaN gradient are the hardware's).
+// LibTorch's CPU kernels fuse some of these
 // operations and not others, and torch::optim::AdamW (C++) updates m as
 // m*beta1 + (1-beta1)*g, so results match LibTorch to rounding, not bit for
 // bit (tested: 1e-6 relative after 100 steps).

@@ -19,9 +19,11 @@ namespace strata::kernels {
 // constants cpu_adam::detail::make_constants computed for it: the same
 // operation sequence as the CPU kernels, every operation IEEE-rounded
 // (compiled with -fmad=false; __fmaf_rn exactly where the Note fuses), so
-// the results equal cpu_adam::CpuAdam's bit for bit, bf16 moments' stochastic
-// rounding and the 16-bit copy included (Note [bf16 state], Note [16-bit
-// rounding]). When any scaled gradient is not finite, *nonfinite (a device
+// with finite gradients the results equal cpu_adam::CpuAdam's bit for bit,
+// bf16 moments' stochastic rounding and the 16-bit copy included (Note [bf16
+// state], Note [16-bit rounding]). Elements with a NaN or Inf gradient end up
+// NaN on both, but the NaN's bits may differ (x86's default NaN has the sign
+// set, CUDA's does not); the trainer never applies such a step. When any scaled gradient is not finite, *nonfinite (a device
 // int; may be null) is set to 1; it is never cleared here. The step is
 // applied regardless (Note [Non-finite gradients]).
 void adam_step(const cpu_adam::detail::StepConstants& c, const cpu_adam::AdamSpans& spans, int* nonfinite,

@@ -88,6 +88,18 @@ TEST(LossScalerTest, DynamicScaleFollowsDeepSpeed) {
   }
 }
 
+// DeepSpeed stops only at the minimum itself; a scale below it (a resume
+// that raised fp16.min_loss_scale) is lifted to it by the next overflow.
+TEST(LossScalerTest, ScaleBelowTheMinimumIsLiftedToIt) {
+  Fp16Config c;
+  c.initial_scale_power = 8;
+  c.hysteresis = 1;
+  c.min_loss_scale = 1000;
+  LossScaler s(c);
+  run_schedule(s, {{true, 1000, 1, 0}});
+  EXPECT_THROW(s.update(true, 2), Error);
+}
+
 TEST(LossScalerTest, ConsecutiveHysteresisCountsOnlyOverflowsInARow) {
   Fp16Config c;
   c.initial_scale_power = 4;

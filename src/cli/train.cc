@@ -22,6 +22,7 @@
 #include "comm/communicator.h"
 #include "config/config.h"
 #include "data/dataset.h"
+#include "engine/lr_schedule.h"
 #include "engine/trainer.h"
 #include "model/model.h"
 #include "util/errors.h"
@@ -296,7 +297,11 @@ int run_train(const TrainOptions& opt) {
     std::ostringstream state;
     state << rng;
     // The trainer adds step, optimizer_step and loss_scale.
-    h.trainer = {{"scheduler", {{"type", cfg.scheduler.type}, {"step", trainer.optimizer_steps()}, {"lr", lr}}}};
+    // After an fp16-skipped step r.lr is the next applied step's: record the
+    // rate of the last step applied.
+    const int64_t applied = trainer.optimizer_steps();
+    if (applied != s) lr = applied > 0 ? learning_rate(cfg.scheduler, cfg.optimizer.lr, applied) : 0.0;
+    h.trainer = {{"scheduler", {{"type", cfg.scheduler.type}, {"step", applied}, {"lr", lr}}}};
     h.data = {{"rng", state.str()}, {"sequences", s * cfg.train_batch_size}, {"tokens", data.num_tokens()}};
     h.config = rank_invariant_config(cfg);
     h.invariants = resume_invariants(cfg);

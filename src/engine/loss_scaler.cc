@@ -24,13 +24,13 @@ void LossScaler::update(bool overflow, int64_t step) {
   State& s = state_;
   if (overflow) {
     if (hysteresis_ == 1 || s.hysteresis_left == 1) {
-      if (s.scale <= min_scale_) {
+      if (s.scale == min_scale_) {
         throw Error(strprintf("step %lld: the fp16 gradients overflow with the loss scale already at "
                               "fp16.min_loss_scale (%g): training cannot make progress; lower "
                               "optimizer.params.lr, enable gradient_clipping, or use bf16",
                               (long long)step, min_scale_));
       }
-      s.scale = std::max(s.scale / 2.0, min_scale_);
+      s.scale = std::max(s.scale / 2.0, min_scale_);  // below the minimum (a resume that raised it): to it
     } else {
       --s.hysteresis_left;
     }
@@ -57,8 +57,9 @@ void LossScaler::load_json(const nlohmann::json& j, const std::string& path) {
     throw InputError(path, "manifest trainer.loss_scale." + key + ": " + what);
   };
   if (!j.is_object()) throw InputError(path, "manifest trainer.loss_scale: not an object");
-  for (const char* key : {"scale", "hysteresis_left", "steps_since_overflow"}) {
-    if (!j.contains(key) || !j[key].is_number()) bad(key, "missing or not a number");
+  if (!j.contains("scale") || !j["scale"].is_number()) bad("scale", "missing or not a number");
+  for (const char* key : {"hysteresis_left", "steps_since_overflow"}) {
+    if (!j.contains(key) || !j[key].is_number_integer()) bad(key, "missing or not an integer");
   }
   State s;
   s.scale = j["scale"].get<double>();

@@ -123,7 +123,8 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
     if (r.skipped) {
       ++step_;
       r.links = moved;
-      r.wait_s = param_wait;
+      r.optimizer_wait_s = opt_wait_s_ - opt_wait0;
+      r.wait_s = param_wait + r.optimizer_wait_s;
       r.net_bytes = comm_->bytes_sent() - net0;
       r.comm_wait_s = comm_->wait_seconds() - comm_wait0;
       return r;

@@ -73,7 +73,8 @@ struct StateBytes {
 // step): the plan refuses it otherwise, and auto picks it only then and when
 // every layer's activations fit (memory/placement.h, keep_graphs). The same
 // operations run on the same values either way: losses and weights are
-// bit-identical (tested).
+// bit-identical on CPU (tested). On a GPU, LibTorch may choose another
+// attention kernel when autograd is on, so there they may differ by rounding.
 //
 // Note [Gathered blocks]
 // State lives in the rank's shard space (memory/layout.h); compute sees
