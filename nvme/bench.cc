@@ -90,6 +90,7 @@ BenchResult IoBench::run(IoOp op, EngineOptions eo,
     if (progress) progress(done, total);
   }
   if (op == IoOp::kWrite) f.drop_cache();  // buffered: write back inside the timed region
+  if (op == IoOp::kWrite && options_.fsync_writes) f.sync();
   const auto t1 = std::chrono::steady_clock::now();
 
   BenchResult r;
@@ -102,6 +103,7 @@ BenchResult IoBench::run(IoOp op, EngineOptions eo,
   r.backend = engine.backend_name();
   r.direct = f.direct();
   r.fixed_buffers = engine.stats().fixed_buffer_ops > 0;
+  r.fsync = op == IoOp::kWrite && options_.fsync_writes;
   return r;
 }
 

@@ -21,6 +21,9 @@ struct BenchOptions {
   BackendKind backend = BackendKind::kAuto;
   // Host buffer: min(bytes, this); requests beyond it reuse it cyclically.
   int64_t max_buffer_bytes = int64_t(1) << 30;
+  // The write pass ends with fdatasync inside the timed region: the durable
+  // rate, what a checkpoint (which must survive a power cut) can reach.
+  bool fsync_writes = false;
 };
 
 struct BenchResult {
@@ -33,6 +36,7 @@ struct BenchResult {
   std::string backend;  // io_uring | threads
   bool direct = true;
   bool fixed_buffers = false;  // the buffer was registered with the rings
+  bool fsync = false;          // a write pass timed to the end of fdatasync
   double gbps() const { return seconds > 0 ? double(bytes) / seconds / 1e9 : 0.0; }
 };
 

@@ -48,12 +48,23 @@ class TrainingSession {
     o.dir = dir;
     o.keep = keep;
     o.engine.faults = std::move(faults);
+    return trainer_.save_checkpoint(o, header());
+  }
+  // A save riding on training (Trainer::begin_checkpoint); each range waits
+  // `delay_ms` first.
+  void begin_save(const std::string& dir, int delay_ms) {
+    CheckpointOptions o;
+    o.dir = dir;
+    o.test_delay_per_range_ms = delay_ms;
+    trainer_.begin_checkpoint(o, header());
+  }
+  Manifest header() {
     Manifest h;
     std::ostringstream state;
     state << rng_;
     h.data = {{"rng", state.str()}, {"tokens", data_.num_tokens()}};
     h.invariants = resume_invariants(cfg_);
-    return trainer_.save_checkpoint(o, std::move(h));
+    return h;
   }
   void load(const std::string& dir) {
     CheckpointReader r(resolve_checkpoint(dir), nvme::EngineOptions());

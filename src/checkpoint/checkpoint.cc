@@ -1,7 +1,9 @@
 #include "checkpoint/checkpoint.h"
 
 #include <signal.h>
+#include <sys/resource.h>
 #include <sys/stat.h>
+#include <sys/syscall.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -9,6 +11,7 @@
 #include <chrono>
 #include <cstdlib>
 #include <cstring>
+#include <thread>
 
 #include "comm/communicator.h"
 #include "nvme/crc32c.h"
@@ -24,7 +27,7 @@ namespace {
 using nlohmann::json;
 
 constexpr int64_t kAlign = nvme::kDirectAlignmentBytes;
-constexpr int64_t kScratchBytes = int64_t(64) << 20;  // reader: the most read at once
+constexpr int kSaveThreadNice = 10;
 
 int64_t round_up(int64_t v, int64_t a) { return (v + a - 1) / a * a; }
 
@@ -281,51 +284,60 @@ RankFileWriter::RankFileWriter(const std::string& dir, const std::string& file,
                                const std::vector<ShardRange>& ranges, const std::map<Category, int>& elem_bytes,
                                const nvme::EngineOptions& engine)
     : path_(dir + "/" + file), file_(file), ranges_(ranges), elem_bytes_(elem_bytes) {
-  int64_t total = 0, largest = 0;
-  for (const ShardRange& r : ranges_) {
-    const int eb = elem_bytes_.at(r.category);
-    total += round_up(r.numel * eb, kAlign);
-    largest = std::max(largest, round_up(r.shard_numel * eb, kAlign));
-  }
+  int64_t total = 0;
+  for (const ShardRange& r : ranges_) total += round_up(r.numel * elem_bytes_.at(r.category), kAlign);
   nvme::OpenOptions o;
   o.write = true;
   o.create = true;
   o.exclusive = true;
   nvme::File f = nvme::File::open(path_, o);
   if (total > 0) f.preallocate(total);  // ENOSPC shows here, before any byte is written
-  engine_ = std::make_unique<nvme::IoEngine>(engine);
+  slots_ = HostBuffer(size_t(kWriterSlots * kWriterSlotBytes), "checkpoint write staging");
+  nvme::EngineOptions eo = engine;
+  eo.fixed_buffers = {{slots_.data(), int64_t(slots_.bytes())}};
+  engine_ = std::make_unique<nvme::IoEngine>(eo);
   id_ = engine_->attach(std::move(f));
-  if (largest > 0) {
-    for (HostBuffer& b : buf_) b = HostBuffer(size_t(largest), "checkpoint staging");
-  }
+  saved_.reserve(ranges_.size());
 }
 
 RankFileWriter::~RankFileWriter() {
-  for (nvme::IoHandle& h : pending_) {
-    if (h.valid()) h.wait_ok();
-  }
+  for (Pending& p : pending_) p.handle.wait_ok();
   if (engine_ && id_.valid()) engine_->detach(id_);
 }
 
-std::byte* RankFileWriter::buffer(size_t i) {
-  nvme::IoHandle& h = pending_[i % 2];
-  if (h.valid()) {
-    const auto t0 = std::chrono::steady_clock::now();
-    nvme::IoHandle done = std::move(h);
-    done.wait();
-    wait_s_ += seconds_since(t0);
-  }
-  return buf_[i % 2].as<std::byte>();
+void RankFileWriter::pop_front() {
+  Pending p = std::move(pending_.front());
+  pending_.pop_front();
+  if (p.slot >= 0) slot_busy_[size_t(p.slot)] = false;
+  const auto t0 = std::chrono::steady_clock::now();
+  p.handle.wait();
+  wait_s_ += seconds_since(t0);
 }
 
-void RankFileWriter::write(size_t i) {
+int RankFileWriter::acquire_slot() {
+  const int k = next_slot_;
+  next_slot_ = (next_slot_ + 1) % kWriterSlots;
+  while (slot_busy_[size_t(k)]) pop_front();  // FIFO: everything before its last write
+  return k;
+}
+
+void RankFileWriter::submit(size_t range, int slot, int64_t offset, int64_t bytes, const std::byte* buf) {
+  checkpoint_fault_point("write");
+  Pending p;
+  p.range = range;
+  p.slot = slot;
+  if (slot >= 0) slot_busy_[size_t(slot)] = true;
+  p.handle = engine_->submit(
+      nvme::IoRequest{nvme::IoOp::kWrite, id_, offset, bytes, const_cast<std::byte*>(buf)});
+  pending_.push_back(std::move(p));
+}
+
+void RankFileWriter::write(size_t i, const RangeSource& source) {
+  STRATA_CHECK(i == next_range_, "checkpoint ranges are written in order");
+  ++next_range_;
   const ShardRange& r = ranges_.at(i);
   const int eb = elem_bytes_.at(r.category);
   const int64_t bytes = r.numel * eb;
-  const int64_t padded = round_up(bytes, kAlign);
-  std::byte* buf = buf_[i % 2].as<std::byte>();
-  // The padding written after the range is zero, whatever the tier held.
-  std::memset(buf + bytes, 0, size_t(padded - bytes));
   SavedRange s;
   s.category = r.category;
   s.start = r.start;
@@ -333,28 +345,61 @@ void RankFileWriter::write(size_t i) {
   s.file = file_;
   s.offset = at_;
   s.crc.resize(size_t((bytes + kChecksumBytes - 1) / kChecksumBytes));
-  const auto t0 = std::chrono::steady_clock::now();
-  nvme::crc32c_blocks(buf, size_t(bytes), size_t(kChecksumBytes), s.crc.data());
-  crc_s_ += seconds_since(t0);
-  checkpoint_fault_point("write");
-  pending_[i % 2] = engine_->submit(nvme::IoRequest{nvme::IoOp::kWrite, id_, at_, padded, buf});
-  at_ += padded;
+  const std::byte* home = source.resident ? source.resident(i) : nullptr;
+  if (home != nullptr && reinterpret_cast<uintptr_t>(home) % kAlign == 0) {
+    // In place: the whole 4 KiB blocks from the home, the rest (and the zero
+    // padding to 4 KiB, whatever the home holds after the range) staged.
+    const int64_t body = bytes / kAlign * kAlign;
+    if (body > 0) submit(i, -1, at_, body, home);
+    in_place_bytes_ += body;
+    if (body < bytes) {
+      const int k = acquire_slot();
+      std::memcpy(slot(k), home + body, size_t(bytes - body));
+      std::memset(slot(k) + (bytes - body), 0, size_t(kAlign - (bytes - body)));
+      submit(i, k, at_ + body, kAlign, slot(k));
+    }
+    const auto t0 = std::chrono::steady_clock::now();
+    nvme::crc32c_blocks(home, size_t(bytes), size_t(kChecksumBytes), s.crc.data());
+    crc_s_ += seconds_since(t0);
+  } else {
+    // Staged, one slot at a time: pieces of whole MiB (whole checksum blocks)
+    // and whole kShardAlignElems.
+    const int64_t piece = kWriterSlotBytes / eb;
+    for (int64_t at = 0; at < r.numel; at += piece) {
+      const int64_t n = std::min(piece, r.shard_numel - at);  // what the tier reads
+      const int64_t real = std::min(piece, r.numel - at) * eb;  // what the file keeps
+      const int64_t padded = round_up(real, kAlign);
+      const int k = acquire_slot();
+      auto t0 = std::chrono::steady_clock::now();
+      source.fill(i, at, n, slot(k));
+      fill_s_ += seconds_since(t0);
+      std::memset(slot(k) + real, 0, size_t(padded - real));  // zero padding, whatever the tier held
+      t0 = std::chrono::steady_clock::now();
+      nvme::crc32c_blocks(slot(k), size_t(real), size_t(kChecksumBytes),
+                          s.crc.data() + at * eb / kChecksumBytes);
+      crc_s_ += seconds_since(t0);
+      submit(i, k, at_ + at * eb, padded, slot(k));
+    }
+  }
+  at_ += round_up(bytes, kAlign);
   saved_.push_back(std::move(s));
 }
 
+void RankFileWriter::wait_through(size_t i) {
+  while (!pending_.empty() && pending_.front().range <= i) pop_front();
+}
+
+size_t RankFileWriter::written_ranges() {
+  while (!pending_.empty() && pending_.front().handle.done()) pop_front();
+  return pending_.empty() ? next_range_ : pending_.front().range;
+}
+
 std::vector<SavedRange> RankFileWriter::finish() {
-  auto t0 = std::chrono::steady_clock::now();
-  for (nvme::IoHandle& h : pending_) {
-    if (h.valid()) {
-      nvme::IoHandle done = std::move(h);
-      done.wait();
-    }
-  }
-  wait_s_ += seconds_since(t0);
+  while (!pending_.empty()) pop_front();
   nvme::File f = engine_->detach(id_);
   id_ = nvme::FileId();
   checkpoint_fault_point("fsync");
-  t0 = std::chrono::steady_clock::now();
+  const auto t0 = std::chrono::steady_clock::now();
   f.sync();
   f.close();
   sync_s_ += seconds_since(t0);
@@ -384,8 +429,9 @@ CheckpointReader::CheckpointReader(const std::string& dir, const nvme::EngineOpt
   }
   nvme::EngineOptions o = engine;
   o.max_files = std::max<int>(o.max_files, int(std::min<size_t>(manifest_.files.size(), 4096)));
+  scratch_ = HostBuffer(size_t(kReaderSlots * kReaderSlotBytes), "checkpoint read staging");
+  o.fixed_buffers = {{scratch_.data(), int64_t(scratch_.bytes())}};
   engine_ = std::make_unique<nvme::IoEngine>(o);
-  scratch_ = HostBuffer(size_t(kScratchBytes), "checkpoint read staging");
 }
 
 CheckpointReader::~CheckpointReader() {
@@ -401,51 +447,99 @@ nvme::FileId CheckpointReader::file(const std::string& name) {
   return id;
 }
 
-void CheckpointReader::read(Category c, int64_t start, int64_t numel, std::byte* out) {
-  const int eb = elem_bytes(c);
-  const int64_t end = start + numel;
-  // The first range that ends after `start` (ranges are sorted and tile).
-  auto it = std::lower_bound(manifest_.ranges.begin(), manifest_.ranges.end(), std::make_pair(c, start),
-                             [](const SavedRange& r, const std::pair<Category, int64_t>& k) {
-                               return r.category != k.first ? r.category < k.first : r.start + r.numel <= k.second;
-                             });
-  int64_t at = start;
-  for (; at < end; ++it) {
-    STRATA_CHECK(it != manifest_.ranges.end() && it->category == c && it->start <= at,
-                 "checkpoint ranges do not cover a read");
-    const SavedRange& r = *it;
-    const int64_t hi = std::min(end, r.start + r.numel);
-    const int64_t range_bytes = r.numel * eb;
-    // Whole checksum blocks covering [at, hi) of this range, at most the scratch at once.
-    int64_t b_lo = (at - r.start) * eb, b_hi = (hi - r.start) * eb;
-    int64_t k = b_lo / kChecksumBytes;
-    while (k * kChecksumBytes < b_hi) {
-      const int64_t blocks = std::min((b_hi - k * kChecksumBytes + kChecksumBytes - 1) / kChecksumBytes,
-                                      kScratchBytes / kChecksumBytes);
-      const int64_t from = k * kChecksumBytes;
-      const int64_t to = std::min(range_bytes, (k + blocks) * kChecksumBytes);
-      std::byte* s = scratch_.as<std::byte>();
-      const std::string fpath = dir_ + "/" + r.file;
-      try {
-        engine_->read(file(r.file), r.offset + from, round_up(to - from, kAlign), s);
-      } catch (const IoError& e) {
-        throw InputError(fpath, std::string("cannot read: ") + e.what());
+namespace {
+
+// A piece of a read: whole checksum blocks [first_block, first_block +
+// blocks) of one saved range, read into a slot, verified, and the bytes
+// [copy_lo, copy_hi) of the range copied to out_offset of target `target`.
+struct ReadPiece {
+  size_t target = 0;
+  const SavedRange* range = nullptr;
+  int64_t first_block = 0, blocks = 0;
+  int64_t from = 0, to = 0;  // range bytes read (from is block-aligned)
+  int64_t copy_lo = 0, copy_hi = 0;
+  int64_t out_offset = 0;
+};
+
+}  // namespace
+
+void CheckpointReader::read_all(const std::vector<Target>& targets, const std::function<void(size_t)>& done) {
+  const int64_t slot_blocks = kReaderSlotBytes / kChecksumBytes;
+  std::vector<ReadPiece> pieces;
+  for (size_t t = 0; t < targets.size(); ++t) {
+    const Target& tg = targets[t];
+    const int eb = elem_bytes(tg.category);
+    const int64_t end = tg.start + tg.numel;
+    // The first range that ends after `start` (ranges are sorted and tile).
+    auto it = std::lower_bound(manifest_.ranges.begin(), manifest_.ranges.end(), std::make_pair(tg.category, tg.start),
+                               [](const SavedRange& r, const std::pair<Category, int64_t>& k) {
+                                 return r.category != k.first ? r.category < k.first
+                                                              : r.start + r.numel <= k.second;
+                               });
+    for (int64_t at = tg.start; at < end; ++it) {
+      STRATA_CHECK(it != manifest_.ranges.end() && it->category == tg.category && it->start <= at,
+                   "checkpoint ranges do not cover a read");
+      const SavedRange& r = *it;
+      const int64_t hi = std::min(end, r.start + r.numel);
+      const int64_t range_bytes = r.numel * eb;
+      int64_t b_lo = (at - r.start) * eb;
+      const int64_t b_hi = (hi - r.start) * eb;
+      for (int64_t k = b_lo / kChecksumBytes; k * kChecksumBytes < b_hi;) {
+        ReadPiece p;
+        p.target = t;
+        p.range = &r;
+        p.first_block = k;
+        p.blocks = std::min((b_hi - k * kChecksumBytes + kChecksumBytes - 1) / kChecksumBytes, slot_blocks);
+        p.from = k * kChecksumBytes;
+        p.to = std::min(range_bytes, (k + p.blocks) * kChecksumBytes);
+        p.copy_lo = std::max(b_lo, p.from);
+        p.copy_hi = std::min(b_hi, p.to);
+        p.out_offset = (r.start - tg.start) * eb + p.copy_lo;
+        pieces.push_back(p);
+        k += p.blocks;
+        b_lo = p.copy_hi;
       }
-      for (int64_t q = 0; q < blocks; ++q) {
-        const int64_t qb = std::min(kChecksumBytes, to - from - q * kChecksumBytes);
-        const uint32_t crc = nvme::crc32c(s + q * kChecksumBytes, size_t(qb));
-        if (crc != r.crc[size_t(k + q)]) {
-          throw InputError(fpath, strprintf("checksum mismatch in bytes %lld..%lld (the file is corrupted)",
-                                            (long long)(r.offset + from + q * kChecksumBytes),
-                                            (long long)(r.offset + from + q * kChecksumBytes + qb)));
-        }
-      }
-      const int64_t copy_lo = std::max(b_lo, from), copy_hi = std::min(b_hi, to);
-      std::memcpy(out + ((r.start - start) * eb + copy_lo), s + (copy_lo - from), size_t(copy_hi - copy_lo));
-      k += blocks;
-      b_lo = copy_hi;
+      at = hi;
     }
-    at = hi;
+  }
+  // The last piece of each target: done() follows it.
+  std::vector<size_t> last(targets.size(), SIZE_MAX);
+  for (size_t i = 0; i < pieces.size(); ++i) last[pieces[i].target] = i;
+
+  std::vector<nvme::IoHandle> inflight(kReaderSlots);
+  auto slot = [&](size_t i) { return scratch_.as<std::byte>() + int64_t(i % kReaderSlots) * kReaderSlotBytes; };
+  auto issue = [&](size_t i) {
+    const ReadPiece& p = pieces[i];
+    inflight[i % kReaderSlots] = engine_->submit(nvme::IoRequest{nvme::IoOp::kRead, file(p.range->file),
+                                                                 p.range->offset + p.from,
+                                                                 round_up(p.to - p.from, kAlign), slot(i)});
+  };
+  for (size_t i = 0; i < pieces.size() && i < size_t(kReaderSlots); ++i) issue(i);
+  for (size_t i = 0; i < pieces.size(); ++i) {
+    const ReadPiece& p = pieces[i];
+    const SavedRange& r = *p.range;
+    const std::string fpath = dir_ + "/" + r.file;
+    try {
+      nvme::IoHandle h = std::move(inflight[i % kReaderSlots]);
+      h.wait();
+    } catch (const IoError& e) {
+      throw InputError(fpath, std::string("cannot read: ") + e.what());
+    }
+    const std::byte* s = slot(i);
+    for (int64_t q = 0; q < p.blocks; ++q) {
+      const int64_t qb = std::min(kChecksumBytes, p.to - p.from - q * kChecksumBytes);
+      if (nvme::crc32c(s + q * kChecksumBytes, size_t(qb)) != r.crc[size_t(p.first_block + q)]) {
+        throw InputError(fpath, strprintf("checksum mismatch in bytes %lld..%lld (the file is corrupted)",
+                                          (long long)(r.offset + p.from + q * kChecksumBytes),
+                                          (long long)(r.offset + p.from + q * kChecksumBytes + qb)));
+      }
+    }
+    std::memcpy(targets[p.target].out + p.out_offset, s + (p.copy_lo - p.from), size_t(p.copy_hi - p.copy_lo));
+    if (i + kReaderSlots < pieces.size()) issue(i + kReaderSlots);  // the slot is free again
+    if (last[p.target] == i && done) done(p.target);
+  }
+  for (size_t t = 0; t < targets.size(); ++t) {
+    if (last[t] == SIZE_MAX && done) done(t);  // empty targets
   }
 }
 
@@ -467,6 +561,37 @@ std::string resolve_checkpoint(const std::string& dir) {
 }
 
 namespace {
+
+// Removes pruned checkpoints on a thread of its own; the next save (or the
+// process's exit) waits for it first.
+class BackgroundPruner {
+ public:
+  ~BackgroundPruner() { wait(); }
+  void wait() {
+    if (thread_.joinable()) thread_.join();
+  }
+  void start(std::vector<std::string> dirs) {
+    wait();
+    if (dirs.empty()) return;
+    thread_ = std::thread([dirs = std::move(dirs)] {
+      for (const std::string& d : dirs) {
+        try {
+          remove_tree(d);
+        } catch (const std::exception& e) {
+          log::warn("checkpoint: cannot remove %s: %s (the next save retries)", d.c_str(), e.what());
+        }
+      }
+    });
+  }
+
+ private:
+  std::thread thread_;
+};
+
+BackgroundPruner& background_pruner() {
+  static BackgroundPruner p;
+  return p;
+}
 
 // Rank 0, once every rank's part is written: the manifest, the rename, latest, pruning.
 std::string publish(const CheckpointOptions& options, Manifest m, int world, const std::string& tmp,
@@ -523,15 +648,22 @@ std::string publish(const CheckpointOptions& options, Manifest m, int world, con
   std::sort(complete.begin(), complete.end());  // 8-digit steps sort in step order
   const std::string keep_name = step_name(m.step);
   int64_t kept = 0;
+  std::vector<std::string> pruning;
   for (auto it = complete.rbegin(); it != complete.rend(); ++it) {
     if (*it == keep_name || kept < options.keep - 1) {
       if (*it != keep_name) ++kept;
       continue;
     }
-    remove_tree(options.dir + "/" + *it);
-    log::info("checkpoint: removed %s/%s (keeping the newest %lld)", options.dir.c_str(), it->c_str(),
+    // Renamed out of the way at once (a .tmp name: a crash leaves it to the
+    // next save), removed in the background: on a file system mounted with
+    // `discard`, freeing a large file takes about a second per GB.
+    const std::string doomed = options.dir + "/" + *it + ".pruned.tmp";
+    rename_path(options.dir + "/" + *it, doomed);
+    log::info("checkpoint: removing %s/%s (keeping the newest %lld)", options.dir.c_str(), it->c_str(),
               (long long)options.keep);
+    pruning.push_back(doomed);
   }
+  background_pruner().start(std::move(pruning));
   return final_dir;
 }
 
@@ -547,84 +679,156 @@ std::string error_text(const std::exception_ptr& e) {
 
 }  // namespace
 
-std::string save_checkpoint(const CheckpointOptions& options, Communicator& comm, Manifest header,
-                            const std::vector<ShardRange>& ranges,
-                            const std::function<void(size_t, std::byte*)>& fill) {
-  const int rank = comm.rank(), world = comm.world_size();
-  const std::string name = step_name(header.step);
-  const std::string tmp = options.dir + "/" + name + ".tmp";
-  const std::string final_dir = options.dir + "/" + name;
-  header.saved_world_size = world;
+void wait_for_checkpoint_pruning() { background_pruner().wait(); }
+
+CheckpointSave::CheckpointSave(const CheckpointOptions& options, Communicator& comm, Manifest header,
+                               std::vector<ShardRange> ranges, RangeSource source, std::function<bool(size_t)> ready)
+    : options_(options), comm_(comm), header_(std::move(header)), ranges_(std::move(ranges)),
+      source_(std::move(source)), ready_(std::move(ready)), t0_(std::chrono::steady_clock::now()) {
+  const int rank = comm.rank();
+  step_ = header_.step;
+  const std::string name = step_name(step_);
+  tmp_ = options_.dir + "/" + name + ".tmp";
+  final_dir_ = options_.dir + "/" + name;
+  header_.saved_world_size = comm.world_size();
+  for (const ShardRange& r : ranges_) bytes_ += r.numel * header_.elem_bytes.at(r.category);
+  background_pruner().wait();  // the last save's pruning, off the disk before this one writes
   ++g_saves;
   g_events = 0;
-
   PhaseStatus st;
   if (rank == 0) {
     try {
-      make_dirs(options.dir, 0700);
-      remove_tree(tmp);
-      if (::mkdir(tmp.c_str(), 0700) != 0) throw IoError(tmp, errno, "cannot create checkpoint directory");
+      make_dirs(options_.dir, 0700);
+      remove_tree(tmp_);
+      if (::mkdir(tmp_.c_str(), 0700) != 0) throw IoError(tmp_, errno, "cannot create checkpoint directory");
     } catch (...) {
       st.error = error_text(std::current_exception());
     }
   }
   agree(comm, st, "creating the directory");
+  thread_ = std::thread([this] { run(); });
+}
 
+CheckpointSave::~CheckpointSave() {
+  if (thread_.joinable()) thread_.join();
+}
+
+void CheckpointSave::run() {
+  const int rank = comm_.rank();
+  if (ready_) {
+    // Saving while training: the checksums and the copies yield the CPU to
+    // the step (a hint; Linux applies nice per thread).
+    ::setpriority(PRIO_PROCESS, pid_t(::syscall(SYS_gettid)), kSaveThreadNice);
+  }
+  std::string error;
   try {
     const auto t0 = std::chrono::steady_clock::now();
-    RankFileWriter w(tmp, rank_file(rank, "bin"), ranges, header.elem_bytes, options.engine);
+    RankFileWriter w(tmp_, rank_file(rank, "bin"), ranges_, header_.elem_bytes, options_.engine);
     const double setup_s = seconds_since(t0);
-    double fill_s = 0.0;
-    for (size_t i = 0; i < ranges.size(); ++i) {
-      std::byte* buf = w.buffer(i);
-      const auto t1 = std::chrono::steady_clock::now();
-      fill(i, buf);
-      fill_s += seconds_since(t1);
-      w.write(i);
+    double ready_s = 0.0;
+    auto publish = [&](size_t n) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        if (n <= written_) return;
+        written_ = n;
+      }
+      cv_.notify_all();
+    };
+    for (size_t i = 0; i < ranges_.size(); ++i) {
+      if (options_.test_delay_per_range_ms > 0) {
+        std::this_thread::sleep_for(std::chrono::milliseconds(options_.test_delay_per_range_ms));
+      }
+      if (ready_) {
+        const auto t1 = std::chrono::steady_clock::now();
+        if (!ready_(i)) throw Error("the optimizer step being saved failed");
+        ready_s += seconds_since(t1);
+      }
+      w.write(i, source_);
+      publish(w.written_ranges());
+    }
+    for (size_t i = 0; i < ranges_.size(); ++i) {
+      w.wait_through(i);
+      publish(i + 1);
     }
     const std::vector<SavedRange> saved = w.finish();
-    log::debug("checkpoint: rank %d wrote %s in %.3f s: set-up %.3f s, tier reads %.3f s, checksums %.3f s, "
-               "waiting for writes %.3f s, fsync %.3f s",
-               rank, file_name_for_log(tmp, rank).c_str(), seconds_since(t0), setup_s, fill_s, w.crc_s(), w.wait_s(),
-               w.sync_s());
+    log::debug("checkpoint: rank %d wrote %s in %.3f s: set-up %.3f s, waiting for the optimizer %.3f s, tier "
+               "reads %.3f s, checksums %.3f s, waiting for writes %.3f s, fsync %.3f s (%s written from the "
+               "state's homes in place)",
+               rank, file_name_for_log(tmp_, rank).c_str(), seconds_since(t0), setup_s, ready_s, w.fill_s(),
+               w.crc_s(), w.wait_s(), w.sync_s(), format_bytes(double(w.in_place_bytes())).c_str());
     json part = {{"bytes", int64_t(0)}, {"ranges", json::array()}};
     int64_t bytes = 0;
     for (const SavedRange& s : saved) {
       part["ranges"].push_back(range_to_json(s));
-      bytes = std::max(bytes, s.offset + round_up(s.numel * header.elem_bytes.at(s.category), kAlign));
+      bytes = std::max(bytes, s.offset + round_up(s.numel * header_.elem_bytes.at(s.category), kAlign));
     }
     part["bytes"] = bytes;
     checkpoint_fault_point("fsync");
-    write_file_atomic(tmp + "/" + rank_file(rank, "json"), part.dump() + "\n");
+    write_file_atomic(tmp_ + "/" + rank_file(rank, "json"), part.dump() + "\n");
   } catch (...) {
-    st.error = error_text(std::current_exception());
+    error = error_text(std::current_exception());  // the writer has drained: no I/O from a home remains
   }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    error_ = std::move(error);
+    written_ = ranges_.size();  // written, or abandoned: nothing waits on a failed save
+    done_ = true;
+    write_s_ = seconds_since(t0_);
+  }
+  cv_.notify_all();
+}
+
+void CheckpointSave::wait_written(size_t n) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return written_ >= n || done_; });
+}
+
+bool CheckpointSave::done_everywhere() {
+  bool done;
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    done = done_;
+  }
+  return failed_rank(comm_, !done) < 0;
+}
+
+std::string CheckpointSave::finish() {
+  STRATA_CHECK(!finished_, "a checkpoint save is finished once");
+  finished_ = true;
+  thread_.join();
+  const int rank = comm_.rank();
+  PhaseStatus st;
+  st.error = error_;
   try {
-    agree(comm, st, "writing the state");
+    agree(comm_, st, "writing the state");
   } catch (...) {
     if (rank == 0) {
       try {
-        remove_tree(tmp);
+        remove_tree(tmp_);
       } catch (...) {
       }
     }
     throw;
   }
-
-  std::string dir;
   if (rank == 0) {
     try {
-      dir = publish(options, std::move(header), world, tmp, final_dir);
+      publish(options_, std::move(header_), comm_.world_size(), tmp_, final_dir_);
     } catch (...) {
       st.error = error_text(std::current_exception());
       try {
-        remove_tree(tmp);
+        remove_tree(tmp_);
       } catch (...) {
       }
     }
   }
-  agree(comm, st, "publishing");
-  return final_dir;
+  agree(comm_, st, "publishing");
+  return final_dir_;
+}
+
+std::string save_checkpoint(const CheckpointOptions& options, Communicator& comm, Manifest header,
+                            const std::vector<ShardRange>& ranges, const RangeSource& source) {
+  CheckpointSave save(options, comm, std::move(header), ranges, source);
+  return save.finish();
 }
 
 }  // namespace strata

@@ -20,12 +20,17 @@
 #pragma once
 
 #include <array>
+#include <chrono>
+#include <condition_variable>
 #include <cstddef>
 #include <cstdint>
+#include <deque>
 #include <functional>
 #include <map>
 #include <memory>
+#include <mutex>
 #include <string>
+#include <thread>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -93,41 +98,79 @@ nlohmann::json manifest_to_json(const Manifest& m);
 // InputError naming `path` and the offending key.
 Manifest manifest_from_json(const nlohmann::json& j, const std::string& path);
 
+// Where the bytes of a rank's ranges come from (ShardRange i of the list).
+struct RangeSource {
+  // The range's shard_numel elements in host memory (its home), written to
+  // the file in place; nullptr when they are not there (NVMe), and then
+  // fill() copies them. May be empty (always fill).
+  std::function<const std::byte*(size_t i)> resident;
+  // Copies elements [at, at + numel) of range i (relative to its
+  // shard_offset) into buf. `at` and `numel` are multiples of
+  // kShardAlignElems, or numel reaches shard_numel.
+  std::function<void(size_t i, int64_t at, int64_t numel, std::byte* buf)> fill;
+};
+
 // Writes one rank's ranges to <dir>/<file>, preallocated, through its own
-// I/O engine: two staging buffers, so that the tier read of one range
-// overlaps the write of the previous one.
+// I/O engine. A range resident in host memory is written from its home
+// (zero copy; only a last partial 4 KiB block goes through staging); others
+// are filled piece by piece into kWriterSlots staging slots of
+// kWriterSlotBytes (huge pages, registered with the engine), so that tier
+// reads, checksums and the disk all overlap. Writes complete in the order
+// of the ranges (waiting is FIFO).
 class RankFileWriter {
  public:
+  static constexpr int kWriterSlots = 8;
+  static constexpr int64_t kWriterSlotBytes = int64_t(8) << 20;
+
   RankFileWriter(const std::string& dir, const std::string& file, const std::vector<ShardRange>& ranges,
                  const std::map<Category, int>& elem_bytes, const nvme::EngineOptions& engine);
   ~RankFileWriter();
   RankFileWriter(const RankFileWriter&) = delete;
   RankFileWriter& operator=(const RankFileWriter&) = delete;
 
-  // A free staging buffer for range `i` of the constructor's list (4 KiB
-  // aligned, its shard_numel elements long); waits for the write that used
-  // it before.
-  std::byte* buffer(size_t i);
-  // Checksums and starts writing range `i` from the buffer buffer(i) gave.
-  void write(size_t i);
+  // Checksums range i and starts writing it; waits only for staging slots.
+  // Ranges are written in the order of the list: i is the next one. A
+  // resident range's home must stay unchanged until wait_through(i).
+  void write(size_t i, const RangeSource& source);
+  // Waits until ranges 0..i are written (not yet synced).
+  void wait_through(size_t i);
+  // Without blocking: how many ranges, a prefix of the list, are written.
+  size_t written_ranges();
   // Waits for every write, fsyncs and closes the file; the ranges written.
   std::vector<SavedRange> finish();
-  // Seconds spent checksumming, waiting for writes, and in fsync.
+  // Seconds spent in tier reads (fill), checksumming, waiting for writes
+  // (slots and the end), and in fsync; bytes written from homes in place.
+  double fill_s() const { return fill_s_; }
   double crc_s() const { return crc_s_; }
   double wait_s() const { return wait_s_; }
   double sync_s() const { return sync_s_; }
+  int64_t in_place_bytes() const { return in_place_bytes_; }
 
  private:
+  struct Pending {
+    size_t range = 0;
+    int slot = -1;  // -1: written from the range's home
+    nvme::IoHandle handle;
+  };
+  std::byte* slot(int k) const { return slots_.as<std::byte>() + k * kWriterSlotBytes; }
+  int acquire_slot();  // the next slot, round robin, once its write is done
+  void submit(size_t range, int slot, int64_t offset, int64_t bytes, const std::byte* buf);
+  void pop_front();
+
   std::string path_, file_;
   std::vector<ShardRange> ranges_;
   std::map<Category, int> elem_bytes_;
+  HostBuffer slots_;
   std::unique_ptr<nvme::IoEngine> engine_;
   nvme::FileId id_;
-  HostBuffer buf_[2];
-  nvme::IoHandle pending_[2];
+  std::deque<Pending> pending_;  // in submission order
+  std::array<bool, kWriterSlots> slot_busy_{};
+  int next_slot_ = 0;
+  size_t next_range_ = 0;
   std::vector<SavedRange> saved_;
   int64_t at_ = 0;  // bytes written so far (4 KiB multiples)
-  double crc_s_ = 0.0, wait_s_ = 0.0, sync_s_ = 0.0;
+  double fill_s_ = 0.0, crc_s_ = 0.0, wait_s_ = 0.0, sync_s_ = 0.0;
+  int64_t in_place_bytes_ = 0;
 };
 
 // A complete checkpoint directory, opened for reading: the manifest checked,
@@ -144,10 +187,25 @@ class CheckpointReader {
 
   const std::string& dir() const { return dir_; }
   const Manifest& manifest() const { return manifest_; }
-  // Fills `out` with the saved elements [start, start + numel) of category c
-  // (elem_bytes(c) each). Throws InputError naming the file and offset on a
-  // checksum mismatch or a short read.
-  void read(Category c, int64_t start, int64_t numel, std::byte* out);
+  static constexpr int kReaderSlots = 8;
+  static constexpr int64_t kReaderSlotBytes = int64_t(8) << 20;
+
+  // Saved elements [start, start + numel) of `category`, to be copied to out.
+  struct Target {
+    Category category = Category::kMaster;
+    int64_t start = 0;
+    int64_t numel = 0;
+    std::byte* out = nullptr;
+  };
+  // Fills each target's `out` with its saved elements (elem_bytes each), in
+  // order, reading up to kReaderSlots pieces of kReaderSlotBytes ahead and
+  // verifying every MiB as it arrives. done(k), on the calling thread, is
+  // called once target k is complete and before any byte of a later target
+  // is copied out: targets may share one `out`. Throws InputError naming the
+  // file and offset on a checksum mismatch or a short read.
+  void read_all(const std::vector<Target>& targets, const std::function<void(size_t)>& done = {});
+  // One target.
+  void read(Category c, int64_t start, int64_t numel, std::byte* out) { read_all({{c, start, numel, out}}); }
   int elem_bytes(Category c) const { return manifest_.elem_bytes.at(c); }
 
  private:
@@ -155,24 +213,98 @@ class CheckpointReader {
 
   std::string dir_;
   Manifest manifest_;
+  HostBuffer scratch_;  // before the engine, which registers it
   std::unique_ptr<nvme::IoEngine> engine_;
   std::map<std::string, nvme::FileId> open_;
-  HostBuffer scratch_;
 };
 
 struct CheckpointOptions {
   std::string dir;          // run.checkpoint.dir
   int64_t keep = 2;         // complete checkpoints kept; older ones are pruned
   nvme::EngineOptions engine;
+  // Tests: the save's thread sleeps this long before each range, so that
+  // training overtakes a save in flight (Note [Saving while training]).
+  int test_delay_per_range_ms = 0;
 };
 
-// Saves step `header.step` (Note [Checkpoint protocol]). Collective: every
-// rank calls it with the ranges it writes; `fill(i, buf)` reads range i from
-// its tier into buf. Returns the checkpoint's directory. Throws Error (every
-// rank, with the first failing rank's message) when the save failed.
+// A save of one step in flight (Note [Checkpoint protocol]): this rank's
+// ranges are written by a thread of its own while training goes on, and the
+// save is published by a collective finish() at a later step boundary.
+//
+// Note [Saving while training]
+// A periodic save does not stall the step. It starts at a step boundary; its
+// thread writes each range as soon as `ready(i)` says the update being saved
+// is final there (with run.overlap_optimizer the step's optimizer may still
+// be running), from the range's home in place where it is resident, else
+// through staging. Whatever would overwrite a range before it is written -
+// the next optimizer pass - first calls wait_written() for the ranges it is
+// about to change, so it waits per piece, and only when it overtakes the
+// save. The fsync and the rank's part of the manifest follow on the same
+// thread; finish() then agrees across ranks and publishes.
+class CheckpointSave {
+ public:
+  // Collective: rank 0 creates the .tmp directory (every rank fails when it
+  // cannot), then this rank's thread starts. `ready(i)` runs on that thread
+  // before range i is read; false abandons the save (it then fails).
+  CheckpointSave(const CheckpointOptions& options, Communicator& comm, Manifest header,
+                 std::vector<ShardRange> ranges, RangeSource source, std::function<bool(size_t)> ready = {});
+  // Waits for the thread; an unfinished save leaves its .tmp directory,
+  // which the next save removes.
+  ~CheckpointSave();
+  CheckpointSave(const CheckpointSave&) = delete;
+  CheckpointSave& operator=(const CheckpointSave&) = delete;
+
+  int64_t step() const { return step_; }
+  // Any thread: until ranges [0, n) of the list are written (their homes
+  // may change), or the save has failed.
+  void wait_written(size_t n);
+  // Collective, cheap (one all-reduce): whether every rank's thread is done.
+  bool done_everywhere();
+  // Collective: waits for this rank's thread, agrees, and rank 0 publishes.
+  // Returns the checkpoint's directory; throws Error on every rank, with the
+  // first failing rank's message, when the save failed (the .tmp directory
+  // removed, latest and the earlier checkpoints untouched).
+  std::string finish();
+  // Seconds from the start to this rank's file synced (valid once done), and
+  // the bytes this rank saved.
+  double write_seconds() const { return write_s_; }
+  int64_t bytes() const { return bytes_; }
+
+ private:
+  void run();
+
+  CheckpointOptions options_;
+  Communicator& comm_;
+  Manifest header_;
+  std::vector<ShardRange> ranges_;
+  RangeSource source_;
+  std::function<bool(size_t)> ready_;
+  std::string tmp_, final_dir_;
+  int64_t step_ = 0;
+  int64_t bytes_ = 0;
+  double write_s_ = 0.0;
+  std::chrono::steady_clock::time_point t0_;
+  std::mutex mu_;
+  std::condition_variable cv_;
+  size_t written_ = 0;  // guarded by mu_, as are done_ and error_
+  bool done_ = false;
+  std::string error_;
+  bool finished_ = false;
+  std::thread thread_;
+};
+
+// Saves step `header.step` (Note [Checkpoint protocol]) and waits: a
+// CheckpointSave finished at once. Collective: every
+// rank calls it with the ranges it writes and where their bytes are.
+// Returns the checkpoint's directory. Throws Error (every rank, with the
+// first failing rank's message) when the save failed.
 std::string save_checkpoint(const CheckpointOptions& options, Communicator& comm, Manifest header,
-                            const std::vector<ShardRange>& ranges,
-                            const std::function<void(size_t, std::byte*)>& fill);
+                            const std::vector<ShardRange>& ranges, const RangeSource& source);
+
+// Checkpoints pruned by a save are renamed to <name>.pruned.tmp at once and
+// removed on a background thread, which the next save and the process's exit
+// wait for. This waits for it now.
+void wait_for_checkpoint_pruning();
 
 // The checkpoint `dir` names: a complete checkpoint directory itself, or a
 // directory of them with a `latest`. Throws InputError naming the path.

@@ -32,6 +32,7 @@ struct BenchIoOptions {
   bool overlap_events = true;
   bool single_submit = false;
   std::string submit_batch = "4M";
+  bool fsync = false;
 };
 
 // "256K", "1M", "8MiB", "4096" -> bytes.
@@ -95,6 +96,7 @@ nlohmann::json to_json(const nvme::BenchResult& r, int round) {
           {"backend", r.backend},
           {"direct", r.direct},
           {"fixed_buffers", r.fixed_buffers},
+          {"fsync", r.fsync},
           {"round", round}};
 }
 
@@ -103,6 +105,7 @@ int run_bench_io(const BenchIoOptions& opt) {
   nvme::BenchOptions bo;
   bo.dir = opt.dir;
   bo.file = opt.file;
+  bo.fsync_writes = opt.fsync;
   if (opt.size_mb <= 0) throw ConfigError("--size-mb", "must be positive");
   bo.bytes = opt.size_mb << 20;
   if (!nvme::parse_backend_kind(opt.backend, &bo.backend)) {
@@ -151,9 +154,10 @@ int run_bench_io(const BenchIoOptions& opt) {
   nvme::IoBench bench(bo);
   std::vector<Measured> measured;
   if (!opt.json) {
-    std::printf("bench-io: %s, %s per pass%s\n", bench.path().c_str(),
+    std::printf("bench-io: %s, %s per pass%s%s\n", bench.path().c_str(),
                 format_bytes(double(bo.bytes)).c_str(),
-                opt.rounds > 1 ? strprintf(", median of %d rounds", opt.rounds).c_str() : "");
+                opt.rounds > 1 ? strprintf(", median of %d rounds", opt.rounds).c_str() : "",
+                opt.fsync ? ", writes timed to the end of fdatasync" : "");
   }
   for (size_t ci = 0; ci < configs.size(); ++ci) {
     const Config& c = configs[ci];
@@ -254,6 +258,8 @@ void register_bench_io(CLI::App& app, int& result) {
   cmd->add_option("--backend", opt->backend, "auto | io_uring | threads")->capture_default_str();
   cmd->add_option("--direct", opt->direct, "O_DIRECT: auto | require | off")->capture_default_str();
   cmd->add_option("--ops", opt->ops, "write,read | write | read")->capture_default_str();
+  cmd->add_flag("--fsync", opt->fsync,
+                "Time each write pass to the end of fdatasync (the durable rate a checkpoint pays)");
   cmd->add_option("--rounds", opt->rounds, "Passes per configuration (the table shows medians)")
       ->capture_default_str();
   cmd->add_option("--overlap-events", opt->overlap_events,

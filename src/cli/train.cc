@@ -291,8 +291,8 @@ int run_train(const TrainOptions& opt) {
   ckpt.dir = cfg.run.checkpoint.dir;
   ckpt.keep = cfg.run.checkpoint.keep;
   ckpt.engine = ckpt_engine;
-  // Returns {seconds, bytes this rank wrote}.
-  auto save = [&](int64_t s, double lr) -> std::pair<double, int64_t> {
+  // The manifest's header for a save after step s (lr: the step's).
+  auto header = [&](int64_t s, double lr) {
     Manifest h;
     std::ostringstream state;
     state << rng;
@@ -305,16 +305,42 @@ int run_train(const TrainOptions& opt) {
     h.data = {{"rng", state.str()}, {"sequences", s * cfg.train_batch_size}, {"tokens", data.num_tokens()}};
     h.config = rank_invariant_config(cfg);
     h.invariants = resume_invariants(cfg);
-    trainer.finish();  // the step's optimizer (overlapped) is not the save's time
+    return h;
+  };
+  // A finished save into the step's metrics line and the log.
+  auto report = [&](const Trainer::FinishedSave& f, nlohmann::json& line, bool in_background) {
+    if (line.contains("checkpoint_step")) {  // two finished at this step: the earlier one kept aside
+      line["checkpoint_earlier"] = {{"checkpoint_step", line["checkpoint_step"]},
+                                    {"checkpoint_s", line["checkpoint_s"]},
+                                    {"checkpoint_write_s", line["checkpoint_write_s"]},
+                                    {"checkpoint_bytes", line["checkpoint_bytes"]}};
+    }
+    line["checkpoint_step"] = f.step;
+    line["checkpoint_s"] = f.seconds;
+    line["checkpoint_write_s"] = f.write_seconds;
+    line["checkpoint_bytes"] = f.bytes;
+    log::info("checkpoint: step %lld saved to %s in %.3f s%s (%s from this rank, written at %s/s)",
+              (long long)f.step, f.dir.c_str(), f.seconds, in_background ? " while training" : "",
+              format_bytes(double(f.bytes)).c_str(),
+              format_bytes(double(f.bytes) / std::max(f.write_seconds, 1e-9)).c_str());
+  };
+  // Periodic saves ride on training (Note [Saving while training]); the last
+  // one, and one on a stop signal, are waited for.
+  auto begin_save = [&](int64_t s, double lr) {
+    log::info("checkpoint: saving step %lld to %s while training", (long long)s, ckpt.dir.c_str());
+    trainer.begin_checkpoint(ckpt, header(s, lr));
+  };
+  auto save_now = [&](int64_t s, double lr, nlohmann::json& line) {
     log::info("checkpoint: saving step %lld to %s", (long long)s, ckpt.dir.c_str());
+    trainer.finish();  // the step's optimizer (overlapped) is not the save's time
     const auto t0 = std::chrono::steady_clock::now();
-    const std::string dir = trainer.save_checkpoint(ckpt, std::move(h));
-    const double secs = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    int64_t bytes = 0;
-    for (const ShardRange& x : trainer.checkpoint_ranges(true)) bytes += x.numel * trainer.state().elem_bytes(x.category);
-    log::info("checkpoint: step %lld saved to %s in %.3f s (%s from this rank, %s/s)", (long long)s, dir.c_str(),
-              secs, format_bytes(double(bytes)).c_str(), format_bytes(double(bytes) / std::max(secs, 1e-9)).c_str());
-    return {secs, bytes};
+    Trainer::FinishedSave f;
+    f.dir = trainer.save_checkpoint(ckpt, header(s, lr));
+    f.step = s;
+    f.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+    f.write_seconds = f.seconds;
+    for (const ShardRange& x : trainer.checkpoint_ranges(true)) f.bytes += x.numel * trainer.state().elem_bytes(x.category);
+    report(f, line, false);
   };
 
   if (first_step > cfg.run.steps) {
@@ -387,11 +413,21 @@ int run_train(const TrainOptions& opt) {
       log::warn("stop requested (SIGINT/SIGTERM on some rank): every rank stops after step %lld%s", (long long)s,
                 ckpt.dir.empty() ? "" : " and saves a checkpoint");
     }
+    // A save in flight is published at the first step boundary where every
+    // rank has written its part (one all-reduce per step while it is).
+    if (trainer.checkpoint_in_flight()) {
+      if (auto f = trainer.poll_checkpoint(false)) report(*f, line, true);
+    }
     const bool due = cfg.run.checkpoint.every > 0 && s % cfg.run.checkpoint.every == 0;
-    if (!ckpt.dir.empty() && (due || r.stop || s == cfg.run.steps)) {
-      const auto [secs, bytes] = save(s, r.lr);
-      line["checkpoint_s"] = secs;
-      line["checkpoint_bytes"] = bytes;
+    const bool last = r.stop || s == cfg.run.steps;
+    if (!ckpt.dir.empty() && (due || last)) {
+      if (auto f = trainer.poll_checkpoint(true)) report(*f, line, true);  // one at a time
+      if (last) {
+        save_now(s, r.lr, line);
+      } else {
+        begin_save(s, r.lr);
+        line["checkpoint_begun"] = s;
+      }
     }
     metrics.write(line);
     char suffix[96];
@@ -399,6 +435,7 @@ int run_train(const TrainOptions& opt) {
     if (bar) bar->update(s, suffix);
     if (r.stop) break;
   }
+  if (trainer.checkpoint_in_flight()) trainer.poll_checkpoint(true);
   trainer.finish();  // the last optimizer step (run.overlap_optimizer)
   comm->barrier();   // no rank leaves while another may still need it
   if (bar) bar->finish();

@@ -57,6 +57,8 @@ void OptimizerThread::loop() {
     lock.lock();
     report_ = Report{seconds_since(t0), moved};
     error_ = error;
+    ended_step_ = job.step;
+    ended_failed_ = error != nullptr;
     progress_ = INT64_MAX;
     busy_ = false;
     cv_.notify_all();
@@ -95,6 +97,13 @@ void OptimizerThread::wait(int64_t offset, double* waited) {
     error_ = nullptr;
     std::rethrow_exception(e);
   }
+}
+
+bool OptimizerThread::wait_for_job(int64_t step, int64_t offset) {
+  std::unique_lock<std::mutex> lock(mu_);
+  cv_.wait(lock, [&] { return !busy_ || job_.step != step || progress_ >= offset; });
+  if (busy_ && job_.step == step) return true;  // far enough
+  return !(ended_step_ == step && ended_failed_);
 }
 
 int64_t OptimizerThread::progress() {

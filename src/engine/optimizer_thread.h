@@ -27,7 +27,8 @@ namespace strata {
 // updates in the same order: arithmetic does not change.
 //
 // Thread-safety: start(), wait() and ready() are the compute thread's;
-// publish() is the job's (it runs on the optimizer thread).
+// publish() is the job's (it runs on the optimizer thread); wait_for_job()
+// any thread's.
 class OptimizerThread {
  public:
   struct Job {
@@ -58,6 +59,11 @@ class OptimizerThread {
   void wait(int64_t offset, double* waited);
   // Shard-space elements known final now (INT64_MAX when idle).
   int64_t progress();
+  // Any thread (a checkpoint save reading what job `step` wrote): until
+  // [0, offset) of the job with Job::step == step is final; at once when that
+  // job has ended, a later one has started, or none has. False when that job
+  // failed (its error stays for wait()).
+  bool wait_for_job(int64_t step, int64_t offset);
   // The last finished job's time and bytes, then zeroes them.
   Report take_report();
 
@@ -72,6 +78,8 @@ class OptimizerThread {
   bool ready_ = false, busy_ = false, quit_ = false;
   int64_t progress_ = INT64_MAX;     // set to INT64_MAX only when a job ends
   std::exception_ptr error_;
+  int64_t ended_step_ = -1;  // Job::step of the last job that ended
+  bool ended_failed_ = false;
   Report report_;
 };
 

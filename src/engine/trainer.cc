@@ -578,6 +578,13 @@ void Trainer::optimizer_step(const OptimizerThread::Job& job) {
     }
   };
 
+  // A save of an earlier step in flight (Note [Saving while training]):
+  // each piece waits until the save has written what its update overwrites.
+  std::shared_ptr<InFlightSave> save;
+  {
+    std::lock_guard<std::mutex> lock(save_mu_);
+    if (save_ && job.step > save_->applied) save = save_;
+  }
   if (!groups.empty()) issue_reads(0);
   const int64_t moment_bytes = plan.elem_bytes[size_t(Category::kExpAvg)];
   for (size_t j = 0; j < groups.size(); ++j) {
@@ -585,6 +592,12 @@ void Trainer::optimizer_step(const OptimizerThread::Job& job) {
     const PlacementUnit& g = groups[j];
     if (sets > 1 && j + 1 < groups.size()) issue_reads(j + 1);  // read ahead
     st.read_done(k).wait();
+    if (save) {
+      const size_t n = size_t(std::lower_bound(save->offsets.begin(), save->offsets.end(), g.offset + g.numel) -
+                              save->offsets.begin());
+      TraceSpan span(TraceTrack::kAdam, "wait for checkpoint");
+      save->save->wait_written(n);
+    }
     OptSet& sp = opt_spans_[size_t(k)];
     {
       TraceSpan span(TraceTrack::kAdam, "adam sub-group");
@@ -665,7 +678,75 @@ std::vector<TensorEntry> Trainer::tensor_entries() const {
   return out;
 }
 
+std::vector<ShardRange> Trainer::save_ranges() const {
+  std::vector<ShardRange> ranges = checkpoint_ranges(true);
+  std::stable_sort(ranges.begin(), ranges.end(),
+                   [](const ShardRange& a, const ShardRange& b) { return a.shard_offset < b.shard_offset; });
+  return ranges;
+}
+
+void Trainer::begin_checkpoint(const CheckpointOptions& options, Manifest header) {
+  STRATA_CHECK(!save_, "a checkpoint save is already in flight");
+  auto f = std::make_shared<InFlightSave>();
+  f->t0 = std::chrono::steady_clock::now();
+  header.step = step_;
+  header.trainer["step"] = step_;
+  header.trainer["optimizer_step"] = applied_steps_;
+  header.trainer["loss_scale"] = scaler_ ? scaler_->to_json() : nlohmann::json();
+  header.parameters = layout_.parameter_count();
+  header.tensors = tensor_entries();
+  for (Category c : kSavedCategories) header.elem_bytes[c] = state_->elem_bytes(c);
+  // In the order the optimizer walks the shard space (all categories of a
+  // piece together): it waits for a prefix of them.
+  f->ranges = save_ranges();
+  for (const ShardRange& r : f->ranges) f->offsets.push_back(r.shard_offset);
+  f->applied = applied_steps_;
+  InFlightSave* raw = f.get();
+  RangeSource source;
+  source.resident = [this, raw](size_t i) -> const std::byte* {
+    const ShardRange& r = raw->ranges[i];
+    return state_->resident(r.category, r.shard_offset, r.shard_numel);
+  };
+  source.fill = [this, raw](size_t i, int64_t at, int64_t numel, std::byte* buf) {
+    const ShardRange& r = raw->ranges[i];
+    state_->read_async(r.category, r.shard_offset + at, numel, buf, save_io_).wait();
+  };
+  // The step being saved may still be updating (run.overlap_optimizer):
+  // each range waits until the update is final there.
+  std::function<bool(size_t)> ready;
+  if (opt_thread_) {
+    ready = [this, raw](size_t i) {
+      const ShardRange& r = raw->ranges[i];
+      return opt_thread_->wait_for_job(raw->applied, r.shard_offset + r.shard_numel);
+    };
+  }
+  TraceSpan span(TraceTrack::kNvme, "checkpoint begin");
+  f->save = std::make_unique<CheckpointSave>(options, *comm_, std::move(header), f->ranges, std::move(source),
+                                             std::move(ready));
+  std::lock_guard<std::mutex> lock(save_mu_);
+  save_ = std::move(f);
+}
+
+std::optional<Trainer::FinishedSave> Trainer::poll_checkpoint(bool wait) {
+  if (!save_) return std::nullopt;
+  if (!wait && !save_->save->done_everywhere()) return std::nullopt;
+  std::shared_ptr<InFlightSave> f = save_;
+  {
+    std::lock_guard<std::mutex> lock(save_mu_);
+    save_.reset();  // a running optimizer pass keeps its own reference
+  }
+  TraceSpan span(TraceTrack::kNvme, "checkpoint finish");
+  FinishedSave done;
+  done.dir = f->save->finish();
+  done.step = f->save->step();
+  done.seconds = seconds_since(f->t0);
+  done.write_seconds = f->save->write_seconds();
+  done.bytes = f->save->bytes();
+  return done;
+}
+
 std::string Trainer::save_checkpoint(const CheckpointOptions& options, Manifest header) {
+  poll_checkpoint(true);  // one in flight first
   finish();  // the last step's optimizer has written its state
   TraceSpan span(TraceTrack::kNvme, "checkpoint save");
   header.step = step_;
@@ -675,11 +756,18 @@ std::string Trainer::save_checkpoint(const CheckpointOptions& options, Manifest 
   header.parameters = layout_.parameter_count();
   header.tensors = tensor_entries();
   for (Category c : kSavedCategories) header.elem_bytes[c] = state_->elem_bytes(c);
-  const std::vector<ShardRange> ranges = checkpoint_ranges(true);
-  return strata::save_checkpoint(options, *comm_, std::move(header), ranges, [&](size_t i, std::byte* buf) {
+  const std::vector<ShardRange> ranges = save_ranges();
+  RangeSource source;
+  // With CPU compute the device arena is host memory too: both are written
+  // in place.
+  source.resident = [&](size_t i) -> const std::byte* {
     const ShardRange& r = ranges[i];
-    state_->read(r.category, r.shard_offset, r.shard_numel, buf);
-  });
+    return state_->resident(r.category, r.shard_offset, r.shard_numel);
+  };
+  source.fill = [&](size_t i, int64_t at, int64_t numel, std::byte* buf) {
+    state_->read_async(ranges[i].category, ranges[i].shard_offset + at, numel, buf, save_io_).wait();
+  };
+  return strata::save_checkpoint(options, *comm_, std::move(header), ranges, source);
 }
 
 void Trainer::load_checkpoint(CheckpointReader& reader) {
@@ -733,10 +821,14 @@ void Trainer::load_checkpoint(CheckpointReader& reader) {
   // Start-up only: staging for one chunk and its working copy.
   HostBuffer buf(size_t(largest * 4), "checkpoint load staging");
   HostBuffer working(size_t(largest * compute_bytes_), "checkpoint load working copy");
-  for (const ShardRange& r : ranges) {
+  std::vector<CheckpointReader::Target> targets;
+  targets.reserve(ranges.size());
+  for (const ShardRange& r : ranges) targets.push_back({r.category, r.start, r.numel, buf.as<std::byte>()});
+  // The reader reads ahead while each chunk is placed.
+  reader.read_all(targets, [&](size_t k) {
+    const ShardRange& r = ranges[k];
     const int eb = state_->elem_bytes(r.category);
-    std::memset(buf.data(), 0, size_t(r.shard_numel * eb));
-    reader.read(r.category, r.start, r.numel, buf.as<std::byte>());
+    std::memset(buf.as<std::byte>() + r.numel * eb, 0, size_t((r.shard_numel - r.numel) * eb));  // padding
     state_->write(r.category, r.shard_offset, r.shard_numel, buf.data());
     if (r.category == Category::kMaster) {
       // The working copy is the master weights in the compute dtype, as the
@@ -745,7 +837,7 @@ void Trainer::load_checkpoint(CheckpointReader& reader) {
           .copy_(at::from_blob(buf.data(), {r.shard_numel}, at::TensorOptions().dtype(at::kFloat)));
       state_->write(Category::kParam16, r.shard_offset, r.shard_numel, working.data());
     }
-  }
+  });
   window_->invalidate();  // nothing fetched before the load is valid now
   std::fill(gathered_valid_.begin(), gathered_valid_.end(), 0);
   step_ = m.step;
@@ -814,7 +906,10 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
 
 // The optimizer thread goes first (its destructor waits for a running job):
 // it uses the buffers below.
-Trainer::~Trainer() { opt_thread_.reset(); }
+Trainer::~Trainer() {
+  save_.reset();  // an unfinished save's thread first: it may wait for the optimizer
+  opt_thread_.reset();
+}
 
 // Buffers exactly as the plan counted them (placement.h, StagingNeeds), and
 // what is computed once per block and per piece.

@@ -8,8 +8,11 @@
 
 #include <ATen/ATen.h>
 
+#include <chrono>
 #include <cstdint>
 #include <memory>
+#include <mutex>
+#include <optional>
 #include <string>
 #include <vector>
 
@@ -151,6 +154,24 @@ class Trainer {
   // trainer.optimizer_step and trainer.loss_scale. Returns the checkpoint
   // directory.
   std::string save_checkpoint(const CheckpointOptions& options, Manifest header);
+  // The same save riding on training (Note [Saving while training] in
+  // checkpoint.h): starts saving the state of steps_done() (collective) and
+  // returns at once, even while that step's optimizer still runs; the next
+  // optimizer passes wait per piece for what they would overwrite. At most
+  // one in flight: poll it to the end first.
+  void begin_checkpoint(const CheckpointOptions& options, Manifest header);
+  bool checkpoint_in_flight() const { return save_ != nullptr; }
+  struct FinishedSave {
+    std::string dir;
+    int64_t step = 0;
+    double seconds = 0.0;        // from begin_checkpoint() to published
+    double write_seconds = 0.0;  // from begin_checkpoint() to this rank's file synced
+    int64_t bytes = 0;           // saved by this rank
+  };
+  // Collective. Finishes the save in flight once every rank has written its
+  // part (wait: waits for that) and reports it; nullopt when none finished.
+  // Throws Error on every rank when the save failed (training state untouched).
+  std::optional<FinishedSave> poll_checkpoint(bool wait);
   // Loads master weights and Adam moments from `reader` (the working copy is
   // derived from the master weights) and continues from its step, optimizer
   // step and loss scale (manifest "trainer": step, optimizer_step,
@@ -301,6 +322,20 @@ class Trainer {
   PendingIo opt_param_write_;             // a staged working copy's write, waited at once
   std::unique_ptr<OptimizerThread> opt_thread_;  // run.overlap_optimizer
   double opt_wait_s_ = 0.0;               // seconds compute waited for the optimizer
+
+  // A save in flight (begin_checkpoint). The optimizer thread takes its own
+  // reference under save_mu_; the save's thread reads homes and NVMe (save_io_).
+  struct InFlightSave {
+    std::unique_ptr<CheckpointSave> save;
+    std::vector<ShardRange> ranges;  // in shard-space order, as the optimizer walks it
+    std::vector<int64_t> offsets;    // their shard offsets
+    int64_t applied = 0;             // the optimizer step saved
+    std::chrono::steady_clock::time_point t0;
+  };
+  std::vector<ShardRange> save_ranges() const;
+  std::shared_ptr<InFlightSave> save_;
+  std::mutex save_mu_;
+  PendingIo save_io_;
 
   std::vector<std::string> forward_names_, backward_names_;  // trace span names per block
 };

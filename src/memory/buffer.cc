@@ -1,5 +1,7 @@
 #include "memory/buffer.h"
 
+#include <sys/mman.h>
+
 #include <cstdlib>
 #include <cstring>
 #include <utility>
@@ -11,8 +13,11 @@ namespace strata {
 
 HostBuffer::HostBuffer(size_t bytes, const std::string& what) : bytes_(bytes) {
   if (bytes == 0) return;
-  const size_t rounded = (bytes + kPageBytes - 1) / kPageBytes * kPageBytes;
-  data_ = std::aligned_alloc(kPageBytes, rounded);
+  // Note [Huge pages].
+  const size_t align = bytes >= kHugePageBytes ? kHugePageBytes : kPageBytes;
+  const size_t rounded = (bytes + align - 1) / align * align;
+  data_ = std::aligned_alloc(align, rounded);
+  if (data_ != nullptr && align == kHugePageBytes) ::madvise(data_, rounded, MADV_HUGEPAGE);  // a hint only
   if (data_ == nullptr) {
     throw OutOfMemoryError("cannot allocate " + format_bytes(double(rounded)) + " of host memory for " +
                            what);
