@@ -508,11 +508,23 @@ void CheckpointReader::read_all(const std::vector<Target>& targets, const std::f
 
   std::vector<nvme::IoHandle> inflight(kReaderSlots);
   auto slot = [&](size_t i) { return scratch_.as<std::byte>() + int64_t(i % kReaderSlots) * kReaderSlotBytes; };
+  // A piece read straight into its target's own buffer: whole, aligned, inside it.
+  auto direct = [&](const ReadPiece& p) -> std::byte* {
+    const Target& t = targets[p.target];
+    std::byte* dst = t.out + p.out_offset;
+    if (t.own_bytes <= 0 || p.copy_lo != p.from || reinterpret_cast<uintptr_t>(dst) % kAlign != 0 ||
+        p.out_offset + round_up(p.to - p.from, kAlign) > t.own_bytes) {
+      return nullptr;
+    }
+    return dst;
+  };
   auto issue = [&](size_t i) {
     const ReadPiece& p = pieces[i];
+    std::byte* dst = direct(p);
     inflight[i % kReaderSlots] = engine_->submit(nvme::IoRequest{nvme::IoOp::kRead, file(p.range->file),
                                                                  p.range->offset + p.from,
-                                                                 round_up(p.to - p.from, kAlign), slot(i)});
+                                                                 round_up(p.to - p.from, kAlign),
+                                                                 dst != nullptr ? dst : slot(i)});
   };
   for (size_t i = 0; i < pieces.size() && i < size_t(kReaderSlots); ++i) issue(i);
   for (size_t i = 0; i < pieces.size(); ++i) {
@@ -525,7 +537,8 @@ void CheckpointReader::read_all(const std::vector<Target>& targets, const std::f
     } catch (const IoError& e) {
       throw InputError(fpath, std::string("cannot read: ") + e.what());
     }
-    const std::byte* s = slot(i);
+    std::byte* in_place = direct(p);
+    const std::byte* s = in_place != nullptr ? in_place : slot(i);
     for (int64_t q = 0; q < p.blocks; ++q) {
       const int64_t qb = std::min(kChecksumBytes, p.to - p.from - q * kChecksumBytes);
       if (nvme::crc32c(s + q * kChecksumBytes, size_t(qb)) != r.crc[size_t(p.first_block + q)]) {
@@ -534,7 +547,9 @@ void CheckpointReader::read_all(const std::vector<Target>& targets, const std::f
                                           (long long)(r.offset + p.from + q * kChecksumBytes + qb)));
       }
     }
-    std::memcpy(targets[p.target].out + p.out_offset, s + (p.copy_lo - p.from), size_t(p.copy_hi - p.copy_lo));
+    if (in_place == nullptr) {
+      std::memcpy(targets[p.target].out + p.out_offset, s + (p.copy_lo - p.from), size_t(p.copy_hi - p.copy_lo));
+    }
     if (i + kReaderSlots < pieces.size()) issue(i + kReaderSlots);  // the slot is free again
     if (last[p.target] == i && done) done(p.target);
   }

@@ -196,12 +196,19 @@ class CheckpointReader {
     int64_t start = 0;
     int64_t numel = 0;
     std::byte* out = nullptr;
+    // > 0: `out` is this target's own (not shared with another target) and
+    // this many bytes may be written there (at least numel x elem_bytes):
+    // pieces then go straight from the file into it where it is 4 KiB
+    // aligned, ahead of done() and without a copy; the bytes past the
+    // elements up to the next 4 KiB are the file's zero padding.
+    int64_t own_bytes = 0;
   };
   // Fills each target's `out` with its saved elements (elem_bytes each), in
   // order, reading up to kReaderSlots pieces of kReaderSlotBytes ahead and
   // verifying every MiB as it arrives. done(k), on the calling thread, is
   // called once target k is complete and before any byte of a later target
-  // is copied out: targets may share one `out`. Throws InputError naming the
+  // is copied out: targets may share one `out` (unless own_bytes says
+  // otherwise). Throws InputError naming the
   // file and offset on a checksum mismatch or a short read.
   void read_all(const std::vector<Target>& targets, const std::function<void(size_t)>& done = {});
   // One target.

@@ -823,18 +823,26 @@ void Trainer::load_checkpoint(CheckpointReader& reader) {
   HostBuffer working(size_t(largest * compute_bytes_), "checkpoint load working copy");
   std::vector<CheckpointReader::Target> targets;
   targets.reserve(ranges.size());
-  for (const ShardRange& r : ranges) targets.push_back({r.category, r.start, r.numel, buf.as<std::byte>()});
+  std::vector<std::byte*> homes;
+  for (const ShardRange& r : ranges) {
+    // Resident ranges are read into their homes in place; the others through `buf`.
+    std::byte* home = state_->resident(r.category, r.shard_offset, r.shard_numel);
+    homes.push_back(home);
+    const int64_t own = home != nullptr ? r.shard_numel * state_->elem_bytes(r.category) : 0;
+    targets.push_back({r.category, r.start, r.numel, home != nullptr ? home : buf.as<std::byte>(), own});
+  }
   // The reader reads ahead while each chunk is placed.
   reader.read_all(targets, [&](size_t k) {
     const ShardRange& r = ranges[k];
     const int eb = state_->elem_bytes(r.category);
-    std::memset(buf.as<std::byte>() + r.numel * eb, 0, size_t((r.shard_numel - r.numel) * eb));  // padding
-    state_->write(r.category, r.shard_offset, r.shard_numel, buf.data());
+    std::byte* data = targets[k].out;
+    std::memset(data + r.numel * eb, 0, size_t((r.shard_numel - r.numel) * eb));  // padding
+    if (homes[k] == nullptr) state_->write(r.category, r.shard_offset, r.shard_numel, data);
     if (r.category == Category::kMaster) {
       // The working copy is the master weights in the compute dtype, as the
       // optimizer emits it.
       at::from_blob(working.data(), {r.shard_numel}, at::TensorOptions().dtype(compute_dtype_))
-          .copy_(at::from_blob(buf.data(), {r.shard_numel}, at::TensorOptions().dtype(at::kFloat)));
+          .copy_(at::from_blob(data, {r.shard_numel}, at::TensorOptions().dtype(at::kFloat)));
       state_->write(Category::kParam16, r.shard_offset, r.shard_numel, working.data());
     }
   });
