@@ -731,13 +731,22 @@ std::optional<Trainer::FinishedSave> Trainer::poll_checkpoint(bool wait) {
   if (!save_) return std::nullopt;
   if (!wait && !save_->save->done_everywhere()) return std::nullopt;
   std::shared_ptr<InFlightSave> f = save_;
-  {
+  // Dropped only once finish() has joined the save's thread: an optimizer
+  // pass that starts (takes its reference) late must still find it while
+  // anything remains to be written.
+  auto drop = [&] {
     std::lock_guard<std::mutex> lock(save_mu_);
     save_.reset();  // a running optimizer pass keeps its own reference
-  }
+  };
   TraceSpan span(TraceTrack::kNvme, "checkpoint finish");
   FinishedSave done;
-  done.dir = f->save->finish();
+  try {
+    done.dir = f->save->finish();
+  } catch (...) {
+    drop();
+    throw;
+  }
+  drop();
   done.step = f->save->step();
   done.seconds = seconds_since(f->t0);
   done.write_seconds = f->save->write_seconds();
