@@ -333,13 +333,8 @@ int run_train(const TrainOptions& opt) {
   auto save_now = [&](int64_t s, double lr, nlohmann::json& line) {
     log::info("checkpoint: saving step %lld to %s", (long long)s, ckpt.dir.c_str());
     trainer.finish();  // the step's optimizer (overlapped) is not the save's time
-    const auto t0 = std::chrono::steady_clock::now();
-    Trainer::FinishedSave f;
-    f.dir = trainer.save_checkpoint(ckpt, header(s, lr));
-    f.step = s;
-    f.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-    f.write_seconds = f.seconds;
-    for (const ShardRange& x : trainer.checkpoint_ranges(true)) f.bytes += x.numel * trainer.state().elem_bytes(x.category);
+    trainer.begin_checkpoint(ckpt, header(s, lr));
+    const Trainer::FinishedSave f = *trainer.poll_checkpoint(true);
     report(f, line, false);
   };
 

@@ -756,27 +756,10 @@ std::optional<Trainer::FinishedSave> Trainer::poll_checkpoint(bool wait) {
 
 std::string Trainer::save_checkpoint(const CheckpointOptions& options, Manifest header) {
   poll_checkpoint(true);  // one in flight first
-  finish();  // the last step's optimizer has written its state
+  finish();               // the last step's optimizer has written its state
   TraceSpan span(TraceTrack::kNvme, "checkpoint save");
-  header.step = step_;
-  header.trainer["step"] = step_;
-  header.trainer["optimizer_step"] = applied_steps_;
-  header.trainer["loss_scale"] = scaler_ ? scaler_->to_json() : nlohmann::json();
-  header.parameters = layout_.parameter_count();
-  header.tensors = tensor_entries();
-  for (Category c : kSavedCategories) header.elem_bytes[c] = state_->elem_bytes(c);
-  const std::vector<ShardRange> ranges = save_ranges();
-  RangeSource source;
-  // With CPU compute the device arena is host memory too: both are written
-  // in place.
-  source.resident = [&](size_t i) -> const std::byte* {
-    const ShardRange& r = ranges[i];
-    return state_->resident(r.category, r.shard_offset, r.shard_numel);
-  };
-  source.fill = [&](size_t i, int64_t at, int64_t numel, std::byte* buf) {
-    state_->read_async(ranges[i].category, ranges[i].shard_offset + at, numel, buf, save_io_).wait();
-  };
-  return strata::save_checkpoint(options, *comm_, std::move(header), ranges, source);
+  begin_checkpoint(options, std::move(header));
+  return poll_checkpoint(true)->dir;
 }
 
 void Trainer::load_checkpoint(CheckpointReader& reader) {
