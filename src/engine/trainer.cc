@@ -808,20 +808,34 @@ void Trainer::load_checkpoint(CheckpointReader& reader) {
   }
   TraceSpan span(TraceTrack::kNvme, "checkpoint load");
   const std::vector<ShardRange> ranges = checkpoint_ranges(false);
-  int64_t largest = 0;
-  for (const ShardRange& r : ranges) largest = std::max(largest, r.shard_numel);
-  // Start-up only: staging for one chunk and its working copy.
-  HostBuffer buf(size_t(largest * 4), "checkpoint load staging");
-  HostBuffer working(size_t(largest * compute_bytes_), "checkpoint load working copy");
   std::vector<CheckpointReader::Target> targets;
   targets.reserve(ranges.size());
   std::vector<std::byte*> homes;
+  std::vector<std::byte*> working_homes;  // the param16 home of each master range, where resident
+  int64_t largest_staged = 0;
+  int64_t largest_working = 0;
   for (const ShardRange& r : ranges) {
     // Resident ranges are read into their homes in place; the others through `buf`.
     std::byte* home = state_->resident(r.category, r.shard_offset, r.shard_numel);
     homes.push_back(home);
-    const int64_t own = home != nullptr ? r.shard_numel * state_->elem_bytes(r.category) : 0;
-    targets.push_back({r.category, r.start, r.numel, home != nullptr ? home : buf.as<std::byte>(), own});
+    if (home == nullptr) largest_staged = std::max(largest_staged, r.shard_numel);
+    std::byte* p16 = nullptr;
+    if (r.category == Category::kMaster) {
+      p16 = state_->resident(Category::kParam16, r.shard_offset, r.shard_numel);
+      if (p16 == nullptr) largest_working = std::max(largest_working, r.shard_numel);
+    }
+    working_homes.push_back(p16);
+  }
+  // Start-up only, and only what some range needs: staging for one chunk
+  // that is not resident, and for a working copy whose home is not.
+  HostBuffer buf;
+  if (largest_staged > 0) buf = HostBuffer(size_t(largest_staged * 4), "checkpoint load staging");
+  HostBuffer working;
+  if (largest_working > 0) working = HostBuffer(size_t(largest_working * compute_bytes_), "checkpoint load working copy");
+  for (size_t k = 0; k < ranges.size(); ++k) {
+    const ShardRange& r = ranges[k];
+    const int64_t own = homes[k] != nullptr ? r.shard_numel * state_->elem_bytes(r.category) : 0;
+    targets.push_back({r.category, r.start, r.numel, homes[k] != nullptr ? homes[k] : buf.as<std::byte>(), own});
   }
   // The reader reads ahead while each chunk is placed.
   reader.read_all(targets, [&](size_t k) {
@@ -832,10 +846,15 @@ void Trainer::load_checkpoint(CheckpointReader& reader) {
     if (homes[k] == nullptr) state_->write(r.category, r.shard_offset, r.shard_numel, data);
     if (r.category == Category::kMaster) {
       // The working copy is the master weights in the compute dtype, as the
-      // optimizer emits it.
-      at::from_blob(working.data(), {r.shard_numel}, at::TensorOptions().dtype(compute_dtype_))
-          .copy_(at::from_blob(data, {r.shard_numel}, at::TensorOptions().dtype(at::kFloat)));
-      state_->write(Category::kParam16, r.shard_offset, r.shard_numel, working.data());
+      // optimizer emits it: converted straight into its home where resident.
+      std::byte* dst = working_homes[k] != nullptr ? working_homes[k] : working.as<std::byte>();
+      if (compute_dtype_ == at::kFloat) {
+        std::memcpy(dst, data, size_t(r.shard_numel * 4));
+      } else {
+        at::from_blob(dst, {r.shard_numel}, at::TensorOptions().dtype(compute_dtype_))
+            .copy_(at::from_blob(data, {r.shard_numel}, at::TensorOptions().dtype(at::kFloat)));
+      }
+      if (working_homes[k] == nullptr) state_->write(Category::kParam16, r.shard_offset, r.shard_numel, dst);
     }
   });
   window_->invalidate();  // nothing fetched before the load is valid now
