@@ -7,10 +7,14 @@ Each round (interleaved, so the disk's drift hits both alike):
      (the same block size and queue depth as the checkpoint's I/O engine: 4 MiB, 32), and
      writes them again with `--fsync` (timed to the end of fdatasync: the durable rate that
      a checkpoint, which syncs, is compared with);
-  2. `strata train`, saving every --every steps while training and at the end: each save's
-     checkpoint_write_s (start to file synced) and checkpoint_bytes give the write bandwidth;
-     the step intervals (elapsed_s) a save in flight overlapped (from the step it began after
-     to the one after its publication) against the median of the others give the time it added;
+  2. `strata train` without checkpoints, then saving every --every steps while training and at
+     the end: the save at the end (the machine to itself, as bench-io has it) gives the write
+     bandwidth from its checkpoint_write_s (start to file synced) and checkpoint_bytes; the
+     step intervals (elapsed_s) a save in flight overlapped (from the step it began after to
+     the one after its publication) against the median of the others give the time it added;
+     the save thread's own CPU time comes from its debug line, and /proc/stat's steal counter
+     over both runs gives the CPU time the hypervisor took per save (on a VM, its virtual
+     disk's I/O is done on the same cores: stolen from training, not from an idle machine);
   3. `strata train --resume` loads the checkpoint (the log's "resumed ... in X s");
   4. `strata export` writes its weights as bf16 safetensors (whole command, timed).
 It prints medians over rounds and the same-run ratios to bench-io.
@@ -35,6 +39,13 @@ def run(cmd, env=None):
     if p.returncode != 0:
         sys.exit(f"failed ({p.returncode}): {' '.join(cmd)}\n{p.stdout}\n{p.stderr}")
     return p.stdout + p.stderr
+
+
+def steal_ticks():
+    """The CPU time the hypervisor took from this VM so far (/proc/stat 'steal', in USER_HZ ticks)."""
+    with open("/proc/stat") as f:
+        fields = f.readline().split()
+    return int(fields[8]) if len(fields) > 8 else 0
 
 
 def bench_io(strata, d, mib, args, extra=()):
@@ -88,17 +99,30 @@ def main():
     for rnd in range(args.rounds):
         shutil.rmtree(ck, ignore_errors=True)
         metrics = os.path.join(args.dir, f"m{rnd}.jsonl")
+        # The same run without checkpoints: the CPU time the hypervisor steals from training alone.
+        s0 = steal_ticks()
+        run([args.strata, "train", cfg_path, "--set", "run.checkpoint.every=0", "--set", 'run.checkpoint.dir=""'])
+        s1 = steal_ticks()
         log = run([args.strata, "train", cfg_path, "--metrics", metrics, "--set", "run.log_level=debug"])
+        s2 = steal_ticks()
+        hz = os.sysconf("SC_CLK_TCK")
+        thread_cpu = [float(u) + float(y) for u, y in
+                      re.findall(r"the thread used ([0-9.]+) s user, ([0-9.]+) s system CPU", log)]
         fsyncs = [float(x) for x in re.findall(r"rank 0 wrote .* fsync ([0-9.]+) s", log)]
         lines = [json.loads(x) for x in open(metrics)]
         saves = [x for x in lines if "checkpoint_s" in x]
         ck_bytes = saves[0]["checkpoint_bytes"]
-        # Durable write bandwidth: bytes over the time from the start of the save to its file synced.
-        write_gbps = statistics.median(x["checkpoint_bytes"] / x["checkpoint_write_s"] / 1e9 for x in saves)
-        save_s = statistics.median(x["checkpoint_write_s"] for x in saves)
+        # Durable write bandwidth of the save at the end, which has the machine to itself as bench-io
+        # does: bytes over the time from the start of the save to its file synced.
+        final = saves[-1]
+        write_gbps = final["checkpoint_bytes"] / final["checkpoint_write_s"] / 1e9
+        save_s = final["checkpoint_write_s"]
         # Without the fsync (what bench-io's plain write pass measures: it does not sync).
-        nosync_gbps = statistics.median(x["checkpoint_bytes"] / (x["checkpoint_write_s"] - f) / 1e9
-                                        for x, f in zip(saves, fsyncs))
+        nosync_gbps = final["checkpoint_bytes"] / (final["checkpoint_write_s"] - fsyncs[-1]) / 1e9
+        # The saves while training share the cores with it (their thread runs at nice 10).
+        overlapped = saves[:-1]
+        write_training_gbps = statistics.median(x["checkpoint_bytes"] / x["checkpoint_write_s"] / 1e9
+                                                for x in overlapped)
         el = {x["step"]: x["elapsed_s"] for x in lines}
         # A save begun after step b and published at the line of step f (its finish is timed in the
         # interval f -> f + 1) affects the intervals b -> f + 1; the others are the reference.
@@ -131,7 +155,10 @@ def main():
         io = bench_io(args.strata, args.dir, max(64, ck_bytes >> 20), args)
         io_sync = bench_io(args.strata, args.dir, max(64, ck_bytes >> 20), args, ("--fsync", "--ops", "write"))
         row = {"round": rnd, "checkpoint_bytes": ck_bytes, "save_s": save_s, "write_gbps": write_gbps,
-               "write_nosync_gbps": nosync_gbps, "fsync_s": statistics.median(fsyncs),
+               "write_nosync_gbps": nosync_gbps, "fsync_s": fsyncs[-1],
+               "write_while_training_gbps": write_training_gbps,
+               "save_thread_cpu_s": statistics.median(thread_cpu[:-1]),
+               "steal_per_save_s": ((s2 - s1) - (s1 - s0)) / hz / len(saves),
                "read_s": read_s, "read_gbps": ck_bytes / read_s / 1e9, "bench_io_write_gbps": io["write"],
                "bench_io_read_gbps": io["read"], "bench_io_write_fsync_gbps": io_sync["write"], "step_s": step_s,
                "added_s": added_s, "save_while_training_s": save_write_s, "export_s": export_s,
@@ -146,8 +173,9 @@ def main():
     med = {k: statistics.median(r[k] for r in rows) for k in rows[0] if k != "round"}
     print(f"\nmedians of {args.rounds} rounds; checkpoint {med['checkpoint_bytes'] / 1e9:.2f} GB "
           f"(dim {args.dim}, {args.layers} layers), step {med['step_s']:.2f} s:")
-    print(f"  write (durable) {med['write_gbps']:.2f} GB/s vs bench-io --fsync {med['bench_io_write_fsync_gbps']:.2f} "
-          f"GB/s: ratio {med['write_ratio']:.2f} (same-run ratios, median)")
+    print(f"  write (durable, the save at the end) {med['write_gbps']:.2f} GB/s vs bench-io --fsync "
+          f"{med['bench_io_write_fsync_gbps']:.2f} GB/s: ratio {med['write_ratio']:.2f} (same-run ratios, median); "
+          f"saves while training {med['write_while_training_gbps']:.2f} GB/s")
     print(f"  write without its fsync ({med['fsync_s']:.2f} s) {med['write_nosync_gbps']:.2f} GB/s vs bench-io "
           f"{med['bench_io_write_gbps']:.2f} GB/s: ratio {med['write_nosync_ratio']:.2f}")
     print(f"  read   {med['read_gbps']:.2f} GB/s vs bench-io {med['bench_io_read_gbps']:.2f} GB/s: "
@@ -155,7 +183,9 @@ def main():
     print(f"  export (bf16, whole command) {med['export_s']:.2f} s: reads {med['export_read_gbps']:.2f} GB/s of fp32 "
           f"master weights, writes {med['export_write_gbps']:.2f} GB/s of safetensors")
     print(f"  a save while training adds {med['added_s']:.2f} s to the steps it overlaps: "
-          f"{100 * med['added_over_save']:.0f}% of its write time {med['save_while_training_s']:.2f} s")
+          f"{100 * med['added_over_save']:.0f}% of its write time {med['save_while_training_s']:.2f} s; its thread used "
+          f"{med['save_thread_cpu_s']:.2f} s of CPU, the hypervisor stole {med['steal_per_save_s']:.2f} CPU-s more per "
+          f"save than in the same run without saves (/proc/stat steal)")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rounds": rows, "median": med}, f, indent=1)

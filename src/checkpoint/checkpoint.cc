@@ -766,11 +766,15 @@ void CheckpointSave::run() {
       publish(i + 1);
     }
     const std::vector<SavedRange> saved = w.finish();
+    struct rusage cpu {};
+    ::getrusage(RUSAGE_THREAD, &cpu);
+    auto tv = [](const timeval& t) { return double(t.tv_sec) + 1e-6 * double(t.tv_usec); };
     log::debug("checkpoint: rank %d wrote %s in %.3f s: set-up %.3f s, waiting for the optimizer %.3f s, tier "
                "reads %.3f s, checksums %.3f s, waiting for writes %.3f s, fsync %.3f s (%s written from the "
-               "state's homes in place)",
+               "state's homes in place; the thread used %.3f s user, %.3f s system CPU)",
                rank, file_name_for_log(tmp_, rank).c_str(), seconds_since(t0), setup_s, ready_s, w.fill_s(),
-               w.crc_s(), w.wait_s(), w.sync_s(), format_bytes(double(w.in_place_bytes())).c_str());
+               w.crc_s(), w.wait_s(), w.sync_s(), format_bytes(double(w.in_place_bytes())).c_str(), tv(cpu.ru_utime),
+               tv(cpu.ru_stime));
     json part = {{"bytes", int64_t(0)}, {"ranges", json::array()}};
     int64_t bytes = 0;
     for (const SavedRange& s : saved) {
