@@ -34,6 +34,10 @@ class Completion {
     w->wait_ticket(ticket_);
   }
   bool pending() const { return waiter_ != nullptr; }
+  // Who fires it and which of its tickets (for a device ordering a stream
+  // after its own events without blocking the host).
+  Waiter* waiter() const { return waiter_; }
+  uint64_t ticket() const { return ticket_; }
 
  private:
   Waiter* waiter_ = nullptr;

@@ -71,6 +71,14 @@ class InternalError : public Error {
   InternalError(const char* file, int line, const std::string& what);
 };
 
+// A CUDA (or NCCL) call that failed: file:line of the call and the driver's
+// text. Not a bug in Strata's logic, not the user's input: the device failed.
+class DeviceError : public Error {
+ public:
+  DeviceError(const char* file, int line, const std::string& what)
+      : Error(std::string(file) + ":" + std::to_string(line) + ": " + what) {}
+};
+
 // Exit codes of the strata executable.
 inline constexpr int kExitOk = 0;
 inline constexpr int kExitFailure = 1;    // runtime failure (I/O, internal, out of memory)
