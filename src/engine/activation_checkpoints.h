@@ -6,10 +6,11 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <cstdint>
 #include <vector>
 
-#include "memory/buffer.h"
+#include "memory/device.h"
 #include "memory/placement.h"
 #include "memory/tiered_state.h"
 
@@ -25,7 +26,11 @@ class ActivationCheckpoints {
                         at::ScalarType dtype, TieredState* state);
 
   // A step begins: nothing saved survives it (nor a failed one).
-  void reset() { device_now_ = 0; }
+  void reset() {
+    offloaded_.wait();
+    offloading_ = at::Tensor();
+    device_now_ = 0;
+  }
   // Keeps x as block b's input (on the device, or offloaded to the host).
   void save(size_t b, const at::Tensor& x);
   // Block b's input on the device for its backward; prefetches b - 1's.
@@ -34,13 +39,21 @@ class ActivationCheckpoints {
   // Peak bytes of saved inputs on the device (the layers' inputs, or the two
   // slots that bring them back).
   int64_t peak_device_bytes() const { return peak_device_; }
-  int64_t device_slot_bytes() const { return int64_t(device_.bytes()); }
-  int64_t host_slot_bytes() const { return int64_t(host_.bytes()); }
+  int64_t device_slot_bytes() const { return device_.bytes(); }
+  int64_t host_slot_bytes() const { return host_.bytes(); }
 
  private:
   size_t head_;                       // the head's block index (layers are 1..head_-1)
   std::vector<at::Tensor> saved_;     // per block, when kept on the device
-  HostBuffer host_, device_;          // cpu_checkpointing: layer b in host slot b - 1, device slot b % 2
+  // cpu_checkpointing: layer b in host slot b - 1, brought back into device
+  // slot (head - 1 - b) % 2. Copies on the D2H / H2D streams of the state's
+  // device (Note [Buffer reuse across streams], memory/device.h).
+  Device& dev_;
+  PinnedHostBuffer host_;
+  DeviceBuffer device_;
+  at::Tensor offloading_;             // the input whose D2H copy is in flight
+  Completion offloaded_;              // ... and its completion
+  std::array<Completion, 2> slot_ready_;  // each device slot's H2D copy
   int64_t bytes_ = 0;                 // one layer's input; 0 without cpu_checkpointing
   std::vector<int64_t> shape_;
   at::ScalarType dtype_;

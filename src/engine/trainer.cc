@@ -911,6 +911,9 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   so.checksums = cfg.run.swap_checksums;
   so.device_transient_bytes = plan.staging.device_bytes();
   so.device_budget_bytes = cfg.run.device_memory_mb > 0 ? cfg.run.device_memory_mb << 20 : -1;
+  // The compute device's memory is the device tier. Until the step runs on a
+  // GPU (issue: the GPU path), the trainer's device is the CPU device.
+  so.device = &cpu_device();
   state_ = std::make_unique<TieredState>(plan, so);
 
   keep_graphs_ = plan.keep_graphs;

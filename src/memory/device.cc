@@ -104,7 +104,9 @@ PinnedHostBuffer Device::allocate_pinned(int64_t bytes, const std::string& what)
   PinnedHostBuffer b;
   if (bytes == 0) return b;
   try {
-    b.mem_ = nvme::PinnedBuffer(bytes);
+    nvme::BufferOptions o;
+    o.lock = false;  // registration locks what needs locking (CUDA)
+    b.mem_ = nvme::PinnedBuffer(bytes, o);
   } catch (const OutOfMemoryError& e) {
     throw OutOfMemoryError("pinned host memory for " + what + ": " + e.what());
   }
@@ -115,8 +117,8 @@ PinnedHostBuffer Device::allocate_pinned(int64_t bytes, const std::string& what)
               name().c_str(), format_bytes(double(bytes)).c_str(), what.c_str());
   }
   if (bytes >= (int64_t(64) << 20)) {
-    log::info("allocated %s of pinned host memory for %s%s", format_bytes(double(bytes)).c_str(), what.c_str(),
-              b.mem_.locked() ? "" : " (not locked: RLIMIT_MEMLOCK)");
+    log::info("allocated %s of %s host memory for %s", format_bytes(double(bytes)).c_str(),
+              is_cuda() ? "pinned" : "transfer", what.c_str());
   }
   return b;
 }

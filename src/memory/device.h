@@ -85,9 +85,10 @@ class DeviceBuffer {
   int64_t bytes_ = 0;
 };
 
-// Page-locked host memory (2 MiB huge pages where the system gives them),
-// zero-filled, registered with the device (cudaHostRegister on CUDA) for its
-// lifetime. The device must outlive it. Move-only.
+// Host memory for what crosses PCIe (2 MiB huge pages where the system gives
+// them), zero-filled, registered with the device for its lifetime: on CUDA
+// cudaHostRegister, which page-locks it; on the CPU device nothing (no DMA,
+// so nothing to lock). The device must outlive it. Move-only.
 class PinnedHostBuffer {
  public:
   PinnedHostBuffer() = default;
@@ -99,9 +100,6 @@ class PinnedHostBuffer {
 
   std::byte* data() const { return mem_.data(); }
   int64_t bytes() const { return mem_.bytes(); }
-  // Whether the pages are locked (RLIMIT_MEMLOCK may refuse; the buffer then
-  // works, pageable, and a CUDA copy of it is staged by the driver).
-  bool locked() const { return mem_.locked(); }
   // Whether the device registered it (always on CPU; on CUDA unless the
   // driver refused, which is logged).
   bool registered() const { return registered_; }
@@ -129,6 +127,10 @@ class Device : public Waiter {
 
   virtual std::string name() const = 0;  // "cpu", "cuda:0 (NVIDIA H100 80GB HBM3)"
   virtual bool is_cuda() const = 0;
+  // Whether host code may read and write device memory (the CPU device,
+  // whose arena is host memory): what lets CPU Adam, checkpoints and
+  // activation copies use a device-tier home in place.
+  bool host_addressable() const { return !is_cuda(); }
   virtual int ordinal() const { return -1; }
   // What the device has now (CPU: the machine's RAM, MemAvailable).
   virtual DeviceMemoryInfo memory_info() const = 0;

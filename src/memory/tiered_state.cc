@@ -14,7 +14,8 @@ constexpr int64_t kSwapBlockBytes = 4096;  // swap checksum/alignment unit: one 
 int64_t round_up(int64_t v, int64_t q) { return (v + q - 1) / q * q; }
 }  // namespace
 
-TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& options) : plan_(plan) {
+TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& options)
+    : plan_(plan), device_(options.device != nullptr ? options.device : &cpu_device()) {
   // Arena sizes: every resident unit, each rounded to a page.
   std::array<int64_t, kNumTiers> need{};
   int64_t nvme_bytes = 0;
@@ -33,7 +34,7 @@ TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& op
         format_bytes(double(need[0])).c_str(), format_bytes(double(options.device_transient_bytes)).c_str(),
         format_bytes(double(options.device_budget_bytes)).c_str()));
   }
-  device_arena_ = HostBuffer(size_t(need[0]), "device tier (resident state)");
+  device_arena_ = device_->allocate(need[0], "device tier (resident state)");
   host_arena_ = HostBuffer(size_t(need[1]), "host tier (resident state)");
   if (nvme_bytes > 0) {
     engine_ = std::make_unique<nvme::IoEngine>(options.engine);
@@ -66,8 +67,8 @@ TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& op
       if (u.tier == Tier::kNvme) {
         h.region = swap_->add_region(strprintf("%s.%zu", category_name(Category(c)), i), bytes);
       } else {
-        HostBuffer& arena = u.tier == Tier::kDevice ? device_arena_ : host_arena_;
-        h.ptr = arena.as<std::byte>() + used[size_t(u.tier)];
+        std::byte* arena = u.tier == Tier::kDevice ? device_arena_.ptr().raw() : host_arena_.as<std::byte>();
+        h.ptr = arena + used[size_t(u.tier)];
         used[size_t(u.tier)] += round_up(bytes, kPageBytes);
       }
       homes_[size_t(c)].push_back(h);
@@ -93,7 +94,7 @@ Tier TieredState::tier_of(Category c, int64_t offset) const {
   return std::prev(it)->tier;
 }
 
-std::byte* TieredState::resident(Category c, int64_t offset, int64_t numel) const {
+const std::byte* TieredState::find_resident(Category c, int64_t offset, int64_t numel, Tier* tier) const {
   const auto& homes = homes_[size_t(c)];
   auto it = std::upper_bound(homes.begin(), homes.end(), offset,
                              [](int64_t o, const Home& h) { return o < h.offset; });
@@ -110,7 +111,22 @@ std::byte* TieredState::resident(Category c, int64_t offset, int64_t numel) cons
     if (it == homes.end() || it->tier != first.tier || it->ptr != h->ptr + h->numel * eb) return nullptr;
     h = &*it;
   }
+  *tier = first.tier;
   return first.ptr + (offset - first.offset) * eb;
+}
+
+std::byte* TieredState::resident(Category c, int64_t offset, int64_t numel) const {
+  Tier tier = Tier::kNvme;
+  const std::byte* p = find_resident(c, offset, numel, &tier);
+  if (p == nullptr || (tier == Tier::kDevice && !device_->host_addressable())) return nullptr;
+  return const_cast<std::byte*>(p);
+}
+
+DevicePtr TieredState::resident_on_device(Category c, int64_t offset, int64_t numel) const {
+  Tier tier = Tier::kNvme;
+  const std::byte* p = find_resident(c, offset, numel, &tier);
+  if (p == nullptr || tier != Tier::kDevice) return DevicePtr();
+  return DevicePtr(const_cast<std::byte*>(p));
 }
 
 // Calls fn(home, first element in home, numel of the piece, byte offset in the caller's buffer).
@@ -181,6 +197,7 @@ void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t nu
                  reading ? kReadNames[int(c)] : kWriteNames[int(c)]);
   const int64_t eb = plan_.elem_bytes[size_t(c)];
   const size_t before = pending.handles_.size();
+  bool device_copies = false;
   try {
     for_each_piece(c, offset, numel, [&](const Home& h, int64_t at, int64_t n, int64_t buf_off) {
       std::byte* mine = buf + buf_off;
@@ -189,12 +206,25 @@ void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t nu
         pending.handles_.push_back(reading ? swap_->read(h.region, at * eb, bytes, mine)
                                            : swap_->write(h.region, at * eb, bytes, mine));
         count(reading ? 2 : 3, bytes);
+      } else if (h.tier == Tier::kDevice) {
+        // Through the device layer: a memcpy on the CPU device, a copy on
+        // the D2H / H2D stream of a GPU.
+        const DevicePtr home(h.ptr + at * eb);
+        if (reading) {
+          device_->copy_to_host(mine, home, bytes, Stream::kD2H);
+        } else {
+          device_->copy_to_device(home, mine, bytes, Stream::kH2D);
+        }
+        device_copies = true;
       } else {
         std::byte* home = h.ptr + at * eb;
         std::memcpy(reading ? mine : home, reading ? home : mine, size_t(bytes));
-        if (h.tier == Tier::kHost) count(reading ? 0 : 1, bytes);
+        count(reading ? 0 : 1, bytes);
       }
     });
+    // Device pieces are done when this returns, as host pieces are (a GPU's
+    // copies are waited for here; on the CPU device they already are).
+    if (device_copies) device_->record(reading ? Stream::kD2H : Stream::kH2D).wait();
   } catch (...) {
     // A submission refused mid-way: finish what this call submitted, report the refusal.
     std::vector<nvme::SwapHandle> submitted(

@@ -15,6 +15,7 @@
 
 #include "memory/buffer.h"
 #include "memory/completion.h"
+#include "memory/device.h"
 #include "memory/placement.h"
 #include "nvme/engine.h"
 #include "nvme/swap_store.h"
@@ -37,6 +38,9 @@ struct TieredStateOptions {
   // resident units (gathered blocks, staging); counted against the budget.
   int64_t device_transient_bytes = 0;
   int64_t device_budget_bytes = -1;  // < 0: no budget
+  // The device whose memory is the device tier (nullptr: the CPU device).
+  // It must outlive the state.
+  Device* device = nullptr;
 };
 
 // Swap I/O in flight for a group of asynchronous reads/writes: the storage
@@ -79,8 +83,15 @@ class TieredState {
   Tier tier_of(Category c, int64_t offset) const;
 
   // The bytes of [offset, offset + numel) of category `c` when they lie inside
-  // one device or host unit; nullptr otherwise (NVMe, or spanning units).
+  // one host unit, or one device unit of a host-addressable device (the CPU
+  // device); nullptr otherwise (NVMe, device memory of a GPU, or spanning
+  // units). Host code may use them in place.
   std::byte* resident(Category c, int64_t offset, int64_t numel) const;
+  // The same range in device memory when it lies inside one device unit
+  // (on any device); a null DevicePtr otherwise. For kernels and tensors made
+  // for the device.
+  DevicePtr resident_on_device(Category c, int64_t offset, int64_t numel) const;
+  Device& device() const { return *device_; }
 
   // Synchronous copies between homes and `buf`. For ranges touching NVMe,
   // offset and numel must be multiples of kShardAlignElems (or reach a unit's
@@ -124,7 +135,7 @@ class TieredState {
   int64_t allocated_bytes(Category c) const;
   // Resident bytes per tier (state only; NVMe = bytes in the swap store).
   std::array<int64_t, kNumTiers> state_bytes() const { return plan_.state_total(); }
-  int64_t device_arena_bytes() const { return int64_t(device_arena_.bytes()); }
+  int64_t device_arena_bytes() const { return device_arena_.bytes(); }
   int64_t host_arena_bytes() const { return int64_t(host_arena_.bytes()); }
   const nvme::SwapStore* swap() const { return swap_.get(); }
 
@@ -133,7 +144,7 @@ class TieredState {
     int64_t offset = 0;      // elements, in the rank's shard space
     int64_t numel = 0;
     Tier tier = Tier::kDevice;
-    std::byte* ptr = nullptr;  // device/host
+    std::byte* ptr = nullptr;  // device (a DevicePtr's raw bytes) / host
     nvme::RegionId region;     // NVMe
   };
   template <typename Fn>
@@ -142,11 +153,15 @@ class TieredState {
   void transfer(nvme::IoOp op, Category c, int64_t offset, int64_t numel, std::byte* buf,
                 PendingIo& pending);
   void count(int link, int64_t bytes);  // 0 h2d, 1 d2h, 2 nvme_read, 3 nvme_write
+  // The home range in one unit of a resident tier, or nullptr (resident()'s
+  // search, any tier but NVMe).
+  const std::byte* find_resident(Category c, int64_t offset, int64_t numel, Tier* tier) const;
 
   PlacementPlan plan_;
   PendingIo sync_;  // the synchronous read()/write()'s handles, reused
   std::array<std::vector<Home>, kNumCategories> homes_;
-  HostBuffer device_arena_;
+  Device* device_;
+  DeviceBuffer device_arena_;
   HostBuffer host_arena_;
   std::unique_ptr<nvme::IoEngine> engine_;
   std::unique_ptr<nvme::SwapStore> swap_;
