@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include "memory/device.h"
 #include "util/errors.h"
 
 namespace strata {
@@ -214,6 +215,33 @@ TEST(PlacementTest, ShortfallNamesTheTierAndTheNumbers) {
   EXPECT_NE(s[0].find("has 1.0 MiB"), std::string::npos) << s[0];
   cap.device_bytes = -1;
   EXPECT_TRUE(plan_shortfalls(p, cap).empty());
+}
+
+// A GPU's capacity is its free memory now, capped by run.device_memory_mb;
+// where this machine has no such GPU, the budget alone, or unknown (said so).
+TEST(PlacementTest, GpuCapacityIsMeasuredFreeMemoryOrTheBudget) {
+  MachineCapacity c = measure_capacity(config_with({"run.device=\"cuda\""}), {});
+  EXPECT_FALSE(c.device_is_host);
+  DeviceMemoryInfo info;
+  if (query_device_memory("cuda", &info)) {
+    EXPECT_GT(c.device_bytes, 0);
+    EXPECT_LE(c.device_bytes, info.total_bytes);
+    EXPECT_EQ(c.device_source.rfind("cuda: ", 0), 0u) << c.device_source;
+  } else {
+    EXPECT_EQ(c.device_bytes, -1);
+    EXPECT_NE(c.device_source.find("not measured"), std::string::npos) << c.device_source;
+  }
+  MachineCapacity b = measure_capacity(config_with({"run.device=\"cuda\"", "run.device_memory_mb=100"}), {});
+  EXPECT_LE(b.device_bytes, int64_t(100) << 20);
+  if (!query_device_memory("cuda", &info)) {
+    EXPECT_EQ(b.device_bytes, int64_t(100) << 20);
+    EXPECT_EQ(b.device_source, "run.device_memory_mb");
+  }
+  // CPU compute: the device tier is host memory, no GPU asked about.
+  MachineCapacity h = measure_capacity(config_with({}), {});
+  EXPECT_TRUE(h.device_is_host);
+  EXPECT_EQ(h.device_bytes, -1);
+  EXPECT_TRUE(h.device_source.empty());
 }
 
 TEST(PlacementTest, BadPlacementSectionsNameTheKey) {

@@ -107,6 +107,7 @@ nlohmann::json plan_json(const Computed& c) {
   j["optimizer_state_dtype"] = p.bf16_moments() ? "bf16" : "fp32";
   j["nvme_paths"] = p.nvme_paths;
   j["capacity_bytes"] = {{"device", c.cap.device_bytes}, {"host", c.cap.host_bytes}, {"nvme", c.cap.nvme_bytes}};
+  if (!c.cap.device_source.empty()) j["device_memory_source"] = c.cap.device_source;
   j["world_size"] = p.world_size;
   j["stage"] = p.stage;
   j["ranks_per_node"] = c.ranks_per_node;
@@ -180,6 +181,7 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   out += strprintf("  %-22s %12s %12s %12s\n", "this machine has", cap_cell(cap.device_bytes).c_str(),
                    cap_cell(cap.host_bytes).c_str(), cap_cell(cap.nvme_bytes).c_str());
   if (cap.device_is_host) out += "  (CPU compute: the device tier is host memory)\n";
+  if (!cap.device_is_host && !cap.device_source.empty()) out += "  (device memory: " + cap.device_source + ")\n";
   out += strprintf("  optimizer sub-groups of %lld elements; Adam moments in %s; swap directories: %s\n",
                    (long long)p.sub_group_numel,
                    p.bf16_moments() ? "bf16 (stochastic rounding)" : "fp32",

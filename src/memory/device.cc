@@ -18,6 +18,7 @@ namespace strata {
 // device_cuda.cc
 std::unique_ptr<Device> make_cuda_device(int ordinal);
 int cuda_device_count_impl();
+bool cuda_memory_info_impl(int ordinal, DeviceMemoryInfo* out);
 #endif
 
 const char* stream_name(Stream s) {
@@ -205,8 +206,12 @@ int cuda_device_count() {
 #endif
 }
 
-std::unique_ptr<Device> make_device(const std::string& name) {
-  if (name == "cpu") return std::make_unique<CpuDevice>();
+namespace {
+
+// The ordinal `name` names ("cuda": LOCAL_RANK's, or 0); -1 for "cpu"; throws
+// ConfigError for anything else.
+int cuda_ordinal(const std::string& name) {
+  if (name == "cpu") return -1;
   int ordinal = -1;
   if (name == "cuda") {
     const char* local = std::getenv("LOCAL_RANK");
@@ -217,6 +222,32 @@ std::unique_ptr<Device> make_device(const std::string& name) {
   } else {
     throw ConfigError("run.device", "'" + name + "' is not a device (cpu, cuda or cuda:N)");
   }
+  return ordinal;
+}
+
+}  // namespace
+
+bool query_device_memory(const std::string& name, DeviceMemoryInfo* out) {
+  int ordinal = -1;
+  try {
+    ordinal = cuda_ordinal(name);
+  } catch (const ConfigError&) {
+    return false;
+  }
+  if (ordinal < 0) {
+    *out = cpu_device().memory_info();
+    return out->total_bytes > 0;
+  }
+#ifdef STRATA_WITH_CUDA
+  return ordinal < cuda_device_count_impl() && cuda_memory_info_impl(ordinal, out);
+#else
+  return false;
+#endif
+}
+
+std::unique_ptr<Device> make_device(const std::string& name) {
+  const int ordinal = cuda_ordinal(name);
+  if (ordinal < 0) return std::make_unique<CpuDevice>();
 #ifdef STRATA_WITH_CUDA
   const int n = cuda_device_count_impl();
   if (ordinal >= n) {

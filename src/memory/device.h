@@ -178,6 +178,11 @@ class Device : public Waiter {
 // CUDA device this build or this machine does not have.
 std::unique_ptr<Device> make_device(const std::string& name);
 
+// What device `name` (as make_device takes it) has now, without creating the
+// device (no streams, no events): for the plan. False when it cannot be
+// measured here (no CUDA path in this build, no such GPU, an unknown name).
+bool query_device_memory(const std::string& name, DeviceMemoryInfo* out);
+
 // The CPU device every process can use (the default of code not given one).
 Device& cpu_device();
 

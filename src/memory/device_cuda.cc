@@ -178,6 +178,16 @@ int cuda_device_count_impl() {
   return n;
 }
 
+bool cuda_memory_info_impl(int ordinal, DeviceMemoryInfo* out) {
+  size_t free = 0, total = 0;
+  if (cudaSetDevice(ordinal) != cudaSuccess || cudaMemGetInfo(&free, &total) != cudaSuccess) {
+    cudaGetLastError();
+    return false;
+  }
+  *out = {int64_t(total), int64_t(free)};
+  return true;
+}
+
 std::unique_ptr<Device> make_cuda_device(int ordinal) { return std::make_unique<CudaDevice>(ordinal); }
 
 }  // namespace strata

@@ -10,6 +10,7 @@
 #include <limits>
 #include <sstream>
 
+#include "memory/device.h"
 #include "util/errors.h"
 #include "util/fs.h"
 #include "util/logging.h"
@@ -191,8 +192,26 @@ MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::strin
   if (m.host_bytes > 0) m.host_bytes /= local_ranks;
   if (cfg.run.device_memory_mb > 0) {
     m.device_bytes = cfg.run.device_memory_mb << 20;
+    m.device_source = "run.device_memory_mb";
   } else if (m.device_is_host) {
     m.device_bytes = -1;  // no budget: the device tier is host memory
+  }
+  if (!m.device_is_host) {
+    // Each local rank has a GPU of its own: no division.
+    DeviceMemoryInfo info;
+    if (query_device_memory(cfg.run.device, &info)) {
+      const std::string measured = strprintf("%s: %s free of %s", cfg.run.device.c_str(),
+                                             format_bytes(double(info.free_bytes)).c_str(),
+                                             format_bytes(double(info.total_bytes)).c_str());
+      if (m.device_bytes < 0 || info.free_bytes < m.device_bytes) {
+        m.device_source = m.device_bytes < 0 ? measured : measured + " (less than run.device_memory_mb)";
+        m.device_bytes = info.free_bytes;
+      } else {
+        m.device_source = "run.device_memory_mb (" + measured + ")";
+      }
+    } else if (m.device_bytes < 0) {
+      m.device_source = "not measured: no " + cfg.run.device + " on this machine (set run.device_memory_mb to plan for one)";
+    }
   }
   // Several swap directories on one file system share its free space.
   std::vector<int64_t> seen;

@@ -48,10 +48,14 @@ struct MachineCapacity {
   int64_t host_bytes = -1;      // available RAM
   int64_t nvme_bytes = -1;      // free space under the swap directories (sum)
   bool device_is_host = true;   // CPU compute: the device tier lives in host RAM
+  // GPU compute: where device_bytes came from ("cuda:0: 79.1 GiB free of
+  // 79.6 GiB", "run.device_memory_mb", or why it could not be measured).
+  std::string device_source;
 };
 
 // Measures the capacity: device budget from run.device_memory_mb (CPU: else
-// unlimited), MemAvailable from /proc/meminfo, statvfs free space under each
+// unlimited; a GPU: the free memory it reports now, and at most that with a
+// budget; unknown where this machine has no such GPU), MemAvailable from /proc/meminfo, statvfs free space under each
 // of `nvme_paths` (the nearest existing ancestor of each). With
 // `local_ranks` > 1 ranks share the node: each gets its share of RAM and disk
 // (the device budget is per rank already).
