@@ -500,5 +500,29 @@ TEST_F(TieredTest, SwapTransfersCompleteThroughTheEnginesCompletion) {
   EXPECT_EQ(std::memcmp(in.data(), out.data(), size_t(u.numel * 4)), 0);
 }
 
+// Note [Host arenas]: host-tier 16-bit parameters and gradients live in
+// memory registered with the device, the optimizer state in plain memory;
+// training is bit-identical to everything on the device either way.
+TEST_F(TieredTest, HostTierParametersAndGradientsLiveInRegisteredTransferMemory) {
+  const std::vector<std::string> o = {
+      "placement={\"param16\":{\"host\":1.0},\"grad\":{\"host\":1.0},\"optimizer\":{\"host\":1.0}}"};
+  Config cfg = parse_config(base_config(data_), o);
+  Model model(cfg.model);
+  Trainer trainer(cfg, model);
+  const TieredState& st = trainer.state();
+  // fp32 compute: 4-byte working copy and gradients over the padded layout
+  // (blocks are padded to 2048 elements, so no unit rounds up to a page).
+  const int64_t n = trainer.layout().total_numel();
+  EXPECT_EQ(st.host_transfer_bytes(), n * (4 + 4));
+  EXPECT_EQ(st.host_arena_bytes() - st.host_transfer_bytes(), n * (4 + 4 + 4));  // master, two moments
+  EXPECT_EQ(st.device_arena_bytes(), 0);
+  // Optimizer state alone on the host: nothing crosses PCIe from there.
+  Config opt_only = parse_config(base_config(data_), {"placement={\"optimizer\":{\"host\":1.0}}"});
+  Trainer t2(opt_only, model);
+  EXPECT_EQ(t2.state().host_transfer_bytes(), 0);
+  EXPECT_EQ(t2.state().host_arena_bytes(), n * 12);
+  expect_identical(train(base_config(data_), o), baseline_, "everything on the host");
+}
+
 }  // namespace
 }  // namespace strata

@@ -14,16 +14,20 @@ constexpr int64_t kSwapBlockBytes = 4096;  // swap checksum/alignment unit: one 
 int64_t round_up(int64_t v, int64_t q) { return (v + q - 1) / q * q; }
 }  // namespace
 
+bool crosses_pcie(Category c) { return c == Category::kParam16 || c == Category::kGrad; }
+
 TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& options)
     : plan_(plan), device_(options.device != nullptr ? options.device : &cpu_device()) {
   // Arena sizes: every resident unit, each rounded to a page.
   std::array<int64_t, kNumTiers> need{};
   int64_t nvme_bytes = 0;
+  int64_t transfer_bytes = 0;  // host units of the categories that cross PCIe
   for (int c = 0; c < kNumCategories; ++c) {
     for (const PlacementUnit& u : plan_.units[size_t(c)]) {
       const int64_t bytes = round_up(u.numel * plan_.elem_bytes[size_t(c)], kPageBytes);
       need[size_t(u.tier)] += bytes;
       if (u.tier == Tier::kNvme) nvme_bytes += round_up(bytes, kSwapBlockBytes);
+      if (u.tier == Tier::kHost && crosses_pcie(Category(c))) transfer_bytes += bytes;
     }
   }
   if (options.device_budget_bytes >= 0 &&
@@ -35,7 +39,9 @@ TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& op
         format_bytes(double(options.device_budget_bytes)).c_str()));
   }
   device_arena_ = device_->allocate(need[0], "device tier (resident state)");
-  host_arena_ = HostBuffer(size_t(need[1]), "host tier (resident state)");
+  // Note [Host arenas].
+  host_transfer_arena_ = device_->allocate_pinned(transfer_bytes, "host tier: 16-bit parameters and gradients");
+  host_arena_ = HostBuffer(size_t(need[1] - transfer_bytes), "host tier: optimizer state");
   if (nvme_bytes > 0) {
     engine_ = std::make_unique<nvme::IoEngine>(options.engine);
     // Note [Swap directory layout]: what killed runs left behind goes first.
@@ -56,6 +62,7 @@ TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& op
     swap_ = std::make_unique<nvme::SwapStore>(*engine_, so);
   }
   std::array<int64_t, kNumTiers> used{};
+  int64_t transfer_used = 0;
   for (int c = 0; c < kNumCategories; ++c) {
     for (size_t i = 0; i < plan_.units[size_t(c)].size(); ++i) {
       const PlacementUnit& u = plan_.units[size_t(c)][i];
@@ -67,9 +74,14 @@ TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& op
       if (u.tier == Tier::kNvme) {
         h.region = swap_->add_region(strprintf("%s.%zu", category_name(Category(c)), i), bytes);
       } else {
-        std::byte* arena = u.tier == Tier::kDevice ? device_arena_.ptr().raw() : host_arena_.as<std::byte>();
-        h.ptr = arena + used[size_t(u.tier)];
-        used[size_t(u.tier)] += round_up(bytes, kPageBytes);
+        if (u.tier == Tier::kHost && crosses_pcie(Category(c))) {
+          h.ptr = host_transfer_arena_.data() + transfer_used;
+          transfer_used += round_up(bytes, kPageBytes);
+        } else {
+          std::byte* arena = u.tier == Tier::kDevice ? device_arena_.ptr().raw() : host_arena_.as<std::byte>();
+          h.ptr = arena + used[size_t(u.tier)];
+          used[size_t(u.tier)] += round_up(bytes, kPageBytes);
+        }
       }
       homes_[size_t(c)].push_back(h);
     }

@@ -30,6 +30,17 @@ struct LinkBytes {
   int64_t nvme_write = 0;
 };
 
+// Note [Host arenas]
+// The host tier is two arenas. Host-tier 16-bit parameters and gradients
+// cross PCIe every step (fetched to the device for compute, written back from
+// the backward), so they live in transfer memory registered with the device
+// (pinned on CUDA): their copies are DMA, and the parameter window's fetches
+// overlap compute. Master weights and moments stay in plain pageable memory:
+// CPU Adam updates them in place and they never cross PCIe whole (only the
+// 16-bit parameters Adam emits do), and pinning them is how DeepSpeed runs out
+// of host memory (REFERENCE.md).
+bool crosses_pcie(Category c);
+
 struct TieredStateOptions {
   nvme::EngineOptions engine;     // from the aio section
   bool checksums = true;          // CRC-32C per swap block, verified on read
@@ -136,7 +147,10 @@ class TieredState {
   // Resident bytes per tier (state only; NVMe = bytes in the swap store).
   std::array<int64_t, kNumTiers> state_bytes() const { return plan_.state_total(); }
   int64_t device_arena_bytes() const { return device_arena_.bytes(); }
-  int64_t host_arena_bytes() const { return int64_t(host_arena_.bytes()); }
+  // Both host arenas (Note [Host arenas]).
+  int64_t host_arena_bytes() const { return int64_t(host_arena_.bytes()) + host_transfer_arena_.bytes(); }
+  // The part registered with the device: host-tier 16-bit parameters and gradients.
+  int64_t host_transfer_bytes() const { return host_transfer_arena_.bytes(); }
   const nvme::SwapStore* swap() const { return swap_.get(); }
 
  private:
@@ -162,6 +176,7 @@ class TieredState {
   std::array<std::vector<Home>, kNumCategories> homes_;
   Device* device_;
   DeviceBuffer device_arena_;
+  PinnedHostBuffer host_transfer_arena_;
   HostBuffer host_arena_;
   std::unique_ptr<nvme::IoEngine> engine_;
   std::unique_ptr<nvme::SwapStore> swap_;
