@@ -4,6 +4,7 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
+#include <cstdlib>
 #include <cstring>
 #include <numeric>
 #include <string>
@@ -89,6 +90,9 @@ TEST_P(DeviceTest, AllocationsAreZeroedOrEmptyAndOutOfMemoryNamesTheBuffer) {
   EXPECT_GT(m.total_bytes, 0);
   EXPECT_GT(m.free_bytes, 0);
   EXPECT_LE(m.free_bytes, m.total_bytes);
+#if defined(__SANITIZE_ADDRESS__)
+  if (!d.is_cuda()) GTEST_SKIP() << "AddressSanitizer aborts on a 1 EiB malloc instead of returning null";
+#endif
   try {
     // Far more than the machine (or the address space) has.
     DeviceBuffer huge = d.allocate(int64_t(1) << 60, "an impossible arena");
@@ -188,6 +192,23 @@ TEST(DeviceNames, UnknownOrAbsentDevicesAreConfigErrorsNamingRunDevice) {
   } catch (const ConfigError& e) {
     EXPECT_EQ(e.key(), "run.device");
     EXPECT_NE(std::string(e.what()).find(past), std::string::npos) << e.what();
+  }
+  // "cuda" takes LOCAL_RANK's GPU: a LOCAL_RANK that is not a number is named.
+  const char* saved = std::getenv("LOCAL_RANK");
+  const std::string keep = saved != nullptr ? saved : "";
+  for (const char* bad : {"-1", "x", ""}) {
+    ::setenv("LOCAL_RANK", bad, 1);
+    try {
+      make_device("cuda");
+      FAIL() << "LOCAL_RANK=" << bad << " was accepted";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("LOCAL_RANK"), std::string::npos) << e.what();
+    }
+  }
+  if (saved != nullptr) {
+    ::setenv("LOCAL_RANK", keep.c_str(), 1);
+  } else {
+    ::unsetenv("LOCAL_RANK");
   }
   EXPECT_EQ(make_device("cpu")->name(), "cpu");
   EXPECT_EQ(&cpu_device(), &cpu_device());

@@ -121,6 +121,8 @@ def main():
         nosync_gbps = final["checkpoint_bytes"] / (final["checkpoint_write_s"] - fsyncs[-1]) / 1e9
         # The saves while training share the cores with it (their thread runs at nice 10).
         overlapped = saves[:-1]
+        if not overlapped or len(thread_cpu) < 2:
+            sys.exit(f"no save while training: --steps {args.steps} must exceed --every {args.every}")
         write_training_gbps = statistics.median(x["checkpoint_bytes"] / x["checkpoint_write_s"] / 1e9
                                                 for x in overlapped)
         el = {x["step"]: x["elapsed_s"] for x in lines}

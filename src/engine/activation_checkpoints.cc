@@ -23,6 +23,16 @@ ActivationCheckpoints::ActivationCheckpoints(const PlacementPlan& plan, size_t n
   }
 }
 
+ActivationCheckpoints::~ActivationCheckpoints() {
+  try {
+    offloaded_.wait();
+    dev_.synchronize(Stream::kD2H);
+    dev_.synchronize(Stream::kH2D);
+  } catch (...) {
+    // A failed device: its error was reported by the step that failed.
+  }
+}
+
 // Layer inputs are saved on the device as LibTorch tensors, or with
 // cpu_checkpointing copied to the host (D2H) during forward and brought back
 // (H2D) during backward, one layer ahead: while layer b runs backward, layer

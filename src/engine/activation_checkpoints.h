@@ -24,6 +24,11 @@ class ActivationCheckpoints {
   // `shape`: one layer's input [micro_batch, seq_len, dim] in `dtype`.
   ActivationCheckpoints(const PlacementPlan& plan, size_t num_blocks, std::vector<int64_t> shape,
                         at::ScalarType dtype, TieredState* state);
+  // Copies still in flight (a step that failed mid-way) finish before the
+  // slots they use are freed.
+  ~ActivationCheckpoints();
+  ActivationCheckpoints(const ActivationCheckpoints&) = delete;
+  ActivationCheckpoints& operator=(const ActivationCheckpoints&) = delete;
 
   // A step begins: nothing saved survives it (nor a failed one).
   void reset() {

@@ -215,7 +215,12 @@ int cuda_ordinal(const std::string& name) {
   int ordinal = -1;
   if (name == "cuda") {
     const char* local = std::getenv("LOCAL_RANK");
-    ordinal = local != nullptr ? std::atoi(local) : 0;
+    const std::string v = local != nullptr ? local : "0";
+    if (v.empty() || v.size() > 6 || v.find_first_not_of("0123456789") != std::string::npos) {
+      throw ConfigError("run.device", "\"cuda\" takes the GPU of LOCAL_RANK, which is '" + v +
+                                          "', not a number >= 0 (or name one: cuda:N)");
+    }
+    ordinal = std::atoi(v.c_str());
   } else if (name.rfind("cuda:", 0) == 0 && name.size() > 5 &&
              name.find_first_not_of("0123456789", 5) == std::string::npos) {
     ordinal = std::atoi(name.c_str() + 5);

@@ -7,9 +7,10 @@
 //   is on; CPU code never dereferences one. Its bytes are reached through the
 //   device's copies, kernels, and tensors made for the device.
 // - DeviceBuffer: an owner of device memory (allocated once, at start-up).
-// - PinnedHostBuffer: host memory that is page-locked and, on CUDA,
-//   registered with the driver, so copies to and from it are DMA without a
-//   bounce; the same memory can be registered with io_uring.
+// - PinnedHostBuffer: host memory for what crosses PCIe, registered with the
+//   device (on CUDA cudaHostRegister, which page-locks it, so copies to and
+//   from it are DMA without a bounce; on the CPU device plain memory); the
+//   same memory can be registered with io_uring.
 // - Streams: compute, H2D, D2H, communication. Work queued on one stream runs
 //   in order; record() gives the Completion of everything queued on it so
 //   far, stream_wait() orders a stream after a completion without blocking
@@ -117,10 +118,10 @@ struct DeviceMemoryInfo {
   int64_t free_bytes = 0;
 };
 
-// Thread-safety: the copies, record() and stream_wait() of one stream are
-// called from one thread at a time (the thread that owns that stream's work);
-// different streams from different threads; allocation and registration from
-// any thread.
+// Thread-safety: every member may be called from any thread. Copies queued
+// on one stream from two threads run in the order they were queued; a
+// record() covers everything queued on its stream so far, other threads'
+// copies included (it may wait for more than its caller queued, never less).
 class Device : public Waiter {
  public:
   ~Device() override = default;
@@ -173,7 +174,8 @@ class Device : public Waiter {
   friend class PinnedHostBuffer;
 };
 
-// "cpu", "cuda" (device 0, or LOCAL_RANK's under a launcher) or "cuda:N".
+// "cpu", "cuda" (device 0, or LOCAL_RANK's under a launcher; a LOCAL_RANK
+// that is not a number >= 0 is a ConfigError) or "cuda:N".
 // Throws ConfigError naming run.device for a name it does not know, or for a
 // CUDA device this build or this machine does not have.
 std::unique_ptr<Device> make_device(const std::string& name);

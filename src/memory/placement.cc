@@ -210,7 +210,10 @@ MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::strin
         m.device_source = "run.device_memory_mb (" + measured + ")";
       }
     } else if (m.device_bytes < 0) {
-      m.device_source = "not measured: no " + cfg.run.device + " on this machine (set run.device_memory_mb to plan for one)";
+      m.device_source = std::string("not measured: ") +
+                        (built_with_cuda() ? "no " + cfg.run.device + " on this machine"
+                                           : "this build has no CUDA path") +
+                        " (set run.device_memory_mb to plan for one)";
     }
   }
   // Several swap directories on one file system share its free space.

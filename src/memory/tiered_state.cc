@@ -220,7 +220,10 @@ void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t nu
         count(reading ? 2 : 3, bytes);
       } else if (h.tier == Tier::kDevice) {
         // Through the device layer: a memcpy on the CPU device, a copy on
-        // the D2H / H2D stream of a GPU.
+        // the D2H / H2D stream of a GPU, after the compute queued so far
+        // (which may write the home a read takes, or read the home a write
+        // replaces).
+        if (!device_copies) device_->stream_wait(reading ? Stream::kD2H : Stream::kH2D, device_->record(Stream::kCompute));
         const DevicePtr home(h.ptr + at * eb);
         if (reading) {
           device_->copy_to_host(mine, home, bytes, Stream::kD2H);

@@ -1,9 +1,11 @@
 // The training state placed on tiers: every placement unit of every category
-// (memory/placement.h) has one home, a range of the device arena, of the host
-// arena, or a region of the NVMe swap store. Callers copy ranges in and out
-// of homes, or use a home in place when it is resident (device or host).
-// No LibTorch here. With CPU compute the device arena is host memory with a
-// budget (DESIGN.md, Devices), so every path runs without a GPU.
+// (memory/placement.h) has one home, a range of the device arena, of one of
+// the two host arenas (Note [Host arenas]), or a region of the NVMe swap
+// store. Callers copy ranges in and out of homes, or use a home in place:
+// host code where resident() gives it one (host tier, or the device tier of
+// the CPU device), kernels where resident_on_device() does. No LibTorch here.
+// With CPU compute the device arena is host memory with a budget (DESIGN.md,
+// Devices), so every path runs without a GPU.
 #pragma once
 
 #include <array>
@@ -93,12 +95,12 @@ class TieredState {
   int elem_bytes(Category c) const { return plan_.elem_bytes[size_t(c)]; }
   Tier tier_of(Category c, int64_t offset) const;
 
-  // The bytes of [offset, offset + numel) of category `c` when they lie inside
-  // one host unit, or one device unit of a host-addressable device (the CPU
-  // device); nullptr otherwise (NVMe, device memory of a GPU, or spanning
-  // units). Host code may use them in place.
+  // The bytes of [offset, offset + numel) of category `c` when they lie in
+  // host units, or device units of a host-addressable device (the CPU
+  // device), contiguous in one arena; nullptr otherwise (NVMe, device memory
+  // of a GPU, or a range across tiers). Host code may use them in place.
   std::byte* resident(Category c, int64_t offset, int64_t numel) const;
-  // The same range in device memory when it lies inside one device unit
+  // The same range in device memory when it lies in contiguous device units
   // (on any device); a null DevicePtr otherwise. For kernels and tensors made
   // for the device.
   DevicePtr resident_on_device(Category c, int64_t offset, int64_t numel) const;
