@@ -131,7 +131,7 @@ class Device : public Waiter {
   // Whether host code may read and write device memory (the CPU device,
   // whose arena is host memory): what lets CPU Adam, checkpoints and
   // activation copies use a device-tier home in place.
-  bool host_addressable() const { return !is_cuda(); }
+  virtual bool host_addressable() const { return !is_cuda(); }
   virtual int ordinal() const { return -1; }
   // What the device has now (CPU: the machine's RAM, MemAvailable).
   virtual DeviceMemoryInfo memory_info() const = 0;
