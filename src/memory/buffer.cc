@@ -11,18 +11,33 @@
 
 namespace strata {
 
+namespace {
+size_t host_alignment(size_t bytes) { return bytes >= kHugePageBytes ? kHugePageBytes : kPageBytes; }
+size_t host_rounded(size_t bytes) {
+  const size_t align = host_alignment(bytes);
+  return (bytes + align - 1) / align * align;
+}
+}  // namespace
+
+void* allocate_host_pages(size_t bytes) {
+  // Note [Huge pages].
+  const size_t align = host_alignment(bytes);
+  const size_t rounded = host_rounded(bytes);
+  void* p = std::aligned_alloc(align, rounded);
+  if (p == nullptr) return nullptr;
+  if (align == kHugePageBytes) ::madvise(p, rounded, MADV_HUGEPAGE);  // a hint only
+  std::memset(p, 0, rounded);
+  return p;
+}
+
 HostBuffer::HostBuffer(size_t bytes, const std::string& what) : bytes_(bytes) {
   if (bytes == 0) return;
-  // Note [Huge pages].
-  const size_t align = bytes >= kHugePageBytes ? kHugePageBytes : kPageBytes;
-  const size_t rounded = (bytes + align - 1) / align * align;
-  data_ = std::aligned_alloc(align, rounded);
-  if (data_ != nullptr && align == kHugePageBytes) ::madvise(data_, rounded, MADV_HUGEPAGE);  // a hint only
+  const size_t rounded = host_rounded(bytes);
+  data_ = allocate_host_pages(bytes);
   if (data_ == nullptr) {
     throw OutOfMemoryError("cannot allocate " + format_bytes(double(rounded)) + " of host memory for " +
                            what);
   }
-  std::memset(data_, 0, rounded);
   if (rounded >= (size_t(64) << 20)) {
     log::info("allocated %s for %s", format_bytes(double(rounded)).c_str(), what.c_str());
   } else {

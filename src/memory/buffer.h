@@ -24,6 +24,11 @@ inline constexpr size_t kHugePageBytes = size_t(2) << 20;
 // pieces and reaches the device as the 4 MiB request that Note [Batching]
 // (nvme/engine.h) counts on. On the development VM's virtual disk this is
 // the difference between 0.5 and 2.5 GB/s for checkpoint and swap writes.
+// The allocation behind a HostBuffer (Note [Huge pages]): zero-filled,
+// aligned and rounded as the Note says; nullptr when the system refuses.
+// Freed with std::free. Also the CPU device's device memory.
+void* allocate_host_pages(size_t bytes);
+
 class HostBuffer {
  public:
   HostBuffer() = default;

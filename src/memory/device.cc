@@ -1,8 +1,6 @@
 // The device layer's common part and its CPU implementation (device.h).
 #include "memory/device.h"
 
-#include <sys/mman.h>
-
 #include <cstdlib>
 #include <cstring>
 #include <fstream>
@@ -169,14 +167,7 @@ class CpuDevice final : public Device {
 
  protected:
   std::byte* raw_allocate(int64_t bytes) override {
-    // As HostBuffer (Note [Huge pages]): zero-filled, 2 MiB-aligned from 2 MiB.
-    const size_t align = size_t(bytes) >= kHugePageBytes ? kHugePageBytes : kPageBytes;
-    const size_t rounded = (size_t(bytes) + align - 1) / align * align;
-    void* p = std::aligned_alloc(align, rounded);
-    if (p == nullptr) return nullptr;
-    if (align == kHugePageBytes) ::madvise(p, rounded, MADV_HUGEPAGE);
-    std::memset(p, 0, rounded);
-    return static_cast<std::byte*>(p);
+    return static_cast<std::byte*>(allocate_host_pages(size_t(bytes)));  // as HostBuffer's
   }
   void raw_free(std::byte* p) noexcept override { std::free(p); }
   bool register_host(void*, int64_t) override { return true; }

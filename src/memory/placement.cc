@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <cmath>
-#include <fstream>
 #include <limits>
 #include <sstream>
 
@@ -38,17 +37,6 @@ const char* category_name(Category c) {
 }
 
 namespace {
-
-int64_t mem_available_bytes() {
-  std::ifstream f("/proc/meminfo");
-  std::string key;
-  int64_t kib = 0;
-  std::string unit;
-  while (f >> key >> kib >> unit) {
-    if (key == "MemAvailable:") return kib * 1024;
-  }
-  return -1;
-}
 
 // Free bytes on the file system holding `path` (or its nearest existing ancestor).
 int64_t free_bytes_under(std::string path) {
@@ -188,7 +176,7 @@ MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::strin
   MachineCapacity m;
   local_ranks = std::max(1, local_ranks);
   m.device_is_host = cfg.run.device == "cpu";
-  m.host_bytes = mem_available_bytes();
+  m.host_bytes = cpu_device().memory_info().free_bytes;  // MemAvailable
   if (m.host_bytes > 0) m.host_bytes /= local_ranks;
   if (cfg.run.device_memory_mb > 0) {
     m.device_bytes = cfg.run.device_memory_mb << 20;
