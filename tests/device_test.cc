@@ -16,6 +16,7 @@
 #include "config/config.h"
 #include "memory/device.h"
 #include "memory/tiered_state.h"
+#include "deferred_device.h"
 #include "util/errors.h"
 
 namespace strata {
@@ -180,58 +181,6 @@ INSTANTIATE_TEST_SUITE_P(Devices, DeviceTest, ::testing::Values(std::string("cpu
                            return i.param == "cpu" ? std::string("cpu") : std::string("cuda");
                          });
 
-// Host memory that host code may not touch in place, with copies that run
-// only when a completion of their stream is waited or the stream is
-// synchronized: a GPU's asynchrony, without a GPU. Not thread-safe (tests).
-class DeferredDevice final : public Device {
- public:
-  std::string name() const override { return "deferred"; }
-  bool is_cuda() const override { return false; }
-  bool host_addressable() const override { return false; }
-  DeviceMemoryInfo memory_info() const override { return {int64_t(1) << 34, int64_t(1) << 33}; }
-  void copy_to_device(DevicePtr dst, const void* src, int64_t bytes, Stream s) override {
-    queue(s, [=] { std::memcpy(dst.raw(), src, size_t(bytes)); });
-  }
-  void copy_to_host(void* dst, DevicePtr src, int64_t bytes, Stream s) override {
-    queue(s, [=] { std::memcpy(dst, src.raw(), size_t(bytes)); });
-  }
-  void copy_on_device(DevicePtr dst, DevicePtr src, int64_t bytes, Stream s) override {
-    queue(s, [=] { std::memmove(dst.raw(), src.raw(), size_t(bytes)); });
-  }
-  void fill_on_device(DevicePtr dst, uint8_t value, int64_t bytes, Stream s) override {
-    queue(s, [=] { std::memset(dst.raw(), value, size_t(bytes)); });
-  }
-  Completion record(Stream s) override {
-    marks_[++tickets_] = {int(s), ops_[size_t(s)].size()};
-    return Completion(this, tickets_);
-  }
-  void stream_wait(Stream, Completion c) override { c.wait(); }  // a host wait: stricter than needed
-  void synchronize(Stream s) override { run(int(s), ops_[size_t(s)].size()); }
-  void* native_stream(Stream) const override { return nullptr; }
-  void wait_ticket(uint64_t t) override { run(marks_.at(t).first, marks_.at(t).second); }
-  size_t queued() const {
-    size_t n = 0;
-    for (int s = 0; s < kNumStreams; ++s) n += ops_[size_t(s)].size() - done_[size_t(s)];
-    return n;
-  }
-
- protected:
-  std::byte* raw_allocate(int64_t bytes) override { return static_cast<std::byte*>(std::calloc(size_t(bytes), 1)); }
-  void raw_free(std::byte* p) noexcept override { std::free(p); }
-  bool register_host(void*, int64_t) override { return true; }
-  void unregister_host(void*) noexcept override {}
-
- private:
-  void queue(Stream s, std::function<void()> op) { ops_[size_t(s)].push_back(std::move(op)); }
-  void run(int s, size_t through) {
-    while (done_[size_t(s)] < through) ops_[size_t(s)][done_[size_t(s)]++]();
-  }
-  std::array<std::vector<std::function<void()>>, kNumStreams> ops_;
-  std::array<size_t, kNumStreams> done_{};
-  std::map<uint64_t, std::pair<int, size_t>> marks_;
-  uint64_t tickets_ = 0;
-};
-
 // The tiered state on a device host code may not touch: device-tier homes
 // are not handed to host code, only to kernels (resident_on_device), and
 // reads and writes go through the device's copies and are done when they
@@ -243,7 +192,7 @@ TEST(TieredStateOnADevice, DeviceTierGoesThroughTheDevicesCopiesAndIsDoneOnRetur
   nlohmann::json j = {{"data", {{"path", "unused.txt"}}}, {"zero_optimization", {{"sub_group_size", 16384}}}};
   const Config cfg = parse_config(j, {});
   const PlacementPlan plan = make_plan(cfg, layout, 0, MachineCapacity{});
-  DeferredDevice dev;
+  testing::DeferredDevice dev;
   TieredStateOptions so;
   so.device = &dev;
   TieredState st(plan, so);

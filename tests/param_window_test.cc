@@ -48,7 +48,7 @@ WindowRun run(const Blocks& m, const WindowKnobs& k, int64_t accum = 1, int64_t 
   WindowRun r;
   r.shape = w.plan({&s});
   w.begin(&s);
-  std::byte* out[2];
+  DevicePtr out[2];
   for (size_t i = 0; i < s.size(); ++i) {
     w.acquire(out);
     w.release();
@@ -138,9 +138,9 @@ TEST(ParamWindowTest, ResidentBlocksAreNeverFetched) {
   const auto s = train_schedule(int(m.numel.size()), true, 1);
   w.plan({&s});
   w.begin(&s);
-  std::byte* out[2] = {nullptr, nullptr};
+  DevicePtr out[2];
   w.acquire(out);  // the embedding: resident, used in place
-  EXPECT_EQ(out[0], nullptr);
+  EXPECT_FALSE(out[0]);
   w.release();
 }
 

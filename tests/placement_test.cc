@@ -164,13 +164,16 @@ TEST(PlacementTest, AutoFillsTheDeviceFirstWithParametersThenGradients) {
   const int64_t unit = 65536 * 4;  // every unit here: one block / one sub-group of fp32
   MachineCapacity cap;
   cap.device_is_host = false;
-  // Device: all of param16, half of grad, the activations, and the staging a
-  // placement with gradients off the device needs (fp32 stage + read-modify-write).
-  cap.device_bytes = 8 * unit + 4 * unit + activations + 2 * unit;
+  // Device: all of param16, half of grad, the activations, and the fp32
+  // gradient stage.
+  cap.device_bytes = 8 * unit + 4 * unit + activations + 1 * unit;
   // Host: the other half of grad, all of master, half of exp_avg, and the
   // staging of one swapped sub-group (master, exp_avg, exp_avg_sq; buffer_count
-  // 1 = one staging set).
-  cap.host_bytes = 4 * unit + 8 * unit + 4 * unit + 3 * unit;
+  // 1 = one staging set); since host code may not touch a GPU's memory, CPU
+  // Adam's staging of a device-tier gradient and working copy (one unit each),
+  // and the registered buffer a gradient shard lands in on its way to a host
+  // home (one unit).
+  cap.host_bytes = 4 * unit + 8 * unit + 4 * unit + 3 * unit + 3 * unit;
   cap.nvme_bytes = int64_t(1) << 40;
   PlacementPlan p = make_plan(cfg, layout, 0, cap);
   EXPECT_EQ(p.source, "auto");

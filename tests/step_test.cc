@@ -10,6 +10,9 @@
 // (its norm is fp32's), and stops once the scale is at its minimum. bf16 and
 // fp32 still stop on a non-finite norm. Resume of the scaler's state:
 // checkpoint_cli_test.
+// The trainer's device (Note [The trainer's device]): on a device whose
+// memory host code may not touch and whose copies run late unless waited for,
+// every placement trains bit for bit as on the CPU device.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
@@ -22,8 +25,10 @@
 #include "engine/lr_schedule.h"
 #include "engine/trainer.h"
 #include "memory/layout.h"
+#include "memory/device.h"
 #include "memory/placement.h"
 #include "model/model.h"
+#include "deferred_device.h"
 #include "test_util.h"
 #include "training_session.h"
 #include "util/errors.h"
@@ -345,6 +350,91 @@ TEST_F(StepTest, PlanKeepsGraphsOnlyWhereWeightsStayAndActivationsFit) {
     }
   }
   EXPECT_THROW(parse_config(base_config(data_), {"run.recompute=\"sometimes\""}), ConfigError);
+}
+
+// ---- the trainer's device ------------------------------------------------------
+
+// Note [The trainer's device]: every copy between the device and host code
+// goes through the device, ordered and waited for. The deferred device runs
+// a copy only when its completion is waited for: a missing wait or ordering
+// leaves stale bytes where the step reads (a stale window slot, gradient or
+// working copy), and the losses or the state then differ from the CPU
+// device's. Placements that take every device path: all on the device (the
+// device's Adam), parameters and gradients on the host (H2D window fetches,
+// D2H gradients), everything on NVMe with persistent blocks (bounce buffers),
+// and three-way splits (pieces on the device beside pieces CPU Adam updates
+// with device-tier parts staged); with offloaded activations and in bf16 and
+// fp16.
+TEST_F(StepTest, ADeviceHostCodeMayNotTouchTrainsBitForBitAsTheCpuDevice) {
+  const std::string swap = dir_.path() + "/swap";
+  const std::string split = "{\"device\":0.3,\"host\":0.3,\"nvme\":0.4}";
+  const std::string nvme = "{\"device\":\"nvme\",\"nvme_path\":\"" + swap + "\"";
+  const std::vector<std::vector<std::string>> cases = {
+      {},
+      {"zero_optimization.stage=3", "zero_optimization.offload_param.device=cpu",
+       "zero_optimization.offload_optimizer.device=cpu",
+       "zero_optimization.stage3_param_persistence_threshold=0", "activation_checkpointing.cpu_checkpointing=true"},
+      {"zero_optimization.stage=3", "zero_optimization.offload_param=" + nvme + ",\"max_in_cpu\":0}", "zero_optimization.offload_optimizer=" + nvme + "}",
+       "zero_optimization.stage3_param_persistence_threshold=5000", "bf16.enabled=true"},
+      {"placement={\"param16\":" + split + ",\"grad\":" + split + ",\"optimizer\":" + split + ",\"nvme_path\":\"" +
+       swap + "\"}", "zero_optimization.stage3_param_persistence_threshold=0"},
+      {"placement={\"param16\":{\"device\":0.5,\"host\":0.5},\"grad\":{\"device\":0.7,\"nvme\":0.3},"
+       "\"optimizer\":{\"device\":0.6,\"host\":0.4},\"nvme_path\":\"" + swap + "\"}",
+       "fp16={\"enabled\":true,\"loss_scale\":1024}", "run.overlap_optimizer=false"},
+  };
+  for (const std::vector<std::string>& o : cases) {
+    const std::string what = o.empty() ? "all on the device" : nlohmann::json(o).dump();
+    Training cpu(base_config(data_), o);
+    testing::DeferredDevice dev;
+    Training deferred(base_config(data_), o, nullptr, &dev);
+    ASSERT_FALSE(deferred.trainer().plan().device_addressable) << what;
+    for (int s = 1; s <= 3; ++s) {
+      const StepResult a = cpu.step(), b = deferred.step();
+      EXPECT_EQ(a.loss, b.loss) << what << ", step " << s;
+      EXPECT_EQ(a.grad_norm, b.grad_norm) << what << ", step " << s;
+    }
+    EXPECT_TRUE(same_state(cpu.state(), deferred.state())) << what;
+    EXPECT_GT(dev.copies(), 0u) << what;
+  }
+}
+
+// On a GPU (skipped, with the reason, without one): the same placements
+// train as on the CPU device, within the rounding of LibTorch's CUDA kernels
+// (its reductions and matmuls sum in another order than the CPU's; the HBM
+// pieces' Adam is the CPU's bit for bit, kernels_test).
+TEST_F(StepTest, OnAGpuEveryPlacementTrainsAsOnTheCpuWithinRounding) {
+  if (!built_with_cuda()) GTEST_SKIP() << "this build has no CUDA path";
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine";
+  const std::string swap = dir_.path() + "/swap";
+  const std::string split = "{\"device\":0.3,\"host\":0.3,\"nvme\":0.4}";
+  const std::string nvme = "{\"device\":\"nvme\",\"nvme_path\":\"" + swap + "\"";
+  const std::vector<std::pair<std::vector<std::string>, double>> cases = {
+      {{}, 1e-4},
+      {{"zero_optimization.stage=3", "zero_optimization.offload_param.device=cpu",
+        "zero_optimization.offload_optimizer.device=cpu", "activation_checkpointing.cpu_checkpointing=true"},
+       1e-4},
+      {{"zero_optimization.stage=3", "zero_optimization.offload_param=" + nvme + ",\"max_in_cpu\":0}",
+        "zero_optimization.offload_optimizer=" + nvme + "}", "zero_optimization.stage3_param_persistence_threshold=5000",
+        "bf16.enabled=true"},
+       2e-2},
+      {{"placement={\"param16\":" + split + ",\"grad\":" + split + ",\"optimizer\":" + split + ",\"nvme_path\":\"" +
+        swap + "\"}", "run.recompute=\"never\""},
+       1e-4},
+      {{"fp16={\"enabled\":true,\"loss_scale\":1024}"}, 2e-2},
+  };
+  for (const auto& [o, tol] : cases) {
+    const std::string what = o.empty() ? "all on the device" : nlohmann::json(o).dump();
+    Training cpu(base_config(data_), o);
+    std::vector<std::string> on_gpu = o;
+    on_gpu.push_back("run.device=\"cuda\"");
+    Training gpu(base_config(data_), on_gpu);
+    EXPECT_FALSE(gpu.trainer().plan().device_addressable) << what;
+    for (int s = 1; s <= 3; ++s) {
+      const StepResult a = cpu.step(), b = gpu.step();
+      EXPECT_NEAR(b.loss / a.loss, 1.0, tol) << what << ", step " << s;
+      EXPECT_NEAR(b.grad_norm / a.grad_norm, 1.0, 10 * tol) << what << ", step " << s;
+    }
+  }
 }
 
 }  // namespace

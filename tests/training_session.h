@@ -22,11 +22,12 @@ namespace strata::testing {
 
 class TrainingSession {
  public:
+  // `device`: where the trainer computes (nullptr: run.device's).
   TrainingSession(const nlohmann::json& j, const std::vector<std::string>& overrides,
-                  std::shared_ptr<nvme::FaultPlan> faults = nullptr)
+                  std::shared_ptr<nvme::FaultPlan> faults = nullptr, Device* device = nullptr)
       : cfg_(parse_config(j, overrides)),
         model_(cfg_.model),
-        trainer_(cfg_, model_, std::move(faults)),
+        trainer_(cfg_, model_, std::move(faults), nullptr, 1, device),
         data_(cfg_.data.paths, TokenFormat::kText, 256, cfg_.model.seq_len, 0.0),
         rng_(cfg_.run.seed),
         batch_(size_t(cfg_.train_batch_size * (cfg_.model.seq_len + 1))) {}

@@ -100,7 +100,8 @@ nlohmann::json plan_json(const Computed& c) {
   j["staging_bytes"] = {{"gathered", p.staging.gathered}, {"grad_stage", p.staging.grad_stage},
                         {"checkpoint_device", p.staging.ckpt_device}, {"checkpoint_host", p.staging.ckpt_host},
                         {"grad_rmw", p.staging.grad_rmw}, {"opt_grad", p.staging.opt_grad},
-                        {"opt_state", p.staging.opt_state}, {"opt_emit", p.staging.opt_emit}};
+                        {"opt_state", p.staging.opt_state}, {"opt_emit", p.staging.opt_emit},
+                        {"grad_host", p.staging.grad_host}, {"window_bounce", p.staging.window_bounce}};
   j["device_transient_bytes"] = p.staging.device_bytes();
   j["host_staging_bytes"] = p.staging.host_bytes();
   j["sub_group_numel"] = p.sub_group_numel;
@@ -169,13 +170,13 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   row("state total", st[0], st[1], st[2]);
   row(p.keep_graphs ? "activations (graphs)" : "activations (recompute)", p.activation_bytes, 0, 0);
   if (p.cpu_checkpointing) row("offloaded checkpoints", p.staging.ckpt_device, p.staging.ckpt_host, 0);
-  row("parameter window", p.staging.gathered, 0, 0);
-  row("gradient staging", p.staging.grad_stage + p.staging.grad_rmw, 0, 0);
+  row("parameter window", p.staging.gathered, p.staging.window_bounce, 0);
+  row("gradient staging", p.staging.grad_stage + p.staging.grad_rmw, p.staging.grad_host, 0);
   if (p.world_size > 1) {
     row("gathered blocks", p.staging.gather, 0, 0);
     row("gradient reduction", p.staging.grad_sync, 0, 0);
   }
-  row("optimizer staging", 0, p.staging.host_bytes() - p.staging.ckpt_host, 0);
+  row("optimizer staging", 0, p.staging.opt_grad + p.staging.opt_state + p.staging.opt_emit, 0);
   const auto tot = p.total();
   row("total", tot[0], tot[1], tot[2]);
   out += strprintf("  %-22s %12s %12s %12s\n", "this machine has", cap_cell(cap.device_bytes).c_str(),

@@ -176,9 +176,6 @@ int run_train(const TrainOptions& opt) {
   for (const std::string& key : cfg.ignored_keys) {
     log::warn("config key '%s' is a DeepSpeed key Strata does not act on; ignored", key.c_str());
   }
-  if (cfg.run.device != "cpu") {
-    throw ConfigError("run.device", "only \"cpu\" is supported by this build's trainer so far");
-  }
   if (cfg.run.threads > 0) at::set_num_threads(int(cfg.run.threads));
 
   // The ranks meet first: a rank whose config differs, or a world size that

@@ -2,6 +2,7 @@
 
 #include <cstring>
 
+#include "engine/compute_stream.h"
 #include "util/errors.h"
 #include "util/trace.h"
 
@@ -88,9 +89,9 @@ at::Tensor ActivationCheckpoints::restore(size_t b) {
   if (b - 1 != 0) bring(b - 1);  // prefetch into the other slot
   peak_device_ = device_.bytes();
   dev_.stream_wait(Stream::kCompute, slot_ready_[slot(b)]);
-  // A tensor of the device slot: CPU tensors on the CPU device (the engine's
-  // tensors of device memory carry the device once compute runs on a GPU).
-  return at::from_blob((device_.ptr() + int64_t(slot(b)) * bytes_).raw(), shape_, at::TensorOptions().dtype(dtype_));
+  // A tensor of the device slot, on the compute device.
+  return at::from_blob((device_.ptr() + int64_t(slot(b)) * bytes_).raw(), shape_,
+                       at::TensorOptions().dtype(dtype_).device(torch_device(dev_)));
 }
 
 }  // namespace strata

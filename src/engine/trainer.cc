@@ -12,11 +12,16 @@
 #include <optional>
 
 #include "checkpoint/safetensors.h"
+#include "engine/compute_stream.h"
 #include "engine/lr_schedule.h"
 #include "util/errors.h"
 #include "util/fs.h"
 #include "util/trace.h"
 #include "util/logging.h"
+
+#ifdef STRATA_WITH_CUDA
+#include "kernels/adam.h"
+#endif
 
 namespace strata {
 
@@ -73,8 +78,9 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
   // optimizer step reported with it.
   LinkBytes moved;
   TieredState::TallyScope tally(&moved);
+  ComputeStreamScope on_compute_stream(*device_);
   std::fill(grad_written_.begin(), grad_written_.end(), 0);
-  std::fill(block_sq_.begin(), block_sq_.end(), 0.0);
+  for (at::Tensor& n : block_norm_) n = at::Tensor();
   checkpoints_->reset();
   for (KeptGraph& g : graphs_) g = KeptGraph();  // a failed step's
   StepResult r;
@@ -89,11 +95,28 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
   // multiplies it by the loss scale too (Note [Loss scaling]).
   const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
   double local_loss = 0.0;
-  for (int64_t m = 0; m < accum; ++m) {
-    at::Tensor batch = at::from_blob(const_cast<int64_t*>(tokens + m * micro * window),
-                                     {micro, window}, at::TensorOptions().dtype(at::kLong));
-    last_micro_ = m + 1 == accum;
-    local_loss += forward_backward(batch, loss_scale / double(accum * ranks)) / double(accum * ranks);
+  try {
+    for (int64_t m = 0; m < accum; ++m) {
+      at::Tensor batch = at::from_blob(const_cast<int64_t*>(tokens + m * micro * window),
+                                       {micro, window}, at::TensorOptions().dtype(at::kLong))
+                             .to(torch_device_);
+      last_micro_ = m + 1 == accum;
+      local_loss += forward_backward(batch, loss_scale / double(accum * ranks)) / double(accum * ranks);
+    }
+  } catch (const c10::OutOfMemoryError& e) {
+    // LibTorch's activations did not fit beside the state: the plan's verdict
+    // in the same terms, not an allocator's trace.
+    const DeviceMemoryInfo m = device_->memory_info();
+    std::string torch_line = e.what_without_backtrace();
+    torch_line = torch_line.substr(0, torch_line.find('\n'));
+    throw OutOfMemoryError(strprintf(
+        "%s ran out of memory in the forward/backward of step %lld: the device has %s in all, %s free; Strata's "
+        "state and buffers take %s there and the plan estimated %s for activations; lower "
+        "train_micro_batch_size_per_gpu, set run.recompute \"always\" or activation_checkpointing.cpu_checkpointing, "
+        "or move state off the device (strata plan shows the split). LibTorch: %s",
+        device_->name().c_str(), (long long)(step_ + 1), format_bytes(double(m.total_bytes)).c_str(),
+        format_bytes(double(m.free_bytes)).c_str(), format_bytes(double(peak_bytes()[0])).c_str(),
+        format_bytes(double(state_->plan().activation_bytes)).c_str(), torch_line.c_str()));
   }
   const double param_wait = window_->wait_seconds() - wait0;
   r.tokens = accum * micro * cfg_.model.seq_len * ranks;
@@ -101,10 +124,15 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
   // The gradient norm, the global batch's loss and the stop requests: one
   // all-reduce of three numbers. Each rank's squared norm was accumulated
   // as its last micro-batch's gradient reached its home (flush_grad), summed
-  // here in block order.
+  // here in block order: the fp32 norm LibTorch computed, squared in double.
   const auto t_opt = std::chrono::steady_clock::now();
   double sums[3] = {0.0, local_loss, stop_requested ? 1.0 : 0.0};
-  for (double sq : block_sq_) sums[0] += sq;
+  for (at::Tensor& n : block_norm_) {
+    if (!n.defined()) continue;
+    const double norm = n.item<double>();
+    sums[0] += norm * norm;
+    n = at::Tensor();
+  }
   {
     TraceSpan span(TraceTrack::kComm, "all_reduce norm, loss, stop");
     comm_->all_reduce(sums, 3, DType::kF64, ReduceOp::kSum).wait();
@@ -193,7 +221,7 @@ double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale) {
   at::Tensor x = forward_layers(inputs, /*train=*/true);
 
   // Head and loss, with autograd.
-  std::byte* gathered[2];
+  DevicePtr gathered[2];
   at::Tensor dx;
   double loss_value = 0.0;
   {
@@ -268,7 +296,7 @@ at::Tensor Trainer::forward_layers(at::Tensor x, bool train) {
   const bool keep = train && keep_graphs_;
   std::optional<at::NoGradGuard> no_grad;
   if (!keep) no_grad.emplace();
-  std::byte* gathered[2];
+  DevicePtr gathered[2];
   for (size_t b = 0; b < head_block_; ++b) {
     if (train && !keep) checkpoints_->save(b, x);
     next_use(gathered);
@@ -298,16 +326,18 @@ double Trainer::eval_loss(const int64_t* tokens, int64_t batches) {
   STRATA_CHECK(!broken_, "eval after a failed optimizer step");
   window_->set_ready(INT32_MAX);
   at::NoGradGuard no_grad;
+  ComputeStreamScope on_compute_stream(*device_);
   const int64_t micro = cfg_.train_micro_batch_size_per_gpu;
   const int64_t window = cfg_.model.seq_len + 1;
   const int64_t T = cfg_.model.seq_len;
   double total = 0.0;
   for (int64_t i = 0; i < batches; ++i) {
     at::Tensor batch = at::from_blob(const_cast<int64_t*>(tokens + i * micro * window),
-                                     {micro, window}, at::TensorOptions().dtype(at::kLong));
+                                     {micro, window}, at::TensorOptions().dtype(at::kLong))
+                           .to(torch_device_);
     begin_uses(&eval_schedule_);
     at::Tensor x = forward_layers(batch.narrow(1, 0, T), /*train=*/false);
-    std::byte* gathered[2];
+    DevicePtr gathered[2];
     next_use(gathered);
     at::Tensor tied;
     if (cfg_.model.tie_embeddings) tied = weights(embedding_block_, gathered[1])[0];
@@ -333,35 +363,34 @@ void Trainer::begin_uses(const std::vector<WindowUse>* schedule) {
 // Acquires use u's shards from the window and starts gathering them.
 void Trainer::issue_gather(size_t u) {
   const WindowUse& use = (*uses_)[u];
-  std::byte* shard[2];
+  DevicePtr shard[2];
   acquire(shard, size_t(use.block[0]), use.count > 1 ? size_t(use.block[1]) : SIZE_MAX);
   const int slot = int(u % 2);
   const DType dt = compute_dtype_ == at::kFloat ? DType::kF32 : DType::kBF16;
   for (int i = 0; i < use.count; ++i) {
     const size_t b = size_t(use.block[i]);
     const int64_t n = layout_.block(b).shard_numel();
-    std::byte* src = shard[i] != nullptr ? shard[i] : device_resident(Category::kParam16, shard_offset_[b], n);
-    STRATA_CHECK(src != nullptr, "a block neither fetched nor resident on the device");
+    const DevicePtr src = shard[i] ? shard[i] : device_resident(Category::kParam16, shard_offset_[b], n);
+    STRATA_CHECK(src, "a block neither fetched nor resident on the device");
     if (gather_once_) {
-      gathered_[slot][i] = gather_mem_.as<std::byte>() + layout_.block(b).offset * compute_bytes_;
+      gathered_[slot][i] = gather_mem_.ptr() + layout_.block(b).offset * compute_bytes_;
       if (gathered_valid_[b]) continue;
       gathered_valid_[b] = 1;
     } else {
-      gathered_[slot][i] = gather_mem_.as<std::byte>() +
-                           size_t(slot * 2 + i) * size_t(state_->plan().largest_block_numel * compute_bytes_);
+      gathered_[slot][i] = gather_mem_.ptr() + int64_t(slot * 2 + i) * state_->plan().largest_block_numel * compute_bytes_;
     }
     TraceSpan span(TraceTrack::kComm, "all_gather");
-    gather_done_[slot][i] = comm_->all_gather(src, gathered_[slot][i], n, dt);
+    gather_done_[slot][i] = comm_->all_gather(src.raw(), gathered_[slot][i].raw(), n, dt);
   }
 }
 
-void Trainer::next_use(std::byte* out[2]) {
+void Trainer::next_use(DevicePtr out[2]) {
   if (shards_ == 1) {
     // One shard: the shard is the block, used in place (fetched or resident).
     const WindowUse& use = (*uses_)[use_];
     acquire(out, size_t(use.block[0]), use.count > 1 ? size_t(use.block[1]) : SIZE_MAX);
     for (int i = 0; i < use.count; ++i) {
-      if (out[i] == nullptr) {
+      if (!out[i]) {
         const size_t b = size_t(use.block[i]);
         out[i] = device_resident(Category::kParam16, shard_offset_[b], layout_.block(b).shard_numel());
       }
@@ -411,7 +440,7 @@ int32_t Trainer::ready_blocks() {
   return n;
 }
 
-void Trainer::acquire(std::byte* out[2], size_t b0, size_t b1) {
+void Trainer::acquire(DevicePtr out[2], size_t b0, size_t b1) {
   int64_t end = block_end_[b0];
   if (b1 != SIZE_MAX) end = std::max(end, block_end_[b1]);
   wait_optimizer(end);
@@ -436,7 +465,7 @@ void Trainer::accumulate_grad(size_t b, const std::vector<at::Tensor>& grads, si
     const at::Tensor& g = grads[first + i];
     if (g.defined()) dst[i].add_(g);  // fp32 accumulation of 16-bit gradients
   }
-  float* full = stage.data_ptr<float>();
+  const DevicePtr full(static_cast<std::byte*>(stage.data_ptr()));
   if (comm_->world_size() == 1) {
     flush_grad(b, full);
     return;
@@ -446,12 +475,12 @@ void Trainer::accumulate_grad(size_t b, const std::vector<at::Tensor>& grads, si
   GradSync& gs = grad_sync_[k];
   gs.block = int(b);
   if (cfg_.zero.stage >= 2) {
-    float* shard = grad_shards_.as<float>() + size_t(k) * size_t(state_->plan().largest_block_shard_numel);
-    gs.done = comm_->reduce_scatter(full, shard, n, DType::kF32);
+    const DevicePtr shard = grad_shards_.ptr() + int64_t(k) * state_->plan().largest_block_shard_numel * 4;
+    gs.done = comm_->reduce_scatter(full.raw(), shard.raw(), n, DType::kF32);
     gs.shard = shard;
   } else {
-    gs.done = comm_->all_reduce(full, layout_.block(b).padded_numel, DType::kF32, ReduceOp::kSum);
-    gs.shard = full + shard_rank_ * n;
+    gs.done = comm_->all_reduce(full.raw(), layout_.block(b).padded_numel, DType::kF32, ReduceOp::kSum);
+    gs.shard = full + shard_rank_ * n * 4;
   }
   grad_seq_[k] = ++grad_issued_;
   grad_turn_ = 1 - k;
@@ -472,47 +501,73 @@ void Trainer::complete_grad_sync(int k) {
 // Adds the rank's shard of block b's gradient into its home: the first time
 // in a step a plain copy, afterwards an add (in place when resident, else
 // read, add, write). The arithmetic is the same on every tier. On the last
-// micro-batch the rank's part of the final gradient gives its squared norm.
-void Trainer::flush_grad(size_t b, const float* shard) {
+// micro-batch the rank's part of the final gradient gives its norm (as a
+// tensor: on a GPU it is read once, when the step's backward is done).
+void Trainer::flush_grad(size_t b, DevicePtr shard) {
   const int64_t n = layout_.block(b).shard_numel();
   const int64_t off = shard_offset_[b];
-  auto flat = [&](const void* p) {
+  auto host = [&](const void* p) {
     return at::from_blob(const_cast<void*>(p), {n}, at::TensorOptions().dtype(at::kFloat));
   };
-  // Added in place only on the device; a host home receives a D2H copy.
-  std::byte* home = device_resident(Category::kGrad, off, n);
-  const float* final_values = nullptr;
-  if (!grad_written_[b]) {
-    if (home != nullptr) {
-      std::memcpy(home, shard, size_t(n * 4));
-      final_values = reinterpret_cast<const float*>(home);
-    } else if (reinterpret_cast<uintptr_t>(shard) % kPageBytes == 0) {
-      state_->write(Category::kGrad, off, n, shard);
-      final_values = shard;
+  at::Tensor final_values;
+  if (const DevicePtr home = device_resident(Category::kGrad, off, n)) {
+    // On the device: added in place, on the compute stream.
+    at::Tensor h = device_tensor(home, n, at::kFloat);
+    if (!grad_written_[b]) {
+      h.copy_(device_tensor(shard, n, at::kFloat));
     } else {
-      std::memcpy(grad_rmw_.data(), shard, size_t(n * 4));  // aligned for O_DIRECT
-      state_->write(Category::kGrad, off, n, grad_rmw_.data());
-      final_values = grad_rmw_.as<float>();
+      h.add_(device_tensor(shard, n, at::kFloat));
     }
-    grad_written_[b] = 1;
-  } else if (home != nullptr) {
-    flat(home).add_(flat(shard));
-    final_values = reinterpret_cast<const float*>(home);
+    final_values = h;
+  } else if (device_->host_addressable()) {
+    // The device's memory is host memory: the shard is read where it is.
+    const float* src = reinterpret_cast<const float*>(shard.raw());
+    if (!grad_written_[b]) {
+      if (reinterpret_cast<uintptr_t>(src) % kPageBytes == 0) {
+        state_->write(Category::kGrad, off, n, src);
+        final_values = host(src);
+      } else {
+        std::memcpy(grad_rmw_.data(), src, size_t(n * 4));  // aligned for O_DIRECT
+        state_->write(Category::kGrad, off, n, grad_rmw_.data());
+        final_values = host(grad_rmw_.data());
+      }
+    } else {
+      at::Tensor acc = host(grad_rmw_.data());
+      state_->read(Category::kGrad, off, n, acc.data_ptr());
+      acc.add_(host(src));
+      state_->write(Category::kGrad, off, n, acc.data_ptr());
+      final_values = acc;
+    }
   } else {
-    at::Tensor acc = flat(grad_rmw_.data());
-    state_->read(Category::kGrad, off, n, acc.data_ptr());
-    acc.add_(flat(shard));
-    state_->write(Category::kGrad, off, n, acc.data_ptr());
-    final_values = grad_rmw_.as<float>();
+    // A GPU: the shard comes to registered host memory (D2H, after the
+    // backward that wrote it), then to its home.
+    std::byte* landed = grad_host_.data();
+    {
+      TraceSpan span(TraceTrack::kCopy, "gradient D2H");
+      device_->stream_wait(Stream::kD2H, device_->record(Stream::kCompute));
+      device_->copy_to_host(landed, shard, n * 4, Stream::kD2H);
+      device_->record(Stream::kD2H).wait();
+    }
+    if (!grad_written_[b]) {
+      state_->write(Category::kGrad, off, n, landed);  // counts the D2H
+      final_values = host(landed);
+    } else if (std::byte* home = state_->resident(Category::kGrad, off, n)) {
+      state_->count_copy(/*to_device=*/false, n * 4);
+      final_values = host(home).add_(host(landed));
+    } else {
+      state_->count_copy(/*to_device=*/false, n * 4);
+      std::byte* acc = grad_host_.data() + state_->plan().largest_block_numel * 4;
+      state_->read(Category::kGrad, off, n, acc);
+      host(acc).add_(host(landed));
+      state_->write(Category::kGrad, off, n, acc);
+      final_values = host(acc);
+    }
   }
+  grad_written_[b] = 1;
   if (last_micro_) {
-    // fp32 norm as LibTorch computes it, squared in double; summed in block
-    // (shard) order when the step ends, never in completion order.
-    const double norm = at::from_blob(const_cast<float*>(final_values) + norm_lo_[b],
-                                      {norm_hi_[b] - norm_lo_[b]}, at::TensorOptions().dtype(at::kFloat))
-                            .norm()
-                            .item<double>();
-    block_sq_[b] = norm * norm;
+    // fp32 norm as LibTorch computes it; squared in double and summed in
+    // block (shard) order when the step ends, never in completion order.
+    block_norm_[b] = final_values.narrow(0, norm_lo_[b], norm_hi_[b] - norm_lo_[b]).norm();
   }
 }
 
@@ -536,6 +591,12 @@ at::Tensor Trainer::loss_of(const at::Tensor& logits, const at::Tensor& targets)
 // runs on its own. A set is reused for j + opt_sets only once the write-backs
 // of the sub-group that used it last have completed. With one set the loop is
 // sequential. Arithmetic does not depend on the depth.
+//
+// On a GPU (a device host code may not touch), a piece whose state, gradient
+// and working copy all live in HBM is updated there by the fused kernel
+// (kernels/adam.h, bit for bit CPU Adam's), queued on the compute stream, with
+// nothing staged; every other piece is CPU Adam's as above, its device-tier
+// parts staged through host memory like NVMe ones.
 void Trainer::optimizer_step(const OptimizerThread::Job& job) {
   cpu_adam::AdamParams h;
   h.lr = job.lr;
@@ -553,25 +614,37 @@ void Trainer::optimizer_step(const OptimizerThread::Job& job) {
     const int k = int(j % size_t(sets));
     const PlacementUnit& g = groups[j];
     st.write_done(k).wait();  // the set's previous user is written back
+    OptSet& sp = opt_spans_[size_t(k)];
+    sp.adam = cpu_adam::AdamSpans();
+    sp.adam.state_type = plan.bf16_moments() ? cpu_adam::StateType::kBF16 : cpu_adam::StateType::kF32;
+    sp.adam.grad_type = cpu_adam::GradType::kF32;
+    sp.adam.numel = g.numel;
+    if (piece_on_device_[j]) {
+      auto home = [&](Category c) { return state_->resident_on_device(c, g.offset, g.numel).raw(); };
+      sp.adam.grad = home(Category::kGrad);
+      sp.adam.param = reinterpret_cast<float*>(home(Category::kMaster));
+      sp.adam.exp_avg = home(Category::kExpAvg);
+      sp.adam.exp_avg_sq = home(Category::kExpAvgSq);
+      sp.working = home(Category::kParam16);
+      sp.working_resident = true;
+    } else {
     auto fetch = [&](Category c) -> std::byte* {
       std::byte* p = state_->resident(c, g.offset, g.numel);
       if (p != nullptr) return p;
       std::byte* dst = st.slot(c, k);
+      STRATA_CHECK(dst != nullptr, "optimizer staging without a slot for a piece that needs one");
       st.read_done(k) = state_->read_async(c, g.offset, g.numel, dst, st.reads(k));
       return dst;
     };
-    OptSet& sp = opt_spans_[size_t(k)];
-    sp.adam = cpu_adam::AdamSpans();
     sp.adam.grad = fetch(Category::kGrad);
     sp.adam.param = reinterpret_cast<float*>(fetch(Category::kMaster));
     sp.adam.exp_avg = fetch(Category::kExpAvg);
     sp.adam.exp_avg_sq = fetch(Category::kExpAvgSq);
-    sp.adam.state_type = plan.bf16_moments() ? cpu_adam::StateType::kBF16 : cpu_adam::StateType::kF32;
-    sp.adam.grad_type = cpu_adam::GradType::kF32;
-    sp.adam.numel = g.numel;
     sp.working = state_->resident(Category::kParam16, g.offset, g.numel);
     sp.working_resident = sp.working != nullptr;
     if (!sp.working_resident) sp.working = st.slot(Category::kParam16, k);
+    STRATA_CHECK(sp.working != nullptr, "optimizer staging without a working-copy slot");
+    }
     if (compute_dtype_ != at::kFloat) {
       sp.adam.emit = sp.working;
       sp.adam.emit_type = compute_dtype_ == at::kBFloat16 ? cpu_adam::EmitType::kBF16 : cpu_adam::EmitType::kF16;
@@ -612,8 +685,22 @@ void Trainer::optimizer_step(const OptimizerThread::Job& job) {
         part.exp_avg_sq = static_cast<std::byte*>(part.exp_avg_sq) + run.start * moment_bytes;
         if (part.emit != nullptr) part.emit = static_cast<std::byte*>(part.emit) + run.start * compute_bytes_;
         part.numel = run.numel;
-        adam_->step(h, cpu_adam::StepArgs{job.step, job.grad_scale, run.key}, part);
+        const cpu_adam::StepArgs args{job.step, job.grad_scale, run.key};
+        if (piece_on_device_[j]) {
+          device_adam(h, args, part);
+        } else {
+          adam_->step(h, args, part);
+        }
       }
+    }
+    if (piece_on_device_[j]) {
+      if (compute_dtype_ == at::kFloat) {
+        device_->copy_on_device(DevicePtr(sp.working), DevicePtr(reinterpret_cast<std::byte*>(sp.adam.param)),
+                                g.numel * 4, Stream::kCompute);
+      }
+      if (opt_thread_) opt_thread_->publish(g.offset + g.numel);
+      if (sets == 1 && j + 1 < groups.size()) issue_reads(j + 1);
+      continue;
     }
     if (compute_dtype_ == at::kFloat) std::memcpy(sp.working, sp.adam.param, size_t(g.numel * 4));
     PendingIo& w = st.writes(k);
@@ -639,6 +726,23 @@ void Trainer::optimizer_step(const OptimizerThread::Job& job) {
     if (sets == 1 && j + 1 < groups.size()) issue_reads(j + 1);  // sequential: after the write-back
   }
   for (int k = 0; k < sets; ++k) st.write_done(k).wait();
+}
+
+void Trainer::device_adam(const cpu_adam::AdamParams& h, const cpu_adam::StepArgs& args,
+                          const cpu_adam::AdamSpans& spans) {
+#ifdef STRATA_WITH_CUDA
+  if (device_->is_cuda()) {
+    kernels::adam_step(cpu_adam::detail::make_constants(h, args), spans, /*nonfinite=*/nullptr,
+                       device_->native_stream(Stream::kCompute));
+    return;
+  }
+#endif
+  // A device that is neither CUDA nor host-addressable is a test's, with
+  // host memory behind it and a compute stream that runs at once: CPU Adam
+  // on that memory is its kernel (the same bits, as kernels_test shows for
+  // CUDA's).
+  STRATA_CHECK(!device_->is_cuda(), "a CUDA device in a build without the CUDA path");
+  adam_->step(h, args, spans);
 }
 
 // ---- checkpoints ------------------------------------------------------------------
@@ -867,7 +971,7 @@ void Trainer::load_checkpoint(CheckpointReader& reader) {
 // ---- start-up ---------------------------------------------------------------------
 
 Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::FaultPlan> faults,
-                 Communicator* comm, int local_ranks)
+                 Communicator* comm, int local_ranks, Device* device)
     : cfg_(cfg), model_(model), layout_(model.layout_specs(), shard_count(cfg)),
       compute_dtype_(dtype_of(cfg.run.compute_dtype)) {
   if (comm == nullptr) {
@@ -876,6 +980,21 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   }
   comm_ = comm;
   STRATA_CHECK(comm_->world_size() == cfg.world_size, "the communicator's world size is not the config's");
+  if (device == nullptr) {
+    if (cfg.run.device == "cpu") {
+      device = &cpu_device();
+    } else {
+      own_device_ = make_device(cfg.run.device);
+      device = own_device_.get();
+    }
+  }
+  device_ = device;
+  torch_device_ = torch_device(*device_);
+  if (!device_->host_addressable() && comm_->world_size() > 1) {
+    // Collectives on device memory need NCCL on the device's comm stream.
+    throw ConfigError("run.device", "training on " + device_->name() +
+                                        " with more than one rank is not supported yet; use world size 1");
+  }
   if (compute_dtype_ == at::kHalf) scaler_ = std::make_unique<LossScaler>(cfg.fp16);
   compute_bytes_ = compute_dtype_ == at::kFloat ? 4 : 2;
   for (size_t b = 0; b < model_.num_blocks(); ++b) {
@@ -898,6 +1017,11 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   gather_once_ = shards_ > 1 && cfg.zero.stage < 3;
   MachineCapacity cap;
   PlacementPlan plan = plan_for_machine(cfg, layout_, &cap, comm_->rank(), local_ranks);
+  if (plan.device_addressable != device_->host_addressable()) {
+    // A device given by a caller, not the config's: its staging differs.
+    plan.device_addressable = device_->host_addressable();
+    plan.staging = staging_needs(plan);
+  }
   // Like DeepSpeed, create missing swap directories (private to the user).
   for (const std::string& dir : plan.nvme_paths) {
     if (!path_exists(dir)) {
@@ -911,9 +1035,7 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   so.checksums = cfg.run.swap_checksums;
   so.device_transient_bytes = plan.staging.device_bytes();
   so.device_budget_bytes = cfg.run.device_memory_mb > 0 ? cfg.run.device_memory_mb << 20 : -1;
-  // The compute device's memory is the device tier. Until the step runs on a
-  // GPU (issue: the GPU path), the trainer's device is the CPU device.
-  so.device = &cpu_device();
+  so.device = device_;  // the compute device's memory is the device tier
   state_ = std::make_unique<TieredState>(plan, so);
 
   keep_graphs_ = plan.keep_graphs;
@@ -931,6 +1053,12 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
 Trainer::~Trainer() {
   save_.reset();  // an unfinished save's thread first: it may wait for the optimizer
   opt_thread_.reset();
+  // Device memory is freed below: nothing queued may still use it.
+  try {
+    for (int s = 0; s < kNumStreams; ++s) device_->synchronize(Stream(s));
+  } catch (...) {
+    // A failed device: its error was reported by the call that failed.
+  }
 }
 
 // Buffers exactly as the plan counted them (placement.h, StagingNeeds), and
@@ -956,25 +1084,28 @@ void Trainer::allocate_step_buffers(const PlacementPlan& plan) {
               format_bytes(double(need.window.slot_numel * compute_bytes_)).c_str(),
               format_bytes(double(need.window.persistent_numel * compute_bytes_)).c_str());
   }
-  if (need.gather > 0) gather_mem_ = HostBuffer(size_t(need.gather), "gathered blocks");
+  Device& dev = *device_;
+  if (need.gather > 0) gather_mem_ = dev.allocate(need.gather, "gathered blocks");
   gathered_valid_.assign(layout_.num_blocks(), 0);
 
-  grad_stage_ = HostBuffer(size_t(need.grad_stage), "gradient staging");
+  grad_stage_ = dev.allocate(need.grad_stage, "gradient staging");
   if (need.grad_sync > 0) {
-    grad_stage2_ = HostBuffer(size_t(need.grad_stage), "gradient staging (2nd)");
+    grad_stage2_ = dev.allocate(need.grad_stage, "gradient staging (2nd)");
     const int64_t shard_bytes = need.grad_sync - need.grad_stage;
-    if (shard_bytes > 0) grad_shards_ = HostBuffer(size_t(shard_bytes), "reduce-scattered gradient shards");
+    if (shard_bytes > 0) grad_shards_ = dev.allocate(shard_bytes, "reduce-scattered gradient shards");
   }
   if (need.grad_rmw > 0) grad_rmw_ = HostBuffer(size_t(need.grad_rmw), "gradient read-modify-write");
+  if (need.grad_host > 0) grad_host_ = dev.allocate_pinned(need.grad_host, "gradients on their way to host homes");
   for (int k = 0; k < 2; ++k) {
-    void* mem = k == 0 ? grad_stage_.data() : grad_stage2_.data();
-    if (mem == nullptr) break;
+    const DevicePtr mem = k == 0 ? grad_stage_.ptr() : grad_stage2_.ptr();
+    if (!mem) break;
     for (size_t b = 0; b < layout_.num_blocks(); ++b) {
       grad_stage_flat_[k].push_back(block_flat(b, mem, at::kFloat));
       grad_stage_views_[k].push_back(param_views(layout_.block(b), grad_stage_flat_[k].back()));
     }
   }
   grad_written_.assign(layout_.num_blocks(), 0);
+  block_norm_.resize(layout_.num_blocks());
   // The gradient norm (Note [Gathered blocks]): each rank sums the squares of
   // its shards; with one shard but several ranks (stage 0) each takes an
   // equal part of every block, so that the all-reduced sum counts every
@@ -985,7 +1116,6 @@ void Trainer::allocate_step_buffers(const PlacementPlan& plan) {
     norm_lo_.push_back(shards_ == 1 ? n * r / ws : 0);
     norm_hi_.push_back(shards_ == 1 ? n * (r + 1) / ws : n);
   }
-  block_sq_.assign(layout_.num_blocks(), 0.0);
 
   checkpoints_ = std::make_unique<ActivationCheckpoints>(
       plan, layout_.num_blocks(),
@@ -993,6 +1123,7 @@ void Trainer::allocate_step_buffers(const PlacementPlan& plan) {
       state_.get());
 
   pieces_ = pipeline_pieces(plan);
+  for (const PlacementUnit& piece : pieces_) piece_on_device_.push_back(device_adam_piece(plan, piece) ? 1 : 0);
   staging_ = std::make_unique<OptimizerStaging>(plan);
   opt_spans_.resize(size_t(staging_->sets()));
   // Runs of each optimizer piece inside one block shard.
@@ -1023,10 +1154,18 @@ void Trainer::initialise_state(const PlacementPlan& plan) {
   at::Generator gen = at::detail::createCPUGenerator(cfg_.run.seed);
   std::unique_ptr<SafetensorsSet> hf;
   if (!cfg_.model.init_from.empty()) hf = std::make_unique<SafetensorsSet>(cfg_.model.init_from);
+  // Start-up only: host memory for a block's fp32 weights (the gradient
+  // stage where that is host memory).
+  HostBuffer master_mem;
+  std::byte* master_at = device_->host_addressable() ? grad_stage_.ptr().raw() : nullptr;
+  if (master_at == nullptr) {
+    master_mem = HostBuffer(size_t(plan.largest_block_numel * 4), "initial weights");
+    master_at = master_mem.as<std::byte>();
+  }
   for (size_t b = 0; b < layout_.num_blocks(); ++b) {
     const BlockLayout& bl = layout_.block(b);
     const int64_t n = bl.shard_numel();
-    at::Tensor master = block_flat(b, grad_stage_.data(), at::kFloat);
+    at::Tensor master = at::from_blob(master_at, {bl.padded_numel}, at::TensorOptions().dtype(at::kFloat));
     master.zero_();
     if (hf) {
       for (const ParamLayout& p : bl.params) {
@@ -1045,7 +1184,7 @@ void Trainer::initialise_state(const PlacementPlan& plan) {
     state_->write(Category::kMaster, shard_offset_[b], n, master.data_ptr<float>() + shard_rank_ * n);
     // Start-up only: a temporary for the working copy (4 KiB-aligned for NVMe).
     HostBuffer tmp(size_t(bl.padded_numel * compute_bytes_), "initial working copy");
-    at::Tensor working = block_flat(b, tmp.data(), compute_dtype_);
+    at::Tensor working = at::from_blob(tmp.data(), {bl.padded_numel}, at::TensorOptions().dtype(compute_dtype_));
     working.copy_(master);
     state_->write(Category::kParam16, shard_offset_[b], n, tmp.as<std::byte>() + shard_rank_ * n * compute_bytes_);
   }
@@ -1081,29 +1220,32 @@ StateBytes Trainer::state_bytes() const {
 // the step's buffers (all sized at start-up, so current = peak).
 std::array<int64_t, kNumTiers> Trainer::peak_bytes() const {
   std::array<int64_t, kNumTiers> t{};
-  t[0] = state_->device_arena_bytes() + window_->shape().bytes(compute_bytes_) +
-         int64_t(grad_stage_.bytes() + grad_rmw_.bytes() + gather_mem_.bytes() + grad_stage2_.bytes() +
-                 grad_shards_.bytes()) +
+  t[0] = state_->device_arena_bytes() + window_->shape().bytes(compute_bytes_) + grad_stage_.bytes() +
+         int64_t(grad_rmw_.bytes()) + gather_mem_.bytes() + grad_stage2_.bytes() + grad_shards_.bytes() +
          checkpoints_->device_slot_bytes();
-  t[1] = state_->host_arena_bytes() + staging_->bytes() + checkpoints_->host_slot_bytes();
+  t[1] = state_->host_arena_bytes() + staging_->bytes() + checkpoints_->host_slot_bytes() + grad_host_.bytes() +
+         window_->bounce_bytes();
   t[2] = state_->swap() != nullptr ? state_->swap()->used_bytes() : 0;
   return t;
 }
 
-std::byte* Trainer::device_resident(Category c, int64_t offset, int64_t numel) const {
-  std::byte* p = state_->resident(c, offset, numel);
-  return p != nullptr && state_->tier_of(c, offset) == Tier::kDevice ? p : nullptr;
+DevicePtr Trainer::device_resident(Category c, int64_t offset, int64_t numel) const {
+  return state_->tier_of(c, offset) == Tier::kDevice ? state_->resident_on_device(c, offset, numel) : DevicePtr();
 }
 
-at::Tensor Trainer::block_flat(size_t b, void* buf, at::ScalarType dtype) {
-  return at::from_blob(buf, {layout_.block(b).padded_numel}, at::TensorOptions().dtype(dtype));
+at::Tensor Trainer::device_tensor(DevicePtr p, int64_t numel, at::ScalarType dtype) const {
+  return at::from_blob(p.raw(), {numel}, at::TensorOptions().dtype(dtype).device(torch_device_));
+}
+
+at::Tensor Trainer::block_flat(size_t b, DevicePtr p, at::ScalarType dtype) {
+  return device_tensor(p, layout_.block(b).padded_numel, dtype);
 }
 
 // Compute uses device-resident weights in place; the others come through the
 // window (in place would hide the H2D copy a GPU must make).
 // `p`: the block's gathered weights (Note [Gathered blocks]).
-std::vector<at::Tensor> Trainer::weights(size_t b, std::byte* p) {
-  STRATA_CHECK(p != nullptr, "a block neither gathered nor resident on the device");
+std::vector<at::Tensor> Trainer::weights(size_t b, DevicePtr p) {
+  STRATA_CHECK(p, "a block neither gathered nor resident on the device");
   return param_views(layout_.block(b), block_flat(b, p, compute_dtype_));
 }
 

@@ -25,6 +25,7 @@
 #include "engine/optimizer_staging.h"
 #include "engine/optimizer_thread.h"
 #include "memory/buffer.h"
+#include "memory/device.h"
 #include "memory/layout.h"
 #include "memory/param_window.h"
 #include "memory/placement.h"
@@ -102,9 +103,11 @@ class Trainer {
   // from cfg.run.seed (the same values whatever the placement or world size).
   // `faults` (tests): injected below the NVMe engine (nvme/fault_backend.h).
   // `comm`: the ranks of the run (must outlive the trainer; world size
-  // cfg.world_size); nullptr: world size 1.
+  // cfg.world_size); nullptr: world size 1. `device`: where the step computes
+  // and the device tier lives (must outlive the trainer); nullptr: run.device's
+  // (Note [The trainer's device]).
   Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::FaultPlan> faults = nullptr,
-          Communicator* comm = nullptr, int local_ranks = 1);
+          Communicator* comm = nullptr, int local_ranks = 1, Device* device = nullptr);
   ~Trainer();
 
   // One optimizer step over this rank's `accum` micro-batches. `tokens` holds
@@ -205,12 +208,12 @@ class Trainer {
   at::Tensor forward_layers(at::Tensor x, bool train);
   at::Tensor loss_of(const at::Tensor& logits, const at::Tensor& targets) const;
   void begin_uses(const std::vector<WindowUse>* schedule);
-  void next_use(std::byte* out[2]);
+  void next_use(DevicePtr out[2]);
   void end_use();
   void issue_gather(size_t u);
   // The window's next use (blocks `b0` and, for the tied head, `b1`), once
   // the optimizer has finished them.
-  void acquire(std::byte* out[2], size_t b0, size_t b1);
+  void acquire(DevicePtr out[2], size_t b0, size_t b1);
   // Waits until the optimizer has finished [0, offset) of shard space.
   void wait_optimizer(int64_t offset);
   int32_t ready_blocks();
@@ -219,20 +222,26 @@ class Trainer {
   void accumulate_grad(size_t b, const std::vector<at::Tensor>& grads, size_t first);
   // Waits for the reduction of stage k and adds its shard into the home.
   void complete_grad_sync(int k);
-  void flush_grad(size_t b, const float* shard);
+  void flush_grad(size_t b, DevicePtr shard);
   void optimizer_step(const OptimizerThread::Job& job);
+  // One Adam call on device memory (a piece device_adam_piece() gives the
+  // device): kernels::adam_step on the compute stream of a GPU.
+  void device_adam(const cpu_adam::AdamParams& h, const cpu_adam::StepArgs& args, const cpu_adam::AdamSpans& spans);
 
   // Start-up (trainer.cc, at the end).
   void allocate_step_buffers(const PlacementPlan& plan);
   void initialise_state(const PlacementPlan& plan);
 
-  // Block b's padded range of `buf` as a flat tensor of `dtype` (no copy).
-  at::Tensor block_flat(size_t b, void* buf, at::ScalarType dtype);
+  // Block b's padded range of device memory at `p` as a flat tensor of
+  // `dtype` on the compute device (no copy).
+  at::Tensor block_flat(size_t b, DevicePtr p, at::ScalarType dtype);
+  // `numel` elements of device memory as a flat tensor on the compute device.
+  at::Tensor device_tensor(DevicePtr p, int64_t numel, at::ScalarType dtype) const;
   at::Tensor gathered_copy(Category c, size_t b, at::ScalarType dtype);
-  // The range when it is resident on the device tier, else nullptr.
-  std::byte* device_resident(Category c, int64_t offset, int64_t numel) const;
+  // The range when it is resident on the device tier, else null.
+  DevicePtr device_resident(Category c, int64_t offset, int64_t numel) const;
   // Views of block b's weights (compute dtype) at `p`, its gathered copy.
-  std::vector<at::Tensor> weights(size_t b, std::byte* p);
+  std::vector<at::Tensor> weights(size_t b, DevicePtr p);
 
   Config cfg_;
   const Model& model_;
@@ -241,6 +250,17 @@ class Trainer {
   int compute_bytes_;
   size_t embedding_block_ = 0;
   size_t head_block_ = 0;
+  // Note [The trainer's device]
+  // The compute device: the device tier's memory, the step's buffers
+  // (gathered blocks, window slots, gradient stages) and LibTorch's tensors
+  // of them (torch_device_, on the device's compute stream) are its. Host
+  // code reaches them only through the device's copies, except on a
+  // host-addressable device (the CPU device), where the same code uses them
+  // in place. run.device "cpu" is the process's CPU device; "cuda[:N]" a GPU
+  // the trainer owns; tests pass devices of their own.
+  std::unique_ptr<Device> own_device_;
+  Device* device_ = nullptr;
+  c10::Device torch_device_{c10::DeviceType::CPU};
   std::unique_ptr<TieredState> state_;
   std::unique_ptr<cpu_adam::CpuAdam> adam_;
   int64_t step_ = 0;
@@ -263,24 +283,28 @@ class Trainer {
   // gathered blocks.
   std::unique_ptr<ParamWindow> window_;
   std::vector<WindowUse> train_schedule_, eval_schedule_;
-  HostBuffer gather_mem_;                 // gathered blocks (ring, or the whole model)
+  DeviceBuffer gather_mem_;               // gathered blocks (ring, or the whole model)
   std::vector<char> gathered_valid_;      // gather_once_: per block, gathered since the optimizer
   const std::vector<WindowUse>* uses_ = nullptr;
   size_t use_ = 0;                        // the use next_use() hands out
   bool use_issued_ = false;               // its gather was issued
   Completion gather_done_[2][2];          // per ring slot, per block of the use
-  std::byte* gathered_[2][2] = {};        // per ring slot, per block of the use
+  DevicePtr gathered_[2][2];              // per ring slot, per block of the use
 
   // Gradients: two fp32 stages of a whole block (one reduced while the next
   // block's backward fills the other; one without ranks), a read-modify-write
-  // buffer for homes off the device, and at stages 2-3 two reduced shards.
-  HostBuffer grad_stage_, grad_stage2_, grad_rmw_, grad_shards_;
+  // buffer for homes off the device (host memory registered with the device
+  // on a GPU, where the shard lands first: StagingNeeds::grad_host), and at
+  // stages 2-3 two reduced shards.
+  DeviceBuffer grad_stage_, grad_stage2_, grad_shards_;
+  HostBuffer grad_rmw_;
+  PinnedHostBuffer grad_host_;
   std::vector<at::Tensor> grad_stage_flat_[2];               // per stage, per block: its range
   std::vector<std::vector<at::Tensor>> grad_stage_views_[2]; // per stage, per block: parameter views
   struct GradSync {
     int block = -1;
     Completion done;
-    const float* shard = nullptr;
+    DevicePtr shard;
   } grad_sync_[2];
   int grad_turn_ = 0;                     // the stage the next block fills
   uint64_t grad_seq_[2] = {0, 0};         // issue order of the two syncs
@@ -288,7 +312,7 @@ class Trainer {
   std::vector<char> grad_written_;        // per block: written since the step began
   at::Tensor tied_grad_;                  // head's gradient for the tied embedding, until flushed
   bool last_micro_ = false;               // the micro-batch whose flush takes the norm
-  std::vector<double> block_sq_;          // per block: squared norm of this rank's range
+  std::vector<at::Tensor> block_norm_;    // per block: L2 norm of this rank's range (0-dim, on the device)
   std::vector<int64_t> norm_lo_, norm_hi_;  // per block: this rank's norm range within its shard
 
   // Activations: the layers' saved inputs, or (Note [Recompute]) the
@@ -312,6 +336,7 @@ class Trainer {
     uint64_t key = 0;
   };
   std::vector<std::vector<AdamRun>> piece_runs_;
+  std::vector<char> piece_on_device_;     // per piece: device_adam_piece()
   std::unique_ptr<OptimizerStaging> staging_;
   struct OptSet {
     cpu_adam::AdamSpans adam;

@@ -95,7 +95,7 @@ WindowShape ParamWindow::plan(const std::vector<const std::vector<WindowUse>*>& 
   STRATA_CHECK(state_ == nullptr, "plan() is a dry run, before attach()");
   for (const std::vector<WindowUse>* s : schedules) {
     begin(s);
-    std::byte* out[2];
+    DevicePtr out[2];
     for (size_t i = 0; i < s->size(); ++i) {
       acquire(out);
       release();
@@ -121,14 +121,31 @@ void ParamWindow::attach(TieredState* state, const WindowShape& shape, int elem_
   shape_ = shape;
   max_slots_ = shape.slots;
   slots_.assign(size_t(shape.slots), Slot());
-  pending_.resize(size_t(shape.slots));
+  pending_.resize(size_t(shape.slots) + 1);  // the last: persistent blocks' fetches
+  persistent_io_ = &pending_.back();
   done_.assign(size_t(shape.slots), Completion());
+  bounced_.assign(size_t(shape.slots), 0);
+  Device& dev = state->device();
   if (shape.slots > 0) {
-    slots_mem_ = HostBuffer(size_t(shape.slots * shape.slot_numel * elem_bytes), "parameter window slots");
+    slots_mem_ = dev.allocate(shape.slots * shape.slot_numel * elem_bytes, "parameter window slots");
   }
   if (shape.persistent_numel > 0) {
-    persistent_mem_ = HostBuffer(size_t(shape.persistent_numel * elem_bytes), "persistent parameters");
+    persistent_mem_ = dev.allocate(shape.persistent_numel * elem_bytes, "persistent parameters");
   }
+  bool nvme = false;
+  for (const PlacementUnit& u : state->plan().units[size_t(Category::kParam16)]) nvme |= u.tier == Tier::kNvme;
+  if (!dev.host_addressable() && nvme) {
+    bounce_ = dev.allocate_pinned((shape.slots * shape.slot_numel + shape.persistent_numel) * elem_bytes,
+                                  "parameter window bounce buffers");
+  }
+}
+
+DevicePtr ParamWindow::slot_ptr(int s) const {
+  return slots_mem_.ptr() + int64_t(s) * shape_.slot_numel * elem_bytes_;
+}
+
+std::byte* ParamWindow::bounce_ptr(int s) const {
+  return bounce_.data() + int64_t(s) * shape_.slot_numel * elem_bytes_;
 }
 
 void ParamWindow::drain() {
@@ -139,6 +156,7 @@ void ParamWindow::drain() {
       // An earlier pass failed; its error was reported then.
     }
   }
+  std::fill(bounced_.begin(), bounced_.end(), 0);
 }
 
 void ParamWindow::begin(const std::vector<WindowUse>* schedule) {
@@ -156,13 +174,59 @@ void ParamWindow::begin(const std::vector<WindowUse>* schedule) {
 void ParamWindow::fetch_persistent(int32_t b) {
   if (state_ != nullptr) {
     const auto t0 = std::chrono::steady_clock::now();
-    std::byte* dst = persistent_mem_.as<std::byte>() + persistent_at_[size_t(b)] * elem_bytes_;
-    state_->read(Category::kParam16, state_->plan().units[size_t(Category::kParam16)][size_t(b)].offset,
-                 numel_[size_t(b)], dst);
+    Device& dev = state_->device();
+    const DevicePtr dst = persistent_mem_.ptr() + persistent_at_[size_t(b)] * elem_bytes_;
+    const int64_t offset = state_->plan().units[size_t(Category::kParam16)][size_t(b)].offset;
+    const int64_t n = numel_[size_t(b)];
+    if (!dev.host_addressable() && state_->tier_of(Category::kParam16, offset) == Tier::kNvme) {
+      std::byte* bounce = bounce_ptr(int(slots_.size())) + persistent_at_[size_t(b)] * elem_bytes_;
+      state_->read(Category::kParam16, offset, n, bounce);
+      dev.stream_wait(Stream::kH2D, dev.record(Stream::kCompute));  // the last step's readers
+      dev.copy_to_device(dst, bounce, n * elem_bytes_, Stream::kH2D);
+      state_->count_copy(/*to_device=*/true, n * elem_bytes_);
+      dev.stream_wait(Stream::kCompute, dev.record(Stream::kH2D));
+    } else {
+      dev.stream_wait(Stream::kCompute, state_->read_to_device(Category::kParam16, offset, n, dst, *persistent_io_));
+    }
     wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   persistent_valid_[size_t(b)] = 1;
   ++fetches_;
+}
+
+// Starts fetching block b into slot s: straight to the device from host and
+// device homes; from NVMe into the host-addressable slot itself, or into the
+// slot's bounce buffer, copied to the device when the slot is acquired.
+void ParamWindow::fetch_slot(int s, int32_t b) {
+  Device& dev = state_->device();
+  const int64_t offset = state_->plan().units[size_t(Category::kParam16)][size_t(b)].offset;
+  PendingIo& io = pending_[size_t(s)];
+  if (!dev.host_addressable() && state_->tier_of(Category::kParam16, offset) == Tier::kNvme) {
+    done_[size_t(s)] = state_->read_async(Category::kParam16, offset, numel_[size_t(b)], bounce_ptr(s), io);
+    bounced_[size_t(s)] = 1;
+  } else {
+    done_[size_t(s)] = state_->read_to_device(Category::kParam16, offset, numel_[size_t(b)], slot_ptr(s), io);
+  }
+}
+
+void ParamWindow::land(int s) {
+  Device& dev = state_->device();
+  Completion& fetched = done_[size_t(s)];
+  const auto t0 = std::chrono::steady_clock::now();
+  {
+    TraceSpan span(TraceTrack::kCompute, "wait for parameters");
+    if (bounced_[size_t(s)]) {
+      fetched.wait();  // NVMe -> bounce
+      bounced_[size_t(s)] = 0;
+      const int32_t b = slots_[size_t(s)].block;
+      dev.stream_wait(Stream::kH2D, dev.record(Stream::kCompute));
+      dev.copy_to_device(slot_ptr(s), bounce_ptr(s), numel_[size_t(b)] * elem_bytes_, Stream::kH2D);
+      state_->count_copy(/*to_device=*/true, numel_[size_t(b)] * elem_bytes_);
+      fetched = dev.record(Stream::kH2D);
+    }
+    if (fetched.pending()) dev.stream_wait(Stream::kCompute, fetched);
+  }
+  wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
 // Claims use `i`: its windowed blocks not in a slot get one and are fetched.
@@ -214,12 +278,7 @@ bool ParamWindow::try_claim(size_t i, bool force) {
     if (slot.ahead) ahead_ += numel_[size_t(b)];
     ++in_use_;
     ++fetches_;
-    if (state_ != nullptr) {
-      std::byte* dst = slots_mem_.as<std::byte>() + size_t(s) * size_t(shape_.slot_numel * elem_bytes_);
-      done_[size_t(s)] =
-          state_->read_async(Category::kParam16, state_->plan().units[size_t(Category::kParam16)][size_t(b)].offset,
-                             numel_[size_t(b)], dst, pending_[size_t(s)]);
-    }
+    if (state_ != nullptr) fetch_slot(s, b);
   }
   peak_slots_ = std::max(peak_slots_, in_use_);
   peak_live_ = std::max(peak_live_, live_);
@@ -231,7 +290,7 @@ void ParamWindow::advance() {
   while (claimed_ < schedule_->size() && try_claim(claimed_, false)) ++claimed_;
 }
 
-void ParamWindow::acquire(std::byte* out[2]) {
+void ParamWindow::acquire(DevicePtr out[2]) {
   STRATA_CHECK(schedule_ != nullptr && !acquired_ && current_ < schedule_->size(),
                "parameter window: acquire out of schedule");
   if (claimed_ == current_) {
@@ -241,11 +300,11 @@ void ParamWindow::acquire(std::byte* out[2]) {
   const WindowUse& u = (*schedule_)[current_];
   for (int k = 0; k < u.count; ++k) {
     const int32_t b = u.block[k];
-    out[k] = nullptr;
+    out[k] = DevicePtr();
     if (!fetched_[size_t(b)]) continue;
     if (persistent_[size_t(b)]) {
       if (!persistent_valid_[size_t(b)]) fetch_persistent(b);
-      if (state_ != nullptr) out[k] = persistent_mem_.as<std::byte>() + persistent_at_[size_t(b)] * elem_bytes_;
+      if (state_ != nullptr) out[k] = persistent_mem_.ptr() + persistent_at_[size_t(b)] * elem_bytes_;
       continue;
     }
     const int s = slot_of_[size_t(b)];
@@ -256,14 +315,8 @@ void ParamWindow::acquire(std::byte* out[2]) {
       ahead_ -= numel_[size_t(b)];
     }
     if (state_ != nullptr) {
-      Completion& fetched = done_[size_t(s)];
-      if (fetched.pending()) {
-        TraceSpan span(TraceTrack::kCompute, "wait for parameters");
-        const auto t0 = std::chrono::steady_clock::now();
-        fetched.wait();
-        wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
-      }
-      out[k] = slots_mem_.as<std::byte>() + size_t(s) * size_t(shape_.slot_numel * elem_bytes_);
+      land(s);
+      out[k] = slot_ptr(s);
     }
   }
   acquired_ = true;

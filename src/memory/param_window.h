@@ -9,6 +9,7 @@
 
 #include "memory/buffer.h"
 #include "memory/completion.h"
+#include "memory/device.h"
 
 namespace strata {
 
@@ -74,17 +75,24 @@ class ParamWindow {
   // The shape that running `schedules` needs (a dry run; no memory, no I/O).
   WindowShape plan(const std::vector<const std::vector<WindowUse>*>& schedules);
 
-  // Makes the window live: allocates `shape` and fetches through `state`
-  // (category param16, elem_bytes bytes per element).
+  // Makes the window live: allocates `shape` in the memory of the state's
+  // device and fetches through `state` (category param16, elem_bytes bytes
+  // per element). On a device host code may not touch, blocks whose working
+  // copy is on NVMe come through bounce buffers registered with the device,
+  // one per slot (StagingNeeds::window_bounce): NVMe -> bounce, then H2D.
   void attach(TieredState* state, const WindowShape& shape, int elem_bytes);
 
   // Starts a pass over `schedule` (which must outlive it); waits for and drops
   // whatever an earlier, possibly failed, pass left in flight.
   void begin(const std::vector<WindowUse>* schedule);
-  // The next use of the schedule: waits for its blocks, then prefetches ahead.
-  // Returns their weights (device pointers; nullptr for a resident block,
-  // which the caller uses in place) in `out` (use.count entries).
-  void acquire(std::byte* out[2]);
+  // The next use of the schedule: orders the device's compute stream after
+  // its blocks' fetches (waiting on the host for NVMe reads, and for any
+  // fetch on a device whose streams run inline), then prefetches ahead.
+  // Returns their weights (a null DevicePtr for a resident block, which the
+  // caller uses in place) in `out` (use.count entries). A slot is refilled
+  // only after the compute queued before its release (the H2D stream waits
+  // for it).
+  void acquire(DevicePtr out[2]);
   // The current use is finished with its blocks.
   void release();
   // Blocks [0, blocks) hold their final values (Note [Optimizer overlap]);
@@ -102,6 +110,7 @@ class ParamWindow {
   double wait_seconds() const { return wait_s_; }
   int64_t fetches() const { return fetches_; }
   const WindowShape& shape() const { return shape_; }
+  int64_t bounce_bytes() const { return bounce_.bytes(); }  // host
   ~ParamWindow();
 
  private:
@@ -114,6 +123,10 @@ class ParamWindow {
   bool try_claim(size_t use, bool force);
   void advance();
   void fetch_persistent(int32_t b);
+  void fetch_slot(int s, int32_t b);
+  void land(int s);  // slot s's fetch, ordered before the compute queued next
+  DevicePtr slot_ptr(int s) const;
+  std::byte* bounce_ptr(int s) const;  // persistent blocks: s = slots
   void drain();
 
   std::vector<int64_t> numel_;
@@ -125,7 +138,10 @@ class ParamWindow {
   TieredState* state_ = nullptr;
   int elem_bytes_ = 0;
   WindowShape shape_;
-  HostBuffer slots_mem_, persistent_mem_;
+  DeviceBuffer slots_mem_, persistent_mem_;
+  PinnedHostBuffer bounce_;          // NVMe blocks on a device host code may not touch
+  std::vector<char> bounced_;        // per slot: its fetch is in the bounce buffer, not yet copied
+  PendingIo* persistent_io_ = nullptr;  // pending_'s last entry
   std::vector<int64_t> persistent_at_;   // element offset in persistent_mem_, per block
   std::vector<char> persistent_valid_;
 

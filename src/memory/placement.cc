@@ -128,11 +128,22 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
   // Device: the parameter window for blocks whose weights are not on the
   // device, sized by a dry run of the training and evaluation schedules; fp32
   // gradient staging for every block; a read-modify-write buffer when any
-  // block's gradient lives off the device.
+  // block's gradient lives off the device (host memory registered with the
+  // device instead, on a device host code may not touch).
   n.window = window_shape(plan);
   n.gathered = n.window.bytes(plan.compute_bytes);
   n.grad_stage = largest * 4;
-  n.grad_rmw = off_device(Category::kGrad) ? largest * 4 : 0;
+  if (plan.device_addressable) {
+    n.grad_rmw = off_device(Category::kGrad) ? largest * 4 : 0;
+  } else {
+    n.grad_host = (off_device(Category::kGrad) ? largest * 4 : 0) + (on_nvme(Category::kGrad) ? largest * 4 : 0);
+    bool nvme_window = false;
+    for (const PlacementUnit& u : plan.units[size_t(Category::kParam16)]) nvme_window |= u.tier == Tier::kNvme;
+    if (nvme_window) {
+      n.window_bounce = (int64_t(n.window.slots) * n.window.slot_numel + n.window.persistent_numel) *
+                        plan.compute_bytes;
+    }
+  }
   if (plan.shards > 1 && plan.stage == 3) {
     n.gather = 2 * (plan.tied ? 2 : 1) * largest * plan.compute_bytes;
   } else if (plan.shards > 1) {
@@ -146,27 +157,39 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
     n.ckpt_host = plan.checkpoint_layers * plan.checkpoint_bytes;
   }
   // Host: per sub-group, what is not resident in one piece is staged, a
-  // pipeline piece at a time (Note [Pipeline pieces]).
+  // pipeline piece at a time (Note [Pipeline pieces]); on a device host code
+  // may not touch, device-tier parts of pieces CPU Adam updates too.
   const int64_t group = pipeline_piece_numel(plan);
-  bool grad_staged = false, emit_staged = false;
+  auto staged = [&](Category c, const PlacementUnit& g) {
+    const std::optional<Tier> t = range_tier(plan, c, g.offset, g.numel);
+    return !t.has_value() || *t == Tier::kNvme || (!plan.device_addressable && *t == Tier::kDevice);
+  };
+  bool grad_staged = false, emit_staged = false, state_staged = false;
   for (const PlacementUnit& g : plan.units[size_t(Category::kMaster)]) {
-    auto gt = range_tier(plan, Category::kGrad, g.offset, g.numel);
-    auto pt = range_tier(plan, Category::kParam16, g.offset, g.numel);
-    grad_staged |= !gt.has_value() || *gt == Tier::kNvme;
-    emit_staged |= !pt.has_value() || *pt == Tier::kNvme;
+    if (device_adam_piece(plan, g)) continue;
+    grad_staged |= staged(Category::kGrad, g);
+    emit_staged |= staged(Category::kParam16, g);
+    for (Category c : {Category::kMaster, Category::kExpAvg, Category::kExpAvgSq}) state_staged |= staged(c, g);
   }
-  const bool state_swapped =
-      on_nvme(Category::kMaster) || on_nvme(Category::kExpAvg) || on_nvme(Category::kExpAvgSq);
   // Note [Optimizer pipeline]: with staging, `pipeline_depth` sets of it let
   // sub-group j+1 be read while j is updated and j-1 written back.
-  n.opt_sets = grad_staged || state_swapped || emit_staged ? plan.pipeline_depth : 0;
+  n.opt_sets = grad_staged || state_staged || emit_staged ? plan.pipeline_depth : 0;
   n.opt_grad = grad_staged ? n.opt_sets * group * 4 : 0;
   const int64_t state_elem_bytes = plan.elem_bytes[size_t(Category::kMaster)] +
                                    plan.elem_bytes[size_t(Category::kExpAvg)] +
                                    plan.elem_bytes[size_t(Category::kExpAvgSq)];
-  n.opt_state = state_swapped ? n.opt_sets * group * state_elem_bytes : 0;
+  n.opt_state = state_staged ? n.opt_sets * group * state_elem_bytes : 0;
   n.opt_emit = emit_staged ? n.opt_sets * group * plan.compute_bytes : 0;
   return n;
+}
+
+bool device_adam_piece(const PlacementPlan& plan, const PlacementUnit& piece) {
+  if (plan.device_addressable) return false;
+  for (Category c : {Category::kParam16, Category::kGrad, Category::kMaster, Category::kExpAvg, Category::kExpAvgSq}) {
+    const std::optional<Tier> t = range_tier(plan, c, piece.offset, piece.numel);
+    if (!t.has_value() || *t != Tier::kDevice) return false;
+  }
+  return true;
 }
 
 int64_t shard_count(const Config& cfg) { return cfg.zero.stage == 0 ? 1 : cfg.world_size; }
@@ -516,6 +539,7 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   plan.stage = int(cfg.zero.stage);
   plan.shards = layout.world_size();
   plan.rank = int(rank);
+  plan.device_addressable = capacity.device_is_host;
   plan.gathered_numel = layout.total_numel();
   const int int16_bytes = compute_bytes(cfg);  // the working copy: fp32 or 16-bit
   const int moment_bytes = cfg.run.optimizer_state_dtype == "bf16" ? 2 : 4;  // Note [bf16 state]

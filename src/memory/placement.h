@@ -69,6 +69,11 @@ struct StagingNeeds {
   int64_t gathered = 0;    // device: the window's slots and persistent blocks in the compute dtype
   int64_t grad_stage = 0;  // device: fp32 gradient of the largest block
   int64_t grad_rmw = 0;    // device: read-modify-write of a gradient that lives off the device
+  // A device host code may not touch (a GPU): host memory registered with the
+  // device, receiving a block's gradient shard (D2H) for a home off the
+  // device, plus a read-modify-write buffer when a gradient home is on NVMe.
+  // grad_rmw is then 0.
+  int64_t grad_host = 0;
   int64_t opt_grad = 0;    // host: a sub-group's gradient, when not resident in one piece
   int64_t opt_state = 0;   // host: master + exp_avg + exp_avg_sq of a swapped sub-group, per set
   int64_t opt_emit = 0;    // host: a sub-group's new working copy, when not resident in one piece
@@ -84,8 +89,12 @@ struct StagingNeeds {
   // block's backward, and at stages 2-3 two reduce-scattered shards).
   int64_t gather = 0;
   int64_t grad_sync = 0;
+  // A device host code may not touch, with param16 blocks on NVMe: host
+  // bounce buffers registered with the device, one per window slot (and one
+  // for the persistent blocks), that NVMe reads land in before the H2D copy.
+  int64_t window_bounce = 0;
   int64_t device_bytes() const { return gathered + grad_stage + grad_rmw + ckpt_device + gather + grad_sync; }
-  int64_t host_bytes() const { return opt_grad + opt_state + opt_emit + ckpt_host; }
+  int64_t host_bytes() const { return opt_grad + opt_state + opt_emit + ckpt_host + grad_host + window_bounce; }
 };
 
 // Shards per block: the world size, except at ZeRO stage 0 where every rank
@@ -117,6 +126,13 @@ struct PlacementPlan {
   std::vector<int64_t> block_numel;  // padded elements per block
   WindowKnobs window_knobs;          // from the stage3_* keys
   int64_t window_cap_bytes = -1;     // device memory the window may use (< 0: no limit)
+  // Whether host code may use device-tier homes in place (the CPU device,
+  // whose device tier is host memory). False on a GPU: there an optimizer
+  // piece whose state, gradient and working copy all live on the device is
+  // updated there (device_adam_piece); any other piece is updated by CPU Adam
+  // with its device-tier parts staged through host memory (Note [Optimizer
+  // pipeline] in trainer.cc).
+  bool device_addressable = true;
 
   // Transient and staging memory (bytes).
   // Device memory LibTorch allocates for activations (estimate): the saved
@@ -157,6 +173,11 @@ std::optional<Tier> range_tier(const PlacementPlan& plan, Category c, int64_t of
 inline constexpr int64_t kPipelineChunkElems = int64_t(1) << 20;
 int64_t pipeline_piece_numel(const PlacementPlan& plan);
 std::vector<PlacementUnit> pipeline_pieces(const PlacementPlan& plan);
+
+// Whether the optimizer updates `piece` on the device: a device host code may
+// not touch (!plan.device_addressable) with the piece's master weights,
+// moments, gradient and working copy all on the device tier.
+bool device_adam_piece(const PlacementPlan& plan, const PlacementUnit& piece);
 
 // The parameter window for `plan`'s blocks (fetched: those whose working
 // copy is off the device), not yet attached; the trainer runs it and

@@ -267,6 +267,25 @@ Completion TieredState::write_async(Category c, int64_t offset, int64_t numel, c
   return pending.completion();
 }
 
+Completion TieredState::read_to_device(Category c, int64_t offset, int64_t numel, DevicePtr dst,
+                                      PendingIo& pending) {
+  if (device_->host_addressable()) return read_async(c, offset, numel, dst.raw(), pending);
+  TraceSpan span(TraceTrack::kCopy, kReadNames[int(c)]);
+  const int64_t eb = plan_.elem_bytes[size_t(c)];
+  device_->stream_wait(Stream::kH2D, device_->record(Stream::kCompute));
+  for_each_piece(c, offset, numel, [&](const Home& h, int64_t at, int64_t n, int64_t buf_off) {
+    STRATA_CHECK(h.tier != Tier::kNvme, "read_to_device: an NVMe home needs a bounce buffer");
+    const DevicePtr to = dst + buf_off;  // buf_off is in bytes
+    if (h.tier == Tier::kDevice) {
+      device_->copy_on_device(to, DevicePtr(h.ptr + at * eb), n * eb, Stream::kH2D);
+    } else {
+      device_->copy_to_device(to, h.ptr + at * eb, n * eb, Stream::kH2D);
+      count(0, n * eb);
+    }
+  });
+  return device_->record(Stream::kH2D);
+}
+
 void TieredState::read(Category c, int64_t offset, int64_t numel, void* buf) {
   read_async(c, offset, numel, buf, sync_).wait();
 }

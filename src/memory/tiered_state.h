@@ -121,6 +121,16 @@ class TieredState {
   [[nodiscard]] Completion write_async(Category c, int64_t offset, int64_t numel, const void* buf,
                                        PendingIo& pending);
 
+  // Starts copying [offset, offset + numel) of category c from host-tier or
+  // device-tier homes into device memory at `dst`, on the H2D stream after
+  // the compute queued so far (which may still read `dst`'s previous
+  // contents); returns the copy's completion. NVMe pieces cannot go
+  // straight to a GPU: read them into a bounce buffer registered with the
+  // device (read_async), then copy. On a host-addressable device this is
+  // read_async into dst's bytes.
+  [[nodiscard]] Completion read_to_device(Category c, int64_t offset, int64_t numel, DevicePtr dst,
+                                          PendingIo& pending);
+
   // A snapshot (the counters may move under another thread's transfers).
   LinkBytes links() const {
     return {links_[0].load(std::memory_order_relaxed), links_[1].load(std::memory_order_relaxed),
