@@ -2,7 +2,8 @@
 // touch in place, whose copy streams run their work only when a completion
 // of the stream is waited for or the stream is synchronized — a GPU's
 // asynchrony, without a GPU. A copy the engine forgets to order or wait for
-// leaves stale bytes where it reads. Its compute stream runs work at once:
+// leaves stale bytes where it reads, and its memory starts as 0xFF bytes,
+// never zero, as a GPU's may. Its compute stream runs work at once:
 // the compute is LibTorch on the CPU, which does not wait either (its
 // tensors are CPU tensors of the device's memory: torch_device() is kCPU).
 // Thread-safe, as the Device contract asks (the trainer's optimizer thread).
@@ -70,7 +71,13 @@ class DeferredDevice final : public Device {
   }
 
  protected:
-  std::byte* raw_allocate(int64_t bytes) override { return static_cast<std::byte*>(std::calloc(size_t(bytes), 1)); }
+  // Filled with 0xFF (NaN as floats), as device memory is not zeroed: a read
+  // of bytes nothing wrote shows.
+  std::byte* raw_allocate(int64_t bytes) override {
+    auto* p = static_cast<std::byte*>(std::malloc(size_t(bytes)));
+    if (p != nullptr) std::memset(p, 0xFF, size_t(bytes));
+    return p;
+  }
   void raw_free(std::byte* p) noexcept override { std::free(p); }
   bool register_host(void*, int64_t) override { return true; }
   void unregister_host(void*) noexcept override {}

@@ -7,12 +7,14 @@
 # Here, before the call (the folder .dev/ is git-ignored):
 #   mkdir -p .dev/bin .dev/lib
 #   strip -o .dev/bin/strata build/strata
-#   for t in build/tests/*_test build/tests/bench_adam_torch build/tests/rank_worker; do strip -o .dev/bin/${t##*/} $t; done
+#   for t in build/tests/*_test build/tests/bench_adam_torch build/tests/bench_train_torch build/tests/rank_worker; do strip -o .dev/bin/${t##*/} $t; done
 #   cp -L /lib/x86_64-linux-gnu/{libtbb.so.12,liburing.so.2,libspdlog.so.1.10,libfmt.so.9} .dev/lib/
-# Then run `bash tools/gpu_host_check.sh [tests|bench|ranks|all]` there with carry [".dev"]; logs and
+# Then run `bash tools/gpu_host_check.sh [tests|bench|ranks|gpu-a|all]` there with carry [".dev"]; logs and
 # JSON lines go to $OUT (or out/gpu-host). BENCH_THREADS and BENCH_ROUNDS set the sweep
 # (tools/bench_adam_sweep.sh; default "1 2 16" threads, 2 rounds). `ranks` runs
-# tools/bench_ranks.py at world sizes RANKS_SIZES (default 1,2,4,8) on all cores.
+# tools/bench_ranks.py at world sizes RANKS_SIZES (default 1,2,4,8) on all cores. `gpu-a` runs GPU
+# benchmark (a) (tools/bench_gpu.py a: strata against a plain LibTorch loop, GPU_ROUNDS rounds, default 2);
+# `all` does not include it.
 set -uo pipefail
 WHAT=${1:-all}
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -70,4 +72,10 @@ if [ "$WHAT" = ranks ] || [ "$WHAT" = all ]; then
   python3 "$ROOT/tools/bench_ranks.py" --strata "$BIN/strata" --dir "${TMPDIR:-/tmp}/bench-ranks" \
     --world-sizes "${RANKS_SIZES:-1,2,4,8}" --rounds "${BENCH_ROUNDS:-2}" --steps 4 \
     --json "$DEST/bench-ranks.json" 2>&1 | tee "$DEST/bench-ranks.log"
+fi
+
+if [ "$WHAT" = gpu-a ]; then
+  echo "== GPU benchmark (a)"
+  PYTHONUNBUFFERED=1 python3 "$ROOT/tools/bench_gpu.py" a --strata "$BIN/strata" --torch-ref "$BIN/bench_train_torch" \
+    --rounds "${GPU_ROUNDS:-2}" --json "$DEST/bench-gpu-a.json" 2>&1 | tee "$DEST/bench-gpu-a.log"
 fi

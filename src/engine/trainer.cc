@@ -101,7 +101,12 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
                                        {micro, window}, at::TensorOptions().dtype(at::kLong))
                              .to(torch_device_);
       last_micro_ = m + 1 == accum;
-      local_loss += forward_backward(batch, loss_scale / double(accum * ranks)) / double(accum * ranks);
+      micro_loss_[size_t(m)] = forward_backward(batch, loss_scale / double(accum * ranks));
+    }
+    // Read once the backward is queued: on a GPU, .item() waits for it.
+    for (int64_t m = 0; m < accum; ++m) {
+      local_loss += micro_loss_[size_t(m)].item<double>() / double(accum * ranks);
+      micro_loss_[size_t(m)] = at::Tensor();
     }
   } catch (const c10::OutOfMemoryError& e) {
     // LibTorch's activations did not fit beside the state: the plan's verdict
@@ -172,6 +177,10 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
                           r.grad_norm, (long long)(step_ + 1)));
   }
   window_->invalidate();  // the optimizer rewrites the working copy
+  // CPU Adam rewrites host-tier working copies that fetches of this step
+  // read: those copies are done (they are, since the norm's read waited for
+  // the backward that used them; this says so).
+  device_->synchronize(Stream::kH2D);
   std::fill(gathered_valid_.begin(), gathered_valid_.end(), 0);
   const OptimizerThread::Job job{grad_scale, r.lr, applied_steps_ + 1};
   if (opt_thread_) {
@@ -212,7 +221,7 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
 // nothing but one block's graph is alive at a time. A tied head adds its
 // output-projection gradient into the embedding block's gradient, which
 // backward reaches last.
-double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale) {
+at::Tensor Trainer::forward_backward(const at::Tensor& tokens, double loss_scale) {
   const int64_t T = cfg_.model.seq_len;
   at::Tensor inputs = tokens.narrow(1, 0, T);
   at::Tensor targets = tokens.narrow(1, 1, T);
@@ -223,7 +232,7 @@ double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale) {
   // Head and loss, with autograd.
   DevicePtr gathered[2];
   at::Tensor dx;
-  double loss_value = 0.0;
+  at::Tensor loss_value;
   {
     at::Tensor xin = x.detach().requires_grad_(true);
     next_use(gathered);
@@ -232,7 +241,7 @@ double Trainer::forward_backward(const at::Tensor& tokens, double loss_scale) {
     if (cfg_.model.tie_embeddings) tied = as_leaves(weights(embedding_block_, gathered[1]))[0];
     TraceSpan span(TraceTrack::kCompute, "head forward + backward");
     at::Tensor loss = loss_of(model_.forward(head_block_, w, xin, tied), targets);
-    loss_value = loss.item<double>();
+    loss_value = loss.detach();
     std::vector<at::Tensor> wrt{xin};
     wrt.insert(wrt.end(), w.begin(), w.end());
     if (tied.defined()) wrt.push_back(tied);
@@ -732,6 +741,7 @@ void Trainer::device_adam(const cpu_adam::AdamParams& h, const cpu_adam::StepArg
                           const cpu_adam::AdamSpans& spans) {
 #ifdef STRATA_WITH_CUDA
   if (device_->is_cuda()) {
+    device_->make_current();  // the optimizer thread's launches go to this GPU
     kernels::adam_step(cpu_adam::detail::make_constants(h, args), spans, /*nonfinite=*/nullptr,
                        device_->native_stream(Stream::kCompute));
     return;
@@ -1041,6 +1051,7 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   keep_graphs_ = plan.keep_graphs;
   graphs_.resize(layout_.num_blocks());
   allocate_step_buffers(plan);
+  micro_loss_.resize(size_t(cfg.gradient_accumulation_steps));
   initialise_state(plan);
   adam_ = std::make_unique<cpu_adam::CpuAdam>(int(cfg.run.threads), isa);
   if (cfg.run.overlap_optimizer) {

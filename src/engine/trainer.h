@@ -202,7 +202,8 @@ class Trainer {
   // micro-batch; the uses of a schedule with their gathered blocks (Note
   // [Gathered blocks]); the gradient's reduction into its homes; the
   // optimizer (Note [Optimizer pipeline]).
-  double forward_backward(const at::Tensor& tokens, double loss_scale);
+  // Returns the micro-batch's loss (a 0-dim tensor on the device).
+  at::Tensor forward_backward(const at::Tensor& tokens, double loss_scale);
   // Forward over the blocks before the head (saving inputs when training);
   // shared by training and evaluation.
   at::Tensor forward_layers(at::Tensor x, bool train);
@@ -312,6 +313,7 @@ class Trainer {
   std::vector<char> grad_written_;        // per block: written since the step began
   at::Tensor tied_grad_;                  // head's gradient for the tied embedding, until flushed
   bool last_micro_ = false;               // the micro-batch whose flush takes the norm
+  std::vector<at::Tensor> micro_loss_;    // per micro-batch of the step: its loss, read at the end
   std::vector<at::Tensor> block_norm_;    // per block: L2 norm of this rank's range (0-dim, on the device)
   std::vector<int64_t> norm_lo_, norm_hi_;  // per block: this rank's norm range within its shard
 

@@ -136,8 +136,9 @@ class Device : public Waiter {
   // What the device has now (CPU: the machine's RAM, MemAvailable).
   virtual DeviceMemoryInfo memory_info() const = 0;
 
-  // Device memory of `bytes` (0 gives an empty buffer). `what` names it in
-  // the log and in the OutOfMemoryError (total, free, asked) when it fails.
+  // Device memory of `bytes` (0 gives an empty buffer), NOT zero-filled.
+  // `what` names it in the log and in the OutOfMemoryError (total, free,
+  // asked) when it fails.
   DeviceBuffer allocate(int64_t bytes, const std::string& what);
   // Page-locked host memory registered with this device.
   PinnedHostBuffer allocate_pinned(int64_t bytes, const std::string& what);
@@ -162,6 +163,9 @@ class Device : public Waiter {
   // The stream's native handle (cudaStream_t on CUDA, for LibTorch and
   // kernels); nullptr on CPU.
   virtual void* native_stream(Stream s) const = 0;
+  // Makes this device the calling thread's current one (cudaSetDevice), for
+  // launches that do not go through the device (kernels/); nothing on CPU.
+  virtual void make_current() const {}
 
  protected:
   virtual std::byte* raw_allocate(int64_t bytes) = 0;  // nullptr when out of memory

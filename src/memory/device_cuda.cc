@@ -105,6 +105,7 @@ class CudaDevice final : public Device {
     STRATA_CUDA_CALL(cudaStreamSynchronize(stream(s)));
   }
   void* native_stream(Stream s) const override { return streams_[size_t(s)]; }
+  void make_current() const override { select(); }
   void wait_ticket(uint64_t ticket) override {
     cudaEvent_t e;
     if (!live_event(ticket, &e)) return;

@@ -202,6 +202,9 @@ void ParamWindow::fetch_slot(int s, int32_t b) {
   const int64_t offset = state_->plan().units[size_t(Category::kParam16)][size_t(b)].offset;
   PendingIo& io = pending_[size_t(s)];
   if (!dev.host_addressable() && state_->tier_of(Category::kParam16, offset) == Tier::kNvme) {
+    // The slot's bounce buffer may still be the source of the H2D copy its
+    // last block's acquire queued.
+    done_[size_t(s)].wait();
     done_[size_t(s)] = state_->read_async(Category::kParam16, offset, numel_[size_t(b)], bounce_ptr(s), io);
     bounced_[size_t(s)] = 1;
   } else {

@@ -39,6 +39,12 @@ TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& op
         format_bytes(double(options.device_budget_bytes)).c_str()));
   }
   device_arena_ = device_->allocate(need[0], "device tier (resident state)");
+  // Device memory comes uninitialised (a GPU's): resident moments must start
+  // at zero and padding must read as zero. The CPU device's is zeroed already.
+  if (!device_->host_addressable()) {
+    device_->fill_on_device(device_arena_.ptr(), 0, device_arena_.bytes(), Stream::kCompute);
+    device_->synchronize(Stream::kCompute);
+  }
   // Note [Host arenas].
   host_transfer_arena_ = device_->allocate_pinned(transfer_bytes, "host tier: 16-bit parameters and gradients");
   host_arena_ = HostBuffer(size_t(need[1] - transfer_bytes), "host tier: optimizer state");

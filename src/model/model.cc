@@ -78,12 +78,13 @@ double Model::flops_per_token() const {
   return 6.0 * matrix_params + attn;
 }
 
-std::pair<at::Tensor, at::Tensor> Model::rope(at::ScalarType dtype, int64_t t) const {
+std::pair<at::Tensor, at::Tensor> Model::rope(at::ScalarType dtype, c10::Device device, int64_t t) const {
   STRATA_CHECK(t <= cfg_.seq_len, "sequence longer than model.seq_len");
-  if (dtype == at::kFloat) return {cos_f32_.narrow(0, 0, t), sin_f32_.narrow(0, 0, t)};
-  if (!cos_cast_.defined() || cos_cast_.scalar_type() != dtype) {
-    cos_cast_ = cos_f32_.to(dtype);
-    sin_cast_ = sin_f32_.to(dtype);
+  if (dtype == at::kFloat && device.is_cpu()) return {cos_f32_.narrow(0, 0, t), sin_f32_.narrow(0, 0, t)};
+  if (!cos_cast_.defined() || cos_cast_.scalar_type() != dtype || cos_cast_.device() != device) {
+    // Once per dtype and device (computed in double on the CPU, then cast).
+    cos_cast_ = cos_f32_.to(device, dtype);
+    sin_cast_ = sin_f32_.to(device, dtype);
   }
   return {cos_cast_.narrow(0, 0, t), sin_cast_.narrow(0, 0, t)};
 }
@@ -112,7 +113,7 @@ at::Tensor Model::layer_forward(const std::vector<at::Tensor>& w, const at::Tens
   at::Tensor q = at::linear(a, wq).view({B, T, H, hd}).transpose(1, 2);   // [B, H, T, hd]
   at::Tensor k = at::linear(a, wk).view({B, T, KV, hd}).transpose(1, 2);  // [B, KV, T, hd]
   at::Tensor v = at::linear(a, wv).view({B, T, KV, hd}).transpose(1, 2);
-  auto [cos, sin] = rope(x.scalar_type(), T);
+  auto [cos, sin] = rope(x.scalar_type(), x.device(), T);
   q = apply_rope(q, cos, sin);
   k = apply_rope(k, cos, sin);
   at::Tensor y = at::scaled_dot_product_attention(q, k, v, /*attn_mask=*/{}, /*dropout_p=*/0.0,

@@ -56,8 +56,9 @@ class Model {
 
  private:
   at::Tensor layer_forward(const std::vector<at::Tensor>& w, const at::Tensor& x) const;
-  // cos/sin tables [seq_len, head_dim] in `dtype`, built once per dtype.
-  std::pair<at::Tensor, at::Tensor> rope(at::ScalarType dtype, int64_t t) const;
+  // cos/sin tables [seq_len, head_dim] in `dtype` on `device`, cast once per
+  // dtype and device from the fp32 tables. Not thread-safe (one compute thread).
+  std::pair<at::Tensor, at::Tensor> rope(at::ScalarType dtype, c10::Device device, int64_t t) const;
 
   ModelConfig cfg_;
   std::vector<BlockDesc> blocks_;
