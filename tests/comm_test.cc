@@ -1,7 +1,9 @@
 // The rank environment of each launcher, the Slurm host list, the byte
-// counts of ring collectives, the local communicator, and the config
-// comparison of ranks. Multi-process behaviour: ranks_test.cc.
+// counts of ring collectives, the local communicator, the NCCL backend on one
+// GPU (skipped, with the reason, without one), and the config comparison of
+// ranks. Multi-process behaviour: ranks_test.cc.
 #include <gtest/gtest.h>
+#include <torch/cuda.h>
 
 #include <cstdlib>
 #include <string>
@@ -9,6 +11,8 @@
 
 #include "comm/communicator.h"
 #include "config/config.h"
+#include "memory/device.h"
+#include "test_util.h"
 #include "util/errors.h"
 
 namespace strata {
@@ -116,6 +120,49 @@ TEST(LocalCommunicatorTest, CopiesAndNoOps) {
   c->store_set("k", "v");
   EXPECT_EQ(c->store_get("k"), "v");
   EXPECT_EQ(c->bytes_sent(), 0);
+}
+
+// The NCCL process group at world size 1, on device memory: each collective
+// lands what it should, ordered on the device's streams by its completion.
+TEST(NcclTest, CollectivesOnGpuMemoryAtWorldSizeOne) {
+  if (!built_with_cuda()) GTEST_SKIP() << "this build has no CUDA path";
+  if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine";
+  std::unique_ptr<Device> dev = make_device("cuda:0");
+  RankInfo who;
+  who.master_port = testing::free_port();
+  CommOptions o;
+  o.backend = "nccl";
+  o.timeout_s = 60;
+  o.process_group_at_one = true;
+  std::unique_ptr<Communicator> c = make_communicator(who, o);
+  EXPECT_STREQ(c->backend(), "nccl");
+  const int64_t n = 1 << 20;
+  std::vector<float> in(static_cast<size_t>(n));
+  for (int64_t i = 0; i < n; ++i) in[size_t(i)] = float(i % 1000) * 0.5f - 7.0f;
+  DeviceBuffer a = dev->allocate(n * 4, "nccl in"), b = dev->allocate(n * 4, "nccl out");
+  // A completion of NCCL work orders LibTorch's current stream after it (it
+  // does not block the host): the device as a whole is synchronized here.
+  auto check = [&](const char* what) {
+    torch::cuda::synchronize(0);
+    std::vector<float> out(static_cast<size_t>(n), 0.0f);
+    dev->copy_to_host(out.data(), b.ptr(), n * 4, Stream::kD2H);
+    dev->synchronize(Stream::kD2H);
+    EXPECT_EQ(out, in) << what;
+  };
+  dev->copy_to_device(a.ptr(), in.data(), n * 4, Stream::kH2D);
+  dev->synchronize(Stream::kH2D);
+  dev->fill_on_device(b.ptr(), 0xFF, n * 4, Stream::kH2D);
+  dev->synchronize(Stream::kH2D);
+  c->all_gather(a.ptr().raw(), b.ptr().raw(), n, DType::kF32).wait();
+  check("all_gather");
+  dev->fill_on_device(b.ptr(), 0xFF, n * 4, Stream::kH2D);
+  dev->synchronize(Stream::kH2D);
+  c->reduce_scatter(a.ptr().raw(), b.ptr().raw(), n, DType::kF32).wait();
+  check("reduce_scatter");
+  dev->copy_on_device(b.ptr(), a.ptr(), n * 4, Stream::kH2D);
+  dev->synchronize(Stream::kH2D);
+  c->all_reduce(b.ptr().raw(), n, DType::kF32, ReduceOp::kSum).wait();
+  check("all_reduce");
 }
 
 TEST(ConfigAgreementTest, PerRankKeysMayDifferOthersAreNamed) {

@@ -6,4 +6,4 @@ target_link_libraries(rank_worker PRIVATE strata_engine nlohmann_json::nlohmann_
 strata_test(ranks_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/ranks_test.cc LIBS nlohmann_json::nlohmann_json
             LOCK ranks)
 add_dependencies(ranks_test strata rank_worker)
-strata_test(comm_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/comm_test.cc LIBS strata_comm strata_config)
+strata_test(comm_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/comm_test.cc LIBS strata_comm strata_config strata_memory)

@@ -439,7 +439,7 @@ class C10dCommunicator final : public Communicator {
 std::unique_ptr<Communicator> make_local_communicator() { return std::make_unique<LocalCommunicator>(); }
 
 std::unique_ptr<Communicator> make_communicator(const RankInfo& who, const CommOptions& options) {
-  if (who.world_size == 1) return make_local_communicator();
+  if (who.world_size == 1 && !options.process_group_at_one) return make_local_communicator();
   return std::make_unique<C10dCommunicator>(who, options);
 }
 

@@ -48,6 +48,9 @@ struct CommOptions {
   double heartbeat_s = 1.0;      // interval of each rank's heartbeat through the store
   int threads = 1;               // Gloo's worker threads
   std::string socket_ifname;     // GLOO_SOCKET_IFNAME: the interface Gloo binds to
+  // Build the backend's process group even at world size 1 (tests of a
+  // backend on one GPU); otherwise world size 1 is the local communicator.
+  bool process_group_at_one = false;
 };
 
 // Note [Lost ranks]
