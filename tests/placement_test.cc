@@ -191,6 +191,39 @@ TEST(PlacementTest, AutoFillsTheDeviceFirstWithParametersThenGradients) {
   EXPECT_TRUE(plan_shortfalls(p, cap).empty());
 }
 
+// On a GPU, CPU Adam cannot use device memory in place: auto puts a
+// sub-group's optimizer state on the device only whole and only beside its
+// gradient and working copy (so the GPU's Adam updates it), never one
+// category of it alone, though a lone master unit would fit.
+TEST(PlacementTest, AutoOnAGpuPutsOptimizerStateOnTheDeviceOnlyWhole) {
+  StateLayout layout = make_layout();
+  Config cfg = config_with({"placement={\"auto\":true,\"headroom\":0.0,\"nvme_path\":\"/tmp/x\"}",
+                            "model.dim=8", "model.n_heads=2", "model.n_layers=1", "model.seq_len=8",
+                            "train_micro_batch_size_per_gpu=1"});
+  const int64_t activations = make_plan(cfg, layout, 0, unlimited()).activation_bytes;
+  const int64_t unit = 65536 * 4;
+  MachineCapacity cap;
+  cap.device_is_host = false;
+  cap.device_bytes = 8 * unit + 8 * unit + activations + 1 * unit + 5 * unit;  // param16, grad, stage, 5 more
+  cap.host_bytes = int64_t(1) << 40;
+  cap.nvme_bytes = int64_t(1) << 40;
+  PlacementPlan p = make_plan(cfg, layout, 0, cap);
+  ASSERT_FALSE(p.device_addressable);
+  EXPECT_NEAR(p.split[int(Category::kParam16)].device, 1.0, 1e-9);
+  EXPECT_NEAR(p.split[int(Category::kGrad)].device, 1.0, 1e-9);
+  int device_groups = 0;
+  for (size_t i = 0; i < p.units[size_t(Category::kMaster)].size(); ++i) {
+    const PlacementUnit& m = p.units[size_t(Category::kMaster)][i];
+    for (Category c : {Category::kExpAvg, Category::kExpAvgSq}) {
+      EXPECT_EQ(p.units[size_t(c)][i].tier == Tier::kDevice, m.tier == Tier::kDevice) << "sub-group " << i;
+    }
+    EXPECT_EQ(device_adam_piece(p, m), m.tier == Tier::kDevice) << "sub-group " << i;
+    device_groups += m.tier == Tier::kDevice;
+  }
+  EXPECT_EQ(device_groups, 1);  // 5 units left: one sub-group of 3, not a fourth and fifth alone
+  EXPECT_EQ(p.staging.grad_host, 0);  // every gradient home is on the device
+}
+
 TEST(PlacementTest, AutoOnCpuSharesOneHostPoolAndSpillsToNvme) {
   StateLayout layout = make_layout();
   Config cfg = config_with({"placement={\"auto\":true,\"headroom\":0.0,\"nvme_path\":\"/tmp/x\"}",

@@ -9,14 +9,27 @@
       the H100's nominal 989 TFLOP/s (bf16 dense) and against a large bf16 GEMM
       measured in the same run.
 
+  b   A LLaMA-style model whose training state is at least 1.5x HBM
+      (configs/gpu-b-llama8b.json: Llama-3-8B's shape, 8.03B parameters,
+      placement auto, recompute always): `strata train` against the same
+      model's compute-only step (bench_train_torch --compute-only: the 16-bit
+      weights in HBM, no master weights, no optimizer) in the same run; MFU as
+      in (a); the NVMe bytes a step moves against what `strata bench-io`
+      measures on the swap directory times the compute-only step time (the
+      time there is to hide them).
+  c   The largest model the host can train: the (b) shape with as many layers
+      as `strata plan` (placement auto) says fit, found by bisection; that
+      model trains --steps steps; its parameters against (HBM + RAM + free
+      disk - the plan's non-state bytes) / bytes per parameter.
+
 Each run trains --steps steps and takes the median of the steps after the
 first --warmup. The token file the configs read (out/gpu-tokens.bin: uint16
 tokens drawn at random; the data do not change the speed) is written first if
 missing.
 
 Usage (on the GPU host, from the repository root):
-  python3 tools/bench_gpu.py a --strata .dev/bin/strata --torch-ref .dev/bin/bench_train_torch \\
-      [--config configs/gpu-a-fits-hbm.json] [--rounds 2] [--steps 12] [--warmup 4] [--json OUT]
+  python3 tools/bench_gpu.py a|b|c --strata .dev/bin/strata --torch-ref .dev/bin/bench_train_torch \\
+      [--config CONFIG] [--rounds 2] [--steps N] [--warmup W] [--json OUT]
 """
 import argparse
 import json
@@ -102,24 +115,128 @@ def bench_a(args):
     return out
 
 
+def bench_io(args, swap):
+    os.makedirs(swap, exist_ok=True)
+    out = run([args.strata, "bench-io", "--dir", swap, "--size-mb", str(args.io_mb), "--json", "--rounds", "2"],
+              os.path.join(args.dir, "bench-io.log"), args.timeout)
+    rows = [json.loads(l) for l in out.splitlines() if l.strip().startswith("{")]
+    return {op: statistics.median(r["gbps"] for r in rows if r["op"] == op) for op in ("write", "read")}
+
+
+def bench_b(args):
+    os.makedirs(args.dir, exist_ok=True)
+    ensure_tokens("out/gpu-tokens.bin")
+    cfg = json.load(open(args.config))
+    io = bench_io(args, cfg["placement"]["nvme_path"])
+    ref = json.loads(run([args.torch_ref, "--config", args.config, "--compute-only", "--steps", str(args.ref_steps),
+                          "--warmup", "1", "--gemm-n", str(args.gemm_n), "--device", args.ref_device],
+                         os.path.join(args.dir, "torch-compute-only.log"), args.timeout).strip().splitlines()[-1])
+    print(f"compute-only reference: {ref['tokens_per_s']:.0f} tok/s, step {ref['step_s']:.2f} s; "
+          f"GEMM {ref.get('gemm_tflops', 0):.0f} TFLOP/s; bench-io write {io['write']:.2f} read {io['read']:.2f} GB/s",
+          flush=True)
+    metrics = os.path.join(args.dir, "strata-b.jsonl")
+    tps, last = strata_tokens_per_s(args, args.config, "strata-b")
+    steps = [json.loads(l) for l in open(metrics) if l.strip()]
+    steps = [l for l in steps if "tokens_per_s" in l][args.warmup:]
+    nvme = statistics.median(l["nvme_read_bytes"] + l["nvme_write_bytes"] for l in steps)
+    fpt = ref["flops_per_token"]
+    gemm = ref.get("gemm_tflops") or float("nan")
+    hide = ref["step_s"]
+    out = {
+        "benchmark": "b", "config": args.config, "parameters": ref["parameters"],
+        "strata_tokens_per_s": tps, "compute_only_tokens_per_s": ref["tokens_per_s"],
+        "ratio": tps / ref["tokens_per_s"], "flops_per_token": fpt, "gemm_tflops": gemm,
+        "strata_mfu_nominal": tps * fpt / (NOMINAL_TFLOPS * 1e12), "strata_mfu_gemm": tps * fpt / (gemm * 1e12),
+        "nvme_bytes_per_step": nvme, "bench_io_gbps": io, "compute_step_s": hide,
+        "nvme_gbps_needed_to_hide": nvme / hide / 1e9,
+        "steps": steps, "plan_tail": last,
+    }
+    print(f"(b) strata {tps:.0f} tok/s vs compute-only {ref['tokens_per_s']:.0f} tok/s: ratio {out['ratio']:.3f}; "
+          f"MFU {100 * out['strata_mfu_nominal']:.1f}% of {NOMINAL_TFLOPS:.0f}, {100 * out['strata_mfu_gemm']:.1f}% of the GEMM; "
+          f"NVMe {nvme / 1e9:.1f} GB/step = {out['nvme_gbps_needed_to_hide']:.2f} GB/s over the {hide:.2f} s compute step "
+          f"(bench-io: write {io['write']:.2f}, read {io['read']:.2f} GB/s)")
+    return out
+
+
+def plan_of(args, cfg_path):
+    p = subprocess.run([args.strata, "plan", cfg_path, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                       text=True, timeout=120)
+    if not p.stdout.strip():
+        sys.exit(f"strata plan {cfg_path} printed nothing (rc {p.returncode}): {p.stderr[-2000:]}")
+    return json.loads(p.stdout)
+
+
+def bench_c(args):
+    os.makedirs(args.dir, exist_ok=True)
+    ensure_tokens("out/gpu-tokens.bin")
+    base = json.load(open(args.config))
+    path = os.path.join(args.dir, "gpu-c.json")
+
+    def config(layers):
+        cfg = json.loads(json.dumps(base))
+        cfg["model"]["n_layers"] = layers
+        cfg["run"]["metrics"] = os.path.join(args.dir, "strata-c.jsonl")
+        with open(path, "w") as f:
+            json.dump(cfg, f, indent=1)
+        return plan_of(args, path)
+
+    lo, hi = 1, 8
+    while config(hi)["fits"]:
+        lo, hi = hi, hi * 2
+        if hi > 4096:
+            sys.exit("the plan fits any model: is the capacity measured?")
+    if not config(lo)["fits"]:
+        sys.exit("not even one layer fits")
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        if config(mid)["fits"]:
+            lo = mid
+        else:
+            hi = mid
+    plan = config(lo)
+    cap = plan["capacity_bytes"]
+    state = sum(plan["state_total_bytes"].values())
+    non_state = sum(plan["total_bytes"].values()) - state
+    per_param = state / plan["parameters"]
+    bound = (cap["device"] + cap["host"] + cap["nvme"] - non_state) / per_param
+    print(f"(c) largest that fits: {lo} layers, {plan['parameters'] / 1e9:.2f}B parameters; bound (HBM {cap['device'] / 1e9:.1f}"
+          f" + RAM {cap['host'] / 1e9:.1f} + disk {cap['nvme'] / 1e9:.1f} - non-state {non_state / 1e9:.1f} GB) / "
+          f"{per_param:.1f} B/param = {bound / 1e9:.2f}B: {100 * plan['parameters'] / bound:.1f}%", flush=True)
+    with open(path) as f:
+        cfg = json.load(f)
+    tps, last = strata_tokens_per_s(args, path, "strata-c")
+    print(f"(c) trained {args.steps} steps: {tps:.0f} tok/s, loss {last['loss']:.3f}")
+    return {"benchmark": "c", "layers": lo, "parameters": plan["parameters"], "bound_parameters": bound,
+            "fraction_of_bound": plan["parameters"] / bound, "bytes_per_parameter": per_param,
+            "non_state_bytes": non_state, "capacity_bytes": cap, "tokens_per_s": tps, "last_step": last,
+            "config": cfg, "plan": plan}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("which", choices=["a"])
+    ap.add_argument("which", choices=["a", "b", "c"])
     ap.add_argument("--strata", default=".dev/bin/strata")
     ap.add_argument("--torch-ref", default=".dev/bin/bench_train_torch")
-    ap.add_argument("--config", default="configs/gpu-a-fits-hbm.json")
+    ap.add_argument("--config", help="default: configs/gpu-a-fits-hbm.json for a, gpu-b-llama8b.json for b and c")
+    ap.add_argument("--ref-steps", type=int, default=3, help="(b) timed steps of the compute-only reference")
+    ap.add_argument("--io-mb", type=int, default=4096, help="(b) MiB per bench-io pass")
     ap.add_argument("--dir", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "bench-gpu"))
     ap.add_argument("--rounds", type=int, default=2)
-    ap.add_argument("--steps", type=int, default=12)
-    ap.add_argument("--warmup", type=int, default=4)
+    ap.add_argument("--steps", type=int)
+    ap.add_argument("--warmup", type=int)
     ap.add_argument("--timeout", type=int, default=240)
     ap.add_argument("--ref-device", default="cuda", help="the reference's device (cpu: a smoke test anywhere)")
     ap.add_argument("--gemm-n", type=int, default=8192)
     ap.add_argument("--json")
     args = ap.parse_args()
+    defaults = {"a": ("configs/gpu-a-fits-hbm.json", 12, 4), "b": ("configs/gpu-b-llama8b.json", 6, 2),
+                "c": ("configs/gpu-b-llama8b.json", 3, 1)}[args.which]
+    args.config = args.config or defaults[0]
+    args.steps = args.steps or defaults[1]
+    args.warmup = defaults[2] if args.warmup is None else args.warmup
     if args.steps <= args.warmup:
         sys.exit("--steps must exceed --warmup")
-    out = bench_a(args)
+    out = {"a": bench_a, "b": bench_b, "c": bench_c}[args.which](args)
     if args.json:
         with open(args.json, "w") as f:
             json.dump(out, f, indent=1)

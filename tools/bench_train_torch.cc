@@ -3,13 +3,17 @@
 // everything resident — the 16-bit working weights as autograd leaves, fp32
 // master weights and Adam moments updated by LibTorch's fused AdamW
 // (at::_fused_adamw_) with global-norm clipping folded into its grad_scale —
-// and the same blocks' forward (Strata's Model), dtype and recompute policy
-// ("never": autograd keeps the whole graph; the policy the config must ask
-// for). Also times a large bf16 GEMM, the roof MFU is reported against.
-// Prints one JSON line: tokens_per_s, step_s (median), flops_per_token,
-// gemm_tflops.
+// and the same blocks' forward (Strata's Model), dtype and recompute policy:
+// "never" keeps the whole graph; "always" runs the forward without autograd,
+// keeping each layer's input, and recomputes each layer in the backward (as
+// Strata does; `auto` counts as never, so say which in the config).
+// With --compute-only (benchmark (b)'s reference) there are no master weights
+// and no optimizer: the forward and backward of the working weights in HBM,
+// gradients accumulated in fp32. Also times a large bf16 GEMM, the roof MFU is
+// reported against. Prints one JSON line: tokens_per_s, step_s (median),
+// flops_per_token, gemm_tflops.
 //
-//   bench_train_torch --config CONFIG [--device cuda] [--steps 20] [--warmup 3]
+//   bench_train_torch --config CONFIG [--device cuda] [--steps 20] [--warmup 3] [--compute-only]
 #include <ATen/ATen.h>
 #include <ATen/core/grad_mode.h>
 #include <CLI/CLI.hpp>
@@ -30,7 +34,6 @@
 
 namespace {
 
-using strata::BlockKind;
 
 void sync(const c10::Device& d) {
   if (d.is_cuda()) torch::cuda::synchronize(d.index());
@@ -70,6 +73,8 @@ int main(int argc, char** argv) {
   app.add_option("--steps", steps, "timed steps")->check(CLI::PositiveNumber);
   app.add_option("--warmup", warmup, "untimed steps first");
   app.add_option("--gemm-n", gemm_n, "size of the reference GEMM (0: none)");
+  bool compute_only = false;
+  app.add_flag("--compute-only", compute_only, "no master weights, no optimizer: forward and backward only");
   CLI11_PARSE(app, argc, argv);
   try {
     const strata::Config cfg = strata::load_config(config_path, {}, 1);
@@ -78,9 +83,7 @@ int main(int argc, char** argv) {
     const strata::StateLayout layout(model.layout_specs(), 1);
     const auto dt = cfg.run.compute_dtype == "bf16" ? at::kBFloat16 : cfg.run.compute_dtype == "fp16" ? at::kHalf
                                                                                                       : at::kFloat;
-    if (cfg.run.recompute == "always") {
-      throw strata::ConfigError("run.recompute", "the reference keeps the whole graph: use \"never\" or \"auto\"");
-    }
+    const bool recompute = cfg.run.recompute == "always";
     // Weights: fp32 master per parameter (initialised as Strata does, seed
     // run.seed), a working copy in the compute dtype whose views are leaves.
     at::Generator gen = at::detail::createCPUGenerator(cfg.run.seed);
@@ -91,12 +94,13 @@ int main(int argc, char** argv) {
       at::Tensor flat = at::zeros({bl.padded_numel}, at::kFloat);
       strata::init_block(bl, flat, gen);
       for (const at::Tensor& v : strata::param_views(bl, flat)) {
-        at::Tensor m = v.to(dev).contiguous();
-        at::Tensor w = m.to(dt).detach().requires_grad_(true);
-        master[b].push_back(m);
+        at::Tensor w = v.to(dev, dt).contiguous().detach().requires_grad_(true);
         work[b].push_back(w);
-        p_master.push_back(m);
         p_work.push_back(w);
+        if (compute_only) continue;
+        at::Tensor m = v.to(dev).contiguous();
+        master[b].push_back(m);
+        p_master.push_back(m);
         m1.push_back(at::zeros_like(m));
         m2.push_back(at::zeros_like(m));
         steps_t.push_back(at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(dev)));
@@ -107,26 +111,77 @@ int main(int argc, char** argv) {
     at::Tensor tokens = at::randint(cfg.model.vocab_size, {accum, B, T + 1},
                                     at::TensorOptions().dtype(at::kLong).device(dev));
     const double max_norm = cfg.gradient_clipping;
+    std::vector<size_t> first_param;  // per block: its first index in p_work
+    for (size_t b = 0, i = 0; b < layout.num_blocks(); i += work[b].size(), ++b) first_param.push_back(i);
+    const size_t head = layout.num_blocks() - 1;
+    const bool tied = cfg.model.tie_embeddings;
+    // Gradients of one micro-batch, one per parameter of p_work.
+    auto micro_grads = [&](const at::Tensor& x0, const at::Tensor& y) -> std::vector<at::Tensor> {
+      auto loss_of = [&](const at::Tensor& logits) {
+        return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat), y.reshape({-1})) /
+               double(accum);
+      };
+      if (!recompute) {
+        at::Tensor x = x0;
+        for (size_t b = 0; b < layout.num_blocks(); ++b) {
+          x = model.forward(b, work[b], x, b == head && tied ? work[0][0] : at::Tensor());
+        }
+        return torch::autograd::grad({loss_of(x)}, p_work);
+      }
+      // Forward without autograd, keeping each block's input; the head with
+      // autograd; then each block recomputed from its input, in reverse.
+      std::vector<at::Tensor> inputs(head);
+      at::Tensor x = x0;
+      {
+        at::NoGradGuard no_grad;
+        for (size_t b = 0; b < head; ++b) {
+          inputs[b] = x;
+          x = model.forward(b, work[b], x);
+        }
+      }
+      std::vector<at::Tensor> g(p_work.size());
+      at::Tensor xin = x.detach().requires_grad_(true);
+      std::vector<at::Tensor> wrt{xin};
+      wrt.insert(wrt.end(), work[head].begin(), work[head].end());
+      if (tied) wrt.push_back(work[0][0]);
+      std::vector<at::Tensor> gh =
+          torch::autograd::grad({loss_of(model.forward(head, work[head], xin, tied ? work[0][0] : at::Tensor()))}, wrt);
+      for (size_t i = 0; i < work[head].size(); ++i) g[first_param[head] + i] = gh[1 + i];
+      if (tied) g[0] = gh.back();
+      at::Tensor dx = gh[0];
+      for (size_t b = head; b-- > 0;) {
+        const bool emb = b == 0;
+        at::Tensor in = emb ? inputs[b] : inputs[b].detach().requires_grad_(true);
+        std::vector<at::Tensor> w{};
+        if (!emb) w.push_back(in);
+        w.insert(w.end(), work[b].begin(), work[b].end());
+        std::vector<at::Tensor> gb = torch::autograd::grad({model.forward(b, work[b], in)}, w, {dx});
+        const size_t off = emb ? 0 : 1;
+        for (size_t i = 0; i < work[b].size(); ++i) {
+          at::Tensor& dst = g[first_param[b] + i];
+          dst = dst.defined() ? dst + gb[off + i] : gb[off + i];
+        }
+        if (!emb) dx = gb[0];
+        inputs[b] = at::Tensor();
+      }
+      return g;
+    };
     std::vector<double> step_s;
     for (int s = 0; s < warmup + steps; ++s) {
       const auto t0 = std::chrono::steady_clock::now();
       std::vector<at::Tensor> grads32;
       for (int64_t m = 0; m < accum; ++m) {
-        at::Tensor x = tokens[m].narrow(1, 0, T);
-        at::Tensor y = tokens[m].narrow(1, 1, T);
-        for (size_t b = 0; b < layout.num_blocks(); ++b) {
-          const at::Tensor tied = model.blocks()[b].kind == BlockKind::kHead && cfg.model.tie_embeddings
-                                      ? work[0][0]
-                                      : at::Tensor();
-          x = model.forward(b, work[b], x, tied);
-        }
-        at::Tensor loss = at::cross_entropy_loss(x.reshape({-1, x.size(-1)}).to(at::kFloat), y.reshape({-1}));
-        std::vector<at::Tensor> g = torch::autograd::grad({loss / double(accum)}, p_work);
+        std::vector<at::Tensor> g = micro_grads(tokens[m].narrow(1, 0, T), tokens[m].narrow(1, 1, T));
         if (m == 0) {
           for (at::Tensor& gi : g) grads32.push_back(gi.to(at::kFloat));
         } else {
           for (size_t i = 0; i < g.size(); ++i) grads32[i].add_(g[i]);
         }
+      }
+      if (compute_only) {
+        sync(dev);
+        if (s >= warmup) step_s.push_back(seconds(t0));
+        continue;
       }
       // Clipping as torch.nn.utils.clip_grad_norm_, folded into AdamW's
       // grad_scale (grads are divided by it): no host sync.
@@ -151,6 +206,8 @@ int main(int argc, char** argv) {
     const double med = step_s[step_s.size() / 2];
     const double tokens_per_s = double(accum * B * T) / med;
     nlohmann::json out = {{"device", device_name},
+                          {"compute_only", compute_only},
+                          {"recompute", recompute ? "always" : "never"},
                           {"parameters", layout.parameter_count()},
                           {"compute_dtype", cfg.run.compute_dtype},
                           {"step_s", med},

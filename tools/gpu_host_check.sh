@@ -9,7 +9,7 @@
 #   strip -o .dev/bin/strata build/strata
 #   for t in build/tests/*_test build/tests/bench_adam_torch build/tests/bench_train_torch build/tests/rank_worker; do strip -o .dev/bin/${t##*/} $t; done
 #   cp -L /lib/x86_64-linux-gnu/{libtbb.so.12,liburing.so.2,libspdlog.so.1.10,libfmt.so.9} .dev/lib/
-# Then run `bash tools/gpu_host_check.sh [tests|bench|ranks|gpu-a|all]` there with carry [".dev"]; logs and
+# Then run `bash tools/gpu_host_check.sh [tests|bench|ranks|gpu-a|gpu-b|gpu-c|all]` there with carry [".dev"]; logs and
 # JSON lines go to $OUT (or out/gpu-host). BENCH_THREADS and BENCH_ROUNDS set the sweep
 # (tools/bench_adam_sweep.sh; default "1 2 16" threads, 2 rounds). `ranks` runs
 # tools/bench_ranks.py at world sizes RANKS_SIZES (default 1,2,4,8) on all cores. `gpu-a` runs GPU
@@ -74,8 +74,13 @@ if [ "$WHAT" = ranks ] || [ "$WHAT" = all ]; then
     --json "$DEST/bench-ranks.json" 2>&1 | tee "$DEST/bench-ranks.log"
 fi
 
-if [ "$WHAT" = gpu-a ]; then
-  echo "== GPU benchmark (a)"
-  PYTHONUNBUFFERED=1 python3 "$ROOT/tools/bench_gpu.py" a --strata "$BIN/strata" --torch-ref "$BIN/bench_train_torch" \
-    --rounds "${GPU_ROUNDS:-2}" --json "$DEST/bench-gpu-a.json" 2>&1 | tee "$DEST/bench-gpu-a.log"
-fi
+case "$WHAT" in
+  gpu-a|gpu-b|gpu-c)
+    which=${WHAT#gpu-}
+    echo "== GPU benchmark ($which)"
+    PYTHONUNBUFFERED=1 python3 "$ROOT/tools/bench_gpu.py" "$which" --strata "$BIN/strata" \
+      --torch-ref "$BIN/bench_train_torch" --rounds "${GPU_ROUNDS:-2}" --dir "${TMPDIR:-/tmp}/bench-gpu" \
+      --json "$DEST/bench-gpu-$which.json" 2>&1 | tee "$DEST/bench-gpu-$which.log"
+    cp "${TMPDIR:-/tmp}"/bench-gpu/*.log "$DEST/" 2>/dev/null || true
+    ;;
+esac

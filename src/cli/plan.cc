@@ -34,6 +34,7 @@ struct Computed {
   std::vector<std::string> shortfalls;
   int ranks_per_node = 1;
   int64_t net_bytes = 0;  // sent by one rank per training step
+  int64_t parameters = 0;  // the model's, unpadded
 };
 
 // Bytes one rank sends per training step, from the step's schedule of uses
@@ -70,6 +71,7 @@ Computed compute(const Config& cfg, int rank, int local_ranks) {
   StateLayout layout(model_layout_specs(cfg.model), shard_count(cfg));
   Computed c;
   c.plan = plan_for_machine(cfg, layout, &c.cap, rank, local_ranks);
+  c.parameters = layout.parameter_count();
   c.shortfalls = plan_shortfalls(c.plan, c.cap);
   c.ranks_per_node = local_ranks;
   c.net_bytes = step_network_bytes(c.plan);
@@ -80,6 +82,7 @@ nlohmann::json plan_json(const Computed& c) {
   nlohmann::json j;
   const PlacementPlan& p = c.plan;
   j["source"] = p.source;
+  j["parameters"] = c.parameters;
   for (int cat = 0; cat < kNumCategories; ++cat) {
     nlohmann::json row;
     for (int t = 0; t < kNumTiers; ++t) row[tier_name(Tier(t))] = p.bytes[size_t(cat)][size_t(t)];

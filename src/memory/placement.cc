@@ -363,7 +363,8 @@ std::array<TierSplit, kNumCategories> fill_auto(const Config& cfg, const Machine
   // param16 (every forward and backward), then grad (every backward), then
   // optimizer state (once per step), whole units at a time: a unit goes to
   // the device if it fits whole in what is left of the device budget, else
-  // to the host likewise, else to NVMe. With CPU compute the device tier is
+  // to the host likewise, else to NVMe (on a GPU, optimizer state goes to the
+  // device a whole sub-group at a time, see below). With CPU compute the device tier is
   // host memory, so the two share one budget. The staging buffers that what
   // lands off the device needs are reserved and the fill redone until the
   // reserve stops changing.
@@ -388,17 +389,56 @@ std::array<TierSplit, kNumCategories> fill_auto(const Config& cfg, const Machine
       dev_left = budget(capacity.device_bytes) - act_dev - reserve_device;
       host_left = budget(capacity.host_bytes) - reserve_host;
     }
-    for (int c = 0; c < kNumCategories; ++c) {
-      for (PlacementUnit& u : units[size_t(c)]) {
-        const int64_t bytes = u.numel * plan.elem_bytes[size_t(c)];
-        if (bytes <= dev_left) {
-          u.tier = Tier::kDevice;
-          dev_left -= bytes;
-        } else if (bytes <= host_left) {
-          u.tier = Tier::kHost;
-          host_left -= bytes;
-        } else {
-          u.tier = Tier::kNvme;
+    auto place = [&](int c, PlacementUnit& u, bool device_ok) {
+      const int64_t bytes = u.numel * plan.elem_bytes[size_t(c)];
+      if (device_ok && bytes <= dev_left) {
+        u.tier = Tier::kDevice;
+        dev_left -= bytes;
+      } else if (bytes <= host_left) {
+        u.tier = Tier::kHost;
+        host_left -= bytes;
+      } else {
+        u.tier = Tier::kNvme;
+      }
+    };
+    const int first_optimizer = int(Category::kMaster);
+    for (int c = 0; c < (capacity.device_is_host ? kNumCategories : first_optimizer); ++c) {
+      for (PlacementUnit& u : units[size_t(c)]) place(c, u, true);
+    }
+    if (!capacity.device_is_host) {
+      // On a GPU, CPU Adam cannot update device memory in place: a sub-group's
+      // optimizer state goes to the device only whole (master and both
+      // moments) and only where its gradient and working copy are there too,
+      // so that the GPU's Adam updates it (device_adam_piece); otherwise a
+      // device-tier part would cross PCIe twice a step.
+      auto on_device = [&](Category c, int64_t lo, int64_t hi) {
+        for (const PlacementUnit& u : units[size_t(c)]) {
+          if (u.offset < hi && lo < u.offset + u.numel && u.tier != Tier::kDevice) return false;
+        }
+        return true;
+      };
+      std::vector<PlacementUnit>& master = units[size_t(Category::kMaster)];
+      std::vector<char> device_group(master.size(), 0);
+      for (size_t i = 0; i < master.size(); ++i) {
+        int64_t bytes = 0;
+        for (int c = first_optimizer; c < kNumCategories; ++c) {
+          const PlacementUnit& u = units[size_t(c)].at(i);
+          STRATA_CHECK(u.offset == master[i].offset && u.numel == master[i].numel,
+                       "optimizer categories cut into different sub-groups");
+          bytes += u.numel * plan.elem_bytes[size_t(c)];
+        }
+        const int64_t lo = master[i].offset, hi = lo + master[i].numel;
+        device_group[i] = bytes <= dev_left && on_device(Category::kParam16, lo, hi) && on_device(Category::kGrad, lo, hi);
+        if (device_group[i]) dev_left -= bytes;
+      }
+      // The rest category by category, as on CPU.
+      for (int c = first_optimizer; c < kNumCategories; ++c) {
+        for (size_t i = 0; i < master.size(); ++i) {
+          if (device_group[i]) {
+            units[size_t(c)][i].tier = Tier::kDevice;
+          } else {
+            place(c, units[size_t(c)][i], false);
+          }
         }
       }
     }
