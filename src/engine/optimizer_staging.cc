@@ -4,12 +4,20 @@
 
 namespace strata {
 
-OptimizerStaging::OptimizerStaging(const PlacementPlan& plan)
+OptimizerStaging::OptimizerStaging(const PlacementPlan& plan, Device& device)
     : sets_(std::max(1, plan.staging.opt_sets)), piece_numel_(pipeline_piece_numel(plan)),
       elem_bytes_(plan.elem_bytes) {
   const StagingNeeds& need = plan.staging;
   auto bytes_of = [&](Category c) { return size_t(sets_) * size_t(piece_numel_ * elem_bytes_[size_t(c)]); };
-  if (need.opt_grad > 0) buf_[size_t(Category::kGrad)] = HostBuffer(size_t(need.opt_grad), "optimizer staging: grad");
+  auto crossing = [&](Category c, int64_t bytes, const char* what) {
+    if (bytes <= 0) return;
+    if (device.host_addressable()) {
+      buf_[size_t(c)] = HostBuffer(size_t(bytes), what);
+    } else {
+      pinned_[size_t(c)] = device.allocate_pinned(bytes, what);
+    }
+  };
+  crossing(Category::kGrad, need.opt_grad, "optimizer staging: grad");
   if (need.opt_state > 0) {
     // need.opt_state = sets pieces of each of the three, at their element sizes.
     STRATA_CHECK(int64_t(bytes_of(Category::kMaster) + bytes_of(Category::kExpAvg) + bytes_of(Category::kExpAvgSq)) ==
@@ -19,8 +27,9 @@ OptimizerStaging::OptimizerStaging(const PlacementPlan& plan)
     buf_[size_t(Category::kExpAvg)] = HostBuffer(bytes_of(Category::kExpAvg), "optimizer staging: exp_avg");
     buf_[size_t(Category::kExpAvgSq)] = HostBuffer(bytes_of(Category::kExpAvgSq), "optimizer staging: exp_avg_sq");
   }
-  if (need.opt_emit > 0) {
-    buf_[size_t(Category::kParam16)] = HostBuffer(size_t(need.opt_emit), "optimizer staging: working copy");
+  crossing(Category::kParam16, need.opt_emit, "optimizer staging: working copy");
+  for (int c = 0; c < kNumCategories; ++c) {
+    base_[size_t(c)] = pinned_[size_t(c)].data() != nullptr ? pinned_[size_t(c)].data() : buf_[size_t(c)].as<std::byte>();
   }
   reads_.resize(size_t(sets_));
   writes_.resize(size_t(sets_));
@@ -29,14 +38,14 @@ OptimizerStaging::OptimizerStaging(const PlacementPlan& plan)
 }
 
 std::byte* OptimizerStaging::slot(Category c, int k) const {
-  const HostBuffer& b = buf_[size_t(c)];
-  return b.data() == nullptr ? nullptr
-                             : b.as<std::byte>() + size_t(k) * size_t(piece_numel_ * elem_bytes_[size_t(c)]);
+  std::byte* b = base_[size_t(c)];
+  return b == nullptr ? nullptr : b + size_t(k) * size_t(piece_numel_ * elem_bytes_[size_t(c)]);
 }
 
 int64_t OptimizerStaging::bytes() const {
   int64_t n = 0;
   for (const HostBuffer& b : buf_) n += int64_t(b.bytes());
+  for (const PinnedHostBuffer& b : pinned_) n += b.bytes();
   return n;
 }
 

@@ -9,6 +9,7 @@
 #include <vector>
 
 #include "memory/buffer.h"
+#include "memory/device.h"
 #include "memory/placement.h"
 #include "memory/tiered_state.h"
 
@@ -16,7 +17,9 @@ namespace strata {
 
 class OptimizerStaging {
  public:
-  OptimizerStaging(const PlacementPlan& plan);
+  // On a device host code may not touch (a GPU) the gradient and working-copy
+  // slots, which cross PCIe, are registered with `device`.
+  OptimizerStaging(const PlacementPlan& plan, Device& device);
 
   int sets() const { return sets_; }
   int64_t piece_numel() const { return piece_numel_; }
@@ -37,6 +40,8 @@ class OptimizerStaging {
   int64_t piece_numel_ = 0;
   std::array<int, kNumCategories> elem_bytes_{};
   std::array<HostBuffer, kNumCategories> buf_;  // per category, `sets_` pieces each
+  std::array<PinnedHostBuffer, kNumCategories> pinned_;  // or registered with the device
+  std::array<std::byte*, kNumCategories> base_{};
   std::vector<PendingIo> reads_, writes_;  // sized once: completions point into them
   std::vector<Completion> read_done_, write_done_;
 };

@@ -35,6 +35,7 @@ class OptimizerThread {
     float grad_scale = 1.0f;
     double lr = 0.0;
     int64_t step = 0;
+    Completion backward_done;  // the device's compute up to the step's last gradient
   };
   // What the last finished job took, reported once by take_report().
   struct Report {

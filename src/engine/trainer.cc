@@ -46,6 +46,11 @@ std::vector<at::Tensor> as_leaves(const std::vector<at::Tensor>& views) {
   return leaves;
 }
 
+// Device-tier copies of optimizer state and working copies that no kernel
+// reads or writes while the optimizer runs (Note [Optimizer overlap]: the next
+// forward waits for a block's range to be published): ordered after nothing.
+const Completion kNoKernel;
+
 LinkBytes operator+(const LinkBytes& a, const LinkBytes& b) {
   return {a.h2d + b.h2d, a.d2h + b.d2h, a.nvme_read + b.nvme_read, a.nvme_write + b.nvme_write};
 }
@@ -182,7 +187,7 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
   // the backward that used them; this says so).
   device_->synchronize(Stream::kH2D);
   std::fill(gathered_valid_.begin(), gathered_valid_.end(), 0);
-  const OptimizerThread::Job job{grad_scale, r.lr, applied_steps_ + 1};
+  const OptimizerThread::Job job{grad_scale, r.lr, applied_steps_ + 1, device_->record(Stream::kCompute)};
   if (opt_thread_) {
     finish();  // the previous step's write-backs are done and its staging is free
     const OptimizerThread::Report last = opt_thread_->take_report();  // the previous step's
@@ -642,7 +647,9 @@ void Trainer::optimizer_step(const OptimizerThread::Job& job) {
       if (p != nullptr) return p;
       std::byte* dst = st.slot(c, k);
       STRATA_CHECK(dst != nullptr, "optimizer staging without a slot for a piece that needs one");
-      st.read_done(k) = state_->read_async(c, g.offset, g.numel, dst, st.reads(k));
+      // Device-tier parts (a GPU) after the backward that wrote the gradient,
+      // not behind the next step's forward this thread may run beside.
+      st.read_done(k) = state_->read_async(c, g.offset, g.numel, dst, st.reads(k), &job.backward_done);
       return dst;
     };
     sp.adam.grad = fetch(Category::kGrad);
@@ -715,20 +722,20 @@ void Trainer::optimizer_step(const OptimizerThread::Job& job) {
     PendingIo& w = st.writes(k);
     Completion& written = st.write_done(k);
     if (!state_->resident(Category::kMaster, g.offset, g.numel)) {
-      written = state_->write_async(Category::kMaster, g.offset, g.numel, sp.adam.param, w);
+      written = state_->write_async(Category::kMaster, g.offset, g.numel, sp.adam.param, w, &kNoKernel);
     }
     if (!state_->resident(Category::kExpAvg, g.offset, g.numel)) {
-      written = state_->write_async(Category::kExpAvg, g.offset, g.numel, sp.adam.exp_avg, w);
+      written = state_->write_async(Category::kExpAvg, g.offset, g.numel, sp.adam.exp_avg, w, &kNoKernel);
     }
     if (!state_->resident(Category::kExpAvgSq, g.offset, g.numel)) {
-      written = state_->write_async(Category::kExpAvgSq, g.offset, g.numel, sp.adam.exp_avg_sq, w);
+      written = state_->write_async(Category::kExpAvgSq, g.offset, g.numel, sp.adam.exp_avg_sq, w, &kNoKernel);
     }
     if (!sp.working_resident) {
       if (opt_thread_) {
         // The next forward may read it as soon as the progress says so.
-        state_->write_async(Category::kParam16, g.offset, g.numel, sp.working, opt_param_write_).wait();
+        state_->write_async(Category::kParam16, g.offset, g.numel, sp.working, opt_param_write_, &kNoKernel).wait();
       } else {
-        written = state_->write_async(Category::kParam16, g.offset, g.numel, sp.working, w);
+        written = state_->write_async(Category::kParam16, g.offset, g.numel, sp.working, w, &kNoKernel);
       }
     }
     if (opt_thread_) opt_thread_->publish(g.offset + g.numel);
@@ -1135,7 +1142,7 @@ void Trainer::allocate_step_buffers(const PlacementPlan& plan) {
 
   pieces_ = pipeline_pieces(plan);
   for (const PlacementUnit& piece : pieces_) piece_on_device_.push_back(device_adam_piece(plan, piece) ? 1 : 0);
-  staging_ = std::make_unique<OptimizerStaging>(plan);
+  staging_ = std::make_unique<OptimizerStaging>(plan, *device_);
   opt_spans_.resize(size_t(staging_->sets()));
   // Runs of each optimizer piece inside one block shard.
   for (const PlacementUnit& piece : pieces_) {

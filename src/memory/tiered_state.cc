@@ -209,7 +209,7 @@ void wait_all_handles(std::vector<nvme::SwapHandle>& pending) {
 // Copies between homes and `buf` in direction `op`: resident pieces at once,
 // NVMe pieces submitted with their handles appended to `pending`.
 void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t numel, std::byte* buf,
-                           PendingIo& pending) {
+                           PendingIo& pending, const Completion* device_after) {
   const bool reading = op == nvme::IoOp::kRead;
   TraceSpan span(tier_of(c, offset) == Tier::kNvme ? TraceTrack::kNvme : TraceTrack::kCopy,
                  reading ? kReadNames[int(c)] : kWriteNames[int(c)]);
@@ -229,7 +229,10 @@ void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t nu
         // the D2H / H2D stream of a GPU, after the compute queued so far
         // (which may write the home a read takes, or read the home a write
         // replaces).
-        if (!device_copies) device_->stream_wait(reading ? Stream::kD2H : Stream::kH2D, device_->record(Stream::kCompute));
+        if (!device_copies) {
+          device_->stream_wait(reading ? Stream::kD2H : Stream::kH2D,
+                               device_after != nullptr ? *device_after : device_->record(Stream::kCompute));
+        }
         const DevicePtr home(h.ptr + at * eb);
         if (reading) {
           device_->copy_to_host(mine, home, bytes, Stream::kD2H);
@@ -261,15 +264,16 @@ void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t nu
 }
 
 Completion TieredState::read_async(Category c, int64_t offset, int64_t numel, void* buf,
-                                   PendingIo& pending) {
-  transfer(nvme::IoOp::kRead, c, offset, numel, static_cast<std::byte*>(buf), pending);
+                                   PendingIo& pending, const Completion* device_after) {
+  transfer(nvme::IoOp::kRead, c, offset, numel, static_cast<std::byte*>(buf), pending, device_after);
   return pending.completion();
 }
 
 Completion TieredState::write_async(Category c, int64_t offset, int64_t numel, const void* buf,
-                                    PendingIo& pending) {
+                                    PendingIo& pending, const Completion* device_after) {
   // The swap store only reads `buf` for a write.
-  transfer(nvme::IoOp::kWrite, c, offset, numel, static_cast<std::byte*>(const_cast<void*>(buf)), pending);
+  transfer(nvme::IoOp::kWrite, c, offset, numel, static_cast<std::byte*>(const_cast<void*>(buf)), pending,
+           device_after);
   return pending.completion();
 }
 

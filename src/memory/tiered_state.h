@@ -116,10 +116,13 @@ class TieredState {
   // the group `pending`, whose completion is returned (already complete when
   // everything was resident: those pieces are copied at once). `buf` must
   // stay untouched (write) / unread (read) until the completion is waited.
+  // Device-tier pieces are copied after `device_after` when given (e.g. the
+  // backward that wrote the gradient, or a fired Completion() for state no
+  // kernel touches), else after all the compute queued so far.
   [[nodiscard]] Completion read_async(Category c, int64_t offset, int64_t numel, void* buf,
-                                      PendingIo& pending);
+                                      PendingIo& pending, const Completion* device_after = nullptr);
   [[nodiscard]] Completion write_async(Category c, int64_t offset, int64_t numel, const void* buf,
-                                       PendingIo& pending);
+                                       PendingIo& pending, const Completion* device_after = nullptr);
 
   // Starts copying [offset, offset + numel) of category c from host-tier or
   // device-tier homes into device memory at `dst`, on the H2D stream after
@@ -177,7 +180,7 @@ class TieredState {
   void for_each_piece(Category c, int64_t offset, int64_t numel, Fn&& fn) const;
 
   void transfer(nvme::IoOp op, Category c, int64_t offset, int64_t numel, std::byte* buf,
-                PendingIo& pending);
+                PendingIo& pending, const Completion* device_after = nullptr);
   void count(int link, int64_t bytes);  // 0 h2d, 1 d2h, 2 nvme_read, 3 nvme_write
   // The home range in one unit of a resident tier, or nullptr (resident()'s
   // search, any tier but NVMe).
