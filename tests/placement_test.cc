@@ -222,6 +222,25 @@ TEST(PlacementTest, AutoOnAGpuPutsOptimizerStateOnTheDeviceOnlyWhole) {
   }
   EXPECT_EQ(device_groups, 1);  // 5 units left: one sub-group of 3, not a fourth and fifth alone
   EXPECT_EQ(p.staging.grad_host, 0);  // every gradient home is on the device
+
+  // A first block of 11 units whose gradient does not fit (10 units left
+  // after the working copy) while the 7 small blocks' do: its sub-groups
+  // stay off the device, though the first would fit there (3 units left).
+  std::vector<std::pair<std::string, std::vector<ParamSpec>>> blocks;
+  blocks.push_back({"block.0", {{"w", {2816, 256}, Init::kNormal, 0.02}}});
+  for (int b = 1; b < 8; ++b) blocks.push_back({"block." + std::to_string(b), {{"w", {256, 256}, Init::kNormal, 0.02}}});
+  StateLayout uneven(blocks, 1);
+  const int64_t act2 = make_plan(cfg, uneven, 0, unlimited()).activation_bytes;
+  cap.device_bytes = act2 + 11 * unit /* gradient stage */ + 18 * unit /* param16 */ + 10 * unit;
+  PlacementPlan q = make_plan(cfg, uneven, 0, cap);
+  EXPECT_EQ(q.units[size_t(Category::kGrad)][0].tier, Tier::kHost);
+  for (size_t b = 1; b < 8; ++b) EXPECT_EQ(q.units[size_t(Category::kGrad)][b].tier, Tier::kDevice) << b;
+  device_groups = 0;
+  for (const PlacementUnit& m : q.units[size_t(Category::kMaster)]) {
+    EXPECT_EQ(device_adam_piece(q, m), m.tier == Tier::kDevice) << "sub-group at " << m.offset;
+    device_groups += m.tier == Tier::kDevice;
+  }
+  EXPECT_EQ(device_groups, 1);
 }
 
 TEST(PlacementTest, AutoOnCpuSharesOneHostPoolAndSpillsToNvme) {

@@ -41,6 +41,12 @@ import sys
 import time
 
 NOMINAL_TFLOPS = 989.0  # H100 SXM, dense bf16
+DEADLINE = None          # time.time() by which everything must have ended (--deadline)
+RESULT = {}              # what is known so far: written to --json even when a step fails or times out
+
+
+class Stop(Exception):
+    """A step failed or ran out of time: report what is known and stop."""
 
 
 def ensure_tokens(path, count=8_000_000, vocab=32000):
@@ -57,12 +63,18 @@ def ensure_tokens(path, count=8_000_000, vocab=32000):
 
 def run(cmd, log, timeout):
     t0 = time.time()
-    with open(log, "w") as f:
-        p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True, timeout=timeout)
+    limit = min(timeout, DEADLINE - t0)
+    if limit < 10:
+        raise Stop(f"no time left for {' '.join(cmd[:2])} (--deadline)")
+    try:
+        with open(log, "w") as f:
+            p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=f, text=True, timeout=limit)
+    except subprocess.TimeoutExpired:
+        raise Stop(f"{' '.join(cmd)} ran past {limit:.0f} s (log: {log})")
     if p.returncode != 0:
         with open(log) as f:
             tail = f.read()[-3000:]
-        sys.exit(f"{' '.join(cmd)} failed (rc {p.returncode}) after {time.time() - t0:.0f} s:\n{tail}")
+        raise Stop(f"{' '.join(cmd)} failed (rc {p.returncode}) after {time.time() - t0:.0f} s:\n{tail}")
     return p.stdout
 
 
@@ -76,7 +88,7 @@ def strata_tokens_per_s(args, config, tag):
     lines = [json.loads(l) for l in open(metrics) if l.strip()]
     steps = [l for l in lines if "tokens_per_s" in l][args.warmup:]
     if not steps:
-        sys.exit(f"{metrics}: no steps after the warm-up")
+        raise Stop(f"{metrics}: no steps after the warm-up")
     return statistics.median(l["tokens_per_s"] for l in steps), steps[-1]
 
 
@@ -92,6 +104,7 @@ def bench_a(args):
         rows["torch"].append(ref)
         tps, last = strata_tokens_per_s(args, args.config, f"strata-{r}")
         rows["strata"].append({"tokens_per_s": tps, "last": last})
+        RESULT.update({"benchmark": "a", "rounds": rows})
         print(f"round {r}: strata {tps:.0f} tok/s, LibTorch {ref['tokens_per_s']:.0f} tok/s, "
               f"ratio {tps / ref['tokens_per_s']:.3f}, GEMM {ref['gemm_tflops']:.0f} TFLOP/s", flush=True)
     ratios = [s["tokens_per_s"] / t["tokens_per_s"] for s, t in zip(rows["strata"], rows["torch"])]
@@ -127,10 +140,24 @@ def bench_b(args):
     os.makedirs(args.dir, exist_ok=True)
     ensure_tokens("out/gpu-tokens.bin")
     cfg = json.load(open(args.config))
+    plan = plan_of(args, args.config)
+    state = sum(plan["state_total_bytes"].values())
+    RESULT.update({"benchmark": "b", "config": args.config, "plan_state_bytes": plan["state_total_bytes"],
+                   "plan_capacity_bytes": plan["capacity_bytes"], "plan_recompute": plan["recompute"],
+                   "state_over_hbm": state / max(1, plan["capacity_bytes"]["device"])})
+    print(f"plan: state {state / 1e9:.1f} GB = {RESULT['state_over_hbm']:.2f}x the device's "
+          f"{plan['capacity_bytes']['device'] / 1e9:.1f} GB; on NVMe {plan['state_total_bytes']['nvme'] / 1e9:.1f} GB; "
+          f"recompute {plan['recompute']}; fits {plan['fits']}", flush=True)
+    if not plan["fits"]:
+        raise Stop("the plan does not fit: " + "; ".join(plan.get("shortfalls", [])))
+    if plan["recompute"] != cfg["run"]["recompute"]:
+        raise Stop(f"the plan resolved recompute to {plan['recompute']}, the reference runs {cfg['run']['recompute']}")
     io = bench_io(args, cfg["placement"]["nvme_path"])
+    RESULT["bench_io_gbps"] = io
     ref = json.loads(run([args.torch_ref, "--config", args.config, "--compute-only", "--steps", str(args.ref_steps),
                           "--warmup", "1", "--gemm-n", str(args.gemm_n), "--device", args.ref_device],
                          os.path.join(args.dir, "torch-compute-only.log"), args.timeout).strip().splitlines()[-1])
+    RESULT["compute_only"] = ref
     print(f"compute-only reference: {ref['tokens_per_s']:.0f} tok/s, step {ref['step_s']:.2f} s; "
           f"GEMM {ref.get('gemm_tflops', 0):.0f} TFLOP/s; bench-io write {io['write']:.2f} read {io['read']:.2f} GB/s",
           flush=True)
@@ -142,15 +169,16 @@ def bench_b(args):
     fpt = ref["flops_per_token"]
     gemm = ref.get("gemm_tflops") or float("nan")
     hide = ref["step_s"]
-    out = {
-        "benchmark": "b", "config": args.config, "parameters": ref["parameters"],
+    out = dict(RESULT)
+    out.update({
+        "parameters": ref["parameters"],
         "strata_tokens_per_s": tps, "compute_only_tokens_per_s": ref["tokens_per_s"],
         "ratio": tps / ref["tokens_per_s"], "flops_per_token": fpt, "gemm_tflops": gemm,
         "strata_mfu_nominal": tps * fpt / (NOMINAL_TFLOPS * 1e12), "strata_mfu_gemm": tps * fpt / (gemm * 1e12),
         "nvme_bytes_per_step": nvme, "bench_io_gbps": io, "compute_step_s": hide,
         "nvme_gbps_needed_to_hide": nvme / hide / 1e9,
-        "steps": steps, "plan_tail": last,
-    }
+        "steps": steps,
+    })
     print(f"(b) strata {tps:.0f} tok/s vs compute-only {ref['tokens_per_s']:.0f} tok/s: ratio {out['ratio']:.3f}; "
           f"MFU {100 * out['strata_mfu_nominal']:.1f}% of {NOMINAL_TFLOPS:.0f}, {100 * out['strata_mfu_gemm']:.1f}% of the GEMM; "
           f"NVMe {nvme / 1e9:.1f} GB/step = {out['nvme_gbps_needed_to_hide']:.2f} GB/s over the {hide:.2f} s compute step "
@@ -204,6 +232,10 @@ def bench_c(args):
           f"{per_param:.1f} B/param = {bound / 1e9:.2f}B: {100 * plan['parameters'] / bound:.1f}%", flush=True)
     with open(path) as f:
         cfg = json.load(f)
+    RESULT.update({"benchmark": "c", "layers": lo, "parameters": plan["parameters"], "bound_parameters": bound,
+                   "fraction_of_bound": plan["parameters"] / bound, "bytes_per_parameter": per_param,
+                   "non_state_bytes": non_state, "capacity_bytes": cap, "config": cfg, "plan": plan})
+    save(args)  # what the plan says, before the (long) training
     tps, last = strata_tokens_per_s(args, path, "strata-c")
     print(f"(c) trained {args.steps} steps: {tps:.0f} tok/s, loss {last['loss']:.3f}")
     return {"benchmark": "c", "layers": lo, "parameters": plan["parameters"], "bound_parameters": bound,
@@ -212,7 +244,14 @@ def bench_c(args):
             "config": cfg, "plan": plan}
 
 
+def save(args):
+    if args.json:
+        with open(args.json, "w") as f:
+            json.dump(RESULT, f, indent=1)
+
+
 def main():
+    global DEADLINE
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("which", choices=["a", "b", "c"])
     ap.add_argument("--strata", default=".dev/bin/strata")
@@ -224,7 +263,9 @@ def main():
     ap.add_argument("--rounds", type=int, default=2)
     ap.add_argument("--steps", type=int)
     ap.add_argument("--warmup", type=int)
-    ap.add_argument("--timeout", type=int, default=240)
+    ap.add_argument("--timeout", type=int, default=420, help="seconds per command at most")
+    ap.add_argument("--deadline", type=int, default=560,
+                    help="seconds for everything (a device call's limit is 600): what is known is reported then")
     ap.add_argument("--ref-device", default="cuda", help="the reference's device (cpu: a smoke test anywhere)")
     ap.add_argument("--gemm-n", type=int, default=8192)
     ap.add_argument("--json")
@@ -236,10 +277,18 @@ def main():
     args.warmup = defaults[2] if args.warmup is None else args.warmup
     if args.steps <= args.warmup:
         sys.exit("--steps must exceed --warmup")
-    out = {"a": bench_a, "b": bench_b, "c": bench_c}[args.which](args)
-    if args.json:
-        with open(args.json, "w") as f:
-            json.dump(out, f, indent=1)
+    DEADLINE = time.time() + args.deadline
+    os.makedirs(args.dir, exist_ok=True)
+    try:
+        RESULT.update({"benchmark": args.which, "result": "ok"})
+        out = {"a": bench_a, "b": bench_b, "c": bench_c}[args.which](args)
+        RESULT.update(out)
+    except Stop as e:
+        RESULT["result"] = "stopped"
+        RESULT["why"] = str(e)
+        save(args)
+        sys.exit(f"bench_gpu.py {args.which}: stopped: {e}")
+    save(args)
 
 
 if __name__ == "__main__":

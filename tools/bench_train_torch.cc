@@ -83,6 +83,14 @@ int main(int argc, char** argv) {
     const strata::StateLayout layout(model.layout_specs(), 1);
     const auto dt = cfg.run.compute_dtype == "bf16" ? at::kBFloat16 : cfg.run.compute_dtype == "fp16" ? at::kHalf
                                                                                                       : at::kFloat;
+    // The same step as Strata's or none: refuse what this loop does not do.
+    if (cfg.run.recompute == "auto") {
+      throw strata::ConfigError("run.recompute", "say \"always\" or \"never\": the reference cannot guess the plan's choice");
+    }
+    if (cfg.run.optimizer_state_dtype != "fp32") {
+      throw strata::ConfigError("run.optimizer_state_dtype", "the reference's fused AdamW keeps fp32 moments");
+    }
+    if (!cfg.optimizer.adam_w_mode) throw strata::ConfigError("optimizer.type", "the reference is AdamW");
     const bool recompute = cfg.run.recompute == "always";
     // Weights: fp32 master per parameter (initialised as Strata does, seed
     // run.seed), a working copy in the compute dtype whose views are leaves.
@@ -108,15 +116,22 @@ int main(int argc, char** argv) {
     }
     const int64_t B = cfg.train_micro_batch_size_per_gpu, T = cfg.model.seq_len;
     const int64_t accum = cfg.gradient_accumulation_steps;
-    at::Tensor tokens = at::randint(cfg.model.vocab_size, {accum, B, T + 1},
-                                    at::TensorOptions().dtype(at::kLong).device(dev));
+    at::Tensor tokens = at::randint(cfg.model.vocab_size, {accum, B, T + 1}, gen, at::TensorOptions().dtype(at::kLong))
+                            .to(dev);  // drawn from the seeded generator: two runs see the same tokens
     const double max_norm = cfg.gradient_clipping;
     std::vector<size_t> first_param;  // per block: its first index in p_work
     for (size_t b = 0, i = 0; b < layout.num_blocks(); i += work[b].size(), ++b) first_param.push_back(i);
     const size_t head = layout.num_blocks() - 1;
     const bool tied = cfg.model.tie_embeddings;
-    // Gradients of one micro-batch, one per parameter of p_work.
-    auto micro_grads = [&](const at::Tensor& x0, const at::Tensor& y) -> std::vector<at::Tensor> {
+    // fp32 gradients, allocated once, zeroed per step; each micro-batch's
+    // 16-bit gradients are added in as each block's backward yields them (the
+    // tied head's share first at the embedding), as Strata's staging does.
+    std::vector<at::Tensor> grads32;
+    for (const at::Tensor& w : p_work) grads32.push_back(at::zeros(w.sizes(), w.options().dtype(at::kFloat)));
+    auto add_block = [&](size_t b, const std::vector<at::Tensor>& g, size_t first) {
+      for (size_t i = 0; i < work[b].size(); ++i) grads32[first_param[b] + i].add_(g[first + i]);
+    };
+    auto micro_batch = [&](const at::Tensor& x0, const at::Tensor& y) -> at::Tensor {
       auto loss_of = [&](const at::Tensor& logits) {
         return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat), y.reshape({-1})) /
                double(accum);
@@ -126,7 +141,10 @@ int main(int argc, char** argv) {
         for (size_t b = 0; b < layout.num_blocks(); ++b) {
           x = model.forward(b, work[b], x, b == head && tied ? work[0][0] : at::Tensor());
         }
-        return torch::autograd::grad({loss_of(x)}, p_work);
+        const at::Tensor loss = loss_of(x);
+        const std::vector<at::Tensor> g = torch::autograd::grad({loss}, p_work);
+        for (size_t i = 0; i < g.size(); ++i) grads32[i].add_(g[i]);
+        return loss.detach();
       }
       // Forward without autograd, keeping each block's input; the head with
       // autograd; then each block recomputed from its input, in reverse.
@@ -139,16 +157,16 @@ int main(int argc, char** argv) {
           x = model.forward(b, work[b], x);
         }
       }
-      std::vector<at::Tensor> g(p_work.size());
       at::Tensor xin = x.detach().requires_grad_(true);
       std::vector<at::Tensor> wrt{xin};
       wrt.insert(wrt.end(), work[head].begin(), work[head].end());
       if (tied) wrt.push_back(work[0][0]);
-      std::vector<at::Tensor> gh =
-          torch::autograd::grad({loss_of(model.forward(head, work[head], xin, tied ? work[0][0] : at::Tensor()))}, wrt);
-      for (size_t i = 0; i < work[head].size(); ++i) g[first_param[head] + i] = gh[1 + i];
-      if (tied) g[0] = gh.back();
+      const at::Tensor loss = loss_of(model.forward(head, work[head], xin, tied ? work[0][0] : at::Tensor()));
+      std::vector<at::Tensor> gh = torch::autograd::grad({loss}, wrt);
+      add_block(head, gh, 1);
+      at::Tensor tied_grad = tied ? gh.back() : at::Tensor();
       at::Tensor dx = gh[0];
+      gh.clear();
       for (size_t b = head; b-- > 0;) {
         const bool emb = b == 0;
         at::Tensor in = emb ? inputs[b] : inputs[b].detach().requires_grad_(true);
@@ -156,28 +174,21 @@ int main(int argc, char** argv) {
         if (!emb) w.push_back(in);
         w.insert(w.end(), work[b].begin(), work[b].end());
         std::vector<at::Tensor> gb = torch::autograd::grad({model.forward(b, work[b], in)}, w, {dx});
-        const size_t off = emb ? 0 : 1;
-        for (size_t i = 0; i < work[b].size(); ++i) {
-          at::Tensor& dst = g[first_param[b] + i];
-          dst = dst.defined() ? dst + gb[off + i] : gb[off + i];
-        }
+        if (emb && tied_grad.defined()) grads32[0].add_(tied_grad);
+        add_block(b, gb, emb ? 0 : 1);
         if (!emb) dx = gb[0];
         inputs[b] = at::Tensor();
       }
-      return g;
+      return loss.detach();
     };
     std::vector<double> step_s;
+    at::Tensor last_loss;  // the mean loss of the last step (a check that two runs did the same)
     for (int s = 0; s < warmup + steps; ++s) {
       const auto t0 = std::chrono::steady_clock::now();
-      std::vector<at::Tensor> grads32;
-      for (int64_t m = 0; m < accum; ++m) {
-        std::vector<at::Tensor> g = micro_grads(tokens[m].narrow(1, 0, T), tokens[m].narrow(1, 1, T));
-        if (m == 0) {
-          for (at::Tensor& gi : g) grads32.push_back(gi.to(at::kFloat));
-        } else {
-          for (size_t i = 0; i < g.size(); ++i) grads32[i].add_(g[i]);
-        }
-      }
+      for (at::Tensor& g : grads32) g.zero_();
+      at::Tensor loss = at::zeros({}, at::TensorOptions().dtype(at::kFloat).device(dev));
+      for (int64_t m = 0; m < accum; ++m) loss += micro_batch(tokens[m].narrow(1, 0, T), tokens[m].narrow(1, 1, T));
+      last_loss = loss;
       if (compute_only) {
         sync(dev);
         if (s >= warmup) step_s.push_back(seconds(t0));
@@ -211,6 +222,7 @@ int main(int argc, char** argv) {
                           {"parameters", layout.parameter_count()},
                           {"compute_dtype", cfg.run.compute_dtype},
                           {"step_s", med},
+                          {"last_loss", last_loss.item<double>()},
                           {"tokens_per_s", tokens_per_s},
                           {"flops_per_token", model.flops_per_token()},
                           {"flops_per_s", tokens_per_s * model.flops_per_token()}};

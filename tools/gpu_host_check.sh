@@ -58,6 +58,8 @@ if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   sort "$DEST/tests.txt"
   grep -h -E '^\[  (PASSED|SKIPPED|FAILED) ' "$DEST"/*_test.log | sort | uniq -c
   grep -h -E '^\[  (FAILED|SKIPPED) +\]' "$DEST"/*_test.log | head -40
+  # One file for the logs ($OUT brings back at most 8 files).
+  (cd "$DEST" && tar czf test-logs.tgz *_test.log tests.txt && rm -f *_test.log)
   unset OMP_NUM_THREADS
 fi
 
@@ -78,9 +80,12 @@ case "$WHAT" in
   gpu-a|gpu-b|gpu-c)
     which=${WHAT#gpu-}
     echo "== GPU benchmark ($which)"
+    work="${TMPDIR:-/tmp}/bench-gpu-$which"
+    rm -rf "$work"
     PYTHONUNBUFFERED=1 python3 "$ROOT/tools/bench_gpu.py" "$which" --strata "$BIN/strata" \
-      --torch-ref "$BIN/bench_train_torch" --rounds "${GPU_ROUNDS:-2}" --dir "${TMPDIR:-/tmp}/bench-gpu" \
+      --torch-ref "$BIN/bench_train_torch" --rounds "${GPU_ROUNDS:-2}" --dir "$work" \
       --json "$DEST/bench-gpu-$which.json" 2>&1 | tee "$DEST/bench-gpu-$which.log"
-    cp "${TMPDIR:-/tmp}"/bench-gpu/*.log "$DEST/" 2>/dev/null || true
+    # One file for every log and metrics file ($OUT brings back at most 8).
+    tar czf "$DEST/bench-gpu-$which-logs.tgz" -C "$work" . 2>/dev/null || true
     ;;
 esac

@@ -48,7 +48,9 @@ std::vector<at::Tensor> as_leaves(const std::vector<at::Tensor>& views) {
 
 // Device-tier copies of optimizer state and working copies that no kernel
 // reads or writes while the optimizer runs (Note [Optimizer overlap]: the next
-// forward waits for a block's range to be published): ordered after nothing.
+// forward waits for a block's range to be published): not ordered after the
+// compute queued so far. (The copy stream may still carry waits for compute
+// that the other thread queued, e.g. a window fetch's: slower, never wrong.)
 const Completion kNoKernel;
 
 LinkBytes operator+(const LinkBytes& a, const LinkBytes& b) {
