@@ -635,15 +635,7 @@ void Trainer::optimizer_step(const OptimizerThread::Job& job) {
     sp.adam.state_type = plan.bf16_moments() ? cpu_adam::StateType::kBF16 : cpu_adam::StateType::kF32;
     sp.adam.grad_type = cpu_adam::GradType::kF32;
     sp.adam.numel = g.numel;
-    if (piece_on_device_[j]) {
-      auto home = [&](Category c) { return state_->resident_on_device(c, g.offset, g.numel).raw(); };
-      sp.adam.grad = home(Category::kGrad);
-      sp.adam.param = reinterpret_cast<float*>(home(Category::kMaster));
-      sp.adam.exp_avg = home(Category::kExpAvg);
-      sp.adam.exp_avg_sq = home(Category::kExpAvgSq);
-      sp.working = home(Category::kParam16);
-      sp.working_resident = true;
-    } else {
+    if (piece_on_device_[j]) return;  // updated in place on the device (launch_device_run)
     auto fetch = [&](Category c) -> std::byte* {
       std::byte* p = state_->resident(c, g.offset, g.numel);
       if (p != nullptr) return p;
@@ -662,7 +654,6 @@ void Trainer::optimizer_step(const OptimizerThread::Job& job) {
     sp.working_resident = sp.working != nullptr;
     if (!sp.working_resident) sp.working = st.slot(Category::kParam16, k);
     STRATA_CHECK(sp.working != nullptr, "optimizer staging without a working-copy slot");
-    }
     if (compute_dtype_ != at::kFloat) {
       sp.adam.emit = sp.working;
       sp.adam.emit_type = compute_dtype_ == at::kBFloat16 ? cpu_adam::EmitType::kBF16 : cpu_adam::EmitType::kF16;
@@ -683,11 +674,22 @@ void Trainer::optimizer_step(const OptimizerThread::Job& job) {
     const PlacementUnit& g = groups[j];
     if (sets > 1 && j + 1 < groups.size()) issue_reads(j + 1);  // read ahead
     st.read_done(k).wait();
+    int64_t end = g.offset + g.numel;  // what this piece's update overwrites
+    if (piece_on_device_[j]) {
+      for (const DeviceRun& r : device_launch_[j]) end = std::max(end, r.offset + r.numel);
+    }
     if (save) {
-      const size_t n = size_t(std::lower_bound(save->offsets.begin(), save->offsets.end(), g.offset + g.numel) -
-                              save->offsets.begin());
+      const size_t n =
+          size_t(std::lower_bound(save->offsets.begin(), save->offsets.end(), end) - save->offsets.begin());
       TraceSpan span(TraceTrack::kAdam, "wait for checkpoint");
       save->save->wait_written(n);
+    }
+    if (piece_on_device_[j]) {
+      TraceSpan span(TraceTrack::kAdam, "adam on the device");
+      for (const DeviceRun& r : device_launch_[j]) launch_device_run(h, job, r);
+      if (opt_thread_) opt_thread_->publish(g.offset + g.numel);
+      if (sets == 1 && j + 1 < groups.size()) issue_reads(j + 1);
+      continue;
     }
     OptSet& sp = opt_spans_[size_t(k)];
     {
@@ -703,22 +705,8 @@ void Trainer::optimizer_step(const OptimizerThread::Job& job) {
         part.exp_avg_sq = static_cast<std::byte*>(part.exp_avg_sq) + run.start * moment_bytes;
         if (part.emit != nullptr) part.emit = static_cast<std::byte*>(part.emit) + run.start * compute_bytes_;
         part.numel = run.numel;
-        const cpu_adam::StepArgs args{job.step, job.grad_scale, run.key};
-        if (piece_on_device_[j]) {
-          device_adam(h, args, part);
-        } else {
-          adam_->step(h, args, part);
-        }
+        adam_->step(h, cpu_adam::StepArgs{job.step, job.grad_scale, run.key}, part);
       }
-    }
-    if (piece_on_device_[j]) {
-      if (compute_dtype_ == at::kFloat) {
-        device_->copy_on_device(DevicePtr(sp.working), DevicePtr(reinterpret_cast<std::byte*>(sp.adam.param)),
-                                g.numel * 4, Stream::kCompute);
-      }
-      if (opt_thread_) opt_thread_->publish(g.offset + g.numel);
-      if (sets == 1 && j + 1 < groups.size()) issue_reads(j + 1);
-      continue;
     }
     if (compute_dtype_ == at::kFloat) std::memcpy(sp.working, sp.adam.param, size_t(g.numel * 4));
     PendingIo& w = st.writes(k);
@@ -744,6 +732,34 @@ void Trainer::optimizer_step(const OptimizerThread::Job& job) {
     if (sets == 1 && j + 1 < groups.size()) issue_reads(j + 1);  // sequential: after the write-back
   }
   for (int k = 0; k < sets; ++k) st.write_done(k).wait();
+}
+
+// One launch over a stretch of device-resident state (DeviceRun): master,
+// moments and gradient in place, the working copy emitted (bf16/fp16) or
+// copied (fp32) on the compute stream.
+void Trainer::launch_device_run(const cpu_adam::AdamParams& h, const OptimizerThread::Job& job, const DeviceRun& r) {
+  auto home = [&](Category c) {
+    const DevicePtr p = state_->resident_on_device(c, r.offset, r.numel);
+    STRATA_CHECK(p, "a device optimizer run that is not resident on the device");
+    return p;
+  };
+  cpu_adam::AdamSpans s;
+  s.grad = home(Category::kGrad).raw();
+  s.param = reinterpret_cast<float*>(home(Category::kMaster).raw());
+  s.exp_avg = home(Category::kExpAvg).raw();
+  s.exp_avg_sq = home(Category::kExpAvgSq).raw();
+  s.state_type = state_->plan().bf16_moments() ? cpu_adam::StateType::kBF16 : cpu_adam::StateType::kF32;
+  s.grad_type = cpu_adam::GradType::kF32;
+  s.numel = r.numel;
+  const DevicePtr working = home(Category::kParam16);
+  if (compute_dtype_ != at::kFloat) {
+    s.emit = working.raw();
+    s.emit_type = compute_dtype_ == at::kBFloat16 ? cpu_adam::EmitType::kBF16 : cpu_adam::EmitType::kF16;
+  }
+  device_adam(h, cpu_adam::StepArgs{job.step, job.grad_scale, r.key}, s);
+  if (compute_dtype_ == at::kFloat) {
+    device_->copy_on_device(working, home(Category::kMaster), r.numel * 4, Stream::kCompute);
+  }
 }
 
 void Trainer::device_adam(const cpu_adam::AdamParams& h, const cpu_adam::StepArgs& args,
@@ -1154,10 +1170,38 @@ void Trainer::allocate_step_buffers(const PlacementPlan& plan) {
       const int64_t hi = std::min(piece.offset + piece.numel, shard_offset_[b] + layout_.block(b).shard_numel());
       if (lo >= hi) continue;
       const int64_t in_block = shard_rank_ * layout_.block(b).shard_numel() + (lo - shard_offset_[b]);
-      runs.push_back({lo - piece.offset, hi - lo, uint64_t(global_index_[b] + in_block)});
+      runs.push_back({lo - piece.offset, hi - lo, uint64_t(global_index_[b] + in_block), int32_t(b)});
     }
     piece_runs_.push_back(std::move(runs));
   }
+  // Device pieces: runs merged while they continue the same block shard.
+  device_launch_.assign(pieces_.size(), {});
+  size_t open_piece = SIZE_MAX;
+  DeviceRun open;
+  int32_t open_block = -1;
+  auto close = [&] {
+    if (open_piece != SIZE_MAX) device_launch_[open_piece].push_back(open);
+    open_piece = SIZE_MAX;
+  };
+  for (size_t j = 0; j < pieces_.size(); ++j) {
+    if (!piece_on_device_[j]) {
+      close();
+      continue;
+    }
+    for (const AdamRun& r : piece_runs_[j]) {
+      const int64_t at = pieces_[j].offset + r.start;
+      if (open_piece != SIZE_MAX && open.offset + open.numel == at && open_block == r.block &&
+          open.key + uint64_t(open.numel) == r.key) {
+        open.numel += r.numel;
+      } else {
+        close();
+        open = DeviceRun{at, r.numel, r.key};
+        open_piece = j;
+        open_block = r.block;
+      }
+    }
+  }
+  close();
   for (const BlockLayout& bl : layout_.blocks()) {
     forward_names_.push_back("forward " + bl.name);
     backward_names_.push_back("backward " + bl.name);

@@ -336,9 +336,20 @@ class Trainer {
     int64_t start = 0;   // elements from the piece's start
     int64_t numel = 0;
     uint64_t key = 0;
+    int32_t block = 0;
   };
   std::vector<std::vector<AdamRun>> piece_runs_;
   std::vector<char> piece_on_device_;     // per piece: device_adam_piece()
+  // Device pieces' runs merged across pieces (one launch per stretch of a
+  // block shard, not one per 2^20-element piece), launched at the piece where
+  // each starts; empty for the pieces a merged run covers.
+  struct DeviceRun {
+    int64_t offset = 0;  // shard space
+    int64_t numel = 0;
+    uint64_t key = 0;
+  };
+  std::vector<std::vector<DeviceRun>> device_launch_;
+  void launch_device_run(const cpu_adam::AdamParams& h, const OptimizerThread::Job& job, const DeviceRun& r);
   std::unique_ptr<OptimizerStaging> staging_;
   struct OptSet {
     cpu_adam::AdamSpans adam;
