@@ -363,8 +363,8 @@ TEST_F(StepTest, PlanKeepsGraphsOnlyWhereWeightsStayAndActivationsFit) {
 // device's Adam), parameters and gradients on the host (H2D window fetches,
 // D2H gradients), everything on NVMe with persistent blocks (bounce buffers),
 // and three-way splits (pieces on the device beside pieces CPU Adam updates
-// with device-tier parts staged); with offloaded activations and in bf16 and
-// fp16.
+// with device-tier parts staged); with offloaded activations, in bf16 and
+// fp16, and with bf16 moments (whose rounding is keyed by element).
 TEST_F(StepTest, ADeviceHostCodeMayNotTouchTrainsBitForBitAsTheCpuDevice) {
   const std::string swap = dir_.path() + "/swap";
   const std::string split = "{\"device\":0.3,\"host\":0.3,\"nvme\":0.4}";
@@ -381,6 +381,9 @@ TEST_F(StepTest, ADeviceHostCodeMayNotTouchTrainsBitForBitAsTheCpuDevice) {
       {"placement={\"param16\":{\"device\":0.5,\"host\":0.5},\"grad\":{\"device\":0.7,\"nvme\":0.3},"
        "\"optimizer\":{\"device\":0.6,\"host\":0.4},\"nvme_path\":\"" + swap + "\"}",
        "fp16={\"enabled\":true,\"loss_scale\":1024}", "run.overlap_optimizer=false"},
+      // bf16 moments on the device: the device's Adam runs over stretches
+      // merged across pieces, keyed as CPU Adam's per-piece runs are.
+      {"bf16.enabled=true", "run.optimizer_state_dtype=\"bf16\"", "zero_optimization.sub_group_size=4096"},
   };
   for (const std::vector<std::string>& o : cases) {
     const std::string what = o.empty() ? "all on the device" : nlohmann::json(o).dump();
