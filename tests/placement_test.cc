@@ -171,9 +171,9 @@ TEST(PlacementTest, AutoFillsTheDeviceFirstWithParametersThenGradients) {
   // staging of one swapped sub-group (master, exp_avg, exp_avg_sq; buffer_count
   // 1 = one staging set); since host code may not touch a GPU's memory, CPU
   // Adam's staging of a device-tier gradient and working copy (one unit each),
-  // and the registered buffer a gradient shard lands in on its way to a host
-  // home (one unit).
-  cap.host_bytes = 4 * unit + 8 * unit + 4 * unit + 3 * unit + 3 * unit;
+  // and the two registered buffers gradient shards land in on their way to
+  // host homes (one unit each).
+  cap.host_bytes = 4 * unit + 8 * unit + 4 * unit + 3 * unit + 4 * unit;
   cap.nvme_bytes = int64_t(1) << 40;
   PlacementPlan p = make_plan(cfg, layout, 0, cap);
   EXPECT_EQ(p.source, "auto");

@@ -90,6 +90,14 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
   for (at::Tensor& n : block_norm_) n = at::Tensor();
   checkpoints_->reset();
   for (KeptGraph& g : graphs_) g = KeptGraph();  // a failed step's
+  if (landing_.block >= 0) {
+    // A failed step's gradient in flight: let its copy end, drop it.
+    try {
+      landing_.copied.wait();
+    } catch (...) {
+    }
+    landing_ = Landing();
+  }
   StepResult r;
   const double wait0 = window_->wait_seconds();
   const double opt_wait0 = opt_wait_s_;
@@ -303,6 +311,7 @@ at::Tensor Trainer::forward_backward(const at::Tensor& tokens, double loss_scale
     complete_grad_sync(first);
     complete_grad_sync(1 - first);
   }
+  finish_landing();  // the embedding's gradient, on its way to a host home
   return loss_value;
 }
 
@@ -471,6 +480,8 @@ void Trainer::accumulate_grad(size_t b, const std::vector<at::Tensor>& grads, si
   if (comm_->world_size() > 1) complete_grad_sync(k);  // the stage's previous block is reduced
   // Views over the staging buffer, built once per block in the constructor.
   const at::Tensor& stage = grad_stage_flat_[k][b];
+  // A GPU: the stage's last D2H (flush_grad) must have read it first.
+  if (stage_read_[k].pending()) device_->stream_wait(Stream::kCompute, stage_read_[k]);
   stage.zero_();
   const std::vector<at::Tensor>& dst = grad_stage_views_[k][b];
   if (b == embedding_block_ && tied_grad_.defined()) {
@@ -556,28 +567,23 @@ void Trainer::flush_grad(size_t b, DevicePtr shard) {
     }
   } else {
     // A GPU: the shard comes to registered host memory (D2H, after the
-    // backward that wrote it), then to its home.
-    std::byte* landed = grad_host_.data();
-    {
-      TraceSpan span(TraceTrack::kCopy, "gradient D2H");
-      device_->stream_wait(Stream::kD2H, device_->record(Stream::kCompute));
-      device_->copy_to_host(landed, shard, n * 4, Stream::kD2H);
-      device_->record(Stream::kD2H).wait();
-    }
-    if (!grad_written_[b]) {
-      state_->write(Category::kGrad, off, n, landed);  // counts the D2H
-      final_values = host(landed);
-    } else if (std::byte* home = state_->resident(Category::kGrad, off, n)) {
-      state_->count_copy(/*to_device=*/false, n * 4);
-      final_values = host(home).add_(host(landed));
-    } else {
-      state_->count_copy(/*to_device=*/false, n * 4);
-      std::byte* acc = grad_host_.data() + state_->plan().largest_block_numel * 4;
-      state_->read(Category::kGrad, off, n, acc);
-      host(acc).add_(host(landed));
-      state_->write(Category::kGrad, off, n, acc);
-      final_values = host(acc);
-    }
+    // backward that wrote it) and is added into its home while the next
+    // block's backward runs (finish_landing): two landing halves, one
+    // filling while the other is added.
+    TraceSpan span(TraceTrack::kCopy, "gradient D2H");
+    const int half = landing_turn_;
+    landing_turn_ ^= 1;
+    std::byte* landed = grad_host_.data() + int64_t(half) * state_->plan().largest_block_numel * 4;
+    device_->stream_wait(Stream::kD2H, device_->record(Stream::kCompute));
+    device_->copy_to_host(landed, shard, n * 4, Stream::kD2H);
+    const Completion copied = device_->record(Stream::kD2H);
+    // The stage may be zeroed for the next block only after this read
+    // (world size 1 fills stage 0 only).
+    stage_read_[0] = copied;
+    finish_landing();  // the previous block's, if any
+    landing_ = Landing{int(b), copied, landed, !grad_written_[b], last_micro_};
+    grad_written_[b] = 1;
+    return;
   }
   grad_written_[b] = 1;
   if (last_micro_) {
@@ -585,6 +591,41 @@ void Trainer::flush_grad(size_t b, DevicePtr shard) {
     // block (shard) order when the step ends, never in completion order.
     block_norm_[b] = final_values.narrow(0, norm_lo_[b], norm_hi_[b] - norm_lo_[b]).norm();
   }
+}
+
+// The host half of flush_grad on a GPU for the block whose D2H is in flight:
+// waits for it, then writes or adds the shard into its home, and on the last
+// micro-batch takes its norm.
+void Trainer::finish_landing() {
+  if (landing_.block < 0) return;
+  Landing l = landing_;
+  landing_ = Landing();
+  const size_t b = size_t(l.block);
+  const int64_t n = layout_.block(b).shard_numel();
+  const int64_t off = shard_offset_[b];
+  auto host = [&](const void* p) {
+    return at::from_blob(const_cast<void*>(p), {n}, at::TensorOptions().dtype(at::kFloat));
+  };
+  {
+    TraceSpan span(TraceTrack::kCopy, "wait gradient D2H");
+    l.copied.wait();
+  }
+  at::Tensor final_values;
+  if (l.first) {
+    state_->write(Category::kGrad, off, n, l.landed);  // counts the D2H
+    final_values = host(l.landed);
+  } else if (std::byte* home = state_->resident(Category::kGrad, off, n)) {
+    state_->count_copy(/*to_device=*/false, n * 4);
+    final_values = host(home).add_(host(l.landed));
+  } else {
+    state_->count_copy(/*to_device=*/false, n * 4);
+    std::byte* acc = grad_host_.data() + 2 * state_->plan().largest_block_numel * 4;
+    state_->read(Category::kGrad, off, n, acc);
+    host(acc).add_(host(l.landed));
+    state_->write(Category::kGrad, off, n, acc);
+    final_values = host(acc);
+  }
+  if (l.last_micro) block_norm_[b] = final_values.narrow(0, norm_lo_[b], norm_hi_[b] - norm_lo_[b]).norm();
 }
 
 at::Tensor Trainer::loss_of(const at::Tensor& logits, const at::Tensor& targets) const {

@@ -224,6 +224,7 @@ class Trainer {
   // Waits for the reduction of stage k and adds its shard into the home.
   void complete_grad_sync(int k);
   void flush_grad(size_t b, DevicePtr shard);
+  void finish_landing();
   void optimizer_step(const OptimizerThread::Job& job);
   // One Adam call on device memory (a piece device_adam_piece() gives the
   // device): kernels::adam_step on the compute stream of a GPU.
@@ -314,6 +315,19 @@ class Trainer {
   at::Tensor tied_grad_;                  // head's gradient for the tied embedding, until flushed
   bool last_micro_ = false;               // the micro-batch whose flush takes the norm
   std::vector<at::Tensor> micro_loss_;    // per micro-batch of the step: its loss, read at the end
+  // A GPU's gradients for homes off the device (flush_grad): the block whose
+  // D2H into a landing half of grad_host_ is in flight, added into its home
+  // while the next block's backward runs; and per stage, the completion of
+  // the D2H that reads it (the stage is zeroed only after).
+  struct Landing {
+    int block = -1;
+    Completion copied;
+    std::byte* landed = nullptr;
+    bool first = false;       // the block's first flush of the step: a write, not an add
+    bool last_micro = false;  // take its norm
+  } landing_;
+  int landing_turn_ = 0;
+  Completion stage_read_[2];
   std::vector<at::Tensor> block_norm_;    // per block: L2 norm of this rank's range (0-dim, on the device)
   std::vector<int64_t> norm_lo_, norm_hi_;  // per block: this rank's norm range within its shard
 

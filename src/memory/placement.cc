@@ -136,7 +136,9 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
   if (plan.device_addressable) {
     n.grad_rmw = off_device(Category::kGrad) ? largest * 4 : 0;
   } else {
-    n.grad_host = (off_device(Category::kGrad) ? largest * 4 : 0) + (on_nvme(Category::kGrad) ? largest * 4 : 0);
+    // Two landing halves (one filled while the other is added into its
+    // home), plus a read-modify-write block for homes on NVMe.
+    n.grad_host = (off_device(Category::kGrad) ? 2 * largest * 4 : 0) + (on_nvme(Category::kGrad) ? largest * 4 : 0);
     bool nvme_window = false;
     for (const PlacementUnit& u : plan.units[size_t(Category::kParam16)]) nvme_window |= u.tier == Tier::kNvme;
     if (nvme_window) {

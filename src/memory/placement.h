@@ -70,8 +70,9 @@ struct StagingNeeds {
   int64_t grad_stage = 0;  // device: fp32 gradient of the largest block
   int64_t grad_rmw = 0;    // device: read-modify-write of a gradient that lives off the device
   // A device host code may not touch (a GPU): host memory registered with the
-  // device, receiving a block's gradient shard (D2H) for a home off the
-  // device, plus a read-modify-write buffer when a gradient home is on NVMe.
+  // device, receiving blocks' gradient shards (D2H; two, one added into its
+  // home while the next lands) for homes off the device, plus a
+  // read-modify-write buffer when a gradient home is on NVMe.
   // grad_rmw is then 0.
   int64_t grad_host = 0;
   int64_t opt_grad = 0;    // host: a sub-group's gradient, when not resident in one piece
