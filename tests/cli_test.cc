@@ -5,6 +5,7 @@
 #include <sys/wait.h>
 
 #include <array>
+#include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <map>
@@ -13,6 +14,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "memory/device.h"
 #include "test_util.h"
 
 namespace strata {
@@ -89,6 +91,35 @@ TEST(CliTest, MissingDataFileExits2NamingTheFileAndLeavesNoMetrics) {
   EXPECT_EQ(count_lines(r.output), 1) << r.output;
   EXPECT_NE(r.output.find("missing.txt"), std::string::npos) << r.output;
   EXPECT_FALSE(exists(dir.file("m.jsonl")));
+}
+
+// run.device "cuda": on a machine with a GPU, `strata train` trains there
+// (a metrics line per step, finite losses); on one without, one line naming
+// run.device, exit 2, and no metrics file.
+TEST(CliTest, CudaTrainsOnAGpuAndIsOneLineNamingRunDeviceWithout) {
+  TempDir dir;
+  const std::string data = dir.write("d.txt", testing::sample_text(4000));
+  nlohmann::json j = tiny_config(data, dir.file("m.jsonl"));
+  j["run"]["device"] = "cuda";
+  j["bf16"] = {{"enabled", true}};
+  Result r = run_strata("train " + write_config(dir, j));
+  if (cuda_device_count() == 0) {
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_EQ(count_lines(r.output), 1) << r.output;
+    EXPECT_NE(r.output.find("run.device"), std::string::npos) << r.output;
+    EXPECT_FALSE(exists(dir.file("m.jsonl")));
+    return;
+  }
+  ASSERT_EQ(r.code, 0) << r.output;
+  std::ifstream in(dir.file("m.jsonl"));
+  int steps = 0;
+  for (std::string line; std::getline(in, line);) {
+    const nlohmann::json m = nlohmann::json::parse(line);
+    if (!m.contains("tokens_per_s")) continue;
+    ++steps;
+    EXPECT_TRUE(std::isfinite(m["loss"].get<double>())) << line;
+  }
+  EXPECT_EQ(steps, 3);
 }
 
 TEST(CliTest, DataPathNamingADirectoryIsOneLine) {
