@@ -64,7 +64,7 @@ class DeferredDevice final : public Device {
     for (int s = 0; s < kNumStreams; ++s) n += ops_[size_t(s)].size() - done_[size_t(s)];
     return n;
   }
-  // Copies run so far (all streams).
+  // Copies queued on the copy streams (H2D, D2H, comm) so far.
   size_t copies() const {
     std::lock_guard<std::mutex> lock(mu_);
     return copies_;
@@ -85,11 +85,11 @@ class DeferredDevice final : public Device {
  private:
   void queue(Stream s, std::function<void()> op) {
     std::lock_guard<std::mutex> lock(mu_);
-    ++copies_;
     if (s == Stream::kCompute) {
       op();  // in order with the compute, which runs at once
       return;
     }
+    ++copies_;
     ops_[size_t(s)].push_back(std::move(op));
   }
   void run(int s, size_t through) {

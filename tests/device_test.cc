@@ -4,11 +4,8 @@
 #include <gtest/gtest.h>
 
 #include <algorithm>
-#include <array>
 #include <cstdlib>
 #include <cstring>
-#include <functional>
-#include <map>
 #include <numeric>
 #include <string>
 #include <vector>

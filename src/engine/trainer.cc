@@ -481,7 +481,7 @@ void Trainer::accumulate_grad(size_t b, const std::vector<at::Tensor>& grads, si
   // Views over the staging buffer, built once per block in the constructor.
   const at::Tensor& stage = grad_stage_flat_[k][b];
   // A GPU: the stage's last D2H (flush_grad) must have read it first.
-  if (stage_read_[k].pending()) device_->stream_wait(Stream::kCompute, stage_read_[k]);
+  if (landing_.copied.pending()) device_->stream_wait(Stream::kCompute, landing_.copied);
   stage.zero_();
   const std::vector<at::Tensor>& dst = grad_stage_views_[k][b];
   if (b == embedding_block_ && tied_grad_.defined()) {
@@ -577,11 +577,10 @@ void Trainer::flush_grad(size_t b, DevicePtr shard) {
     device_->stream_wait(Stream::kD2H, device_->record(Stream::kCompute));
     device_->copy_to_host(landed, shard, n * 4, Stream::kD2H);
     const Completion copied = device_->record(Stream::kD2H);
-    // The stage may be zeroed for the next block only after this read
-    // (world size 1 fills stage 0 only).
-    stage_read_[0] = copied;
+    // The stage is zeroed for the next block only after this read
+    // (accumulate_grad waits for landing_.copied; world size 1 fills stage 0 only).
     finish_landing();  // the previous block's, if any
-    landing_ = Landing{int(b), copied, landed, !grad_written_[b], last_micro_};
+    landing_ = Landing{int(b), copied, landed, !grad_written_[b]};
     grad_written_[b] = 1;
     return;
   }
@@ -625,7 +624,7 @@ void Trainer::finish_landing() {
     state_->write(Category::kGrad, off, n, acc);
     final_values = host(acc);
   }
-  if (l.last_micro) block_norm_[b] = final_values.narrow(0, norm_lo_[b], norm_hi_[b] - norm_lo_[b]).norm();
+  if (last_micro_) block_norm_[b] = final_values.narrow(0, norm_lo_[b], norm_hi_[b] - norm_lo_[b]).norm();
 }
 
 at::Tensor Trainer::loss_of(const at::Tensor& logits, const at::Tensor& targets) const {
@@ -1335,7 +1334,7 @@ std::array<int64_t, kNumTiers> Trainer::peak_bytes() const {
 }
 
 DevicePtr Trainer::device_resident(Category c, int64_t offset, int64_t numel) const {
-  return state_->tier_of(c, offset) == Tier::kDevice ? state_->resident_on_device(c, offset, numel) : DevicePtr();
+  return state_->resident_on_device(c, offset, numel);  // null unless on the device tier
 }
 
 at::Tensor Trainer::device_tensor(DevicePtr p, int64_t numel, at::ScalarType dtype) const {

@@ -317,17 +317,15 @@ class Trainer {
   std::vector<at::Tensor> micro_loss_;    // per micro-batch of the step: its loss, read at the end
   // A GPU's gradients for homes off the device (flush_grad): the block whose
   // D2H into a landing half of grad_host_ is in flight, added into its home
-  // while the next block's backward runs; and per stage, the completion of
-  // the D2H that reads it (the stage is zeroed only after).
+  // while the next block's backward runs (its D2H reads the gradient stage,
+  // which is zeroed for the next block only after).
   struct Landing {
     int block = -1;
     Completion copied;
     std::byte* landed = nullptr;
-    bool first = false;       // the block's first flush of the step: a write, not an add
-    bool last_micro = false;  // take its norm
-  } landing_;
+    bool first = false;  // the block's first flush of the step: a write, not an add
+  } landing_;            // finished within its micro-batch (last_micro_ says whether to take the norm)
   int landing_turn_ = 0;
-  Completion stage_read_[2];
   std::vector<at::Tensor> block_norm_;    // per block: L2 norm of this rank's range (0-dim, on the device)
   std::vector<int64_t> norm_lo_, norm_hi_;  // per block: this rank's norm range within its shard
 

@@ -132,11 +132,8 @@ void ParamWindow::attach(TieredState* state, const WindowShape& shape, int elem_
   if (shape.persistent_numel > 0) {
     persistent_mem_ = dev.allocate(shape.persistent_numel * elem_bytes, "persistent parameters");
   }
-  bool nvme = false;
-  for (const PlacementUnit& u : state->plan().units[size_t(Category::kParam16)]) nvme |= u.tier == Tier::kNvme;
-  if (!dev.host_addressable() && nvme) {
-    bounce_ = dev.allocate_pinned((shape.slots * shape.slot_numel + shape.persistent_numel) * elem_bytes,
-                                  "parameter window bounce buffers");
+  if (state->plan().staging.window_bounce > 0 && !dev.host_addressable()) {
+    bounce_ = dev.allocate_pinned(state->plan().staging.window_bounce, "parameter window bounce buffers");
   }
 }
 

@@ -139,9 +139,7 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
     // Two landing halves (one filled while the other is added into its
     // home), plus a read-modify-write block for homes on NVMe.
     n.grad_host = (off_device(Category::kGrad) ? 2 * largest * 4 : 0) + (on_nvme(Category::kGrad) ? largest * 4 : 0);
-    bool nvme_window = false;
-    for (const PlacementUnit& u : plan.units[size_t(Category::kParam16)]) nvme_window |= u.tier == Tier::kNvme;
-    if (nvme_window) {
+    if (on_nvme(Category::kParam16)) {
       n.window_bounce = (int64_t(n.window.slots) * n.window.slot_numel + n.window.persistent_numel) *
                         plan.compute_bytes;
     }
