@@ -63,7 +63,15 @@ class Backend {
   // register_file: slot -> fd (fd -1 clears the slot). Called by the owning
   // worker between operations; no operation on the slot is in flight.
   virtual bool register_file(int slot, int fd) { return false; }
-  // Buffers registered once, right after construction.
+  // Registered buffers, in one of two ways. Preferred: a table of `slots`
+  // empty entries created once, right after construction, whose entries are
+  // then set and cleared one at a time (set_buffer, by the owning worker, no
+  // operation on the entry in flight; p null clears it). Where the table
+  // cannot be created (kernels before 5.19), register_buffers registers a
+  // fixed list once instead. Each returns false where unsupported or refused
+  // (RLIMIT_MEMLOCK); the buffers are then used unregistered.
+  virtual bool create_buffer_table(int slots) { return false; }
+  virtual bool set_buffer(int slot, void* p, int64_t bytes) { return false; }
   virtual bool register_buffers(std::span<const std::pair<void*, int64_t>> regions) {
     return false;
   }

@@ -9,6 +9,7 @@
 #include <exception>
 #include <future>
 #include <latch>
+#include <utility>
 
 #include "nvme/io_error.h"
 #include "util/errors.h"
@@ -111,10 +112,17 @@ struct Slot {
   int retries = 0;
 };
 
+// Work for a worker's own thread between operations: a file slot to set
+// (buffer false; fd -1 clears it) or a buffer table entry (buffer true; p
+// null clears it). Refusals are counted in `refused`.
 struct Control {
-  int slot;
-  int fd;
-  std::latch* latch;
+  int slot = -1;
+  int fd = -1;
+  std::latch* latch = nullptr;
+  bool buffer = false;
+  void* p = nullptr;
+  int64_t bytes = 0;
+  std::atomic<int>* refused = nullptr;
 };
 
 class Worker {
@@ -199,10 +207,55 @@ class Worker {
     }
     if (!b) b = make_thread_backend(o.queue_depth);
     if (o.faults) b = make_fault_backend(std::move(b), o.faults);
-    if (!engine_.registered_.empty()) {
-      buffers_registered_ = b->register_buffers(engine_.registered_);
+    // Note [Registered buffers].
+    const auto& initial = engine_.initial_buffers_;
+    fixed_.assign(size_t(kBufferTableSlots), {nullptr, 0});
+    buffer_table_ = b->create_buffer_table(kBufferTableSlots);
+    if (buffer_table_) {
+      for (size_t i = 0; i < initial.size(); ++i) {
+        if (b->set_buffer(int(i), initial[i].first, initial[i].second)) {
+          fixed_[i] = {static_cast<std::byte*>(initial[i].first), initial[i].second};
+        }
+      }
+    } else if (!initial.empty() && b->register_buffers(initial)) {
+      for (size_t i = 0; i < initial.size(); ++i) {
+        fixed_[i] = {static_cast<std::byte*>(initial[i].first), initial[i].second};
+      }
     }
+    fixed_end_ = initial.size();
     return b;
+  }
+
+  void apply(const Control& c) {
+    if (!c.buffer) {
+      backend_->register_file(c.slot, c.fd);
+      return;
+    }
+    auto& entry = fixed_[size_t(c.slot)];
+    if (c.p == nullptr) {  // clear
+      if (entry.first != nullptr) {
+        // A ring that registered a buffer must let it go: refusing would
+        // leave its pages pinned under a buffer about to be freed.
+        STRATA_CHECK(backend_->set_buffer(c.slot, nullptr, 0), "io_uring refused to unregister a buffer");
+      }
+      entry = {nullptr, 0};
+      return;
+    }
+    if (buffer_table_ && backend_->set_buffer(c.slot, c.p, c.bytes)) {
+      entry = {static_cast<std::byte*>(c.p), c.bytes};
+      fixed_end_ = std::max(fixed_end_, size_t(c.slot) + 1);
+    } else {
+      c.refused->fetch_add(1, std::memory_order_relaxed);
+    }
+  }
+
+  // The table entry whose buffer holds [p, p + bytes), or -1.
+  int buffer_index(const std::byte* p, int64_t bytes) const {
+    for (size_t i = 0; i < fixed_end_; ++i) {
+      const auto& [start, n] = fixed_[i];
+      if (start != nullptr && p >= start && p + bytes <= start + n) return int(i);
+    }
+    return -1;
   }
 
   // Note [I/O loop] in engine.h.
@@ -221,7 +274,7 @@ class Worker {
         controls.swap(controls_);
       }
       for (const Control& c : controls) {
-        backend_->register_file(c.slot, c.fd);
+        apply(c);
         c.latch->count_down();
       }
       controls.clear();
@@ -289,7 +342,7 @@ class Worker {
     op.op = s.range->op;
     op.fd = s.range->fd;
     op.file_slot = s.range->file_slot;
-    op.buffer_index = buffers_registered_ ? engine_.buffer_index(s.buffer, s.bytes) : -1;
+    op.buffer_index = buffer_index(s.buffer, s.bytes);
     op.buffer = s.buffer;
     op.offset_bytes = s.offset_bytes;
     op.bytes = s.bytes;
@@ -401,7 +454,6 @@ class Worker {
   std::thread thread_;
   const char* backend_name_ = "?";
   std::unique_ptr<Backend> backend_;
-  bool buffers_registered_ = false;
 
   std::mutex mu_;
   std::condition_variable cv_;
@@ -418,6 +470,10 @@ class Worker {
   int submitted_ = 0;       // prepared or submitted, completion not yet reaped
   int batch_ = 1;           // completions to wait for before refilling
   std::vector<Completion> completions_;
+  // Note [Registered buffers]: this ring's table, by entry.
+  bool buffer_table_ = false;
+  std::vector<std::pair<std::byte*, int64_t>> fixed_;
+  size_t fixed_end_ = 0;  // entries at and after this one have never been set
 };
 
 }  // namespace detail
@@ -469,10 +525,13 @@ IoEngine::IoEngine(EngineOptions options)
   validate(options_);
   for (const auto& [p, bytes] : options_.fixed_buffers) {
     for (int64_t off = 0; off < bytes; off += kMaxRegisteredBytes) {
-      registered_.emplace_back(static_cast<std::byte*>(p) + off,
-                               std::min(kMaxRegisteredBytes, bytes - off));
+      initial_buffers_.emplace_back(static_cast<std::byte*>(p) + off,
+                                    std::min(kMaxRegisteredBytes, bytes - off));
     }
   }
+  STRATA_CHECK(initial_buffers_.size() <= size_t(kBufferTableSlots), "too many fixed buffers");
+  slot_used_.assign(size_t(kBufferTableSlots), false);
+  for (size_t i = 0; i < initial_buffers_.size(); ++i) slot_used_[i] = true;
   files_.resize(size_t(std::max(options_.max_files, 1)));
   for (auto& f : files_) f = std::make_unique<FileEntry>();
   for (int i = 0; i < options_.rings; ++i) {
@@ -530,13 +589,70 @@ const File& IoEngine::file(FileId id) const {
   return files_[size_t(id.slot)]->file;
 }
 
-int IoEngine::buffer_index(const void* p, int64_t bytes) const {
-  const auto* b = static_cast<const std::byte*>(p);
-  for (size_t i = 0; i < registered_.size(); ++i) {
-    const auto* start = static_cast<const std::byte*>(registered_[i].first);
-    if (b >= start && b + bytes <= start + registered_[i].second) return int(i);
+BufferRegistration IoEngine::register_buffer(void* p, int64_t bytes) {
+  BufferRegistration r;
+  if (p == nullptr || bytes <= 0) return r;
+  std::vector<std::pair<void*, int64_t>> pieces;
+  for (int64_t off = 0; off < bytes; off += kMaxRegisteredBytes) {
+    pieces.emplace_back(static_cast<std::byte*>(p) + off, std::min(kMaxRegisteredBytes, bytes - off));
   }
-  return -1;
+  {
+    std::lock_guard<std::mutex> lock(buffers_mu_);
+    for (size_t i = 0; i < slot_used_.size() && r.slots_.size() < pieces.size(); ++i) {
+      if (!slot_used_[i]) r.slots_.push_back(int(i));
+    }
+    if (r.slots_.size() < pieces.size()) {
+      log::debug("I/O engine: buffer table full; a buffer of %s stays unregistered",
+                 format_bytes(double(bytes)).c_str());
+      r.slots_.clear();
+      return r;
+    }
+    for (int slot : r.slots_) slot_used_[size_t(slot)] = true;
+  }
+  r.engine_ = this;
+  r.registered_ = set_buffers(r.slots_, pieces) == 0;
+  return r;
+}
+
+int IoEngine::set_buffers(std::span<const int> slots, std::span<const std::pair<void*, int64_t>> pieces) {
+  std::atomic<int> refused{0};
+  std::latch done(ptrdiff_t(workers_.size() * slots.size()));
+  for (size_t i = 0; i < slots.size(); ++i) {
+    detail::Control c;
+    c.slot = slots[i];
+    c.latch = &done;
+    c.buffer = true;
+    c.p = pieces.empty() ? nullptr : pieces[i].first;
+    c.bytes = pieces.empty() ? 0 : pieces[i].second;
+    c.refused = &refused;
+    for (auto& w : workers_) w->control(c);
+  }
+  done.wait();
+  return refused.load();
+}
+
+void IoEngine::unregister(std::span<const int> slots) {
+  set_buffers(slots, {});
+  std::lock_guard<std::mutex> lock(buffers_mu_);
+  for (int slot : slots) slot_used_[size_t(slot)] = false;
+}
+
+BufferRegistration& BufferRegistration::operator=(BufferRegistration&& other) noexcept {
+  if (this != &other) {
+    reset();
+    engine_ = std::exchange(other.engine_, nullptr);
+    slots_ = std::move(other.slots_);
+    other.slots_.clear();
+    registered_ = std::exchange(other.registered_, false);
+  }
+  return *this;
+}
+
+void BufferRegistration::reset() {
+  if (engine_ != nullptr) engine_->unregister(slots_);
+  engine_ = nullptr;
+  slots_.clear();
+  registered_ = false;
 }
 
 IoHandle IoEngine::submit(std::span<const IoRequest> requests) {

@@ -84,11 +84,9 @@ struct EngineOptions {
   // per operation. At most max_files files may be attached at once.
   bool register_files = true;
   int max_files = 64;
-  // Buffers registered with each ring (io_uring_register_buffers): an
-  // operation whose buffer lies inside one of these skips pinning its
-  // pages. Typically the region of a BufferPool. Must outlive the engine.
-  // Registration that the system refuses (RLIMIT_MEMLOCK) is logged at
-  // debug level and the buffers are used unregistered.
+  // Buffers registered with each ring from the start (Note [Registered
+  // buffers]); typically the region of a BufferPool. Must outlive the
+  // engine. More can be registered later (IoEngine::register_buffer).
   std::vector<std::pair<void*, int64_t>> fixed_buffers;
   // Tests: inject faults below the engine (fault_backend.h).
   std::shared_ptr<FaultPlan> faults;
@@ -130,6 +128,46 @@ struct RequestState;
 struct Counters;
 class Worker;
 }  // namespace detail
+
+class IoEngine;
+
+// Note [Registered buffers]
+// An operation whose buffer lies inside a buffer registered with its ring
+// (io_uring's fixed buffers) skips pinning and unpinning its pages on every
+// operation; `strata bench-io` measures with registered buffers, so the
+// buffers training reads into and writes from are registered too. Each ring
+// holds a table of kBufferTableSlots entries (at most 1 GiB each), created
+// empty with the ring; entries are set and cleared on the ring's own worker
+// thread (a ring of one issuer is registered by that issuer). Registration
+// the system refuses (RLIMIT_MEMLOCK for an unprivileged user) is logged at
+// debug level and the buffer is used unregistered; EngineStats counts the
+// operations that were registered. Kernels before 5.19 have no such table:
+// there the options' fixed_buffers are registered once and later
+// registrations return false.
+inline constexpr int kBufferTableSlots = 256;
+
+// A buffer registered with an engine's rings for as long as this lives
+// (IoEngine::register_buffer). Move-only; the empty value registers nothing.
+class BufferRegistration {
+ public:
+  BufferRegistration() = default;
+  ~BufferRegistration() { reset(); }
+  BufferRegistration(BufferRegistration&& other) noexcept { *this = std::move(other); }
+  BufferRegistration& operator=(BufferRegistration&& other) noexcept;
+  BufferRegistration(const BufferRegistration&) = delete;
+  BufferRegistration& operator=(const BufferRegistration&) = delete;
+
+  // True when every ring registered the whole buffer.
+  bool registered() const { return registered_; }
+  // Unregisters. REQUIRES: no I/O into the buffer in flight.
+  void reset();
+
+ private:
+  friend class IoEngine;
+  IoEngine* engine_ = nullptr;
+  std::vector<int> slots_;
+  bool registered_ = false;
+};
 
 // Completion of one submit() call (one or more requests). Move-only.
 // Thread-safety: one handle may be used by one thread at a time; handles of
@@ -189,6 +227,13 @@ class IoEngine {
   void read(FileId file, int64_t offset_bytes, int64_t bytes, void* buffer);
   void write(FileId file, int64_t offset_bytes, int64_t bytes, const void* buffer);
 
+  // Registers [p, p + bytes) with every ring (Note [Registered buffers]) until
+  // the returned value is reset or destroyed, which must happen before the
+  // engine's end and before the buffer is freed, with no I/O into it in
+  // flight. Registration the system refuses is not an error: the buffer is
+  // then used unregistered (registered() false).
+  BufferRegistration register_buffer(void* p, int64_t bytes);
+
   const EngineOptions& options() const { return options_; }
   // The backend the workers use ("io_uring" or "threads").
   const char* backend_name() const { return backend_name_; }
@@ -196,12 +241,18 @@ class IoEngine {
 
  private:
   friend class detail::Worker;
+  friend class BufferRegistration;
   struct FileEntry;
-  int buffer_index(const void* p, int64_t bytes) const;
+  // Sets table entries on every ring (p null: clears them); returns how many
+  // ring entries refused.
+  int set_buffers(std::span<const int> slots, std::span<const std::pair<void*, int64_t>> pieces);
+  void unregister(std::span<const int> slots);
 
   EngineOptions options_;
   const char* backend_name_ = "?";
-  std::vector<std::pair<void*, int64_t>> registered_;  // fixed_buffers cut to <= 1 GiB
+  std::mutex buffers_mu_;
+  std::vector<bool> slot_used_;  // kBufferTableSlots entries; guarded by buffers_mu_
+  std::vector<std::pair<void*, int64_t>> initial_buffers_;  // fixed_buffers cut to <= 1 GiB: slots 0..
   mutable std::mutex files_mu_;
   std::vector<std::unique_ptr<FileEntry>> files_;  // by slot; guarded by files_mu_
   std::unique_ptr<detail::Counters> counters_;

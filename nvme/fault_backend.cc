@@ -63,6 +63,8 @@ class FaultBackend final : public Backend {
   }
 
   bool register_file(int slot, int fd) override { return inner_->register_file(slot, fd); }
+  bool create_buffer_table(int slots) override { return inner_->create_buffer_table(slots); }
+  bool set_buffer(int slot, void* p, int64_t bytes) override { return inner_->set_buffer(slot, p, bytes); }
   bool register_buffers(std::span<const std::pair<void*, int64_t>> regions) override {
     return inner_->register_buffers(regions);
   }

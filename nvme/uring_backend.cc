@@ -131,6 +131,25 @@ class UringBackend final : public Backend {
     return rc == 1;
   }
 
+  bool create_buffer_table(int slots) override {
+    const int rc = io_uring_register_buffers_sparse(&ring_, unsigned(slots));
+    if (rc < 0) log::debug("io_uring: no sparse buffer table: %s", std::strerror(-rc));
+    buffers_registered_ = rc == 0;
+    return buffers_registered_;
+  }
+
+  bool set_buffer(int slot, void* p, int64_t bytes) override {
+    if (!buffers_registered_) return false;
+    iovec iov{p, p == nullptr ? 0 : size_t(bytes)};
+    __u64 tag = 0;
+    const int rc = io_uring_register_buffers_update_tag(&ring_, unsigned(slot), &iov, &tag, 1);
+    if (rc < 0 && p != nullptr) {
+      log::debug("io_uring: cannot register an I/O buffer of %lld bytes: %s", (long long)bytes,
+                 std::strerror(-rc));
+    }
+    return rc == 1;
+  }
+
   bool register_buffers(std::span<const std::pair<void*, int64_t>> regions) override {
     if (regions.empty()) return false;
     std::vector<iovec> iov;

@@ -16,6 +16,8 @@
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
 #include <cmath>
 #include <random>
 
@@ -399,6 +401,61 @@ TEST_F(StepTest, ADeviceHostCodeMayNotTouchTrainsBitForBitAsTheCpuDevice) {
     EXPECT_TRUE(same_state(cpu.state(), deferred.state())) << what;
     EXPECT_GT(dev.copies(), 0u) << what;
   }
+}
+
+// Note [Registered buffers] in nvme/engine.h: every NVMe read and write of a
+// training step goes through a buffer registered with the I/O engine (as
+// `strata bench-io` measures), on the CPU device and on one host code may
+// not touch (where NVMe blocks go through bounce and landing buffers).
+TEST_F(StepTest, NvmeTrafficOfAStepUsesRegisteredBuffers) {
+  {
+    nvme::IoEngine probe{nvme::EngineOptions()};
+    if (std::string(probe.backend_name()) != "io_uring" || geteuid() != 0) {
+      GTEST_SKIP() << "needs io_uring and root (RLIMIT_MEMLOCK limits registration otherwise)";
+    }
+  }
+  const std::string swap = dir_.path() + "/swap";
+  const std::string split = "{\"device\":0.3,\"host\":0.3,\"nvme\":0.4}";
+  const std::string nvme = "{\"device\":\"nvme\",\"nvme_path\":\"" + swap + "\"";
+  const std::vector<std::vector<std::string>> cases = {
+      {"zero_optimization.stage=3", "zero_optimization.offload_param=" + nvme + ",\"max_in_cpu\":0}",
+       "zero_optimization.offload_optimizer=" + nvme + "}", "zero_optimization.stage3_param_persistence_threshold=5000",
+       "bf16.enabled=true"},
+      {"placement={\"param16\":" + split + ",\"grad\":" + split + ",\"optimizer\":" + split + ",\"nvme_path\":\"" +
+       swap + "\"}", "zero_optimization.stage3_param_persistence_threshold=0"},
+  };
+  for (const std::vector<std::string>& o : cases) {
+    for (const bool deferred : {false, true}) {
+      const std::string what = nlohmann::json(o).dump() + (deferred ? " on the test device" : " on the CPU");
+      testing::DeferredDevice dev;
+      Training run(base_config(data_), o, nullptr, deferred ? &dev : nullptr);
+      const nvme::EngineStats before = run.trainer().state().io_stats();
+      for (int s = 1; s <= 2; ++s) run.step();
+      const nvme::EngineStats after = run.trainer().state().io_stats();
+      const int64_t ops = after.read_ops + after.write_ops - before.read_ops - before.write_ops;
+      EXPECT_GT(after.read_ops - before.read_ops, 0) << what;
+      EXPECT_GT(after.write_ops - before.write_ops, 0) << what;
+      EXPECT_EQ(after.fixed_buffer_ops - before.fixed_buffer_ops, ops) << what;
+    }
+  }
+}
+
+// Note [Bounce copies ahead] in param_window.cc: on a device host code may
+// not touch, the H2D copies of NVMe blocks whose reads have finished start at
+// the acquire before theirs, not at their own (the bit-for-bit test above
+// shows they are ordered right).
+TEST_F(StepTest, BounceCopiesOfNvmeBlocksStartBeforeTheirAcquire) {
+  const std::string nvme = "{\"device\":\"nvme\",\"nvme_path\":\"" + dir_.path() + "/swap\"";
+  testing::DeferredDevice dev;
+  Training run(base_config(data_),
+               {"zero_optimization.stage=3", "zero_optimization.offload_param=" + nvme + ",\"max_in_cpu\":0}",
+                "zero_optimization.stage3_param_persistence_threshold=0"},
+               nullptr, &dev);
+  for (int s = 1; s <= 2; ++s) run.step();
+  const ParamWindow& w = run.trainer().window();
+  EXPECT_GT(w.bounce_copies(), 0);
+  EXPECT_GT(w.early_bounce_copies(), 0);
+  EXPECT_LE(w.early_bounce_copies(), w.bounce_copies());
 }
 
 // On a GPU (skipped, with the reason, without one): the same placements

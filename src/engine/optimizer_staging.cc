@@ -4,7 +4,7 @@
 
 namespace strata {
 
-OptimizerStaging::OptimizerStaging(const PlacementPlan& plan, Device& device)
+OptimizerStaging::OptimizerStaging(const PlacementPlan& plan, Device& device, TieredState& state)
     : sets_(std::max(1, plan.staging.opt_sets)), piece_numel_(pipeline_piece_numel(plan)),
       elem_bytes_(plan.elem_bytes) {
   const StagingNeeds& need = plan.staging;
@@ -30,6 +30,10 @@ OptimizerStaging::OptimizerStaging(const PlacementPlan& plan, Device& device)
   crossing(Category::kParam16, need.opt_emit, "optimizer staging: working copy");
   for (int c = 0; c < kNumCategories; ++c) {
     base_[size_t(c)] = pinned_[size_t(c)].data() != nullptr ? pinned_[size_t(c)].data() : buf_[size_t(c)].as<std::byte>();
+    const int64_t bytes = pinned_[size_t(c)].bytes() + int64_t(buf_[size_t(c)].bytes());
+    if (bytes > 0 && plan.any_on_nvme(Category(c))) {
+      io_registered_.push_back(state.register_io_buffer(base_[size_t(c)], bytes));
+    }
   }
   reads_.resize(size_t(sets_));
   writes_.resize(size_t(sets_));

@@ -19,7 +19,9 @@ class OptimizerStaging {
  public:
   // On a device host code may not touch (a GPU) the gradient and working-copy
   // slots, which cross PCIe, are registered with `device`.
-  OptimizerStaging(const PlacementPlan& plan, Device& device);
+  // Slots of a category with pieces on NVMe are registered with `state`'s
+  // I/O engine (Note [Registered buffers] in nvme/engine.h).
+  OptimizerStaging(const PlacementPlan& plan, Device& device, TieredState& state);
 
   int sets() const { return sets_; }
   int64_t piece_numel() const { return piece_numel_; }
@@ -42,6 +44,7 @@ class OptimizerStaging {
   std::array<HostBuffer, kNumCategories> buf_;  // per category, `sets_` pieces each
   std::array<PinnedHostBuffer, kNumCategories> pinned_;  // or registered with the device
   std::array<std::byte*, kNumCategories> base_{};
+  std::vector<nvme::BufferRegistration> io_registered_;  // after the buffers: ends first
   std::vector<PendingIo> reads_, writes_;  // sized once: completions point into them
   std::vector<Completion> read_done_, write_done_;
 };

@@ -301,6 +301,7 @@ class Trainer {
   DeviceBuffer grad_stage_, grad_stage2_, grad_shards_;
   HostBuffer grad_rmw_;
   PinnedHostBuffer grad_host_;
+  std::vector<nvme::BufferRegistration> grad_io_;  // the buffers above NVMe I/O uses; ends first
   std::vector<at::Tensor> grad_stage_flat_[2];               // per stage, per block: its range
   std::vector<std::vector<at::Tensor>> grad_stage_views_[2]; // per stage, per block: parameter views
   struct GradSync {

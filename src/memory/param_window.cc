@@ -135,6 +135,14 @@ void ParamWindow::attach(TieredState* state, const WindowShape& shape, int elem_
   if (state->plan().staging.window_bounce > 0 && !dev.host_addressable()) {
     bounce_ = dev.allocate_pinned(state->plan().staging.window_bounce, "parameter window bounce buffers");
   }
+  if (state->plan().any_on_nvme(Category::kParam16)) {
+    if (bounce_.bytes() > 0) io_registered_.push_back(state->register_io_buffer(bounce_.data(), bounce_.bytes()));
+    if (dev.host_addressable()) {
+      for (const DeviceBuffer* m : {&slots_mem_, &persistent_mem_}) {
+        if (m->bytes() > 0) io_registered_.push_back(state->register_io_buffer(m->ptr().raw(), m->bytes()));
+      }
+    }
+  }
 }
 
 DevicePtr ParamWindow::slot_ptr(int s) const {
@@ -215,18 +223,50 @@ void ParamWindow::land(int s) {
   const auto t0 = std::chrono::steady_clock::now();
   {
     TraceSpan span(TraceTrack::kCompute, "wait for parameters");
-    if (bounced_[size_t(s)]) {
-      fetched.wait();  // NVMe -> bounce
-      bounced_[size_t(s)] = 0;
-      const int32_t b = slots_[size_t(s)].block;
-      dev.stream_wait(Stream::kH2D, dev.record(Stream::kCompute));
-      dev.copy_to_device(slot_ptr(s), bounce_ptr(s), numel_[size_t(b)] * elem_bytes_, Stream::kH2D);
-      state_->count_copy(/*to_device=*/true, numel_[size_t(b)] * elem_bytes_);
-      fetched = dev.record(Stream::kH2D);
-    }
+    if (bounced_[size_t(s)]) copy_bounced(s);
     if (fetched.pending()) dev.stream_wait(Stream::kCompute, fetched);
   }
   wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+}
+
+void ParamWindow::copy_bounced(int s) {
+  Device& dev = state_->device();
+  Completion& fetched = done_[size_t(s)];
+  fetched.wait();  // NVMe -> bounce
+  bounced_[size_t(s)] = 0;
+  const int32_t b = slots_[size_t(s)].block;
+  // After the compute queued so far: the slot's previous block's readers.
+  dev.stream_wait(Stream::kH2D, dev.record(Stream::kCompute));
+  dev.copy_to_device(slot_ptr(s), bounce_ptr(s), numel_[size_t(b)] * elem_bytes_, Stream::kH2D);
+  state_->count_copy(/*to_device=*/true, numel_[size_t(b)] * elem_bytes_);
+  fetched = dev.record(Stream::kH2D);
+  ++bounce_copies_;
+}
+
+// Note [Bounce copies ahead]
+// An NVMe block reaches a GPU in two hops: NVMe -> the slot's bounce buffer
+// (started when the slot is claimed), then H2D. The second hop needs the
+// first to have finished, which only the host can see; waiting for it at
+// acquire would put the H2D copy in front of the block's compute. So after
+// each acquire the window starts, in the order the blocks will be used, the
+// H2D copies of the slots ahead whose NVMe reads have already finished
+// (never waiting for one), and stops at the first that has not: the H2D
+// stream then runs the copies in the order of need, behind the compute
+// queued so far (the slots' previous readers), while the current block
+// computes.
+void ParamWindow::pump_bounced() {
+  for (size_t i = current_ + 1; i < claimed_; ++i) {
+    const WindowUse& u = (*schedule_)[i];
+    for (int k = 0; k < u.count; ++k) {
+      const int32_t b = u.block[k];
+      if (!windowed(b) || slot_of_[size_t(b)] < 0) continue;
+      const int s = slot_of_[size_t(b)];
+      if (!bounced_[size_t(s)]) continue;
+      if (!pending_[size_t(s)].done()) return;
+      copy_bounced(s);
+      ++early_bounce_copies_;
+    }
+  }
 }
 
 // Claims use `i`: its windowed blocks not in a slot get one and are fetched.
@@ -319,6 +359,7 @@ void ParamWindow::acquire(DevicePtr out[2]) {
       out[k] = slot_ptr(s);
     }
   }
+  if (state_ != nullptr && bounce_.bytes() > 0) pump_bounced();  // Note [Bounce copies ahead]
   acquired_ = true;
   advance();
 }

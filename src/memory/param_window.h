@@ -10,6 +10,7 @@
 #include "memory/buffer.h"
 #include "memory/completion.h"
 #include "memory/device.h"
+#include "nvme/engine.h"
 
 namespace strata {
 
@@ -109,6 +110,10 @@ class ParamWindow {
   int64_t peak_ahead_numel() const { return peak_ahead_; }
   double wait_seconds() const { return wait_s_; }
   int64_t fetches() const { return fetches_; }
+  // Bounce-buffer H2D copies started before their block was acquired
+  // (pump_bounced), and all of them.
+  int64_t early_bounce_copies() const { return early_bounce_copies_; }
+  int64_t bounce_copies() const { return bounce_copies_; }
   const WindowShape& shape() const { return shape_; }
   int64_t bounce_bytes() const { return bounce_.bytes(); }  // host
   ~ParamWindow();
@@ -125,6 +130,8 @@ class ParamWindow {
   void fetch_persistent(int32_t b);
   void fetch_slot(int s, int32_t b);
   void land(int s);  // slot s's fetch, ordered before the compute queued next
+  void copy_bounced(int s);  // slot s's bounce buffer to the slot, on the H2D stream
+  void pump_bounced();
   DevicePtr slot_ptr(int s) const;
   std::byte* bounce_ptr(int s) const;  // persistent blocks: s = slots
   void drain();
@@ -140,6 +147,9 @@ class ParamWindow {
   WindowShape shape_;
   DeviceBuffer slots_mem_, persistent_mem_;
   PinnedHostBuffer bounce_;          // NVMe blocks on a device host code may not touch
+  // Where NVMe reads land (the bounce buffer, or the slots and persistent
+  // blocks of a host-addressable device), registered with the I/O engine.
+  std::vector<nvme::BufferRegistration> io_registered_;
   std::vector<char> bounced_;        // per slot: its fetch is in the bounce buffer, not yet copied
   PendingIo* persistent_io_ = nullptr;  // pending_'s last entry
   std::vector<int64_t> persistent_at_;   // element offset in persistent_mem_, per block
@@ -162,6 +172,7 @@ class ParamWindow {
   int64_t peak_ahead_ = 0;
   double wait_s_ = 0.0;
   int64_t fetches_ = 0;
+  int64_t early_bounce_copies_ = 0, bounce_copies_ = 0;
 };
 
 }  // namespace strata

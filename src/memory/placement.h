@@ -156,6 +156,7 @@ struct PlacementPlan {
   // exp_avg and exp_avg_sq stored in bf16 (run.optimizer_state_dtype; Note
   // [bf16 state] in cpu_adam/types.h), read off their element size.
   bool bf16_moments() const { return elem_bytes[size_t(Category::kExpAvg)] == 2; }
+  bool any_on_nvme(Category c) const { return bytes[size_t(c)][size_t(Tier::kNvme)] > 0; }
 };
 
 // The one tier holding all of [offset, offset + numel) of category c, or

@@ -69,6 +69,14 @@ class PendingIo final : public Waiter {
   // Waits for every transfer (all of them, even after one failed), empties
   // the group and rethrows the first error.
   void wait_ticket(uint64_t ticket) override;
+  // True when every transfer added has finished (never blocks; wait() still
+  // verifies and reports them).
+  bool done() const {
+    for (const nvme::SwapHandle& h : handles_) {
+      if (!h.done()) return false;
+    }
+    return true;
+  }
 
  private:
   friend class TieredState;
@@ -167,6 +175,16 @@ class TieredState {
   // The part registered with the device: host-tier 16-bit parameters and gradients.
   int64_t host_transfer_bytes() const { return host_transfer_arena_.bytes(); }
   const nvme::SwapStore* swap() const { return swap_.get(); }
+  // Registers a host buffer that NVMe-tier reads and writes use with the I/O
+  // engine's rings (Note [Registered buffers] in nvme/engine.h), so that
+  // training moves bytes as `strata bench-io` measures them. Empty where
+  // nothing is on NVMe. The registration must end before the buffer is freed
+  // and before this state: hold it beside the buffer, declared after it.
+  nvme::BufferRegistration register_io_buffer(const void* p, int64_t bytes) {
+    return engine_ ? engine_->register_buffer(const_cast<void*>(p), bytes) : nvme::BufferRegistration();
+  }
+  // The NVMe I/O engine's counters (zero where nothing is on NVMe).
+  nvme::EngineStats io_stats() const { return engine_ ? engine_->stats() : nvme::EngineStats(); }
 
  private:
   struct Home {
