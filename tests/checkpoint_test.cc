@@ -20,6 +20,7 @@
 #include "engine/trainer.h"
 #include "model/model.h"
 #include "nvme/fault_backend.h"
+#include "deferred_device.h"
 #include "test_util.h"
 #include "training_session.h"
 #include "util/errors.h"
@@ -64,18 +65,22 @@ class CheckpointTest : public ::testing::Test {
     return "zero_optimization.offload_optimizer={\"device\":\"nvme\",\"nvme_path\":\"" + swap_ + "\"}";
   }
   // 6 steps straight against 3 + save + (a new trainer, `resume_overrides`) load + 3.
+  // `deferred`: each trainer computes on its own test device whose memory host
+  // code may not touch (tests/deferred_device.h), as a GPU's HBM.
   void expect_resume_is_exact(const std::vector<std::string>& overrides,
-                              const std::vector<std::string>& resume_overrides, const std::string& what) {
-    Session straight(base_config(data_), overrides);
+                              const std::vector<std::string>& resume_overrides, const std::string& what,
+                              bool deferred = false) {
+    testing::DeferredDevice d1, d2, d3;
+    Session straight(base_config(data_), overrides, nullptr, deferred ? &d1 : nullptr);
     const std::vector<double> ref = straight.train(6);
     const std::vector<at::Tensor> ref_state = straight.state();
     const std::string ck = dir_.file("ck-" + std::to_string(++cases_));
     {
-      Session first(base_config(data_), overrides);
+      Session first(base_config(data_), overrides, nullptr, deferred ? &d2 : nullptr);
       first.train(3);
       first.save(ck);
     }
-    Session second(base_config(data_), resume_overrides);
+    Session second(base_config(data_), resume_overrides, nullptr, deferred ? &d3 : nullptr);
     second.load(ck);
     EXPECT_EQ(second.trainer().steps_done(), 3);
     const std::vector<double> rest = second.train(3);
@@ -98,6 +103,20 @@ TEST_F(CheckpointTest, ResumeIsBitExactWithTheOptimizerOnNvme) {
   expect_resume_is_exact({nvme_optimizer()}, {nvme_optimizer()}, "optimizer on nvme");
   expect_resume_is_exact({nvme_optimizer(), "bf16={\"enabled\":true}"},
                          {nvme_optimizer(), "bf16={\"enabled\":true}"}, "bf16, optimizer on nvme");
+}
+
+// Device-resident state (HBM on a GPU: host code reaches it only through the
+// device's copies) goes into the checkpoint and comes back, with fp16's loss
+// scaler: from 2^16, doubling after every clean step, the scale overflows
+// after the checkpoint (step 4 is skipped), so the resumed run continues
+// exactly only if the scale and its counters came back.
+TEST_F(CheckpointTest, ResumeOnADeviceHostCodeMayNotTouchIsBitExactWithFp16) {
+  const std::string fp16 =
+      "fp16={\"enabled\":true,\"initial_scale_power\":16,\"loss_scale_window\":1,\"hysteresis\":1}";
+  expect_resume_is_exact({fp16}, {fp16}, "fp16, all on the device", /*deferred=*/true);
+  const std::string split = "placement={\"param16\":{\"device\":0.5,\"host\":0.5},\"grad\":{\"device\":0.5,\"host\":0.5},"
+                            "\"optimizer\":{\"device\":0.5,\"nvme\":0.5},\"nvme_path\":\"" + swap_ + "\"}";
+  expect_resume_is_exact({fp16, split}, {fp16, split}, "fp16, split device/host/nvme", /*deferred=*/true);
 }
 
 TEST_F(CheckpointTest, ResumeWithOnlyThePlacementChangedIsBitExact) {
