@@ -9,6 +9,7 @@
 #include <exception>
 #include <future>
 #include <latch>
+#include <string_view>
 #include <utility>
 
 #include "nvme/io_error.h"
@@ -110,6 +111,7 @@ struct Slot {
   int64_t offset_bytes = 0;
   int64_t bytes = 0;
   int retries = 0;
+  bool fixed = false;  // its last preparation used a registered buffer
 };
 
 // Work for a worker's own thread between operations: a file slot to set
@@ -349,8 +351,7 @@ class Worker {
     op.tag = uint64_t(tag);
     backend_->prepare(op);
     ++submitted_;
-    if (op.buffer_index >= 0)
-      engine_.counters_->fixed_buffer_ops.fetch_add(1, std::memory_order_relaxed);
+    slots_[size_t(tag)].fixed = op.buffer_index >= 0;
     if (engine_.options_.single_submit) {
       backend_->submit_and_reap(0, {});
       engine_.counters_->submits.fetch_add(1, std::memory_order_relaxed);
@@ -390,6 +391,7 @@ class Worker {
     if (c.result >= s.bytes) {
       (r.op == IoOp::kRead ? counters.read_ops : counters.write_ops)
           .fetch_add(1, std::memory_order_relaxed);
+      if (s.fixed) counters.fixed_buffer_ops.fetch_add(1, std::memory_order_relaxed);
       release(tag);
       return;
     }
@@ -611,6 +613,11 @@ BufferRegistration IoEngine::register_buffer(void* p, int64_t bytes) {
   }
   r.engine_ = this;
   r.registered_ = set_buffers(r.slots_, pieces) == 0;
+  if (!r.registered_ && std::string_view(backend_name_) == "io_uring" && !told_refused_.exchange(true)) {
+    log::info("io_uring refused to register %s of I/O buffers (RLIMIT_MEMLOCK: raise `ulimit -l` or run with "
+              "CAP_IPC_LOCK); their transfers pin pages per operation, slower than `strata bench-io` measures",
+              format_bytes(double(bytes)).c_str());
+  }
   return r;
 }
 

@@ -120,7 +120,7 @@ struct EngineStats {
   int64_t submits = 0;           // submit system calls (batches)
   int64_t short_transfers = 0;   // advanced and requeued
   int64_t retries = 0;           // EAGAIN/EINTR requeued
-  int64_t fixed_buffer_ops = 0;  // operations that used a registered buffer
+  int64_t fixed_buffer_ops = 0;  // of read_ops + write_ops: those whose buffer was registered
 };
 
 namespace detail {
@@ -253,6 +253,7 @@ class IoEngine {
   std::mutex buffers_mu_;
   std::vector<bool> slot_used_;  // kBufferTableSlots entries; guarded by buffers_mu_
   std::vector<std::pair<void*, int64_t>> initial_buffers_;  // fixed_buffers cut to <= 1 GiB: slots 0..
+  std::atomic<bool> told_refused_{false};                   // a refused registration was logged
   mutable std::mutex files_mu_;
   std::vector<std::unique_ptr<FileEntry>> files_;  // by slot; guarded by files_mu_
   std::unique_ptr<detail::Counters> counters_;

@@ -253,7 +253,9 @@ void ParamWindow::copy_bounced(int s) {
 // (never waiting for one), and stops at the first that has not: the H2D
 // stream then runs the copies in the order of need, behind the compute
 // queued so far (the slots' previous readers), while the current block
-// computes.
+// computes. A later block's failed read (an I/O or checksum error) is then
+// thrown by the acquire that pumps it, one use early; begin() starts the
+// next pass clean either way.
 void ParamWindow::pump_bounced() {
   for (size_t i = current_ + 1; i < claimed_; ++i) {
     const WindowUse& u = (*schedule_)[i];
