@@ -5,7 +5,7 @@
 # build the binaries link) but none of the Debian libraries, so those travel.
 #
 # Here, before the call (the folder .dev/ is git-ignored):
-#   mkdir -p .dev/bin .dev/lib
+#   rm -rf .dev/bin && mkdir -p .dev/bin .dev/lib   (no test binary left from an earlier build)
 #   strip -o .dev/bin/strata build/strata
 #   for t in build/tests/*_test build/tests/bench_adam_torch build/tests/bench_train_torch build/tests/rank_worker; do strip -o .dev/bin/${t##*/} $t; done
 #   cp -L /lib/x86_64-linux-gnu/{libtbb.so.12,liburing.so.2,libspdlog.so.1.10,libfmt.so.9} .dev/lib/
@@ -28,14 +28,11 @@ LD=$ROOT/.dev/lib:$SITE/torch/lib
 for d in "$SITE"/nvidia/*/lib; do LD=$LD:$d; done
 export LD_LIBRARY_PATH=$LD${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 
-# cli_test runs the strata binary from the build folder it was compiled for.
-if [ ! -x /work/main/build/strata ]; then
-  mkdir -p /work/main/build && cp "$BIN/strata" /work/main/build/strata
-fi
-# ranks_test starts its worker from there too.
-if [ -x "$BIN/rank_worker" ] && [ ! -x /work/main/build/tests/rank_worker ]; then
-  mkdir -p /work/main/build/tests && cp "$BIN/rank_worker" /work/main/build/tests/rank_worker
-fi
+# cli_test runs the strata binary from the build folder it was compiled for;
+# ranks_test starts its worker from there too. Always the carried ones: a warm
+# host keeps an earlier call's copies.
+install -D -m755 "$BIN/strata" /work/main/build/strata
+if [ -x "$BIN/rank_worker" ]; then install -D -m755 "$BIN/rank_worker" /work/main/build/tests/rank_worker; fi
 
 {
   echo "== host"; date -u; uname -r; nproc; free -g | head -2
