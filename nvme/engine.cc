@@ -22,6 +22,13 @@ namespace {
 constexpr int kMaxRetries = 256;                           // EAGAIN/EINTR requeues of one operation
 constexpr int64_t kMaxRegisteredBytes = int64_t(1) << 30;  // per registered buffer (kernel limit)
 bool g_warned_uring = false;
+
+// [p, p + bytes) as registrable pieces of at most kMaxRegisteredBytes.
+void append_pieces(void* p, int64_t bytes, std::vector<std::pair<void*, int64_t>>& out) {
+  for (int64_t off = 0; off < bytes; off += kMaxRegisteredBytes) {
+    out.emplace_back(static_cast<std::byte*>(p) + off, std::min(kMaxRegisteredBytes, bytes - off));
+  }
+}
 }  // namespace
 
 void validate(const EngineOptions& o) {
@@ -213,14 +220,10 @@ class Worker {
     const auto& initial = engine_.initial_buffers_;
     fixed_.assign(size_t(kBufferTableSlots), {nullptr, 0});
     buffer_table_ = b->create_buffer_table(kBufferTableSlots);
-    if (buffer_table_) {
-      for (size_t i = 0; i < initial.size(); ++i) {
-        if (b->set_buffer(int(i), initial[i].first, initial[i].second)) {
-          fixed_[i] = {static_cast<std::byte*>(initial[i].first), initial[i].second};
-        }
-      }
-    } else if (!initial.empty() && b->register_buffers(initial)) {
-      for (size_t i = 0; i < initial.size(); ++i) {
+    // Without a table: the initial list registered at once, or not at all.
+    const bool all = !buffer_table_ && !initial.empty() && b->register_buffers(initial);
+    for (size_t i = 0; i < initial.size(); ++i) {
+      if (all || (buffer_table_ && b->set_buffer(int(i), initial[i].first, initial[i].second))) {
         fixed_[i] = {static_cast<std::byte*>(initial[i].first), initial[i].second};
       }
     }
@@ -525,12 +528,7 @@ bool IoHandle::wait_ok() {
 IoEngine::IoEngine(EngineOptions options)
     : options_(std::move(options)), counters_(std::make_unique<detail::Counters>()) {
   validate(options_);
-  for (const auto& [p, bytes] : options_.fixed_buffers) {
-    for (int64_t off = 0; off < bytes; off += kMaxRegisteredBytes) {
-      initial_buffers_.emplace_back(static_cast<std::byte*>(p) + off,
-                                    std::min(kMaxRegisteredBytes, bytes - off));
-    }
-  }
+  for (const auto& [p, bytes] : options_.fixed_buffers) append_pieces(p, bytes, initial_buffers_);
   STRATA_CHECK(initial_buffers_.size() <= size_t(kBufferTableSlots), "too many fixed buffers");
   slot_used_.assign(size_t(kBufferTableSlots), false);
   for (size_t i = 0; i < initial_buffers_.size(); ++i) slot_used_[i] = true;
@@ -595,9 +593,7 @@ BufferRegistration IoEngine::register_buffer(void* p, int64_t bytes) {
   BufferRegistration r;
   if (p == nullptr || bytes <= 0) return r;
   std::vector<std::pair<void*, int64_t>> pieces;
-  for (int64_t off = 0; off < bytes; off += kMaxRegisteredBytes) {
-    pieces.emplace_back(static_cast<std::byte*>(p) + off, std::min(kMaxRegisteredBytes, bytes - off));
-  }
+  append_pieces(p, bytes, pieces);
   {
     std::lock_guard<std::mutex> lock(buffers_mu_);
     for (size_t i = 0; i < slot_used_.size() && r.slots_.size() < pieces.size(); ++i) {

@@ -442,7 +442,7 @@ TEST_F(StepTest, NvmeTrafficOfAStepUsesRegisteredBuffers) {
 
 // Note [Bounce copies ahead] in param_window.cc: on a device host code may
 // not touch, the H2D copies of NVMe blocks whose reads have finished start at
-// the acquire before theirs, not at their own (the bit-for-bit test above
+// an earlier block's acquire, not at their own (the bit-for-bit test above
 // shows they are ordered right).
 TEST_F(StepTest, BounceCopiesOfNvmeBlocksStartBeforeTheirAcquire) {
   const std::string nvme = "{\"device\":\"nvme\",\"nvme_path\":\"" + dir_.path() + "/swap\"";

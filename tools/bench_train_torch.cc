@@ -6,7 +6,7 @@
 // and the same blocks' forward (Strata's Model), dtype and recompute policy:
 // "never" keeps the whole graph; "always" runs the forward without autograd,
 // keeping each layer's input, and recomputes each layer in the backward (as
-// Strata does; `auto` counts as never, so say which in the config).
+// Strata does; `auto` is refused: say which in the config).
 // With --compute-only (benchmark (b)'s reference) there are no master weights
 // and no optimizer: the forward and backward of the working weights in HBM,
 // gradients accumulated in fp32. Also times a large bf16 GEMM, the roof MFU is
@@ -95,7 +95,7 @@ int main(int argc, char** argv) {
     // Weights: fp32 master per parameter (initialised as Strata does, seed
     // run.seed), a working copy in the compute dtype whose views are leaves.
     at::Generator gen = at::detail::createCPUGenerator(cfg.run.seed);
-    std::vector<std::vector<at::Tensor>> master(layout.num_blocks()), work(layout.num_blocks());
+    std::vector<std::vector<at::Tensor>> work(layout.num_blocks());
     std::vector<at::Tensor> p_master, p_work, m1, m2, steps_t;
     for (size_t b = 0; b < layout.num_blocks(); ++b) {
       const strata::BlockLayout& bl = layout.block(b);
@@ -107,7 +107,6 @@ int main(int argc, char** argv) {
         p_work.push_back(w);
         if (compute_only) continue;
         at::Tensor m = v.to(dev).contiguous();
-        master[b].push_back(m);
         p_master.push_back(m);
         m1.push_back(at::zeros_like(m));
         m2.push_back(at::zeros_like(m));
@@ -124,8 +123,9 @@ int main(int argc, char** argv) {
     const size_t head = layout.num_blocks() - 1;
     const bool tied = cfg.model.tie_embeddings;
     // fp32 gradients, allocated once, zeroed per step; each micro-batch's
-    // 16-bit gradients are added in as each block's backward yields them (the
-    // tied head's share first at the embedding), as Strata's staging does.
+    // 16-bit gradients are added in per block (with recompute always as each
+    // block's backward yields them, the tied head's share first at the
+    // embedding, as Strata's staging does; with never after the one backward).
     std::vector<at::Tensor> grads32;
     for (const at::Tensor& w : p_work) grads32.push_back(at::zeros(w.sizes(), w.options().dtype(at::kFloat)));
     auto add_block = [&](size_t b, const std::vector<at::Tensor>& g, size_t first) {

@@ -12,9 +12,9 @@
 # Then run `bash tools/gpu_host_check.sh [tests|bench|ranks|gpu-a|gpu-b|gpu-c|all]` there with carry [".dev"]; logs and
 # JSON lines go to $OUT (or out/gpu-host). BENCH_THREADS and BENCH_ROUNDS set the sweep
 # (tools/bench_adam_sweep.sh; default "1 2 16" threads, 2 rounds). `ranks` runs
-# tools/bench_ranks.py at world sizes RANKS_SIZES (default 1,2,4,8) on all cores. `gpu-a` runs GPU
-# benchmark (a) (tools/bench_gpu.py a: strata against a plain LibTorch loop, GPU_ROUNDS rounds, default 2);
-# `all` does not include it.
+# tools/bench_ranks.py at world sizes RANKS_SIZES (default 1,2,4,8) on all cores. `gpu-a`, `gpu-b`,
+# `gpu-c` run GPU benchmarks (a)-(c) (tools/bench_gpu.py a|b|c: (a) strata against a plain LibTorch
+# loop, GPU_ROUNDS rounds, default 2); `all` includes none of them.
 set -uo pipefail
 WHAT=${1:-all}
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"

@@ -7,7 +7,6 @@
 #include <c10/cuda/CUDAStream.h>
 #include <cuda_runtime_api.h>
 
-#include <optional>
 #endif
 
 namespace strata {

@@ -4,10 +4,11 @@
 
 namespace strata {
 
-OptimizerStaging::OptimizerStaging(const PlacementPlan& plan, Device& device, TieredState& state)
+OptimizerStaging::OptimizerStaging(const PlacementPlan& plan, TieredState& state)
     : sets_(std::max(1, plan.staging.opt_sets)), piece_numel_(pipeline_piece_numel(plan)),
       elem_bytes_(plan.elem_bytes) {
   const StagingNeeds& need = plan.staging;
+  Device& device = state.device();
   auto bytes_of = [&](Category c) { return size_t(sets_) * size_t(piece_numel_ * elem_bytes_[size_t(c)]); };
   auto crossing = [&](Category c, int64_t bytes, const char* what) {
     if (bytes <= 0) return;
@@ -31,9 +32,7 @@ OptimizerStaging::OptimizerStaging(const PlacementPlan& plan, Device& device, Ti
   for (int c = 0; c < kNumCategories; ++c) {
     base_[size_t(c)] = pinned_[size_t(c)].data() != nullptr ? pinned_[size_t(c)].data() : buf_[size_t(c)].as<std::byte>();
     const int64_t bytes = pinned_[size_t(c)].bytes() + int64_t(buf_[size_t(c)].bytes());
-    if (bytes > 0 && plan.any_on_nvme(Category(c))) {
-      io_registered_.push_back(state.register_io_buffer(base_[size_t(c)], bytes));
-    }
+    io_registered_.push_back(state.register_io_buffer(Category(c), base_[size_t(c)], bytes));
   }
   reads_.resize(size_t(sets_));
   writes_.resize(size_t(sets_));

@@ -18,10 +18,10 @@ namespace strata {
 class OptimizerStaging {
  public:
   // On a device host code may not touch (a GPU) the gradient and working-copy
-  // slots, which cross PCIe, are registered with `device`.
+  // slots, which cross PCIe, are registered with `state`'s device.
   // Slots of a category with pieces on NVMe are registered with `state`'s
   // I/O engine (Note [Registered buffers] in nvme/engine.h).
-  OptimizerStaging(const PlacementPlan& plan, Device& device, TieredState& state);
+  OptimizerStaging(const PlacementPlan& plan, TieredState& state);
 
   int sets() const { return sets_; }
   int64_t piece_numel() const { return piece_numel_; }

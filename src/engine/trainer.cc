@@ -1172,15 +1172,11 @@ void Trainer::allocate_step_buffers(const PlacementPlan& plan) {
   }
   if (need.grad_rmw > 0) grad_rmw_ = HostBuffer(size_t(need.grad_rmw), "gradient read-modify-write");
   if (need.grad_host > 0) grad_host_ = dev.allocate_pinned(need.grad_host, "gradients on their way to host homes");
-  if (plan.any_on_nvme(Category::kGrad)) {
-    // What NVMe gradient reads and writes use (Note [Registered buffers]).
-    if (grad_rmw_.bytes() > 0) grad_io_.push_back(state_->register_io_buffer(grad_rmw_.data(), int64_t(grad_rmw_.bytes())));
-    if (grad_host_.bytes() > 0) grad_io_.push_back(state_->register_io_buffer(grad_host_.data(), grad_host_.bytes()));
-    if (dev.host_addressable()) {
-      for (const DeviceBuffer* m : {&grad_stage_, &grad_stage2_, &grad_shards_}) {
-        if (m->bytes() > 0) grad_io_.push_back(state_->register_io_buffer(m->ptr().raw(), m->bytes()));
-      }
-    }
+  // What NVMe gradient reads and writes use (Note [Registered buffers]).
+  grad_io_.push_back(state_->register_io_buffer(Category::kGrad, grad_rmw_.data(), int64_t(grad_rmw_.bytes())));
+  grad_io_.push_back(state_->register_io_buffer(Category::kGrad, grad_host_.data(), grad_host_.bytes()));
+  for (const DeviceBuffer* m : {&grad_stage_, &grad_stage2_, &grad_shards_}) {
+    grad_io_.push_back(state_->register_io_buffer(Category::kGrad, *m));
   }
   for (int k = 0; k < 2; ++k) {
     const DevicePtr mem = k == 0 ? grad_stage_.ptr() : grad_stage2_.ptr();
@@ -1210,7 +1206,7 @@ void Trainer::allocate_step_buffers(const PlacementPlan& plan) {
 
   pieces_ = pipeline_pieces(plan);
   for (const PlacementUnit& piece : pieces_) piece_on_device_.push_back(device_adam_piece(plan, piece) ? 1 : 0);
-  staging_ = std::make_unique<OptimizerStaging>(plan, *device_, *state_);
+  staging_ = std::make_unique<OptimizerStaging>(plan, *state_);
   opt_spans_.resize(size_t(staging_->sets()));
   // Runs of each optimizer piece inside one block shard.
   for (const PlacementUnit& piece : pieces_) {

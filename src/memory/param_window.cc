@@ -122,7 +122,6 @@ void ParamWindow::attach(TieredState* state, const WindowShape& shape, int elem_
   max_slots_ = shape.slots;
   slots_.assign(size_t(shape.slots), Slot());
   pending_.resize(size_t(shape.slots) + 1);  // the last: persistent blocks' fetches
-  persistent_io_ = &pending_.back();
   done_.assign(size_t(shape.slots), Completion());
   bounced_.assign(size_t(shape.slots), 0);
   Device& dev = state->device();
@@ -135,14 +134,9 @@ void ParamWindow::attach(TieredState* state, const WindowShape& shape, int elem_
   if (state->plan().staging.window_bounce > 0 && !dev.host_addressable()) {
     bounce_ = dev.allocate_pinned(state->plan().staging.window_bounce, "parameter window bounce buffers");
   }
-  if (state->plan().any_on_nvme(Category::kParam16)) {
-    if (bounce_.bytes() > 0) io_registered_.push_back(state->register_io_buffer(bounce_.data(), bounce_.bytes()));
-    if (dev.host_addressable()) {
-      for (const DeviceBuffer* m : {&slots_mem_, &persistent_mem_}) {
-        if (m->bytes() > 0) io_registered_.push_back(state->register_io_buffer(m->ptr().raw(), m->bytes()));
-      }
-    }
-  }
+  io_registered_.push_back(state->register_io_buffer(Category::kParam16, bounce_.data(), bounce_.bytes()));
+  io_registered_.push_back(state->register_io_buffer(Category::kParam16, slots_mem_));
+  io_registered_.push_back(state->register_io_buffer(Category::kParam16, persistent_mem_));
 }
 
 DevicePtr ParamWindow::slot_ptr(int s) const {
@@ -183,15 +177,12 @@ void ParamWindow::fetch_persistent(int32_t b) {
     const DevicePtr dst = persistent_mem_.ptr() + persistent_at_[size_t(b)] * elem_bytes_;
     const int64_t offset = state_->plan().units[size_t(Category::kParam16)][size_t(b)].offset;
     const int64_t n = numel_[size_t(b)];
-    if (!dev.host_addressable() && state_->tier_of(Category::kParam16, offset) == Tier::kNvme) {
+    if (via_bounce(offset)) {
       std::byte* bounce = bounce_ptr(int(slots_.size())) + persistent_at_[size_t(b)] * elem_bytes_;
       state_->read(Category::kParam16, offset, n, bounce);
-      dev.stream_wait(Stream::kH2D, dev.record(Stream::kCompute));  // the last step's readers
-      dev.copy_to_device(dst, bounce, n * elem_bytes_, Stream::kH2D);
-      state_->count_copy(/*to_device=*/true, n * elem_bytes_);
-      dev.stream_wait(Stream::kCompute, dev.record(Stream::kH2D));
+      dev.stream_wait(Stream::kCompute, h2d_from_bounce(dst, bounce, n));  // after the last step's readers
     } else {
-      dev.stream_wait(Stream::kCompute, state_->read_to_device(Category::kParam16, offset, n, dst, *persistent_io_));
+      dev.stream_wait(Stream::kCompute, state_->read_to_device(Category::kParam16, offset, n, dst, pending_.back()));
     }
     wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
@@ -203,10 +194,9 @@ void ParamWindow::fetch_persistent(int32_t b) {
 // device homes; from NVMe into the host-addressable slot itself, or into the
 // slot's bounce buffer, copied to the device when the slot is acquired.
 void ParamWindow::fetch_slot(int s, int32_t b) {
-  Device& dev = state_->device();
   const int64_t offset = state_->plan().units[size_t(Category::kParam16)][size_t(b)].offset;
   PendingIo& io = pending_[size_t(s)];
-  if (!dev.host_addressable() && state_->tier_of(Category::kParam16, offset) == Tier::kNvme) {
+  if (via_bounce(offset)) {
     // The slot's bounce buffer may still be the source of the H2D copy its
     // last block's acquire queued.
     done_[size_t(s)].wait();
@@ -220,6 +210,7 @@ void ParamWindow::fetch_slot(int s, int32_t b) {
 void ParamWindow::land(int s) {
   Device& dev = state_->device();
   Completion& fetched = done_[size_t(s)];
+  if (!bounced_[size_t(s)] && !fetched.pending()) return;  // nothing to wait for or order
   const auto t0 = std::chrono::steady_clock::now();
   {
     TraceSpan span(TraceTrack::kCompute, "wait for parameters");
@@ -229,17 +220,24 @@ void ParamWindow::land(int s) {
   wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
 }
 
-void ParamWindow::copy_bounced(int s) {
+bool ParamWindow::via_bounce(int64_t offset) const {
+  return bounce_.bytes() > 0 && state_->tier_of(Category::kParam16, offset) == Tier::kNvme;
+}
+
+Completion ParamWindow::h2d_from_bounce(DevicePtr dst, const std::byte* bounce, int64_t numel) {
   Device& dev = state_->device();
+  // After the compute queued so far: the destination's previous readers.
+  dev.stream_wait(Stream::kH2D, dev.record(Stream::kCompute));
+  dev.copy_to_device(dst, bounce, numel * elem_bytes_, Stream::kH2D);
+  state_->count_copy(/*to_device=*/true, numel * elem_bytes_);
+  return dev.record(Stream::kH2D);
+}
+
+void ParamWindow::copy_bounced(int s) {
   Completion& fetched = done_[size_t(s)];
   fetched.wait();  // NVMe -> bounce
   bounced_[size_t(s)] = 0;
-  const int32_t b = slots_[size_t(s)].block;
-  // After the compute queued so far: the slot's previous block's readers.
-  dev.stream_wait(Stream::kH2D, dev.record(Stream::kCompute));
-  dev.copy_to_device(slot_ptr(s), bounce_ptr(s), numel_[size_t(b)] * elem_bytes_, Stream::kH2D);
-  state_->count_copy(/*to_device=*/true, numel_[size_t(b)] * elem_bytes_);
-  fetched = dev.record(Stream::kH2D);
+  fetched = h2d_from_bounce(slot_ptr(s), bounce_ptr(s), numel_[size_t(slots_[size_t(s)].block)]);
   ++bounce_copies_;
 }
 

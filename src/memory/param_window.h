@@ -131,6 +131,8 @@ class ParamWindow {
   void fetch_slot(int s, int32_t b);
   void land(int s);  // slot s's fetch, ordered before the compute queued next
   void copy_bounced(int s);  // slot s's bounce buffer to the slot, on the H2D stream
+  bool via_bounce(int64_t offset) const;  // a param16 home on NVMe, on a device with bounce buffers
+  Completion h2d_from_bounce(DevicePtr dst, const std::byte* bounce, int64_t numel);
   void pump_bounced();
   DevicePtr slot_ptr(int s) const;
   std::byte* bounce_ptr(int s) const;  // persistent blocks: s = slots
@@ -151,7 +153,6 @@ class ParamWindow {
   // blocks of a host-addressable device), registered with the I/O engine.
   std::vector<nvme::BufferRegistration> io_registered_;
   std::vector<char> bounced_;        // per slot: its fetch is in the bounce buffer, not yet copied
-  PendingIo* persistent_io_ = nullptr;  // pending_'s last entry
   std::vector<int64_t> persistent_at_;   // element offset in persistent_mem_, per block
   std::vector<char> persistent_valid_;
 

@@ -140,8 +140,7 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
     // home), plus a read-modify-write block for homes on NVMe.
     n.grad_host = (off_device(Category::kGrad) ? 2 * largest * 4 : 0) + (on_nvme(Category::kGrad) ? largest * 4 : 0);
     if (on_nvme(Category::kParam16)) {
-      n.window_bounce = (int64_t(n.window.slots) * n.window.slot_numel + n.window.persistent_numel) *
-                        plan.compute_bytes;
+      n.window_bounce = n.gathered;  // one bounce buffer per slot and for the persistent blocks
     }
   }
   if (plan.shards > 1 && plan.stage == 3) {

@@ -175,13 +175,21 @@ class TieredState {
   // The part registered with the device: host-tier 16-bit parameters and gradients.
   int64_t host_transfer_bytes() const { return host_transfer_arena_.bytes(); }
   const nvme::SwapStore* swap() const { return swap_.get(); }
-  // Registers a host buffer that NVMe-tier reads and writes use with the I/O
-  // engine's rings (Note [Registered buffers] in nvme/engine.h), so that
-  // training moves bytes as `strata bench-io` measures them. Empty where
-  // nothing is on NVMe. The registration must end before the buffer is freed
-  // and before this state: hold it beside the buffer, declared after it.
-  nvme::BufferRegistration register_io_buffer(const void* p, int64_t bytes) {
-    return engine_ ? engine_->register_buffer(const_cast<void*>(p), bytes) : nvme::BufferRegistration();
+  // Registers a host buffer that NVMe reads and writes of category c use
+  // with the I/O engine's rings (Note [Registered buffers] in
+  // nvme/engine.h), so that training moves bytes as `strata bench-io`
+  // measures them. Empty where c has no NVMe homes or the buffer is empty.
+  // The registration must end before the buffer is freed and before this
+  // state: hold it beside the buffer, declared after it.
+  nvme::BufferRegistration register_io_buffer(Category c, const void* p, int64_t bytes) {
+    if (!engine_ || bytes <= 0 || !plan_.any_on_nvme(c)) return nvme::BufferRegistration();
+    return engine_->register_buffer(const_cast<void*>(p), bytes);
+  }
+  // The same for device memory, which NVMe I/O reaches in place only on a
+  // host-addressable device (the CPU device's); empty on others.
+  nvme::BufferRegistration register_io_buffer(Category c, const DeviceBuffer& m) {
+    if (!device_->host_addressable()) return nvme::BufferRegistration();
+    return register_io_buffer(c, m.ptr().raw(), m.bytes());
   }
   // The NVMe I/O engine's counters (zero where nothing is on NVMe).
   nvme::EngineStats io_stats() const { return engine_ ? engine_->stats() : nvme::EngineStats(); }
