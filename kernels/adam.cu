@@ -7,6 +7,7 @@
 #include <cuda_fp16.h>
 #include <cuda_runtime.h>
 
+#include "cpu_adam/grad_ops.h"
 #include "kernels/check.h"
 
 namespace strata::kernels {
@@ -149,6 +150,47 @@ __global__ void squared_norm_kernel(const float* __restrict__ x, int64_t n, doub
   if (threadIdx.x == 0) partials[blockIdx.x] = sums[0];
 }
 
+// Note [Ordered norm]: one block of kNormLanes threads per chunk; lane l sums
+// its elements in order, then the tree fold (no contraction: -fmad=false,
+// and the squares of floats are exact in double anyway).
+constexpr int kLanes = cpu_adam::kNormLanes;
+static_assert(kLanes == kThreads, "one lane per thread");
+
+__device__ double fold_lanes(double* lanes) {
+  for (int half = kLanes / 2; half > 0; half /= 2) {
+    if (int(threadIdx.x) < half) lanes[threadIdx.x] = __dadd_rn(lanes[threadIdx.x], lanes[threadIdx.x + half]);
+    __syncthreads();
+  }
+  return lanes[0];
+}
+
+__global__ void ordered_chunk_kernel(const float* __restrict__ x, int64_t n, double* partials) {
+  __shared__ double lanes[kLanes];
+  const int64_t base = int64_t(blockIdx.x) * cpu_adam::kNormChunk;
+  double acc = 0.0;
+  for (int64_t j = 0; j < cpu_adam::kNormChunk; j += kLanes) {
+    const int64_t i = base + j + threadIdx.x;
+    if (i < n) {
+      const double v = x[i];
+      acc = __dadd_rn(acc, __dmul_rn(v, v));
+    }
+  }
+  lanes[threadIdx.x] = acc;
+  __syncthreads();
+  const double total = fold_lanes(lanes);
+  if (threadIdx.x == 0) partials[blockIdx.x] = total;
+}
+
+__global__ void ordered_partials_kernel(const double* __restrict__ partials, int64_t count, double* out) {
+  __shared__ double lanes[kLanes];
+  double acc = 0.0;
+  for (int64_t c = threadIdx.x; c < count; c += kLanes) acc = __dadd_rn(acc, partials[c]);
+  lanes[threadIdx.x] = acc;
+  __syncthreads();
+  const double total = fold_lanes(lanes);
+  if (threadIdx.x == 0) *out = total;
+}
+
 __global__ void unscale_kernel(float* __restrict__ x, int64_t n, float scale, int* nonfinite) {
   bool bad = false;
   const int64_t stride = int64_t(gridDim.x) * blockDim.x;
@@ -187,6 +229,21 @@ void squared_norm_partials(const float* x, int64_t n, double* partials, int num_
   if (n == 0) return;
   const int grid = grid_for(n) < used ? grid_for(n) : used;
   squared_norm_kernel<<<grid, kThreads, 0, st>>>(x, n, partials);
+  STRATA_CUDA_CHECK(cudaGetLastError());
+}
+
+int64_t ordered_norm_scratch(int64_t n) { return (n + cpu_adam::kNormChunk - 1) / cpu_adam::kNormChunk; }
+
+void ordered_squared_norm(const float* x, int64_t n, double* out, double* scratch, void* stream) {
+  STRATA_KERNEL_REQUIRE(n >= 0 && out != nullptr, "ordered_squared_norm: bad arguments");
+  const cudaStream_t st = static_cast<cudaStream_t>(stream);
+  const int64_t chunks = ordered_norm_scratch(n);
+  if (chunks > 0) {
+    STRATA_KERNEL_REQUIRE(scratch != nullptr && chunks < (int64_t(1) << 31), "ordered_squared_norm: scratch");
+    ordered_chunk_kernel<<<unsigned(chunks), kLanes, 0, st>>>(x, n, scratch);
+    STRATA_CUDA_CHECK(cudaGetLastError());
+  }
+  ordered_partials_kernel<<<1, kLanes, 0, st>>>(scratch, chunks, out);
   STRATA_CUDA_CHECK(cudaGetLastError());
 }
 

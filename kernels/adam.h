@@ -36,6 +36,13 @@ void adam_step(const cpu_adam::detail::StepConstants& c, const cpu_adam::AdamSpa
 inline constexpr int kMaxNormPartials = 1024;
 void squared_norm_partials(const float* x, int64_t n, double* partials, int num_partials, void* stream);
 
+// Note [Ordered norm] in cpu_adam/grad_ops.h: *out (a device double) =
+// the squared L2 norm of x[0, n) in the order cpu_adam::ordered_squared_norm
+// sums it, bit for bit. `scratch` holds ordered_norm_scratch(n) doubles of
+// device memory (the chunks' partials); launches on one stream may share it.
+int64_t ordered_norm_scratch(int64_t n);
+void ordered_squared_norm(const float* x, int64_t n, double* out, double* scratch, void* stream);
+
 // x[i] *= scale in place (one IEEE multiply), setting *nonfinite = 1 (a
 // device int) when any result is not finite.
 void unscale_and_check(float* x, int64_t n, float scale, int* nonfinite, void* stream);

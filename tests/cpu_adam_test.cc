@@ -20,6 +20,7 @@
 #include <vector>
 
 #include "cpu_adam/adam.h"
+#include "cpu_adam/grad_ops.h"
 #include "cpu_adam_reference.h"
 
 namespace strata::cpu_adam {
@@ -74,6 +75,86 @@ uint16_t oracle_fp16(float x) {
   if (std::isnan(x)) return ((float_to_bits(x) >> 16) & 0x8000) | 0x7E00;
   if (std::isinf(x)) return ((float_to_bits(x) >> 16) & 0x8000) | 0x7C00;
   return oracle_round(x, fp16_to_float, 0x7C00, 65536.0);
+}
+
+// ---- gradient arithmetic (cpu_adam/grad_ops.h) ------------------------------------
+
+// Note [Ordered norm] written out as its words say, element by element: the
+// kernel's loops must add in exactly this order (bit for bit), and the sum is
+// the squared norm (against a long double sum).
+double ordered_norm_as_written(const std::vector<float>& x) {
+  const int64_t n = int64_t(x.size());
+  std::vector<double> partials;
+  for (int64_t base = 0; base < n; base += kNormChunk) {
+    std::vector<double> lanes(kNormLanes, 0.0);
+    for (int64_t j = 0; j < kNormChunk / kNormLanes; ++j) {
+      for (int l = 0; l < kNormLanes; ++l) {
+        const int64_t i = base + j * kNormLanes + l;
+        if (i < n) lanes[size_t(l)] += double(x[size_t(i)]) * double(x[size_t(i)]);
+      }
+    }
+    for (int half = kNormLanes / 2; half > 0; half /= 2) {
+      for (int l = 0; l < half; ++l) lanes[size_t(l)] += lanes[size_t(l + half)];
+    }
+    partials.push_back(lanes[0]);
+  }
+  std::vector<double> lanes(kNormLanes, 0.0);
+  for (size_t c = 0; c < partials.size(); ++c) lanes[c % kNormLanes] += partials[c];
+  for (int half = kNormLanes / 2; half > 0; half /= 2) {
+    for (int l = 0; l < half; ++l) lanes[size_t(l)] += lanes[size_t(l + half)];
+  }
+  return lanes[0];
+}
+
+TEST(CpuAdamGradOps, OrderedNormFollowsItsNoteBitForBit) {
+  std::mt19937 rng(3);
+  std::normal_distribution<float> normal(0.0f, 1.0f);
+  for (int64_t n : {0, 1, 7, 256, 4095, 4096, 4097, 3 * 4096 + 5, 300000, 1100000}) {
+    std::vector<float> x(static_cast<size_t>(n));
+    for (float& v : x) v = normal(rng) * std::ldexp(1.0f, int(rng() % 30) - 15);
+    const double got = ordered_squared_norm(x.data(), n);
+    EXPECT_EQ(std::bit_cast<uint64_t>(got), std::bit_cast<uint64_t>(ordered_norm_as_written(x))) << "n = " << n;
+    long double exact = 0.0L;
+    for (float v : x) exact += (long double)v * (long double)v;
+    EXPECT_NEAR(got, double(exact), 1e-13 * double(exact)) << "n = " << n;
+  }
+  EXPECT_EQ(ordered_squared_norm(nullptr, 0), 0.0);
+}
+
+// A gradient's widening and accumulation: home = widen(g) on the first
+// micro-batch, home + widen(g) after, one fp32 addition per element.
+TEST(CpuAdamGradOps, AccumulateWidensExactlyAndAddsOnce) {
+  std::mt19937 rng(5);
+  std::normal_distribution<float> normal(0.0f, 2.0f);
+  const int64_t n = 1000;
+  std::vector<float> g(n), base(n);
+  std::vector<uint16_t> g16(n), h16(n);
+  for (int64_t i = 0; i < n; ++i) {
+    g[size_t(i)] = normal(rng);
+    base[size_t(i)] = normal(rng);
+    g16[size_t(i)] = float_to_bf16(g[size_t(i)]);
+    h16[size_t(i)] = float_to_fp16(g[size_t(i)]);
+  }
+  struct Case {
+    GradType type;
+    const void* src;
+    float (*widen)(const void*, int64_t);
+  };
+  const Case cases[] = {
+      {GradType::kF32, g.data(), [](const void* p, int64_t i) { return static_cast<const float*>(p)[i]; }},
+      {GradType::kBF16, g16.data(), [](const void* p, int64_t i) { return bf16_to_float(static_cast<const uint16_t*>(p)[i]); }},
+      {GradType::kF16, h16.data(), [](const void* p, int64_t i) { return fp16_to_float(static_cast<const uint16_t*>(p)[i]); }},
+  };
+  for (const Case& c : cases) {
+    std::vector<float> home = base;
+    accumulate_grad(home.data(), c.src, c.type, n, /*first=*/true);
+    for (int64_t i = 0; i < n; ++i) ASSERT_EQ(home[size_t(i)], c.widen(c.src, i)) << grad_type_name(c.type) << " " << i;
+    home = base;
+    accumulate_grad(home.data(), c.src, c.type, n, /*first=*/false);
+    for (int64_t i = 0; i < n; ++i) {
+      ASSERT_EQ(home[size_t(i)], base[size_t(i)] + c.widen(c.src, i)) << grad_type_name(c.type) << " " << i;
+    }
+  }
 }
 
 TEST(CpuAdamConvert, Bf16EdgeCases) {

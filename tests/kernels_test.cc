@@ -10,6 +10,7 @@
 #include <cuda_runtime.h>
 #include <gtest/gtest.h>
 
+#include <bit>
 #include <cmath>
 #include <cstring>
 #include <limits>
@@ -19,6 +20,7 @@
 
 #include "cpu_adam/adam.h"
 #include "cpu_adam/convert.h"
+#include "cpu_adam/grad_ops.h"
 #include "cpu_adam/kernels.h"
 #include "kernels/adam.h"
 #include "kernels/casts.h"
@@ -254,6 +256,25 @@ TEST(KernelsTest, SquaredNormPartialsSumToTheSquaredNorm) {
     double sum = 0.0;
     for (double p : parts.host()) sum += p;
     EXPECT_NEAR(sum, ref, 1e-12 * std::max(ref, 1.0)) << "n = " << n;
+  }
+}
+
+// Note [Ordered norm]: the device's squared norm is the CPU reference's bit
+// for bit, whatever the length (partial chunks, one chunk, many).
+TEST(KernelsTest, OrderedNormIsTheCpuReferenceBitForBit) {
+  SKIP_WITHOUT_GPU();
+  std::mt19937 rng(11);
+  std::normal_distribution<float> normal(0.0f, 3.0f);
+  for (int64_t n : {int64_t(0), int64_t(1), int64_t(255), int64_t(4096), int64_t(4097), int64_t(1) << 20,
+                    (int64_t(1) << 22) + 333}) {
+    std::vector<float> x(static_cast<size_t>(n));
+    for (float& v : x) v = normal(rng) * std::ldexp(1.0f, int(rng() % 40) - 20);
+    DeviceVector<float> dx(x);
+    DeviceVector<double> out(std::vector<double>{-1.0});
+    DeviceVector<double> scratch(std::vector<double>(size_t(std::max<int64_t>(ordered_norm_scratch(n), 1)), -1.0));
+    ordered_squared_norm(dx.get(), n, out.get(), scratch.get(), nullptr);
+    const double want = cpu_adam::ordered_squared_norm(x.data(), n);
+    EXPECT_EQ(std::bit_cast<uint64_t>(out.host()[0]), std::bit_cast<uint64_t>(want)) << "n = " << n;
   }
 }
 

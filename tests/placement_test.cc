@@ -37,8 +37,10 @@ TEST(PlacementTest, DefaultIsEverythingOnDevice) {
     EXPECT_EQ(p.bytes[c][0], kTotal * p.elem_bytes[c]) << category_name(Category(c));
     EXPECT_EQ(p.bytes[c][1] + p.bytes[c][2], 0);
   }
-  // All resident: only the fp32 gradient staging of the largest block.
-  EXPECT_EQ(p.staging.device_bytes(), 65536 * 4);
+  // All resident: the fp32 stage of the tied embedding's gradient sum (the
+  // largest block) and a norm slot per block (Note [Gradient path]).
+  ASSERT_TRUE(p.tied);
+  EXPECT_EQ(p.staging.device_bytes(), 65536 * 4 + int64_t(p.block_numel.size()) * 8);
   EXPECT_EQ(p.staging.host_bytes(), 0);
 }
 
@@ -164,9 +166,11 @@ TEST(PlacementTest, AutoFillsTheDeviceFirstWithParametersThenGradients) {
   const int64_t unit = 65536 * 4;  // every unit here: one block / one sub-group of fp32
   MachineCapacity cap;
   cap.device_is_host = false;
-  // Device: all of param16, half of grad, the activations, and the fp32
-  // gradient stage.
-  cap.device_bytes = 8 * unit + 4 * unit + activations + 1 * unit;
+  cap.device_addressable = false;
+  // Device: all of param16, half of grad, the activations, the fp32
+  // gradient stage, and the gradient norms (a slot per block, and the norm
+  // kernel's partials: one per 4096 elements of the largest block).
+  cap.device_bytes = 8 * unit + 4 * unit + activations + 1 * unit + 8 * 8 + 65536 / 4096 * 8;
   // Host: the other half of grad, all of master, half of exp_avg, and the
   // staging of one swapped sub-group (master, exp_avg, exp_avg_sq; buffer_count
   // 1 = one staging set); since host code may not touch a GPU's memory, CPU
@@ -204,6 +208,7 @@ TEST(PlacementTest, AutoOnAGpuPutsOptimizerStateOnTheDeviceOnlyWhole) {
   const int64_t unit = 65536 * 4;
   MachineCapacity cap;
   cap.device_is_host = false;
+  cap.device_addressable = false;
   cap.device_bytes = 8 * unit + 8 * unit + activations + 1 * unit + 5 * unit;  // param16, grad, stage, 5 more
   cap.host_bytes = int64_t(1) << 40;
   cap.nvme_bytes = int64_t(1) << 40;
@@ -250,7 +255,9 @@ TEST(PlacementTest, AutoOnCpuSharesOneHostPoolAndSpillsToNvme) {
                             "train_micro_batch_size_per_gpu=1"});
   MachineCapacity cap;  // CPU compute, no device budget: the device tier is host RAM
   cap.device_is_host = true;
-  cap.host_bytes = 20 * 65536 * 4;  // half of the 40 units of state, with room for staging
+  // Half of the 40 units of state, with room for staging (the two landing
+  // buffers of gradients homed off the device among it).
+  cap.host_bytes = 22 * 65536 * 4;
   cap.nvme_bytes = int64_t(1) << 40;
   PlacementPlan p = make_plan(cfg, layout, 0, cap);
   EXPECT_GT(p.bytes[int(Category::kExpAvgSq)][int(Tier::kNvme)], 0);  // spilled, not all "device"
@@ -262,6 +269,7 @@ TEST(PlacementTest, ShortfallNamesTheTierAndTheNumbers) {
   PlacementPlan p = make_plan(config_with({}), layout, 0, unlimited());
   MachineCapacity cap;
   cap.device_is_host = false;
+  cap.device_addressable = false;
   cap.device_bytes = 1 << 20;
   cap.host_bytes = int64_t(1) << 34;
   auto s = plan_shortfalls(p, cap);

@@ -29,6 +29,7 @@
 #include "memory/layout.h"
 #include "memory/device.h"
 #include "memory/placement.h"
+#include "memory/tiered_state.h"
 #include "model/model.h"
 #include "deferred_device.h"
 #include "test_util.h"
@@ -400,6 +401,172 @@ TEST_F(StepTest, ADeviceHostCodeMayNotTouchTrainsBitForBitAsTheCpuDevice) {
     }
     EXPECT_TRUE(same_state(cpu.state(), deferred.state())) << what;
     EXPECT_GT(dev.copies(), 0u) << what;
+  }
+}
+
+// ---- bytes per link (docs/design.md, "Bytes per link") ----------------------------
+
+// The table of docs/design.md, written out for world size 1 with every
+// windowed block persistent (fetched once per step), no offloaded
+// activations and the optimizer inline: what each link must carry in one
+// step, from the placement alone. c: bytes of the compute dtype; w_b: the
+// bytes a block's gradient crosses PCIe in (4 for fp32 compute and for the
+// tied embedding, whose gradient is a real fp32 sum, else c); m: bytes of a
+// moment; A: micro-batches.
+LinkBytes table_bytes(const PlacementPlan& p, int64_t accum) {
+  LinkBytes e;
+  const int64_t c = p.compute_bytes;
+  const int64_t m = p.elem_bytes[size_t(Category::kExpAvg)];
+  const std::vector<PlacementUnit>& p16 = p.units[size_t(Category::kParam16)];
+  const std::vector<PlacementUnit>& grad = p.units[size_t(Category::kGrad)];
+  for (size_t b = 0; b < p16.size(); ++b) {
+    const int64_t n = p16[b].numel;
+    // The forward's fetch of the working copy (once: persistent).
+    if (p16[b].tier == Tier::kHost) e.h2d += c * n;
+    if (p16[b].tier == Tier::kNvme) e.nvme_read += c * n, e.h2d += c * n;
+    // The backward's gradient, every micro-batch.
+    const int64_t w = c == 4 || (p.tied && b == 0) ? 4 : c;
+    if (grad[b].tier != Tier::kDevice) e.d2h += w * n * accum;
+    if (grad[b].tier == Tier::kNvme) e.nvme_write += 4 * n * accum, e.nvme_read += 4 * n * (accum - 1);
+  }
+  // The optimizer, per pipeline piece: nothing crosses for a piece wholly on
+  // the device (the device's Adam); CPU Adam reads what is not in host
+  // memory and writes it back.
+  auto overlap = [](const PlacementUnit& u, const PlacementUnit& piece) {
+    return std::max<int64_t>(0, std::min(u.offset + u.numel, piece.offset + piece.numel) -
+                                    std::max(u.offset, piece.offset));
+  };
+  for (const PlacementUnit& piece : pipeline_pieces(p)) {
+    bool all_device = piece.tier == Tier::kDevice;
+    for (size_t b = 0; b < p16.size(); ++b) {
+      if (overlap(p16[b], piece) > 0 && p16[b].tier != Tier::kDevice) all_device = false;
+      if (overlap(grad[b], piece) > 0 && grad[b].tier != Tier::kDevice) all_device = false;
+    }
+    if (all_device) continue;
+    const int64_t state = (4 + 2 * m) * piece.numel;  // master, exp_avg, exp_avg_sq
+    if (piece.tier == Tier::kDevice) e.d2h += state, e.h2d += state;
+    if (piece.tier == Tier::kNvme) e.nvme_read += state, e.nvme_write += state;
+    for (size_t b = 0; b < p16.size(); ++b) {
+      const int64_t g = overlap(grad[b], piece), w = overlap(p16[b], piece);
+      if (grad[b].tier == Tier::kDevice) e.d2h += 4 * g;
+      if (grad[b].tier == Tier::kNvme) e.nvme_read += 4 * g;
+      if (p16[b].tier == Tier::kDevice) e.h2d += c * w;
+      if (p16[b].tier == Tier::kNvme) e.nvme_write += c * w;
+    }
+  }
+  return e;
+}
+
+// Note [Gradient path]: on the test device (a GPU's separate memory) every
+// placement of the step test's matrix moves exactly the bytes of the table
+// on each link in each step: a byte too many (a gradient crossing in fp32, a
+// read-modify-write counted as a copy, a fetch twice) fails.
+TEST_F(StepTest, EveryLinkCarriesExactlyTheBytesOfThePlacement) {
+  const std::string swap = dir_.path() + "/swap";
+  const std::string split = "{\"device\":0.3,\"host\":0.3,\"nvme\":0.4}";
+  const std::string nvme = "{\"device\":\"nvme\",\"nvme_path\":\"" + swap + "\"";
+  const std::vector<std::string> common = {"run.overlap_optimizer=false",
+                                           "zero_optimization.stage3_param_persistence_threshold=100000000"};
+  const std::vector<std::vector<std::string>> cases = {
+      {"bf16.enabled=true"},
+      {"zero_optimization.stage=3", "zero_optimization.offload_param.device=cpu",
+       "zero_optimization.offload_optimizer.device=cpu", "bf16.enabled=true"},
+      {"zero_optimization.stage=3", "zero_optimization.offload_param=" + nvme + ",\"max_in_cpu\":0}",
+       "zero_optimization.offload_optimizer=" + nvme + "}", "bf16.enabled=true", "run.optimizer_state_dtype=\"bf16\""},
+      {"placement={\"param16\":" + split + ",\"grad\":" + split + ",\"optimizer\":" + split + ",\"nvme_path\":\"" +
+       swap + "\"}"},
+      {"placement={\"param16\":{\"device\":0.5,\"host\":0.5},\"grad\":{\"device\":0.7,\"nvme\":0.3},"
+       "\"optimizer\":{\"device\":0.6,\"host\":0.4},\"nvme_path\":\"" + swap + "\"}",
+       "fp16={\"enabled\":true,\"loss_scale\":1024}"},
+      {"placement={\"param16\":{\"device\":1},\"grad\":{\"host\":1},\"optimizer\":{\"host\":1}}", "bf16.enabled=true",
+       "model.tie_embeddings=false", "gradient_accumulation_steps=3"},
+  };
+  for (std::vector<std::string> o : cases) {
+    const std::string what = nlohmann::json(o).dump();
+    o.insert(o.end(), common.begin(), common.end());
+    testing::DeferredDevice dev;
+    Training run(base_config(data_), o, nullptr, &dev);
+    const PlacementPlan& plan = run.trainer().plan();
+    const LinkBytes want = table_bytes(plan, plan.accum);
+    for (int s = 1; s <= 2; ++s) {
+      const StepResult r = run.step();
+      ASSERT_FALSE(r.skipped) << what;
+      EXPECT_EQ(r.links.h2d, want.h2d) << what << ", step " << s;
+      EXPECT_EQ(r.links.d2h, want.d2h) << what << ", step " << s;
+      EXPECT_EQ(r.links.nvme_read, want.nvme_read) << what << ", step " << s;
+      EXPECT_EQ(r.links.nvme_write, want.nvme_write) << what << ", step " << s;
+    }
+  }
+}
+
+// On the CPU device the metrics count what a GPU would move: gradients on
+// the host in bf16 cross in 2 bytes per element per micro-batch, the tied
+// embedding's (a real fp32 sum) in 4.
+TEST_F(StepTest, OnTheCpuDeviceHostGradientsCrossInTheComputeDtype) {
+  Training run(base_config(data_), {"bf16.enabled=true", "gradient_accumulation_steps=3",
+                                    "placement={\"param16\":{\"device\":1},\"grad\":{\"host\":1},\"optimizer\":{\"host\":1}}"});
+  const PlacementPlan& plan = run.trainer().plan();
+  ASSERT_TRUE(plan.tied);
+  int64_t want = 0;
+  for (size_t b = 0; b < plan.units[size_t(Category::kGrad)].size(); ++b) {
+    want += (b == 0 ? 4 : 2) * plan.units[size_t(Category::kGrad)][b].numel * 3;
+  }
+  for (int s = 1; s <= 2; ++s) EXPECT_EQ(run.step().links.d2h, want) << "step " << s;
+}
+
+// Note [Gradient path]: adds of landed gradients into host and NVMe homes
+// (and their norms) run on the lander, never on the thread that queues the
+// compute.
+TEST_F(StepTest, HostArithmeticOnLandedGradientsRunsOffTheComputeThread) {
+  const std::string swap = dir_.path() + "/swap";
+  testing::DeferredDevice dev;
+  Training run(base_config(data_),
+               {"bf16.enabled=true", "placement={\"param16\":{\"device\":1},\"grad\":{\"host\":0.5,\"nvme\":0.5},"
+                "\"optimizer\":{\"host\":1},\"nvme_path\":\"" + swap + "\"}"},
+               nullptr, &dev);
+  for (int s = 1; s <= 2; ++s) run.step();
+  const GradientPath::LanderStats st = run.trainer().lander_stats();
+  EXPECT_EQ(st.adds, 2 * 2 * int64_t(run.trainer().layout().num_blocks()));  // steps x micro-batches x blocks
+  EXPECT_EQ(st.adds_on_compute_thread, 0);
+}
+
+// Placement independence on a device with memory of its own: with clipping
+// active (the coefficient below 1 on some steps), every placement trains bit
+// for bit as all state on the device does, on the test device as on the CPU
+// device; the norm is summed in one order wherever the gradient lives (Note
+// [Ordered norm] in cpu_adam/grad_ops.h).
+TEST_F(StepTest, WithClippingThePlacementChangesNothingOnADeviceOfItsOwn) {
+  const std::string swap = dir_.path() + "/swap";
+  const std::string split = "{\"device\":0.3,\"host\":0.3,\"nvme\":0.4}";
+  const std::vector<std::string> dtype = {"bf16.enabled=true", "gradient_clipping=0.5"};
+  const std::vector<std::vector<std::string>> placements = {
+      {"zero_optimization.stage=3", "zero_optimization.offload_param.device=cpu",
+       "zero_optimization.offload_optimizer.device=cpu", "zero_optimization.stage3_param_persistence_threshold=0"},
+      {"placement={\"param16\":" + split + ",\"grad\":" + split + ",\"optimizer\":" + split + ",\"nvme_path\":\"" +
+       swap + "\"}"},
+      {"placement={\"param16\":{\"device\":1},\"grad\":{\"device\":0.5,\"host\":0.5},\"optimizer\":{\"device\":1}}"},
+  };
+  testing::DeferredDevice ref_dev;
+  Training ref(base_config(data_), dtype, nullptr, &ref_dev);
+  std::vector<StepResult> want;
+  bool clipped = false;
+  for (int s = 1; s <= 3; ++s) {
+    want.push_back(ref.step());
+    clipped |= want.back().grad_norm > 0.5;
+  }
+  ASSERT_TRUE(clipped) << "no step had its gradient clipped";
+  const std::vector<at::Tensor> want_state = ref.state();
+  for (std::vector<std::string> o : placements) {
+    const std::string what = nlohmann::json(o).dump();
+    o.insert(o.end(), dtype.begin(), dtype.end());
+    testing::DeferredDevice dev;
+    Training run(base_config(data_), o, nullptr, &dev);
+    for (int s = 1; s <= 3; ++s) {
+      const StepResult r = run.step();
+      EXPECT_EQ(r.loss, want[size_t(s - 1)].loss) << what << ", step " << s;
+      EXPECT_EQ(r.grad_norm, want[size_t(s - 1)].grad_norm) << what << ", step " << s;
+    }
+    EXPECT_TRUE(same_state(run.state(), want_state)) << what;
   }
 }
 

@@ -102,7 +102,7 @@ nlohmann::json plan_json(const Computed& c) {
                            {"persistent_elements", p.staging.window.persistent_numel}};
   j["staging_bytes"] = {{"gathered", p.staging.gathered}, {"grad_stage", p.staging.grad_stage},
                         {"checkpoint_device", p.staging.ckpt_device}, {"checkpoint_host", p.staging.ckpt_host},
-                        {"grad_rmw", p.staging.grad_rmw}, {"opt_grad", p.staging.opt_grad},
+                        {"grad_rmw", p.staging.grad_rmw}, {"grad_norms", p.staging.grad_norms}, {"opt_grad", p.staging.opt_grad},
                         {"opt_state", p.staging.opt_state}, {"opt_emit", p.staging.opt_emit},
                         {"grad_host", p.staging.grad_host}, {"window_bounce", p.staging.window_bounce}};
   j["device_transient_bytes"] = p.staging.device_bytes();
@@ -174,7 +174,7 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   row(p.keep_graphs ? "activations (graphs)" : "activations (recompute)", p.activation_bytes, 0, 0);
   if (p.cpu_checkpointing) row("offloaded checkpoints", p.staging.ckpt_device, p.staging.ckpt_host, 0);
   row("parameter window", p.staging.gathered, p.staging.window_bounce, 0);
-  row("gradient staging", p.staging.grad_stage + p.staging.grad_rmw, p.staging.grad_host, 0);
+  row("gradient staging", p.staging.grad_stage + p.staging.grad_norms, p.staging.grad_host + p.staging.grad_rmw, 0);
   if (p.world_size > 1) {
     row("gathered blocks", p.staging.gather, 0, 0);
     row("gradient reduction", p.staging.grad_sync, 0, 0);

@@ -8,10 +8,14 @@
 // pipeline of a few dozen copies in flight that wait is long over, and it is
 // what lets a completion that outlived its slot return at once (its work was
 // done when the slot was taken) instead of waiting on someone else's work.
+// The wait happens outside the device's lock (other threads record and wait
+// meanwhile); while it lasts the slot still answers for its old ticket, so a
+// waiter on that ticket may wait for the new work too: longer, never shorter.
 #include <cuda_runtime.h>
 
 #include <array>
 #include <mutex>
+#include <thread>
 #include <vector>
 
 #include "memory/device.h"
@@ -41,6 +45,7 @@ class CudaDevice final : public Device {
     for (auto& s : streams_) STRATA_CUDA_CALL(cudaStreamCreateWithFlags(&s, cudaStreamNonBlocking));
     events_.resize(kEvents);
     slot_ticket_.assign(kEvents, 0);
+    slot_busy_.assign(kEvents, 0);
     for (cudaEvent_t& e : events_) STRATA_CUDA_CALL(cudaEventCreateWithFlags(&e, cudaEventDisableTiming));
   }
   ~CudaDevice() override {
@@ -76,17 +81,34 @@ class CudaDevice final : public Device {
   Completion record(Stream s) override {
     select();
     cudaEvent_t e;
-    uint64_t t;
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      t = next_ticket_++;
-      const size_t slot = size_t(t % kEvents);
-      e = events_[slot];
-      // Note [Event ring]: the slot's previous work first.
-      if (slot_ticket_[slot] != 0) STRATA_CUDA_CALL(cudaEventSynchronize(e));
-      STRATA_CUDA_CALL(cudaEventRecord(e, stream(s)));
-      slot_ticket_[slot] = t;
+    uint64_t t = 0, previous = 0;
+    size_t slot = 0;
+    for (;;) {
+      {
+        std::lock_guard<std::mutex> lock(mu_);
+        slot = size_t(next_ticket_ % kEvents);
+        if (!slot_busy_[slot]) {
+          t = next_ticket_++;
+          previous = slot_ticket_[slot];
+          slot_busy_[slot] = 1;
+          e = events_[slot];
+          break;
+        }
+      }
+      std::this_thread::yield();  // kEvents records while this slot's last was being reused: practically never
     }
+    // Note [Event ring]: the slot's previous work first, outside the lock.
+    try {
+      if (previous != 0) STRATA_CUDA_CALL(cudaEventSynchronize(e));
+      STRATA_CUDA_CALL(cudaEventRecord(e, stream(s)));
+    } catch (...) {
+      std::lock_guard<std::mutex> lock(mu_);
+      slot_busy_[slot] = 0;
+      throw;
+    }
+    std::lock_guard<std::mutex> lock(mu_);
+    slot_ticket_[slot] = t;
+    slot_busy_[slot] = 0;
     return Completion(this, t);
   }
   void stream_wait(Stream s, Completion c) override {
@@ -165,6 +187,7 @@ class CudaDevice final : public Device {
   std::mutex mu_;
   std::vector<cudaEvent_t> events_;
   std::vector<uint64_t> slot_ticket_;
+  std::vector<char> slot_busy_;  // per slot: a record() is reusing it (guarded by mu_)
   uint64_t next_ticket_ = 1;
 };
 

@@ -9,6 +9,7 @@
 #include <limits>
 #include <sstream>
 
+#include "cpu_adam/grad_ops.h"
 #include "memory/device.h"
 #include "util/errors.h"
 #include "util/fs.h"
@@ -126,22 +127,26 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
     return false;
   };
   // Device: the parameter window for blocks whose weights are not on the
-  // device, sized by a dry run of the training and evaluation schedules; fp32
-  // gradient staging for every block; a read-modify-write buffer when any
-  // block's gradient lives off the device (host memory registered with the
-  // device instead, on a device host code may not touch).
+  // device, sized by a dry run of the training and evaluation schedules; the
+  // gradient path's buffers (Note [Gradient path] in engine/gradient_path.h).
   n.window = window_shape(plan);
   n.gathered = n.window.bytes(plan.compute_bytes);
-  n.grad_stage = largest * 4;
-  if (plan.device_addressable) {
-    n.grad_rmw = off_device(Category::kGrad) ? largest * 4 : 0;
-  } else {
-    // Two landing halves (one filled while the other is added into its
-    // home), plus a read-modify-write block for homes on NVMe.
-    n.grad_host = (off_device(Category::kGrad) ? 2 * largest * 4 : 0) + (on_nvme(Category::kGrad) ? largest * 4 : 0);
-    if (on_nvme(Category::kParam16)) {
-      n.window_bounce = n.gathered;  // one bounce buffer per slot and for the persistent blocks
-    }
+  const bool grads_off_device = off_device(Category::kGrad);
+  n.grad_stage = plan.world_size > 1 || plan.tied || grads_off_device ? largest * 4 : 0;
+  const int64_t blocks = int64_t(plan.block_numel.size());
+  n.grad_norms = blocks * 8;
+  if (!plan.device_addressable) {
+    n.grad_norms += (plan.largest_block_shard_numel + cpu_adam::kNormChunk - 1) / cpu_adam::kNormChunk * 8;
+  }
+  int64_t landing = 0;
+  const std::vector<PlacementUnit>& grads = plan.units[size_t(Category::kGrad)];
+  for (size_t b = 0; b < grads.size(); ++b) {
+    if (grads[b].tier != Tier::kDevice) landing = std::max(landing, grads[b].numel * grad_wire_bytes(plan, b));
+  }
+  n.grad_host = 2 * landing;
+  n.grad_rmw = on_nvme(Category::kGrad) ? plan.largest_block_shard_numel * 4 : 0;
+  if (!plan.device_addressable && on_nvme(Category::kParam16)) {
+    n.window_bounce = n.gathered;  // one bounce buffer per slot and for the persistent blocks
   }
   if (plan.shards > 1 && plan.stage == 3) {
     n.gather = 2 * (plan.tied ? 2 : 1) * largest * plan.compute_bytes;
@@ -182,6 +187,11 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
   return n;
 }
 
+int grad_wire_bytes(const PlacementPlan& plan, size_t b) {
+  if (plan.world_size > 1 || plan.compute_bytes == 4 || (plan.tied && b == 0)) return 4;
+  return plan.compute_bytes;
+}
+
 bool device_adam_piece(const PlacementPlan& plan, const PlacementUnit& piece) {
   if (plan.device_addressable) return false;
   for (Category c : {Category::kParam16, Category::kGrad, Category::kMaster, Category::kExpAvg, Category::kExpAvgSq}) {
@@ -198,6 +208,7 @@ MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::strin
   MachineCapacity m;
   local_ranks = std::max(1, local_ranks);
   m.device_is_host = cfg.run.device == "cpu";
+  m.device_addressable = m.device_is_host;
   m.host_bytes = cpu_device().memory_info().free_bytes;  // MemAvailable
   if (m.host_bytes > 0) m.host_bytes /= local_ranks;
   if (cfg.run.device_memory_mb > 0) {
@@ -475,7 +486,7 @@ void cap_window(const Config& cfg, const MachineCapacity& capacity, PlacementPla
       left -= plan.bytes[size_t(c)][size_t(Tier::kDevice)];
       if (shared) left -= plan.bytes[size_t(c)][size_t(Tier::kHost)];
     }
-    left -= plan.activation_bytes + other.grad_stage + other.grad_rmw + other.ckpt_device;
+    left -= plan.activation_bytes + other.grad_stage + other.grad_norms + other.ckpt_device;
     if (shared) left -= other.host_bytes();
     return std::max<int64_t>(0, left);
   };
@@ -578,7 +589,7 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   plan.stage = int(cfg.zero.stage);
   plan.shards = layout.world_size();
   plan.rank = int(rank);
-  plan.device_addressable = capacity.device_is_host;
+  plan.device_addressable = capacity.device_addressable;
   plan.gathered_numel = layout.total_numel();
   const int int16_bytes = compute_bytes(cfg);  // the working copy: fp32 or 16-bit
   const int moment_bytes = cfg.run.optimizer_state_dtype == "bf16" ? 2 : 4;  // Note [bf16 state]
@@ -609,11 +620,16 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
 }
 
 PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, MachineCapacity* capacity,
-                               int64_t rank, int local_ranks) {
+                               int64_t rank, int local_ranks, const Device* device) {
+  auto measure = [&](const std::vector<std::string>& paths) {
+    MachineCapacity m = measure_capacity(cfg, paths, local_ranks);
+    if (device != nullptr) m.device_addressable = device->host_addressable();
+    return m;
+  };
   // The swap directories are known only from a first plan; capacity matters
   // only to auto, which the second call redoes with the directories measured.
-  PlacementPlan first = make_plan(cfg, layout, rank, measure_capacity(cfg, {}, local_ranks));
-  MachineCapacity cap = measure_capacity(cfg, first.nvme_paths, local_ranks);
+  PlacementPlan first = make_plan(cfg, layout, rank, measure({}));
+  MachineCapacity cap = measure(first.nvme_paths);
   if (capacity != nullptr) *capacity = cap;
   return cfg.placement.auto_place ? make_plan(cfg, layout, rank, cap) : first;
 }

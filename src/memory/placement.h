@@ -17,6 +17,8 @@
 
 namespace strata {
 
+class Device;
+
 enum class Tier { kDevice = 0, kHost = 1, kNvme = 2 };
 inline constexpr int kNumTiers = 3;
 const char* tier_name(Tier t);
@@ -48,6 +50,10 @@ struct MachineCapacity {
   int64_t host_bytes = -1;      // available RAM
   int64_t nvme_bytes = -1;      // free space under the swap directories (sum)
   bool device_is_host = true;   // CPU compute: the device tier lives in host RAM
+  // Whether host code may use device memory in place (the CPU device); false
+  // on a GPU, and on a test device that models one with host memory
+  // (PlacementPlan::device_addressable).
+  bool device_addressable = true;
   // GPU compute: where device_bytes came from ("cuda:0: 79.1 GiB free of
   // 79.6 GiB", "run.device_memory_mb", or why it could not be measured).
   std::string device_source;
@@ -67,14 +73,19 @@ MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::strin
 struct StagingNeeds {
   WindowShape window;      // the parameter window (Note [Prefetch window])
   int64_t gathered = 0;    // device: the window's slots and persistent blocks in the compute dtype
-  int64_t grad_stage = 0;  // device: fp32 gradient of the largest block
-  int64_t grad_rmw = 0;    // device: read-modify-write of a gradient that lives off the device
-  // A device host code may not touch (a GPU): host memory registered with the
-  // device, receiving blocks' gradient shards (D2H; two, one added into its
-  // home while the next lands) for homes off the device, plus a
-  // read-modify-write buffer when a gradient home is on NVMe.
-  // grad_rmw is then 0.
+  // Gradients (Note [Gradient path] in engine/gradient_path.h). Device: the
+  // gradient stage, fp32 of the largest block, where some block's gradient
+  // is staged (a home off the device, the tied embedding's sum, or ranks);
+  // per block a norm slot (8 bytes) and, on a device host code may not
+  // touch, the norm kernel's partials.
+  int64_t grad_stage = 0;
+  int64_t grad_norms = 0;
+  // Host: two landing buffers registered with the device (one filled by the
+  // D2H while the other is added into its home), each of the largest
+  // gradient shard homed off the device at its wire size (grad_wire_bytes),
+  // and a read-modify-write block (fp32 shard) when a home is on NVMe.
   int64_t grad_host = 0;
+  int64_t grad_rmw = 0;
   int64_t opt_grad = 0;    // host: a sub-group's gradient, when not resident in one piece
   int64_t opt_state = 0;   // host: master + exp_avg + exp_avg_sq of a swapped sub-group, per set
   int64_t opt_emit = 0;    // host: a sub-group's new working copy, when not resident in one piece
@@ -94,8 +105,10 @@ struct StagingNeeds {
   // bounce buffers registered with the device, one per window slot (and one
   // for the persistent blocks), that NVMe reads land in before the H2D copy.
   int64_t window_bounce = 0;
-  int64_t device_bytes() const { return gathered + grad_stage + grad_rmw + ckpt_device + gather + grad_sync; }
-  int64_t host_bytes() const { return opt_grad + opt_state + opt_emit + ckpt_host + grad_host + window_bounce; }
+  int64_t device_bytes() const { return gathered + grad_stage + grad_norms + ckpt_device + gather + grad_sync; }
+  int64_t host_bytes() const {
+    return opt_grad + opt_state + opt_emit + ckpt_host + grad_host + grad_rmw + window_bounce;
+  }
 };
 
 // Shards per block: the world size, except at ZeRO stage 0 where every rank
@@ -186,6 +199,12 @@ bool device_adam_piece(const PlacementPlan& plan, const PlacementUnit& piece);
 // staging_needs sizes it with the same construction.
 std::unique_ptr<ParamWindow> make_param_window(const PlacementPlan& plan);
 
+// The bytes per element in which block b's gradient shard crosses PCIe to a
+// home off the device (Note [Gradient path]): the compute dtype's, or 4 where
+// the step has a real fp32 sum (several ranks' reduction, the tied
+// embedding) or computes in fp32.
+int grad_wire_bytes(const PlacementPlan& plan, size_t b);
+
 // The trainer's buffers for `plan` (uses units, block_numel, window_knobs,
 // window_cap_bytes, tied, accum, compute_bytes, sub_group_numel).
 StagingNeeds staging_needs(const PlacementPlan& plan);
@@ -198,9 +217,11 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
 
 // measure_capacity + make_plan for `rank`, measuring NVMe space under the
 // directories the plan itself names (what `strata plan` and `strata train`
-// use), each of `local_ranks` ranks of the node taking its share.
+// use), each of `local_ranks` ranks of the node taking its share. `device`:
+// the device the run computes on when it is not run.device's (tests), whose
+// addressability the plan takes.
 PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, MachineCapacity* capacity,
-                               int64_t rank = 0, int local_ranks = 1);
+                               int64_t rank = 0, int local_ranks = 1, const Device* device = nullptr);
 
 // The verdict: empty when the plan fits `capacity`; otherwise one line per
 // short tier ("host: short by 3.2 GiB (needs 35.2 GiB, has 32.0 GiB); move

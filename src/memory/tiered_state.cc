@@ -209,7 +209,7 @@ void wait_all_handles(std::vector<nvme::SwapHandle>& pending) {
 // Copies between homes and `buf` in direction `op`: resident pieces at once,
 // NVMe pieces submitted with their handles appended to `pending`.
 void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t numel, std::byte* buf,
-                           PendingIo& pending, const Completion* device_after) {
+                           PendingIo& pending, const Completion* device_after, bool compute_side) {
   const bool reading = op == nvme::IoOp::kRead;
   TraceSpan span(tier_of(c, offset) == Tier::kNvme ? TraceTrack::kNvme : TraceTrack::kCopy,
                  reading ? kReadNames[int(c)] : kWriteNames[int(c)]);
@@ -239,11 +239,14 @@ void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t nu
         } else {
           device_->copy_to_device(home, mine, bytes, Stream::kH2D);
         }
+        count(reading ? 1 : 0, bytes);  // crossed PCIe (docs/design.md, "Bytes per link")
         device_copies = true;
       } else {
         std::byte* home = h.ptr + at * eb;
         std::memcpy(reading ? mine : home, reading ? home : mine, size_t(bytes));
-        count(reading ? 0 : 1, bytes);
+        // Host memory to host memory crosses no link, unless `buf` is the
+        // compute side's (the CPU device's: what a GPU would copy H2D/D2H).
+        if (compute_side) count(reading ? 0 : 1, bytes);
       }
     });
     // Device pieces are done when this returns, as host pieces are (a GPU's
@@ -279,7 +282,10 @@ Completion TieredState::write_async(Category c, int64_t offset, int64_t numel, c
 
 Completion TieredState::read_to_device(Category c, int64_t offset, int64_t numel, DevicePtr dst,
                                       PendingIo& pending) {
-  if (device_->host_addressable()) return read_async(c, offset, numel, dst.raw(), pending);
+  if (device_->host_addressable()) {
+    transfer(nvme::IoOp::kRead, c, offset, numel, dst.raw(), pending, nullptr, /*compute_side=*/true);
+    return pending.completion();
+  }
   TraceSpan span(TraceTrack::kCopy, kReadNames[int(c)]);
   const int64_t eb = plan_.elem_bytes[size_t(c)];
   device_->stream_wait(Stream::kH2D, device_->record(Stream::kCompute));

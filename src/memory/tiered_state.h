@@ -205,8 +205,10 @@ class TieredState {
   template <typename Fn>
   void for_each_piece(Category c, int64_t offset, int64_t numel, Fn&& fn) const;
 
+  // `compute_side`: `buf` is memory the compute device reads (a window slot
+  // of the CPU device), so host-tier pieces count as H2D/D2H copies.
   void transfer(nvme::IoOp op, Category c, int64_t offset, int64_t numel, std::byte* buf,
-                PendingIo& pending, const Completion* device_after = nullptr);
+                PendingIo& pending, const Completion* device_after = nullptr, bool compute_side = false);
   void count(int link, int64_t bytes);  // 0 h2d, 1 d2h, 2 nvme_read, 3 nvme_write
   // The home range in one unit of a resident tier, or nullptr (resident()'s
   // search, any tier but NVMe).

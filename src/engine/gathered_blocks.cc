@@ -1,0 +1,121 @@
+// Uses of a schedule and their gathered blocks (gathered_blocks.h).
+#include "engine/gathered_blocks.h"
+
+#include <algorithm>
+#include <climits>
+
+#include "util/errors.h"
+#include "util/logging.h"
+#include "util/trace.h"
+
+namespace strata {
+
+GatheredBlocks::GatheredBlocks(const StepContext& ctx, const PlacementPlan& plan, OptimizerPass& optimizer)
+    : ctx_(ctx), optimizer_(optimizer), gather_once_(ctx.shards > 1 && ctx.cfg->zero.stage < 3),
+      largest_block_numel_(plan.largest_block_numel) {
+  const StagingNeeds& need = plan.staging;
+  const int blocks = int(ctx.layout->num_blocks());
+  window_ = make_param_window(plan);
+  window_->attach(ctx.state, need.window, ctx.compute_bytes);
+  train_schedule_ = train_schedule(blocks, plan.tied, plan.accum);
+  eval_schedule_ = eval_schedule(blocks, plan.tied);
+  if (need.gathered > 0) {
+    log::info("parameter window: %d slot(s) of %s, %s of persistent blocks", need.window.slots,
+              format_bytes(double(need.window.slot_numel * ctx.compute_bytes)).c_str(),
+              format_bytes(double(need.window.persistent_numel * ctx.compute_bytes)).c_str());
+  }
+  if (need.gather > 0) gather_mem_ = ctx.device->allocate(need.gather, "gathered blocks");
+  gathered_valid_.assign(size_t(blocks), 0);
+}
+
+GatheredBlocks::~GatheredBlocks() = default;
+
+void GatheredBlocks::begin(bool train) {
+  // A failed pass may have left gathers in flight: their buffers are reused.
+  for (auto& slot : gather_done_) for (Completion& c : slot) c.wait();
+  uses_ = train ? &train_schedule_ : &eval_schedule_;
+  if (!train) window_->set_ready(INT32_MAX);
+  else window_->set_ready(ready_blocks());
+  window_->begin(uses_);
+  use_ = 0;
+  use_issued_ = false;
+}
+
+void GatheredBlocks::invalidate() {
+  window_->invalidate();
+  std::fill(gathered_valid_.begin(), gathered_valid_.end(), 0);
+}
+
+// Acquires use u's shards from the window and starts gathering them.
+void GatheredBlocks::issue_gather(size_t u) {
+  const WindowUse& use = (*uses_)[u];
+  DevicePtr shard[2];
+  acquire(shard, size_t(use.block[0]), use.count > 1 ? size_t(use.block[1]) : SIZE_MAX);
+  const int slot = int(u % 2);
+  const DType dt = ctx_.compute_dtype == at::kFloat ? DType::kF32 : DType::kBF16;
+  for (int i = 0; i < use.count; ++i) {
+    const size_t b = size_t(use.block[i]);
+    const int64_t n = ctx_.shard_numel(b);
+    const DevicePtr src =
+        shard[i] ? shard[i] : ctx_.state->resident_on_device(Category::kParam16, ctx_.shard_offset[b], n);
+    STRATA_CHECK(src, "a block neither fetched nor resident on the device");
+    if (gather_once_) {
+      gathered_[slot][i] = gather_mem_.ptr() + ctx_.layout->block(b).offset * ctx_.compute_bytes;
+      if (gathered_valid_[b]) continue;
+      gathered_valid_[b] = 1;
+    } else {
+      gathered_[slot][i] = gather_mem_.ptr() + int64_t(slot * 2 + i) * largest_block_numel_ * ctx_.compute_bytes;
+    }
+    TraceSpan span(TraceTrack::kComm, "all_gather");
+    gather_done_[slot][i] = ctx_.comm->all_gather(src.raw(), gathered_[slot][i].raw(), n, dt);
+  }
+}
+
+void GatheredBlocks::next(DevicePtr out[2]) {
+  if (ctx_.shards == 1) {
+    // One shard: the shard is the block, used in place (fetched or resident).
+    const WindowUse& use = (*uses_)[use_];
+    acquire(out, size_t(use.block[0]), use.count > 1 ? size_t(use.block[1]) : SIZE_MAX);
+    for (int i = 0; i < use.count; ++i) {
+      if (!out[i]) {
+        const size_t b = size_t(use.block[i]);
+        out[i] = ctx_.state->resident_on_device(Category::kParam16, ctx_.shard_offset[b], ctx_.shard_numel(b));
+      }
+    }
+    return;
+  }
+  if (!use_issued_) issue_gather(use_);
+  const int slot = int(use_ % 2);
+  {
+    TraceSpan span(TraceTrack::kComm, "wait all_gather");
+    for (Completion& c : gather_done_[slot]) c.wait();
+  }
+  window_->release();  // the shards are in the gathered buffers now
+  // The next use's gather runs while this one computes.
+  use_issued_ = use_ + 1 < uses_->size();
+  if (use_issued_) issue_gather(use_ + 1);
+  out[0] = gathered_[slot][0];
+  out[1] = gathered_[slot][1];
+}
+
+void GatheredBlocks::end() {
+  if (ctx_.shards == 1) window_->release();
+  ++use_;
+}
+
+int32_t GatheredBlocks::ready_blocks() {
+  const int64_t progress = optimizer_.progress();
+  int32_t n = 0;
+  while (size_t(n) < ctx_.block_end.size() && ctx_.block_end[size_t(n)] <= progress) ++n;
+  return n;
+}
+
+void GatheredBlocks::acquire(DevicePtr out[2], size_t b0, size_t b1) {
+  int64_t end = ctx_.block_end[b0];
+  if (b1 != SIZE_MAX) end = std::max(end, ctx_.block_end[b1]);
+  optimizer_.wait(end);
+  window_->set_ready(ready_blocks());
+  window_->acquire(out);
+}
+
+}  // namespace strata

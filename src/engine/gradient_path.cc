@@ -1,0 +1,449 @@
+// The gradient path (Note [Gradient path] in gradient_path.h).
+#include "engine/gradient_path.h"
+
+#include <algorithm>
+
+#include "cpu_adam/grad_ops.h"
+#include "model/model.h"
+#include "util/errors.h"
+#include "util/trace.h"
+
+#ifdef STRATA_WITH_CUDA
+#include "kernels/adam.h"
+#endif
+
+namespace strata {
+
+namespace {
+
+at::ScalarType torch_type(cpu_adam::GradType t) {
+  switch (t) {
+    case cpu_adam::GradType::kBF16: return at::kBFloat16;
+    case cpu_adam::GradType::kF16: return at::kHalf;
+    case cpu_adam::GradType::kF32: break;
+  }
+  return at::kFloat;
+}
+
+int64_t bytes_of(cpu_adam::GradType t) { return t == cpu_adam::GradType::kF32 ? 4 : 2; }
+
+void add_links(LinkBytes& to, const LinkBytes& from) {
+  to.h2d += from.h2d;
+  to.d2h += from.d2h;
+  to.nvme_read += from.nvme_read;
+  to.nvme_write += from.nvme_write;
+}
+
+}  // namespace
+
+GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
+    : ctx_(ctx), blocks_(ctx.layout->num_blocks()) {
+  const StagingNeeds& need = plan.staging;
+  Device& dev = *ctx.device;
+  TieredState& state = *ctx.state;
+  ranks_ = ctx.comm->world_size() > 1;
+  reduce_scatter_ = ranks_ && ctx.cfg->zero.stage >= 2;
+  const cpu_adam::GradType compute_wire = ctx.compute_dtype == at::kBFloat16 ? cpu_adam::GradType::kBF16
+                                          : ctx.compute_dtype == at::kHalf   ? cpu_adam::GradType::kF16
+                                                                             : cpu_adam::GradType::kF32;
+  const int64_t ws = ctx.comm->world_size(), rank = ctx.comm->rank();
+  for (size_t b = 0; b < blocks_; ++b) {
+    const int64_t n = ctx.shard_numel(b);
+    home_on_device_.push_back(state.resident_on_device(Category::kGrad, ctx.shard_offset[b], n) ? 1 : 0);
+    wire_.push_back(grad_wire_bytes(plan, b) == 4 ? cpu_adam::GradType::kF32 : compute_wire);
+    // Each rank sums the squares of its shards; with one shard but several
+    // ranks (stage 0) each takes an equal part of every block, so that the
+    // all-reduced sum counts every element once.
+    norm_lo_.push_back(ctx.shards == 1 ? n * rank / ws : 0);
+    norm_hi_.push_back(ctx.shards == 1 ? n * (rank + 1) / ws : n);
+  }
+  written_.assign(blocks_, 0);
+  host_norms_.assign(blocks_, 0.0);
+  device_norms_host_.assign(blocks_, 0.0);
+
+  if (need.grad_stage > 0) stage_[0] = dev.allocate(need.grad_stage, "gradient staging");
+  if (need.grad_sync > 0) {
+    stage_[1] = dev.allocate(need.grad_stage, "gradient staging (2nd)");
+    const int64_t shard_bytes = need.grad_sync - need.grad_stage;
+    if (shard_bytes > 0) shards_mem_ = dev.allocate(shard_bytes, "reduce-scattered gradient shards");
+  }
+  largest_shard_numel_ = plan.largest_block_shard_numel;
+  for (int k = 0; k < 2; ++k) {
+    if (!stage_[k].ptr()) continue;
+    for (size_t b = 0; b < blocks_; ++b) {
+      const BlockLayout& bl = ctx.layout->block(b);
+      stage_flat_[k].push_back(ctx.device_tensor(stage_[k].ptr(), bl.padded_numel, at::kFloat));
+      stage_views_[k].push_back(param_views(bl, stage_flat_[k].back()));
+    }
+  }
+  if (!ranks_) {
+    wire_flat_.resize(blocks_);
+    wire_views_.resize(blocks_);
+    home_views_.resize(blocks_);
+    for (size_t b = 0; b < blocks_; ++b) {
+      const BlockLayout& bl = ctx.layout->block(b);
+      if (home_on_device_[b]) {
+        const DevicePtr home = state.resident_on_device(Category::kGrad, ctx.shard_offset[b], bl.padded_numel);
+        home_views_[b] = param_views(bl, ctx.device_tensor(home, bl.padded_numel, at::kFloat));
+      } else {
+        STRATA_CHECK(stage_[0].ptr(), "a gradient home off the device without a gradient stage");
+        wire_flat_[b] = ctx.device_tensor(stage_[0].ptr(), bl.padded_numel, torch_type(wire_[b]));
+        wire_views_[b] = param_views(bl, wire_flat_[b]);
+      }
+    }
+  }
+  if (need.grad_norms > 0) {
+    device_norms_ = dev.allocate(int64_t(blocks_) * 8, "gradient norms");
+    const int64_t scratch = need.grad_norms - int64_t(blocks_) * 8;
+    if (scratch > 0) norm_scratch_ = dev.allocate(scratch, "gradient norm partials");
+  }
+  if (need.grad_host > 0) {
+    landing_ = dev.allocate_pinned(need.grad_host, "gradients on their way to host homes");
+    landing_half_bytes_ = need.grad_host / 2;
+  }
+  if (need.grad_rmw > 0) rmw_ = HostBuffer(size_t(need.grad_rmw), "gradient read-modify-write");
+  io_registered_.push_back(state.register_io_buffer(Category::kGrad, rmw_.data(), int64_t(rmw_.bytes())));
+  lander_ = std::thread([this] { lander_loop(); });
+}
+
+GradientPath::~GradientPath() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    quit_ = true;
+  }
+  cv_.notify_all();
+  lander_.join();
+}
+
+int64_t GradientPath::device_bytes() const {
+  return stage_[0].bytes() + stage_[1].bytes() + shards_mem_.bytes() + device_norms_.bytes() + norm_scratch_.bytes();
+}
+
+int64_t GradientPath::host_bytes() const { return landing_.bytes() + int64_t(rmw_.bytes()); }
+
+void GradientPath::begin_step() {
+  wait_lander_idle();
+  for (Reduction& r : reduction_) {
+    // A failed step's reduction in flight: let it end, drop it.
+    try {
+      r.done.wait();
+    } catch (...) {
+    }
+    r = Reduction();
+  }
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    error_ = nullptr;
+    links_ = LinkBytes();
+  }
+  std::fill(written_.begin(), written_.end(), 0);
+  tied_ = at::Tensor();
+  any_device_norm_ = false;
+}
+
+void GradientPath::begin_micro(bool last) { last_micro_ = last; }
+
+void GradientPath::add(size_t b, const std::vector<at::Tensor>& grads, size_t first) {
+  if (ranks_) {
+    add_to_reduce(b, grads, first);
+  } else if (home_on_device_[b]) {
+    add_on_device(b, grads, first);
+  } else {
+    add_through_host(b, grads, first);
+  }
+}
+
+void GradientPath::end_micro() {
+  if (!ranks_) return;
+  // The last reductions, oldest first.
+  const int oldest = seq_[0] < seq_[1] ? 0 : 1;
+  complete_reduction(oldest);
+  complete_reduction(1 - oldest);
+}
+
+double GradientPath::finish_step(LinkBytes* moved) {
+  wait_lander_idle();
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    add_links(*moved, links_);
+    links_ = LinkBytes();
+    if (error_) {
+      std::exception_ptr e = error_;
+      error_ = nullptr;
+      std::rethrow_exception(e);
+    }
+  }
+  if (any_device_norm_) {
+    // One copy of every block's norm slot, after the kernels that wrote them.
+    Device& dev = *ctx_.device;
+    dev.stream_wait(Stream::kD2H, dev.record(Stream::kCompute));
+    dev.copy_to_host(device_norms_host_.data(), device_norms_.ptr(), int64_t(blocks_) * 8, Stream::kD2H);
+    dev.record(Stream::kD2H).wait();
+  }
+  double sum = 0.0;
+  for (size_t b = 0; b < blocks_; ++b) sum += home_on_device_[b] ? device_norms_host_[b] : host_norms_[b];
+  return sum;
+}
+
+GradientPath::LanderStats GradientPath::lander_stats() {
+  std::lock_guard<std::mutex> lock(mu_);
+  return stats_;
+}
+
+// ---- one rank ---------------------------------------------------------------------
+
+// A device home: each parameter's gradient added into it in place (copied on
+// the block's first micro-batch), on the compute stream.
+void GradientPath::add_on_device(size_t b, const std::vector<at::Tensor>& grads, size_t first) {
+  const bool write = !written_[b];
+  const std::vector<at::Tensor>& home = home_views_[b];
+  for (size_t i = 0; i < home.size(); ++i) {
+    at::Tensor g = first + i < grads.size() ? grads[first + i] : at::Tensor();
+    if (i == 0 && b == ctx_.embedding_block && tied_.defined()) {
+      // The tied embedding's real fp32 sum, in the stage: head's share first.
+      stage_free();
+      const at::Tensor& sum = stage_views_[0][b][0];
+      sum.copy_(tied_);
+      if (g.defined()) sum.add_(g);
+      tied_ = at::Tensor();
+      g = sum;
+    }
+    if (!g.defined()) {
+      if (write) home[i].zero_();
+    } else if (write) {
+      home[i].copy_(g);
+    } else {
+      home[i].add_(g);
+    }
+  }
+  written_[b] = 1;
+  if (last_micro_) {
+    device_norm(b, ctx_.state->resident_on_device(Category::kGrad, ctx_.shard_offset[b], ctx_.shard_numel(b)));
+  }
+}
+
+// A home off the device: the gradient laid out in the stage in its wire
+// dtype (padding zeroed), copied D2H, added by the lander.
+void GradientPath::add_through_host(size_t b, const std::vector<at::Tensor>& grads, size_t first) {
+  stage_free();
+  const std::vector<at::Tensor>& dst = wire_views_[b];
+  for (size_t i = 0; i < dst.size(); ++i) {
+    const at::Tensor g = first + i < grads.size() ? grads[first + i] : at::Tensor();
+    if (i == 0 && b == ctx_.embedding_block && tied_.defined()) {
+      dst[0].copy_(tied_);  // fp32: the head's share first
+      tied_ = at::Tensor();
+      if (g.defined()) dst[0].add_(g);
+    } else if (g.defined()) {
+      dst[i].copy_(g);
+    } else {
+      dst[i].zero_();
+    }
+  }
+  const BlockLayout& bl = ctx_.layout->block(b);
+  if (bl.padded_numel > bl.numel) wire_flat_[b].narrow(0, bl.numel, bl.padded_numel - bl.numel).zero_();
+  land(b, DevicePtr(static_cast<std::byte*>(wire_flat_[b].data_ptr())), wire_[b]);
+}
+
+// ---- ranks ------------------------------------------------------------------------
+
+// G staged in fp32 and reduced while the next block's backward runs (Note
+// [Gathered blocks] in trainer.h).
+void GradientPath::add_to_reduce(size_t b, const std::vector<at::Tensor>& grads, size_t first) {
+  const int k = turn_;
+  complete_reduction(k);  // the stage's previous block is reduced
+  stage_free();
+  const at::Tensor& stage = stage_flat_[k][b];
+  stage.zero_();
+  const std::vector<at::Tensor>& dst = stage_views_[k][b];
+  if (b == ctx_.embedding_block && tied_.defined()) {
+    dst[0].add_(tied_);  // the head's share first, as autograd would sum it
+    tied_ = at::Tensor();
+  }
+  for (size_t i = 0; i < dst.size() && first + i < grads.size(); ++i) {
+    const at::Tensor& g = grads[first + i];
+    if (g.defined()) dst[i].add_(g);
+  }
+  const DevicePtr full(static_cast<std::byte*>(stage.data_ptr()));
+  const int64_t n = ctx_.shard_numel(b);
+  Reduction& r = reduction_[k];
+  r.block = int(b);
+  if (reduce_scatter_) {
+    const DevicePtr shard = shards_mem_.ptr() + int64_t(k) * largest_shard_numel_ * 4;
+    r.done = ctx_.comm->reduce_scatter(full.raw(), shard.raw(), n, DType::kF32);
+    r.shard = shard;
+  } else {
+    r.done = ctx_.comm->all_reduce(full.raw(), ctx_.layout->block(b).padded_numel, DType::kF32, ReduceOp::kSum);
+    r.shard = full + ctx_.shard_rank * n * 4;
+  }
+  seq_[k] = ++issued_;
+  turn_ = 1 - k;
+}
+
+void GradientPath::complete_reduction(int k) {
+  Reduction& r = reduction_[k];
+  if (r.block < 0) return;
+  {
+    TraceSpan span(TraceTrack::kComm, "wait gradient reduction");
+    r.done.wait();
+  }
+  const size_t b = size_t(r.block);
+  r.block = -1;
+  deliver(b, r.shard);
+}
+
+void GradientPath::deliver(size_t b, DevicePtr src) {
+  if (!home_on_device_[b]) {
+    land(b, src, cpu_adam::GradType::kF32);
+    return;
+  }
+  const int64_t n = ctx_.shard_numel(b);
+  const DevicePtr home = ctx_.state->resident_on_device(Category::kGrad, ctx_.shard_offset[b], n);
+  at::Tensor h = ctx_.device_tensor(home, n, at::kFloat);
+  const at::Tensor s = ctx_.device_tensor(src, n, at::kFloat);
+  if (!written_[b]) {
+    h.copy_(s);
+  } else {
+    h.add_(s);
+  }
+  written_[b] = 1;
+  if (last_micro_) device_norm(b, home);
+}
+
+// ---- to the host ------------------------------------------------------------------
+
+void GradientPath::stage_free() {
+  if (stage_read_.pending()) ctx_.device->stream_wait(Stream::kCompute, stage_read_);
+}
+
+void GradientPath::land(size_t b, DevicePtr src, cpu_adam::GradType wire) {
+  const int64_t bytes = ctx_.shard_numel(b) * bytes_of(wire);
+  STRATA_CHECK(bytes <= landing_half_bytes_, "a gradient larger than its landing buffer");
+  const int half = landing_turn_;
+  landing_turn_ ^= 1;
+  {
+    std::unique_lock<std::mutex> lock(mu_);
+    if (busy_[half]) {
+      TraceSpan span(TraceTrack::kCopy, "wait for a landing buffer");
+      cv_.wait(lock, [&] { return !busy_[half]; });
+    }
+    if (error_) std::rethrow_exception(error_);  // the lander failed: stop queuing
+    busy_[half] = true;
+  }
+  Device& dev = *ctx_.device;
+  Completion copied;
+  try {
+    TraceSpan span(TraceTrack::kCopy, "gradient D2H");
+    dev.stream_wait(Stream::kD2H, dev.record(Stream::kCompute));
+    dev.copy_to_host(landing_.data() + half * landing_half_bytes_, src, bytes, Stream::kD2H);
+    copied = dev.record(Stream::kD2H);
+  } catch (...) {
+    std::lock_guard<std::mutex> lock(mu_);
+    busy_[half] = false;
+    throw;
+  }
+  stage_read_ = copied;  // the stage is rewritten only after this read
+  ctx_.state->count_copy(/*to_device=*/false, bytes);
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    compute_thread_ = std::this_thread::get_id();
+    queue_.push_back(Landing{int(b), half, wire, copied, !written_[b], last_micro_});
+  }
+  cv_.notify_all();
+  written_[b] = 1;
+}
+
+void GradientPath::wait_lander_idle() {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (queue_.empty()) return;
+  TraceSpan span(TraceTrack::kCopy, "wait for gradients to land");
+  cv_.wait(lock, [&] { return queue_.empty(); });
+}
+
+void GradientPath::lander_loop() {
+  LinkBytes mine;  // this thread's transfers (NVMe homes)
+  TieredState::TallyScope tally(&mine);
+  for (;;) {
+    Landing l;
+    bool skip = false;
+    {
+      std::unique_lock<std::mutex> lock(mu_);
+      cv_.wait(lock, [&] { return quit_ || !queue_.empty(); });
+      if (queue_.empty()) return;
+      l = queue_.front();
+      skip = error_ != nullptr;
+    }
+    std::exception_ptr failed;
+    try {
+      if (skip) {
+        l.copied.wait();  // the copy still ends before its buffer is reused
+      } else {
+        land_on_host(l);
+      }
+    } catch (...) {
+      failed = std::current_exception();
+    }
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      queue_.pop_front();
+      busy_[l.half] = false;
+      if (failed && !error_) error_ = failed;
+      add_links(links_, mine);
+      mine = LinkBytes();
+      if (!skip && !failed) {
+        ++stats_.adds;
+        if (std::this_thread::get_id() == compute_thread_) ++stats_.adds_on_compute_thread;
+      }
+    }
+    cv_.notify_all();
+  }
+}
+
+// The lander's work on one landed gradient: into its home (in place on the
+// host; read, add, write on NVMe) and, on the last micro-batch, its norm.
+void GradientPath::land_on_host(Landing& l) {
+  {
+    TraceSpan span(TraceTrack::kCopy, "wait gradient D2H");
+    l.copied.wait();
+  }
+  TraceSpan span(TraceTrack::kCopy, "gradient into its home");
+  const size_t b = size_t(l.block);
+  const int64_t n = ctx_.shard_numel(b);
+  const int64_t off = ctx_.shard_offset[b];
+  TieredState& state = *ctx_.state;
+  const std::byte* src = landing_.data() + l.half * landing_half_bytes_;
+  float* values = reinterpret_cast<float*>(state.resident(Category::kGrad, off, n));
+  if (values != nullptr) {
+    cpu_adam::accumulate_grad(values, src, l.wire, n, l.first);
+  } else {
+    values = rmw_.as<float>();
+    STRATA_CHECK(values != nullptr, "a gradient home on NVMe without a read-modify-write buffer");
+    if (!l.first) state.read_async(Category::kGrad, off, n, values, lander_io_).wait();
+    cpu_adam::accumulate_grad(values, src, l.wire, n, l.first);
+    state.write_async(Category::kGrad, off, n, values, lander_io_).wait();
+  }
+  if (l.last) host_norms_[b] = cpu_adam::ordered_squared_norm(values + norm_lo_[b], norm_hi_[b] - norm_lo_[b]);
+}
+
+// ---- norms ------------------------------------------------------------------------
+
+void GradientPath::device_norm(size_t b, DevicePtr home) {
+  STRATA_CHECK(home && device_norms_.ptr(), "a device norm without a device home or norm slots");
+  const float* x = reinterpret_cast<const float*>((home + norm_lo_[b] * 4).raw());
+  const int64_t count = norm_hi_[b] - norm_lo_[b];
+  double* out = reinterpret_cast<double*>((device_norms_.ptr() + int64_t(b) * 8).raw());
+  any_device_norm_ = true;
+#ifdef STRATA_WITH_CUDA
+  if (ctx_.device->is_cuda()) {
+    ctx_.device->make_current();
+    kernels::ordered_squared_norm(x, count, out, reinterpret_cast<double*>(norm_scratch_.ptr().raw()),
+                                  ctx_.device->native_stream(Stream::kCompute));
+    return;
+  }
+#endif
+  // The CPU device, or a test device whose compute stream runs at once: the
+  // CPU reference is its kernel (kernels_test checks CUDA's bit for bit).
+  STRATA_CHECK(!ctx_.device->is_cuda(), "a CUDA device in a build without the CUDA path");
+  *out = cpu_adam::ordered_squared_norm(x, count);
+}
+
+}  // namespace strata

@@ -1,0 +1,177 @@
+// The gradient path (Note [Gradient path]): each block's weight gradients,
+// as autograd gives them after the block's backward, into this rank's fp32
+// gradient home on whichever tier holds it, reduced over the ranks on the
+// way, with the squared norm of the final gradient per block.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <condition_variable>
+#include <cstdint>
+#include <deque>
+#include <exception>
+#include <mutex>
+#include <thread>
+#include <vector>
+
+#include "cpu_adam/types.h"
+#include "engine/step_context.h"
+#include "memory/buffer.h"
+#include "memory/device.h"
+#include "memory/placement.h"
+#include "memory/tiered_state.h"
+
+namespace strata {
+
+// Note [Gradient path]
+// Every byte that crosses a link is the least the placement needs, and the
+// thread that queues compute only queues (docs/design.md, "Bytes per link").
+// A block's micro-batch gradient G is autograd's gradient of each parameter,
+// widened to fp32, except for the tied embedding, whose G is the fp32 sum of
+// the head's gradient and the embedding's (in that order, as autograd would
+// sum them). The home accumulates home = G on the block's first micro-batch
+// of the step and home + G on the others: the same IEEE additions on every
+// tier, so the placement never changes the bits.
+//  - Home on the device, one rank: G is added (copied on the first
+//    micro-batch) into the home straight from autograd's tensors, on the
+//    compute stream; nothing is staged.
+//  - Home on the host or NVMe, one rank: G is laid out in the gradient
+//    stage (device memory) in the dtype it crosses PCIe in, the compute
+//    dtype (fp32 for the tied embedding and for fp32 compute), copied D2H
+//    into one of two landing buffers (host memory registered with the
+//    device), and added into its home by the lander, a worker thread that
+//    waits for the copy's completion (host homes in place; NVMe homes read,
+//    added and written back through one read-modify-write buffer). The
+//    compute thread waits only for a landing buffer to come free.
+//  - Several ranks: G is staged in fp32 and reduced (reduce-scatter at
+//    stages 2-3, all-reduce at 0-1) while the next block's backward runs;
+//    the reduced shard is a real fp32 sum, and goes to its home as above
+//    in fp32.
+// On the last micro-batch the final gradient's squared norm over this rank's
+// part is taken where the home is (the device's kernel, or the lander) in
+// the order of Note [Ordered norm] (cpu_adam/grad_ops.h), and the step sums
+// the blocks' norms in block order.
+//
+// Not thread-safe: the compute thread's (the lander is internal).
+class GradientPath {
+ public:
+  // Allocates the buffers the plan counted (StagingNeeds::grad_*) and starts
+  // the lander.
+  GradientPath(const StepContext& ctx, const PlacementPlan& plan);
+  // Lets landings in flight finish, then stops the lander.
+  ~GradientPath();
+  GradientPath(const GradientPath&) = delete;
+  GradientPath& operator=(const GradientPath&) = delete;
+
+  // A step begins: each block's first flush writes its home. Drops what a
+  // failed step left in flight.
+  void begin_step();
+  // A micro-batch begins; on the `last` one the flushes take the norms.
+  void begin_micro(bool last);
+  // The head's gradient of the tied embedding, added when the embedding's
+  // own is (the embedding's backward comes last).
+  void set_tied(const at::Tensor& g) { tied_ = g; }
+  // Block b's weight gradients, grads[first..] (one per parameter; undefined
+  // for a parameter without one): into the home, or on their way there.
+  void add(size_t b, const std::vector<at::Tensor>& grads, size_t first);
+  // The micro-batch's backward is queued: the last reductions are flushed.
+  void end_micro();
+  // Waits for every landing of the step and returns the squared norm of this
+  // rank's part of the gradient, summed over blocks in block order. Adds the
+  // lander's transfers (NVMe homes) to *moved.
+  double finish_step(LinkBytes* moved);
+
+  // Gradients the lander added into homes, and how many of those adds ran
+  // on the thread that calls add() (tests: it must be none).
+  struct LanderStats {
+    int64_t adds = 0;
+    int64_t adds_on_compute_thread = 0;
+  };
+  LanderStats lander_stats();
+  int64_t device_bytes() const;  // the stages, shards and norm slots
+  int64_t host_bytes() const;    // landing and read-modify-write buffers
+
+ private:
+  struct Landing {
+    int block = -1;
+    int half = 0;
+    cpu_adam::GradType wire = cpu_adam::GradType::kF32;
+    Completion copied;  // the D2H into the landing half
+    bool first = false;
+    bool last = false;
+  };
+  void add_on_device(size_t b, const std::vector<at::Tensor>& grads, size_t first);
+  void add_through_host(size_t b, const std::vector<at::Tensor>& grads, size_t first);
+  void add_to_reduce(size_t b, const std::vector<at::Tensor>& grads, size_t first);
+  void complete_reduction(int k);
+  // Adds a reduced fp32 shard at `src` into block b's home.
+  void deliver(size_t b, DevicePtr src);
+  // D2H of block b's shard at `src` (in `wire`) and its landing job.
+  void land(size_t b, DevicePtr src, cpu_adam::GradType wire);
+  // The device's norm of b's final gradient at `home` (device memory).
+  void device_norm(size_t b, DevicePtr home);
+  // The compute stream waits for the last D2H that read the stages.
+  void stage_free();
+  void lander_loop();
+  void land_on_host(Landing& l);
+  void wait_lander_idle();
+
+  const StepContext& ctx_;
+  const size_t blocks_;
+  bool ranks_ = false;                 // world size > 1: reduced over the ranks
+  bool reduce_scatter_ = false;        // stages 2-3 with ranks
+  std::vector<char> home_on_device_;   // per block: its grad home is on the device tier
+  std::vector<cpu_adam::GradType> wire_;  // per block: the dtype its shard crosses PCIe in
+  std::vector<int64_t> norm_lo_, norm_hi_;  // per block: this rank's norm range within its shard
+  std::vector<char> written_;          // per block: its home was written this step
+  bool last_micro_ = false;
+  at::Tensor tied_;
+
+  // Device: the gradient stage(s) (fp32 of the largest block; two with ranks)
+  // and, at stages 2-3, two reduced shards. Views per block, built once.
+  DeviceBuffer stage_[2], shards_mem_;
+  std::vector<at::Tensor> stage_flat_[2];              // per block: fp32 flat view
+  std::vector<std::vector<at::Tensor>> stage_views_[2];  // per block: fp32 parameter views
+  std::vector<at::Tensor> wire_flat_;                  // per block: stage 0 in its wire dtype
+  std::vector<std::vector<at::Tensor>> wire_views_;
+  std::vector<std::vector<at::Tensor>> home_views_;    // per block with a device home: fp32 views
+  Completion stage_read_;                              // the last D2H that read a stage or shard
+  struct Reduction {
+    int block = -1;
+    Completion done;
+    DevicePtr shard;
+  } reduction_[2];
+  int64_t largest_shard_numel_ = 0;
+  int turn_ = 0;                       // the stage the next block fills
+  uint64_t seq_[2] = {0, 0};           // issue order of the two reductions
+  uint64_t issued_ = 0;
+
+  // Norms: per block, in device memory (device homes; copied to host at the
+  // step's end) or host memory (the lander's).
+  DeviceBuffer device_norms_, norm_scratch_;
+  std::vector<double> host_norms_;     // written by the lander, read after it is idle
+  std::vector<double> device_norms_host_;  // the device's, copied at the step's end
+  bool any_device_norm_ = false;
+
+  // Host: two landing halves and the read-modify-write block of NVMe homes.
+  PinnedHostBuffer landing_;
+  int64_t landing_half_bytes_ = 0;
+  int landing_turn_ = 0;
+  HostBuffer rmw_;
+  std::vector<nvme::BufferRegistration> io_registered_;  // after the buffers: ends first
+
+  // The lander. Guarded by mu_: queue_, busy_, idle_, error_, stats_, links_.
+  std::mutex mu_;
+  std::condition_variable cv_;
+  std::deque<Landing> queue_;
+  bool busy_[2] = {false, false};      // per landing half: queued or being added
+  bool quit_ = false;
+  std::exception_ptr error_;
+  LanderStats stats_;
+  LinkBytes links_;                    // the lander's transfers this step
+  std::thread::id compute_thread_;
+  PendingIo lander_io_;                // the lander's NVMe reads and writes
+  std::thread lander_;
+};
+
+}  // namespace strata

@@ -1,0 +1,370 @@
+// The optimizer pass and its staging (optimizer_pass.h).
+#include "engine/optimizer_pass.h"
+
+#include <algorithm>
+#include <chrono>
+#include <cstring>
+
+#include "util/errors.h"
+#include "util/trace.h"
+
+#ifdef STRATA_WITH_CUDA
+#include "kernels/adam.h"
+#endif
+
+namespace strata {
+
+namespace {
+
+// Device-tier copies of optimizer state and working copies that no kernel
+// reads or writes while the optimizer runs (Note [Optimizer overlap]: the next
+// forward waits for a block's range to be published): not ordered after the
+// compute queued so far. (The copy stream may still carry waits for compute
+// that the other thread queued, e.g. a window fetch's: slower, never wrong.)
+const Completion kNoKernel;
+
+}  // namespace
+
+OptimizerStaging::OptimizerStaging(const PlacementPlan& plan, TieredState& state)
+    : sets_(std::max(1, plan.staging.opt_sets)), piece_numel_(pipeline_piece_numel(plan)),
+      elem_bytes_(plan.elem_bytes) {
+  const StagingNeeds& need = plan.staging;
+  Device& device = state.device();
+  auto bytes_of = [&](Category c) { return size_t(sets_) * size_t(piece_numel_ * elem_bytes_[size_t(c)]); };
+  auto crossing = [&](Category c, int64_t bytes, const char* what) {
+    if (bytes <= 0) return;
+    if (device.host_addressable()) {
+      buf_[size_t(c)] = HostBuffer(size_t(bytes), what);
+    } else {
+      pinned_[size_t(c)] = device.allocate_pinned(bytes, what);
+    }
+  };
+  crossing(Category::kGrad, need.opt_grad, "optimizer staging: grad");
+  if (need.opt_state > 0) {
+    // need.opt_state = sets pieces of each of the three, at their element sizes.
+    STRATA_CHECK(int64_t(bytes_of(Category::kMaster) + bytes_of(Category::kExpAvg) + bytes_of(Category::kExpAvgSq)) ==
+                     need.opt_state,
+                 "optimizer staging does not add up to the plan's");
+    buf_[size_t(Category::kMaster)] = HostBuffer(bytes_of(Category::kMaster), "optimizer staging: master");
+    buf_[size_t(Category::kExpAvg)] = HostBuffer(bytes_of(Category::kExpAvg), "optimizer staging: exp_avg");
+    buf_[size_t(Category::kExpAvgSq)] = HostBuffer(bytes_of(Category::kExpAvgSq), "optimizer staging: exp_avg_sq");
+  }
+  crossing(Category::kParam16, need.opt_emit, "optimizer staging: working copy");
+  for (int c = 0; c < kNumCategories; ++c) {
+    base_[size_t(c)] = pinned_[size_t(c)].data() != nullptr ? pinned_[size_t(c)].data() : buf_[size_t(c)].as<std::byte>();
+    const int64_t bytes = pinned_[size_t(c)].bytes() + int64_t(buf_[size_t(c)].bytes());
+    io_registered_.push_back(state.register_io_buffer(Category(c), base_[size_t(c)], bytes));
+  }
+  reads_.resize(size_t(sets_));
+  writes_.resize(size_t(sets_));
+  read_done_.resize(size_t(sets_));
+  write_done_.resize(size_t(sets_));
+}
+
+std::byte* OptimizerStaging::slot(Category c, int k) const {
+  std::byte* b = base_[size_t(c)];
+  return b == nullptr ? nullptr : b + size_t(k) * size_t(piece_numel_ * elem_bytes_[size_t(c)]);
+}
+
+int64_t OptimizerStaging::bytes() const {
+  int64_t n = 0;
+  for (const HostBuffer& b : buf_) n += int64_t(b.bytes());
+  for (const PinnedHostBuffer& b : pinned_) n += b.bytes();
+  return n;
+}
+
+// ---- the pass ---------------------------------------------------------------------
+
+OptimizerPass::OptimizerPass(const StepContext& ctx, const PlacementPlan& plan, cpu_adam::Isa isa)
+    : ctx_(ctx), adam_(std::make_unique<cpu_adam::CpuAdam>(int(ctx.cfg->run.threads), isa)) {
+  pieces_ = pipeline_pieces(plan);
+  for (const PlacementUnit& piece : pieces_) piece_on_device_.push_back(device_adam_piece(plan, piece) ? 1 : 0);
+  staging_ = std::make_unique<OptimizerStaging>(plan, *ctx.state);
+  sets_.resize(size_t(staging_->sets()));
+  cut_runs();
+  if (ctx.cfg->run.overlap_optimizer) {
+    thread_ = std::make_unique<OptimizerThread>([this](const OptimizerThread::Job& job) { run(job); });
+  }
+}
+
+OptimizerPass::~OptimizerPass() { thread_.reset(); }
+
+// Each piece's runs inside one block shard; device pieces' runs merged while
+// they continue the same block shard.
+void OptimizerPass::cut_runs() {
+  const StateLayout& layout = *ctx_.layout;
+  for (const PlacementUnit& piece : pieces_) {
+    std::vector<AdamRun> runs;
+    for (size_t b = 0; b < layout.num_blocks(); ++b) {
+      const int64_t lo = std::max(piece.offset, ctx_.shard_offset[b]);
+      const int64_t hi = std::min(piece.offset + piece.numel, ctx_.block_end[b]);
+      if (lo >= hi) continue;
+      const int64_t in_block = ctx_.shard_rank * ctx_.shard_numel(b) + (lo - ctx_.shard_offset[b]);
+      runs.push_back({lo - piece.offset, hi - lo, uint64_t(ctx_.global_index[b] + in_block), int32_t(b)});
+    }
+    piece_runs_.push_back(std::move(runs));
+  }
+  device_launch_.assign(pieces_.size(), {});
+  size_t open_piece = SIZE_MAX;
+  DeviceRun open;
+  int32_t open_block = -1;
+  auto close = [&] {
+    if (open_piece != SIZE_MAX) device_launch_[open_piece].push_back(open);
+    open_piece = SIZE_MAX;
+  };
+  for (size_t j = 0; j < pieces_.size(); ++j) {
+    if (!piece_on_device_[j]) {
+      close();
+      continue;
+    }
+    for (const AdamRun& r : piece_runs_[j]) {
+      const int64_t at = pieces_[j].offset + r.start;
+      if (open_piece != SIZE_MAX && open.offset + open.numel == at && open_block == r.block &&
+          open.key + uint64_t(open.numel) == r.key) {
+        open.numel += r.numel;
+      } else {
+        close();
+        open = DeviceRun{at, r.numel, r.key};
+        open_piece = j;
+        open_block = r.block;
+      }
+    }
+  }
+  close();
+}
+
+OptimizerPass::Report OptimizerPass::step(const OptimizerThread::Job& job) {
+  if (thread_) {
+    finish();  // the previous step's write-backs are done and its staging is free
+    const OptimizerThread::Report last = thread_->take_report();  // the previous step's
+    thread_->start(job);
+    return {last.seconds, last.links};
+  }
+  Report r;
+  const auto t0 = std::chrono::steady_clock::now();
+  try {
+    TieredState::TallyScope tally(&r.links);
+    run(job);
+  } catch (...) {
+    broken_ = true;  // some pieces may have been updated and others not
+    throw;
+  }
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  return r;
+}
+
+void OptimizerPass::wait(int64_t offset) {
+  if (!thread_) return;
+  try {
+    thread_->wait(offset, &wait_s_);
+  } catch (...) {
+    broken_ = true;  // some pieces may have been updated and others not
+    throw;
+  }
+}
+
+int64_t OptimizerPass::progress() { return thread_ ? thread_->progress() : INT64_MAX; }
+
+bool OptimizerPass::wait_for_job(int64_t step, int64_t offset) {
+  return thread_ ? thread_->wait_for_job(step, offset) : true;
+}
+
+void OptimizerPass::set_save(std::shared_ptr<SaveGate> save) {
+  std::lock_guard<std::mutex> lock(save_mu_);
+  save_ = std::move(save);
+}
+
+// Per piece, wherever its state lives: resident state is updated in place,
+// swapped state is read into staging, updated and written back. The working
+// copy comes out of the same pass (bf16: emitted by CPU Adam; fp32: copied).
+//
+// Note [Optimizer pipeline]
+// The loop walks pipeline pieces (sub-groups cut to at most
+// kPipelineChunkElems, Note [Pipeline pieces] in placement.h). Staging comes
+// in `sets` sets. With two or more, piece j+1's reads are issued before piece
+// j is updated, and j's write-backs are issued right after it, so NVMe
+// transfers run on the I/O threads while CPU Adam runs on its own. A set is
+// reused for j + sets only once the write-backs of the piece that used it
+// last have completed. With one set the loop is sequential. Arithmetic does
+// not depend on the depth.
+//
+// On a GPU (a device host code may not touch), a piece whose state, gradient
+// and working copy all live in HBM is updated there by the fused kernel
+// (kernels/adam.h, bit for bit CPU Adam's), queued on the compute stream, with
+// nothing staged; every other piece is CPU Adam's as above, its device-tier
+// parts staged through host memory like NVMe ones.
+void OptimizerPass::run(const OptimizerThread::Job& job) {
+  const Config& cfg = *ctx_.cfg;
+  cpu_adam::AdamParams h;
+  h.lr = job.lr;
+  h.beta1 = cfg.optimizer.beta1;
+  h.beta2 = cfg.optimizer.beta2;
+  h.eps = cfg.optimizer.eps;
+  h.weight_decay = cfg.optimizer.weight_decay;
+  h.adamw = cfg.optimizer.adam_w_mode;
+  OptimizerStaging& st = *staging_;
+  const int sets = st.sets();
+  // A save of an earlier step in flight (Note [Saving while training]):
+  // each piece waits until the save has written what its update overwrites.
+  std::shared_ptr<SaveGate> save;
+  {
+    std::lock_guard<std::mutex> lock(save_mu_);
+    if (save_ && job.step > save_->applied()) save = save_;
+  }
+  if (!pieces_.empty()) stage_piece(0, job);
+  for (size_t j = 0; j < pieces_.size(); ++j) {
+    const int k = int(j % size_t(sets));
+    const PlacementUnit& g = pieces_[j];
+    if (sets > 1 && j + 1 < pieces_.size()) stage_piece(j + 1, job);  // read ahead
+    st.read_done(k).wait();
+    int64_t end = g.offset + g.numel;  // what this piece's update overwrites
+    for (const DeviceRun& r : device_launch_[j]) end = std::max(end, r.offset + r.numel);
+    if (save) {
+      TraceSpan span(TraceTrack::kAdam, "wait for checkpoint");
+      save->wait_written_below(end);
+    }
+    if (piece_on_device_[j]) {
+      TraceSpan span(TraceTrack::kAdam, "adam on the device");
+      for (const DeviceRun& r : device_launch_[j]) launch_device_run(h, job, r);
+    } else {
+      update_piece(j, job, h);
+      write_back_piece(j);
+    }
+    if (thread_) thread_->publish(g.offset + g.numel);
+    if (sets == 1 && j + 1 < pieces_.size()) stage_piece(j + 1, job);  // sequential: after the write-back
+  }
+  for (int k = 0; k < sets; ++k) st.write_done(k).wait();
+}
+
+// Piece j's spans: resident homes in place, the rest read into set j % sets.
+void OptimizerPass::stage_piece(size_t j, const OptimizerThread::Job& job) {
+  OptimizerStaging& st = *staging_;
+  TieredState& state = *ctx_.state;
+  const PlacementPlan& plan = state.plan();
+  const int k = int(j % size_t(st.sets()));
+  const PlacementUnit& g = pieces_[j];
+  st.write_done(k).wait();  // the set's previous user is written back
+  OptSet& sp = sets_[size_t(k)];
+  sp.adam = cpu_adam::AdamSpans();
+  sp.adam.state_type = plan.bf16_moments() ? cpu_adam::StateType::kBF16 : cpu_adam::StateType::kF32;
+  sp.adam.grad_type = cpu_adam::GradType::kF32;
+  sp.adam.numel = g.numel;
+  if (piece_on_device_[j]) return;  // updated in place on the device (launch_device_run)
+  auto fetch = [&](Category c) -> std::byte* {
+    std::byte* p = state.resident(c, g.offset, g.numel);
+    if (p != nullptr) return p;
+    std::byte* dst = st.slot(c, k);
+    STRATA_CHECK(dst != nullptr, "optimizer staging without a slot for a piece that needs one");
+    // Device-tier parts (a GPU) after the backward that wrote the gradient,
+    // not behind the next step's forward this thread may run beside.
+    st.read_done(k) = state.read_async(c, g.offset, g.numel, dst, st.reads(k), &job.backward_done);
+    return dst;
+  };
+  sp.adam.grad = fetch(Category::kGrad);
+  sp.adam.param = reinterpret_cast<float*>(fetch(Category::kMaster));
+  sp.adam.exp_avg = fetch(Category::kExpAvg);
+  sp.adam.exp_avg_sq = fetch(Category::kExpAvgSq);
+  sp.working = state.resident(Category::kParam16, g.offset, g.numel);
+  sp.working_resident = sp.working != nullptr;
+  if (!sp.working_resident) sp.working = st.slot(Category::kParam16, k);
+  STRATA_CHECK(sp.working != nullptr, "optimizer staging without a working-copy slot");
+  if (ctx_.compute_dtype != at::kFloat) {
+    sp.adam.emit = sp.working;
+    sp.adam.emit_type = ctx_.compute_dtype == at::kBFloat16 ? cpu_adam::EmitType::kBF16 : cpu_adam::EmitType::kF16;
+  }
+}
+
+// CPU Adam over piece j, one call per run inside a block shard: the rounding
+// of bf16 moments is keyed by the global unpadded parameter index (Note [bf16
+// state]), so it depends on neither pieces, placement nor world size.
+void OptimizerPass::update_piece(size_t j, const OptimizerThread::Job& job, const cpu_adam::AdamParams& h) {
+  const OptSet& sp = sets_[j % sets_.size()];
+  const int64_t moment_bytes = ctx_.state->elem_bytes(Category::kExpAvg);
+  TraceSpan span(TraceTrack::kAdam, "adam sub-group");
+  for (const AdamRun& run : piece_runs_[j]) {
+    cpu_adam::AdamSpans part = sp.adam;
+    part.param += run.start;
+    part.grad = static_cast<const float*>(part.grad) + run.start;
+    part.exp_avg = static_cast<std::byte*>(part.exp_avg) + run.start * moment_bytes;
+    part.exp_avg_sq = static_cast<std::byte*>(part.exp_avg_sq) + run.start * moment_bytes;
+    if (part.emit != nullptr) part.emit = static_cast<std::byte*>(part.emit) + run.start * ctx_.compute_bytes;
+    part.numel = run.numel;
+    adam_->step(h, cpu_adam::StepArgs{job.step, job.grad_scale, run.key}, part);
+  }
+  if (ctx_.compute_dtype == at::kFloat) std::memcpy(sp.working, sp.adam.param, size_t(pieces_[j].numel * 4));
+}
+
+// Piece j's staged state and working copy back to their homes.
+void OptimizerPass::write_back_piece(size_t j) {
+  OptimizerStaging& st = *staging_;
+  TieredState& state = *ctx_.state;
+  const int k = int(j % size_t(st.sets()));
+  const PlacementUnit& g = pieces_[j];
+  const OptSet& sp = sets_[size_t(k)];
+  PendingIo& w = st.writes(k);
+  Completion& written = st.write_done(k);
+  if (!state.resident(Category::kMaster, g.offset, g.numel)) {
+    written = state.write_async(Category::kMaster, g.offset, g.numel, sp.adam.param, w, &kNoKernel);
+  }
+  if (!state.resident(Category::kExpAvg, g.offset, g.numel)) {
+    written = state.write_async(Category::kExpAvg, g.offset, g.numel, sp.adam.exp_avg, w, &kNoKernel);
+  }
+  if (!state.resident(Category::kExpAvgSq, g.offset, g.numel)) {
+    written = state.write_async(Category::kExpAvgSq, g.offset, g.numel, sp.adam.exp_avg_sq, w, &kNoKernel);
+  }
+  if (sp.working_resident) return;
+  if (thread_) {
+    // The next forward may read it as soon as the progress says so.
+    state.write_async(Category::kParam16, g.offset, g.numel, sp.working, param_write_, &kNoKernel).wait();
+  } else {
+    written = state.write_async(Category::kParam16, g.offset, g.numel, sp.working, w, &kNoKernel);
+  }
+}
+
+// One launch over a stretch of device-resident state (DeviceRun): master,
+// moments and gradient in place, the working copy emitted (bf16/fp16) or
+// copied (fp32) on the compute stream.
+void OptimizerPass::launch_device_run(const cpu_adam::AdamParams& h, const OptimizerThread::Job& job, const DeviceRun& r) {
+  auto home = [&](Category c) {
+    const DevicePtr p = ctx_.state->resident_on_device(c, r.offset, r.numel);
+    STRATA_CHECK(p, "a device optimizer run that is not resident on the device");
+    return p;
+  };
+  cpu_adam::AdamSpans s;
+  s.grad = home(Category::kGrad).raw();
+  s.param = reinterpret_cast<float*>(home(Category::kMaster).raw());
+  s.exp_avg = home(Category::kExpAvg).raw();
+  s.exp_avg_sq = home(Category::kExpAvgSq).raw();
+  s.state_type = ctx_.state->plan().bf16_moments() ? cpu_adam::StateType::kBF16 : cpu_adam::StateType::kF32;
+  s.grad_type = cpu_adam::GradType::kF32;
+  s.numel = r.numel;
+  const DevicePtr working = home(Category::kParam16);
+  if (ctx_.compute_dtype != at::kFloat) {
+    s.emit = working.raw();
+    s.emit_type = ctx_.compute_dtype == at::kBFloat16 ? cpu_adam::EmitType::kBF16 : cpu_adam::EmitType::kF16;
+  }
+  device_adam(h, cpu_adam::StepArgs{job.step, job.grad_scale, r.key}, s);
+  if (ctx_.compute_dtype == at::kFloat) {
+    ctx_.device->copy_on_device(working, home(Category::kMaster), r.numel * 4, Stream::kCompute);
+  }
+}
+
+void OptimizerPass::device_adam(const cpu_adam::AdamParams& h, const cpu_adam::StepArgs& args,
+                          const cpu_adam::AdamSpans& spans) {
+#ifdef STRATA_WITH_CUDA
+  if (ctx_.device->is_cuda()) {
+    ctx_.device->make_current();  // the optimizer thread's launches go to this GPU
+    kernels::adam_step(cpu_adam::detail::make_constants(h, args), spans, /*nonfinite=*/nullptr,
+                       ctx_.device->native_stream(Stream::kCompute));
+    return;
+  }
+#endif
+  // A device that is neither CUDA nor host-addressable is a test's, with
+  // host memory behind it and a compute stream that runs at once: CPU Adam
+  // on that memory is its kernel (the same bits, as kernels_test shows for
+  // CUDA's).
+  STRATA_CHECK(!ctx_.device->is_cuda(), "a CUDA device in a build without the CUDA path");
+  adam_->step(h, args, spans);
+}
+
+}  // namespace strata

@@ -1,0 +1,154 @@
+// The optimizer pass: AdamW over this rank's shard space in pipeline pieces,
+// each where its state lives (the device's Adam for pieces wholly in HBM,
+// CPU Adam for the others with what is not resident staged), inline or on
+// its own thread (Note [Optimizer overlap] in optimizer_thread.h), and the
+// staging buffers it needs.
+#pragma once
+
+#include <ATen/ATen.h>
+
+#include <array>
+#include <cstdint>
+#include <memory>
+#include <mutex>
+#include <vector>
+
+#include "cpu_adam/adam.h"
+#include "engine/optimizer_thread.h"
+#include "engine/step_context.h"
+#include "memory/buffer.h"
+#include "memory/placement.h"
+#include "memory/tiered_state.h"
+
+namespace strata {
+
+// The optimizer's staging buffers (Note [Optimizer pipeline]): `sets` sets
+// of one pipeline piece of each category that is not resident, allocated
+// once as the plan counted them (StagingNeeds::opt_*), with the I/O in flight
+// per set. On a device host code may not touch (a GPU) the gradient and
+// working-copy slots, which cross PCIe, are registered with the device; slots
+// of a category with pieces on NVMe are registered with the I/O engine (Note
+// [Registered buffers] in nvme/engine.h).
+class OptimizerStaging {
+ public:
+  OptimizerStaging(const PlacementPlan& plan, TieredState& state);
+
+  int sets() const { return sets_; }
+  int64_t piece_numel() const { return piece_numel_; }
+  // Set k's buffer for category c, nullptr when c is never staged; kParam16
+  // is the new working copy the step emits.
+  std::byte* slot(Category c, int k) const;
+  // Reads and write-backs in flight per set, and their completions: a set is
+  // reused only once the write-backs of its previous piece have completed.
+  PendingIo& reads(int k) { return reads_[size_t(k)]; }
+  PendingIo& writes(int k) { return writes_[size_t(k)]; }
+  Completion& read_done(int k) { return read_done_[size_t(k)]; }
+  Completion& write_done(int k) { return write_done_[size_t(k)]; }
+  int64_t bytes() const;  // host
+
+ private:
+  int sets_ = 1;
+  int64_t piece_numel_ = 0;
+  std::array<int, kNumCategories> elem_bytes_{};
+  std::array<HostBuffer, kNumCategories> buf_;  // per category, `sets_` pieces each
+  std::array<PinnedHostBuffer, kNumCategories> pinned_;  // or registered with the device
+  std::array<std::byte*, kNumCategories> base_{};
+  std::vector<nvme::BufferRegistration> io_registered_;  // after the buffers: ends first
+  std::vector<PendingIo> reads_, writes_;  // sized once: completions point into them
+  std::vector<Completion> read_done_, write_done_;
+};
+
+// A checkpoint save in flight that reads state an optimizer pass overwrites
+// (Note [Saving while training] in checkpoint/checkpoint.h).
+class SaveGate {
+ public:
+  virtual ~SaveGate() = default;
+  // The optimizer step whose state it saves: passes of later steps wait.
+  virtual int64_t applied() const = 0;
+  // Until everything it saves below shard offset `end` has been written.
+  virtual void wait_written_below(int64_t end) = 0;
+};
+
+// Thread-safety: step(), wait(), finish() and the accessors are the compute
+// thread's; set_save() and wait_for_job() any thread's.
+class OptimizerPass {
+ public:
+  // Cuts the plan's pieces and their runs, allocates the staging, and with
+  // run.overlap_optimizer starts the optimizer's thread.
+  OptimizerPass(const StepContext& ctx, const PlacementPlan& plan, cpu_adam::Isa isa);
+  // The thread first: its job uses the staging.
+  ~OptimizerPass();
+
+  struct Report {
+    double seconds = 0.0;
+    LinkBytes links;
+  };
+  // Applies `job`: inline (returns its time and bytes), or handed to the
+  // thread after the previous job finished (returns that one's).
+  Report step(const OptimizerThread::Job& job);
+  // Until the running job has made [0, offset) final (no-op without the
+  // thread); rethrows its failure, after which broken() is true.
+  void wait(int64_t offset);
+  void finish() { wait(INT64_MAX); }
+  // Shard-space elements final now (INT64_MAX when no job runs).
+  int64_t progress();
+  // An optimizer step failed part-way: the state is inconsistent.
+  bool broken() const { return broken_; }
+  double wait_seconds() const { return wait_s_; }  // compute waited for the thread
+  bool threaded() const { return thread_ != nullptr; }
+  // Any thread: Note [Optimizer overlap]'s wait for job `step`'s progress.
+  bool wait_for_job(int64_t step, int64_t offset);
+  // A save in flight (nullptr: none); passes of steps after its applied()
+  // wait for it per piece.
+  void set_save(std::shared_ptr<SaveGate> save);
+  const OptimizerStaging& staging() const { return *staging_; }
+
+ private:
+  void run(const OptimizerThread::Job& job);
+  void stage_piece(size_t j, const OptimizerThread::Job& job);
+  void update_piece(size_t j, const OptimizerThread::Job& job, const cpu_adam::AdamParams& h);
+  void write_back_piece(size_t j);
+  void cut_runs();
+  struct DeviceRun;
+  void launch_device_run(const cpu_adam::AdamParams& h, const OptimizerThread::Job& job, const DeviceRun& r);
+  void device_adam(const cpu_adam::AdamParams& h, const cpu_adam::StepArgs& args, const cpu_adam::AdamSpans& spans);
+
+  const StepContext& ctx_;
+  std::unique_ptr<cpu_adam::CpuAdam> adam_;
+  // Pipeline pieces in shard order (Note [Pipeline pieces] in placement.h),
+  // their runs inside one block shard (with the global unpadded index of
+  // their first element: the key of bf16 moments' rounding).
+  std::vector<PlacementUnit> pieces_;
+  struct AdamRun {
+    int64_t start = 0;   // elements from the piece's start
+    int64_t numel = 0;
+    uint64_t key = 0;
+    int32_t block = 0;
+  };
+  std::vector<std::vector<AdamRun>> piece_runs_;
+  std::vector<char> piece_on_device_;     // per piece: device_adam_piece()
+  // Device pieces' runs merged across pieces (one launch per stretch of a
+  // block shard, not one per 2^20-element piece), launched at the piece where
+  // each starts; empty for the pieces a merged run covers.
+  struct DeviceRun {
+    int64_t offset = 0;  // shard space
+    int64_t numel = 0;
+    uint64_t key = 0;
+  };
+  std::vector<std::vector<DeviceRun>> device_launch_;
+  std::unique_ptr<OptimizerStaging> staging_;
+  struct OptSet {
+    cpu_adam::AdamSpans adam;
+    std::byte* working = nullptr;
+    bool working_resident = false;
+  };
+  std::vector<OptSet> sets_;              // per staging set
+  PendingIo param_write_;                 // a staged working copy's write, waited at once
+  std::unique_ptr<OptimizerThread> thread_;  // run.overlap_optimizer
+  double wait_s_ = 0.0;
+  bool broken_ = false;
+  std::mutex save_mu_;
+  std::shared_ptr<SaveGate> save_;        // guarded by save_mu_
+};
+
+}  // namespace strata
