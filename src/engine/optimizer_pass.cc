@@ -4,6 +4,7 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
+#include <thread>
 
 #include "util/errors.h"
 #include "util/trace.h"
@@ -75,8 +76,24 @@ int64_t OptimizerStaging::bytes() const {
 
 // ---- the pass ---------------------------------------------------------------------
 
+namespace {
+
+// CPU Adam's threads (docs/config.md, run.threads): run.threads when set; on
+// the CPU device every core (the compute is the CPU's, and it waits for the
+// optimizer anyway); on a GPU every core but two, which the thread that
+// launches the GPU's work and the gradient path's lander keep: a launch
+// thread preempted by Adam's workers leaves the GPU idle.
+int adam_threads(const Config& cfg, const Device& device) {
+  if (cfg.run.threads > 0) return int(cfg.run.threads);
+  if (device.host_addressable()) return 0;
+  const int cores = int(std::thread::hardware_concurrency());
+  return std::max(1, cores - 2);
+}
+
+}  // namespace
+
 OptimizerPass::OptimizerPass(const StepContext& ctx, const PlacementPlan& plan, cpu_adam::Isa isa)
-    : ctx_(ctx), adam_(std::make_unique<cpu_adam::CpuAdam>(int(ctx.cfg->run.threads), isa)) {
+    : ctx_(ctx), adam_(std::make_unique<cpu_adam::CpuAdam>(adam_threads(*ctx.cfg, *ctx.device), isa)) {
   pieces_ = pipeline_pieces(plan);
   for (const PlacementUnit& piece : pieces_) piece_on_device_.push_back(device_adam_piece(plan, piece) ? 1 : 0);
   staging_ = std::make_unique<OptimizerStaging>(plan, *ctx.state);
