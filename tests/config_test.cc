@@ -82,10 +82,10 @@ TEST(ConfigDefaults, MinimalConfigGivesDocumentedDefaults) {
   EXPECT_EQ(c.run.steps, 200);
   EXPECT_EQ(c.run.seed, 1234u);
   EXPECT_EQ(c.run.log_level, "info");
-  EXPECT_EQ(c.run.device, "cpu");
+  EXPECT_EQ(c.run.device, DeviceKind::kCpu);
   EXPECT_EQ(c.run.optimizer_state_dtype, "fp32");
   EXPECT_EQ(c.run.threads, 0);
-  EXPECT_EQ(c.run.compute_dtype, "fp32");
+  EXPECT_EQ(c.run.compute_dtype, ComputeDtype::kFp32);
   EXPECT_TRUE(c.run.metrics.empty());
   EXPECT_TRUE(c.run.log_file.empty());
 
@@ -160,12 +160,12 @@ TEST(ConfigDefaults, OverlapCommDefaultsTrueForStage3) {
 }
 
 TEST(ConfigDefaults, ComputeDtypeFollowsPrecisionSections) {
-  EXPECT_EQ(parse_config(with({{"bf16", {{"enabled", true}}}})).run.compute_dtype, "bf16");
+  EXPECT_EQ(parse_config(with({{"bf16", {{"enabled", true}}}})).run.compute_dtype, ComputeDtype::kBf16);
   EXPECT_TRUE(parse_config(with({{"bf16", {{"enabled", true}}}})).bf16);
-  EXPECT_EQ(parse_config(with({{"fp16", {{"enabled", true}}}})).run.compute_dtype, "fp16");
-  EXPECT_EQ(parse_config(with({{"bf16", {{"enabled", false}}}})).run.compute_dtype, "fp32");
+  EXPECT_EQ(parse_config(with({{"fp16", {{"enabled", true}}}})).run.compute_dtype, ComputeDtype::kFp16);
+  EXPECT_EQ(parse_config(with({{"bf16", {{"enabled", false}}}})).run.compute_dtype, ComputeDtype::kFp32);
   // DeepSpeed's older section name.
-  EXPECT_EQ(parse_config(with({{"bfloat16", {{"enabled", true}}}})).run.compute_dtype, "bf16");
+  EXPECT_EQ(parse_config(with({{"bfloat16", {{"enabled", true}}}})).run.compute_dtype, ComputeDtype::kBf16);
 }
 
 // ---- batch sizes --------------------------------------------------------------
@@ -616,7 +616,7 @@ TEST(ConfigZero, ZeroInfinityConfigParses) {
   EXPECT_EQ(c.scheduler.total_num_steps, 10000);
   EXPECT_DOUBLE_EQ(c.scheduler.cos_min_ratio, 0.1);
   EXPECT_TRUE(c.bf16);
-  EXPECT_EQ(c.run.compute_dtype, "bf16");
+  EXPECT_EQ(c.run.compute_dtype, ComputeDtype::kBf16);
   EXPECT_EQ(c.zero.stage, 3);
   EXPECT_TRUE(c.zero.overlap_comm);
   EXPECT_EQ(c.zero.reduce_bucket_size, 500000000);
@@ -639,7 +639,7 @@ TEST(ConfigZero, ZeroInfinityConfigParses) {
   EXPECT_EQ(c.model.ffn_dim(), 11008);
   EXPECT_EQ(c.data.paths.size(), 2u);
   EXPECT_EQ(c.data.format, "uint16");
-  EXPECT_EQ(c.run.device, "cuda");
+  EXPECT_EQ(c.run.device, DeviceKind::kCuda);
   EXPECT_EQ(c.run.seed, 42u);
   std::vector<std::string> ignored = c.ignored_keys;
   std::sort(ignored.begin(), ignored.end());

@@ -407,8 +407,8 @@ TEST_F(StepTest, ADeviceHostCodeMayNotTouchTrainsBitForBitAsTheCpuDevice) {
 // ---- bytes per link (docs/design.md, "Bytes per link") ----------------------------
 
 // The table of docs/design.md, written out for world size 1 with every
-// windowed block persistent (fetched once per step), no offloaded
-// activations and the optimizer inline: what each link must carry in one
+// block fetched once per step (persistent, or kept by the window from its
+// first use to its last) and the optimizer inline: what each link must carry in one
 // step, from the placement alone. c: bytes of the compute dtype; w_b: the
 // bytes a block's gradient crosses PCIe in (4 for fp32 compute and for the
 // tied embedding, whose gradient is a real fp32 sum, else c); m: bytes of a
@@ -428,6 +428,12 @@ LinkBytes table_bytes(const PlacementPlan& p, int64_t accum) {
     const int64_t w = c == 4 || (p.tied && b == 0) ? 4 : c;
     if (grad[b].tier != Tier::kDevice) e.d2h += w * n * accum;
     if (grad[b].tier == Tier::kNvme) e.nvme_write += 4 * n * accum, e.nvme_read += 4 * n * (accum - 1);
+  }
+  // Offloaded activations: each layer's input D2H after its forward and H2D
+  // before its backward, every micro-batch.
+  if (p.cpu_checkpointing) {
+    e.d2h += p.checkpoint_layers * p.checkpoint_bytes * accum;
+    e.h2d += p.checkpoint_layers * p.checkpoint_bytes * accum;
   }
   // The optimizer, per pipeline piece: nothing crosses for a piece wholly on
   // the device (the device's Adam); CPU Adam reads what is not in host
@@ -465,19 +471,26 @@ TEST_F(StepTest, EveryLinkCarriesExactlyTheBytesOfThePlacement) {
   const std::string swap = dir_.path() + "/swap";
   const std::string split = "{\"device\":0.3,\"host\":0.3,\"nvme\":0.4}";
   const std::string nvme = "{\"device\":\"nvme\",\"nvme_path\":\"" + swap + "\"";
-  const std::vector<std::string> common = {"run.overlap_optimizer=false",
-                                           "zero_optimization.stage3_param_persistence_threshold=100000000"};
+  const std::vector<std::string> common = {"run.overlap_optimizer=false"};
+  const std::string persistent = "zero_optimization.stage3_param_persistence_threshold=100000000";
   const std::vector<std::vector<std::string>> cases = {
       {"bf16.enabled=true"},
       {"zero_optimization.stage=3", "zero_optimization.offload_param.device=cpu",
-       "zero_optimization.offload_optimizer.device=cpu", "bf16.enabled=true"},
+       "zero_optimization.offload_optimizer.device=cpu", "bf16.enabled=true", persistent},
+      // Windowed blocks, offloaded activations: the window keeps each block
+      // from its first use to its last (no limit binds), so each is fetched
+      // once a step here too.
+      {"zero_optimization.stage=3", "zero_optimization.offload_param.device=cpu",
+       "zero_optimization.offload_optimizer.device=cpu", "zero_optimization.stage3_param_persistence_threshold=0",
+       "activation_checkpointing.cpu_checkpointing=true"},
       {"zero_optimization.stage=3", "zero_optimization.offload_param=" + nvme + ",\"max_in_cpu\":0}",
-       "zero_optimization.offload_optimizer=" + nvme + "}", "bf16.enabled=true", "run.optimizer_state_dtype=\"bf16\""},
+       "zero_optimization.offload_optimizer=" + nvme + "}", "bf16.enabled=true", "run.optimizer_state_dtype=\"bf16\"",
+       persistent},
       {"placement={\"param16\":" + split + ",\"grad\":" + split + ",\"optimizer\":" + split + ",\"nvme_path\":\"" +
-       swap + "\"}"},
+       swap + "\"}", persistent},
       {"placement={\"param16\":{\"device\":0.5,\"host\":0.5},\"grad\":{\"device\":0.7,\"nvme\":0.3},"
        "\"optimizer\":{\"device\":0.6,\"host\":0.4},\"nvme_path\":\"" + swap + "\"}",
-       "fp16={\"enabled\":true,\"loss_scale\":1024}"},
+       "fp16={\"enabled\":true,\"loss_scale\":1024}", persistent},
       {"placement={\"param16\":{\"device\":1},\"grad\":{\"host\":1},\"optimizer\":{\"host\":1}}", "bf16.enabled=true",
        "model.tie_embeddings=false", "gradient_accumulation_steps=3"},
   };

@@ -81,17 +81,17 @@ int main(int argc, char** argv) {
     const c10::Device dev(device_name);
     const strata::Model model(cfg.model);
     const strata::StateLayout layout(model.layout_specs(), 1);
-    const auto dt = cfg.run.compute_dtype == "bf16" ? at::kBFloat16 : cfg.run.compute_dtype == "fp16" ? at::kHalf
+    const auto dt = cfg.run.compute_dtype == strata::ComputeDtype::kBf16 ? at::kBFloat16 : cfg.run.compute_dtype == strata::ComputeDtype::kFp16 ? at::kHalf
                                                                                                       : at::kFloat;
     // The same step as Strata's or none: refuse what this loop does not do.
-    if (cfg.run.recompute == "auto") {
+    if (cfg.run.recompute == strata::Recompute::kAuto) {
       throw strata::ConfigError("run.recompute", "say \"always\" or \"never\": the reference cannot guess the plan's choice");
     }
     if (cfg.run.optimizer_state_dtype != "fp32") {
       throw strata::ConfigError("run.optimizer_state_dtype", "the reference's fused AdamW keeps fp32 moments");
     }
     if (!cfg.optimizer.adam_w_mode) throw strata::ConfigError("optimizer.type", "the reference is AdamW");
-    const bool recompute = cfg.run.recompute == "always";
+    const bool recompute = cfg.run.recompute == strata::Recompute::kAlways;
     // Weights: fp32 master per parameter (initialised as Strata does, seed
     // run.seed), a working copy in the compute dtype whose views are leaves.
     at::Generator gen = at::detail::createCPUGenerator(cfg.run.seed);
@@ -220,7 +220,7 @@ int main(int argc, char** argv) {
                           {"compute_only", compute_only},
                           {"recompute", recompute ? "always" : "never"},
                           {"parameters", layout.parameter_count()},
-                          {"compute_dtype", cfg.run.compute_dtype},
+                          {"compute_dtype", strata::compute_dtype_name(cfg.run.compute_dtype)},
                           {"step_s", med},
                           {"last_loss", last_loss.item<double>()},
                           {"tokens_per_s", tokens_per_s},

@@ -181,7 +181,7 @@ int run_train(const TrainOptions& opt) {
   // The ranks meet first: a rank whose config differs, or a world size that
   // does not divide the batch (load_config), stops every rank at start.
   CommOptions co;
-  co.backend = cfg.comm.backend == "auto" ? (cfg.run.device == "cuda" ? "nccl" : "gloo") : cfg.comm.backend;
+  co.backend = cfg.comm.backend == "auto" ? (cfg.run.device == DeviceKind::kCuda ? "nccl" : "gloo") : cfg.comm.backend;
   co.timeout_s = cfg.comm.timeout_s;
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) co.socket_ifname = ifname;
   std::unique_ptr<Communicator> comm = make_communicator(who, co);
@@ -257,7 +257,7 @@ int run_train(const TrainOptions& opt) {
   log::info("memory: parameters %s (fp32 master) + %s working copy (%s), gradients %s, "
             "optimizer state %s, total %s",
             format_bytes(double(sb.master)).c_str(), format_bytes(double(sb.param16)).c_str(),
-            cfg.run.compute_dtype.c_str(),
+            compute_dtype_name(cfg.run.compute_dtype),
             format_bytes(double(sb.grad)).c_str(), format_bytes(double(sb.optimizer)).c_str(),
             format_bytes(double(sb.total())).c_str());
   log::info("placement (%s): device %s, host %s, nvme %s (state + staging)",
@@ -269,7 +269,7 @@ int run_train(const TrainOptions& opt) {
             (long long)data.val_tokens(), (long long)cfg.train_batch_size,
             (long long)cfg.train_micro_batch_size_per_gpu,
             (long long)cfg.gradient_accumulation_steps, who.world_size, (long long)cfg.zero.stage,
-            cfg.run.compute_dtype.c_str(), at::get_num_threads());
+            compute_dtype_name(cfg.run.compute_dtype), at::get_num_threads());
 
   const int64_t micro = cfg.train_micro_batch_size_per_gpu;
   const int64_t accum = cfg.gradient_accumulation_steps;

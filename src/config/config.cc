@@ -19,6 +19,25 @@
 
 namespace strata {
 
+const char* device_kind_name(DeviceKind d) { return d == DeviceKind::kCuda ? "cuda" : "cpu"; }
+const char* compute_dtype_name(ComputeDtype d) {
+  switch (d) {
+    case ComputeDtype::kBf16: return "bf16";
+    case ComputeDtype::kFp16: return "fp16";
+    case ComputeDtype::kFp32: break;
+  }
+  return "fp32";
+}
+const char* recompute_name(Recompute r) {
+  switch (r) {
+    case Recompute::kAlways: return "always";
+    case Recompute::kNever: return "never";
+    case Recompute::kAuto: break;
+  }
+  return "auto";
+}
+
+
 int64_t ModelConfig::ffn_dim() const {
   if (ffn_hidden > 0) return ffn_hidden;
   const int64_t hidden = 8 * dim / 3;
@@ -811,7 +830,9 @@ void parse_run(const json& root, Config& c) {
   read(r, path, "metrics", rc.metrics);
   read(r, path, "log_file", rc.log_file);
   read_enum(r, path, "log_level", rc.log_level, {"trace", "debug", "info", "warn", "error", "off"});
-  read_enum(r, path, "device", rc.device, {"cpu", "cuda"});
+  std::string device = device_kind_name(rc.device);
+  read_enum(r, path, "device", device, {"cpu", "cuda"});
+  rc.device = device == "cuda" ? DeviceKind::kCuda : DeviceKind::kCpu;
   if (read(r, path, "threads", rc.threads)) non_negative("run.threads", rc.threads);
   if (read(r, path, "device_memory_mb", rc.device_memory_mb)) {
     non_negative("run.device_memory_mb", rc.device_memory_mb);
@@ -821,7 +842,9 @@ void parse_run(const json& root, Config& c) {
   read(r, path, "overlap_optimizer", rc.overlap_optimizer);
   read(r, path, "swap_checksums", rc.swap_checksums);
   read_enum(r, path, "optimizer_state_dtype", rc.optimizer_state_dtype, {"fp32", "bf16"});
-  read_enum(r, path, "recompute", rc.recompute, {"auto", "always", "never"});
+  std::string recompute = recompute_name(rc.recompute);
+  read_enum(r, path, "recompute", recompute, {"auto", "always", "never"});
+  rc.recompute = recompute == "always" ? Recompute::kAlways : recompute == "never" ? Recompute::kNever : Recompute::kAuto;
   const json& ck = section(r, path, "checkpoint");
   check_keys(ck, "run.checkpoint", {"dir", "every", "keep"}, kNone, c.ignored_keys);
   read(ck, "run.checkpoint", "dir", rc.checkpoint.dir);
@@ -979,7 +1002,7 @@ Config parse_config(nlohmann::json j, const std::vector<std::string>& overrides,
     fail("model.vocab_size", "must be 256 for data.format text (bytes), got " +
                                  num(c.model.vocab_size));
   }
-  c.run.compute_dtype = c.bf16 ? "bf16" : c.fp16.enabled ? "fp16" : "fp32";
+  c.run.compute_dtype = c.bf16 ? ComputeDtype::kBf16 : c.fp16.enabled ? ComputeDtype::kFp16 : ComputeDtype::kFp32;
   c.raw = std::move(j);
   return c;
 }
@@ -1060,7 +1083,7 @@ json resume_invariants(const Config& c) {
                                                    {"cos_min_ratio", s.cos_min_ratio}}}}},
       {"gradient_clipping", c.gradient_clipping},
       {"train_batch_size", c.train_batch_size},
-      {"run", {{"seed", c.run.seed}, {"compute_dtype", c.run.compute_dtype},
+      {"run", {{"seed", c.run.seed}, {"compute_dtype", compute_dtype_name(c.run.compute_dtype)},
                {"optimizer_state_dtype", c.run.optimizer_state_dtype}}},
       {"data", {{"format", c.data.format}, {"val_fraction", c.data.val_fraction}}},
   };

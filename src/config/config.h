@@ -50,13 +50,23 @@ struct CheckpointConfig {
   int64_t keep = 2;                // complete checkpoints kept (the newest)
 };
 
+// Strings of the config parsed once, at its edge (config.cc); *_name gives
+// the config's spelling back.
+enum class DeviceKind { kCpu, kCuda };          // run.device
+enum class ComputeDtype { kFp32, kBf16, kFp16 }; // derived from the bf16/fp16 sections
+enum class Recompute { kAuto, kAlways, kNever }; // run.recompute
+const char* device_kind_name(DeviceKind d);      // "cpu", "cuda"
+const char* compute_dtype_name(ComputeDtype d);  // "fp32", "bf16", "fp16"
+const char* recompute_name(Recompute r);         // "auto", "always", "never"
+inline int compute_dtype_bytes(ComputeDtype d) { return d == ComputeDtype::kFp32 ? 4 : 2; }
+
 struct RunConfig {
   int64_t steps = 200;
   uint64_t seed = 1234;
   std::string metrics;             // JSON-lines metrics file; empty = none
   std::string log_file;            // empty = stderr only
   std::string log_level = "info";
-  std::string device = "cpu";      // cpu | cuda
+  DeviceKind device = DeviceKind::kCpu;  // cpu | cuda
   int64_t threads = 0;             // intra-op threads; 0 = all cores
   int64_t device_memory_mb = 0;    // device-tier budget in MiB; 0 = what the device has
   // Run the optimizer on its own thread, overlapped with the next step's
@@ -69,12 +79,12 @@ struct RunConfig {
   // Storage of the Adam moments exp_avg and exp_avg_sq: fp32, or bf16 with
   // stochastic rounding (Note [bf16 state] in cpu_adam/types.h).
   std::string optimizer_state_dtype = "fp32";
-  std::string compute_dtype = "";  // derived: fp32 | bf16 | fp16 (from bf16/fp16 sections)
+  ComputeDtype compute_dtype = ComputeDtype::kFp32;  // derived: fp32 | bf16 | fp16 (from bf16/fp16 sections)
   // Backward recomputes each layer from its saved input (always), or keeps
   // the forward's autograd graphs (never: a quarter fewer FLOPs, every layer's
   // activations held), or lets the plan decide (auto: never when the weights
   // stay in place for the step and the activations fit). Note [Recompute].
-  std::string recompute = "auto";
+  Recompute recompute = Recompute::kAuto;
   CheckpointConfig checkpoint;
 };
 

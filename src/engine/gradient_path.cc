@@ -76,19 +76,29 @@ GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
       stage_views_[k].push_back(param_views(bl, stage_flat_[k].back()));
     }
   }
+  if (need.grad_host > 0) {
+    landing_ = dev.allocate_pinned(need.grad_host, "gradients on their way to host homes");
+    landing_half_bytes_ = need.grad_host / 2;
+  }
+  lay_out_in_landing_ = dev.host_addressable();
   if (!ranks_) {
-    wire_flat_.resize(blocks_);
-    wire_views_.resize(blocks_);
     home_views_.resize(blocks_);
+    for (int h = 0; h < 2; ++h) {
+      wire_flat_[h].resize(blocks_);
+      wire_views_[h].resize(blocks_);
+    }
     for (size_t b = 0; b < blocks_; ++b) {
       const BlockLayout& bl = ctx.layout->block(b);
       if (home_on_device_[b]) {
         const DevicePtr home = state.resident_on_device(Category::kGrad, ctx.shard_offset[b], bl.padded_numel);
         home_views_[b] = param_views(bl, ctx.device_tensor(home, bl.padded_numel, at::kFloat));
-      } else {
-        STRATA_CHECK(stage_[0].ptr(), "a gradient home off the device without a gradient stage");
-        wire_flat_[b] = ctx.device_tensor(stage_[0].ptr(), bl.padded_numel, torch_type(wire_[b]));
-        wire_views_[b] = param_views(bl, wire_flat_[b]);
+        continue;
+      }
+      for (int h = 0; h < (lay_out_in_landing_ ? 2 : 1); ++h) {
+        const DevicePtr at = lay_out_in_landing_ ? DevicePtr(landing_.data() + h * landing_half_bytes_) : stage_[0].ptr();
+        STRATA_CHECK(at, "a gradient home off the device without a stage or landing buffer");
+        wire_flat_[h][b] = ctx.device_tensor(at, bl.padded_numel, torch_type(wire_[b]));
+        wire_views_[h][b] = param_views(bl, wire_flat_[h][b]);
       }
     }
   }
@@ -96,10 +106,6 @@ GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
     device_norms_ = dev.allocate(int64_t(blocks_) * 8, "gradient norms");
     const int64_t scratch = need.grad_norms - int64_t(blocks_) * 8;
     if (scratch > 0) norm_scratch_ = dev.allocate(scratch, "gradient norm partials");
-  }
-  if (need.grad_host > 0) {
-    landing_ = dev.allocate_pinned(need.grad_host, "gradients on their way to host homes");
-    landing_half_bytes_ = need.grad_host / 2;
   }
   if (need.grad_rmw > 0) rmw_ = HostBuffer(size_t(need.grad_rmw), "gradient read-modify-write");
   io_registered_.push_back(state.register_io_buffer(Category::kGrad, rmw_.data(), int64_t(rmw_.bytes())));
@@ -223,10 +229,36 @@ void GradientPath::add_on_device(size_t b, const std::vector<at::Tensor>& grads,
 }
 
 // A home off the device: the gradient laid out in the stage in its wire
-// dtype (padding zeroed), copied D2H, added by the lander.
+// dtype (padding zeroed), copied D2H, added by the lander. On a
+// host-addressable device it is laid out in a landing half directly.
 void GradientPath::add_through_host(size_t b, const std::vector<at::Tensor>& grads, size_t first) {
-  stage_free();
-  const std::vector<at::Tensor>& dst = wire_views_[b];
+  int half = 0;
+  if (lay_out_in_landing_) {
+    half = claim_landing();
+  } else {
+    stage_free();
+  }
+  try {
+    lay_out(b, grads, first, half);
+  } catch (...) {
+    if (lay_out_in_landing_) {
+      std::lock_guard<std::mutex> lock(mu_);
+      busy_[half] = false;  // nothing was queued on it
+    }
+    throw;
+  }
+  const BlockLayout& bl = ctx_.layout->block(b);
+  if (lay_out_in_landing_) {
+    ctx_.state->count_copy(/*to_device=*/false, bl.padded_numel * bytes_of(wire_[b]));  // what a GPU would copy
+    queue_landing(b, half, wire_[b], Completion());
+  } else {
+    land(b, DevicePtr(static_cast<std::byte*>(wire_flat_[half][b].data_ptr())), wire_[b]);
+  }
+}
+
+// Block b's gradient in its wire dtype in buffer `half`, padding zeroed.
+void GradientPath::lay_out(size_t b, const std::vector<at::Tensor>& grads, size_t first, int half) {
+  const std::vector<at::Tensor>& dst = wire_views_[half][b];
   for (size_t i = 0; i < dst.size(); ++i) {
     const at::Tensor g = first + i < grads.size() ? grads[first + i] : at::Tensor();
     if (i == 0 && b == ctx_.embedding_block && tied_.defined()) {
@@ -240,8 +272,8 @@ void GradientPath::add_through_host(size_t b, const std::vector<at::Tensor>& gra
     }
   }
   const BlockLayout& bl = ctx_.layout->block(b);
-  if (bl.padded_numel > bl.numel) wire_flat_[b].narrow(0, bl.numel, bl.padded_numel - bl.numel).zero_();
-  land(b, DevicePtr(static_cast<std::byte*>(wire_flat_[b].data_ptr())), wire_[b]);
+  const at::Tensor& flat = wire_flat_[half][b];
+  if (bl.padded_numel > bl.numel) flat.narrow(0, bl.numel, bl.padded_numel - bl.numel).zero_();
 }
 
 // ---- ranks ------------------------------------------------------------------------
@@ -315,20 +347,33 @@ void GradientPath::stage_free() {
   if (stage_read_.pending()) ctx_.device->stream_wait(Stream::kCompute, stage_read_);
 }
 
+int GradientPath::claim_landing() {
+  const int half = landing_turn_;
+  landing_turn_ ^= 1;
+  std::unique_lock<std::mutex> lock(mu_);
+  if (busy_[half]) {
+    TraceSpan span(TraceTrack::kCopy, "wait for a landing buffer");
+    cv_.wait(lock, [&] { return !busy_[half]; });
+  }
+  if (error_) std::rethrow_exception(error_);  // the lander failed: stop queuing
+  busy_[half] = true;
+  return half;
+}
+
+void GradientPath::queue_landing(size_t b, int half, cpu_adam::GradType wire, const Completion& copied) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    compute_thread_ = std::this_thread::get_id();
+    queue_.push_back(Landing{int(b), half, wire, copied, !written_[b], last_micro_});
+  }
+  cv_.notify_all();
+  written_[b] = 1;
+}
+
 void GradientPath::land(size_t b, DevicePtr src, cpu_adam::GradType wire) {
   const int64_t bytes = ctx_.shard_numel(b) * bytes_of(wire);
   STRATA_CHECK(bytes <= landing_half_bytes_, "a gradient larger than its landing buffer");
-  const int half = landing_turn_;
-  landing_turn_ ^= 1;
-  {
-    std::unique_lock<std::mutex> lock(mu_);
-    if (busy_[half]) {
-      TraceSpan span(TraceTrack::kCopy, "wait for a landing buffer");
-      cv_.wait(lock, [&] { return !busy_[half]; });
-    }
-    if (error_) std::rethrow_exception(error_);  // the lander failed: stop queuing
-    busy_[half] = true;
-  }
+  const int half = claim_landing();
   Device& dev = *ctx_.device;
   Completion copied;
   try {
@@ -343,13 +388,7 @@ void GradientPath::land(size_t b, DevicePtr src, cpu_adam::GradType wire) {
   }
   stage_read_ = copied;  // the stage is rewritten only after this read
   ctx_.state->count_copy(/*to_device=*/false, bytes);
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    compute_thread_ = std::this_thread::get_id();
-    queue_.push_back(Landing{int(b), half, wire, copied, !written_[b], last_micro_});
-  }
-  cv_.notify_all();
-  written_[b] = 1;
+  queue_landing(b, half, wire, copied);
 }
 
 void GradientPath::wait_lander_idle() {

@@ -42,7 +42,9 @@ namespace strata {
 //    device), and added into its home by the lander, a worker thread that
 //    waits for the copy's completion (host homes in place; NVMe homes read,
 //    added and written back through one read-modify-write buffer). The
-//    compute thread waits only for a landing buffer to come free.
+//    compute thread waits only for a landing buffer to come free. On the
+//    CPU device, whose memory is host memory, G is laid out in the landing
+//    buffer itself (no copy; the D2H a GPU would make is still counted).
 //  - Several ranks: G is staged in fp32 and reduced (reduce-scatter at
 //    stages 2-3, all-reduce at 0-1) while the next block's backward runs;
 //    the reduced shard is a real fp32 sum, and goes to its home as above
@@ -102,12 +104,16 @@ class GradientPath {
   };
   void add_on_device(size_t b, const std::vector<at::Tensor>& grads, size_t first);
   void add_through_host(size_t b, const std::vector<at::Tensor>& grads, size_t first);
+  void lay_out(size_t b, const std::vector<at::Tensor>& grads, size_t first, int half);
   void add_to_reduce(size_t b, const std::vector<at::Tensor>& grads, size_t first);
   void complete_reduction(int k);
   // Adds a reduced fp32 shard at `src` into block b's home.
   void deliver(size_t b, DevicePtr src);
   // D2H of block b's shard at `src` (in `wire`) and its landing job.
   void land(size_t b, DevicePtr src, cpu_adam::GradType wire);
+  // A landing half no job uses any more (waits for the lander), now taken.
+  int claim_landing();
+  void queue_landing(size_t b, int half, cpu_adam::GradType wire, const Completion& copied);
   // The device's norm of b's final gradient at `home` (device memory).
   void device_norm(size_t b, DevicePtr home);
   // The compute stream waits for the last D2H that read the stages.
@@ -132,8 +138,14 @@ class GradientPath {
   DeviceBuffer stage_[2], shards_mem_;
   std::vector<at::Tensor> stage_flat_[2];              // per block: fp32 flat view
   std::vector<std::vector<at::Tensor>> stage_views_[2];  // per block: fp32 parameter views
-  std::vector<at::Tensor> wire_flat_;                  // per block: stage 0 in its wire dtype
-  std::vector<std::vector<at::Tensor>> wire_views_;
+  // Per landing half (or only [0]: the stage on a GPU), per block: the
+  // buffer a home-off-device gradient is laid out in, in its wire dtype.
+  std::vector<at::Tensor> wire_flat_[2];
+  std::vector<std::vector<at::Tensor>> wire_views_[2];
+  // A host-addressable device (the CPU device): the gradient is laid out in
+  // a landing half directly; nothing to copy (d2h_bytes still counts what a
+  // GPU would move).
+  bool lay_out_in_landing_ = false;
   std::vector<std::vector<at::Tensor>> home_views_;    // per block with a device home: fp32 views
   Completion stage_read_;                              // the last D2H that read a stage or shard
   struct Reduction {

@@ -96,6 +96,11 @@ OptimizerPass::OptimizerPass(const StepContext& ctx, const PlacementPlan& plan, 
     : ctx_(ctx), adam_(std::make_unique<cpu_adam::CpuAdam>(adam_threads(*ctx.cfg, *ctx.device), isa)) {
   pieces_ = pipeline_pieces(plan);
   for (const PlacementUnit& piece : pieces_) piece_on_device_.push_back(device_adam_piece(plan, piece) ? 1 : 0);
+  for (const PlacementUnit& piece : pieces_) {
+    const std::optional<Tier> t = range_tier(plan, Category::kMaster, piece.offset, piece.numel);
+    piece_device_state_.push_back(!plan.device_addressable && t == Tier::kDevice ? 1 : 0);
+  }
+  device_done_.resize(pieces_.size());
   staging_ = std::make_unique<OptimizerStaging>(plan, *ctx.state);
   sets_.resize(size_t(staging_->sets()));
   cut_runs();
@@ -195,21 +200,7 @@ void OptimizerPass::set_save(std::shared_ptr<SaveGate> save) {
 // swapped state is read into staging, updated and written back. The working
 // copy comes out of the same pass (bf16: emitted by CPU Adam; fp32: copied).
 //
-// Note [Optimizer pipeline]
-// The loop walks pipeline pieces (sub-groups cut to at most
-// kPipelineChunkElems, Note [Pipeline pieces] in placement.h). Staging comes
-// in `sets` sets. With two or more, piece j+1's reads are issued before piece
-// j is updated, and j's write-backs are issued right after it, so NVMe
-// transfers run on the I/O threads while CPU Adam runs on its own. A set is
-// reused for j + sets only once the write-backs of the piece that used it
-// last have completed. With one set the loop is sequential. Arithmetic does
-// not depend on the depth.
-//
-// On a GPU (a device host code may not touch), a piece whose state, gradient
-// and working copy all live in HBM is updated there by the fused kernel
-// (kernels/adam.h, bit for bit CPU Adam's), queued on the compute stream, with
-// nothing staged; every other piece is CPU Adam's as above, its device-tier
-// parts staged through host memory like NVMe ones.
+// Note [Optimizer pipeline] in optimizer_pass.h.
 void OptimizerPass::run(const OptimizerThread::Job& job) {
   const Config& cfg = *ctx_.cfg;
   cpu_adam::AdamParams h;
@@ -243,14 +234,25 @@ void OptimizerPass::run(const OptimizerThread::Job& job) {
     if (piece_on_device_[j]) {
       TraceSpan span(TraceTrack::kAdam, "adam on the device");
       for (const DeviceRun& r : device_launch_[j]) launch_device_run(h, job, r);
+      device_done_[j] = ctx_.device->record(Stream::kCompute);
     } else {
       update_piece(j, job, h);
       write_back_piece(j);
+      if (piece_device_state_[j]) device_done_[j] = ctx_.device->record(Stream::kStateH2D);
     }
     if (thread_) thread_->publish(g.offset + g.numel);
     if (sets == 1 && j + 1 < pieces_.size()) stage_piece(j + 1, job);  // sequential: after the write-back
   }
   for (int k = 0; k < sets; ++k) st.write_done(k).wait();
+}
+
+void OptimizerPass::order_after_updates(Stream s, int64_t offset, int64_t numel) const {
+  // The first piece ending after `offset`, then every piece starting before the range's end.
+  auto it = std::upper_bound(pieces_.begin(), pieces_.end(), offset,
+                             [](int64_t o, const PlacementUnit& p) { return o < p.offset + p.numel; });
+  for (size_t j = size_t(it - pieces_.begin()); j < pieces_.size() && pieces_[j].offset < offset + numel; ++j) {
+    if (device_done_[j].pending()) ctx_.device->stream_wait(s, device_done_[j]);
+  }
 }
 
 // Piece j's spans: resident homes in place, the rest read into set j % sets.

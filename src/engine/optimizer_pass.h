@@ -69,6 +69,26 @@ class SaveGate {
   virtual void wait_written_below(int64_t end) = 0;
 };
 
+// Note [Optimizer pipeline]
+// The loop walks pipeline pieces (sub-groups cut to at most
+// kPipelineChunkElems, Note [Pipeline pieces] in placement.h). Staging comes
+// in `sets` sets. With two or more, piece j+1's reads are issued before piece
+// j is updated, and j's write-backs are issued right after it, so NVMe
+// transfers run on the I/O threads while CPU Adam runs on its own. A set is
+// reused for j + sets only once the write-backs of the piece that used it
+// last have completed. With one set the loop is sequential. Arithmetic does
+// not depend on the depth.
+//
+// On a GPU (a device host code may not touch), a piece whose state, gradient
+// and working copy all live in HBM is updated there by the fused kernel
+// (kernels/adam.h, bit for bit CPU Adam's), queued on the compute stream, with
+// nothing staged; every other piece is CPU Adam's as above, its device-tier
+// parts staged through host memory like NVMe ones.
+//
+// Device-tier copies of staged pieces run on the state's own streams
+// (kStateD2H, kStateH2D) and complete with their set's group like NVMe
+// transfers, so they pipeline the same way instead of waiting per copy.
+//
 // Thread-safety: step(), wait(), finish() and the accessors are the compute
 // thread's; set_save() and wait_for_job() any thread's.
 class OptimizerPass {
@@ -102,6 +122,13 @@ class OptimizerPass {
   // wait for it per piece.
   void set_save(std::shared_ptr<SaveGate> save);
   const OptimizerStaging& staging() const { return *staging_; }
+  // Orders stream `s` after the device-side updates of [offset, offset +
+  // numel) of optimizer state by the last job that reached it (the device's
+  // Adam on the compute stream, write-backs on kStateH2D), without host
+  // waits and without waiting for compute queued since: what a save reading
+  // that job's device-tier state needs. REQUIRES: that job has published the
+  // range (wait_for_job), and no later job has updated it.
+  void order_after_updates(Stream s, int64_t offset, int64_t numel) const;
 
  private:
   void run(const OptimizerThread::Job& job);
@@ -136,6 +163,10 @@ class OptimizerPass {
     uint64_t key = 0;
   };
   std::vector<std::vector<DeviceRun>> device_launch_;
+  // Per piece: its optimizer state has device-tier parts (a GPU), and the
+  // completion of the last job's device-side update of it (fired: none).
+  std::vector<char> piece_device_state_;
+  std::vector<Completion> device_done_;
   std::unique_ptr<OptimizerStaging> staging_;
   struct OptSet {
     cpu_adam::AdamSpans adam;

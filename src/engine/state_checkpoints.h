@@ -74,6 +74,9 @@ class StateCheckpoints {
   OptimizerPass& optimizer_;
   std::shared_ptr<InFlight> save_;
   PendingIo save_io_;  // the save's thread reads homes and NVMe through it
+  // A GPU's device-tier state comes D2H into this registered buffer (one
+  // writer slot's bytes), then into the writer's staging.
+  PinnedHostBuffer bounce_;
 };
 
 }  // namespace strata

@@ -28,10 +28,12 @@ namespace strata {
 
 namespace {
 
-at::ScalarType dtype_of(const std::string& name) {
-  if (name == "bf16") return at::kBFloat16;
-  if (name == "fp16") return at::kHalf;
-  STRATA_CHECK(name == "fp32", "run.compute_dtype is not fp32, bf16 or fp16");
+at::ScalarType dtype_of(ComputeDtype d) {
+  switch (d) {
+    case ComputeDtype::kBf16: return at::kBFloat16;
+    case ComputeDtype::kFp16: return at::kHalf;
+    case ComputeDtype::kFp32: break;
+  }
   return at::kFloat;
 }
 
@@ -93,22 +95,8 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
   // gradient is then the gradient of the global batch's mean loss. fp16
   // multiplies it by the loss scale too (Note [Loss scaling]).
   const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
-  const at::Tensor batch = stage_tokens(tokens, accum * micro);
   double sums[3] = {0.0, 0.0, stop_requested ? 1.0 : 0.0};  // squared norm, loss, stop
-  try {
-    for (int64_t m = 0; m < accum; ++m) {
-      grads_->begin_micro(m + 1 == accum);
-      micro_loss_[size_t(m)] = forward_backward(batch.narrow(0, m * micro, micro), loss_scale / double(accum * ranks));
-      grads_->end_micro();
-    }
-    // Read once the backward is queued: on a GPU, .item() waits for it.
-    for (at::Tensor& l : micro_loss_) {
-      sums[1] += l.item<double>() / double(accum * ranks);
-      l = at::Tensor();
-    }
-  } catch (const c10::OutOfMemoryError& e) {
-    out_of_memory(e);
-  }
+  sums[1] = micro_batches(tokens, loss_scale / double(accum * ranks));
   const double param_wait = blocks_->window().wait_seconds() - param_wait0;
   StepResult r;
   r.tokens = accum * micro * cfg_.model.seq_len * ranks;
@@ -141,6 +129,39 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
     scaler_->update(r.skipped, step_ + 1);
     if (r.skipped) return finish_result();
   }
+  apply_optimizer(r, loss_scale);
+  return finish_result();
+}
+
+// Every micro-batch's forward and backward (each loss scaled by `loss_scale`
+// for the backward); returns this rank's share of the global batch's mean
+// loss.
+double Trainer::micro_batches(const int64_t* tokens, double loss_scale) {
+  const int64_t accum = cfg_.gradient_accumulation_steps;
+  const int64_t micro = cfg_.train_micro_batch_size_per_gpu;
+  const at::Tensor batch = stage_tokens(tokens, accum * micro);
+  double sum = 0.0;
+  try {
+    for (int64_t m = 0; m < accum; ++m) {
+      grads_->begin_micro(m + 1 == accum);
+      micro_loss_[size_t(m)] = forward_backward(batch.narrow(0, m * micro, micro), loss_scale);
+      grads_->end_micro();
+    }
+    // Read once the backward is queued: on a GPU, .item() waits for it.
+    for (at::Tensor& l : micro_loss_) {
+      sum += l.item<double>() / double(accum * ctx_.comm->world_size());
+      l = at::Tensor();
+    }
+  } catch (const c10::OutOfMemoryError& e) {
+    out_of_memory(e);
+  }
+  return sum;
+}
+
+// The optimizer step for `r`'s norm and learning rate: global-norm clipping
+// folded into it as a gradient scale, with torch.nn.utils.clip_grad_norm_'s
+// formula; fp16 unscales in the same multiply.
+void Trainer::apply_optimizer(StepResult& r, double loss_scale) {
   if (!std::isfinite(r.grad_norm)) {
     // Stepping would turn every tier's optimizer state into NaN for good. The
     // norm is all-reduced, so every rank stops here.
@@ -148,9 +169,6 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
                           "state is unchanged; lower optimizer.params.lr or enable gradient_clipping",
                           r.grad_norm, (long long)(step_ + 1)));
   }
-  // Global-norm clipping folded into the optimizer as a gradient scale, with
-  // torch.nn.utils.clip_grad_norm_'s formula; fp16 unscales in the same
-  // multiply.
   double coef = 1.0;
   if (cfg_.gradient_clipping > 0.0) coef = std::min(1.0, cfg_.gradient_clipping / (r.grad_norm + 1e-6));
   blocks_->invalidate();  // the optimizer rewrites the working copy
@@ -164,7 +182,6 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
   r.optimizer_s = opt.seconds;
   r.links = opt.links;
   ++applied_steps_;
-  return finish_result();
 }
 
 // Note [Step order]
@@ -438,10 +455,10 @@ void Trainer::make_context(Communicator* comm, Device* device) {
   }
   STRATA_CHECK(comm->world_size() == cfg_.world_size, "the communicator's world size is not the config's");
   if (device == nullptr) {
-    if (cfg_.run.device == "cpu") {
+    if (cfg_.run.device == DeviceKind::kCpu) {
       device = &cpu_device();
     } else {
-      own_device_ = make_device(cfg_.run.device);
+      own_device_ = make_device(device_kind_name(cfg_.run.device));
       device = own_device_.get();
     }
   }

@@ -190,8 +190,11 @@ class Trainer {
   std::array<int64_t, kNumTiers> peak_bytes() const;
 
  private:
-  // The step (trainer.cc, in this order): forward and backward of one
-  // micro-batch, returning its loss (a 0-dim tensor on the device).
+  // The step (trainer.cc, in this order): the micro-batches, the optimizer,
+  // forward and backward of one micro-batch (returning its loss, a 0-dim
+  // tensor on the device).
+  double micro_batches(const int64_t* tokens, double loss_scale);
+  void apply_optimizer(StepResult& r, double loss_scale);
   at::Tensor forward_backward(const at::Tensor& tokens, double loss_scale);
   at::Tensor head_forward_backward(const at::Tensor& x, const at::Tensor& targets, double loss_scale,
                                    at::Tensor* dx);

@@ -25,6 +25,8 @@ const char* stream_name(Stream s) {
     case Stream::kH2D: return "h2d";
     case Stream::kD2H: return "d2h";
     case Stream::kComm: return "comm";
+    case Stream::kStateH2D: return "state h2d";
+    case Stream::kStateD2H: return "state d2h";
   }
   return "?";
 }

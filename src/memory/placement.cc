@@ -71,7 +71,7 @@ void assign(std::vector<PlacementUnit>& units, const TierSplit& s, int64_t total
   }
 }
 
-int compute_bytes(const Config& cfg) { return cfg.run.compute_dtype == "fp32" ? 4 : 2; }
+int compute_bytes(const Config& cfg) { return compute_dtype_bytes(cfg.run.compute_dtype); }
 
 }  // namespace
 
@@ -132,7 +132,8 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
   n.window = window_shape(plan);
   n.gathered = n.window.bytes(plan.compute_bytes);
   const bool grads_off_device = off_device(Category::kGrad);
-  n.grad_stage = plan.world_size > 1 || plan.tied || grads_off_device ? largest * 4 : 0;
+  // (The CPU device lays gradients out in the landing buffers themselves.)
+  n.grad_stage = plan.world_size > 1 || plan.tied || (grads_off_device && !plan.device_addressable) ? largest * 4 : 0;
   const int64_t blocks = int64_t(plan.block_numel.size());
   n.grad_norms = blocks * 8;
   if (!plan.device_addressable) {
@@ -207,7 +208,8 @@ MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::strin
                                  int local_ranks) {
   MachineCapacity m;
   local_ranks = std::max(1, local_ranks);
-  m.device_is_host = cfg.run.device == "cpu";
+  m.device_is_host = cfg.run.device == DeviceKind::kCpu;
+  const std::string device = device_kind_name(cfg.run.device);
   m.device_addressable = m.device_is_host;
   m.host_bytes = cpu_device().memory_info().free_bytes;  // MemAvailable
   if (m.host_bytes > 0) m.host_bytes /= local_ranks;
@@ -220,8 +222,8 @@ MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::strin
   if (!m.device_is_host) {
     // Each local rank has a GPU of its own: no division.
     DeviceMemoryInfo info;
-    if (query_device_memory(cfg.run.device, &info)) {
-      const std::string measured = strprintf("%s: %s free of %s", cfg.run.device.c_str(),
+    if (query_device_memory(device, &info)) {
+      const std::string measured = strprintf("%s: %s free of %s", device.c_str(),
                                              format_bytes(double(info.free_bytes)).c_str(),
                                              format_bytes(double(info.total_bytes)).c_str());
       if (m.device_bytes < 0 || info.free_bytes < m.device_bytes) {
@@ -232,7 +234,7 @@ MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::strin
       }
     } else if (m.device_bytes < 0) {
       m.device_source = std::string("not measured: ") +
-                        (built_with_cuda() ? "no " + cfg.run.device + " on this machine"
+                        (built_with_cuda() ? "no " + device + " on this machine"
                                            : "this build has no CUDA path") +
                         " (set run.device_memory_mb to plan for one)";
     }
@@ -537,14 +539,14 @@ void choose_swap_paths(const Config& cfg, PlacementPlan& plan) {
 // or gathered once per step (stages 1-2 with several shards). Stage 3 with
 // several shards gathers into a ring of two uses: never.
 void resolve_recompute(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
-  const std::string& mode = cfg.run.recompute;
+  const Recompute mode = cfg.run.recompute;
   const auto& p16 = plan.bytes[size_t(Category::kParam16)];
   const bool gathered_once = plan.shards > 1 && plan.stage < 3;
   const bool stable = gathered_once || (plan.shards == 1 && p16[size_t(Tier::kHost)] == 0 &&
                                         p16[size_t(Tier::kNvme)] == 0);
   plan.keep_graphs = false;
-  if (mode == "always") return;
-  if (mode == "never") {
+  if (mode == Recompute::kAlways) return;
+  if (mode == Recompute::kNever) {
     if (plan.cpu_checkpointing) {
       throw ConfigError("run.recompute", "never keeps every layer's activations on the device, which "
                                          "activation_checkpointing.cpu_checkpointing offloads; use one of the two");

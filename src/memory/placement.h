@@ -145,7 +145,7 @@ struct PlacementPlan {
   // piece whose state, gradient and working copy all live on the device is
   // updated there (device_adam_piece); any other piece is updated by CPU Adam
   // with its device-tier parts staged through host memory (Note [Optimizer
-  // pipeline] in trainer.cc).
+  // pipeline] in engine/optimizer_pass.h).
   bool device_addressable = true;
 
   // Transient and staging memory (bytes).
@@ -177,7 +177,7 @@ struct PlacementPlan {
 std::optional<Tier> range_tier(const PlacementPlan& plan, Category c, int64_t offset, int64_t numel);
 
 // Note [Pipeline pieces]
-// The optimizer's pipeline (Note [Optimizer pipeline] in trainer.cc) walks
+// The optimizer's pipeline (Note [Optimizer pipeline] in engine/optimizer_pass.h) walks
 // sub-groups in pieces of at most kPipelineChunkElems elements: a piece's
 // master, exp_avg and exp_avg_sq (12 MiB of fp32) stay in the last-level
 // cache between CPU Adam and the checksum of their write-back, and between the

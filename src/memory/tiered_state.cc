@@ -215,6 +215,7 @@ void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t nu
                  reading ? kReadNames[int(c)] : kWriteNames[int(c)]);
   const int64_t eb = plan_.elem_bytes[size_t(c)];
   const size_t before = pending.handles_.size();
+  const Stream copies = reading ? Stream::kStateD2H : Stream::kStateH2D;
   bool device_copies = false;
   try {
     for_each_piece(c, offset, numel, [&](const Home& h, int64_t at, int64_t n, int64_t buf_off) {
@@ -230,14 +231,13 @@ void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t nu
         // (which may write the home a read takes, or read the home a write
         // replaces).
         if (!device_copies) {
-          device_->stream_wait(reading ? Stream::kD2H : Stream::kH2D,
-                               device_after != nullptr ? *device_after : device_->record(Stream::kCompute));
+          device_->stream_wait(copies, device_after != nullptr ? *device_after : device_->record(Stream::kCompute));
         }
         const DevicePtr home(h.ptr + at * eb);
         if (reading) {
-          device_->copy_to_host(mine, home, bytes, Stream::kD2H);
+          device_->copy_to_host(mine, home, bytes, copies);
         } else {
-          device_->copy_to_device(home, mine, bytes, Stream::kH2D);
+          device_->copy_to_device(home, mine, bytes, copies);
         }
         count(reading ? 1 : 0, bytes);  // crossed PCIe (docs/design.md, "Bytes per link")
         device_copies = true;
@@ -249,9 +249,12 @@ void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t nu
         if (compute_side) count(reading ? 0 : 1, bytes);
       }
     });
-    // Device pieces are done when this returns, as host pieces are (a GPU's
-    // copies are waited for here; on the CPU device they already are).
-    if (device_copies) device_->record(reading ? Stream::kD2H : Stream::kH2D).wait();
+    // Device pieces complete with the group, like NVMe ones (on the CPU
+    // device they already have).
+    if (device_copies) {
+      const Completion copied = device_->record(copies);
+      if (copied.pending()) pending.device_.push_back(copied);
+    }
   } catch (...) {
     // A submission refused mid-way: finish what this call submitted, report the refusal.
     std::vector<nvme::SwapHandle> submitted(
@@ -260,6 +263,7 @@ void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t nu
     pending.handles_.resize(before);
     try {
       wait_all_handles(submitted);
+      if (device_copies) device_->synchronize(copies);
     } catch (...) {
     }
     throw;
@@ -313,7 +317,21 @@ void TieredState::write(Category c, int64_t offset, int64_t numel, const void* b
 void PendingIo::wait_ticket(uint64_t ticket) {
   if (ticket != round_) return;  // an earlier round, waited for then
   ++round_;
-  wait_all_handles(handles_);
+  std::exception_ptr first;
+  for (Completion& c : device_) {
+    try {
+      c.wait();
+    } catch (...) {
+      if (!first) first = std::current_exception();
+    }
+  }
+  device_.clear();
+  try {
+    wait_all_handles(handles_);
+  } catch (...) {
+    if (!first) first = std::current_exception();
+  }
+  if (first) std::rethrow_exception(first);
 }
 
 }  // namespace strata

@@ -62,16 +62,17 @@ struct TieredStateOptions {
 // pending (owners size their arrays of them at start-up).
 class PendingIo final : public Waiter {
  public:
-  bool empty() const { return handles_.empty(); }
+  bool empty() const { return handles_.empty() && device_.empty(); }
   // The completion of everything added since the group was last waited for.
   // A completion of an earlier round returns at once.
-  Completion completion() { return handles_.empty() ? Completion() : Completion(this, round_); }
+  Completion completion() { return empty() ? Completion() : Completion(this, round_); }
   // Waits for every transfer (all of them, even after one failed), empties
   // the group and rethrows the first error.
   void wait_ticket(uint64_t ticket) override;
-  // True when every transfer added has finished (never blocks; wait() still
-  // verifies and reports them).
+  // True when every NVMe transfer added has finished and no device copy is
+  // in the group (never blocks; wait() still verifies and reports them).
   bool done() const {
+    if (!device_.empty()) return false;
     for (const nvme::SwapHandle& h : handles_) {
       if (!h.done()) return false;
     }
@@ -81,6 +82,7 @@ class PendingIo final : public Waiter {
  private:
   friend class TieredState;
   std::vector<nvme::SwapHandle> handles_;
+  std::vector<Completion> device_;  // device-tier copies (kStateH2D/kStateD2H)
   uint64_t round_ = 0;
 };
 
@@ -120,13 +122,15 @@ class TieredState {
   // whole units and sub-groups. Reading an NVMe unit never written throws.
   void read(Category c, int64_t offset, int64_t numel, void* buf);
   void write(Category c, int64_t offset, int64_t numel, const void* buf);
-  // The same, returning before NVMe transfers complete: their handles join
-  // the group `pending`, whose completion is returned (already complete when
-  // everything was resident: those pieces are copied at once). `buf` must
-  // stay untouched (write) / unread (read) until the completion is waited.
-  // Device-tier pieces are copied after `device_after` when given (e.g. the
-  // backward that wrote the gradient, or a fired Completion() for state no
-  // kernel touches), else after all the compute queued so far.
+  // The same, returning before NVMe transfers and device-tier copies
+  // complete: their handles and completions join the group `pending`, whose
+  // completion is returned (already complete when everything was in host
+  // memory: those pieces are copied at once). `buf` must stay untouched
+  // (write) / unread (read) until the completion is waited. Device-tier
+  // pieces are copied on the state's own streams (kStateD2H, kStateH2D)
+  // after `device_after` when given (e.g. the backward that wrote the
+  // gradient, or a fired Completion() for state no kernel touches), else
+  // after all the compute queued so far.
   [[nodiscard]] Completion read_async(Category c, int64_t offset, int64_t numel, void* buf,
                                       PendingIo& pending, const Completion* device_after = nullptr);
   [[nodiscard]] Completion write_async(Category c, int64_t offset, int64_t numel, const void* buf,

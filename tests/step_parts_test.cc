@@ -1,0 +1,227 @@
+// The step's parts driven alone, on the test device (a GPU's separate
+// memory, copies that run late):
+// - the gradient path (Note [Gradient path] in src/engine/gradient_path.h):
+//   two micro-batches of made-up gradients for every block land in homes on
+//   the device, the host and NVMe; each home holds widen(g1) + widen(g2) bit
+//   for bit, the step's squared norm is the blocks' ordered norms summed in
+//   block order, and only the off-device blocks' gradients cross D2H, in the
+//   compute dtype (the tied embedding's in fp32);
+// - the optimizer pass (Note [Optimizer pipeline] in optimizer_pass.h):
+//   state split over the three tiers (the device's Adam for pieces wholly on
+//   the device, CPU Adam with staged device-tier parts for the others, NVMe
+//   pipelined) updates every element as one CPU Adam call over the whole
+//   shard space does, bit for bit.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <sys/stat.h>
+
+#include <bit>
+#include <cstring>
+
+#include "comm/communicator.h"
+#include "config/config.h"
+#include "cpu_adam/adam.h"
+#include "cpu_adam/grad_ops.h"
+#include "deferred_device.h"
+#include "engine/gradient_path.h"
+#include "engine/optimizer_pass.h"
+#include "engine/step_context.h"
+#include "memory/buffer.h"
+#include "memory/placement.h"
+#include "memory/tiered_state.h"
+#include "model/model.h"
+#include "test_util.h"
+
+namespace strata {
+namespace {
+
+struct Fixture {
+  Fixture(const std::vector<std::string>& overrides, const std::string& swap,
+          const nlohmann::json& placement = nullptr)
+      : cfg(parse_config(nlohmann::json{{"train_micro_batch_size_per_gpu", 1},
+                                        {"gradient_accumulation_steps", 2},
+                                        {"bf16", {{"enabled", true}}},
+                                        {"model", {{"dim", 64}, {"n_layers", 2}, {"n_heads", 4}, {"n_kv_heads", 2},
+                                                   {"ffn_hidden", 96}, {"seq_len", 16}}},
+                                        {"placement", placement.is_null()
+                                                           ? nlohmann::json{{"grad", {{"device", 0.3}, {"host", 0.3},
+                                                                                      {"nvme", 0.4}}},
+                                                                            {"nvme_path", swap}}
+                                                           : placement},
+                                        {"data", {{"path", swap + "/unused.txt"}}}},
+                         overrides)),
+        model(cfg.model),
+        layout(model.layout_specs(), 1),
+        comm(make_local_communicator()) {
+    MachineCapacity cap;
+    plan = plan_for_machine(cfg, layout, &cap, 0, 1, &device);
+    TieredStateOptions so;
+    so.device = &device;
+    so.device_transient_bytes = plan.staging.device_bytes();
+    state = std::make_unique<TieredState>(plan, so);
+    ctx.cfg = &cfg;
+    ctx.layout = &layout;
+    ctx.state = state.get();
+    ctx.device = &device;
+    ctx.comm = comm.get();
+    ctx.compute_dtype = at::kBFloat16;
+    ctx.compute_bytes = 2;
+    ctx.head_block = layout.num_blocks() - 1;
+    int64_t global = 0;
+    for (const PlacementUnit& u : plan.units[size_t(Category::kGrad)]) {
+      ctx.shard_offset.push_back(u.offset);
+      ctx.block_end.push_back(u.offset + u.numel);
+      ctx.global_index.push_back(global);
+      global += u.numel;
+    }
+  }
+  testing::DeferredDevice device;
+  Config cfg;
+  Model model;
+  StateLayout layout;
+  std::unique_ptr<Communicator> comm;
+  PlacementPlan plan;
+  std::unique_ptr<TieredState> state;
+  StepContext ctx;
+};
+
+// Per block, its parameters' made-up gradients (bf16, like autograd's).
+std::vector<std::vector<at::Tensor>> gradients(const StateLayout& layout, int seed) {
+  at::Generator gen = at::detail::createCPUGenerator(uint64_t(seed));
+  std::vector<std::vector<at::Tensor>> out;
+  for (const BlockLayout& bl : layout.blocks()) {
+    std::vector<at::Tensor> g;
+    for (const ParamLayout& p : bl.params) {
+      g.push_back(at::normal(0.0, 1.0, p.spec.shape, gen, at::kFloat).to(at::kBFloat16));
+    }
+    out.push_back(std::move(g));
+  }
+  return out;
+}
+
+TEST(GradientPathTest, HomesOnEveryTierHoldTheSumAndOnlyOffDeviceBlocksCrossInTheirWireDtype) {
+  for (const bool tied : {false, true}) {
+    testing::TempDir dir;
+    ASSERT_EQ(mkdir((dir.path() + "/swap").c_str(), 0700), 0);
+    Fixture f({std::string("model.tie_embeddings=") + (tied ? "true" : "false")}, dir.path() + "/swap");
+    const size_t blocks = f.layout.num_blocks();
+    std::array<bool, kNumTiers> seen{};
+    for (const PlacementUnit& u : f.plan.units[size_t(Category::kGrad)]) seen[size_t(u.tier)] = true;
+    ASSERT_TRUE(seen[0] && seen[1] && seen[2]) << "the split must give every tier a block";
+    const auto micro = std::vector<std::vector<std::vector<at::Tensor>>>{gradients(f.layout, 1), gradients(f.layout, 2)};
+    // The tied head's output-projection gradient (the embedding's shape).
+    const auto head_share = std::vector<std::vector<std::vector<at::Tensor>>>{gradients(f.layout, 3), gradients(f.layout, 4)};
+    GradientPath path(f.ctx, f.plan);
+    LinkBytes moved;
+    {
+      TieredState::TallyScope tally(&moved);
+      path.begin_step();
+      for (int m = 0; m < 2; ++m) {
+        path.begin_micro(m == 1);
+        for (size_t b = blocks; b-- > 0;) {
+          if (tied && b == 0) path.set_tied(head_share[size_t(m)][0][0]);
+          path.add(b, micro[size_t(m)][b], 0);
+        }
+        path.end_micro();
+      }
+    }
+    const double norm = path.finish_step(&moved);
+    int64_t want_d2h = 0;
+    double want_norm = 0.0;
+    for (size_t b = 0; b < blocks; ++b) {
+      const BlockLayout& bl = f.layout.block(b);
+      at::Tensor want = at::zeros({bl.padded_numel}, at::kFloat);
+      std::vector<at::Tensor> views = param_views(bl, want);
+      for (int m = 0; m < 2; ++m) {
+        for (size_t i = 0; i < views.size(); ++i) {
+          at::Tensor g = micro[size_t(m)][b][i].to(at::kFloat);
+          if (tied && b == 0) g = head_share[size_t(m)][0][0].to(at::kFloat).add(g);  // the fp32 sum
+          if (m == 0) views[i].copy_(g);
+          else views[i].add_(g);
+        }
+      }
+      HostBuffer mem(size_t(bl.padded_numel * 4), "test: a block's gradient");  // aligned for NVMe
+      f.state->read(Category::kGrad, f.ctx.shard_offset[b], bl.padded_numel, mem.data());
+      const at::Tensor got = at::from_blob(mem.data(), {bl.padded_numel}, at::kFloat);
+      EXPECT_TRUE(at::equal(got, want)) << "block " << b << (tied ? " (tied)" : "");
+      want_norm += cpu_adam::ordered_squared_norm(want.data_ptr<float>(), bl.padded_numel);
+      if (f.plan.units[size_t(Category::kGrad)][b].tier != Tier::kDevice) {
+        want_d2h += 2 * bl.padded_numel * (tied && b == 0 ? 2 : 1) * 2;  // 2 micro-batches
+      }
+    }
+    EXPECT_EQ(std::bit_cast<uint64_t>(norm), std::bit_cast<uint64_t>(want_norm)) << (tied ? "tied" : "untied");
+    EXPECT_EQ(moved.d2h, want_d2h) << (tied ? "tied" : "untied");
+    EXPECT_EQ(moved.h2d, 0);
+    const GradientPath::LanderStats st = path.lander_stats();
+    EXPECT_GT(st.adds, 0);
+    EXPECT_EQ(st.adds_on_compute_thread, 0);
+  }
+}
+
+// Every category's whole shard space, read from its homes.
+std::vector<std::byte> read_all(TieredState& state, Category c) {
+  const int64_t n = state.plan().shard_space_numel;
+  HostBuffer mem(size_t(n * state.elem_bytes(c)), "test: a category");
+  state.read(c, 0, n, mem.data());
+  return std::vector<std::byte>(mem.as<std::byte>(), mem.as<std::byte>() + n * state.elem_bytes(c));
+}
+
+TEST(OptimizerPassTest, StateOnEveryTierUpdatesAsOneCpuAdamCall) {
+  testing::TempDir dir;
+  ASSERT_EQ(mkdir((dir.path() + "/swap").c_str(), 0700), 0);
+  const nlohmann::json split = {{"device", 0.3}, {"host", 0.3}, {"nvme", 0.4}};
+  // Small sub-groups: several pieces per tier, some wholly on the device.
+  Fixture f({"zero_optimization.sub_group_size=8192", "run.overlap_optimizer=false", "model.tie_embeddings=false"},
+            dir.path() + "/swap",
+            {{"param16", split}, {"grad", split}, {"optimizer", split}, {"nvme_path", dir.path() + "/swap"}});
+  const int64_t n = f.plan.shard_space_numel;
+  // Made-up state: master weights, gradients, moments (v >= 0).
+  at::Generator gen = at::detail::createCPUGenerator(9);
+  const at::Tensor master = at::normal(0.0, 1.0, {n}, gen, at::kFloat);
+  const at::Tensor grad = at::normal(0.0, 1.0, {n}, gen, at::kFloat);
+  const at::Tensor m = at::normal(0.0, 0.1, {n}, gen, at::kFloat);
+  const at::Tensor v = at::normal(0.0, 0.1, {n}, gen, at::kFloat).square();
+  for (auto [c, t] : {std::pair{Category::kMaster, master}, std::pair{Category::kGrad, grad},
+                      std::pair{Category::kExpAvg, m}, std::pair{Category::kExpAvgSq, v}}) {
+    HostBuffer mem(size_t(n * 4), "test: initial state");
+    std::memcpy(mem.data(), t.data_ptr(), size_t(n * 4));
+    f.state->write(c, 0, n, mem.data());
+  }
+  OptimizerPass pass(f.ctx, f.plan, cpu_adam::best_isa());
+  int device_pieces = 0;
+  for (const PlacementUnit& piece : pipeline_pieces(f.plan)) device_pieces += device_adam_piece(f.plan, piece);
+  ASSERT_GT(device_pieces, 0);
+  const OptimizerThread::Job job{0.5f, 1e-2, 3, Completion()};
+  const OptimizerPass::Report r = pass.step(job);
+  EXPECT_GT(r.links.nvme_read, 0);
+  EXPECT_GT(r.links.d2h, 0);  // staged device-tier parts of pieces CPU Adam updates
+  // The reference: one call over the whole shard space (fp32 moments: no
+  // rounding key), emitting bf16.
+  cpu_adam::AdamParams h;
+  h.lr = 1e-2;
+  h.weight_decay = f.cfg.optimizer.weight_decay;
+  h.beta1 = f.cfg.optimizer.beta1;
+  h.beta2 = f.cfg.optimizer.beta2;
+  h.eps = f.cfg.optimizer.eps;
+  h.adamw = f.cfg.optimizer.adam_w_mode;
+  at::Tensor want_master = master.clone(), want_m = m.clone(), want_v = v.clone();
+  at::Tensor want_p16 = at::empty({n}, at::kBFloat16);
+  cpu_adam::AdamSpans s;
+  s.param = want_master.data_ptr<float>();
+  s.grad = grad.data_ptr<float>();
+  s.exp_avg = want_m.data_ptr();
+  s.exp_avg_sq = want_v.data_ptr();
+  s.emit = want_p16.data_ptr();
+  s.emit_type = cpu_adam::EmitType::kBF16;
+  s.numel = n;
+  cpu_adam::CpuAdam(1).step(h, cpu_adam::StepArgs{3, 0.5f, 0}, s);
+  for (auto [c, t] : {std::pair{Category::kMaster, want_master}, std::pair{Category::kExpAvg, want_m},
+                      std::pair{Category::kExpAvgSq, want_v}, std::pair{Category::kParam16, want_p16}}) {
+    const std::vector<std::byte> got = read_all(*f.state, c);
+    EXPECT_EQ(std::memcmp(got.data(), t.data_ptr(), got.size()), 0) << category_name(c);
+  }
+}
+
+}  // namespace
+}  // namespace strata
