@@ -159,7 +159,7 @@ TEST_P(DeviceTest, OldCompletionsOutliveTheEventRing) {
   const std::vector<uint8_t> src = pattern(size_t(n), 3);
   Completion first = d.record(Stream::kH2D);
   Completion last;
-  for (int i = 0; i < 3000; ++i) {
+  for (int i = 0; i < 10000; ++i) {
     d.copy_to_device(a.ptr(), src.data(), n / 16, Stream::kH2D);
     last = d.record(Stream::kH2D);
   }

@@ -29,9 +29,15 @@ MachineCapacity unlimited() { return MachineCapacity{}; }
 
 constexpr int64_t kTotal = 8 * 65536;
 
+// A step's token windows (int64): in device memory and registered host memory.
+int64_t token_bytes(const Config& c) {
+  return c.gradient_accumulation_steps * c.train_micro_batch_size_per_gpu * (c.model.seq_len + 1) * 8;
+}
+
 TEST(PlacementTest, DefaultIsEverythingOnDevice) {
   StateLayout layout = make_layout();
-  PlacementPlan p = make_plan(config_with({}), layout, 0, unlimited());
+  const Config cfg = config_with({});
+  PlacementPlan p = make_plan(cfg, layout, 0, unlimited());
   EXPECT_EQ(p.source, "default");
   for (int c = 0; c < kNumCategories; ++c) {
     EXPECT_EQ(p.bytes[c][0], kTotal * p.elem_bytes[c]) << category_name(Category(c));
@@ -40,8 +46,8 @@ TEST(PlacementTest, DefaultIsEverythingOnDevice) {
   // All resident: the fp32 stage of the tied embedding's gradient sum (the
   // largest block) and a norm slot per block (Note [Gradient path]).
   ASSERT_TRUE(p.tied);
-  EXPECT_EQ(p.staging.device_bytes(), 65536 * 4 + int64_t(p.block_numel.size()) * 8);
-  EXPECT_EQ(p.staging.host_bytes(), 0);
+  EXPECT_EQ(p.staging.device_bytes(), 65536 * 4 + int64_t(p.block_numel.size()) * 8 + token_bytes(cfg));
+  EXPECT_EQ(p.staging.host_bytes(), token_bytes(cfg));
 }
 
 TEST(PlacementTest, DeepSpeedOptimizerOffloadToCpuAndNvmeWithRatio) {
@@ -170,14 +176,14 @@ TEST(PlacementTest, AutoFillsTheDeviceFirstWithParametersThenGradients) {
   // Device: all of param16, half of grad, the activations, the fp32
   // gradient stage, and the gradient norms (a slot per block, and the norm
   // kernel's partials: one per 4096 elements of the largest block).
-  cap.device_bytes = 8 * unit + 4 * unit + activations + 1 * unit + 8 * 8 + 65536 / 4096 * 8;
+  cap.device_bytes = 8 * unit + 4 * unit + activations + 1 * unit + 8 * 8 + 65536 / 4096 * 8 + token_bytes(cfg);
   // Host: the other half of grad, all of master, half of exp_avg, and the
   // staging of one swapped sub-group (master, exp_avg, exp_avg_sq; buffer_count
   // 1 = one staging set); since host code may not touch a GPU's memory, CPU
   // Adam's staging of a device-tier gradient and working copy (one unit each),
   // and the two registered buffers gradient shards land in on their way to
   // host homes (one unit each).
-  cap.host_bytes = 4 * unit + 8 * unit + 4 * unit + 3 * unit + 4 * unit;
+  cap.host_bytes = 4 * unit + 8 * unit + 4 * unit + 3 * unit + 4 * unit + token_bytes(cfg);
   cap.nvme_bytes = int64_t(1) << 40;
   PlacementPlan p = make_plan(cfg, layout, 0, cap);
   EXPECT_EQ(p.source, "auto");

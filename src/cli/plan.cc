@@ -104,7 +104,8 @@ nlohmann::json plan_json(const Computed& c) {
                         {"checkpoint_device", p.staging.ckpt_device}, {"checkpoint_host", p.staging.ckpt_host},
                         {"grad_rmw", p.staging.grad_rmw}, {"grad_norms", p.staging.grad_norms}, {"opt_grad", p.staging.opt_grad},
                         {"opt_state", p.staging.opt_state}, {"opt_emit", p.staging.opt_emit},
-                        {"grad_host", p.staging.grad_host}, {"window_bounce", p.staging.window_bounce}};
+                        {"grad_host", p.staging.grad_host}, {"window_bounce", p.staging.window_bounce},
+                        {"tokens", p.staging.tokens}, {"save_bounce", p.staging.save_bounce}};
   j["device_transient_bytes"] = p.staging.device_bytes();
   j["host_staging_bytes"] = p.staging.host_bytes();
   j["sub_group_numel"] = p.sub_group_numel;

@@ -86,6 +86,7 @@ GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
     for (int h = 0; h < 2; ++h) {
       wire_flat_[h].resize(blocks_);
       wire_views_[h].resize(blocks_);
+      wire_padding_[h].resize(blocks_);
     }
     for (size_t b = 0; b < blocks_; ++b) {
       const BlockLayout& bl = ctx.layout->block(b);
@@ -99,6 +100,7 @@ GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
         STRATA_CHECK(at, "a gradient home off the device without a stage or landing buffer");
         wire_flat_[h][b] = ctx.device_tensor(at, bl.padded_numel, torch_type(wire_[b]));
         wire_views_[h][b] = param_views(bl, wire_flat_[h][b]);
+        wire_padding_[h][b] = wire_flat_[h][b].narrow(0, bl.numel, bl.padded_numel - bl.numel);
       }
     }
   }
@@ -271,9 +273,7 @@ void GradientPath::lay_out(size_t b, const std::vector<at::Tensor>& grads, size_
       dst[i].zero_();
     }
   }
-  const BlockLayout& bl = ctx_.layout->block(b);
-  const at::Tensor& flat = wire_flat_[half][b];
-  if (bl.padded_numel > bl.numel) flat.narrow(0, bl.numel, bl.padded_numel - bl.numel).zero_();
+  if (wire_padding_[half][b].numel() > 0) wire_padding_[half][b].zero_();
 }
 
 // ---- ranks ------------------------------------------------------------------------
@@ -364,6 +364,7 @@ void GradientPath::queue_landing(size_t b, int half, cpu_adam::GradType wire, co
   {
     std::lock_guard<std::mutex> lock(mu_);
     compute_thread_ = std::this_thread::get_id();
+    STRATA_CHECK(queue_.size < 2, "more landings queued than landing halves");
     queue_.push_back(Landing{int(b), half, wire, copied, !written_[b], last_micro_});
   }
   cv_.notify_all();

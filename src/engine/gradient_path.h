@@ -8,7 +8,6 @@
 
 #include <condition_variable>
 #include <cstdint>
-#include <deque>
 #include <exception>
 #include <mutex>
 #include <thread>
@@ -141,6 +140,7 @@ class GradientPath {
   // Per landing half (or only [0]: the stage on a GPU), per block: the
   // buffer a home-off-device gradient is laid out in, in its wire dtype.
   std::vector<at::Tensor> wire_flat_[2];
+  std::vector<at::Tensor> wire_padding_[2];            // per block: the padding after its parameters
   std::vector<std::vector<at::Tensor>> wire_views_[2];
   // A host-addressable device (the CPU device): the gradient is laid out in
   // a landing half directly; nothing to copy (d2h_bytes still counts what a
@@ -172,10 +172,19 @@ class GradientPath {
   HostBuffer rmw_;
   std::vector<nvme::BufferRegistration> io_registered_;  // after the buffers: ends first
 
-  // The lander. Guarded by mu_: queue_, busy_, idle_, error_, stats_, links_.
+  // The lander. Guarded by mu_: queue_, busy_, error_, stats_, links_.
   std::mutex mu_;
   std::condition_variable cv_;
-  std::deque<Landing> queue_;
+  // Landings queued, oldest first: at most one per landing half, so a ring
+  // of two (nothing allocated per landing).
+  struct Queue {
+    Landing at[2];
+    int head = 0, size = 0;
+    bool empty() const { return size == 0; }
+    Landing& front() { return at[head]; }
+    void push_back(const Landing& l) { at[(head + size++) % 2] = l; }
+    void pop_front() { head = (head + 1) % 2, --size; }
+  } queue_;
   bool busy_[2] = {false, false};      // per landing half: queued or being added
   bool quit_ = false;
   std::exception_ptr error_;

@@ -46,9 +46,12 @@ OptimizerStaging::OptimizerStaging(const PlacementPlan& plan, TieredState& state
     STRATA_CHECK(int64_t(bytes_of(Category::kMaster) + bytes_of(Category::kExpAvg) + bytes_of(Category::kExpAvgSq)) ==
                      need.opt_state,
                  "optimizer staging does not add up to the plan's");
-    buf_[size_t(Category::kMaster)] = HostBuffer(bytes_of(Category::kMaster), "optimizer staging: master");
-    buf_[size_t(Category::kExpAvg)] = HostBuffer(bytes_of(Category::kExpAvg), "optimizer staging: exp_avg");
-    buf_[size_t(Category::kExpAvgSq)] = HostBuffer(bytes_of(Category::kExpAvgSq), "optimizer staging: exp_avg_sq");
+    // Registered with a GPU too: device-tier parts of pieces CPU Adam updates
+    // cross PCIe through them, asynchronously (pageable memory would make
+    // those copies synchronous). Zero-filled either way.
+    crossing(Category::kMaster, int64_t(bytes_of(Category::kMaster)), "optimizer staging: master");
+    crossing(Category::kExpAvg, int64_t(bytes_of(Category::kExpAvg)), "optimizer staging: exp_avg");
+    crossing(Category::kExpAvgSq, int64_t(bytes_of(Category::kExpAvgSq)), "optimizer staging: exp_avg_sq");
   }
   crossing(Category::kParam16, need.opt_emit, "optimizer staging: working copy");
   for (int c = 0; c < kNumCategories; ++c) {
@@ -97,8 +100,12 @@ OptimizerPass::OptimizerPass(const StepContext& ctx, const PlacementPlan& plan, 
   pieces_ = pipeline_pieces(plan);
   for (const PlacementUnit& piece : pieces_) piece_on_device_.push_back(device_adam_piece(plan, piece) ? 1 : 0);
   for (const PlacementUnit& piece : pieces_) {
-    const std::optional<Tier> t = range_tier(plan, Category::kMaster, piece.offset, piece.numel);
-    piece_device_state_.push_back(!plan.device_addressable && t == Tier::kDevice ? 1 : 0);
+    bool device = false;
+    for (Category c : {Category::kMaster, Category::kExpAvg, Category::kExpAvgSq}) {
+      const std::optional<Tier> t = range_tier(plan, c, piece.offset, piece.numel);
+      device |= !t.has_value() || *t == Tier::kDevice;  // a piece across tiers may have device parts
+    }
+    piece_device_state_.push_back(!plan.device_addressable && device ? 1 : 0);
   }
   device_done_.resize(pieces_.size());
   staging_ = std::make_unique<OptimizerStaging>(plan, *ctx.state);
@@ -234,7 +241,9 @@ void OptimizerPass::run(const OptimizerThread::Job& job) {
     if (piece_on_device_[j]) {
       TraceSpan span(TraceTrack::kAdam, "adam on the device");
       for (const DeviceRun& r : device_launch_[j]) launch_device_run(h, job, r);
-      device_done_[j] = ctx_.device->record(Stream::kCompute);
+      // One event per launch: a piece a merged run covers shares its launch's.
+      if (!device_launch_[j].empty()) last_launch_ = ctx_.device->record(Stream::kCompute);
+      device_done_[j] = last_launch_;
     } else {
       update_piece(j, job, h);
       write_back_piece(j);

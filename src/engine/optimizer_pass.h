@@ -25,8 +25,8 @@ namespace strata {
 // The optimizer's staging buffers (Note [Optimizer pipeline]): `sets` sets
 // of one pipeline piece of each category that is not resident, allocated
 // once as the plan counted them (StagingNeeds::opt_*), with the I/O in flight
-// per set. On a device host code may not touch (a GPU) the gradient and
-// working-copy slots, which cross PCIe, are registered with the device; slots
+// per set. On a device host code may not touch (a GPU) every slot, each of
+// which may cross PCIe, is registered with the device; slots
 // of a category with pieces on NVMe are registered with the I/O engine (Note
 // [Registered buffers] in nvme/engine.h).
 class OptimizerStaging {
@@ -167,6 +167,7 @@ class OptimizerPass {
   // completion of the last job's device-side update of it (fired: none).
   std::vector<char> piece_device_state_;
   std::vector<Completion> device_done_;
+  Completion last_launch_;                // the last device launch's (the optimizer thread's)
   std::unique_ptr<OptimizerStaging> staging_;
   struct OptSet {
     cpu_adam::AdamSpans adam;

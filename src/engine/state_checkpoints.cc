@@ -37,12 +37,9 @@ class StateCheckpoints::InFlight final : public SaveGate {
 
 StateCheckpoints::StateCheckpoints(const StepContext& ctx, OptimizerPass& optimizer)
     : ctx_(ctx), optimizer_(optimizer) {
-  const PlacementPlan& plan = ctx.state->plan();
-  bool device_state = false;
-  for (Category c : kSavedCategories) device_state |= plan.bytes[size_t(c)][size_t(Tier::kDevice)] > 0;
-  if (device_state && !ctx.device->host_addressable()) {
-    bounce_ = ctx.device->allocate_pinned(RankFileWriter::kWriterSlotBytes, "checkpoint save: device state bounce");
-  }
+  static_assert(kSaveBounceBytes >= RankFileWriter::kWriterSlotBytes, "a save fills one writer slot at a time");
+  const int64_t bytes = ctx.state->plan().staging.save_bounce;
+  if (bytes > 0) bounce_ = ctx.device->allocate_pinned(bytes, "checkpoint save: device state bounce");
 }
 
 StateCheckpoints::~StateCheckpoints() {
@@ -119,14 +116,14 @@ void StateCheckpoints::begin(const CheckpointOptions& options, Manifest header, 
     const int64_t bytes = numel * ctx_.state->elem_bytes(r.category);
     // Device-tier parts after the saved step's update of them, not after
     // the compute queued since (the next steps' forward and backward).
-    optimizer_.order_after_updates(Stream::kStateD2H, offset, numel);
+    optimizer_.order_after_updates(Stream::kSaveD2H, offset, numel);
     const Completion none;
     if (bounce_.data() != nullptr && bytes <= bounce_.bytes() &&
         ctx_.state->resident_on_device(r.category, offset, numel)) {
-      ctx_.state->read_async(r.category, offset, numel, bounce_.data(), save_io_, &none).wait();
+      ctx_.state->read_async(r.category, offset, numel, bounce_.data(), save_io_, &none, Stream::kSaveD2H).wait();
       std::memcpy(buf, bounce_.data(), size_t(bytes));
     } else {
-      ctx_.state->read_async(r.category, offset, numel, buf, save_io_, &none).wait();
+      ctx_.state->read_async(r.category, offset, numel, buf, save_io_, &none, Stream::kSaveD2H).wait();
     }
   };
   // The step being saved may still be updating (run.overlap_optimizer):

@@ -55,6 +55,7 @@ class StateCheckpoints {
   void begin(const CheckpointOptions& options, Manifest header, const TrainerCounters& counters,
              const LossScaler* scaler);
   bool in_flight() const { return save_ != nullptr; }
+  int64_t host_bytes() const { return bounce_.bytes(); }  // the save's registered bounce
   // Collective: finishes the save in flight once every rank has written its
   // part (wait: waits for that); nullopt when none finished. Throws Error on
   // every rank when the save failed (training state untouched).

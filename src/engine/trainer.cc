@@ -440,10 +440,8 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   keep_graphs_ = plan.keep_graphs;
   graphs_.resize(layout_.num_blocks());
   micro_loss_.resize(size_t(cfg.gradient_accumulation_steps));
-  const int64_t token_bytes = std::max<int64_t>(cfg.gradient_accumulation_steps, 1) *
-                              cfg.train_micro_batch_size_per_gpu * (cfg.model.seq_len + 1) * 8;
-  tokens_host_ = ctx_.device->allocate_pinned(token_bytes, "token windows (host)");
-  tokens_device_ = ctx_.device->allocate(token_bytes, "token windows");
+  tokens_host_ = ctx_.device->allocate_pinned(plan.staging.tokens, "token windows (host)");
+  tokens_device_ = ctx_.device->allocate(plan.staging.tokens, "token windows");
   initialise_state(plan);
 }
 
@@ -572,9 +570,9 @@ StateBytes Trainer::state_bytes() const {
 std::array<int64_t, kNumTiers> Trainer::peak_bytes() const {
   std::array<int64_t, kNumTiers> t{};
   t[0] = state_->device_arena_bytes() + blocks_->window().shape().bytes(ctx_.compute_bytes) +
-         blocks_->device_bytes() + grads_->device_bytes() + activations_->device_slot_bytes();
+         blocks_->device_bytes() + grads_->device_bytes() + activations_->device_slot_bytes() + tokens_device_.bytes();
   t[1] = state_->host_arena_bytes() + optimizer_->staging().bytes() + activations_->host_slot_bytes() +
-         grads_->host_bytes() + blocks_->window().bounce_bytes();
+         grads_->host_bytes() + blocks_->window().bounce_bytes() + tokens_host_.bytes() + checkpoints_->host_bytes();
   t[2] = state_->swap() != nullptr ? state_->swap()->used_bytes() : 0;
   return t;
 }

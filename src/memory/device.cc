@@ -27,6 +27,7 @@ const char* stream_name(Stream s) {
     case Stream::kComm: return "comm";
     case Stream::kStateH2D: return "state h2d";
     case Stream::kStateD2H: return "state d2h";
+    case Stream::kSaveD2H: return "save d2h";
   }
   return "?";
 }

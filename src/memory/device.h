@@ -11,7 +11,8 @@
 //   device (on CUDA cudaHostRegister, which page-locks it, so copies to and
 //   from it are DMA without a bounce; on the CPU device plain memory); the
 //   same memory can be registered with io_uring.
-// - Streams: compute, H2D, D2H, communication, and the state's own H2D/D2H. Work queued on one stream runs
+// - Streams: compute, H2D, D2H, communication, the state's own H2D/D2H, and
+//   a checkpoint save's D2H. Work queued on one stream runs
 //   in order; record() gives the Completion of everything queued on it so
 //   far, stream_wait() orders a stream after a completion without blocking
 //   the host.
@@ -44,10 +45,14 @@ namespace strata {
 
 // kH2D/kD2H carry the step's own copies (window fetches, landing
 // gradients); kStateH2D/kStateD2H the tiered state's asynchronous transfers
-// of device-tier homes (the optimizer's staging, checkpoint saves), so that
-// those pipeline on their own instead of queuing behind the step's.
-enum class Stream : uint8_t { kCompute = 0, kH2D = 1, kD2H = 2, kComm = 3, kStateH2D = 4, kStateD2H = 5 };
-inline constexpr int kNumStreams = 6;
+// of device-tier homes (the optimizer's staging), so that those pipeline on
+// their own instead of queuing behind the step's; kSaveD2H a checkpoint
+// save's reads, which must not queue behind the next optimizer pass's reads
+// (those wait for that step's backward).
+enum class Stream : uint8_t {
+  kCompute = 0, kH2D = 1, kD2H = 2, kComm = 3, kStateH2D = 4, kStateD2H = 5, kSaveD2H = 6
+};
+inline constexpr int kNumStreams = 7;
 const char* stream_name(Stream s);
 
 // A pointer into device memory. Arithmetic in bytes; raw() is for kernels,

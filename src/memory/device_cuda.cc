@@ -33,7 +33,7 @@ void check_cuda(cudaError_t err, const char* file, int line, const char* what) {
 }
 #define STRATA_CUDA_CALL(expr) check_cuda((expr), __FILE__, __LINE__, #expr)
 
-constexpr int kEvents = 1024;
+constexpr int kEvents = 4096;
 
 class CudaDevice final : public Device {
  public:

@@ -149,6 +149,12 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
   if (!plan.device_addressable && on_nvme(Category::kParam16)) {
     n.window_bounce = n.gathered;  // one bounce buffer per slot and for the persistent blocks
   }
+  n.tokens = plan.token_bytes;
+  bool saved_on_device = false;
+  for (Category c : {Category::kMaster, Category::kExpAvg, Category::kExpAvgSq}) {
+    saved_on_device |= plan.bytes[size_t(c)][size_t(Tier::kDevice)] > 0;
+  }
+  if (!plan.device_addressable && saved_on_device) n.save_bounce = kSaveBounceBytes;
   if (plan.shards > 1 && plan.stage == 3) {
     n.gather = 2 * (plan.tied ? 2 : 1) * largest * plan.compute_bytes;
   } else if (plan.shards > 1) {
@@ -358,6 +364,7 @@ void estimate_transients(const Config& cfg, const StateLayout& layout, Placement
   plan.largest_block_numel = largest_block;
   for (const BlockLayout& b : layout.blocks()) plan.block_numel.push_back(b.shard_numel());
   plan.accum = cfg.gradient_accumulation_steps;
+  plan.token_bytes = std::max<int64_t>(plan.accum, 1) * cfg.train_micro_batch_size_per_gpu * (m.seq_len + 1) * 8;
   plan.window_knobs.prefetch_numel = cfg.zero.stage3_prefetch_bucket_size;
   plan.window_knobs.max_live_numel = cfg.zero.stage3_max_live_parameters;
   plan.window_knobs.persistence_numel = cfg.zero.stage3_param_persistence_threshold;

@@ -105,11 +105,23 @@ struct StagingNeeds {
   // bounce buffers registered with the device, one per window slot (and one
   // for the persistent blocks), that NVMe reads land in before the H2D copy.
   int64_t window_bounce = 0;
-  int64_t device_bytes() const { return gathered + grad_stage + grad_norms + ckpt_device + gather + grad_sync; }
+  // A step's token windows (int64), in device memory and in host memory
+  // registered with the device (PlacementPlan::token_bytes each).
+  int64_t tokens = 0;
+  // Host, on a device host code may not touch with saved state (master,
+  // moments) on it: a checkpoint save's registered bounce buffer.
+  int64_t save_bounce = 0;
+  int64_t device_bytes() const {
+    return gathered + grad_stage + grad_norms + ckpt_device + gather + grad_sync + tokens;
+  }
   int64_t host_bytes() const {
-    return opt_grad + opt_state + opt_emit + ckpt_host + grad_host + grad_rmw + window_bounce;
+    return opt_grad + opt_state + opt_emit + ckpt_host + grad_host + grad_rmw + window_bounce + tokens + save_bounce;
   }
 };
+
+// A checkpoint save's bounce buffer for device-tier state (bytes): one
+// writer slot's (checkpoint/checkpoint.h, RankFileWriter::kWriterSlotBytes).
+inline constexpr int64_t kSaveBounceBytes = int64_t(8) << 20;
 
 // Shards per block: the world size, except at ZeRO stage 0 where every rank
 // keeps the whole state (DESIGN.md, "State, shards and gathered blocks").
@@ -137,6 +149,7 @@ struct PlacementPlan {
   int pipeline_depth = 3;            // optimizer staging sets: clamp(offload_optimizer.buffer_count, 1, 3)
   bool tied = false;
   int64_t accum = 1;                 // micro-batches per step
+  int64_t token_bytes = 0;           // a step's token windows: accum x micro x (seq_len + 1) x 8
   std::vector<int64_t> block_numel;  // padded elements per block
   WindowKnobs window_knobs;          // from the stage3_* keys
   int64_t window_cap_bytes = -1;     // device memory the window may use (< 0: no limit)

@@ -209,13 +209,13 @@ void wait_all_handles(std::vector<nvme::SwapHandle>& pending) {
 // Copies between homes and `buf` in direction `op`: resident pieces at once,
 // NVMe pieces submitted with their handles appended to `pending`.
 void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t numel, std::byte* buf,
-                           PendingIo& pending, const Completion* device_after, bool compute_side) {
+                           PendingIo& pending, const Completion* device_after, bool compute_side, Stream d2h) {
   const bool reading = op == nvme::IoOp::kRead;
   TraceSpan span(tier_of(c, offset) == Tier::kNvme ? TraceTrack::kNvme : TraceTrack::kCopy,
                  reading ? kReadNames[int(c)] : kWriteNames[int(c)]);
   const int64_t eb = plan_.elem_bytes[size_t(c)];
   const size_t before = pending.handles_.size();
-  const Stream copies = reading ? Stream::kStateD2H : Stream::kStateH2D;
+  const Stream copies = reading ? d2h : Stream::kStateH2D;
   bool device_copies = false;
   try {
     for_each_piece(c, offset, numel, [&](const Home& h, int64_t at, int64_t n, int64_t buf_off) {
@@ -225,6 +225,7 @@ void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t nu
         pending.handles_.push_back(reading ? swap_->read(h.region, at * eb, bytes, mine)
                                            : swap_->write(h.region, at * eb, bytes, mine));
         count(reading ? 2 : 3, bytes);
+        if (compute_side && reading) count(0, bytes);  // and the H2D a GPU would make from its bounce buffer
       } else if (h.tier == Tier::kDevice) {
         // Through the device layer: a memcpy on the CPU device, a copy on
         // the D2H / H2D stream of a GPU, after the compute queued so far
@@ -271,8 +272,8 @@ void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t nu
 }
 
 Completion TieredState::read_async(Category c, int64_t offset, int64_t numel, void* buf,
-                                   PendingIo& pending, const Completion* device_after) {
-  transfer(nvme::IoOp::kRead, c, offset, numel, static_cast<std::byte*>(buf), pending, device_after);
+                                   PendingIo& pending, const Completion* device_after, Stream d2h) {
+  transfer(nvme::IoOp::kRead, c, offset, numel, static_cast<std::byte*>(buf), pending, device_after, false, d2h);
   return pending.completion();
 }
 

@@ -131,8 +131,10 @@ class TieredState {
   // after `device_after` when given (e.g. the backward that wrote the
   // gradient, or a fired Completion() for state no kernel touches), else
   // after all the compute queued so far.
+  // `d2h`: the stream device-tier reads go on (a checkpoint save's own).
   [[nodiscard]] Completion read_async(Category c, int64_t offset, int64_t numel, void* buf,
-                                      PendingIo& pending, const Completion* device_after = nullptr);
+                                      PendingIo& pending, const Completion* device_after = nullptr,
+                                      Stream d2h = Stream::kStateD2H);
   [[nodiscard]] Completion write_async(Category c, int64_t offset, int64_t numel, const void* buf,
                                        PendingIo& pending, const Completion* device_after = nullptr);
 
@@ -212,7 +214,8 @@ class TieredState {
   // `compute_side`: `buf` is memory the compute device reads (a window slot
   // of the CPU device), so host-tier pieces count as H2D/D2H copies.
   void transfer(nvme::IoOp op, Category c, int64_t offset, int64_t numel, std::byte* buf,
-                PendingIo& pending, const Completion* device_after = nullptr, bool compute_side = false);
+                PendingIo& pending, const Completion* device_after = nullptr, bool compute_side = false,
+                Stream d2h = Stream::kStateD2H);
   void count(int link, int64_t bytes);  // 0 h2d, 1 d2h, 2 nvme_read, 3 nvme_write
   // The home range in one unit of a resident tier, or nullptr (resident()'s
   // search, any tier but NVMe).
