@@ -493,6 +493,14 @@ TEST_F(StepTest, EveryLinkCarriesExactlyTheBytesOfThePlacement) {
        "fp16={\"enabled\":true,\"loss_scale\":1024}", persistent},
       {"placement={\"param16\":{\"device\":1},\"grad\":{\"host\":1},\"optimizer\":{\"host\":1}}", "bf16.enabled=true",
        "model.tie_embeddings=false", "gradient_accumulation_steps=3"},
+      // The bit-for-bit test's windows: NVMe with some blocks persistent,
+      // the 3-way split with none.
+      {"zero_optimization.stage=3", "zero_optimization.offload_param=" + nvme + ",\"max_in_cpu\":0}",
+       "zero_optimization.offload_optimizer=" + nvme + "}", "zero_optimization.stage3_param_persistence_threshold=5000",
+       "bf16.enabled=true"},
+      {"placement={\"param16\":" + split + ",\"grad\":" + split + ",\"optimizer\":" + split + ",\"nvme_path\":\"" +
+       swap + "\"}", "zero_optimization.stage3_param_persistence_threshold=0"},
+      {"bf16.enabled=true", "run.optimizer_state_dtype=\"bf16\"", "zero_optimization.sub_group_size=4096"},
   };
   for (std::vector<std::string> o : cases) {
     const std::string what = nlohmann::json(o).dump();
