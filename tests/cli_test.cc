@@ -3,6 +3,7 @@
 #include <gtest/gtest.h>
 #include <sys/stat.h>
 #include <sys/wait.h>
+#include <unistd.h>
 
 #include <array>
 #include <cmath>
@@ -91,6 +92,39 @@ TEST(CliTest, MissingDataFileExits2NamingTheFileAndLeavesNoMetrics) {
   EXPECT_EQ(count_lines(r.output), 1) << r.output;
   EXPECT_NE(r.output.find("missing.txt"), std::string::npos) << r.output;
   EXPECT_FALSE(exists(dir.file("m.jsonl")));
+}
+
+// A run.checkpoint.dir that cannot be created (under a regular file) or
+// written (a directory without write permission, when not root) is refused
+// at start: exit 2, one line naming the key, no metrics file, no step trained.
+TEST(CliTest, UnwritableCheckpointDirIsRefusedAtStart) {
+  TempDir dir;
+  const std::string data = dir.write("text.txt", std::string(4000, 'a'));
+  const std::string blocker = dir.write("file", "x");
+  std::vector<std::string> bad = {blocker + "/ckpt"};
+  if (geteuid() != 0) {
+    const std::string locked = dir.file("locked");
+    ASSERT_EQ(mkdir(locked.c_str(), 0500), 0);
+    bad.push_back(locked);
+  }
+  for (const std::string& ckpt : bad) {
+    nlohmann::json j = tiny_config(data, dir.file("m.jsonl"));
+    j["run"]["checkpoint"] = {{"dir", ckpt}, {"every", 1}};
+    Result r = run_strata("train " + write_config(dir, j));
+    EXPECT_EQ(r.code, 2) << ckpt << ": " << r.output;
+    EXPECT_EQ(count_lines(r.output), 1) << r.output;
+    EXPECT_NE(r.output.find("run.checkpoint.dir"), std::string::npos) << r.output;
+    EXPECT_FALSE(exists(dir.file("m.jsonl"))) << ckpt;
+  }
+  // A directory that does not exist yet is created, private.
+  nlohmann::json j = tiny_config(data, dir.file("m.jsonl"));
+  j["run"]["checkpoint"] = {{"dir", dir.file("new/ckpt")}};
+  j["run"]["steps"] = 1;
+  Result r = run_strata("train " + write_config(dir, j));
+  EXPECT_EQ(r.code, 0) << r.output;
+  struct stat st;
+  ASSERT_EQ(stat(dir.file("new/ckpt").c_str(), &st), 0);
+  EXPECT_EQ(st.st_mode & 0777, 0700u);
 }
 
 // run.device "cuda": on a machine with a GPU, `strata train` trains there

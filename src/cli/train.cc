@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 
 #include <signal.h>
+#include <unistd.h>
 
 #include <algorithm>
 #include <atomic>
@@ -10,6 +11,7 @@
 #include <cmath>
 #include <cstdlib>
 #include <cstdio>
+#include <cstring>
 #include <fstream>
 #include <memory>
 #include <random>
@@ -162,6 +164,24 @@ std::unique_ptr<CheckpointReader> open_resume(const TrainOptions& opt, const Con
   return reader;
 }
 
+// run.checkpoint.dir is created (private, as checkpoints are) and written to
+// at start: a directory the run could not save into is refused now, not at
+// the first save after hours of training.
+void check_checkpoint_dir(const std::string& dir) {
+  try {
+    make_dirs(dir, 0700);
+  } catch (const IoError& e) {
+    throw ConfigError("run.checkpoint.dir", std::string("cannot be created: ") + e.what());
+  }
+  std::string probe = dir + "/.strata-write-probe-XXXXXX";
+  const int fd = ::mkstemp(probe.data());
+  if (fd < 0) {
+    throw ConfigError("run.checkpoint.dir", "'" + dir + "' is not writable: " + std::strerror(errno));
+  }
+  ::close(fd);
+  remove_file(probe);
+}
+
 int run_train(const TrainOptions& opt) {
   const RankInfo who = rank_info_from_environment();
   std::vector<std::string> overrides = opt.overrides;
@@ -195,6 +215,9 @@ int run_train(const TrainOptions& opt) {
   // Everything that can fail on bad input happens before the first byte of
   // output is written. First: does the placement fit this machine?
   check_plan_fits(cfg, who.rank, who.local_world_size);
+  if (!cfg.run.checkpoint.dir.empty()) {
+    on_every_rank(*comm, "to write run.checkpoint.dir", [&] { check_checkpoint_dir(cfg.run.checkpoint.dir); });
+  }
   TokenDataset data(cfg.data.paths, parse_token_format(cfg.data.format), cfg.model.vocab_size,
                     cfg.model.seq_len, cfg.data.val_fraction);
   Model model(cfg.model);
