@@ -3,7 +3,11 @@
 
 #include <gtest/gtest.h>
 
+#include <unistd.h>
+
+#include <fstream>
 #include <random>
+#include <string>
 
 #include "test_util.h"
 #include "util/errors.h"
@@ -27,7 +31,7 @@ TEST(DataTest, TextIsBytesAndFilesConcatenate) {
   TokenDataset ds({a, b}, TokenFormat::kText, 256, 4, 0.0);
   ASSERT_EQ(ds.num_tokens(), 12);
   const std::string expect = "hello world\xff";
-  for (size_t i = 0; i < expect.size(); ++i) EXPECT_EQ(ds.tokens()[i], uint32_t(uint8_t(expect[i])));
+  for (size_t i = 0; i < expect.size(); ++i) EXPECT_EQ(ds.token(int64_t(i)), uint32_t(uint8_t(expect[i])));
   EXPECT_EQ(ds.val_tokens(), 0);
 }
 
@@ -37,8 +41,10 @@ TEST(DataTest, Uint16AndUint32AreLittleEndian) {
   for (uint32_t i = 0; i < 100; ++i) toks.push_back((i * 7919u) % 50000u);
   TokenDataset d16({dir.write("t16.bin", le_bytes(toks, 2))}, TokenFormat::kUint16, 50000, 8, 0.0);
   TokenDataset d32({dir.write("t32.bin", le_bytes(toks, 4))}, TokenFormat::kUint32, 50000, 8, 0.0);
-  EXPECT_EQ(d16.tokens(), toks);
-  EXPECT_EQ(d32.tokens(), toks);
+  for (size_t i = 0; i < toks.size(); ++i) {
+    EXPECT_EQ(d16.token(int64_t(i)), toks[i]) << i;
+    EXPECT_EQ(d32.token(int64_t(i)), toks[i]) << i;
+  }
 }
 
 TEST(DataTest, WindowsAreDeterministicFromTheSeedAndComeFromTheRightSplit) {
@@ -106,6 +112,58 @@ TEST(DataTest, MissingFileOddSizeAndOutOfVocabularyTokensNameFileAndOffset) {
   } catch (const InputError& e) {
     EXPECT_NE(std::string(e.what()).find("byte offset 26"), std::string::npos) << e.what();
   }
+}
+
+// Windows across the boundary of two files read both, in order.
+TEST(DataTest, WindowsCrossFileBoundaries) {
+  TempDir dir;
+  std::vector<uint32_t> a(30), b(7), c(40);
+  uint32_t next = 0;
+  for (auto* v : {&a, &b, &c}) for (uint32_t& t : *v) t = next++;  // token == position
+  TokenDataset ds({dir.write("a.bin", le_bytes(a, 2)), dir.write("b.bin", le_bytes(b, 2)),
+                   dir.write("c.bin", le_bytes(c, 2))},
+                  TokenFormat::kUint16, 1000, 15, 0.0);
+  ASSERT_EQ(ds.num_tokens(), 77);
+  std::mt19937_64 rng(1);
+  std::vector<int64_t> w(64 * 16);
+  ds.sample_train(rng, 64, w.data());
+  for (int k = 0; k < 64; ++k) {
+    for (int t = 1; t < 16; ++t) ASSERT_EQ(w[size_t(k * 16 + t)], w[size_t(k * 16 + t - 1)] + 1) << k;
+  }
+}
+
+// Note [Mapped tokens]: a rank's anonymous memory does not grow with the
+// corpus (the tokens are mapped, validated in one pass, widened per window).
+int64_t rss_anon_kib() {
+  std::ifstream f("/proc/self/status");
+  std::string line;
+  while (std::getline(f, line)) {
+    if (line.rfind("RssAnon:", 0) == 0) return std::stoll(line.substr(8));
+  }
+  return -1;
+}
+
+TEST(DataTest, AnonymousMemoryDoesNotGrowWithTheCorpus) {
+  if (rss_anon_kib() < 0) GTEST_SKIP() << "no RssAnon in /proc/self/status";
+  TempDir dir;
+  std::vector<int64_t> growth;
+  for (const int64_t bytes : {int64_t(4) << 20, int64_t(512) << 20}) {
+    const std::string path = dir.file("corpus-" + std::to_string(bytes) + ".bin");
+    {
+      std::ofstream f(path, std::ios::binary);
+      ASSERT_TRUE(f.good());
+    }
+    ASSERT_EQ(::truncate(path.c_str(), bytes), 0);  // zeros: token 0, valid; 256M tokens for the large one
+    const int64_t before = rss_anon_kib();
+    TokenDataset ds({path}, TokenFormat::kUint16, 50000, 128, 0.1);
+    std::mt19937_64 rng(3);
+    std::vector<int64_t> batch(8 * 129);
+    for (int i = 0; i < 100; ++i) ds.sample_train(rng, 8, batch.data());
+    growth.push_back(rss_anon_kib() - before);
+  }
+  // 512 MiB of uint16 held widened would be 1 GiB of anonymous memory.
+  EXPECT_LT(growth[1], 8 * 1024) << "KiB of RssAnon for 512 MiB of tokens; " << growth[0] << " for 4 MiB";
+  EXPECT_LT(growth[1] - growth[0], 4 * 1024);
 }
 
 TEST(DataTest, UnknownFormatNamesTheKey) {

@@ -1,9 +1,14 @@
 #include "data/dataset.h"
 
+#include <fcntl.h>
+#include <sys/mman.h>
+#include <sys/stat.h>
+#include <unistd.h>
+
+#include <algorithm>
 #include <cerrno>
 #include <cstdio>
 #include <cstring>
-#include <fstream>
 
 #include "util/errors.h"
 #include "util/fs.h"
@@ -19,53 +24,80 @@ TokenFormat parse_token_format(const std::string& s) {
 
 namespace {
 
-std::vector<char> read_file(const std::string& path) {
-  if (is_directory(path)) throw InputError(path, "is a directory; data.path names a file or a list of files");
-  std::ifstream f(path, std::ios::binary | std::ios::ate);
-  if (!f) throw InputError(path, std::string("cannot open data file: ") + std::strerror(errno));
-  const std::streamsize size = f.tellg();
-  if (size < 0) throw InputError(path, "cannot determine the size of the data file");
-  std::vector<char> bytes(static_cast<size_t>(size));
-  f.seekg(0);
-  if (size > 0 && !f.read(bytes.data(), size)) {
-    throw InputError(path, "short read of the data file");
-  }
-  return bytes;
+int width_of(TokenFormat format) {
+  return format == TokenFormat::kText ? 1 : format == TokenFormat::kUint16 ? 2 : 4;
 }
 
-void append_tokens(const std::string& path, const std::vector<char>& bytes, TokenFormat format,
-                   int64_t vocab_size, std::vector<uint32_t>& out) {
-  const size_t width = format == TokenFormat::kText ? 1 : format == TokenFormat::kUint16 ? 2 : 4;
-  if (bytes.size() % width != 0) {
-    throw InputError(path, "size " + std::to_string(bytes.size()) + " bytes is not a multiple of " +
-                               std::to_string(width) + " (the token width of this format); " +
-                               "trailing bytes at offset " +
-                               std::to_string(bytes.size() / width * width));
+// Little-endian regardless of the host.
+uint32_t load(const unsigned char* p, int width) {
+  uint32_t t = 0;
+  for (int b = 0; b < width; ++b) t |= uint32_t(p[b]) << (8 * b);
+  return t;
+}
+
+// Maps `path` read-only (nothing for an empty file); checks its size against
+// the token width.
+const unsigned char* map_file(const std::string& path, int width, size_t* bytes) {
+  if (is_directory(path)) throw InputError(path, "is a directory; data.path names a file or a list of files");
+  const int fd = ::open(path.c_str(), O_RDONLY | O_CLOEXEC);
+  if (fd < 0) throw InputError(path, std::string("cannot open data file: ") + std::strerror(errno));
+  struct stat st;
+  if (::fstat(fd, &st) != 0) {
+    const int err = errno;
+    ::close(fd);
+    throw InputError(path, std::string("cannot determine the size of the data file: ") + std::strerror(err));
   }
-  const size_t n = bytes.size() / width;
-  out.reserve(out.size() + n);
-  const auto* p = reinterpret_cast<const unsigned char*>(bytes.data());
+  *bytes = size_t(st.st_size);
+  if (*bytes % size_t(width) != 0) {
+    ::close(fd);
+    throw InputError(path, "size " + std::to_string(*bytes) + " bytes is not a multiple of " + std::to_string(width) +
+                               " (the token width of this format); trailing bytes at offset " +
+                               std::to_string(*bytes / size_t(width) * size_t(width)));
+  }
+  void* p = nullptr;
+  if (*bytes > 0) p = ::mmap(nullptr, *bytes, PROT_READ, MAP_SHARED, fd, 0);
+  const int err = errno;
+  ::close(fd);
+  if (p == MAP_FAILED) throw InputError(path, std::string("cannot map the data file: ") + std::strerror(err));
+  return static_cast<const unsigned char*>(p);
+}
+
+// One sequential pass over a mapped file: the first id outside the vocabulary.
+void validate(const std::string& path, const unsigned char* data, size_t bytes, int width, int64_t vocab_size) {
+  if (bytes == 0) return;
+  ::madvise(const_cast<unsigned char*>(data), bytes, MADV_SEQUENTIAL);
+  const size_t n = bytes / size_t(width);
   for (size_t i = 0; i < n; ++i) {
-    uint32_t t = 0;
-    // Little-endian regardless of the host.
-    for (size_t b = 0; b < width; ++b) t |= uint32_t(p[i * width + b]) << (8 * b);
+    const uint32_t t = load(data + i * size_t(width), width);
     if (int64_t(t) >= vocab_size) {
-      throw InputError(path, "token " + std::to_string(t) + " at byte offset " +
-                                 std::to_string(i * width) + " is outside the vocabulary (" +
-                                 "model.vocab_size = " + std::to_string(vocab_size) + ")");
+      throw InputError(path, "token " + std::to_string(t) + " at byte offset " + std::to_string(i * size_t(width)) +
+                                 " is outside the vocabulary (model.vocab_size = " + std::to_string(vocab_size) + ")");
     }
-    out.push_back(t);
   }
+  ::madvise(const_cast<unsigned char*>(data), bytes, MADV_RANDOM);  // windows are drawn at random
 }
 
 }  // namespace
 
 TokenDataset::TokenDataset(const std::vector<std::string>& paths, TokenFormat format,
                            int64_t vocab_size, int64_t seq_len, double val_fraction)
-    : seq_len_(seq_len) {
+    : width_(width_of(format)), seq_len_(seq_len) {
   if (paths.empty()) throw ConfigError("data.path", "no data file given");
-  for (const std::string& path : paths) {
-    append_tokens(path, read_file(path), format, vocab_size, tokens_);
+  try {
+    for (const std::string& path : paths) {
+      Mapped m;
+      m.data = map_file(path, width_, &m.bytes);
+      m.first = total_;
+      m.count = int64_t(m.bytes) / width_;
+      files_.push_back(m);
+      validate(path, m.data, m.bytes, width_, vocab_size);
+      total_ += m.count;
+    }
+  } catch (...) {
+    for (const Mapped& m : files_) {
+      if (m.data != nullptr) ::munmap(const_cast<unsigned char*>(m.data), m.bytes);
+    }
+    throw;
   }
   const std::string name = paths.size() == 1 ? paths[0] : paths[0] + " (+" +
                                                               std::to_string(paths.size() - 1) +
@@ -90,6 +122,33 @@ TokenDataset::TokenDataset(const std::vector<std::string>& paths, TokenFormat fo
   }
 }
 
+TokenDataset::~TokenDataset() {
+  for (const Mapped& m : files_) {
+    if (m.data != nullptr) ::munmap(const_cast<unsigned char*>(m.data), m.bytes);
+  }
+}
+
+uint32_t TokenDataset::token(int64_t i) const {
+  int64_t v = 0;
+  copy_tokens(i, 1, &v);
+  return uint32_t(v);
+}
+
+void TokenDataset::copy_tokens(int64_t start, int64_t n, int64_t* out) const {
+  STRATA_CHECK(start >= 0 && start + n <= total_, "tokens outside the dataset");
+  // The file holding `start`: the last one whose first token is <= start.
+  auto it = std::upper_bound(files_.begin(), files_.end(), start,
+                             [](int64_t s, const Mapped& m) { return s < m.first; });
+  size_t f = size_t(it - files_.begin()) - 1;
+  for (int64_t done = 0; done < n; ++f) {
+    const Mapped& m = files_[f];
+    const int64_t at = start + done - m.first;
+    const int64_t take = std::min(n - done, m.count - at);
+    for (int64_t t = 0; t < take; ++t) out[done + t] = int64_t(load(m.data + (at + t) * width_, width_));
+    done += take;
+  }
+}
+
 void TokenDataset::sample(std::mt19937_64& rng, int64_t begin, int64_t end, int64_t batch,
                           int64_t* out) const {
   const int64_t window = seq_len_ + 1;
@@ -99,7 +158,7 @@ void TokenDataset::sample(std::mt19937_64& rng, int64_t begin, int64_t end, int6
   const uint64_t choices = uint64_t(end - begin - window + 1);
   for (int64_t b = 0; b < batch; ++b) {
     const int64_t start = begin + int64_t(rng() % choices);
-    for (int64_t t = 0; t < window; ++t) out[b * window + t] = int64_t(tokens_[size_t(start + t)]);
+    copy_tokens(start, window, out + b * window);
   }
 }
 
