@@ -37,7 +37,6 @@ const char* recompute_name(Recompute r) {
   return "auto";
 }
 
-
 int64_t ModelConfig::ffn_dim() const {
   if (ffn_hidden > 0) return ffn_hidden;
   const int64_t hidden = 8 * dim / 3;

@@ -28,7 +28,7 @@ TokenFormat parse_token_format(const std::string& s);
 // when a batch is drawn.
 class TokenDataset {
  public:
-  // Reads and concatenates `paths`. Throws InputError naming the file (and the
+  // Maps and concatenates `paths` (Note [Mapped tokens]). Throws InputError naming the file (and the
   // byte offset) for a missing/unreadable file, a size that is not a multiple
   // of the token width, or a token >= vocab_size; throws InputError when the
   // training part or the held-out part is shorter than one sequence

@@ -27,13 +27,6 @@ at::ScalarType torch_type(cpu_adam::GradType t) {
 
 int64_t bytes_of(cpu_adam::GradType t) { return t == cpu_adam::GradType::kF32 ? 4 : 2; }
 
-void add_links(LinkBytes& to, const LinkBytes& from) {
-  to.h2d += from.h2d;
-  to.d2h += from.d2h;
-  to.nvme_read += from.nvme_read;
-  to.nvme_write += from.nvme_write;
-}
-
 }  // namespace
 
 GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
@@ -57,6 +50,7 @@ GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
     norm_lo_.push_back(ctx.shards == 1 ? n * rank / ws : 0);
     norm_hi_.push_back(ctx.shards == 1 ? n * (rank + 1) / ws : n);
   }
+  any_device_home_ = std::find(home_on_device_.begin(), home_on_device_.end(), 1) != home_on_device_.end();
   written_.assign(blocks_, 0);
   host_norms_.assign(blocks_, 0.0);
   device_norms_host_.assign(blocks_, 0.0);
@@ -143,10 +137,10 @@ void GradientPath::begin_step() {
     std::lock_guard<std::mutex> lock(mu_);
     error_ = nullptr;
     links_ = LinkBytes();
+    compute_thread_ = std::this_thread::get_id();  // the step's caller queues the compute
   }
   std::fill(written_.begin(), written_.end(), 0);
   tied_ = at::Tensor();
-  any_device_norm_ = false;
 }
 
 void GradientPath::begin_micro(bool last) { last_micro_ = last; }
@@ -173,7 +167,7 @@ double GradientPath::finish_step(LinkBytes* moved) {
   wait_lander_idle();
   {
     std::lock_guard<std::mutex> lock(mu_);
-    add_links(*moved, links_);
+    *moved += links_;
     links_ = LinkBytes();
     if (error_) {
       std::exception_ptr e = error_;
@@ -181,7 +175,7 @@ double GradientPath::finish_step(LinkBytes* moved) {
       std::rethrow_exception(e);
     }
   }
-  if (any_device_norm_) {
+  if (any_device_home_) {
     // One copy of every block's norm slot, after the kernels that wrote them.
     Device& dev = *ctx_.device;
     dev.stream_wait(Stream::kD2H, dev.record(Stream::kCompute));
@@ -243,10 +237,7 @@ void GradientPath::add_through_host(size_t b, const std::vector<at::Tensor>& gra
   try {
     lay_out(b, grads, first, half);
   } catch (...) {
-    if (lay_out_in_landing_) {
-      std::lock_guard<std::mutex> lock(mu_);
-      busy_[half] = false;  // nothing was queued on it
-    }
+    if (lay_out_in_landing_) release_landing(half);  // nothing was queued on it
     throw;
   }
   const BlockLayout& bl = ctx_.layout->block(b);
@@ -363,7 +354,6 @@ int GradientPath::claim_landing() {
 void GradientPath::queue_landing(size_t b, int half, cpu_adam::GradType wire, const Completion& copied) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    compute_thread_ = std::this_thread::get_id();
     STRATA_CHECK(queue_.size < 2, "more landings queued than landing halves");
     queue_.push_back(Landing{int(b), half, wire, copied, !written_[b], last_micro_});
   }
@@ -383,8 +373,7 @@ void GradientPath::land(size_t b, DevicePtr src, cpu_adam::GradType wire) {
     dev.copy_to_host(landing_.data() + half * landing_half_bytes_, src, bytes, Stream::kD2H);
     copied = dev.record(Stream::kD2H);
   } catch (...) {
-    std::lock_guard<std::mutex> lock(mu_);
-    busy_[half] = false;
+    release_landing(half);
     throw;
   }
   stage_read_ = copied;  // the stage is rewritten only after this read
@@ -427,12 +416,8 @@ void GradientPath::lander_loop() {
       queue_.pop_front();
       busy_[l.half] = false;
       if (failed && !error_) error_ = failed;
-      add_links(links_, mine);
+      links_ += mine;
       mine = LinkBytes();
-      if (!skip && !failed) {
-        ++stats_.adds;
-        if (std::this_thread::get_id() == compute_thread_) ++stats_.adds_on_compute_thread;
-      }
     }
     cv_.notify_all();
   }
@@ -462,6 +447,14 @@ void GradientPath::land_on_host(Landing& l) {
     state.write_async(Category::kGrad, off, n, values, lander_io_).wait();
   }
   if (l.last) host_norms_[b] = cpu_adam::ordered_squared_norm(values + norm_lo_[b], norm_hi_[b] - norm_lo_[b]);
+  std::lock_guard<std::mutex> lock(mu_);
+  ++stats_.adds;
+  if (std::this_thread::get_id() == compute_thread_) ++stats_.adds_on_compute_thread;
+}
+
+void GradientPath::release_landing(int half) {
+  std::lock_guard<std::mutex> lock(mu_);
+  busy_[half] = false;
 }
 
 // ---- norms ------------------------------------------------------------------------
@@ -471,7 +464,6 @@ void GradientPath::device_norm(size_t b, DevicePtr home) {
   const float* x = reinterpret_cast<const float*>((home + norm_lo_[b] * 4).raw());
   const int64_t count = norm_hi_[b] - norm_lo_[b];
   double* out = reinterpret_cast<double*>((device_norms_.ptr() + int64_t(b) * 8).raw());
-  any_device_norm_ = true;
 #ifdef STRATA_WITH_CUDA
   if (ctx_.device->is_cuda()) {
     ctx_.device->make_current();

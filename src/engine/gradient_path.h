@@ -64,10 +64,10 @@ class GradientPath {
   GradientPath(const GradientPath&) = delete;
   GradientPath& operator=(const GradientPath&) = delete;
 
-  // A step begins: each block's first flush writes its home. Drops what a
-  // failed step left in flight.
+  // A step begins (on the thread that queues compute): each block's first
+  // add() writes its home. Drops what a failed step left in flight.
   void begin_step();
-  // A micro-batch begins; on the `last` one the flushes take the norms.
+  // A micro-batch begins; on the `last` one the adds take the norms.
   void begin_micro(bool last);
   // The head's gradient of the tied embedding, added when the embedding's
   // own is (the embedding's backward comes last).
@@ -75,7 +75,7 @@ class GradientPath {
   // Block b's weight gradients, grads[first..] (one per parameter; undefined
   // for a parameter without one): into the home, or on their way there.
   void add(size_t b, const std::vector<at::Tensor>& grads, size_t first);
-  // The micro-batch's backward is queued: the last reductions are flushed.
+  // The micro-batch's backward is queued: the last reductions are completed.
   void end_micro();
   // Waits for every landing of the step and returns the squared norm of this
   // rank's part of the gradient, summed over blocks in block order. Adds the
@@ -112,6 +112,7 @@ class GradientPath {
   void land(size_t b, DevicePtr src, cpu_adam::GradType wire);
   // A landing half no job uses any more (waits for the lander), now taken.
   int claim_landing();
+  void release_landing(int half);      // a claimed half on which nothing was queued
   void queue_landing(size_t b, int half, cpu_adam::GradType wire, const Completion& copied);
   // The device's norm of b's final gradient at `home` (device memory).
   void device_norm(size_t b, DevicePtr home);
@@ -163,7 +164,7 @@ class GradientPath {
   DeviceBuffer device_norms_, norm_scratch_;
   std::vector<double> host_norms_;     // written by the lander, read after it is idle
   std::vector<double> device_norms_host_;  // the device's, copied at the step's end
-  bool any_device_norm_ = false;
+  bool any_device_home_ = false;       // some block's norm is the device's
 
   // Host: two landing halves and the read-modify-write block of NVMe homes.
   PinnedHostBuffer landing_;

@@ -165,9 +165,9 @@ void OptimizerPass::cut_runs() {
 OptimizerPass::Report OptimizerPass::step(const OptimizerThread::Job& job) {
   if (thread_) {
     finish();  // the previous step's write-backs are done and its staging is free
-    const OptimizerThread::Report last = thread_->take_report();  // the previous step's
+    const Report last = thread_->take_report();  // the previous step's
     thread_->start(job);
-    return {last.seconds, last.links};
+    return last;
   }
   Report r;
   const auto t0 = std::chrono::steady_clock::now();

@@ -99,10 +99,7 @@ class OptimizerPass {
   // The thread first: its job uses the staging.
   ~OptimizerPass();
 
-  struct Report {
-    double seconds = 0.0;
-    LinkBytes links;
-  };
+  using Report = OptimizerThread::Report;  // seconds and bytes of one job
   // Applies `job`: inline (returns its time and bytes), or handed to the
   // thread after the previous job finished (returns that one's).
   Report step(const OptimizerThread::Job& job);

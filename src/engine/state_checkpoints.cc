@@ -2,6 +2,7 @@
 #include "engine/state_checkpoints.h"
 
 #include <algorithm>
+#include <chrono>
 #include <cstring>
 
 #include "util/errors.h"

@@ -3,7 +3,6 @@
 // [Saving while training]) and loads that validate before writing.
 #pragma once
 
-#include <chrono>
 #include <cstdint>
 #include <memory>
 #include <optional>

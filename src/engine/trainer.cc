@@ -10,8 +10,6 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
-#include <chrono>
-#include <climits>
 #include <cmath>
 #include <cstring>
 #include <optional>
@@ -46,12 +44,6 @@ std::vector<at::Tensor> as_leaves(const std::vector<at::Tensor>& views) {
   return leaves;
 }
 
-void add_links(LinkBytes& to, const LinkBytes& from) {
-  to.h2d += from.h2d;
-  to.d2h += from.d2h;
-  to.nvme_read += from.nvme_read;
-  to.nvme_write += from.nvme_write;
-}
 
 nvme::EngineOptions engine_options(const AioConfig& aio) {
   nvme::EngineOptions o;
@@ -115,7 +107,7 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
     ++step_;
     r.optimizer_wait_s = optimizer_->wait_seconds() - opt_wait0;
     r.wait_s = param_wait + r.optimizer_wait_s;
-    add_links(r.links, moved);
+    r.links += moved;
     r.net_bytes = comm.bytes_sent() - net0;
     r.comm_wait_s = comm.wait_seconds() - comm_wait0;
     return r;
@@ -123,7 +115,7 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
   if (scaler_) {
     // Note [Loss scaling]: the norm is all-reduced, so every rank skips the
     // same steps. The gradients in their homes are overwritten by the next
-    // step's first flush; nothing else has changed.
+    // step's first add; nothing else has changed.
     r.loss_scale = loss_scale;
     r.skipped = !std::isfinite(r.grad_norm);
     scaler_->update(r.skipped, step_ + 1);
@@ -257,7 +249,7 @@ at::Tensor Trainer::head_forward_backward(const at::Tensor& x, const at::Tensor&
       torch::autograd::grad({loss * loss_scale}, wrt, /*grad_outputs=*/{}, /*retain_graph=*/false);
   *dx = grads[0];
   // The head's gradient for the tied embedding is added when the embedding's
-  // own gradient is, so the embedding is flushed once per micro-batch.
+  // own gradient is, so the embedding's home is written once per micro-batch.
   if (tied.defined()) grads_->set_tied(grads.back());
   w.clear();
   tied = at::Tensor();
@@ -471,7 +463,7 @@ void Trainer::make_context(Communicator* comm, Device* device) {
   ctx_.comm = comm;
   ctx_.torch_device = torch_device(*device);
   ctx_.compute_dtype = dtype_of(cfg_.run.compute_dtype);
-  ctx_.compute_bytes = ctx_.compute_dtype == at::kFloat ? 4 : 2;
+  ctx_.compute_bytes = compute_dtype_bytes(cfg_.run.compute_dtype);
   if (ctx_.compute_dtype == at::kHalf) scaler_ = std::make_unique<LossScaler>(cfg_.fp16);
   for (size_t b = 0; b < model_.num_blocks(); ++b) {
     if (model_.blocks()[b].kind == BlockKind::kEmbedding) ctx_.embedding_block = b;

@@ -8,10 +8,9 @@
 
 #include <ATen/ATen.h>
 
-#include <chrono>
+#include <array>
 #include <cstdint>
 #include <memory>
-#include <mutex>
 #include <optional>
 #include <string>
 #include <vector>
@@ -146,10 +145,7 @@ class Trainer {
   std::vector<at::Tensor> block_weights(size_t b);
   Communicator& comm() const { return *ctx_.comm; }
 
-  // Checkpoints (engine/state_checkpoints.h).
-  std::vector<ShardRange> checkpoint_ranges(bool save) const { return checkpoints_->ranges(save); }
-  std::vector<TensorEntry> tensor_entries() const { return checkpoints_->tensor_entries(); }
-  // Saves the state after the optimizer of the last step has finished, as
+  // Checkpoints (engine/state_checkpoints.h). Saves the state after the optimizer of the last step has finished, as
   // step steps_done() (collective); sets the header's trainer.step,
   // trainer.optimizer_step and trainer.loss_scale. Returns the checkpoint
   // directory.
@@ -184,9 +180,10 @@ class Trainer {
   int64_t peak_checkpoint_device_bytes() const { return activations_->peak_device_bytes(); }
 
   // Peak bytes per tier, measured from the allocations: resident state plus
-  // the transient and staging buffers (device: gathered blocks, gradient
-  // staging; host: optimizer staging); NVMe: swap regions in use. LibTorch's
-  // activations are not included.
+  // every part's buffers (window, gathered blocks, gradient stages, landing
+  // and norm buffers, optimizer staging, activation slots, token windows, the
+  // save's bounce); NVMe: swap regions in use. LibTorch's activations are not
+  // included.
   std::array<int64_t, kNumTiers> peak_bytes() const;
 
  private:

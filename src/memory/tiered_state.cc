@@ -188,11 +188,11 @@ const char* kReadNames[kNumCategories] = {"read param16", "read grad", "read mas
 const char* kWriteNames[kNumCategories] = {"write param16", "write grad", "write master",
                                            "write exp_avg", "write exp_avg_sq"};
 
-// Waits for every handle, even after one failed, so that the store finishes
-// each I/O (a failed write clears its blocks' written marks); rethrows the
-// first error.
-void wait_all_handles(std::vector<nvme::SwapHandle>& pending) {
-  std::exception_ptr first;
+// Waits for every one (swap handles, device completions), even after one
+// failed, so that the store finishes each I/O (a failed write clears its
+// blocks' written marks); empties `pending` and keeps the first error.
+template <typename T>
+void wait_each(std::vector<T>& pending, std::exception_ptr& first) {
   for (auto& p : pending) {
     try {
       p.wait();
@@ -201,6 +201,11 @@ void wait_all_handles(std::vector<nvme::SwapHandle>& pending) {
     }
   }
   pending.clear();
+}
+
+void wait_all_handles(std::vector<nvme::SwapHandle>& pending) {
+  std::exception_ptr first;
+  wait_each(pending, first);
   if (first) std::rethrow_exception(first);
 }
 
@@ -319,19 +324,8 @@ void PendingIo::wait_ticket(uint64_t ticket) {
   if (ticket != round_) return;  // an earlier round, waited for then
   ++round_;
   std::exception_ptr first;
-  for (Completion& c : device_) {
-    try {
-      c.wait();
-    } catch (...) {
-      if (!first) first = std::current_exception();
-    }
-  }
-  device_.clear();
-  try {
-    wait_all_handles(handles_);
-  } catch (...) {
-    if (!first) first = std::current_exception();
-  }
+  wait_each(device_, first);
+  wait_each(handles_, first);
   if (first) std::rethrow_exception(first);
 }
 

@@ -30,6 +30,13 @@ struct LinkBytes {
   int64_t d2h = 0;         // compute side -> host tier
   int64_t nvme_read = 0;
   int64_t nvme_write = 0;
+  LinkBytes& operator+=(const LinkBytes& o) {
+    h2d += o.h2d;
+    d2h += o.d2h;
+    nvme_read += o.nvme_read;
+    nvme_write += o.nvme_write;
+    return *this;
+  }
 };
 
 // Note [Host arenas]
