@@ -665,6 +665,45 @@ TEST(ConfigModel, ShapeRulesNameTheKey) {
   EXPECT_EQ(c.model.kv_heads(), 2);
 }
 
+TEST(ConfigModel, FamilyKeysNameTheirKey) {
+  EXPECT_CONFIG_ERROR(with({{"model", {{"family", "gemma"}}}}), "model.family", "expected llama, mistral, qwen2 or qwen3");
+  EXPECT_CONFIG_ERROR(with({{"model", {{"rope_scaling", {{"type", "yarn"}}}}}}), "model.rope_scaling.type",
+                      "expected none, linear or llama3");
+  EXPECT_CONFIG_ERROR(with({{"model", {{"rope_scaling", {{"type", "linear"}, {"factor", 0}}}}}}),
+                      "model.rope_scaling.factor", "must be > 0");
+  EXPECT_CONFIG_ERROR(with({{"model", {{"rope_scaling", {{"type", "llama3"}, {"low_freq_factor", 4.0}}}}}}),
+                      "model.rope_scaling.high_freq_factor", "must be greater than low_freq_factor");
+  EXPECT_CONFIG_ERROR(with({{"model", {{"rope_scaling", {{"type", "linear"}, {"scale", 2}}}}}}),
+                      "model.rope_scaling.scale", "");
+  EXPECT_CONFIG_ERROR(with({{"model", {{"sliding_window", 4096}}}}), "model.sliding_window",
+                      "only model.family mistral");
+  EXPECT_CONFIG_ERROR(with({{"model", {{"family", "mistral"}, {"sliding_window", 64}, {"seq_len", 128}}}}),
+                      "model.sliding_window", "64 is shorter than model.seq_len 128");
+  EXPECT_CONFIG_ERROR(with({{"model", {{"head_dim", 15}}}}), "model.head_dim", "head dim 15 must be even");
+  // An explicit head_dim frees dim from n_heads (Qwen3: 4 heads of 32 on a 64-wide model).
+  const Config c = parse_config(
+      with({{"model", {{"family", "qwen3"}, {"dim", 64}, {"n_heads", 4}, {"head_dim", 32}, {"n_kv_heads", 2}}}}));
+  EXPECT_EQ(c.model.head_dim(), 32);
+  EXPECT_EQ(c.model.q_dim(), 128);
+  EXPECT_TRUE(c.model.qk_norm());
+  EXPECT_FALSE(c.model.qkv_bias());
+  const Config m = parse_config(with({{"model", {{"family", "mistral"}, {"sliding_window", 4096}}}}));
+  EXPECT_EQ(m.model.sliding_window, 4096);
+}
+
+// A Llama model's invariants carry none of the family keys, so checkpoints
+// saved before those keys existed still resume and export; any other family
+// or feature is recorded, so `strata export` writes the right config.json.
+TEST(ConfigModel, InvariantsRecordOnlyWhatDiffersFromLlama) {
+  const nlohmann::json llama = resume_invariants(parse_config(with({{"model", {{"head_dim", 32}}}})))["model"];
+  for (const char* k : {"family", "head_dim", "rope_scaling", "sliding_window"}) EXPECT_FALSE(llama.contains(k)) << k;
+  const nlohmann::json q = resume_invariants(parse_config(with(
+      {{"model", {{"family", "qwen2"}, {"head_dim", 64}, {"rope_scaling", {{"type", "linear"}, {"factor", 2.0}}}}}})))["model"];
+  EXPECT_EQ(q["family"], "qwen2");
+  EXPECT_EQ(q["head_dim"], 64);
+  EXPECT_EQ(q["rope_scaling"], (nlohmann::json{{"type", "linear"}, {"factor", 2.0}}));
+}
+
 TEST(ConfigModel, TextFormatNeedsVocab256) {
   EXPECT_CONFIG_ERROR(with({{"model", {{"vocab_size", 1000}}}}), "model.vocab_size",
                       "must be 256 for data.format text");

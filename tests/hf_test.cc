@@ -71,14 +71,19 @@ at::Tensor read_floats(const std::string& path, at::IntArrayRef shape) {
   return t;
 }
 
+// `cls`, when given, is the class AutoModelForCausalLM must build from the
+// export's config.json.
 at::Tensor hf_logits(const TempDir& dir, const std::string& model_dir, const at::Tensor& tokens, const char* dtype,
-                     int64_t vocab) {
+                     int64_t vocab, const std::string& cls = "") {
   const std::string tok = dir.file("tokens.bin"), out = dir.file(std::string("hf-") + dtype + ".bin");
   std::ofstream(tok, std::ios::binary)
       .write(reinterpret_cast<const char*>(tokens.data_ptr<int64_t>()), std::streamsize(tokens.numel() * 8));
   Result r = sh(kPython + " " + kLogits + " " + model_dir + " " + tok + " " + std::to_string(tokens.size(0)) + " " +
                 std::to_string(tokens.size(1)) + " " + dtype + " " + out);
   EXPECT_EQ(r.code, 0) << r.output;
+  if (!cls.empty()) {
+    EXPECT_NE(r.output.find("class " + cls + "\n"), std::string::npos) << r.output;
+  }
   return read_floats(out, {tokens.size(0), tokens.size(1), vocab});
 }
 
@@ -226,64 +231,201 @@ TEST_F(HfTest, ExportedFilesReadBackWithAnIndependentReader) {
   EXPECT_EQ(c["attention_bias"], false);
 }
 
-// Hugging Face weights in: a model saved by transformers (save_pretrained,
-// safetensors) initialises Strata through model.init_from (its config.json
-// filling the model section), and the first step's loss equals
-// transformers' on the same windows.
-void expect_init_from_matches(const TempDir& dir, const std::string& data, const std::string& tie, int kv) {
-  const std::string what = tie + "-kv" + std::to_string(kv);
-  const std::string model_dir = dir.file("hf-" + what);
+// Hugging Face weights in and out, per family: a random model built and
+// saved by transformers (norms and biases random too) initialises Strata
+// through model.init_from (its config.json filling the model section); the
+// first step's loss equals transformers' on the same windows; after 5 steps
+// the export (fp32, sharded, so loaded through its index) is loaded by
+// AutoModelForCausalLM as the family's own class and computes Strata's logits.
+void expect_round_trip(const TempDir& dir, const std::string& data, const std::string& what, const std::string& cls,
+                       const nlohmann::json& spec) {
+  const std::string model_dir = dir.file("hf-" + what), ck = dir.file("ck-" + what);
   const int64_t window = 33;
-  nlohmann::json j = config(data, "", {{"seq_len", window - 1}, {"init_from", model_dir}});
-  j["run"].erase("checkpoint");
   std::vector<int64_t> batch(size_t(2 * window));
-  {
-    TokenDataset ds({data}, TokenFormat::kText, 256, window - 1, 0.0);
-    std::mt19937_64 rng(9);
-    ds.sample_train(rng, 2, batch.data());
-  }
+  TokenDataset ds({data}, TokenFormat::kText, 256, window - 1, 0.0);
+  std::mt19937_64 rng(9);
+  ds.sample_train(rng, 2, batch.data());
   const std::string tok = dir.file("windows-" + what + ".bin");
   std::ofstream(tok, std::ios::binary).write(reinterpret_cast<const char*>(batch.data()), std::streamsize(batch.size() * 8));
   Result r = sh(kPython + " " + std::string(STRATA_SOURCE_DIR) + "/tests/hf_make.py " + model_dir + " " + tok +
-                " 2 " + std::to_string(window) + " " + tie + " " + std::to_string(kv));
+                " 2 " + std::to_string(window) + " '" + spec.dump() + "'");
   ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("class " + cls + "\n"), std::string::npos) << r.output;
   const size_t at = r.output.rfind("loss ");
   ASSERT_NE(at, std::string::npos) << r.output;
   const double hf_loss = std::stod(r.output.substr(at + 5));
-  Config cfg = parse_config(j);
+
+  Config cfg = parse_config(config(data, ck, {{"seq_len", window - 1}, {"init_from", model_dir}}));
   EXPECT_EQ(cfg.model.dim, 64);  // filled from config.json
-  EXPECT_EQ(cfg.model.kv_heads(), kv);
-  EXPECT_EQ(cfg.model.tie_embeddings, tie == "tied");
+  EXPECT_EQ(cfg.model.kv_heads(), spec["kv"].get<int64_t>());
+  EXPECT_EQ(cfg.model.tie_embeddings, spec["tied"].get<bool>());
+  EXPECT_EQ(model_family_name(cfg.model.family), spec["family"].get<std::string>());
   Model model(cfg.model);
   Trainer trainer(cfg, model);
   const double loss = trainer.step(batch.data()).loss;
   EXPECT_LE(std::abs(loss - hf_loss), 1e-5 * hf_loss) << what << ": Strata " << loss << ", transformers " << hf_loss;
-}
-
-TEST_F(HfTest, InitFromTransformersModelsGivesTheirFirstLoss) {
-  expect_init_from_matches(dir_, data_, "tied", 4);
-  expect_init_from_matches(dir_, data_, "untied", 2);
-}
-
-TEST_F(HfTest, InitFromRefusesWhatStratasModelLacks) {
-  const std::string d = dir_.file("llama31");
-  make_dirs(d);
-  std::ofstream(d + "/config.json") << R"({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-      "num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 256,
-      "rope_scaling": {"rope_type": "llama3", "factor": 8.0}})";
-  try {
-    parse_config(config(data_, "", {{"init_from", d}}));
-    FAIL();
-  } catch (const ConfigError& e) {
-    EXPECT_NE(std::string(e.what()).find("rope_scaling with rope_type 'llama3'"), std::string::npos) << e.what();
+  for (int s = 1; s < 5; ++s) {
+    ds.sample_train(rng, 2, batch.data());
+    trainer.step(batch.data());
   }
-  std::ofstream(d + "/config.json") << R"({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 2,
-      "num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 256})";
+  CheckpointOptions o;
+  o.dir = ck;
+  Manifest h;
+  h.invariants = resume_invariants(cfg);
+  trainer.save_checkpoint(o, h);
+  const std::string out = dir.file("export-" + what);
+  Result e = sh(kStrata + " export " + ck + " --out " + out + " --dtype fp32 --max-shard-size 40KB");
+  ASSERT_EQ(e.code, 0) << e.output;
+  EXPECT_TRUE(path_exists(out + "/model.safetensors.index.json")) << "the 40 KB limit shards the export";
+
+  ds.sample_train(rng, 2, batch.data());
+  const int64_t t = cfg.model.seq_len;
+  at::Tensor tokens = at::from_blob(batch.data(), {2, t + 1}, at::kLong).narrow(1, 0, t).contiguous();
+  const at::Tensor mine = strata_logits(trainer, model, tokens, at::kFloat);
+  const at::Tensor theirs = hf_logits(dir, out, tokens, "fp32", cfg.model.vocab_size, cls);
+  const double scale = mine.abs().max().item<double>();
+  const double diff = (mine - theirs).abs().max().item<double>();
+  EXPECT_LE(diff, 1e-4 * scale) << what << ": fp32 max|diff| " << diff << " vs max|logit| " << scale;
+}
+
+TEST_F(HfTest, LlamaRoundTripsTiedAndUntied) {
+  expect_round_trip(dir_, data_, "llama-tied", "LlamaForCausalLM", {{"family", "llama"}, {"tied", true}, {"kv", 4}});
+  expect_round_trip(dir_, data_, "llama-untied-gqa", "LlamaForCausalLM",
+                    {{"family", "llama"}, {"tied", false}, {"kv", 2}});
+}
+
+// Llama 3.1's rope scaling with an original context of 16 positions, so that
+// the 32-token windows see stretched, kept and interpolated frequencies.
+TEST_F(HfTest, Llama31RopeScalingRoundTrips) {
+  expect_round_trip(dir_, data_, "llama31", "LlamaForCausalLM",
+                    {{"family", "llama"}, {"tied", false}, {"kv", 2},
+                     {"rope", {{"rope_type", "llama3"}, {"factor", 8.0}, {"low_freq_factor", 1.0},
+                               {"high_freq_factor", 4.0}, {"original_max_position_embeddings", 16}}}});
+  expect_round_trip(dir_, data_, "llama-linear", "LlamaForCausalLM",
+                    {{"family", "llama"}, {"tied", true}, {"kv", 4}, {"rope", {{"rope_type", "linear"}, {"factor", 4.0}}}});
+}
+
+TEST_F(HfTest, MistralRoundTrips) {
+  expect_round_trip(dir_, data_, "mistral", "MistralForCausalLM",
+                    {{"family", "mistral"}, {"tied", false}, {"kv", 2}, {"config", {{"sliding_window", 32}}}});
+}
+
+TEST_F(HfTest, Qwen2RoundTripsWithItsBiases) {
+  expect_round_trip(dir_, data_, "qwen2-tied", "Qwen2ForCausalLM", {{"family", "qwen2"}, {"tied", true}, {"kv", 2}});
+  expect_round_trip(dir_, data_, "qwen2-untied", "Qwen2ForCausalLM", {{"family", "qwen2"}, {"tied", false}, {"kv", 4}});
+}
+
+// Qwen3 with head_dim 32 over 4 heads: q is 128 wide on a 64-wide model.
+TEST_F(HfTest, Qwen3RoundTripsWithItsQkNorms) {
+  expect_round_trip(dir_, data_, "qwen3-untied", "Qwen3ForCausalLM",
+                    {{"family", "qwen3"}, {"tied", false}, {"kv", 2}, {"head_dim", 32}});
+  expect_round_trip(dir_, data_, "qwen3-tied", "Qwen3ForCausalLM",
+                    {{"family", "qwen3"}, {"tied", true}, {"kv", 2}, {"head_dim", 16}});
+}
+
+// Each family and feature Strata's model lacks is refused by the config.json
+// field that names it (never trained with wrong logits).
+TEST_F(HfTest, InitFromRefusesWhatStratasModelLacks) {
+  const std::string d = dir_.file("hf-refused");
+  make_dirs(d);
+  const std::string base = R"("hidden_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4,
+      "intermediate_size": 96, "vocab_size": 256)";
+  const std::vector<std::pair<std::string, std::string>> cases = {
+      {R"("model_type": "gemma")", "model_type 'gemma' is not supported"},
+      {R"("model_type": "llama", "rope_parameters": {"rope_type": "yarn", "factor": 4.0, "rope_theta": 1e6})",
+       "rope_parameters.rope_type 'yarn' is not supported"},
+      {R"("model_type": "llama", "rope_scaling": {"type": "dynamic", "factor": 2.0})",
+       "rope_scaling.rope_type 'dynamic' is not supported"},
+      {R"("model_type": "llama", "rope_parameters": {"rope_type": "llama3", "factor": 8.0, "rope_theta": 1e4})",
+       "rope_parameters.low_freq_factor is missing"},
+      {R"("model_type": "llama", "attention_bias": true)", "attention_bias true is not supported for model_type 'llama'"},
+      {R"("model_type": "qwen3", "attention_bias": true)", "attention_bias true is not supported for model_type 'qwen3'"},
+      {R"("model_type": "llama", "mlp_bias": true)", "mlp_bias true is not supported"},
+      {R"("model_type": "llama", "hidden_act": "gelu")", "hidden_act 'gelu' is not supported"},
+      {R"("model_type": "qwen2", "use_sliding_window": true, "sliding_window": 16)", "use_sliding_window true"},
+      {R"("model_type": "qwen2", "layer_types": ["full_attention", "sliding_attention"])",
+       "layer_types entry \"sliding_attention\""},
+      {R"("model_type": "llama", "partial_rotary_factor": 0.5)", "partial_rotary_factor 0.5 is not supported"},
+      // A window shorter than the training window would change attention.
+      {R"("model_type": "mistral", "sliding_window": 16)", "model.sliding_window: 16 is shorter than model.seq_len 32"},
+  };
+  for (const auto& [fields, message] : cases) {
+    std::ofstream(d + "/config.json") << "{" << fields << ", " << base << "}";
+    try {
+      parse_config(config(data_, "", {{"init_from", d}, {"seq_len", 32}}));
+      ADD_FAILURE() << "accepted: " << fields;
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find(message), std::string::npos) << e.what();
+    }
+  }
+  std::ofstream(d + "/config.json") << R"({"model_type": "llama", )" << base << "}";
   try {
     parse_config(config(data_, "", {{"init_from", d}, {"dim", 128}}));
     FAIL();
   } catch (const ConfigError& e) {
     EXPECT_NE(std::string(e.what()).find("model.dim: 128 here, but " + d + "/config.json says 64"), std::string::npos)
+        << e.what();
+  }
+  std::ofstream(d + "/config.json") << R"({"model_type": "qwen2", )" << base << "}";
+  try {
+    parse_config(config(data_, "", {{"init_from", d}, {"family", "llama"}}));
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("model.family: \"llama\" here, but " + d + "/config.json says \"qwen2\""),
+              std::string::npos)
+        << e.what();
+  }
+}
+
+// One safetensors file holding `tensors` (name -> shape, F32 zeros).
+void write_safetensors(const std::string& path, const std::map<std::string, std::vector<int64_t>>& tensors) {
+  nlohmann::json h = nlohmann::json::object();
+  int64_t at = 0;
+  for (const auto& [name, shape] : tensors) {
+    int64_t n = 4;
+    for (int64_t d : shape) n *= d;
+    h[name] = {{"dtype", "F32"}, {"shape", shape}, {"data_offsets", {at, at + n}}};
+    at += n;
+  }
+  const std::string text = h.dump();
+  const uint64_t len = text.size();
+  std::ofstream f(path, std::ios::binary);
+  f.write(reinterpret_cast<const char*>(&len), 8);
+  f.write(text.data(), std::streamsize(text.size()));
+  f << std::string(size_t(at), '\0');
+}
+
+// Weights that disagree with their config.json, and an index naming a shard
+// that is not there: one error naming the file and what is wrong.
+TEST_F(HfTest, InitFromBadWeightsNameTheFile) {
+  const std::string d = dir_.file("hf-bad");
+  make_dirs(d);
+  std::ofstream(d + "/config.json") << R"({"model_type": "llama", "hidden_size": 64, "num_hidden_layers": 1,
+      "num_attention_heads": 4, "intermediate_size": 96, "vocab_size": 256})";
+  write_safetensors(d + "/model.safetensors", {{"model.embed_tokens.weight", {256, 32}}});
+  Config cfg = parse_config(config(data_, "", {{"init_from", d}}));
+  Model model(cfg.model);
+  try {
+    Trainer trainer(cfg, model);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find(d + "/model.safetensors"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("model.embed_tokens.weight has shape [256, 32], but the model (config.json) "
+                                         "needs [256, 64]"),
+              std::string::npos)
+        << e.what();
+  }
+  std::ofstream(d + "/model.safetensors.index.json")
+      << R"({"weight_map": {"model.embed_tokens.weight": "model-00001-of-00002.safetensors",
+                            "lm_head.weight": "model-00002-of-00002.safetensors"}})";
+  write_safetensors(d + "/model-00001-of-00002.safetensors", {{"model.embed_tokens.weight", {256, 64}}});
+  try {
+    Trainer trainer(cfg, model);
+    FAIL();
+  } catch (const InputError& e) {
+    EXPECT_NE(std::string(e.what()).find("model.safetensors.index.json"), std::string::npos) << e.what();
+    EXPECT_NE(std::string(e.what()).find("names shard 'model-00002-of-00002.safetensors', which is not in"),
+              std::string::npos)
         << e.what();
   }
 }

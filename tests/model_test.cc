@@ -185,6 +185,71 @@ TEST(ModelTest, LayerForwardAndGradientsMatchTorchNn) {
   }
 }
 
+// Llama 3.1's rope scaling from its definition: frequencies whose wavelength
+// is shorter than original / high_freq_factor are kept, longer than
+// original / low_freq_factor divided by the factor, and those between lie
+// strictly between the two; linear divides every one by the factor.
+TEST(ModelTest, RopeScalingKeepsStretchesAndInterpolates) {
+  const int64_t hd = 64;
+  at::Tensor inv = at::pow(500000.0, at::arange(0, hd, 2, at::kDouble) / double(hd)).reciprocal();
+  RopeScaling r;
+  r.type = RopeType::kLlama3;
+  r.factor = 8.0;
+  r.low_freq_factor = 1.0;
+  r.high_freq_factor = 4.0;
+  r.original_max_position_embeddings = 8192;
+  const at::Tensor s = scaled_inv_freq(inv, r);
+  int kept = 0, stretched = 0, between = 0;
+  for (int64_t i = 0; i < inv.numel(); ++i) {
+    const double f = inv[i].item<double>(), g = s[i].item<double>(), wavelen = 2 * M_PI / f;
+    if (wavelen < 8192.0 / 4.0) {
+      EXPECT_EQ(g, f) << i;
+      ++kept;
+    } else if (wavelen > 8192.0) {
+      EXPECT_DOUBLE_EQ(g, f / 8.0) << i;
+      ++stretched;
+    } else {
+      EXPECT_LT(g, f) << i;
+      EXPECT_GT(g, f / 8.0) << i;
+      ++between;
+    }
+  }
+  EXPECT_GT(kept, 0);
+  EXPECT_GT(stretched, 0);
+  EXPECT_GT(between, 0);
+  r.type = RopeType::kLinear;
+  r.factor = 4.0;
+  EXPECT_TRUE(at::allclose(scaled_inv_freq(inv, r), inv / 4.0, 0.0, 0.0));
+  r.type = RopeType::kNone;
+  EXPECT_TRUE(at::equal(scaled_inv_freq(inv, r), inv));
+}
+
+// Each family's layer: Qwen2 adds q/k/v biases, Qwen3 per-head q/k norms
+// (with an explicit head_dim), after Llama's nine weights in the same order.
+TEST(ModelTest, FamiliesAddTheirParametersAfterLlamas) {
+  ModelConfig m;
+  m.dim = 64;
+  m.n_heads = 4;
+  m.n_kv_heads = 2;
+  const std::vector<ParamSpec> llama = model_blocks(m)[1].params;
+  ASSERT_EQ(llama.size(), 9u);
+  m.family = ModelFamily::kQwen2;
+  const std::vector<ParamSpec> qwen2 = model_blocks(m)[1].params;
+  ASSERT_EQ(qwen2.size(), 12u);
+  EXPECT_EQ(qwen2[9].name, "bq");
+  EXPECT_EQ(qwen2[9].shape, (std::vector<int64_t>{64}));
+  EXPECT_EQ(qwen2[10].shape, (std::vector<int64_t>{32}));
+  m.family = ModelFamily::kQwen3;
+  m.explicit_head_dim = 32;
+  const std::vector<ParamSpec> qwen3 = model_blocks(m)[1].params;
+  ASSERT_EQ(qwen3.size(), 11u);
+  EXPECT_EQ(qwen3[1].shape, (std::vector<int64_t>{128, 64}));  // wq: 4 heads of 32
+  EXPECT_EQ(qwen3[4].shape, (std::vector<int64_t>{64, 128}));  // wo
+  EXPECT_EQ(qwen3[9].name, "q_norm");
+  EXPECT_EQ(qwen3[9].shape, (std::vector<int64_t>{32}));
+  for (size_t i = 0; i < 9; ++i) EXPECT_EQ(qwen2[i].name, llama[i].name);
+}
+
 TEST(ModelTest, ParamViewsShareTheFlatBufferAndLayoutIsAligned) {
   const ModelConfig c = small_model(false, 0);
   Model model(c);

@@ -44,7 +44,9 @@ std::string hf_tensor_name(const std::string& name) {
       {"wk", "self_attn.k_proj.weight"},       {"wv", "self_attn.v_proj.weight"},
       {"wo", "self_attn.o_proj.weight"},       {"mlp_norm", "post_attention_layernorm.weight"},
       {"w1", "mlp.gate_proj.weight"},          {"w3", "mlp.up_proj.weight"},
-      {"w2", "mlp.down_proj.weight"}};
+      {"w2", "mlp.down_proj.weight"},          {"bq", "self_attn.q_proj.bias"},
+      {"bk", "self_attn.k_proj.bias"},         {"bv", "self_attn.v_proj.bias"},
+      {"q_norm", "self_attn.q_norm.weight"},   {"k_norm", "self_attn.k_norm.weight"}};
   if (name == "embedding.tok_embedding") return "model.embed_tokens.weight";
   if (name == "head.final_norm") return "model.norm.weight";
   if (name == "head.output") return "lm_head.weight";
@@ -73,7 +75,10 @@ SafetensorsSet::SafetensorsSet(const std::string& path) {
       if (f.empty() || f.find('/') != std::string::npos) throw InputError(index, "'" + f + "' is not a file name here");
       files[f] = true;
     }
-    for (const auto& [f, unused] : files) add_file(path + "/" + f);
+    for (const auto& [f, unused] : files) {
+      if (!path_exists(path + "/" + f)) throw InputError(index, "names shard '" + f + "', which is not in " + path);
+      add_file(path + "/" + f);
+    }
     return;
   }
   bool any = false;
@@ -111,6 +116,13 @@ void SafetensorsSet::add_file(const std::string& path) {
 }
 
 const std::vector<int64_t>& SafetensorsSet::shape(const std::string& name) const { return tensors_.at(name).shape; }
+const std::string& SafetensorsSet::file(const std::string& name) const { return tensors_.at(name).file; }
+
+std::string shape_text(const std::vector<int64_t>& shape) {
+  std::string s = "[";
+  for (size_t i = 0; i < shape.size(); ++i) s += (i ? ", " : "") + std::to_string(shape[i]);
+  return s + "]";
+}
 
 std::vector<std::string> SafetensorsSet::names() const {
   std::vector<std::string> out;

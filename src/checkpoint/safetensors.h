@@ -10,10 +10,13 @@
 
 namespace strata {
 
-// Hugging Face LlamaForCausalLM's name for a Strata parameter ("layer.3.wq"
-// -> "model.layers.3.self_attn.q_proj.weight"). Throws Error for a name
-// without one.
+// Hugging Face's name for a Strata parameter ("layer.3.wq" ->
+// "model.layers.3.self_attn.q_proj.weight"), the same in every family Strata
+// reads (Llama, Mistral, Qwen2, Qwen3). Throws Error for a name without one.
 std::string hf_tensor_name(const std::string& strata_name);
+
+// "[4096, 128]"
+std::string shape_text(const std::vector<int64_t>& shape);
 
 class SafetensorsSet {
  public:
@@ -22,6 +25,7 @@ class SafetensorsSet {
 
   bool has(const std::string& name) const { return tensors_.count(name) > 0; }
   const std::vector<int64_t>& shape(const std::string& name) const;
+  const std::string& file(const std::string& name) const;  // the file that holds it
   // Reads tensor `name` (F32, BF16 or F16) into out[0..numel) as fp32.
   // Throws InputError naming the file for a short read or another dtype.
   void read_f32(const std::string& name, float* out) const;

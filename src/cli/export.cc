@@ -1,4 +1,4 @@
-// `strata export`: a checkpoint's weights as Hugging Face LLaMA safetensors
+// `strata export`: a checkpoint's weights as Hugging Face safetensors
 // and a config.json, streamed one tensor at a time (host memory: the largest
 // tensor, whatever the model size). No LibTorch here.
 #include "cli/export.h"
@@ -59,36 +59,67 @@ int64_t parse_size(const std::string& text) {
 }
 
 // The config.json that makes transformers build exactly this model: every
-// field whose default would differ is set.
+// field whose default would differ is set. `model` is a checkpoint's
+// invariants.model (model_invariants: family, head_dim, rope_scaling and
+// sliding_window only where they differ from Llama's defaults).
 json hf_config(const json& model, const std::string& dtype) {
   const int64_t dim = model.at("dim"), heads = model.at("n_heads");
+  const int64_t head_dim = model.value("head_dim", dim / heads);
   const double theta = model.at("rope_theta");
-  return {{"architectures", {"LlamaForCausalLM"}},
-          {"model_type", "llama"},
-          {"hidden_size", dim},
-          {"intermediate_size", model.at("ffn_hidden")},
-          {"num_hidden_layers", model.at("n_layers")},
-          {"num_attention_heads", heads},
-          {"num_key_value_heads", model.at("n_kv_heads")},
-          {"head_dim", dim / heads},
-          {"vocab_size", model.at("vocab_size")},
-          {"max_position_embeddings", model.at("seq_len")},
-          {"rms_norm_eps", model.at("norm_eps")},
-          {"rope_theta", theta},
-          {"rope_parameters", {{"rope_type", "default"}, {"rope_theta", theta}}},
-          {"rope_scaling", nullptr},
-          {"tie_word_embeddings", model.at("tie_embeddings")},
-          {"attention_bias", false},
-          {"attention_dropout", 0.0},
-          {"mlp_bias", false},
-          {"hidden_act", "silu"},
-          {"pretraining_tp", 1},
-          {"use_cache", true},
-          {"bos_token_id", nullptr},
-          {"eos_token_id", nullptr},
-          {"pad_token_id", nullptr},
-          {"torch_dtype", dtype == "bf16" ? "bfloat16" : "float32"},
-          {"dtype", dtype == "bf16" ? "bfloat16" : "float32"}};
+  const std::string family = model.value("family", std::string("llama"));
+  const json r = model.value("rope_scaling", json{{"type", "none"}});
+  json rope = {{"rope_type", "default"}, {"rope_theta", theta}};
+  if (r.at("type") != "none") {
+    rope = r;
+    rope.erase("type");
+    rope["rope_type"] = r.at("type");
+    rope["rope_theta"] = theta;
+  }
+  static const std::map<std::string, std::string> arch = {{"llama", "LlamaForCausalLM"},
+                                                          {"mistral", "MistralForCausalLM"},
+                                                          {"qwen2", "Qwen2ForCausalLM"},
+                                                          {"qwen3", "Qwen3ForCausalLM"}};
+  if (!arch.count(family)) throw InputError("manifest invariants.model.family", "unknown family '" + family + "'");
+  json c = {{"architectures", {arch.at(family)}},
+            {"model_type", family},
+            {"hidden_size", dim},
+            {"intermediate_size", model.at("ffn_hidden")},
+            {"num_hidden_layers", model.at("n_layers")},
+            {"num_attention_heads", heads},
+            {"num_key_value_heads", model.at("n_kv_heads")},
+            {"head_dim", head_dim},
+            {"vocab_size", model.at("vocab_size")},
+            {"max_position_embeddings", model.at("seq_len")},
+            {"rms_norm_eps", model.at("norm_eps")},
+            {"rope_theta", theta},
+            {"rope_parameters", rope},
+            {"tie_word_embeddings", model.at("tie_embeddings")},
+            {"attention_dropout", 0.0},
+            {"hidden_act", "silu"},
+            {"use_cache", true},
+            {"bos_token_id", nullptr},
+            {"eos_token_id", nullptr},
+            {"pad_token_id", nullptr},
+            {"torch_dtype", dtype == "bf16" ? "bfloat16" : "float32"},
+            {"dtype", dtype == "bf16" ? "bfloat16" : "float32"}};
+  if (family == "llama") {
+    c["attention_bias"] = false;
+    c["mlp_bias"] = false;
+    c["pretraining_tp"] = 1;
+  }
+  if (family == "qwen3") c["attention_bias"] = false;  // Qwen3's flag would add o_proj's too
+  if (family == "mistral") {
+    const int64_t w = model.value("sliding_window", int64_t{0});
+    c["sliding_window"] = w > 0 ? json(w) : json(nullptr);
+  }
+  if (family == "qwen2" || family == "qwen3") {
+    c["use_sliding_window"] = false;
+    c["sliding_window"] = nullptr;
+    c["max_window_layers"] = model.at("n_layers");
+    c["layer_types"] = json::array();
+    for (int64_t l = 0; l < model.at("n_layers").get<int64_t>(); ++l) c["layer_types"].push_back("full_attention");
+  }
+  return c;
 }
 
 void write_all(int fd, const void* p, size_t n, const std::string& path) {
@@ -211,7 +242,7 @@ int run_export(const ExportOptions& opt) {
 
 void register_export(CLI::App& app, int& result) {
   auto opt = std::make_shared<ExportOptions>();
-  CLI::App* cmd = app.add_subcommand("export", "Write a checkpoint's weights as Hugging Face LLaMA safetensors");
+  CLI::App* cmd = app.add_subcommand("export", "Write a checkpoint's weights as Hugging Face safetensors (Llama, Mistral, Qwen2 or Qwen3)");
   cmd->add_option("checkpoint", opt->checkpoint, "Checkpoint directory (or a directory of them with 'latest')")
       ->required();
   cmd->add_option("--out", opt->out, "Output directory (new or empty)")->required();

@@ -28,6 +28,23 @@ const char* compute_dtype_name(ComputeDtype d) {
   }
   return "fp32";
 }
+const char* model_family_name(ModelFamily f) {
+  switch (f) {
+    case ModelFamily::kMistral: return "mistral";
+    case ModelFamily::kQwen2: return "qwen2";
+    case ModelFamily::kQwen3: return "qwen3";
+    case ModelFamily::kLlama: break;
+  }
+  return "llama";
+}
+const char* rope_type_name(RopeType t) {
+  switch (t) {
+    case RopeType::kLinear: return "linear";
+    case RopeType::kLlama3: return "llama3";
+    case RopeType::kNone: break;
+  }
+  return "none";
+}
 const char* recompute_name(Recompute r) {
   switch (r) {
     case Recompute::kAlways: return "always";
@@ -680,7 +697,8 @@ void parse_activation_checkpointing(const json& root, Config& c) {
 
 // model.init_from: the Hugging Face config.json next to the weights fills
 // the model keys the config leaves out and must agree with those it sets;
-// features Strata's model lacks are refused by name.
+// families and features Strata's model lacks are refused by the config.json
+// field that names them, never trained with wrong logits.
 json model_with_hf_config(const json& m, const std::string& from) {
   std::string dir = from;
   if (!is_directory(from)) {
@@ -696,38 +714,90 @@ json model_with_hf_config(const json& m, const std::string& from) {
   json hf = json::parse(in, nullptr, /*allow_exceptions=*/false);
   if (hf.is_discarded() || !hf.is_object()) fail("model.init_from", cpath + " is not a JSON object");
   const std::string where = "model.init_from (" + cpath + ")";
-  if (hf.value("model_type", std::string("llama")) != "llama") {
-    fail(where, "model_type '" + hf["model_type"].get<std::string>() + "' is not a LLaMA model");
-  }
-  auto refuse_rope = [&](const char* key) {
-    if (!hf.contains(key) || hf[key].is_null()) return;
-    const json& r = hf[key];
-    const std::string type = r.value("rope_type", r.value("type", std::string("default")));
-    if (type != "default") {
-      fail(where, std::string(key) + " with rope_type '" + type + "' (scaled rotary embeddings) is not supported");
-    }
+  auto str = [&](const char* key, const std::string& dflt) {
+    if (!hf.contains(key) || hf[key].is_null()) return dflt;
+    if (!hf[key].is_string()) fail(where, std::string(key) + " is not a string");
+    return hf[key].get<std::string>();
   };
-  refuse_rope("rope_scaling");
-  refuse_rope("rope_parameters");
-  for (const char* b : {"attention_bias", "mlp_bias"}) {
-    if (hf.value(b, false)) fail(where, std::string(b) + " true is not supported (Strata's layers have no biases)");
+  auto flag = [&](const char* key) { return hf.contains(key) && hf[key].is_boolean() && hf[key].get<bool>(); };
+  const std::string type = str("model_type", "llama");
+  if (type != "llama" && type != "mistral" && type != "qwen2" && type != "qwen3") {
+    fail(where, "model_type '" + type + "' is not supported (llama, mistral, qwen2 or qwen3)");
   }
-  if (hf.value("hidden_act", std::string("silu")) != "silu") {
-    fail(where, "hidden_act '" + hf["hidden_act"].get<std::string>() + "' is not supported (SwiGLU uses silu)");
+
+  // Rotary embeddings: transformers 5 writes rope_parameters (with rope_theta
+  // inside), older versions rope_scaling (null for plain RoPE) and rope_theta.
+  const char* rope_key = "rope_scaling";
+  json rope = json::object();
+  if (hf.contains("rope_parameters") && hf["rope_parameters"].is_object()) {
+    rope_key = "rope_parameters";
+    rope = hf["rope_parameters"];
+  } else if (hf.contains("rope_scaling") && hf["rope_scaling"].is_object()) {
+    rope = hf["rope_scaling"];
+  }
+  const std::string rope_type = rope.value("rope_type", rope.value("type", std::string("default")));
+  json scaling = {{"type", "none"}};
+  auto rope_number = [&](const char* key) {
+    if (!rope.contains(key) || !rope[key].is_number()) {
+      fail(where, std::string(rope_key) + "." + key + " is missing (rope_type '" + rope_type + "' needs it)");
+    }
+    return rope[key];
+  };
+  if (rope_type == "linear") {
+    scaling = {{"type", "linear"}, {"factor", rope_number("factor")}};
+  } else if (rope_type == "llama3") {
+    scaling = {{"type", "llama3"},
+               {"factor", rope_number("factor")},
+               {"low_freq_factor", rope_number("low_freq_factor")},
+               {"high_freq_factor", rope_number("high_freq_factor")},
+               {"original_max_position_embeddings", rope_number("original_max_position_embeddings")}};
+  } else if (rope_type != "default") {
+    fail(where, std::string(rope_key) + ".rope_type '" + rope_type +
+                    "' is not supported (default, linear and llama3 are)");
+  }
+  for (const json* j : {&hf, &rope}) {
+    if (j->contains("partial_rotary_factor") && (*j)["partial_rotary_factor"].is_number() &&
+        (*j)["partial_rotary_factor"].get<double>() != 1.0) {
+      fail(where, "partial_rotary_factor " + (*j)["partial_rotary_factor"].dump() + " is not supported (1.0 is)");
+    }
   }
   json theta = hf.contains("rope_theta") ? hf["rope_theta"] : json();
-  if (hf.contains("rope_parameters") && hf["rope_parameters"].is_object() && hf["rope_parameters"].contains("rope_theta")) {
-    theta = hf["rope_parameters"]["rope_theta"];
+  if (rope.contains("rope_theta")) theta = rope["rope_theta"];
+
+  // Biases: Qwen2's q/k/v biases are part of its family; anywhere else a
+  // bias flag would also put one on o_proj or the MLP, which Strata lacks.
+  if (type != "qwen2" && flag("attention_bias")) {
+    fail(where, "attention_bias true is not supported for model_type '" + type +
+                    "' (it adds an o_proj bias; only qwen2's q/k/v biases are)");
   }
+  if (flag("mlp_bias")) fail(where, "mlp_bias true is not supported (Strata's MLP has no biases)");
+  if (str("hidden_act", "silu") != "silu") {
+    fail(where, "hidden_act '" + hf["hidden_act"].get<std::string>() + "' is not supported (SwiGLU uses silu)");
+  }
+  // Sliding-window attention: Mistral's window is kept (and checked against
+  // seq_len by parse_model); Qwen's per-layer windows are refused.
+  json window;
+  if (type == "mistral") window = hf.contains("sliding_window") && !hf["sliding_window"].is_null() ? hf["sliding_window"] : json(0);
+  if (flag("use_sliding_window")) fail(where, "use_sliding_window true is not supported (sliding-window attention)");
+  if (hf.contains("layer_types") && hf["layer_types"].is_array()) {
+    for (const json& t : hf["layer_types"]) {
+      if (t != "full_attention") fail(where, "layer_types entry " + t.dump() + " is not supported (full_attention is)");
+    }
+  }
+
   const std::vector<std::pair<const char*, json>> fields = {
+      {"family", json(type)},
       {"dim", hf.value("hidden_size", json())},
       {"n_layers", hf.value("num_hidden_layers", json())},
       {"n_heads", hf.value("num_attention_heads", json())},
       {"n_kv_heads", hf.value("num_key_value_heads", hf.value("num_attention_heads", json()))},
+      {"head_dim", hf.value("head_dim", json())},
       {"ffn_hidden", hf.value("intermediate_size", json())},
       {"vocab_size", hf.value("vocab_size", json())},
       {"norm_eps", hf.value("rms_norm_eps", json())},
       {"rope_theta", theta},
+      {"rope_scaling", scaling},
+      {"sliding_window", window},
       {"tie_embeddings", hf.value("tie_word_embeddings", json(true))}};
   json out = m;
   for (const auto& [key, v] : fields) {
@@ -741,10 +811,6 @@ json model_with_hf_config(const json& m, const std::string& from) {
       fail(std::string("model.") + key, m[key].dump() + " here, but " + cpath + " says " + v.dump());
     }
   }
-  if (hf.contains("head_dim") && !hf["head_dim"].is_null() && out.contains("dim") && out.contains("n_heads") &&
-      hf["head_dim"].get<int64_t>() * out["n_heads"].get<int64_t>() != out["dim"].get<int64_t>()) {
-    fail(where, "head_dim " + hf["head_dim"].dump() + " differs from hidden_size / num_attention_heads");
-  }
   return out;
 }
 
@@ -752,8 +818,9 @@ void parse_model(const json& root, Config& c) {
   const std::string path = "model";
   json merged = section(root, "", path);
   check_keys(merged, path,
-             {"vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "ffn_hidden", "multiple_of",
-              "seq_len", "tie_embeddings", "rope_theta", "norm_eps", "init_std", "init_from"},
+             {"vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden", "multiple_of",
+              "seq_len", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps", "init_std", "family",
+              "sliding_window", "init_from"},
              kNone, c.ignored_keys);
   ModelConfig& mc = c.model;
   if (read(merged, path, "init_from", mc.init_from) && !mc.init_from.empty()) {
@@ -763,11 +830,18 @@ void parse_model(const json& root, Config& c) {
   auto pos = [&](std::string_view key, int64_t& out) {
     if (read(m, path, key, out)) positive(join(path, key), out);
   };
+  std::string family = "llama";
+  read_enum(m, path, "family", family, {"llama", "mistral", "qwen2", "qwen3"});
+  mc.family = family == "mistral" ? ModelFamily::kMistral
+              : family == "qwen2" ? ModelFamily::kQwen2
+              : family == "qwen3" ? ModelFamily::kQwen3
+                                  : ModelFamily::kLlama;
   pos("vocab_size", mc.vocab_size);
   pos("dim", mc.dim);
   pos("n_layers", mc.n_layers);
   pos("n_heads", mc.n_heads);
   if (read(m, path, "n_kv_heads", mc.n_kv_heads)) non_negative("model.n_kv_heads", mc.n_kv_heads);
+  if (read(m, path, "head_dim", mc.explicit_head_dim)) non_negative("model.head_dim", mc.explicit_head_dim);
   if (read(m, path, "ffn_hidden", mc.ffn_hidden)) non_negative("model.ffn_hidden", mc.ffn_hidden);
   pos("multiple_of", mc.multiple_of);
   pos("seq_len", mc.seq_len);
@@ -775,23 +849,52 @@ void parse_model(const json& root, Config& c) {
   if (read(m, path, "rope_theta", mc.rope_theta)) positive("model.rope_theta", mc.rope_theta);
   if (read(m, path, "norm_eps", mc.norm_eps)) positive("model.norm_eps", mc.norm_eps);
   if (read(m, path, "init_std", mc.init_std)) positive("model.init_std", mc.init_std);
+  if (read(m, path, "sliding_window", mc.sliding_window)) non_negative("model.sliding_window", mc.sliding_window);
+  if (const json* r = find(m, "rope_scaling"); r != nullptr && !r->is_null()) {
+    const std::string rp = "model.rope_scaling";
+    if (!r->is_object()) wrong_type(rp, "an object", *r);
+    check_keys(*r, rp, {"type", "factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"},
+               kNone, c.ignored_keys);
+    RopeScaling& rs = mc.rope_scaling;
+    std::string type = "none";
+    read_enum(*r, rp, "type", type, {"none", "linear", "llama3"});
+    rs.type = type == "linear" ? RopeType::kLinear : type == "llama3" ? RopeType::kLlama3 : RopeType::kNone;
+    if (read(*r, rp, "factor", rs.factor)) positive(rp + ".factor", rs.factor);
+    if (read(*r, rp, "low_freq_factor", rs.low_freq_factor)) positive(rp + ".low_freq_factor", rs.low_freq_factor);
+    if (read(*r, rp, "high_freq_factor", rs.high_freq_factor)) positive(rp + ".high_freq_factor", rs.high_freq_factor);
+    if (read(*r, rp, "original_max_position_embeddings", rs.original_max_position_embeddings)) {
+      positive(rp + ".original_max_position_embeddings", rs.original_max_position_embeddings);
+    }
+    if (rs.type == RopeType::kLlama3 && !(rs.high_freq_factor > rs.low_freq_factor)) {
+      fail(rp + ".high_freq_factor", "must be greater than low_freq_factor (" + num(rs.low_freq_factor) + ")");
+    }
+  }
   // Bound sizes so that derived products (8 * dim, vocab x dim) cannot overflow.
   constexpr int64_t kMaxDim = int64_t{1} << 32;
   for (auto [key, v] : {std::pair<const char*, int64_t>{"vocab_size", mc.vocab_size},
                         {"dim", mc.dim}, {"ffn_hidden", mc.ffn_hidden}, {"seq_len", mc.seq_len},
-                        {"multiple_of", mc.multiple_of}}) {
+                        {"multiple_of", mc.multiple_of}, {"head_dim", mc.explicit_head_dim}}) {
     if (v > kMaxDim) fail(join(path, key), "must be <= 2^32, got " + num(v));
   }
 
-  if (mc.dim % mc.n_heads != 0) {
-    fail("model.dim", num(mc.dim) + " is not divisible by model.n_heads " + num(mc.n_heads));
+  if (mc.explicit_head_dim == 0 && mc.dim % mc.n_heads != 0) {
+    fail("model.dim", num(mc.dim) + " is not divisible by model.n_heads " + num(mc.n_heads) +
+                          " (or set model.head_dim)");
   }
   if (mc.head_dim() % 2 != 0) {
-    fail("model.dim", "head dim (dim / n_heads = " + num(mc.head_dim()) +
-                          ") must be even for rotary embeddings");
+    fail(mc.explicit_head_dim > 0 ? "model.head_dim" : "model.dim",
+         "head dim " + num(mc.head_dim()) + " must be even for rotary embeddings");
   }
   if (mc.n_heads % mc.kv_heads() != 0) {
     fail("model.n_kv_heads", num(mc.kv_heads()) + " does not divide model.n_heads " + num(mc.n_heads));
+  }
+  if (mc.sliding_window > 0 && mc.family != ModelFamily::kMistral) {
+    fail("model.sliding_window", "only model.family mistral has a sliding window");
+  }
+  if (mc.sliding_window > 0 && mc.sliding_window < mc.seq_len) {
+    fail("model.sliding_window", num(mc.sliding_window) + " is shorter than model.seq_len " + num(mc.seq_len) +
+                                     ": sliding-window attention is not implemented (a window of at least "
+                                     "seq_len changes nothing)");
   }
 }
 
@@ -1064,14 +1167,33 @@ nlohmann::json rank_invariant_config(const Config& c) {
   return j;
 }
 
+json model_invariants(const ModelConfig& m) {
+  json j = {{"vocab_size", m.vocab_size}, {"dim", m.dim}, {"n_layers", m.n_layers}, {"n_heads", m.n_heads},
+            {"n_kv_heads", m.kv_heads()}, {"ffn_hidden", m.ffn_dim()}, {"seq_len", m.seq_len},
+            {"tie_embeddings", m.tie_embeddings}, {"rope_theta", m.rope_theta}, {"norm_eps", m.norm_eps}};
+  // What a plain Llama model leaves at its default is not written, so that a
+  // checkpoint saved before these keys existed resumes and exports as it did.
+  if (m.family != ModelFamily::kLlama) j["family"] = model_family_name(m.family);
+  if (m.dim % m.n_heads != 0 || m.head_dim() != m.dim / m.n_heads) j["head_dim"] = m.head_dim();
+  if (m.rope_scaling.type != RopeType::kNone) {
+    const RopeScaling& r = m.rope_scaling;
+    j["rope_scaling"] = {{"type", rope_type_name(r.type)}, {"factor", r.factor}};
+    if (r.type == RopeType::kLlama3) {
+      j["rope_scaling"]["low_freq_factor"] = r.low_freq_factor;
+      j["rope_scaling"]["high_freq_factor"] = r.high_freq_factor;
+      j["rope_scaling"]["original_max_position_embeddings"] = r.original_max_position_embeddings;
+    }
+  }
+  if (m.sliding_window > 0) j["sliding_window"] = m.sliding_window;
+  return j;
+}
+
 json resume_invariants(const Config& c) {
   const ModelConfig& m = c.model;
   const SchedulerConfig& s = c.scheduler;
   const OptimizerConfig& o = c.optimizer;
   return {
-      {"model", {{"vocab_size", m.vocab_size}, {"dim", m.dim}, {"n_layers", m.n_layers}, {"n_heads", m.n_heads},
-                 {"n_kv_heads", m.kv_heads()}, {"ffn_hidden", m.ffn_dim()}, {"seq_len", m.seq_len},
-                 {"tie_embeddings", m.tie_embeddings}, {"rope_theta", m.rope_theta}, {"norm_eps", m.norm_eps}}},
+      {"model", model_invariants(m)},
       {"optimizer", {{"type", o.type}, {"params", {{"lr", o.lr}, {"betas", {o.beta1, o.beta2}}, {"eps", o.eps},
                                                    {"weight_decay", o.weight_decay}}}}},
       {"scheduler", {{"type", s.type}, {"params", {{"warmup_min_lr", s.warmup_min_lr}, {"warmup_max_lr", s.warmup_max_lr},

@@ -11,6 +11,28 @@
 
 namespace strata {
 
+// The decoder family: which Hugging Face class the layers are, and so which
+// optional parameters a layer has (docs/config.md, model.family).
+enum class ModelFamily {
+  kLlama,    // LlamaForCausalLM
+  kMistral,  // MistralForCausalLM: Llama's layers (plus a sliding window >= seq_len)
+  kQwen2,    // Qwen2ForCausalLM: biases on the q, k and v projections
+  kQwen3,    // Qwen3ForCausalLM: RMSNorm over each head of q and k, before rotary
+};
+const char* model_family_name(ModelFamily f);  // "llama", "mistral", "qwen2", "qwen3"
+
+// model.rope_scaling: how rotary frequencies are rescaled for long contexts
+// (Hugging Face's rope_parameters). kNone is plain RoPE.
+enum class RopeType { kNone, kLinear, kLlama3 };
+const char* rope_type_name(RopeType t);  // "none", "linear", "llama3"
+struct RopeScaling {
+  RopeType type = RopeType::kNone;
+  double factor = 1.0;                              // linear, llama3
+  double low_freq_factor = 1.0;                     // llama3
+  double high_freq_factor = 4.0;                    // llama3
+  int64_t original_max_position_embeddings = 8192;  // llama3
+};
+
 struct ModelConfig {
   int64_t vocab_size = 256;       // tokens; 256 for byte-level text
   int64_t dim = 128;              // model width
@@ -24,11 +46,18 @@ struct ModelConfig {
   double rope_theta = 10000.0;
   double norm_eps = 1e-5;
   double init_std = 0.02;         // std of normal init for matrices and embedding
-  // Hugging Face LLaMA safetensors (a directory with config.json, or one
-  // file) whose weights initialise training; "" = random init from run.seed.
+  ModelFamily family = ModelFamily::kLlama;
+  int64_t explicit_head_dim = 0;  // "head_dim"; 0 = dim / n_heads
+  RopeScaling rope_scaling;
+  int64_t sliding_window = 0;     // mistral's window; 0 = none; else >= seq_len
+  // Hugging Face safetensors (a directory with config.json, or one file)
+  // whose weights initialise training; "" = random init from run.seed.
   std::string init_from;
 
-  int64_t head_dim() const { return dim / n_heads; }
+  int64_t head_dim() const { return explicit_head_dim > 0 ? explicit_head_dim : dim / n_heads; }
+  int64_t q_dim() const { return n_heads * head_dim(); }  // width of the attention's q and output
+  bool qkv_bias() const { return family == ModelFamily::kQwen2; }
+  bool qk_norm() const { return family == ModelFamily::kQwen3; }
   int64_t kv_heads() const { return n_kv_heads == 0 ? n_heads : n_kv_heads; }
   int64_t ffn_dim() const;
 };
@@ -247,6 +276,9 @@ nlohmann::json rank_invariant_config(const Config& c);
 // What a resumed run may not change from the run that saved the checkpoint
 // (model, optimizer, schedule, global batch, seed, data, dtypes), as
 // effective values; compared with first_difference().
+// The model section as checkpoints record it (invariants.model, which
+// `strata export` reads): keys at their Llama defaults are left out.
+nlohmann::json model_invariants(const ModelConfig& m);
 nlohmann::json resume_invariants(const Config& c);
 std::string first_difference(const nlohmann::json& a, const nlohmann::json& b, const std::string& path = "");
 

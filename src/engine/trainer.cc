@@ -514,7 +514,8 @@ void Trainer::initialise_state(const PlacementPlan& plan) {
           throw InputError(cfg_.model.init_from, "no tensor " + name + " (Strata's " + bl.name + "." + p.spec.name + ")");
         }
         if (hf->shape(name) != p.spec.shape) {
-          throw InputError(cfg_.model.init_from, "tensor " + name + " has another shape than the model's");
+          throw InputError(hf->file(name), "tensor " + name + " has shape " + shape_text(hf->shape(name)) +
+                                               ", but the model (config.json) needs " + shape_text(p.spec.shape));
         }
         hf->read_f32(name, master.data_ptr<float>() + p.offset);
       }

@@ -353,7 +353,7 @@ void estimate_transients(const Config& cfg, const StateLayout& layout, Placement
   plan.cpu_checkpointing = cfg.activation_checkpointing.cpu_checkpointing;
   const int64_t saved =
       tokens * 8 + (plan.cpu_checkpointing ? 0 : plan.checkpoint_layers * plan.checkpoint_bytes);
-  const int64_t layer = tokens * (10 * m.dim + 4 * m.ffn_dim()) * cb + 3 * tokens * m.n_heads * m.seq_len * 4;
+  const int64_t layer = tokens * (6 * m.dim + 4 * m.q_dim() + 4 * m.ffn_dim()) * cb + 3 * tokens * m.n_heads * m.seq_len * 4;
   const int64_t head = 3 * tokens * m.vocab_size * 4;
   plan.activation_bytes = saved + std::max(layer, head);
   // Keeping the forward's graphs (run.recompute never): every layer's graph

@@ -30,6 +30,18 @@ std::vector<BlockDesc> model_blocks(const ModelConfig& cfg) {
                            {"w3", {f, d}, Init::kNormal, std},  // up
                            {"w2", {d, f}, Init::kNormal, out_std},  // down
                        }});
+    // Family extras go after Llama's nine, so that a Llama layer's layout
+    // (and every checkpoint of one) is the same as before they existed.
+    std::vector<ParamSpec>& p = blocks_.back().params;
+    if (cfg.qkv_bias()) {
+      p.push_back({"bq", {h * hd}, Init::kZeros, 0.0});
+      p.push_back({"bk", {kv * hd}, Init::kZeros, 0.0});
+      p.push_back({"bv", {kv * hd}, Init::kZeros, 0.0});
+    }
+    if (cfg.qk_norm()) {
+      p.push_back({"q_norm", {hd}, Init::kOnes, 0.0});
+      p.push_back({"k_norm", {hd}, Init::kOnes, 0.0});
+    }
   }
   BlockDesc head{BlockKind::kHead, "head", {{"final_norm", {d}, Init::kOnes, 0.0}}};
   if (!cfg.tie_embeddings) head.params.push_back({"output", {v, d}, Init::kNormal, std});
@@ -37,12 +49,36 @@ std::vector<BlockDesc> model_blocks(const ModelConfig& cfg) {
   return blocks_;
 }
 
+at::Tensor scaled_inv_freq(const at::Tensor& inv_freq, const RopeScaling& r) {
+  switch (r.type) {
+    case RopeType::kNone:
+      return inv_freq;
+    case RopeType::kLinear:  // positions divided by the factor
+      return inv_freq / r.factor;
+    case RopeType::kLlama3: {
+      // Llama 3.1's scheme: wavelengths longer than the original context's
+      // low-frequency limit are stretched by `factor`, shorter than its
+      // high-frequency limit kept, and those between interpolated smoothly.
+      const double old_len = double(r.original_max_position_embeddings);
+      const double low_wavelen = old_len / r.low_freq_factor, high_wavelen = old_len / r.high_freq_factor;
+      at::Tensor wavelen = 2.0 * M_PI / inv_freq;
+      at::Tensor stretched = at::where(wavelen > low_wavelen, inv_freq / r.factor, inv_freq);
+      at::Tensor smooth = (old_len / wavelen - r.low_freq_factor) / (r.high_freq_factor - r.low_freq_factor);
+      at::Tensor smoothed = (1.0 - smooth) * stretched / r.factor + smooth * stretched;
+      at::Tensor medium = (wavelen >= high_wavelen).logical_and(wavelen <= low_wavelen);
+      return at::where(medium, smoothed, stretched);
+    }
+  }
+  throw InternalError(__FILE__, __LINE__, "unknown rope type");
+}
+
 Model::Model(const ModelConfig& cfg) : cfg_(cfg), blocks_(model_blocks(cfg)) {
   const int64_t hd = cfg.head_dim();
   // Rotary tables: angle(t, i) = t * theta^(-2i/hd), duplicated over both halves.
   auto opts = at::TensorOptions().dtype(at::kFloat);
-  at::Tensor inv_freq =
-      at::pow(cfg.rope_theta, at::arange(0, hd, 2, opts.dtype(at::kDouble)) / double(hd)).reciprocal();
+  at::Tensor inv_freq = scaled_inv_freq(
+      at::pow(cfg.rope_theta, at::arange(0, hd, 2, opts.dtype(at::kDouble)) / double(hd)).reciprocal(),
+      cfg.rope_scaling);
   at::Tensor t = at::arange(cfg.seq_len, opts.dtype(at::kDouble));
   at::Tensor angles = at::outer(t, inv_freq);           // [T, hd/2]
   angles = at::cat({angles, angles}, /*dim=*/-1);       // [T, hd]
@@ -74,7 +110,7 @@ double Model::flops_per_token() const {
   // Attention scores and the weighted sum: 2 matmuls of T x hd per head and
   // token, forward 2 FLOPs per MAC, backward twice the forward; halved for the
   // causal mask is ignored, as is customary.
-  const double attn = 12.0 * double(cfg_.n_layers) * double(cfg_.seq_len) * double(cfg_.dim);
+  const double attn = 12.0 * double(cfg_.n_layers) * double(cfg_.seq_len) * double(cfg_.q_dim());
   return 6.0 * matrix_params + attn;
 }
 
@@ -109,10 +145,24 @@ at::Tensor Model::layer_forward(const std::vector<at::Tensor>& w, const at::Tens
   const int64_t B = x.size(0), T = x.size(1);
   const int64_t H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.head_dim();
 
+  // Family extras follow Llama's nine weights (model_blocks).
+  size_t extra = 9;
+  at::Tensor bq, bk, bv;
+  if (cfg_.qkv_bias()) {
+    bq = w[extra], bk = w[extra + 1], bv = w[extra + 2];
+    extra += 3;
+  }
+
   at::Tensor a = rms_norm(x, attn_norm, cfg_.norm_eps);
-  at::Tensor q = at::linear(a, wq).view({B, T, H, hd}).transpose(1, 2);   // [B, H, T, hd]
-  at::Tensor k = at::linear(a, wk).view({B, T, KV, hd}).transpose(1, 2);  // [B, KV, T, hd]
-  at::Tensor v = at::linear(a, wv).view({B, T, KV, hd}).transpose(1, 2);
+  at::Tensor q = at::linear(a, wq, bq).view({B, T, H, hd});   // [B, T, H, hd]
+  at::Tensor k = at::linear(a, wk, bk).view({B, T, KV, hd});  // [B, T, KV, hd]
+  at::Tensor v = at::linear(a, wv, bv).view({B, T, KV, hd}).transpose(1, 2);
+  if (cfg_.qk_norm()) {  // Qwen3: each head of q and k normalised before rotary
+    q = rms_norm(q, w[extra], cfg_.norm_eps);
+    k = rms_norm(k, w[extra + 1], cfg_.norm_eps);
+  }
+  q = q.transpose(1, 2);  // [B, H, T, hd]
+  k = k.transpose(1, 2);  // [B, KV, T, hd]
   auto [cos, sin] = rope(x.scalar_type(), x.device(), T);
   q = apply_rope(q, cos, sin);
   k = apply_rope(k, cos, sin);

@@ -1,6 +1,8 @@
 // The model as blocks: a LLaMA-style decoder (token embedding; N layers of
 // RMSNorm, multi-head attention with rotary embeddings and optional grouped
-// key/value heads, RMSNorm, SwiGLU MLP; final RMSNorm and output head).
+// key/value heads, RMSNorm, SwiGLU MLP; final RMSNorm and output head), with
+// the extras of its family (model.family: Qwen2's q/k/v biases, Qwen3's
+// per-head q/k RMSNorm) and rotary scaling (model.rope_scaling).
 // Each block declares its parameter specs; its forward is a pure function of
 // weight VIEWS into the block's flat buffer (memory/layout.h) and its input.
 #pragma once
@@ -69,6 +71,10 @@ class Model {
 // Views of each parameter of `layout` into `flat_block`, the block's range of
 // a flat buffer (numel >= layout.numel). The views share its storage.
 std::vector<at::Tensor> param_views(const BlockLayout& layout, const at::Tensor& flat_block);
+
+// Rotary inverse frequencies after model.rope_scaling (none, linear, llama3),
+// as Hugging Face's rope_parameters define them; double in, double out.
+at::Tensor scaled_inv_freq(const at::Tensor& inv_freq, const RopeScaling& scaling);
 
 // RMSNorm as the model computes it (exposed for tests): statistics in fp32.
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
