@@ -13,6 +13,7 @@ JOBS="${STRATA_JOBS:-$(nproc)}"
 TORCH_VERSION="2.11.0"
 TRANSFORMERS_VERSION="5.23.0"
 SAFETENSORS_VERSION="0.8.0"
+TOKENIZERS_VERSION="0.23.3"
 
 say() { echo "[setup] $*" >&2; }
 
@@ -42,12 +43,13 @@ if [ -z "${CMAKE_PREFIX_PATH:-}" ]; then
     say "installing matplotlib into .venv (benchmark plots)"
     .venv/bin/pip install -q --disable-pip-version-check matplotlib
   fi
-  # transformers and safetensors (pinned): the Hugging Face checks of export
-  # and model.init_from compare Strata with LlamaForCausalLM.
-  if ! .venv/bin/python -c "import transformers, safetensors, sys; sys.exit(0 if (transformers.__version__, safetensors.__version__) == ('$TRANSFORMERS_VERSION', '$SAFETENSORS_VERSION') else 1)" 2>/dev/null; then
-    say "installing transformers==$TRANSFORMERS_VERSION safetensors==$SAFETENSORS_VERSION into .venv (Hugging Face checks)"
+  # transformers, safetensors and tokenizers (pinned): the Hugging Face checks
+  # of export and model.init_from compare Strata with transformers' models;
+  # tools/tokenize.py encodes with tokenizers.
+  if ! .venv/bin/python -c "import transformers, safetensors, tokenizers, sys; sys.exit(0 if (transformers.__version__, safetensors.__version__, tokenizers.__version__) == ('$TRANSFORMERS_VERSION', '$SAFETENSORS_VERSION', '$TOKENIZERS_VERSION') else 1)" 2>/dev/null; then
+    say "installing transformers==$TRANSFORMERS_VERSION safetensors==$SAFETENSORS_VERSION tokenizers==$TOKENIZERS_VERSION into .venv (Hugging Face checks, tools/tokenize.py)"
     .venv/bin/pip install -q --disable-pip-version-check "transformers==$TRANSFORMERS_VERSION" \
-      "safetensors==$SAFETENSORS_VERSION"
+      "safetensors==$SAFETENSORS_VERSION" "tokenizers==$TOKENIZERS_VERSION"
   fi
   TORCH_PREFIX="$(.venv/bin/python -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' 2>/dev/null)"
   export CMAKE_PREFIX_PATH="$TORCH_PREFIX"

@@ -1,0 +1,261 @@
+#!/usr/bin/env python3
+"""Text to a Strata token file, with a Hugging Face tokenizer.
+
+Reads text files (one document each), JSON lines (one document per line, the
+text in a named field) or directories of them (recursively, in sorted order;
+*.jsonl and *.json are JSON lines, anything else text; hidden files skipped),
+and writes
+  OUT        the token ids, little-endian uint16 or uint32, an EOS id after
+             every document (so between any two), nothing else;
+  OUT.json   its sidecar: {"format": "strata-tokens", "tokenizer": ...,
+             "vocab_size": ..., "tokens": ..., "dtype": ..., "eos_id": ...,
+             "documents": ...}. `strata train` reads it: data.format comes
+             from "dtype" when the config does not set it, and a tokenizer
+             vocabulary larger than model.vocab_size, or a file whose size is
+             not tokens x width, is refused (docs/config.md, data.path).
+Memory is bounded: documents are encoded in batches (the `tokenizers`
+package's encode_batch, on every core) and written as they are encoded; a
+text file larger than --piece-mb is encoded in pieces cut at line ends. Both
+files are written under temporary names and renamed at the end: an error or
+an interrupt leaves neither behind.
+
+usage: tokenize.py --tokenizer DIR --out FILE [--field text] [--dtype auto|uint16|uint32]
+                   [--eos-token TOKEN] [--batch-docs 512] INPUT...
+DIR: a directory holding tokenizer.json (a Hugging Face model directory), or the file itself.
+"""
+# This file shares its name with the standard library's `tokenize` module:
+# keep this directory off the import path so that modules importing
+# `tokenize` (linecache, for tracebacks) get the real one.
+import os
+import sys
+
+_here = os.path.dirname(os.path.abspath(__file__))
+sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+
+EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
+
+
+class InputProblem(Exception):
+    """Bad input: reported as one line naming the file (and line), exit 2."""
+
+
+def find_tokenizer(path):
+    """The tokenizer.json file for --tokenizer PATH (a directory or the file)."""
+    if os.path.isdir(path):
+        f = os.path.join(path, "tokenizer.json")
+        if not os.path.isfile(f):
+            raise InputProblem(f"{path}: no tokenizer.json in this directory (--tokenizer needs a Hugging Face "
+                               "tokenizer.json or the directory that holds one)")
+        return f
+    if not os.path.isfile(path):
+        raise InputProblem(f"{path}: does not exist (--tokenizer)")
+    return path
+
+
+def eos_id(tok, tokenizer_file, name):
+    """The id appended after every document: --eos-token, else the eos_token
+    of tokenizer_config.json beside the tokenizer, else a usual name."""
+    if name is None:
+        cfg = os.path.join(os.path.dirname(tokenizer_file), "tokenizer_config.json")
+        if os.path.isfile(cfg):
+            with open(cfg) as f:
+                e = json.load(f).get("eos_token")
+            if isinstance(e, dict):
+                e = e.get("content")
+            if isinstance(e, str):
+                name = e
+    candidates = [name] if name is not None else list(EOS_NAMES)
+    for c in candidates:
+        i = tok.token_to_id(c)
+        if i is not None:
+            return c, i
+    if name is not None:
+        raise InputProblem(f"{tokenizer_file}: the tokenizer has no token {name!r} (--eos-token)")
+    raise InputProblem(f"{tokenizer_file}: no end-of-document token found (tried {', '.join(EOS_NAMES)}); "
+                       "name one with --eos-token")
+
+
+def input_files(inputs):
+    """Every input file, directories walked in sorted order."""
+    out = []
+    for p in inputs:
+        if os.path.isdir(p):
+            for root, dirs, files in os.walk(p):
+                dirs[:] = sorted(d for d in dirs if not d.startswith("."))
+                out.extend(os.path.join(root, f) for f in sorted(files) if not f.startswith("."))
+        elif os.path.isfile(p):
+            out.append(p)
+        else:
+            raise InputProblem(f"{p}: does not exist (input)")
+    if not out:
+        raise InputProblem(f"{' '.join(inputs)}: no input files")
+    return out
+
+
+def documents(files, field, piece_bytes):
+    """(text, ends_document, bytes read) pieces, in order, from every file."""
+    for path in files:
+        if path.endswith(".jsonl") or path.endswith(".json"):
+            with open(path, "rb") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        obj = json.loads(line)
+                    except ValueError as e:
+                        raise InputProblem(f"{path}:{n}: not a JSON object ({e})")
+                    text = obj.get(field) if isinstance(obj, dict) else None
+                    if not isinstance(text, str):
+                        raise InputProblem(f"{path}:{n}: no string field {field!r} (--field)")
+                    yield text, True, len(line)
+        else:
+            with open(path, "rb") as f:
+                pending = b""
+                while True:
+                    chunk = f.read(piece_bytes)
+                    if not chunk:
+                        break
+                    data = pending + chunk
+                    cut = data.rfind(b"\n") + 1
+                    if cut == 0:  # no line end yet: a piece must end at one
+                        pending = data
+                        continue
+                    pending = data[cut:]
+                    yield decode(path, data[:cut]), False, cut
+                yield decode(path, pending), True, len(pending)
+
+
+def decode(path, data):
+    try:
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise InputProblem(f"{path}: not UTF-8 text near byte {e.start} of a piece ({e.reason})")
+
+
+class Progress:
+    """One line on stderr, redrawn at most twice a second."""
+
+    def __init__(self, enabled):
+        self.enabled = enabled
+        self.start = time.monotonic()
+        self.last = 0.0
+
+    def update(self, docs, tokens, nbytes, final=False):
+        now = time.monotonic()
+        if not self.enabled or (not final and now - self.last < 0.5):
+            return
+        self.last = now
+        dt = max(now - self.start, 1e-9)
+        sys.stderr.write(f"\rtokenize: {docs:,} documents, {tokens:,} tokens, {nbytes / 1e6:,.1f} MB | "
+                         f"{docs / dt:,.0f} docs/s, {tokens / dt:,.0f} tokens/s, {nbytes / 1e6 / dt:,.1f} MB/s")
+        if final:
+            sys.stderr.write("\n")
+        sys.stderr.flush()
+
+
+def tokenize(args):
+    from array import array
+
+    from tokenizers import Tokenizer
+
+    tokenizer_file = find_tokenizer(args.tokenizer)
+    files = input_files(args.inputs)
+    try:
+        tok = Tokenizer.from_file(tokenizer_file)
+    except Exception as e:  # the package raises a bare Exception for a malformed file
+        raise InputProblem(f"{tokenizer_file}: not a Hugging Face tokenizer.json ({e})")
+    vocab = tok.get_vocab_size(with_added_tokens=True)
+    dtype = args.dtype
+    if dtype == "auto":
+        dtype = "uint16" if vocab <= 65536 else "uint32"
+    if dtype == "uint16" and vocab > 65536:
+        raise InputProblem(f"{tokenizer_file}: a vocabulary of {vocab} does not fit uint16 (--dtype uint32)")
+    eos_name, eos = eos_id(tok, tokenizer_file, args.eos_token)
+    code = "H" if dtype == "uint16" else "I"
+    if array(code).itemsize != (2 if dtype == "uint16" else 4) or sys.byteorder != "little":
+        raise SystemExit("tokenize: this machine's array widths or byte order are not what token files use")
+
+    out_dir = os.path.dirname(os.path.abspath(args.out))
+    if not os.path.isdir(out_dir):
+        raise InputProblem(f"{args.out}: its directory does not exist (--out)")
+    tmp, tmp_side = f"{args.out}.tmp{os.getpid()}", f"{args.out}.json.tmp{os.getpid()}"
+    docs = tokens = nbytes = 0
+    progress = Progress(args.progress)
+    try:
+        with open(tmp, "wb") as out:
+            batch, ends = [], []
+
+            def flush():
+                nonlocal docs, tokens
+                ids = array(code)
+                for enc, end in zip(tok.encode_batch(batch, add_special_tokens=False), ends):
+                    ids.extend(enc.ids)
+                    if end:
+                        ids.append(eos)
+                        docs += 1
+                ids.tofile(out)
+                tokens += len(ids)
+                batch.clear()
+                ends.clear()
+
+            for text, end, size in documents(files, args.field, args.piece_mb << 20):
+                batch.append(text)
+                ends.append(end)
+                nbytes += size
+                if len(batch) >= args.batch_docs:
+                    flush()
+                    progress.update(docs, tokens, nbytes)
+            if batch:
+                flush()
+            out.flush()
+            os.fsync(out.fileno())
+        side = {"format": "strata-tokens", "tokenizer": os.path.abspath(tokenizer_file), "vocab_size": vocab,
+                "tokens": tokens, "dtype": dtype, "eos_id": eos, "eos_token": eos_name, "documents": docs}
+        with open(tmp_side, "w") as f:
+            json.dump(side, f, indent=2)
+            f.write("\n")
+        os.replace(tmp, args.out)
+        os.replace(tmp_side, args.out + ".json")
+    except BaseException:
+        for p in (tmp, tmp_side):
+            if os.path.exists(p):
+                os.unlink(p)
+        raise
+    progress.update(docs, tokens, nbytes, final=True)
+    print(f"tokenize: wrote {args.out} ({tokens:,} {dtype} tokens, {docs:,} documents, vocabulary {vocab}) "
+          f"and {args.out}.json")
+
+
+def main():
+    ap = argparse.ArgumentParser(description="Text to a Strata token file with a Hugging Face tokenizer.")
+    ap.add_argument("--tokenizer", required=True, help="directory holding tokenizer.json, or the file")
+    ap.add_argument("--out", required=True, help="token file to write (its sidecar is OUT.json)")
+    ap.add_argument("--field", default="text", help="the text field of JSON lines (default: text)")
+    ap.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"],
+                    help="token width; auto = uint16 when the vocabulary fits, else uint32")
+    ap.add_argument("--eos-token", default=None,
+                    help="token appended after every document (default: tokenizer_config.json's eos_token, "
+                         "else " + ", ".join(EOS_NAMES) + ")")
+    ap.add_argument("--batch-docs", type=int, default=512, help="documents encoded per batch (default 512)")
+    ap.add_argument("--piece-mb", type=int, default=4, help="text files are encoded in pieces of this size")
+    ap.add_argument("--no-progress", dest="progress", action="store_false", help="no progress line")
+    ap.add_argument("inputs", nargs="+", help="text files, JSON lines files or directories of them")
+    args = ap.parse_args()
+    if args.batch_docs < 1 or args.piece_mb < 1:
+        ap.error("--batch-docs and --piece-mb must be positive")
+    try:
+        tokenize(args)
+    except InputProblem as e:
+        sys.stderr.write(f"tokenize: {e}\n")
+        sys.exit(2)
+    except KeyboardInterrupt:
+        sys.stderr.write("\ntokenize: interrupted; nothing written\n")
+        sys.exit(130)
+
+
+if __name__ == "__main__":
+    main()
