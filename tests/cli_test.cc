@@ -185,6 +185,29 @@ TEST(CliTest, ModelFarTooLargeIsThePlansVerdict) {
   EXPECT_FALSE(exists(dir.file("m.jsonl")));
 }
 
+// The plan counts what the data path uses: token files are mapped (page
+// cache, not in the tiers' totals; files not on this machine listed), and
+// each rank's own token batches are a row of the table.
+TEST(CliTest, PlanCountsTheDataPath) {
+  TempDir dir;
+  const std::string data = dir.write("d.txt", testing::sample_text(5000));
+  const int64_t size = int64_t(testing::sample_text(5000).size());
+  nlohmann::json j = tiny_config(data, dir.file("m.jsonl"));
+  j["gradient_accumulation_steps"] = 3;
+  Result r = run_strata("plan --json " + write_config(dir, j));
+  ASSERT_EQ(r.code, 0) << r.output;
+  nlohmann::json p = nlohmann::json::parse(r.output);
+  EXPECT_EQ(p["data"]["mapped_bytes"], size);
+  EXPECT_EQ(p["data"]["token_batch_bytes"], 3 * 2 * (16 + 1) * 8);  // accumulation x micro-batch x window, int64
+  EXPECT_TRUE(p["data"]["missing_files"].empty());
+  j["data"]["path"] = {data, dir.file("elsewhere.txt")};
+  r = run_strata("plan " + write_config(dir, j));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("data: 2 token file(s)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("(1 not on this machine, not counted)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("token batches"), std::string::npos) << r.output;
+}
+
 TEST(CliTest, TooShortDataFileExits2AndLeavesNoMetrics) {
   TempDir dir;
   const std::string data = dir.write("d.txt", "too short");

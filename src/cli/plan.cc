@@ -1,5 +1,7 @@
 #include "cli/plan.h"
 
+#include <sys/stat.h>
+
 #include <cstdio>
 #include <memory>
 
@@ -63,6 +65,28 @@ int64_t step_network_bytes(const PlacementPlan& p) {
                                      : ring_all_reduce_bytes(ws, shard * p.shards, DType::kF32));
   }
   return bytes + ring_all_reduce_bytes(ws, 3, DType::kF64);
+}
+
+// What the data path uses (Note [Mapped tokens] in data/dataset.h): the token
+// files are mapped read-only, so they take page cache shared by a node's
+// ranks, not a rank's own memory; the rank's own is the step's token batches
+// (staging.tokens, in the table). Files not on this machine are listed.
+struct DataUse {
+  int64_t mapped_bytes = 0;
+  std::vector<std::string> missing;
+};
+
+DataUse data_use(const Config& cfg) {
+  DataUse d;
+  for (const std::string& f : cfg.data.paths) {
+    struct stat st;
+    if (::stat(f.c_str(), &st) == 0 && S_ISREG(st.st_mode)) {
+      d.mapped_bytes += int64_t(st.st_size);
+    } else {
+      d.missing.push_back(f);
+    }
+  }
+  return d;
 }
 
 Computed compute(const Config& cfg, int rank, int local_ranks) {
@@ -134,8 +158,11 @@ int run_plan(const PlanOptions& opt) {
   const int per_node = opt.world_size / opt.nodes;
   Computed c = compute(cfg, 0, per_node);
   const double net_s = double(c.net_bytes) * 8.0 / (opt.net_gbps * 1e9);
+  const DataUse data = data_use(cfg);
   if (opt.json) {
     nlohmann::json j = plan_json(c);
+    j["data"] = {{"files", cfg.data.paths.size()}, {"mapped_bytes", data.mapped_bytes},
+                 {"token_batch_bytes", c.plan.staging.tokens}, {"missing_files", data.missing}};
     j["nodes"] = opt.nodes;
     j["network"]["net_gbps"] = opt.net_gbps;
     j["network"]["seconds_per_step"] = net_s;
@@ -144,6 +171,10 @@ int run_plan(const PlanOptions& opt) {
     std::printf("Placement plan for %s (from %s keys), rank 0 of %d (%d per node, ZeRO stage %d)\n",
                 opt.config_path.c_str(), c.plan.source.c_str(), opt.world_size, per_node, c.plan.stage);
     std::fputs(format_plan(c.plan, c.cap, c.shortfalls).c_str(), stdout);
+    std::printf("data: %zu token file(s), %s mapped read-only (page cache, shared by a node's ranks; not in the "
+                "totals); each rank's own: the token batches above%s\n",
+                cfg.data.paths.size(), format_bytes(double(data.mapped_bytes)).c_str(),
+                data.missing.empty() ? "" : strprintf(" (%zu not on this machine, not counted)", data.missing.size()).c_str());
     if (opt.world_size > 1) {
       const auto tot = c.plan.total();
       std::printf("node total (%d ranks): device %s, host %s, nvme %s\n", per_node,
@@ -181,6 +212,8 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
     row("gradient reduction", p.staging.grad_sync, 0, 0);
   }
   row("optimizer staging", 0, p.staging.opt_grad + p.staging.opt_state + p.staging.opt_emit, 0);
+  row("token batches", p.staging.tokens, p.staging.tokens, 0);
+  if (p.staging.save_bounce > 0) row("checkpoint save buffer", 0, p.staging.save_bounce, 0);
   const auto tot = p.total();
   row("total", tot[0], tot[1], tot[2]);
   out += strprintf("  %-22s %12s %12s %12s\n", "this machine has", cap_cell(cap.device_bytes).c_str(),

@@ -1,0 +1,136 @@
+#!/usr/bin/env python3
+"""tools/tokenize.py's throughput against a plain loop over the `tokenizers`
+package's batch encode, in the same run.
+
+Builds a synthetic corpus (JSON lines, {"text": ...}; words drawn from a
+Zipf-like distribution over 50k pseudo-words, documents of 100-2000 words)
+and a 32k byte-level BPE trained on part of it, then per round times, each in
+its own process:
+  tool   tools/tokenize.py --tokenizer DIR --out FILE CORPUS_DIR (reads, encodes, writes the token
+         file and its sidecar)
+  loop   the reference: read the same JSON lines, encode_batch in batches of 512 documents, count
+         the ids, write nothing
+and prints MB of text per second and tokens per second of each, medians of
+the rounds, and their ratio (tool / loop; 1.0 = no slower than the loop).
+
+Usage:
+  .venv/bin/python tools/bench_tokenize.py --dir /tmp/bench-tok [--mb 200] [--rounds 3]
+"""
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import time
+
+LOOP = r'''
+import json, os, sys, time
+from tokenizers import Tokenizer
+tok = Tokenizer.from_file(sys.argv[1])
+t0 = time.monotonic()
+n = 0
+batch = []
+for name in sorted(os.listdir(sys.argv[2])):
+    with open(os.path.join(sys.argv[2], name), "rb") as f:
+        for line in f:
+            batch.append(json.loads(line)["text"])
+            if len(batch) == 512:
+                n += sum(len(e.ids) + 1 for e in tok.encode_batch(batch, add_special_tokens=False))
+                batch = []
+if batch:
+    n += sum(len(e.ids) + 1 for e in tok.encode_batch(batch, add_special_tokens=False))
+print(f"TOKENS {n} SECONDS {time.monotonic() - t0}")
+'''
+
+TRAIN = r'''
+import sys
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+tok = Tokenizer(models.BPE())
+tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+tok.decoder = decoders.ByteLevel()
+tr = trainers.BpeTrainer(vocab_size=32000, special_tokens=["<|endoftext|>"],
+                         initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False)
+tok.train([sys.argv[2]], tr)
+tok.save(sys.argv[1] + "/tokenizer.json")
+'''
+
+
+def corpus(d, mb):
+    rng = random.Random(1)
+    letters = "abcdefghijklmnopqrstuvwxyz"
+    words = ["".join(rng.choice(letters) for _ in range(rng.randint(2, 10))) for _ in range(50000)]
+    weights = [1.0 / (i + 1) for i in range(len(words))]
+    cum, s = [], 0.0
+    for w in weights:
+        s += w
+        cum.append(s)
+    os.makedirs(os.path.join(d, "corpus"), exist_ok=True)
+    target, written, part = mb * 10**6, 0, 0
+    sample = open(os.path.join(d, "sample.txt"), "w")
+    while written < target:
+        with open(os.path.join(d, "corpus", f"part-{part:03d}.jsonl"), "w") as f:
+            for _ in range(2000):
+                n = rng.randint(100, 2000)
+                ws = rng.choices(words, cum_weights=cum, k=n)
+                for i in range(12, n, 13):
+                    ws[i] += rng.choice([".", ",", "!", "?", ";", ".\n"])
+                text = " ".join(ws)
+                line = json.dumps({"text": text}) + "\n"
+                f.write(line)
+                if written < 20 * 10**6:
+                    sample.write(text + "\n")
+                written += len(line)
+                if written >= target:
+                    break
+        part += 1
+    sample.close()
+    return written
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap.add_argument("--dir", required=True)
+    ap.add_argument("--mb", type=int, default=200, help="corpus size in MB of JSON lines")
+    ap.add_argument("--rounds", type=int, default=3)
+    args = ap.parse_args()
+    py = sys.executable
+    tool = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tokenize.py")
+    os.makedirs(args.dir, exist_ok=True)
+    cdir = os.path.join(args.dir, "corpus")
+    if not os.path.isdir(cdir):
+        print("writing the corpus ...", flush=True)
+        corpus(args.dir, args.mb)
+    if not os.path.exists(os.path.join(args.dir, "tokenizer.json")):
+        print("training a 32k BPE ...", flush=True)
+        subprocess.run([py, "-c", TRAIN, args.dir, os.path.join(args.dir, "sample.txt")], check=True)
+    mb = sum(os.path.getsize(os.path.join(cdir, f)) for f in os.listdir(cdir)) / 1e6
+    out = os.path.join(args.dir, "tokens.bin")
+    res = {"tool": [], "loop": []}
+    tokens = None
+    for r in range(args.rounds):
+        t0 = time.monotonic()
+        subprocess.run([py, tool, "--tokenizer", args.dir, "--out", out, "--no-progress", cdir], check=True,
+                       stdout=subprocess.DEVNULL)
+        res["tool"].append(time.monotonic() - t0)
+        with open(out + ".json") as f:
+            tool_tokens = json.load(f)["tokens"]
+        t0 = time.monotonic()
+        p = subprocess.run([py, "-c", LOOP, os.path.join(args.dir, "tokenizer.json"), cdir], check=True,
+                           capture_output=True, text=True)
+        res["loop"].append(time.monotonic() - t0)
+        tokens = int(p.stdout.split()[1])
+        if tokens != tool_tokens:
+            sys.exit(f"token counts differ: tool {tool_tokens}, loop {tokens}")
+        print(f"round {r + 1}: tool {res['tool'][-1]:.1f} s, loop {res['loop'][-1]:.1f} s", flush=True)
+    print(f"\ncorpus: {mb:.0f} MB of JSON lines, {tokens:,} tokens (EOS included); {os.cpu_count()} cores; "
+          f"medians of {args.rounds} rounds, each a whole process")
+    for k in ("tool", "loop"):
+        t = statistics.median(res[k])
+        print(f"{k:6s} {t:7.1f} s  {mb / t:7.2f} MB/s  {tokens / t / 1e6:6.2f} M tokens/s")
+    print(f"tool / loop throughput: {statistics.median(res['loop']) / statistics.median(res['tool']):.2f}")
+
+
+if __name__ == "__main__":
+    main()
