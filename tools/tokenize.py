@@ -14,7 +14,8 @@ and writes
              vocabulary larger than model.vocab_size, or a file whose size is
              not tokens x width, is refused (docs/config.md, data.path).
 Memory is bounded: documents are encoded in batches (the `tokenizers`
-package's encode_batch, on every core) and written as they are encoded; a
+package's encode_batch_fast, on every core, while a reader thread parses the
+next batch) and written as they are encoded; a
 text file larger than --piece-mb is encoded in pieces cut at line ends. Both
 files are written under temporary names and renamed at the end: an error or
 an interrupt leaves neither behind.
@@ -34,6 +35,8 @@ sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
 
 import argparse  # noqa: E402
 import json  # noqa: E402
+import queue  # noqa: E402
+import threading  # noqa: E402
 import time  # noqa: E402
 
 EOS_NAMES = ("<|endoftext|>", "<|end_of_text|>", "</s>", "<eos>", "<|eos|>", "[SEP]")
@@ -187,30 +190,61 @@ def tokenize(args):
     progress = Progress(args.progress)
     try:
         with open(tmp, "wb") as out:
-            batch, ends = [], []
+            # A reader thread parses the inputs into batches while the main
+            # thread encodes the previous one (encode_batch releases the GIL
+            # and runs on every core): reading and JSON parsing are hidden
+            # behind encoding. At most two batches wait (bounded memory).
+            batches = queue.Queue(maxsize=2)
+            stop = threading.Event()
 
-            def flush():
-                nonlocal docs, tokens
-                ids = array(code)
-                for enc, end in zip(tok.encode_batch(batch, add_special_tokens=False), ends):
-                    ids.extend(enc.ids)
-                    if end:
-                        ids.append(eos)
-                        docs += 1
-                ids.tofile(out)
-                tokens += len(ids)
-                batch.clear()
-                ends.clear()
+            def read():
+                batch, ends, size = [], [], 0
+                try:
+                    for text, end, n in documents(files, args.field, args.piece_mb << 20):
+                        batch.append(text)
+                        ends.append(end)
+                        size += n
+                        if len(batch) >= args.batch_docs:
+                            batches.put((batch, ends, size))
+                            batch, ends, size = [], [], 0
+                            if stop.is_set():
+                                return
+                    batches.put((batch, ends, size))
+                    batches.put(None)
+                except BaseException as e:  # handed to the main thread, which reports it
+                    batches.put(e)
 
-            for text, end, size in documents(files, args.field, args.piece_mb << 20):
-                batch.append(text)
-                ends.append(end)
-                nbytes += size
-                if len(batch) >= args.batch_docs:
-                    flush()
+            # The ids only: encode_batch_fast (tokenizers >= 0.21) skips the
+            # character offsets encode_batch computes, the same ids ~1.5x faster.
+            encode = getattr(tok, "encode_batch_fast", tok.encode_batch)
+            reader = threading.Thread(target=read, daemon=True)
+            reader.start()
+            try:
+                while True:
+                    item = batches.get()
+                    if item is None:
+                        break
+                    if isinstance(item, BaseException):
+                        raise item
+                    batch, ends, size = item
+                    ids = array(code)
+                    for enc, end in zip(encode(batch, add_special_tokens=False), ends):
+                        ids.extend(enc.ids)
+                        if end:
+                            ids.append(eos)
+                            docs += 1
+                    ids.tofile(out)
+                    tokens += len(ids)
+                    nbytes += size
                     progress.update(docs, tokens, nbytes)
-            if batch:
-                flush()
+            finally:
+                stop.set()
+                while reader.is_alive():  # unblock a reader waiting on a full queue
+                    try:
+                        batches.get_nowait()
+                    except queue.Empty:
+                        pass
+                    reader.join(0.05)
             out.flush()
             os.fsync(out.fileno())
         side = {"format": "strata-tokens", "tokenizer": os.path.abspath(tokenizer_file), "vocab_size": vocab,
