@@ -208,6 +208,57 @@ TEST(CliTest, PlanCountsTheDataPath) {
   EXPECT_NE(r.output.find("token batches"), std::string::npos) << r.output;
 }
 
+// The plan's bound with every rate given (no probe runs): the tiny config's
+// FLOPs by hand (dim 32, 1 layer, 2 heads, ffn 96, vocab 256, seq 16, 2
+// windows, graphs kept): matrices 32x32 x 4 + 3 x 32 x 96 = 13312 per token;
+// layer forward 2 x 13312 + 4 x 16 x 32 = 28672; forward + head 28672 + 2 x
+// 256 x 32 = 45056; step 32 tokens x 3 x 45056 = 4325376 FLOPs. At 1 MFLOP/s
+// that is 4.325376 s, and the cores bind. Bad rates and a machine described
+// instead of measured.
+TEST(CliTest, PlanBoundDividesHandCountedWorkByTheGivenRates) {
+  TempDir dir;
+  const std::string data = dir.write("d.txt", testing::sample_text(4000));
+  const std::string cfg = write_config(dir, tiny_config(data, dir.file("m.jsonl")));
+  const std::string rates = " --device-tflops 1e-6 --adam-gelems 1 --h2d-gbps 10 --d2h-gbps 10";
+  Result r = run_strata("plan --json " + cfg + rates);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const nlohmann::json b = nlohmann::json::parse(r.output)["bound"];
+  EXPECT_EQ(b["work"]["flops"], 4325376.0);
+  EXPECT_EQ(b["binding"], "cpu (compute + Adam)");
+  // + Adam: the model's padded elements at 1 G/s, well under a millisecond.
+  EXPECT_GT(b["seconds"].get<double>(), 4.325376);
+  EXPECT_LT(b["seconds"].get<double>(), 4.326376);
+  EXPECT_EQ(b["rates"]["device_flops_source"], "--device-tflops");
+  r = run_strata("plan " + cfg + rates);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("bound: 4.32"), std::string::npos) << r.output;
+  for (const char* bad : {" --nvme-gbps -1", " --device-tflops nan", " --host-memory-gb -2"}) {
+    Result e = run_strata("plan " + cfg + bad);
+    EXPECT_EQ(e.code, 2) << bad << ": " << e.output;
+    EXPECT_EQ(count_lines(e.output), 1) << e.output;
+    EXPECT_NE(e.output.find(std::string(bad).substr(1, std::string(bad).find(' ', 1) - 1)), std::string::npos)
+        << e.output;
+  }
+  // A node of 100 KiB of RAM: the verdict, with the figure given.
+  Result small = run_strata("plan " + cfg + rates + " --host-memory-gb 0.00009536743");
+  EXPECT_EQ(small.code, 2) << small.output;
+  EXPECT_NE(small.output.find("host: short by"), std::string::npos) << small.output;
+  EXPECT_NE(small.output.find("has 100.0 KiB"), std::string::npos) << small.output;
+  // A cuda config on a machine without a GPU: the device's rate must be given.
+  Result gpu = run_strata("plan " + cfg + " --set run.device='\"cuda\"' --device-memory-gb 80");
+  DeviceMemoryInfo info;
+  if (!query_device_memory("cuda", &info)) {
+    EXPECT_EQ(gpu.code, 2) << gpu.output;
+    EXPECT_NE(gpu.output.find("--device-tflops"), std::string::npos) << gpu.output;
+  }
+  Result given = run_strata("plan --json " + cfg + " --set run.device='\"cuda\"' --device-memory-gb 80" +
+                            " --device-tflops 989 --adam-gelems 1 --h2d-gbps 50 --d2h-gbps 50 --pcie-both-gbps 80");
+  ASSERT_EQ(given.code, 0) << given.output;
+  const nlohmann::json g = nlohmann::json::parse(given.output);
+  EXPECT_EQ(g["capacity_bytes"]["device"], int64_t(80) << 30);
+  EXPECT_EQ(g["bound"]["resources"][0]["resource"], "device");
+}
+
 TEST(CliTest, TooShortDataFileExits2AndLeavesNoMetrics) {
   TempDir dir;
   const std::string data = dir.write("d.txt", "too short");

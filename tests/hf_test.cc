@@ -109,7 +109,7 @@ void expect_hf_agrees(const TempDir& dir, const std::string& data, const nlohman
   const std::string fp32 = dir.file(what + "-fp32"), bf16 = dir.file(what + "-bf16");
   Result e1 = sh(kStrata + " export " + ck + " --out " + fp32 + " --dtype fp32");
   ASSERT_EQ(e1.code, 0) << e1.output;
-  Result e2 = sh(kStrata + " export " + ck + " --out " + bf16 + " --dtype bf16 --max-shard-size 40KB");
+  Result e2 = sh(kStrata + " export " + ck + " --out " + bf16 + " --dtype bf16 --max-shard-size 40KB --buffer-size 12KB");
   ASSERT_EQ(e2.code, 0) << e2.output;
   EXPECT_TRUE(path_exists(bf16 + "/model.safetensors.index.json")) << "the 40 KB limit shards the bf16 export";
 
@@ -274,7 +274,8 @@ void expect_round_trip(const TempDir& dir, const std::string& data, const std::s
   h.invariants = resume_invariants(cfg);
   trainer.save_checkpoint(o, h);
   const std::string out = dir.file("export-" + what);
-  Result e = sh(kStrata + " export " + ck + " --out " + out + " --dtype fp32 --max-shard-size 40KB");
+  // A 16 KB buffer: the 64 KB tensors stream through in chunks.
+  Result e = sh(kStrata + " export " + ck + " --out " + out + " --dtype fp32 --max-shard-size 40KB --buffer-size 16KB");
   ASSERT_EQ(e.code, 0) << e.output;
   EXPECT_TRUE(path_exists(out + "/model.safetensors.index.json")) << "the 40 KB limit shards the export";
 

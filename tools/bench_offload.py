@@ -15,7 +15,10 @@ link, and two same-run ratios:
     false, one more run per round) / its I/O bound, where the bound is
     nvme_read_bytes / read GB/s + nvme_write_bytes / write GB/s;
   - full step with 100 % on NVMe / full step with it in RAM (0 %).
-With --plot FILE it draws step time and bytes per link against the share
+It also prints each share's step bound (`bound_s` from the metrics: the
+model of docs/design.md "The step's bound" over the step's own byte counts,
+with this round's bench-io figures as the NVMe rates) and step / bound.
+With --plot FILE it draws step time, the bound and bytes per link against the share
 (needs matplotlib: tools/setup.sh installs it into .venv).
 
 Usage:
@@ -42,7 +45,7 @@ def parse_size(text):
     return int(text)
 
 
-def make_config(args, share, swap_dir, metrics, overlap=True, checksums=True):
+def make_config(args, share, swap_dir, metrics, overlap=True, checksums=True, io=None):
     nvme = share / 100.0
     split = {"device": 0.0, "host": round(1.0 - nvme, 6), "nvme": nvme}
     return {
@@ -61,7 +64,10 @@ def make_config(args, share, swap_dir, metrics, overlap=True, checksums=True):
         "data": {"path": [p for p in LICENSES if os.path.exists(p)], "format": "text",
                  "val_fraction": 0.0, "eval_interval": 0},
         "run": {"steps": args.steps + args.warmup, "seed": 1, "metrics": metrics, "overlap_optimizer": overlap,
-                "swap_checksums": checksums},
+                "swap_checksums": checksums,
+                # The step's bound over this round's bench-io figures (compute and
+                # CPU Adam are measured by strata train at start).
+                "rates": {"nvme_read_gbps": io["read"], "nvme_write_gbps": io["write"]} if io else None},
     }
 
 
@@ -87,20 +93,22 @@ def bench_io(args, directory):
     return bw
 
 
-def train(args, share, work, overlap=True, checksums=True):
+def train(args, share, work, overlap=True, checksums=True, io=None):
     swap = os.path.join(work, "swap")
     os.makedirs(swap, exist_ok=True)
     metrics = os.path.join(work, f"metrics-{share}.jsonl")
     cfg_path = os.path.join(work, f"config-{share}.json")
     with open(cfg_path, "w") as f:
-        json.dump(make_config(args, share, swap, metrics, overlap, checksums), f, indent=1)
+        json.dump(make_config(args, share, swap, metrics, overlap, checksums, io), f, indent=1)
     run([args.strata, "train", cfg_path])
     steps = [json.loads(l) for l in open(metrics) if l.strip()]
     timed = steps[args.warmup:]
     shutil.rmtree(swap, ignore_errors=True)
     med = lambda k: statistics.median(s[k] for s in timed)
-    return {k: med(k) for k in ("step_s", "optimizer_s", "wait_s", "h2d_bytes", "d2h_bytes",
-                                 "nvme_read_bytes", "nvme_write_bytes")}
+    out = {k: med(k) for k in ("step_s", "optimizer_s", "wait_s", "h2d_bytes", "d2h_bytes",
+                                "nvme_read_bytes", "nvme_write_bytes", "bound_s")}
+    out["step_over_bound"] = statistics.median(x["step_s"] / x["bound_s"] for x in timed)
+    return out
 
 
 def main():
@@ -152,9 +160,10 @@ def main():
             print(f"round {r + 1}: bench-io write {io['write']:.2f} GB/s, read {io['read']:.2f} GB/s", flush=True)
             per_share = {}
             for s in shares:
-                m = train(args, s, work)
+                m = train(args, s, work, io=io)
                 per_share[s] = m
-                print(f"  nvme {s:3d}%: step {m['step_s']:.2f} s, optimizer {m['optimizer_s']:.2f} s, "
+                print(f"  nvme {s:3d}%: step {m['step_s']:.2f} s, bound {m['bound_s']:.2f} s, "
+                      f"optimizer {m['optimizer_s']:.2f} s, "
                       f"nvme read {m['nvme_read_bytes'] / 1e9:.2f} GB, write {m['nvme_write_bytes'] / 1e9:.2f} GB",
                       flush=True)
             # The optimizer alone (not overlapped with compute) against the I/O bound.
@@ -178,7 +187,7 @@ def main():
 
     summary = {"parameters": params, "optimizer_state_bytes": opt_bytes, "shares": {}}
     print(f"\n{'nvme %':>6} {'step s':>8} {'optim s':>8} {'wait s':>7} {'nvme rd GB':>10} {'nvme wr GB':>10} "
-          f"{'h2d GB':>7} {'d2h GB':>7} {'io bound s':>10}")
+          f"{'h2d GB':>7} {'d2h GB':>7} {'io bound s':>10} {'bound s':>8} {'step/bound':>10}")
     for s in shares:
         med = lambda k: statistics.median(rd["shares"][s][k] for rd in rounds)
         b = statistics.median(bound(rd, s) for rd in rounds)
@@ -187,7 +196,8 @@ def main():
         summary["shares"][s] = row
         print(f"{s:6d} {row['step_s']:8.2f} {row['optimizer_s']:8.2f} {row['wait_s']:7.2f} "
               f"{row['nvme_read_bytes'] / 1e9:10.2f} {row['nvme_write_bytes'] / 1e9:10.2f} "
-              f"{row['h2d_bytes'] / 1e9:7.2f} {row['d2h_bytes'] / 1e9:7.2f} {b:10.2f}")
+              f"{row['h2d_bytes'] / 1e9:7.2f} {row['d2h_bytes'] / 1e9:7.2f} {b:10.2f} {row['bound_s']:8.2f} "
+              f"{row['step_over_bound']:10.3f}")
     if 100 in shares:
         opt_ratio = statistics.median(rd["inline100"]["optimizer_s"] / bound(rd, 100, rd["inline100"])
                                       for rd in rounds)
@@ -233,6 +243,9 @@ def plot(summary, shares, path):
            label="optimizer incl. swapping (own thread, overlapped)")
     a.plot(shares, [r["io_bound_s"] for r in rows], "k--", marker="o", label="NVMe I/O bound (bench-io, same run)")
     a.plot(shares, [r["wait_s"] for r in rows], color="#31a354", marker="^", label="compute waiting for data")
+    if all("bound_s" in r for r in rows):
+        a.plot(shares, [r["bound_s"] for r in rows], color="#756bb1", marker="D",
+               label="the step's bound (strata, bound_s)")
     a.set_xlabel("optimizer state on NVMe (%)")
     a.set_ylabel("seconds per step (median)")
     a.set_xticks(shares)

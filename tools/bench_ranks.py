@@ -71,7 +71,9 @@ def run_once(args, ws, tier, tag):
     comm = [collective_seconds(trace.replace("{rank}", str(r))) / len(lines) for r in range(ws)]
     return {"step_s": statistics.median(steps), "collectives_s": statistics.mean(comm),
             "comm_wait_s": statistics.median(l["comm_wait_s"] for l in lines[1:]),
-            "net_bytes": lines[-1]["net_bytes"], "tokens_per_s": statistics.median(l["tokens_per_s"] for l in lines[1:])}
+            "net_bytes": lines[-1]["net_bytes"], "tokens_per_s": statistics.median(l["tokens_per_s"] for l in lines[1:]),
+            "bound_s": statistics.median(l["bound_s"] for l in lines[1:]),
+            "step_over_bound": statistics.median(l["step_s"] / l["bound_s"] for l in lines[1:])}
 
 
 def main():
@@ -98,12 +100,13 @@ def main():
             for ws in sizes:  # interleaved: each round measures every point once
                 r = run_once(args, ws, tier, f"ws{ws}-{tier}")
                 results.setdefault((tier, ws), []).append(r)
-                print(f"round {rnd + 1}: {tier:4} ws {ws}: step {r['step_s']:.3f} s, collectives "
+                print(f"round {rnd + 1}: {tier:4} ws {ws}: step {r['step_s']:.3f} s, bound {r['bound_s']:.3f} s, "
+                      f"collectives "
                       f"{r['collectives_s']:.3f} s/step, comm wait {r['comm_wait_s']:.3f} s, "
                       f"net {r['net_bytes'] / 2**20:.1f} MiB/step", flush=True)
     print(f"\nmedians of {args.rounds} rounds (global batch {args.global_batch}, stage 3, {args.cores} cores):")
     print(f"{'tier':5} {'ranks':>5} {'threads':>7} {'step s':>8} {'vs 1 rank':>9} {'collectives s':>13} "
-          f"{'net MiB/step':>12}")
+          f"{'net MiB/step':>12} {'bound s':>8} {'step/bound':>10}")
     out = []
     for tier in tiers:
         base = None
@@ -115,8 +118,12 @@ def main():
             ratio = statistics.median(ratios)
             coll = statistics.median(r["collectives_s"] for r in rs)
             net = rs[-1]["net_bytes"] / 2**20
-            print(f"{tier:5} {ws:5d} {max(1, args.cores // ws):7d} {step:8.3f} {ratio:9.2f} {coll:13.3f} {net:12.1f}")
+            bound = statistics.median(r["bound_s"] for r in rs)
+            over = statistics.median(r["step_over_bound"] for r in rs)
+            print(f"{tier:5} {ws:5d} {max(1, args.cores // ws):7d} {step:8.3f} {ratio:9.2f} {coll:13.3f} {net:12.1f} "
+                  f"{bound:8.3f} {over:10.3f}")
             out.append({"tier": tier, "world_size": ws, "step_s": step, "ratio_vs_first": ratio,
+                        "bound_s": bound, "step_over_bound": over,
                         "collectives_s": coll, "net_bytes": rs[-1]["net_bytes"], "rounds": rs})
     if args.json:
         with open(args.json, "w") as f:

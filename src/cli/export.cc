@@ -1,6 +1,7 @@
 // `strata export`: a checkpoint's weights as Hugging Face safetensors
-// and a config.json, streamed one tensor at a time (host memory: the largest
-// tensor, whatever the model size). No LibTorch here.
+// and a config.json, streamed through a buffer of --buffer-size (64 MiB:
+// host memory stays that, whatever the size of the model or of its largest
+// tensor). No LibTorch here.
 #include "cli/export.h"
 
 #include <fcntl.h>
@@ -35,16 +36,17 @@ struct ExportOptions {
   std::string out;
   std::string dtype = "bf16";
   std::string max_shard_size = "5GB";
+  std::string buffer_size = "64MiB";  // fp32 bytes read per chunk
 };
 
 // "5GB", "500MB", "2GiB", "1000000" -> bytes. Throws ConfigError naming the flag.
-int64_t parse_size(const std::string& text) {
+int64_t parse_size(const std::string& text, const char* flag) {
   size_t used = 0;
   double v = 0.0;
   try {
     v = std::stod(text, &used);
   } catch (...) {
-    throw ConfigError("--max-shard-size", "expected a size like 5GB or 500MB, got '" + text + "'");
+    throw ConfigError(flag, "expected a size like 5GB or 500MB, got '" + text + "'");
   }
   std::string unit = text.substr(used);
   for (char& c : unit) c = char(std::toupper(static_cast<unsigned char>(c)));
@@ -53,7 +55,7 @@ int64_t parse_size(const std::string& text) {
                                                {"KIB", 1024.0}, {"MIB", 1048576.0},  {"GIB", 1073741824.0}};
   auto it = units.find(unit);
   if (it == units.end() || !(v > 0.0)) {
-    throw ConfigError("--max-shard-size", "expected a positive size like 5GB or 500MB, got '" + text + "'");
+    throw ConfigError(flag, "expected a positive size like 5GB or 500MB, got '" + text + "'");
   }
   return int64_t(v * it->second);
 }
@@ -137,7 +139,8 @@ int run_export(const ExportOptions& opt) {
   if (opt.dtype != "bf16" && opt.dtype != "fp32") {
     throw ConfigError("--dtype", "expected bf16 or fp32, got '" + opt.dtype + "'");
   }
-  const int64_t max_shard = parse_size(opt.max_shard_size);
+  const int64_t max_shard = parse_size(opt.max_shard_size, "--max-shard-size");
+  const int64_t buffer_elems = std::max<int64_t>(1, parse_size(opt.buffer_size, "--buffer-size") / 4);
   nvme::EngineOptions engine;
   engine.block_size_bytes = int64_t(4) << 20;
   CheckpointReader reader(resolve_checkpoint(opt.checkpoint), engine);
@@ -180,8 +183,11 @@ int run_export(const ExportOptions& opt) {
                        : strprintf("model-%05zu-of-%05zu.safetensors", s + 1, shards);
   };
 
-  HostBuffer f32(size_t(largest * 4), "export: one tensor (fp32)");
-  HostBuffer out(size_t(largest * eb), "export: one tensor (output dtype)");
+  // Tensors stream through in chunks: host memory is one chunk, whatever the
+  // size of the largest tensor (Llama-3's 128256 x 4096 embedding is 2 GiB in fp32).
+  const int64_t chunk = std::min<int64_t>(largest, buffer_elems);
+  HostBuffer f32(size_t(chunk * 4), "export: one chunk (fp32)");
+  HostBuffer out(size_t(chunk * eb), "export: one chunk (output dtype)");
   ProgressBar bar("export", int64_t(items.size()));
   json weight_map = json::object();
   size_t done = 0;
@@ -207,15 +213,18 @@ int run_export(const ExportOptions& opt) {
       write_all(fd, h.data(), h.size(), tmp);
       for (const Item& it : items) {
         if (it.shard != s) continue;
-        reader.read(Category::kMaster, it.t->start, it.numel, f32.as<std::byte>());
-        const void* src = f32.data();
-        if (eb == 2) {
-          const float* x = f32.as<float>();
-          uint16_t* y = out.as<uint16_t>();
-          for (int64_t i = 0; i < it.numel; ++i) y[i] = cpu_adam::float_to_bf16(x[i]);  // as torch converts
-          src = out.data();
+        for (int64_t o = 0; o < it.numel; o += chunk) {
+          const int64_t n = std::min(chunk, it.numel - o);
+          reader.read(Category::kMaster, it.t->start + o, n, f32.as<std::byte>());
+          const void* src = f32.data();
+          if (eb == 2) {
+            const float* x = f32.as<float>();
+            uint16_t* y = out.as<uint16_t>();
+            for (int64_t i = 0; i < n; ++i) y[i] = cpu_adam::float_to_bf16(x[i]);  // as torch converts
+            src = out.data();
+          }
+          write_all(fd, src, size_t(n * eb), tmp);
         }
-        write_all(fd, src, size_t(it.numel * eb), tmp);
         bar.update(int64_t(++done), it.name);
       }
       if (::fsync(fd) != 0) throw IoError(tmp, errno, "cannot sync");
@@ -248,6 +257,8 @@ void register_export(CLI::App& app, int& result) {
   cmd->add_option("--out", opt->out, "Output directory (new or empty)")->required();
   cmd->add_option("--dtype", opt->dtype, "bf16 | fp32")->capture_default_str();
   cmd->add_option("--max-shard-size", opt->max_shard_size, "Largest safetensors file: 5GB, 500MB, ...")
+      ->capture_default_str();
+  cmd->add_option("--buffer-size", opt->buffer_size, "Host memory tensors stream through (fp32 bytes)")
       ->capture_default_str();
   cmd->callback([opt, &result]() { result = run_export(*opt); });
 }

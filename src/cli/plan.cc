@@ -2,12 +2,16 @@
 
 #include <sys/stat.h>
 
+#include <cmath>
 #include <cstdio>
+#include <tuple>
 #include <memory>
 
 #include <nlohmann/json.hpp>
 
 #include "comm/communicator.h"
+#include "engine/probes.h"
+#include "memory/bound.h"
 #include "memory/layout.h"
 #include "memory/param_window.h"
 #include "model/model.h"
@@ -25,6 +29,15 @@ struct PlanOptions {
   int world_size = 1;
   int nodes = 1;
   double net_gbps = 100.0;
+  bool net_given = false;
+  // The step's bound (memory/bound.h): rates given instead of measured
+  // (0 = run.rates' figure, else measured here), the probes' time, or none.
+  bool no_bound = false;
+  double probe_s = 0.5;
+  double device_tflops = 0, h2d_gbps = 0, d2h_gbps = 0, pcie_both_gbps = 0;
+  double nvme_gbps = 0, nvme_read_gbps = 0, nvme_write_gbps = 0, adam_gelems = 0;
+  // A machine described instead of measured (0 = measure): per node, per GPU.
+  double host_memory_gb = 0, nvme_gb = 0, device_memory_gb = 0;
 };
 
 std::string cell(int64_t bytes) { return bytes == 0 ? "-" : format_bytes(double(bytes)); }
@@ -45,7 +58,7 @@ struct Computed {
 // reduction per block per micro-batch (reduce-scatter at stages 2-3, all-reduce
 // at 0-1), and the all-reduce of the norm, loss and stop flag. Ring
 // collectives, the byte counts the Communicator reports as net_bytes.
-int64_t step_network_bytes(const PlacementPlan& p) {
+int64_t network_bytes(const PlacementPlan& p) {
   const int ws = p.world_size;
   if (ws <= 1) return 0;
   const DType param_t = p.compute_bytes == 4 ? DType::kF32 : DType::kBF16;
@@ -89,16 +102,16 @@ DataUse data_use(const Config& cfg) {
   return d;
 }
 
-Computed compute(const Config& cfg, int rank, int local_ranks) {
+Computed compute(const Config& cfg, int rank, int local_ranks, const GivenCapacity& given) {
   // From the specs alone, never the model: its tensors could be larger than
   // the machine, which is what the plan is there to say.
   StateLayout layout(model_layout_specs(cfg.model), shard_count(cfg));
   Computed c;
-  c.plan = plan_for_machine(cfg, layout, &c.cap, rank, local_ranks);
+  c.plan = plan_for_machine(cfg, layout, &c.cap, rank, local_ranks, nullptr, given);
   c.parameters = layout.parameter_count();
   c.shortfalls = plan_shortfalls(c.plan, c.cap);
   c.ranks_per_node = local_ranks;
-  c.net_bytes = step_network_bytes(c.plan);
+  c.net_bytes = network_bytes(c.plan);
   return c;
 }
 
@@ -147,20 +160,116 @@ nlohmann::json plan_json(const Computed& c) {
   return j;
 }
 
+// The rates of the bound: the flags, else run.rates, else measured here.
+Rates bound_rates(const PlanOptions& opt, const Config& cfg) {
+  Rates r = rates_from_config(cfg.run.rates);
+  auto flag = [](double v, double scale, const char* name, double& rate, std::string& source) {
+    if (v < 0 || std::isnan(v)) throw ConfigError(name, "must be a positive number");
+    if (v > 0) rate = v * scale, source = name;
+  };
+  flag(opt.device_tflops, 1e12, "--device-tflops", r.device_flops, r.device_flops_source);
+  flag(opt.h2d_gbps, 1e9, "--h2d-gbps", r.h2d, r.h2d_source);
+  flag(opt.d2h_gbps, 1e9, "--d2h-gbps", r.d2h, r.d2h_source);
+  flag(opt.pcie_both_gbps, 1e9, "--pcie-both-gbps", r.pcie_both, r.pcie_both_source);
+  flag(opt.nvme_gbps, 1e9, "--nvme-gbps", r.nvme_read, r.nvme_read_source);
+  flag(opt.nvme_gbps, 1e9, "--nvme-gbps", r.nvme_write, r.nvme_write_source);
+  flag(opt.nvme_read_gbps, 1e9, "--nvme-read-gbps", r.nvme_read, r.nvme_read_source);
+  flag(opt.nvme_write_gbps, 1e9, "--nvme-write-gbps", r.nvme_write, r.nvme_write_source);
+  flag(opt.adam_gelems, 1e9, "--adam-gelems", r.adam, r.adam_source);
+  if (opt.net_given || !(r.net > 0)) r.net = opt.net_gbps * 1e9 / 8, r.net_source = "--net-gbps";
+  return r;
+}
+
+nlohmann::json bound_json(const StepWork& w, const StepBound& b, const Rates& r) {
+  nlohmann::json res = nlohmann::json::array();
+  for (const ResourceTime& t : b.resources) {
+    res.push_back({{"resource", t.resource}, {"work", t.work}, {"rate", t.rate}, {"seconds", t.seconds}});
+  }
+  return {{"seconds", b.seconds},
+          {"binding", b.binding},
+          {"resources", res},
+          {"work", {{"flops", w.flops}, {"h2d_bytes", w.links.h2d}, {"d2h_bytes", w.links.d2h},
+                    {"nvme_read_bytes", w.links.nvme_read}, {"nvme_write_bytes", w.links.nvme_write},
+                    {"adam_elements", w.adam_elems}, {"net_bytes", w.net_bytes}}},
+          {"rates", {{"device_flops", r.device_flops}, {"device_flops_source", r.device_flops_source},
+                     {"h2d_bytes_per_s", r.h2d}, {"h2d_source", r.h2d_source},
+                     {"d2h_bytes_per_s", r.d2h}, {"d2h_source", r.d2h_source},
+                     {"pcie_both_bytes_per_s", r.pcie_both}, {"pcie_both_source", r.pcie_both_source},
+                     {"nvme_read_bytes_per_s", r.nvme_read}, {"nvme_read_source", r.nvme_read_source},
+                     {"nvme_write_bytes_per_s", r.nvme_write}, {"nvme_write_source", r.nvme_write_source},
+                     {"adam_elements_per_s", r.adam}, {"adam_source", r.adam_source},
+                     {"net_bytes_per_s", r.net}, {"net_source", r.net_source}}}};
+}
+
+std::string bound_text(const StepBound& b, const Rates& r, const StepWork& w, int64_t tokens) {
+  std::string out = "step bound (one optimizer step of one rank; docs/design.md, \"The step's bound\"):\n";
+  out += strprintf("  %-22s %-44s %-34s %9s\n", "resource", "work", "rate", "seconds");
+  for (const ResourceTime& t : b.resources) {
+    out += strprintf("  %-22s %-44s %-34s %9.3f\n", t.resource.c_str(), t.work.c_str(), t.rate.c_str(), t.seconds);
+  }
+  out += strprintf("bound: %.3f s per step, by %s (at most %.0f tokens/s)\n", b.seconds, b.binding.c_str(),
+                   b.seconds > 0 ? double(tokens) / b.seconds : 0.0);
+  std::string src;
+  for (const auto& [name, s, used] : std::vector<std::tuple<const char*, const std::string*, bool>>{
+           {"device", &r.device_flops_source, w.flops > 0}, {"adam", &r.adam_source, w.adam_elems > 0},
+           {"h2d", &r.h2d_source, w.links.h2d > 0}, {"d2h", &r.d2h_source, w.links.d2h > 0},
+           {"pcie", &r.pcie_both_source, w.links.h2d > 0 && w.links.d2h > 0},
+           {"nvme read", &r.nvme_read_source, w.links.nvme_read > 0},
+           {"nvme write", &r.nvme_write_source, w.links.nvme_write > 0}, {"network", &r.net_source, w.net_bytes > 0}}) {
+    if (used && !s->empty()) src += std::string(src.empty() ? "" : "; ") + name + ": " + *s;
+  }
+  return out + "  rates: " + src + "\n";
+}
+
 int run_plan(const PlanOptions& opt) {
+  setup_logging("warn", "");  // stderr: stdout carries the plan or its JSON
   if (opt.world_size < 1) throw ConfigError("--world-size", "must be at least 1");
   if (opt.nodes < 1 || opt.world_size % opt.nodes != 0) {
     throw ConfigError("--nodes", strprintf("%d nodes do not divide --world-size %d into equal nodes", opt.nodes,
                                            opt.world_size));
   }
   if (!(opt.net_gbps > 0)) throw ConfigError("--net-gbps", "must be positive");
+  for (auto [name, v] : {std::pair<const char*, double>{"--host-memory-gb", opt.host_memory_gb},
+                         {"--nvme-gb", opt.nvme_gb}, {"--device-memory-gb", opt.device_memory_gb},
+                         {"--probe-seconds", opt.probe_s}}) {
+    if (v < 0 || std::isnan(v)) throw ConfigError(name, "must be a positive number");
+  }
   Config cfg = load_config(opt.config_path, opt.overrides, opt.world_size);
   const int per_node = opt.world_size / opt.nodes;
-  Computed c = compute(cfg, 0, per_node);
+  GivenCapacity given;
+  auto gb = [](double v) { return v > 0 ? int64_t(v * double(int64_t(1) << 30)) : int64_t(-1); };
+  given.host_bytes = gb(opt.host_memory_gb);
+  given.nvme_bytes = gb(opt.nvme_gb);
+  given.device_bytes = gb(opt.device_memory_gb);
+  Computed c = compute(cfg, 0, per_node, given);
   const double net_s = double(c.net_bytes) * 8.0 / (opt.net_gbps * 1e9);
   const DataUse data = data_use(cfg);
+  // The bound: work from the plan, rates given or measured on this machine
+  // (a GPU only when run.device is cuda and one is here).
+  StepWork work;
+  StepBound bound;
+  Rates rates;
+  if (!opt.no_bound) {
+    rates = bound_rates(opt, cfg);
+    work = predicted_work(cfg, c.plan, train_fetches(c.plan), c.net_bytes);
+    const bool cpu_compute = cfg.run.device == DeviceKind::kCpu;
+    std::unique_ptr<Device> gpu;
+    Device* dev = &cpu_device();
+    if (!cpu_compute) {
+      DeviceMemoryInfo info;
+      dev = nullptr;
+      if (!missing_rates(work, rates, false).empty() && query_device_memory("cuda", &info)) {
+        gpu = make_device("cuda");
+        dev = gpu.get();
+      }
+    }
+    measure_missing_rates(cfg, c.plan, dev, work, rates, opt.probe_s);
+    bound = step_bound(work, rates, cpu_compute);
+  }
+  const int64_t step_tokens = cfg.train_micro_batch_size_per_gpu * cfg.model.seq_len * c.plan.accum;
   if (opt.json) {
     nlohmann::json j = plan_json(c);
+    if (!opt.no_bound) j["bound"] = bound_json(work, bound, rates);
     j["data"] = {{"files", cfg.data.paths.size()}, {"mapped_bytes", data.mapped_bytes},
                  {"token_batch_bytes", c.plan.staging.tokens}, {"missing_files", data.missing}};
     j["nodes"] = opt.nodes;
@@ -175,6 +284,7 @@ int run_plan(const PlanOptions& opt) {
                 "totals); each rank's own: the token batches above%s\n",
                 cfg.data.paths.size(), format_bytes(double(data.mapped_bytes)).c_str(),
                 data.missing.empty() ? "" : strprintf(" (%zu not on this machine, not counted)", data.missing.size()).c_str());
+    if (!opt.no_bound) std::fputs(bound_text(bound, rates, work, step_tokens).c_str(), stdout);
     if (opt.world_size > 1) {
       const auto tot = c.plan.total();
       std::printf("node total (%d ranks): device %s, host %s, nvme %s\n", per_node,
@@ -233,8 +343,10 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   return out;
 }
 
+int64_t step_network_bytes(const PlacementPlan& plan) { return network_bytes(plan); }
+
 void check_plan_fits(const Config& cfg, int rank, int local_ranks) {
-  Computed c = compute(cfg, rank, local_ranks);
+  Computed c = compute(cfg, rank, local_ranks, GivenCapacity{});
   if (c.shortfalls.empty()) return;
   std::string msg = "the placement plan does not fit this machine (see `strata plan`): ";
   for (size_t i = 0; i < c.shortfalls.size(); ++i) msg += (i ? "; " : "") + c.shortfalls[i];
@@ -250,7 +362,21 @@ void register_plan(CLI::App& app, int& result) {
   cmd->add_flag("--json", opt->json, "Print the plan as one JSON object");
   cmd->add_option("--world-size", opt->world_size, "Plan for this many ranks (one rank's plan, the node's total)");
   cmd->add_option("--nodes", opt->nodes, "Nodes the ranks are spread over (each plans with its node's share)");
-  cmd->add_option("--net-gbps", opt->net_gbps, "Network bandwidth per rank for the communication time (Gbit/s)");
+  cmd->add_option("--net-gbps", opt->net_gbps, "Network bandwidth per rank for the communication time (Gbit/s)")
+      ->each([opt](const std::string&) { opt->net_given = true; });
+  cmd->add_option("--host-memory-gb", opt->host_memory_gb, "Plan for a node with this much RAM (GiB), not this one");
+  cmd->add_option("--nvme-gb", opt->nvme_gb, "Plan for a node with this much free NVMe (GiB) under the swap directories");
+  cmd->add_option("--device-memory-gb", opt->device_memory_gb, "Plan for GPUs with this much memory each (GiB)");
+  cmd->add_flag("--no-bound", opt->no_bound, "Skip the step's bound (no probes)");
+  cmd->add_option("--probe-seconds", opt->probe_s, "Time each rate probe takes (default 0.5)");
+  cmd->add_option("--device-tflops", opt->device_tflops, "The device's compute rate for the bound (TFLOP/s)");
+  cmd->add_option("--h2d-gbps", opt->h2d_gbps, "Host-to-device copy rate (GB/s)");
+  cmd->add_option("--d2h-gbps", opt->d2h_gbps, "Device-to-host copy rate (GB/s)");
+  cmd->add_option("--pcie-both-gbps", opt->pcie_both_gbps, "Both directions at once, aggregate (GB/s)");
+  cmd->add_option("--nvme-gbps", opt->nvme_gbps, "NVMe read and write rate in the swap directories (GB/s)");
+  cmd->add_option("--nvme-read-gbps", opt->nvme_read_gbps, "NVMe read rate (GB/s)");
+  cmd->add_option("--nvme-write-gbps", opt->nvme_write_gbps, "NVMe write rate (GB/s)");
+  cmd->add_option("--adam-gelems", opt->adam_gelems, "CPU Adam rate (G elements/s)");
   cmd->callback([opt, &result]() { result = run_plan(*opt); });
 }
 

@@ -23,4 +23,8 @@ std::string format_plan(const PlacementPlan& plan, const MachineCapacity& cap,
 // not fit (what `strata train` runs first).
 void check_plan_fits(const Config& cfg, int rank = 0, int local_ranks = 1);
 
+// Bytes one rank sends per training step under `plan` (ring collectives, as
+// the Communicator counts net_bytes).
+int64_t step_network_bytes(const PlacementPlan& plan);
+
 }  // namespace strata

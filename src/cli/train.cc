@@ -21,6 +21,8 @@
 
 #include "checkpoint/checkpoint.h"
 #include "cli/plan.h"
+#include "engine/probes.h"
+#include "memory/bound.h"
 #include "comm/communicator.h"
 #include "config/config.h"
 #include "data/dataset.h"
@@ -182,6 +184,54 @@ void check_checkpoint_dir(const std::string& dir) {
   remove_file(probe);
 }
 
+// What each step's bound_s is computed from: the plan's work (its link and
+// network counts replaced by each step's own) and the rates.
+struct TrainBound {
+  StepWork work;
+  Rates rates;
+  bool cpu_compute = true;
+};
+
+// The network's rate from all-reduces of 16 MiB (every rank takes part).
+double measure_network(Communicator& comm, double budget_s) {
+  const int64_t count = int64_t(4) << 20;
+  std::vector<float> buf(size_t(count), 1.0f);
+  comm.all_reduce(buf.data(), count, DType::kF32, ReduceOp::kSum).wait();  // warm-up
+  std::vector<double> t;
+  const auto start = std::chrono::steady_clock::now();
+  do {
+    const auto t0 = std::chrono::steady_clock::now();
+    comm.all_reduce(buf.data(), count, DType::kF32, ReduceOp::kSum).wait();
+    t.push_back(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+    // The same number of rounds on every rank: rank 0's clock decides.
+    int64_t more = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() < budget_s ||
+                   t.size() < 3;
+    comm.broadcast(&more, 1, DType::kI64, 0).wait();
+    if (!more) break;
+  } while (true);
+  std::sort(t.begin(), t.end());
+  return double(ring_all_reduce_bytes(comm.world_size(), count, DType::kF32)) / t[t.size() / 2];
+}
+
+TrainBound train_bound(const Config& cfg, const Trainer& trainer, Communicator& comm) {
+  TrainBound b;
+  const PlacementPlan& plan = trainer.plan();
+  b.cpu_compute = !trainer.device().is_cuda();
+  b.work = predicted_work(cfg, plan, train_fetches(plan), step_network_bytes(plan));
+  b.rates = rates_from_config(cfg.run.rates);
+  if (b.work.net_bytes > 0 && !(b.rates.net > 0)) {
+    b.rates.net = measure_network(comm, 0.2);
+    b.rates.net_source = "measured: all-reduce of 16 MiB";
+  }
+  measure_missing_rates(cfg, plan, &trainer.device(), b.work, b.rates, 0.2);
+  const StepBound bound = step_bound(b.work, b.rates, b.cpu_compute);
+  std::string rows;
+  for (const ResourceTime& t : bound.resources) rows += strprintf("; %s %.3f s", t.resource.c_str(), t.seconds);
+  log::info("bound: %.3f s per step, by %s (docs/design.md, \"The step's bound\")%s", bound.seconds,
+            bound.binding.c_str(), rows.c_str());
+  return b;
+}
+
 int run_train(const TrainOptions& opt) {
   const RankInfo who = rank_info_from_environment();
   std::vector<std::string> overrides = opt.overrides;
@@ -294,6 +344,11 @@ int run_train(const TrainOptions& opt) {
             (long long)cfg.gradient_accumulation_steps, who.world_size, (long long)cfg.zero.stage,
             compute_dtype_name(cfg.run.compute_dtype), at::get_num_threads());
 
+  // The step's bound (docs/design.md, "The step's bound"): each step's own
+  // byte counts over rates given in run.rates or measured here now, in a
+  // second or so (every rank measures its own; the network by all-reduces).
+  const TrainBound bound = train_bound(cfg, trainer, *comm);
+
   const int64_t micro = cfg.train_micro_batch_size_per_gpu;
   const int64_t accum = cfg.gradient_accumulation_steps;
   const int64_t window = cfg.model.seq_len + 1;
@@ -385,6 +440,10 @@ int run_train(const TrainOptions& opt) {
     if (s == first_step) first_loss = r.loss;
     last_loss = r.loss;
     const double tokens_per_s = double(r.tokens) / step_s;
+    StepWork done = bound.work;
+    done.links = r.links;
+    done.net_bytes = r.net_bytes;
+    const double bound_s = step_bound(done, bound.rates, bound.cpu_compute).seconds;
     nlohmann::json line = {
         {"step", s},
         {"loss", r.loss},
@@ -394,6 +453,7 @@ int run_train(const TrainOptions& opt) {
         {"tokens_per_s", tokens_per_s},
         {"flops_per_s", tokens_per_s * model.flops_per_token()},
         {"step_s", step_s},
+        {"bound_s", bound_s},
         {"elapsed_s", std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count()},
         {"h2d_bytes", r.links.h2d},
         {"d2h_bytes", r.links.d2h},
@@ -445,8 +505,9 @@ int run_train(const TrainOptions& opt) {
       }
     }
     metrics.write(line);
-    char suffix[96];
-    std::snprintf(suffix, sizeof(suffix), "loss %.4f | %.0f tok/s | lr %.2e", r.loss, tokens_per_s, r.lr);
+    char suffix[128];
+    std::snprintf(suffix, sizeof(suffix), "loss %.4f | %.0f tok/s | %.0f%% of bound | lr %.2e", r.loss, tokens_per_s,
+                  100.0 * bound_s / step_s, r.lr);
     if (bar) bar->update(s, suffix);
     if (r.stop) break;
   }

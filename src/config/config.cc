@@ -976,10 +976,26 @@ void parse_run(const json& root, Config& c) {
   check_keys(r, path,
              {"steps", "seed", "metrics", "log_file", "log_level", "device", "threads",
               "device_memory_mb", "cpu_adam_isa", "overlap_optimizer",
-              "swap_checksums", "optimizer_state_dtype", "checkpoint", "recompute"},
+              "swap_checksums", "optimizer_state_dtype", "checkpoint", "recompute", "rates"},
              kNone, c.ignored_keys);
   RunConfig& rc = c.run;
   if (read(r, path, "steps", rc.steps)) positive("run.steps", rc.steps);
+  if (const json* rates = find(r, "rates"); rates != nullptr && !rates->is_null()) {
+    const std::string rp = "run.rates";
+    if (!rates->is_object()) wrong_type(rp, "an object", *rates);
+    check_keys(*rates, rp,
+               {"device_tflops", "h2d_gbps", "d2h_gbps", "pcie_both_gbps", "nvme_read_gbps", "nvme_write_gbps",
+                "adam_gelems", "net_gbps"},
+               kNone, c.ignored_keys);
+    RateOverrides& o = rc.rates;
+    for (auto [key, out] : {std::pair<const char*, double*>{"device_tflops", &o.device_tflops},
+                            {"h2d_gbps", &o.h2d_gbps}, {"d2h_gbps", &o.d2h_gbps},
+                            {"pcie_both_gbps", &o.pcie_both_gbps}, {"nvme_read_gbps", &o.nvme_read_gbps},
+                            {"nvme_write_gbps", &o.nvme_write_gbps}, {"adam_gelems", &o.adam_gelems},
+                            {"net_gbps", &o.net_gbps}}) {
+      if (read(*rates, rp, key, *out)) positive(join(rp, key), *out);
+    }
+  }
   read(r, path, "seed", rc.seed);
   read(r, path, "metrics", rc.metrics);
   read(r, path, "log_file", rc.log_file);

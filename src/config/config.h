@@ -89,6 +89,16 @@ const char* compute_dtype_name(ComputeDtype d);  // "fp32", "bf16", "fp16"
 const char* recompute_name(Recompute r);         // "auto", "always", "never"
 inline int compute_dtype_bytes(ComputeDtype d) { return d == ComputeDtype::kFp32 ? 4 : 2; }
 
+// run.rates: the rates of the step's bound (memory/bound.h) given instead of
+// measured at start; 0 = measure. Units as the keys say.
+struct RateOverrides {
+  double device_tflops = 0;
+  double h2d_gbps = 0, d2h_gbps = 0, pcie_both_gbps = 0;  // GB/s (1e9 bytes)
+  double nvme_read_gbps = 0, nvme_write_gbps = 0;
+  double adam_gelems = 0;  // G elements/s
+  double net_gbps = 0;     // Gbit/s
+};
+
 struct RunConfig {
   int64_t steps = 200;
   uint64_t seed = 1234;
@@ -115,6 +125,7 @@ struct RunConfig {
   // stay in place for the step and the activations fit). Note [Recompute].
   Recompute recompute = Recompute::kAuto;
   CheckpointConfig checkpoint;
+  RateOverrides rates;
 };
 
 struct OptimizerConfig {

@@ -79,8 +79,6 @@ int64_t OptimizerStaging::bytes() const {
 
 // ---- the pass ---------------------------------------------------------------------
 
-namespace {
-
 // CPU Adam's threads (docs/config.md, run.threads): run.threads when set; on
 // the CPU device every core (the compute is the CPU's, and it waits for the
 // optimizer anyway); on a GPU every core but two, which the thread that
@@ -92,8 +90,6 @@ int adam_threads(const Config& cfg, const Device& device) {
   const int cores = int(std::thread::hardware_concurrency());
   return std::max(1, cores - 2);
 }
-
-}  // namespace
 
 OptimizerPass::OptimizerPass(const StepContext& ctx, const PlacementPlan& plan, cpu_adam::Isa isa)
     : ctx_(ctx), adam_(std::make_unique<cpu_adam::CpuAdam>(adam_threads(*ctx.cfg, *ctx.device), isa)) {

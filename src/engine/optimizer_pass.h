@@ -91,6 +91,9 @@ class SaveGate {
 //
 // Thread-safety: step(), wait(), finish() and the accessors are the compute
 // thread's; set_save() and wait_for_job() any thread's.
+// CPU Adam's threads for `cfg` on `device` (0 = all cores).
+int adam_threads(const Config& cfg, const Device& device);
+
 class OptimizerPass {
  public:
   // Cuts the plan's pieces and their runs, allocates the staging, and with

@@ -126,6 +126,7 @@ class Trainer {
 
   const StateLayout& layout() const { return layout_; }
   const PlacementPlan& plan() const { return state_->plan(); }
+  Device& device() const { return *ctx_.device; }
   const TieredState& state() const { return *state_; }
   StateBytes state_bytes() const;
   int64_t steps_done() const { return step_; }

@@ -94,12 +94,14 @@ ParamWindow::~ParamWindow() { drain(); }
 WindowShape ParamWindow::plan(const std::vector<const std::vector<WindowUse>*>& schedules) {
   STRATA_CHECK(state_ == nullptr, "plan() is a dry run, before attach()");
   for (const std::vector<WindowUse>* s : schedules) {
+    block_fetches_.assign(numel_.size(), 0);
     begin(s);
     DevicePtr out[2];
     for (size_t i = 0; i < s->size(); ++i) {
       acquire(out);
       release();
     }
+    if (s == schedules.front()) planned_fetches_ = block_fetches_;
   }
   WindowShape shape = shape_;
   shape.slots = peak_slots_;
@@ -188,6 +190,7 @@ void ParamWindow::fetch_persistent(int32_t b) {
   }
   persistent_valid_[size_t(b)] = 1;
   ++fetches_;
+  if (!block_fetches_.empty()) ++block_fetches_[size_t(b)];
 }
 
 // Starts fetching block b into slot s: straight to the device from host and
@@ -318,6 +321,7 @@ bool ParamWindow::try_claim(size_t i, bool force) {
     if (slot.ahead) ahead_ += numel_[size_t(b)];
     ++in_use_;
     ++fetches_;
+    if (!block_fetches_.empty()) ++block_fetches_[size_t(b)];
     if (state_ != nullptr) fetch_slot(s, b);
   }
   peak_slots_ = std::max(peak_slots_, in_use_);

@@ -110,6 +110,9 @@ class ParamWindow {
   int64_t peak_ahead_numel() const { return peak_ahead_; }
   double wait_seconds() const { return wait_s_; }
   int64_t fetches() const { return fetches_; }
+  // Per block, the fetches the first schedule of the last plan() needed
+  // (for the training schedule: F of docs/design.md, "Bytes per link").
+  const std::vector<int64_t>& planned_fetches() const { return planned_fetches_; }
   // Bounce-buffer H2D copies started before their block was acquired
   // (pump_bounced), and all of them.
   int64_t early_bounce_copies() const { return early_bounce_copies_; }
@@ -173,6 +176,8 @@ class ParamWindow {
   int64_t peak_ahead_ = 0;
   double wait_s_ = 0.0;
   int64_t fetches_ = 0;
+  std::vector<int64_t> block_fetches_;    // per block, since the last plan() pass began
+  std::vector<int64_t> planned_fetches_;
   int64_t early_bounce_copies_ = 0, bounce_copies_ = 0;
 };
 

@@ -629,10 +629,17 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
 }
 
 PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, MachineCapacity* capacity,
-                               int64_t rank, int local_ranks, const Device* device) {
+                               int64_t rank, int local_ranks, const Device* device, const GivenCapacity& given) {
+  const int ranks = std::max(1, local_ranks);
   auto measure = [&](const std::vector<std::string>& paths) {
     MachineCapacity m = measure_capacity(cfg, paths, local_ranks);
     if (device != nullptr) m.device_addressable = device->host_addressable();
+    if (given.host_bytes >= 0) m.host_bytes = given.host_bytes / ranks;
+    if (given.nvme_bytes >= 0) m.nvme_bytes = given.nvme_bytes / ranks;
+    if (given.device_bytes >= 0) {
+      m.device_bytes = given.device_bytes;
+      m.device_source = "--device-memory-gb";
+    }
     return m;
   };
   // The swap directories are known only from a first plan; capacity matters

@@ -233,8 +233,18 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
 // use), each of `local_ranks` ranks of the node taking its share. `device`:
 // the device the run computes on when it is not run.device's (tests), whose
 // addressability the plan takes.
+// A machine described instead of measured (`strata plan --host-memory-gb`,
+// `--nvme-gb`, `--device-memory-gb`: planning a node you are not on). Node
+// figures are divided among the node's ranks like measured ones; < 0 = measure.
+struct GivenCapacity {
+  int64_t host_bytes = -1;    // RAM of the node
+  int64_t nvme_bytes = -1;    // free bytes under the swap directories, per node
+  int64_t device_bytes = -1;  // memory of each GPU (or the device budget)
+};
+
 PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, MachineCapacity* capacity,
-                               int64_t rank = 0, int local_ranks = 1, const Device* device = nullptr);
+                               int64_t rank = 0, int local_ranks = 1, const Device* device = nullptr,
+                               const GivenCapacity& given = {});
 
 // The verdict: empty when the plan fits `capacity`; otherwise one line per
 // short tier ("host: short by 3.2 GiB (needs 35.2 GiB, has 32.0 GiB); move

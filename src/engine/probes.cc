@@ -1,0 +1,251 @@
+#include "engine/probes.h"
+
+#include <ATen/ATen.h>
+
+#include <algorithm>
+#include <chrono>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#include "cpu_adam/adam.h"
+#include "engine/compute_stream.h"
+#include "engine/optimizer_pass.h"
+#include "model/model.h"
+#include "nvme/bench.h"
+#include "util/errors.h"
+#include "util/fs.h"
+#include "util/logging.h"
+
+namespace strata {
+
+namespace {
+
+using Clock = std::chrono::steady_clock;
+
+double since(Clock::time_point t0) { return std::chrono::duration<double>(Clock::now() - t0).count(); }
+
+// Runs `once` after one warm-up call until `budget_s` is spent (at least 3
+// times); the median seconds of one call.
+template <typename F>
+double median_seconds(double budget_s, F once) {
+  once();
+  std::vector<double> t;
+  const auto start = Clock::now();
+  while (t.size() < 3 || (since(start) < budget_s && t.size() < 1000)) {
+    const auto t0 = Clock::now();
+    once();
+    t.push_back(since(t0));
+  }
+  std::sort(t.begin(), t.end());
+  return t[t.size() / 2];
+}
+
+at::ScalarType compute_scalar_type(const Config& cfg) {
+  switch (cfg.run.compute_dtype) {
+    case ComputeDtype::kBf16: return at::kBFloat16;
+    case ComputeDtype::kFp16: return at::kHalf;
+    case ComputeDtype::kFp32: break;
+  }
+  return at::kFloat;
+}
+
+}  // namespace
+
+double probe_compute(const Config& cfg, Device& device, double budget_s, std::string* what) {
+  ModelConfig m = cfg.model;
+  m.n_layers = 1;
+  const bool cpu = !device.is_cuda();
+  const at::ScalarType dt = compute_scalar_type(cfg);
+  const int64_t elem = dt == at::kFloat ? 4 : 2;
+  // A layer over 256 MiB of weights is narrowed on the CPU: width, head width
+  // and the MLP by one factor (large products keep their rate), so the probe
+  // stays small whatever the model (the plan of a model far too large for
+  // the machine must still come out).
+  const double layer_params =
+      double(m.dim) * double(2 * m.q_dim() + 2 * m.kv_heads() * m.head_dim()) + 3.0 * double(m.dim) * double(m.ffn_dim());
+  std::string shape_note;
+  if (cpu && layer_params * double(elem) > double(int64_t(256) << 20)) {
+    const double k = std::sqrt(layer_params * double(elem) / double(int64_t(256) << 20));
+    const int64_t dim = std::max<int64_t>(64, int64_t(double(m.dim) / k) / 64 * 64);
+    const int64_t hd = std::max<int64_t>(2, std::min(m.head_dim(), dim) / 2 * 2);
+    const int64_t group = m.n_heads / m.kv_heads();
+    const int64_t heads = std::max<int64_t>(group, dim / hd / group * group);
+    m.ffn_hidden = std::max<int64_t>(64, int64_t(double(m.ffn_dim()) / k));
+    m.dim = dim;
+    m.explicit_head_dim = hd;
+    m.n_heads = heads;
+    m.n_kv_heads = heads / group;
+    shape_note = strprintf(", narrowed to dim %lld, %lld heads of %lld, ffn %lld", (long long)m.dim,
+                           (long long)m.n_heads, (long long)hd, (long long)m.ffn_hidden);
+  }
+  int64_t batch = cfg.train_micro_batch_size_per_gpu, seq = m.seq_len;
+  // On the CPU, at most ~1e10 FLOPs a call: fewer windows, then shorter ones.
+  if (cpu) {
+    const double per_token = step_flops(m, 1, false) - 6.0 * double(m.vocab_size * m.dim);
+    const int64_t tokens = std::max<int64_t>(64, int64_t(1e10 / std::max(per_token, 1.0)));
+    if (batch * seq > tokens) {
+      batch = std::max<int64_t>(1, tokens / seq);
+      if (batch * seq > tokens) seq = std::max<int64_t>(64, std::min(seq, tokens));
+    }
+  }
+  m.seq_len = seq;
+  Model model(m);
+  const BlockDesc& layer = model.blocks().at(1);
+  ComputeStreamScope scope(device);
+  const at::TensorOptions opts = at::TensorOptions().dtype(dt).device(torch_device(device));
+  at::Generator gen = at::detail::createCPUGenerator(1);
+  std::vector<at::Tensor> w;
+  for (const ParamSpec& p : layer.params) {
+    at::Tensor t = p.init == Init::kOnes ? at::ones(p.shape, opts)
+                                         : at::normal(0.0, 0.02, p.shape, gen, at::TensorOptions().dtype(at::kFloat))
+                                               .to(opts);
+    w.push_back(t.requires_grad_(true));
+  }
+  at::Tensor x = at::normal(0.0, 1.0, {batch, seq, m.dim}, gen, at::TensorOptions().dtype(at::kFloat)).to(opts);
+  x.requires_grad_(true);
+  at::Tensor dy = at::normal(0.0, 1.0, {batch, seq, m.dim}, gen, at::TensorOptions().dtype(at::kFloat)).to(opts);
+  const double s = median_seconds(budget_s, [&] {
+    at::Tensor y = model.forward(1, w, x);
+    y.backward(dy);
+    for (at::Tensor& t : w) t.mutable_grad().reset();
+    x.mutable_grad().reset();
+    if (!cpu) device.synchronize(Stream::kCompute);
+  });
+  // One layer's forward and backward: the layer terms of step_flops.
+  const double flops = step_flops(m, batch * seq, false) - 6.0 * double(batch * seq) * double(m.vocab_size * m.dim);
+  if (what) {
+    *what = strprintf("measured: one layer, %lld x %lld tokens, %s%s", (long long)batch, (long long)seq,
+                      compute_dtype_name(cfg.run.compute_dtype), shape_note.c_str());
+  }
+  return flops / s;
+}
+
+CopyRates probe_copies(Device& device, double budget_s) {
+  const int64_t bytes = budget_s >= 0.5 ? int64_t(64) << 20 : int64_t(16) << 20;
+  PinnedHostBuffer host = device.allocate_pinned(2 * bytes, "copy probe (host)");
+  DeviceBuffer dev = device.allocate(2 * bytes, "copy probe (device)");
+  std::memset(host.data(), 1, size_t(2 * bytes));
+  device.copy_to_device(dev.ptr(), host.data(), 2 * bytes, Stream::kH2D);
+  device.synchronize(Stream::kH2D);
+  CopyRates r;
+  const double third = budget_s / 3;
+  r.h2d = double(bytes) / median_seconds(third, [&] {
+            device.copy_to_device(dev.ptr(), host.data(), bytes, Stream::kH2D);
+            device.synchronize(Stream::kH2D);
+          });
+  r.d2h = double(bytes) / median_seconds(third, [&] {
+            device.copy_to_host(host.data(), dev.ptr(), bytes, Stream::kD2H);
+            device.synchronize(Stream::kD2H);
+          });
+  // Both at once: each direction on its own stream, different halves.
+  r.both = double(2 * bytes) / median_seconds(third, [&] {
+             device.copy_to_device(dev.ptr(), host.data(), bytes, Stream::kH2D);
+             device.copy_to_host(host.data() + bytes, dev.ptr() + bytes, bytes, Stream::kD2H);
+             device.synchronize(Stream::kH2D);
+             device.synchronize(Stream::kD2H);
+           });
+  return r;
+}
+
+IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s) {
+  if (!is_directory(dir)) {
+    throw InputError(dir, "the swap directory does not exist, so the NVMe probe cannot run here; create it, or "
+                          "give --nvme-read-gbps and --nvme-write-gbps (run.rates.nvme_read_gbps, nvme_write_gbps)");
+  }
+  nvme::BenchOptions o;
+  o.dir = dir;
+  // About budget_s at 2 GB/s each way, within [64 MiB, 1 GiB].
+  o.bytes = std::clamp<int64_t>(int64_t(budget_s * 1e9) / (int64_t(4) << 20) * (int64_t(4) << 20), int64_t(64) << 20,
+                                int64_t(1) << 30);
+  o.max_buffer_bytes = int64_t(64) << 20;
+  nvme::EngineOptions e;
+  e.block_size_bytes = cfg.aio.block_size;
+  e.queue_depth = int(cfg.aio.queue_depth);
+  e.rings = int(cfg.aio.intra_op_parallelism);
+  e.single_submit = cfg.aio.single_submit;
+  e.overlap_events = cfg.aio.overlap_events;
+  nvme::IoBench bench(o);
+  IoRates r;
+  r.write = bench.run(nvme::IoOp::kWrite, e).gbps() * 1e9;
+  r.read = bench.run(nvme::IoOp::kRead, e).gbps() * 1e9;
+  return r;
+}
+
+double probe_adam(const Config& cfg, const Device& device, double budget_s) {
+  const cpu_adam::Isa isa = cpu_adam::parse_isa(cfg.run.cpu_adam_isa);
+  cpu_adam::CpuAdam adam(adam_threads(cfg, device), isa);
+  // Well past the caches: 8 Mi elements (4 Mi for a short probe) of 18-20 bytes.
+  const int64_t n = budget_s >= 0.5 ? int64_t(8) << 20 : int64_t(4) << 20;
+  const bool bf16_state = cfg.run.optimizer_state_dtype == "bf16";
+  std::vector<float> param(size_t(n), 0.5f), grad(size_t(n), 1e-3f);
+  std::vector<uint32_t> m(size_t(n), 0), v(size_t(n), 0);  // zero in fp32 and in bf16 pairs
+  std::vector<uint16_t> emit(static_cast<size_t>(n), uint16_t{0});
+  cpu_adam::AdamSpans s;
+  s.param = param.data();
+  s.grad = grad.data();
+  s.exp_avg = m.data();
+  s.exp_avg_sq = v.data();
+  s.state_type = bf16_state ? cpu_adam::StateType::kBF16 : cpu_adam::StateType::kF32;
+  s.numel = n;
+  if (cfg.run.compute_dtype != ComputeDtype::kFp32) {
+    s.emit = emit.data();
+    s.emit_type = cfg.run.compute_dtype == ComputeDtype::kBf16 ? cpu_adam::EmitType::kBF16 : cpu_adam::EmitType::kF16;
+  }
+  cpu_adam::AdamParams h;
+  cpu_adam::StepArgs a;
+  return double(n) / median_seconds(budget_s, [&] {
+           adam.step(h, a, s);
+           ++a.step;
+         });
+}
+
+void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device* device, const StepWork& work,
+                           Rates& rates, double budget_s) {
+  const bool cpu_compute = device == nullptr || !device->is_cuda();
+  auto need = [&](double rate, bool has_work) { return has_work && !(rate > 0); };
+  if (need(rates.device_flops, work.flops > 0)) {
+    if (device == nullptr) {
+      throw ConfigError("--device-tflops", "run.device is cuda and this machine has no GPU to measure: give the "
+                                           "device's rate (run.rates.device_tflops)");
+    }
+    rates.device_flops = probe_compute(cfg, *device, budget_s, &rates.device_flops_source);
+  }
+  if (need(rates.adam, work.adam_elems > 0)) {
+    rates.adam = probe_adam(cfg, device ? *device : cpu_device(), budget_s);
+    rates.adam_source = strprintf("measured: CPU Adam over %d Mi elements", budget_s >= 0.5 ? 8 : 4);
+  }
+  const bool h2d = need(rates.h2d, work.links.h2d > 0), d2h = need(rates.d2h, work.links.d2h > 0);
+  const bool both = !cpu_compute && need(rates.pcie_both, work.links.h2d > 0 && work.links.d2h > 0);
+  if (h2d || d2h || both) {
+    if (device == nullptr) {
+      throw ConfigError(h2d ? "--h2d-gbps" : d2h ? "--d2h-gbps" : "--pcie-both-gbps",
+                        "run.device is cuda and this machine has no GPU to measure copies with");
+    }
+    const CopyRates c = probe_copies(*device, budget_s);
+    const std::string src = cpu_compute ? "measured: memcpy (CPU device)" : "measured: registered memory";
+    if (h2d) rates.h2d = c.h2d, rates.h2d_source = src;
+    if (d2h) rates.d2h = c.d2h, rates.d2h_source = src;
+    if (both) rates.pcie_both = c.both, rates.pcie_both_source = src;
+  }
+  const bool rd = need(rates.nvme_read, work.links.nvme_read > 0), wr = need(rates.nvme_write, work.links.nvme_write > 0);
+  if (rd || wr) {
+    STRATA_CHECK(!plan.nvme_paths.empty(), "NVMe work without a swap directory");
+    // A swap directory training has not created yet is measured in its
+    // nearest existing parent (the same file system, as a rule).
+    std::string dir = plan.nvme_paths.front();
+    while (!is_directory(dir) && dir != "/" && dir != "." && !dir.empty()) {
+      dir = dir.find('/') == std::string::npos ? "." : parent_dir(dir);
+    }
+    const IoRates io = probe_nvme(cfg, dir, budget_s);
+    std::string src = "measured: I/O engine in " + dir;
+    if (dir != plan.nvme_paths.front()) src += " (" + plan.nvme_paths.front() + " does not exist yet)";
+    if (rd) rates.nvme_read = io.read, rates.nvme_read_source = src;
+    if (wr) rates.nvme_write = io.write, rates.nvme_write_source = src;
+  }
+  if (need(rates.net, work.net_bytes > 0)) {
+    throw ConfigError("--net-gbps", "ranks send bytes each step and no network rate was given (run.rates.net_gbps)");
+  }
+}
+
+}  // namespace strata

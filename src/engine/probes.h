@@ -1,0 +1,50 @@
+// Short measurements of the rates the step's bound divides work by
+// (memory/bound.h; docs/design.md, "The step's bound"), on the machine and
+// device the run uses: the device's compute at this model's shapes, host <->
+// device copies, the I/O engine in a swap directory, CPU Adam. Each takes
+// about `budget_s` seconds after a warm-up.
+#pragma once
+
+#include <string>
+
+#include "config/config.h"
+#include "memory/bound.h"
+#include "memory/device.h"
+#include "memory/placement.h"
+
+namespace strata {
+
+// FLOP/s of one layer's forward and backward at the configured micro-batch
+// shape and compute dtype, on `device` (its compute stream). On the CPU, a
+// shape whose FLOPs would take long is shortened to fewer tokens, and a layer
+// over 256 MiB of weights is narrowed (the rate of large matrix products
+// changes little with size); `what` says what ran.
+double probe_compute(const Config& cfg, Device& device, double budget_s, std::string* what);
+
+// Bytes/s of copies between registered host memory and `device`: H2D alone,
+// D2H alone, and both at once (aggregate). On the CPU device, memcpy.
+struct CopyRates {
+  double h2d = 0, d2h = 0, both = 0;
+};
+CopyRates probe_copies(Device& device, double budget_s);
+
+// Bytes/s of the I/O engine (the config's aio settings) writing then reading
+// a temporary file in `dir`. Throws InputError naming the directory when it
+// does not exist.
+struct IoRates {
+  double read = 0, write = 0;
+};
+IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s);
+
+// CPU Adam's elements/s with the optimizer's threads, ISA and state dtype,
+// emitting the compute dtype's working copy.
+double probe_adam(const Config& cfg, const Device& device, double budget_s);
+
+// Fills each rate `work` needs and `rates` lacks by measuring it here (NVMe
+// in plan.nvme_paths' first directory), naming the source "measured". A rate
+// that cannot be measured here (no swap directory yet, no GPU for cuda, the
+// network) throws ConfigError naming the flag or run.rates key that gives it.
+void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device* device, const StepWork& work,
+                           Rates& rates, double budget_s);
+
+}  // namespace strata

@@ -1,0 +1,180 @@
+#include "memory/bound.h"
+
+#include <algorithm>
+
+#include "memory/param_window.h"
+#include "util/errors.h"
+#include "util/logging.h"
+
+namespace strata {
+
+double step_flops(const ModelConfig& m, int64_t tokens, bool recompute) {
+  const double d = double(m.dim), q = double(m.q_dim()), kv = double(m.kv_heads() * m.head_dim());
+  const double f = double(m.ffn_dim()), v = double(m.vocab_size), t = double(m.seq_len);
+  // Forward FLOPs per token: 2 per multiply-add of each matrix, and the
+  // attention's two T x head_dim products per head (causal halving ignored).
+  const double layer_matrices = d * q + 2 * d * kv + q * d + 3 * d * f;
+  const double layer_fwd = 2 * layer_matrices + 4 * t * q;
+  const double fwd = double(m.n_layers) * layer_fwd + 2 * v * d;  // the head's matrix, tied or not
+  // Backward is twice the forward; recompute runs the layers' forward again.
+  return double(tokens) * (3 * fwd + (recompute ? double(m.n_layers) * layer_fwd : 0.0));
+}
+
+Rates rates_from_config(const RateOverrides& o) {
+  Rates r;
+  auto set = [](double v, double scale, double& rate, std::string& source, const char* key) {
+    if (v > 0) rate = v * scale, source = std::string("run.rates.") + key;
+  };
+  set(o.device_tflops, 1e12, r.device_flops, r.device_flops_source, "device_tflops");
+  set(o.h2d_gbps, 1e9, r.h2d, r.h2d_source, "h2d_gbps");
+  set(o.d2h_gbps, 1e9, r.d2h, r.d2h_source, "d2h_gbps");
+  set(o.pcie_both_gbps, 1e9, r.pcie_both, r.pcie_both_source, "pcie_both_gbps");
+  set(o.nvme_read_gbps, 1e9, r.nvme_read, r.nvme_read_source, "nvme_read_gbps");
+  set(o.nvme_write_gbps, 1e9, r.nvme_write, r.nvme_write_source, "nvme_write_gbps");
+  set(o.adam_gelems, 1e9, r.adam, r.adam_source, "adam_gelems");
+  set(o.net_gbps, 1e9 / 8, r.net, r.net_source, "net_gbps");
+  return r;
+}
+
+std::vector<int64_t> train_fetches(const PlacementPlan& plan) {
+  std::unique_ptr<ParamWindow> w = make_param_window(plan);
+  const std::vector<WindowUse> train = train_schedule(int(plan.block_numel.size()), plan.tied, plan.accum);
+  w->plan({&train});
+  return w->planned_fetches();
+}
+
+namespace {
+
+// Elements of unit `u` inside [begin, begin + n).
+int64_t overlap(const PlacementUnit& u, int64_t begin, int64_t n) {
+  return std::max<int64_t>(0, std::min(u.offset + u.numel, begin + n) - std::max(u.offset, begin));
+}
+
+// Elements of category `c` on tier `t` inside [begin, begin + n).
+int64_t on_tier(const PlacementPlan& p, Category c, Tier t, int64_t begin, int64_t n) {
+  int64_t s = 0;
+  for (const PlacementUnit& u : p.units[size_t(c)]) {
+    if (u.tier == t) s += overlap(u, begin, n);
+  }
+  return s;
+}
+
+}  // namespace
+
+// Docs/design.md "Bytes per link" is the table this follows, row by row; on
+// the CPU device (host-addressable) the optimizer's device-tier state is used
+// in place, so its rows move nothing.
+StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::vector<int64_t>& fetches,
+                        int64_t net_bytes) {
+  StepWork w;
+  const int64_t A = std::max<int64_t>(p.accum, 1);
+  const int64_t tokens = cfg.train_micro_batch_size_per_gpu * cfg.model.seq_len;
+  w.flops = double(A) * step_flops(cfg.model, tokens, !p.keep_graphs);
+  w.net_bytes = net_bytes;
+  LinkBytes& e = w.links;
+  const int64_t c = p.compute_bytes;
+  const int64_t m = p.elem_bytes[size_t(Category::kExpAvg)];
+  const std::vector<PlacementUnit>& p16 = p.units[size_t(Category::kParam16)];
+  const std::vector<PlacementUnit>& grad = p.units[size_t(Category::kGrad)];
+  STRATA_CHECK(fetches.size() == p16.size(), "one fetch count per block");
+  for (size_t b = 0; b < p16.size(); ++b) {
+    const int64_t n = p16[b].numel, F = fetches[b];
+    if (p16[b].tier == Tier::kHost) e.h2d += c * n * F;
+    if (p16[b].tier == Tier::kNvme) e.nvme_read += c * n * F, e.h2d += c * n * F;
+    const int64_t wire = c == 4 || (p.tied && b == 0) || p.world_size > 1 ? 4 : c;
+    if (grad[b].tier != Tier::kDevice) e.d2h += wire * grad[b].numel * A;
+    if (grad[b].tier == Tier::kNvme) e.nvme_write += 4 * grad[b].numel * A, e.nvme_read += 4 * grad[b].numel * (A - 1);
+  }
+  if (p.cpu_checkpointing) {
+    e.d2h += p.checkpoint_layers * p.checkpoint_bytes * A;
+    e.h2d += p.checkpoint_layers * p.checkpoint_bytes * A;
+  }
+  const int64_t moment[3] = {4, m, m};
+  const Category opt[3] = {Category::kMaster, Category::kExpAvg, Category::kExpAvgSq};
+  for (const PlacementUnit& piece : pipeline_pieces(p)) {
+    const int64_t o = piece.offset, n = piece.numel;
+    bool all_device = true;
+    for (Category cat : {Category::kParam16, Category::kGrad, Category::kMaster, Category::kExpAvg, Category::kExpAvgSq}) {
+      if (on_tier(p, cat, Tier::kDevice, o, n) != n) all_device = false;
+    }
+    // The device's own Adam (on a GPU) or CPU Adam in place (on the CPU device).
+    if (all_device && !p.device_addressable) continue;
+    w.adam_elems += n;
+    if (all_device) continue;
+    for (int k = 0; k < 3; ++k) {
+      const int64_t dev = on_tier(p, opt[k], Tier::kDevice, o, n), nv = on_tier(p, opt[k], Tier::kNvme, o, n);
+      if (!p.device_addressable) e.h2d += moment[k] * dev, e.d2h += moment[k] * dev;
+      e.nvme_read += moment[k] * nv;
+      e.nvme_write += moment[k] * nv;
+    }
+    const int64_t g_dev = on_tier(p, Category::kGrad, Tier::kDevice, o, n);
+    const int64_t w_dev = on_tier(p, Category::kParam16, Tier::kDevice, o, n);
+    if (!p.device_addressable) e.d2h += 4 * g_dev, e.h2d += c * w_dev;
+    e.nvme_read += 4 * on_tier(p, Category::kGrad, Tier::kNvme, o, n);
+    e.nvme_write += c * on_tier(p, Category::kParam16, Tier::kNvme, o, n);
+  }
+  return w;
+}
+
+namespace {
+
+std::string flops_text(double f) { return strprintf("%.3g TFLOP", f / 1e12); }
+std::string bytes_text(double b) { return format_bytes(b); }
+std::string elems_text(double n) { return strprintf("%.3g M elements", n / 1e6); }
+std::string gbps_text(double r) { return strprintf("%.3g GB/s", r / 1e9); }
+
+}  // namespace
+
+std::vector<std::string> missing_rates(const StepWork& w, const Rates& r, bool cpu_compute) {
+  std::vector<std::string> out;
+  if (w.flops > 0 && !(r.device_flops > 0)) out.push_back("--device-tflops");
+  if (w.adam_elems > 0 && !(r.adam > 0)) out.push_back("--adam-gelems");
+  if (w.links.h2d > 0 && !(r.h2d > 0)) out.push_back("--h2d-gbps");
+  if (w.links.d2h > 0 && !(r.d2h > 0)) out.push_back("--d2h-gbps");
+  if (!cpu_compute && w.links.h2d > 0 && w.links.d2h > 0 && !(r.pcie_both > 0)) out.push_back("--pcie-both-gbps");
+  if (w.links.nvme_read > 0 && !(r.nvme_read > 0)) out.push_back("--nvme-read-gbps");
+  if (w.links.nvme_write > 0 && !(r.nvme_write > 0)) out.push_back("--nvme-write-gbps");
+  if (w.net_bytes > 0 && !(r.net > 0)) out.push_back("--net-gbps");
+  return out;
+}
+
+StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
+  const std::vector<std::string> missing = missing_rates(w, r, cpu_compute);
+  STRATA_CHECK(missing.empty(), "step_bound without a rate for " + missing.front());
+  StepBound b;
+  auto add = [&](std::string name, std::string work, std::string rate, double s) {
+    b.resources.push_back({std::move(name), std::move(work), std::move(rate), s});
+  };
+  const double compute_s = w.flops > 0 ? w.flops / r.device_flops : 0.0;
+  const double adam_s = w.adam_elems > 0 ? double(w.adam_elems) / r.adam : 0.0;
+  if (cpu_compute) {
+    // One pool of cores and memory bandwidth does both.
+    add("cpu (compute + Adam)", flops_text(w.flops) + " + " + elems_text(double(w.adam_elems)),
+        strprintf("%.3g TFLOP/s + %.3g G elements/s", r.device_flops / 1e12, r.adam / 1e9), compute_s + adam_s);
+  } else {
+    if (w.flops > 0) add("device", flops_text(w.flops), strprintf("%.3g TFLOP/s", r.device_flops / 1e12), compute_s);
+    if (w.adam_elems > 0) {
+      add("cpu adam", elems_text(double(w.adam_elems)), strprintf("%.3g G elements/s", r.adam / 1e9), adam_s);
+    }
+  }
+  if (w.links.h2d > 0) add("h2d", bytes_text(double(w.links.h2d)), gbps_text(r.h2d), double(w.links.h2d) / r.h2d);
+  if (w.links.d2h > 0) add("d2h", bytes_text(double(w.links.d2h)), gbps_text(r.d2h), double(w.links.d2h) / r.d2h);
+  if (!cpu_compute && w.links.h2d > 0 && w.links.d2h > 0) {
+    const double both = double(w.links.h2d + w.links.d2h);
+    add("pcie (h2d + d2h)", bytes_text(both), gbps_text(r.pcie_both), both / r.pcie_both);
+  }
+  if (w.links.nvme_read > 0 || w.links.nvme_write > 0) {
+    const double rs = w.links.nvme_read > 0 ? double(w.links.nvme_read) / r.nvme_read : 0.0;
+    const double ws = w.links.nvme_write > 0 ? double(w.links.nvme_write) / r.nvme_write : 0.0;
+    add("nvme (read + write)",
+        bytes_text(double(w.links.nvme_read)) + " read + " + bytes_text(double(w.links.nvme_write)) + " written",
+        gbps_text(r.nvme_read) + " read, " + gbps_text(r.nvme_write) + " write", rs + ws);
+  }
+  if (w.net_bytes > 0) add("network", bytes_text(double(w.net_bytes)), gbps_text(r.net), double(w.net_bytes) / r.net);
+  for (const ResourceTime& t : b.resources) {
+    if (t.seconds > b.seconds) b.seconds = t.seconds, b.binding = t.resource;
+  }
+  return b;
+}
+
+}  // namespace strata

@@ -1,0 +1,83 @@
+// The step's bound (docs/design.md, "The step's bound"): the work one
+// optimizer step gives each resource (model FLOPs, bytes per link exactly as
+// training counts them, CPU Adam's elements, network bytes), each resource's
+// busy time at a rate, and the busiest resource's time, a lower bound on the
+// step. No LibTorch here: the rates are measured by engine/probes.h or given.
+#pragma once
+
+#include <cstdint>
+#include <string>
+#include <vector>
+
+#include "config/config.h"
+#include "memory/placement.h"
+#include "memory/tiered_state.h"
+
+namespace strata {
+
+// Rates in base units per second; 0 = unknown (a resource with work and no
+// rate is an error of the caller, see missing_rates). `source` says where
+// each came from ("measured: ...", "--nvme-read-gbps", "run.rates.h2d_gbps").
+struct Rates {
+  double device_flops = 0;     // the device's FLOP/s at this model's shapes and dtype
+  double h2d = 0, d2h = 0;     // bytes/s host -> device, device -> host
+  double pcie_both = 0;        // bytes/s of H2D and D2H together, both at once
+  double nvme_read = 0, nvme_write = 0;  // bytes/s through the I/O engine
+  double adam = 0;             // CPU Adam elements/s
+  double net = 0;              // bytes/s one rank sends
+  std::string device_flops_source, h2d_source, d2h_source, pcie_both_source, nvme_read_source,
+      nvme_write_source, adam_source, net_source;
+};
+
+// run.rates as Rates (units converted), each named by its key.
+Rates rates_from_config(const RateOverrides& o);
+
+// The work of one optimizer step of one rank.
+struct StepWork {
+  double flops = 0;        // model FLOPs, recompute included
+  LinkBytes links;         // as the metrics count them (docs/design.md, "Bytes per link")
+  int64_t adam_elems = 0;  // elements CPU Adam updates
+  int64_t net_bytes = 0;   // sent by this rank
+};
+
+// Model FLOPs of one micro-batch of `tokens` tokens: forward and backward
+// (6 x matrix parameters + attention scores per token, model/model.h's
+// convention), plus the layers' forward again when they are recomputed.
+double step_flops(const ModelConfig& m, int64_t tokens, bool recompute);
+
+// The work of one step under `plan` (its placement, window fetches per block
+// `fetches` from train_fetches, micro-batch shape from `cfg`), with
+// `net_bytes` sent per rank (cli/plan.cc's ring arithmetic).
+StepWork predicted_work(const Config& cfg, const PlacementPlan& plan, const std::vector<int64_t>& fetches,
+                        int64_t net_bytes);
+
+// Per block, how often the training step fetches its working copy (a dry run
+// of the parameter window over one step's schedule; 0 for device-resident
+// blocks, 1 for persistent ones).
+std::vector<int64_t> train_fetches(const PlacementPlan& plan);
+
+struct ResourceTime {
+  std::string resource;  // "cpu (compute + Adam)", "device", "cpu adam", "h2d", "d2h", "pcie", "nvme", "network"
+  std::string work;      // the work, in words ("1.20 TFLOP + 81.0 M elements")
+  std::string rate;      // the rate, in words ("98.3 GFLOP/s + 1.52 G elements/s")
+  double seconds = 0;
+};
+
+struct StepBound {
+  std::vector<ResourceTime> resources;  // every resource with work
+  double seconds = 0;                   // the busiest one's
+  std::string binding;                  // its name
+};
+
+// The resources that really share hardware: with CPU compute
+// (`cpu_compute`), compute and CPU Adam share the cores, and H2D/D2H are
+// memcpy in RAM; on a GPU they are separate. NVMe reads and writes share the
+// disk. Throws InternalError for work without a rate (missing_rates first).
+StepBound step_bound(const StepWork& work, const Rates& rates, bool cpu_compute);
+
+// The rates `work` needs and `rates` lacks, by the flag that gives each
+// ("--device-tflops", "--nvme-read-gbps", ...). Empty when the bound can be
+// computed.
+std::vector<std::string> missing_rates(const StepWork& work, const Rates& rates, bool cpu_compute);
+
+}  // namespace strata

@@ -1,0 +1,157 @@
+// The step's bound (memory/bound.h) against work computed by hand: model
+// FLOPs of small configs, bytes per link of small placements (each figure
+// written out below from docs/design.md's table), seconds from given rates.
+#include "memory/bound.h"
+
+#include <gtest/gtest.h>
+
+#include "memory/layout.h"
+#include "util/errors.h"
+
+namespace strata {
+namespace {
+
+// 8 blocks of 64 Ki elements (already multiples of the 2048 quantum).
+StateLayout make_layout() {
+  std::vector<std::pair<std::string, std::vector<ParamSpec>>> blocks;
+  for (int b = 0; b < 8; ++b) blocks.push_back({"block." + std::to_string(b), {{"w", {256, 256}, Init::kNormal, 0.02}}});
+  return StateLayout(blocks, 1);
+}
+constexpr int64_t kN = 8 * 65536;
+
+Config config_with(const std::vector<std::string>& overrides) {
+  nlohmann::json j = {{"data", {{"path", "unused.txt"}}}, {"zero_optimization", {{"sub_group_size", 65536}}}};
+  return parse_config(j, overrides);
+}
+
+MachineCapacity gpu_like() {
+  MachineCapacity m;
+  m.device_is_host = false;
+  m.device_addressable = false;
+  return m;
+}
+
+// dim 64, 2 layers, 4 heads of 16 (2 kv heads), ffn 96, vocab 256, seq 32:
+//   per layer, matrices: q 64x64 = 4096, k and v 64x32 = 2048 each, o 4096,
+//   gate/up/down 3 x 64 x 96 = 18432: 30720 multiply-adds per token;
+//   layer forward per token: 2 x 30720 + 4 x 32 (seq) x 64 (q width) = 69632;
+//   forward per token: 2 x 69632 + the head's 2 x 256 x 64 = 172032.
+TEST(BoundTest, StepFlopsCountEveryMatrixTheHeadAndTheAttention) {
+  ModelConfig m;
+  m.dim = 64;
+  m.n_layers = 2;
+  m.n_heads = 4;
+  m.n_kv_heads = 2;
+  m.ffn_hidden = 96;
+  m.vocab_size = 256;
+  m.seq_len = 32;
+  EXPECT_DOUBLE_EQ(step_flops(m, 10, false), 10.0 * 3 * 172032);            // forward + backward
+  EXPECT_DOUBLE_EQ(step_flops(m, 10, true), 10.0 * (3 * 172032 + 2 * 69632));  // + the layers again
+  m.explicit_head_dim = 32;  // q 128 wide: q, o 64x128 = 8192 each, k, v 64x64 = 4096 each
+  const double layer = 2 * (8192 + 2 * 4096 + 8192 + 18432) + 4 * 32 * 128;
+  EXPECT_DOUBLE_EQ(step_flops(m, 1, false), 3 * (2 * layer + 2 * 256 * 64));
+}
+
+// CPU compute (host-addressable device): param16 in host RAM (fetched once,
+// the blocks are persistent), gradients and optimizer state on NVMe, fp32,
+// two micro-batches, n = 524288 elements:
+//   h2d: param16 4n = 2097152
+//   d2h: gradients 4n x 2 = 4194304
+//   nvme read: gradient read-add-write 4n x 1 + optimizer state 12n + the optimizer's gradient 4n = 10485760
+//   nvme write: gradients 4n x 2 + optimizer state 12n = 10485760
+TEST(BoundTest, BytesPerLinkOfAnOffloadedPlacement) {
+  const Config cfg = config_with(
+      {"gradient_accumulation_steps=2", "train_micro_batch_size_per_gpu=1",
+       "placement={\"param16\":{\"host\":1},\"grad\":{\"nvme\":1},\"optimizer\":{\"nvme\":1},\"nvme_path\":\"/tmp\"}"});
+  const PlacementPlan p = make_plan(cfg, make_layout(), 0, MachineCapacity{});
+  const std::vector<int64_t> f = train_fetches(p);
+  EXPECT_EQ(f, std::vector<int64_t>(8, 1));
+  const StepWork w = predicted_work(cfg, p, f, 0);
+  EXPECT_EQ(w.links.h2d, 2097152);
+  EXPECT_EQ(w.links.d2h, 4194304);
+  EXPECT_EQ(w.links.nvme_read, 10485760);
+  EXPECT_EQ(w.links.nvme_write, 10485760);
+  EXPECT_EQ(w.adam_elems, kN);
+  // Rates: 1 GB/s read, 0.5 GB/s write (one disk: the times add), 2 GB/s
+  // H2D, 4 GB/s D2H, and compute slow enough to bind.
+  Rates r;
+  r.device_flops = w.flops / 0.05;  // 0.05 s of compute
+  r.adam = 1e9;                     // + 0.000524288 s of Adam on the same cores
+  r.h2d = 2e9, r.d2h = 4e9, r.nvme_read = 1e9, r.nvme_write = 0.5e9;
+  const StepBound b = step_bound(w, r, /*cpu_compute=*/true);
+  ASSERT_EQ(b.resources.size(), 4u);
+  EXPECT_EQ(b.resources[0].resource, "cpu (compute + Adam)");
+  EXPECT_NEAR(b.resources[0].seconds, 0.050524288, 1e-12);
+  EXPECT_NEAR(b.resources[1].seconds, 0.001048576, 1e-12);  // h2d
+  EXPECT_NEAR(b.resources[2].seconds, 0.001048576, 1e-12);  // d2h
+  EXPECT_NEAR(b.resources[3].seconds, 0.01048576 + 0.02097152, 1e-12);
+  EXPECT_EQ(b.binding, "cpu (compute + Adam)");
+  EXPECT_NEAR(b.seconds, 0.050524288, 1e-12);
+  r.nvme_write = 0.1e9;  // 0.1048576 s of writes: the disk binds
+  EXPECT_EQ(step_bound(w, r, true).binding, "nvme (read + write)");
+  EXPECT_NEAR(step_bound(w, r, true).seconds, 0.01048576 + 0.1048576, 1e-12);
+}
+
+// A GPU (not host-addressable), bf16, one micro-batch: weights and gradients
+// on the device, optimizer state in host RAM: CPU Adam reads the fp32
+// gradient over D2H (4n = 2097152) and sends the bf16 working copy back over
+// H2D (2n = 1048576). On a GPU compute, CPU Adam and the PCIe directions are
+// separate resources, and both directions at once have their own rate.
+TEST(BoundTest, OnAGpuCpuAdamPcieAndComputeAreSeparateResources) {
+  const Config cfg = config_with(
+      {"bf16.enabled=true", "placement={\"param16\":{\"device\":1},\"grad\":{\"device\":1},\"optimizer\":{\"host\":1}}"});
+  const PlacementPlan p = make_plan(cfg, make_layout(), 0, gpu_like());
+  const StepWork w = predicted_work(cfg, p, train_fetches(p), 0);
+  EXPECT_EQ(w.links.h2d, 1048576);
+  EXPECT_EQ(w.links.d2h, 2097152);
+  EXPECT_EQ(w.links.nvme_read + w.links.nvme_write, 0);
+  EXPECT_EQ(w.adam_elems, kN);
+  Rates r;
+  r.device_flops = w.flops / 0.01;  // 0.01 s
+  r.adam = double(kN) / 0.02;       // 0.02 s
+  r.h2d = 1048576 / 0.001, r.d2h = 2097152 / 0.001, r.pcie_both = 3145728 / 0.0025;
+  EXPECT_EQ(missing_rates(w, Rates{}, false),
+            (std::vector<std::string>{"--device-tflops", "--adam-gelems", "--h2d-gbps", "--d2h-gbps", "--pcie-both-gbps"}));
+  const StepBound b = step_bound(w, r, false);
+  ASSERT_EQ(b.resources.size(), 5u);
+  EXPECT_EQ(b.resources[0].resource, "device");
+  EXPECT_NEAR(b.resources[0].seconds, 0.01, 1e-12);
+  EXPECT_EQ(b.resources[1].resource, "cpu adam");
+  EXPECT_NEAR(b.resources[1].seconds, 0.02, 1e-12);
+  EXPECT_EQ(b.resources[4].resource, "pcie (h2d + d2h)");
+  EXPECT_NEAR(b.resources[4].seconds, 0.0025, 1e-12);
+  EXPECT_EQ(b.binding, "cpu adam");
+  EXPECT_NEAR(b.seconds, 0.02, 1e-12);
+  // Everything on the device: the device's own Adam, nothing crosses.
+  const Config all = config_with({"bf16.enabled=true"});
+  const PlacementPlan q = make_plan(all, make_layout(), 0, gpu_like());
+  const StepWork v = predicted_work(all, q, train_fetches(q), 0);
+  EXPECT_EQ(v.adam_elems, 0);
+  EXPECT_EQ(v.links.h2d + v.links.d2h + v.links.nvme_read + v.links.nvme_write, 0);
+  EXPECT_EQ(train_fetches(q), std::vector<int64_t>(8, 0));
+}
+
+TEST(BoundTest, RatesFromTheConfigAreConvertedAndNamed) {
+  const Config cfg = config_with({"run.rates={\"device_tflops\":2,\"nvme_read_gbps\":3.5,\"net_gbps\":100}"});
+  const Rates r = rates_from_config(cfg.run.rates);
+  EXPECT_DOUBLE_EQ(r.device_flops, 2e12);
+  EXPECT_DOUBLE_EQ(r.nvme_read, 3.5e9);
+  EXPECT_DOUBLE_EQ(r.net, 12.5e9);  // 100 Gbit/s
+  EXPECT_EQ(r.nvme_read_source, "run.rates.nvme_read_gbps");
+  EXPECT_EQ(r.h2d, 0.0);
+  try {
+    config_with({"run.rates={\"nvme_gbps\":3}"});
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("run.rates.nvme_gbps"), std::string::npos) << e.what();
+  }
+  try {
+    config_with({"run.rates={\"h2d_gbps\":-1}"});
+    FAIL();
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("run.rates.h2d_gbps"), std::string::npos) << e.what();
+  }
+}
+
+}  // namespace
+}  // namespace strata
