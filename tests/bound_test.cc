@@ -66,30 +66,56 @@ TEST(BoundTest, BytesPerLinkOfAnOffloadedPlacement) {
   const PlacementPlan p = make_plan(cfg, make_layout(), 0, MachineCapacity{});
   const std::vector<int64_t> f = train_fetches(p);
   EXPECT_EQ(f, std::vector<int64_t>(8, 1));
-  const StepWork w = predicted_work(cfg, p, f, 0);
+  StepWork w = predicted_work(cfg, p, f, 0);
   EXPECT_EQ(w.links.h2d, 2097152);
   EXPECT_EQ(w.links.d2h, 4194304);
   EXPECT_EQ(w.links.nvme_read, 10485760);
   EXPECT_EQ(w.links.nvme_write, 10485760);
   EXPECT_EQ(w.adam_elems, kN);
-  // Rates: 1 GB/s read, 0.5 GB/s write (one disk: the times add), 2 GB/s
-  // H2D, 4 GB/s D2H, and compute slow enough to bind.
+  // The optimizer's part: state 12n each way, its gradient read 4n.
+  EXPECT_EQ(w.optimizer_links.nvme_read, 8388608);
+  EXPECT_EQ(w.optimizer_links.nvme_write, 6291456);
+  EXPECT_EQ(w.optimizer_links.h2d + w.optimizer_links.d2h, 0);  // in place on the CPU device
+  // Rates: 1 GB/s read, 0.5 GB/s write, 1 GB/s both at once (the disk's
+  // time is the longest of the three), 2 GB/s H2D, 4 GB/s D2H, 0.05 s of
+  // compute of which the first forward is an eighth (0.00625 s).
   Rates r;
-  r.device_flops = w.flops / 0.05;  // 0.05 s of compute
-  r.adam = 1e9;                     // + 0.000524288 s of Adam on the same cores
-  r.h2d = 2e9, r.d2h = 4e9, r.nvme_read = 1e9, r.nvme_write = 0.5e9;
-  const StepBound b = step_bound(w, r, /*cpu_compute=*/true);
-  ASSERT_EQ(b.resources.size(), 4u);
+  r.device_flops = w.flops / 0.05;
+  w.first_forward_flops = w.flops / 8;
+  r.adam = 1e9;  // + 0.000524288 s of Adam on the same cores
+  r.h2d = 2e9, r.d2h = 4e9, r.nvme_read = 1e9, r.nvme_write = 0.5e9, r.nvme_both = 1e9;
+  StepBound b = step_bound(w, r, /*cpu_compute=*/true);
+  ASSERT_EQ(b.resources.size(), 5u);
   EXPECT_EQ(b.resources[0].resource, "cpu (compute + Adam)");
   EXPECT_NEAR(b.resources[0].seconds, 0.050524288, 1e-12);
   EXPECT_NEAR(b.resources[1].seconds, 0.001048576, 1e-12);  // h2d
   EXPECT_NEAR(b.resources[2].seconds, 0.001048576, 1e-12);  // d2h
-  EXPECT_NEAR(b.resources[3].seconds, 0.01048576 + 0.02097152, 1e-12);
-  EXPECT_EQ(b.binding, "cpu (compute + Adam)");
-  EXPECT_NEAR(b.seconds, 0.050524288, 1e-12);
-  r.nvme_write = 0.1e9;  // 0.1048576 s of writes: the disk binds
-  EXPECT_EQ(step_bound(w, r, true).binding, "nvme (read + write)");
-  EXPECT_NEAR(step_bound(w, r, true).seconds, 0.01048576 + 0.1048576, 1e-12);
+  // Reads 0.01048576 s, writes 0.02097152 s, both 20971520 B at 1 GB/s.
+  EXPECT_NEAR(b.resources[3].seconds, 0.02097152, 1e-12);
+  // The optimizer's I/O (reads 0.008388608 s, writes 0.012582912 s, both
+  // 14680064 B: 0.014680064 s) outlasts the first forward with Adam
+  // (0.00625 + 0.000524288 s); the rest of the compute (0.04375 s) follows.
+  EXPECT_EQ(b.resources[4].resource, "dependencies");
+  EXPECT_NEAR(b.resources[4].seconds, 0.014680064 + 0.04375, 1e-12);
+  EXPECT_EQ(b.binding, "dependencies");
+  EXPECT_NEAR(b.seconds, 0.058430064, 1e-12);
+  // Without the overlap, compute then the optimizer: 0.05 + 0.014680064.
+  w.overlap_optimizer = false;
+  EXPECT_NEAR(step_bound(w, r, true).seconds, 0.064680064, 1e-12);
+  w.overlap_optimizer = true;
+  // Writes at 0.1 GB/s: the disk takes 0.1048576 s, the optimizer's writes
+  // 0.06291456 s, and the dependencies 0.06291456 + 0.04375 s bind.
+  r.nvme_write = 0.1e9;
+  b = step_bound(w, r, true);
+  EXPECT_NEAR(b.resources[3].seconds, 0.1048576, 1e-12);
+  EXPECT_EQ(b.binding, "dependencies");
+  EXPECT_NEAR(b.seconds, 0.10666456, 1e-12);
+  // Without any compute to hide behind, the disk binds.
+  w.flops = w.first_forward_flops = 0;
+  w.adam_elems = 0;
+  b = step_bound(w, r, true);
+  EXPECT_EQ(b.binding, "nvme (read + write)");
+  EXPECT_NEAR(b.seconds, 0.1048576, 1e-12);
 }
 
 // A GPU (not host-addressable), bf16, one micro-batch: weights and gradients
@@ -101,27 +127,33 @@ TEST(BoundTest, OnAGpuCpuAdamPcieAndComputeAreSeparateResources) {
   const Config cfg = config_with(
       {"bf16.enabled=true", "placement={\"param16\":{\"device\":1},\"grad\":{\"device\":1},\"optimizer\":{\"host\":1}}"});
   const PlacementPlan p = make_plan(cfg, make_layout(), 0, gpu_like());
-  const StepWork w = predicted_work(cfg, p, train_fetches(p), 0);
+  StepWork w = predicted_work(cfg, p, train_fetches(p), 0);
   EXPECT_EQ(w.links.h2d, 1048576);
   EXPECT_EQ(w.links.d2h, 2097152);
   EXPECT_EQ(w.links.nvme_read + w.links.nvme_write, 0);
   EXPECT_EQ(w.adam_elems, kN);
+  EXPECT_EQ(w.optimizer_links.h2d, 1048576);
+  EXPECT_EQ(w.optimizer_links.d2h, 2097152);
   Rates r;
-  r.device_flops = w.flops / 0.01;  // 0.01 s
+  r.device_flops = w.flops / 0.01;  // 0.01 s, a quarter of it the first forward
+  w.first_forward_flops = w.flops / 4;
   r.adam = double(kN) / 0.02;       // 0.02 s
   r.h2d = 1048576 / 0.001, r.d2h = 2097152 / 0.001, r.pcie_both = 3145728 / 0.0025;
   EXPECT_EQ(missing_rates(w, Rates{}, false),
             (std::vector<std::string>{"--device-tflops", "--adam-gelems", "--h2d-gbps", "--d2h-gbps", "--pcie-both-gbps"}));
   const StepBound b = step_bound(w, r, false);
-  ASSERT_EQ(b.resources.size(), 5u);
+  ASSERT_EQ(b.resources.size(), 6u);
   EXPECT_EQ(b.resources[0].resource, "device");
   EXPECT_NEAR(b.resources[0].seconds, 0.01, 1e-12);
   EXPECT_EQ(b.resources[1].resource, "cpu adam");
   EXPECT_NEAR(b.resources[1].seconds, 0.02, 1e-12);
   EXPECT_EQ(b.resources[4].resource, "pcie (h2d + d2h)");
   EXPECT_NEAR(b.resources[4].seconds, 0.0025, 1e-12);
-  EXPECT_EQ(b.binding, "cpu adam");
-  EXPECT_NEAR(b.seconds, 0.02, 1e-12);
+  // The optimizer (CPU Adam's 0.02 s outlasts its PCIe 0.0025 s) runs beside
+  // the first forward (0.0025 s); the rest of the compute (0.0075 s) after it.
+  EXPECT_EQ(b.resources[5].resource, "dependencies");
+  EXPECT_EQ(b.binding, "dependencies");
+  EXPECT_NEAR(b.seconds, 0.02 + 0.0075, 1e-12);
   // Everything on the device: the device's own Adam, nothing crosses.
   const Config all = config_with({"bf16.enabled=true"});
   const PlacementPlan q = make_plan(all, make_layout(), 0, gpu_like());

@@ -35,7 +35,7 @@ struct PlanOptions {
   bool no_bound = false;
   double probe_s = 0.5;
   double device_tflops = 0, h2d_gbps = 0, d2h_gbps = 0, pcie_both_gbps = 0;
-  double nvme_gbps = 0, nvme_read_gbps = 0, nvme_write_gbps = 0, adam_gelems = 0;
+  double nvme_gbps = 0, nvme_read_gbps = 0, nvme_write_gbps = 0, nvme_both_gbps = 0, adam_gelems = 0;
   // A machine described instead of measured (0 = measure): per node, per GPU.
   double host_memory_gb = 0, nvme_gb = 0, device_memory_gb = 0;
 };
@@ -102,12 +102,13 @@ DataUse data_use(const Config& cfg) {
   return d;
 }
 
-Computed compute(const Config& cfg, int rank, int local_ranks, const GivenCapacity& given) {
+Computed compute(const Config& cfg, int rank, int local_ranks, const GivenCapacity& given,
+                 const Rates* rates = nullptr) {
   // From the specs alone, never the model: its tensors could be larger than
   // the machine, which is what the plan is there to say.
   StateLayout layout(model_layout_specs(cfg.model), shard_count(cfg));
   Computed c;
-  c.plan = plan_for_machine(cfg, layout, &c.cap, rank, local_ranks, nullptr, given);
+  c.plan = plan_for_machine(cfg, layout, &c.cap, rank, local_ranks, nullptr, given, rates);
   c.parameters = layout.parameter_count();
   c.shortfalls = plan_shortfalls(c.plan, c.cap);
   c.ranks_per_node = local_ranks;
@@ -174,7 +175,9 @@ Rates bound_rates(const PlanOptions& opt, const Config& cfg) {
   flag(opt.nvme_gbps, 1e9, "--nvme-gbps", r.nvme_read, r.nvme_read_source);
   flag(opt.nvme_gbps, 1e9, "--nvme-gbps", r.nvme_write, r.nvme_write_source);
   flag(opt.nvme_read_gbps, 1e9, "--nvme-read-gbps", r.nvme_read, r.nvme_read_source);
+  flag(opt.nvme_gbps, 1e9, "--nvme-gbps", r.nvme_both, r.nvme_both_source);
   flag(opt.nvme_write_gbps, 1e9, "--nvme-write-gbps", r.nvme_write, r.nvme_write_source);
+  flag(opt.nvme_both_gbps, 1e9, "--nvme-both-gbps", r.nvme_both, r.nvme_both_source);
   flag(opt.adam_gelems, 1e9, "--adam-gelems", r.adam, r.adam_source);
   if (opt.net_given || !(r.net > 0)) r.net = opt.net_gbps * 1e9 / 8, r.net_source = "--net-gbps";
   return r;
@@ -197,6 +200,7 @@ nlohmann::json bound_json(const StepWork& w, const StepBound& b, const Rates& r)
                      {"pcie_both_bytes_per_s", r.pcie_both}, {"pcie_both_source", r.pcie_both_source},
                      {"nvme_read_bytes_per_s", r.nvme_read}, {"nvme_read_source", r.nvme_read_source},
                      {"nvme_write_bytes_per_s", r.nvme_write}, {"nvme_write_source", r.nvme_write_source},
+                     {"nvme_both_bytes_per_s", r.nvme_both}, {"nvme_both_source", r.nvme_both_source},
                      {"adam_elements_per_s", r.adam}, {"adam_source", r.adam_source},
                      {"net_bytes_per_s", r.net}, {"net_source", r.net_source}}}};
 }
@@ -215,7 +219,9 @@ std::string bound_text(const StepBound& b, const Rates& r, const StepWork& w, in
            {"h2d", &r.h2d_source, w.links.h2d > 0}, {"d2h", &r.d2h_source, w.links.d2h > 0},
            {"pcie", &r.pcie_both_source, w.links.h2d > 0 && w.links.d2h > 0},
            {"nvme read", &r.nvme_read_source, w.links.nvme_read > 0},
-           {"nvme write", &r.nvme_write_source, w.links.nvme_write > 0}, {"network", &r.net_source, w.net_bytes > 0}}) {
+           {"nvme write", &r.nvme_write_source, w.links.nvme_write > 0},
+           {"nvme both", &r.nvme_both_source, w.links.nvme_read > 0 && w.links.nvme_write > 0},
+           {"network", &r.net_source, w.net_bytes > 0}}) {
     if (used && !s->empty()) src += std::string(src.empty() ? "" : "; ") + name + ": " + *s;
   }
   return out + "  rates: " + src + "\n";
@@ -242,10 +248,10 @@ int run_plan(const PlanOptions& opt) {
   given.nvme_bytes = gb(opt.nvme_gb);
   given.device_bytes = gb(opt.device_memory_gb);
   Computed c = compute(cfg, 0, per_node, given);
-  const double net_s = double(c.net_bytes) * 8.0 / (opt.net_gbps * 1e9);
   const DataUse data = data_use(cfg);
   // The bound: work from the plan, rates given or measured on this machine
-  // (a GPU only when run.device is cuda and one is here).
+  // (a GPU only when run.device is cuda and one is here). With placement
+  // auto the rates come first: auto compares its candidates by the bound.
   StepWork work;
   StepBound bound;
   Rates rates;
@@ -258,18 +264,24 @@ int run_plan(const PlanOptions& opt) {
     if (!cpu_compute) {
       DeviceMemoryInfo info;
       dev = nullptr;
-      if (!missing_rates(work, rates, false).empty() && query_device_memory("cuda", &info)) {
+      if (!missing_rates(union_work(work, c.plan), rates, false).empty() && query_device_memory("cuda", &info)) {
         gpu = make_device("cuda");
         dev = gpu.get();
       }
     }
-    measure_missing_rates(cfg, c.plan, dev, work, rates, opt.probe_s);
+    measure_rates(cfg, c.plan, dev, work, rates, opt.probe_s);
+    if (cfg.placement.auto_place) {
+      c = compute(cfg, 0, per_node, given, &rates);
+      work = predicted_work(cfg, c.plan, train_fetches(c.plan), c.net_bytes);
+    }
     bound = step_bound(work, rates, cpu_compute);
   }
+  const double net_s = double(c.net_bytes) * 8.0 / (opt.net_gbps * 1e9);
   const int64_t step_tokens = cfg.train_micro_batch_size_per_gpu * cfg.model.seq_len * c.plan.accum;
   if (opt.json) {
     nlohmann::json j = plan_json(c);
     if (!opt.no_bound) j["bound"] = bound_json(work, bound, rates);
+    if (!c.plan.auto_choice.empty()) j["auto_choice"] = c.plan.auto_choice;
     j["data"] = {{"files", cfg.data.paths.size()}, {"mapped_bytes", data.mapped_bytes},
                  {"token_batch_bytes", c.plan.staging.tokens}, {"missing_files", data.missing}};
     j["nodes"] = opt.nodes;
@@ -280,6 +292,7 @@ int run_plan(const PlanOptions& opt) {
     std::printf("Placement plan for %s (from %s keys), rank 0 of %d (%d per node, ZeRO stage %d)\n",
                 opt.config_path.c_str(), c.plan.source.c_str(), opt.world_size, per_node, c.plan.stage);
     std::fputs(format_plan(c.plan, c.cap, c.shortfalls).c_str(), stdout);
+    if (!c.plan.auto_choice.empty()) std::printf("auto placement: %s\n", c.plan.auto_choice.c_str());
     std::printf("data: %zu token file(s), %s mapped read-only (page cache, shared by a node's ranks; not in the "
                 "totals); each rank's own: the token batches above%s\n",
                 cfg.data.paths.size(), format_bytes(double(data.mapped_bytes)).c_str(),
@@ -346,7 +359,8 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
 int64_t step_network_bytes(const PlacementPlan& plan) { return network_bytes(plan); }
 
 void check_plan_fits(const Config& cfg, int rank, int local_ranks) {
-  Computed c = compute(cfg, rank, local_ranks, GivenCapacity{});
+  const Rates rates = rates_from_config(cfg.run.rates);
+  Computed c = compute(cfg, rank, local_ranks, GivenCapacity{}, &rates);
   if (c.shortfalls.empty()) return;
   std::string msg = "the placement plan does not fit this machine (see `strata plan`): ";
   for (size_t i = 0; i < c.shortfalls.size(); ++i) msg += (i ? "; " : "") + c.shortfalls[i];
@@ -376,6 +390,7 @@ void register_plan(CLI::App& app, int& result) {
   cmd->add_option("--nvme-gbps", opt->nvme_gbps, "NVMe read and write rate in the swap directories (GB/s)");
   cmd->add_option("--nvme-read-gbps", opt->nvme_read_gbps, "NVMe read rate (GB/s)");
   cmd->add_option("--nvme-write-gbps", opt->nvme_write_gbps, "NVMe write rate (GB/s)");
+  cmd->add_option("--nvme-both-gbps", opt->nvme_both_gbps, "NVMe reads and writes at once, aggregate (GB/s)");
   cmd->add_option("--adam-gelems", opt->adam_gelems, "CPU Adam rate (G elements/s)");
   cmd->callback([opt, &result]() { result = run_plan(*opt); });
 }

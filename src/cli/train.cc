@@ -213,22 +213,46 @@ double measure_network(Communicator& comm, double budget_s) {
   return double(ring_all_reduce_bytes(comm.world_size(), count, DType::kF32)) / t[t.size() / 2];
 }
 
-TrainBound train_bound(const Config& cfg, const Trainer& trainer, Communicator& comm) {
+// The rates of the step's bound, before the plan (placement auto compares
+// its candidates by them): run.rates, else measured here on `device`, each
+// rank's replaced by rank 0's so that every rank chooses the same placement.
+// Written into cfg.run.rates, which the plan and the trainer then read.
+void measure_train_rates(Config& cfg, Device& device, Communicator& comm, int rank, int local_ranks) {
+  Rates rates = rates_from_config(cfg.run.rates);
+  StateLayout layout(model_layout_specs(cfg.model), shard_count(cfg));
+  MachineCapacity cap;
+  const PlacementPlan plan = plan_for_machine(cfg, layout, &cap, rank, local_ranks, &device);
+  const StepWork work = predicted_work(cfg, plan, train_fetches(plan), step_network_bytes(plan));
+  if (work.net_bytes > 0 && !(rates.net > 0)) {
+    rates.net = measure_network(comm, 0.2);
+    rates.net_source = "measured: all-reduce of 16 MiB";
+  }
+  measure_rates(cfg, plan, &device, work, rates, 0.2);
+  store_rates(rates, cfg.run.rates);
+  if (comm.world_size() > 1) {
+    double* r = &cfg.run.rates.device_tflops;  // RateOverrides: doubles only
+    static_assert(sizeof(RateOverrides) == 9 * sizeof(double), "RateOverrides holds nine doubles");
+    std::vector<int64_t> bits(9);
+    std::memcpy(bits.data(), r, sizeof(RateOverrides));
+    comm.broadcast(bits.data(), 9, DType::kI64, 0).wait();
+    std::memcpy(r, bits.data(), sizeof(RateOverrides));
+  }
+}
+
+// What each step's bound_s is computed from: the trainer's plan's work (its
+// link and network counts replaced by each step's own) and the rates.
+TrainBound train_bound(const Config& cfg, const Trainer& trainer) {
   TrainBound b;
   const PlacementPlan& plan = trainer.plan();
   b.cpu_compute = !trainer.device().is_cuda();
   b.work = predicted_work(cfg, plan, train_fetches(plan), step_network_bytes(plan));
   b.rates = rates_from_config(cfg.run.rates);
-  if (b.work.net_bytes > 0 && !(b.rates.net > 0)) {
-    b.rates.net = measure_network(comm, 0.2);
-    b.rates.net_source = "measured: all-reduce of 16 MiB";
-  }
-  measure_missing_rates(cfg, plan, &trainer.device(), b.work, b.rates, 0.2);
   const StepBound bound = step_bound(b.work, b.rates, b.cpu_compute);
   std::string rows;
   for (const ResourceTime& t : bound.resources) rows += strprintf("; %s %.3f s", t.resource.c_str(), t.seconds);
   log::info("bound: %.3f s per step, by %s (docs/design.md, \"The step's bound\")%s", bound.seconds,
             bound.binding.c_str(), rows.c_str());
+  if (!plan.auto_choice.empty()) log::info("auto placement: %s", plan.auto_choice.c_str());
   return b;
 }
 
@@ -262,6 +286,16 @@ int run_train(const TrainOptions& opt) {
   }
   check_configs_agree(cfg, *comm);
 
+  // The device the step computes on, and the rates of the step's bound
+  // (auto placement chooses by them): a second or so.
+  std::unique_ptr<Device> own_device;
+  Device* device = &cpu_device();
+  if (cfg.run.device != DeviceKind::kCpu) {
+    own_device = make_device(device_kind_name(cfg.run.device));
+    device = own_device.get();
+  }
+  measure_train_rates(cfg, *device, *comm, who.rank, who.local_world_size);
+
   // Everything that can fail on bad input happens before the first byte of
   // output is written. First: does the placement fit this machine?
   check_plan_fits(cfg, who.rank, who.local_world_size);
@@ -292,7 +326,7 @@ int run_train(const TrainOptions& opt) {
   std::unique_ptr<CheckpointReader> resume;
   if (opt.resume) on_every_rank(*comm, "to open the checkpoint", [&] { resume = open_resume(opt, cfg, ckpt_engine); });
 
-  Trainer trainer(cfg, model, nullptr, comm.get(), who.local_world_size);
+  Trainer trainer(cfg, model, nullptr, comm.get(), who.local_world_size, device);
   std::mt19937_64 rng(cfg.run.seed);
   int64_t first_step = 1;
   if (resume) {
@@ -347,7 +381,7 @@ int run_train(const TrainOptions& opt) {
   // The step's bound (docs/design.md, "The step's bound"): each step's own
   // byte counts over rates given in run.rates or measured here now, in a
   // second or so (every rank measures its own; the network by all-reduces).
-  const TrainBound bound = train_bound(cfg, trainer, *comm);
+  const TrainBound bound = train_bound(cfg, trainer);
 
   const int64_t micro = cfg.train_micro_batch_size_per_gpu;
   const int64_t accum = cfg.gradient_accumulation_steps;

@@ -94,7 +94,7 @@ inline int compute_dtype_bytes(ComputeDtype d) { return d == ComputeDtype::kFp32
 struct RateOverrides {
   double device_tflops = 0;
   double h2d_gbps = 0, d2h_gbps = 0, pcie_both_gbps = 0;  // GB/s (1e9 bytes)
-  double nvme_read_gbps = 0, nvme_write_gbps = 0;
+  double nvme_read_gbps = 0, nvme_write_gbps = 0, nvme_both_gbps = 0;
   double adam_gelems = 0;  // G elements/s
   double net_gbps = 0;     // Gbit/s
 };
@@ -231,6 +231,12 @@ struct PlacementConfig {
   TierSplit param16, grad, master, exp_avg, exp_avg_sq;
   std::vector<std::string> nvme_path;  // swap directories; default: the offload sections' nvme_path
   double headroom = 0.1;               // fraction of each tier kept free by "auto"
+  // Set by the planner for its candidates (memory/bound.h), not config keys:
+  // the order auto fills categories in (empty: param16, grad, master,
+  // exp_avg, exp_avg_sq) and, on a GPU, how many optimizer sub-groups may
+  // stay on the device for its Adam (-1: as many as fit).
+  std::vector<int> auto_order;
+  int64_t auto_device_groups = -1;
 };
 
 // Communication between ranks (src/comm/); ignored at world size 1.

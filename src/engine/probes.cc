@@ -6,6 +6,7 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <thread>
 #include <vector>
 
 #include "cpu_adam/adam.h"
@@ -155,9 +156,10 @@ IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s) {
   }
   nvme::BenchOptions o;
   o.dir = dir;
-  // About budget_s at 2 GB/s each way, within [64 MiB, 1 GiB].
-  o.bytes = std::clamp<int64_t>(int64_t(budget_s * 1e9) / (int64_t(4) << 20) * (int64_t(4) << 20), int64_t(64) << 20,
-                                int64_t(1) << 30);
+  // About budget_s at 2 GB/s, within [128 MiB, 1 GiB] (shorter passes hit the
+  // device's write cache more than a step's gigabytes do).
+  o.bytes = std::clamp<int64_t>(int64_t(budget_s * 2e9) / (int64_t(4) << 20) * (int64_t(4) << 20),
+                                int64_t(128) << 20, int64_t(1) << 30);
   o.max_buffer_bytes = int64_t(64) << 20;
   nvme::EngineOptions e;
   e.block_size_bytes = cfg.aio.block_size;
@@ -169,6 +171,13 @@ IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s) {
   IoRates r;
   r.write = bench.run(nvme::IoOp::kWrite, e).gbps() * 1e9;
   r.read = bench.run(nvme::IoOp::kRead, e).gbps() * 1e9;
+  // Both at once: read the first file back while a second is written.
+  nvme::IoBench other(o);
+  const auto t0 = Clock::now();
+  std::thread writer([&] { other.run(nvme::IoOp::kWrite, e); });
+  bench.run(nvme::IoOp::kRead, e);
+  writer.join();
+  r.both = double(2 * o.bytes) / since(t0);
   return r;
 }
 
@@ -229,7 +238,8 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
     if (both) rates.pcie_both = c.both, rates.pcie_both_source = src;
   }
   const bool rd = need(rates.nvme_read, work.links.nvme_read > 0), wr = need(rates.nvme_write, work.links.nvme_write > 0);
-  if (rd || wr) {
+  const bool rw = need(rates.nvme_both, work.links.nvme_read > 0 && work.links.nvme_write > 0);
+  if (rd || wr || rw) {
     STRATA_CHECK(!plan.nvme_paths.empty(), "NVMe work without a swap directory");
     // A swap directory training has not created yet is measured in its
     // nearest existing parent (the same file system, as a rule).
@@ -242,10 +252,46 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
     if (dir != plan.nvme_paths.front()) src += " (" + plan.nvme_paths.front() + " does not exist yet)";
     if (rd) rates.nvme_read = io.read, rates.nvme_read_source = src;
     if (wr) rates.nvme_write = io.write, rates.nvme_write_source = src;
+    if (rw) rates.nvme_both = io.both, rates.nvme_both_source = src;
   }
   if (need(rates.net, work.net_bytes > 0)) {
     throw ConfigError("--net-gbps", "ranks send bytes each step and no network rate was given (run.rates.net_gbps)");
   }
+}
+
+StepWork union_work(const StepWork& work, const PlacementPlan& plan) {
+  StepWork u = work;
+  u.adam_elems = std::max<int64_t>(u.adam_elems, 1);
+  u.links.h2d = std::max<int64_t>(u.links.h2d, 1);
+  u.links.d2h = std::max<int64_t>(u.links.d2h, 1);
+  if (!plan.nvme_paths.empty()) {
+    u.links.nvme_read = std::max<int64_t>(u.links.nvme_read, 1);
+    u.links.nvme_write = std::max<int64_t>(u.links.nvme_write, 1);
+  }
+  return u;
+}
+
+void measure_rates(const Config& cfg, const PlacementPlan& plan, Device* device, const StepWork& work, Rates& rates,
+                   double budget_s) {
+  measure_missing_rates(cfg, plan, device, work, rates, budget_s);
+  if (!cfg.placement.auto_place) return;
+  try {
+    measure_missing_rates(cfg, plan, device, union_work(work, plan), rates, budget_s);
+  } catch (const Error&) {
+    // What cannot be measured here leaves those candidates unjudged.
+  }
+}
+
+void store_rates(const Rates& r, RateOverrides& o) {
+  o.device_tflops = r.device_flops / 1e12;
+  o.h2d_gbps = r.h2d / 1e9;
+  o.d2h_gbps = r.d2h / 1e9;
+  o.pcie_both_gbps = r.pcie_both / 1e9;
+  o.nvme_read_gbps = r.nvme_read / 1e9;
+  o.nvme_write_gbps = r.nvme_write / 1e9;
+  o.nvme_both_gbps = r.nvme_both / 1e9;
+  o.adam_gelems = r.adam / 1e9;
+  o.net_gbps = r.net * 8 / 1e9;
 }
 
 }  // namespace strata

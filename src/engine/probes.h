@@ -29,10 +29,11 @@ struct CopyRates {
 CopyRates probe_copies(Device& device, double budget_s);
 
 // Bytes/s of the I/O engine (the config's aio settings) writing then reading
-// a temporary file in `dir`. Throws InputError naming the directory when it
-// does not exist.
+// a temporary file in `dir`, and reading one file while writing another
+// (both at once, aggregate: what the optimizer's pipeline does). Throws
+// InputError naming the directory when it does not exist.
 struct IoRates {
-  double read = 0, write = 0;
+  double read = 0, write = 0, both = 0;
 };
 IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s);
 
@@ -46,5 +47,19 @@ double probe_adam(const Config& cfg, const Device& device, double budget_s);
 // network) throws ConfigError naming the flag or run.rates key that gives it.
 void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device* device, const StepWork& work,
                            Rates& rates, double budget_s);
+
+// `work` with every link auto's other candidates could use (copies both
+// ways, NVMe when the plan has swap directories, CPU Adam), so that the
+// rates to judge them by are measured too.
+StepWork union_work(const StepWork& work, const PlacementPlan& plan);
+
+// The rates of `work` (errors as measure_missing_rates), then, where it can
+// measure them here, those of union_work as well.
+void measure_rates(const Config& cfg, const PlacementPlan& plan, Device* device, const StepWork& work, Rates& rates,
+                   double budget_s);
+
+// `rates` as run.rates (the overrides a config carries), so that a planner
+// given the config sees them.
+void store_rates(const Rates& rates, RateOverrides& out);
 
 }  // namespace strata

@@ -17,6 +17,7 @@
 #include "checkpoint/safetensors.h"
 #include "engine/compute_stream.h"
 #include "engine/lr_schedule.h"
+#include "memory/bound.h"
 #include "util/errors.h"
 #include "util/fs.h"
 #include "util/logging.h"
@@ -393,7 +394,11 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
                                               cpu_adam::isa_name(cpu_adam::best_isa()) + ")");
   }
   MachineCapacity cap;
-  const PlacementPlan plan = plan_for_machine(cfg, layout_, &cap, ctx_.comm->rank(), local_ranks, ctx_.device);
+  // run.rates (filled by strata train's measurements): auto judges its
+  // candidates by the step's bound (memory/bound.h).
+  const Rates rates = rates_from_config(cfg.run.rates);
+  const PlacementPlan plan =
+      plan_for_machine(cfg, layout_, &cap, ctx_.comm->rank(), local_ranks, ctx_.device, GivenCapacity{}, &rates);
   // Like DeepSpeed, create missing swap directories (private to the user).
   for (const std::string& dir : plan.nvme_paths) {
     if (!path_exists(dir)) {

@@ -31,6 +31,7 @@ Rates rates_from_config(const RateOverrides& o) {
   set(o.pcie_both_gbps, 1e9, r.pcie_both, r.pcie_both_source, "pcie_both_gbps");
   set(o.nvme_read_gbps, 1e9, r.nvme_read, r.nvme_read_source, "nvme_read_gbps");
   set(o.nvme_write_gbps, 1e9, r.nvme_write, r.nvme_write_source, "nvme_write_gbps");
+  set(o.nvme_both_gbps, 1e9, r.nvme_both, r.nvme_both_source, "nvme_both_gbps");
   set(o.adam_gelems, 1e9, r.adam, r.adam_source, "adam_gelems");
   set(o.net_gbps, 1e9 / 8, r.net, r.net_source, "net_gbps");
   return r;
@@ -70,6 +71,8 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
   const int64_t A = std::max<int64_t>(p.accum, 1);
   const int64_t tokens = cfg.train_micro_batch_size_per_gpu * cfg.model.seq_len;
   w.flops = double(A) * step_flops(cfg.model, tokens, !p.keep_graphs);
+  w.first_forward_flops = step_flops(cfg.model, tokens, false) / 3;  // forward = a third of forward + backward
+  w.overlap_optimizer = cfg.run.overlap_optimizer;
   w.net_bytes = net_bytes;
   LinkBytes& e = w.links;
   const int64_t c = p.compute_bytes;
@@ -89,39 +92,57 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
     e.d2h += p.checkpoint_layers * p.checkpoint_bytes * A;
     e.h2d += p.checkpoint_layers * p.checkpoint_bytes * A;
   }
+  LinkBytes& o = w.optimizer_links;  // added to e at the end
   const int64_t moment[3] = {4, m, m};
   const Category opt[3] = {Category::kMaster, Category::kExpAvg, Category::kExpAvgSq};
   for (const PlacementUnit& piece : pipeline_pieces(p)) {
-    const int64_t o = piece.offset, n = piece.numel;
+    const int64_t at = piece.offset, n = piece.numel;
     bool all_device = true;
     for (Category cat : {Category::kParam16, Category::kGrad, Category::kMaster, Category::kExpAvg, Category::kExpAvgSq}) {
-      if (on_tier(p, cat, Tier::kDevice, o, n) != n) all_device = false;
+      if (on_tier(p, cat, Tier::kDevice, at, n) != n) all_device = false;
     }
     // The device's own Adam (on a GPU) or CPU Adam in place (on the CPU device).
     if (all_device && !p.device_addressable) continue;
     w.adam_elems += n;
     if (all_device) continue;
     for (int k = 0; k < 3; ++k) {
-      const int64_t dev = on_tier(p, opt[k], Tier::kDevice, o, n), nv = on_tier(p, opt[k], Tier::kNvme, o, n);
-      if (!p.device_addressable) e.h2d += moment[k] * dev, e.d2h += moment[k] * dev;
-      e.nvme_read += moment[k] * nv;
-      e.nvme_write += moment[k] * nv;
+      const int64_t dev = on_tier(p, opt[k], Tier::kDevice, at, n), nv = on_tier(p, opt[k], Tier::kNvme, at, n);
+      if (!p.device_addressable) o.h2d += moment[k] * dev, o.d2h += moment[k] * dev;
+      o.nvme_read += moment[k] * nv;
+      o.nvme_write += moment[k] * nv;
     }
-    const int64_t g_dev = on_tier(p, Category::kGrad, Tier::kDevice, o, n);
-    const int64_t w_dev = on_tier(p, Category::kParam16, Tier::kDevice, o, n);
-    if (!p.device_addressable) e.d2h += 4 * g_dev, e.h2d += c * w_dev;
-    e.nvme_read += 4 * on_tier(p, Category::kGrad, Tier::kNvme, o, n);
-    e.nvme_write += c * on_tier(p, Category::kParam16, Tier::kNvme, o, n);
+    const int64_t g_dev = on_tier(p, Category::kGrad, Tier::kDevice, at, n);
+    const int64_t w_dev = on_tier(p, Category::kParam16, Tier::kDevice, at, n);
+    if (!p.device_addressable) o.d2h += 4 * g_dev, o.h2d += c * w_dev;
+    o.nvme_read += 4 * on_tier(p, Category::kGrad, Tier::kNvme, at, n);
+    o.nvme_write += c * on_tier(p, Category::kParam16, Tier::kNvme, at, n);
   }
+  e += o;
   return w;
 }
 
 namespace {
 
-std::string flops_text(double f) { return strprintf("%.3g TFLOP", f / 1e12); }
+std::string flops_text(double f) {
+  if (f >= 1e15) return strprintf("%.3g PFLOP", f / 1e15);
+  if (f >= 1e12) return strprintf("%.3g TFLOP", f / 1e12);
+  return strprintf("%.3g GFLOP", f / 1e9);
+}
 std::string bytes_text(double b) { return format_bytes(b); }
-std::string elems_text(double n) { return strprintf("%.3g M elements", n / 1e6); }
+std::string elems_text(double n) {
+  return n >= 1e9 ? strprintf("%.3g G elements", n / 1e9) : strprintf("%.3g M elements", n / 1e6);
+}
 std::string gbps_text(double r) { return strprintf("%.3g GB/s", r / 1e9); }
+
+// The disk's time for `l`'s NVMe bytes: reads alone, writes alone, or both
+// at the aggregate rate, whichever is longest.
+double nvme_seconds(const LinkBytes& l, const Rates& r) {
+  double s = 0;
+  if (l.nvme_read > 0) s = std::max(s, double(l.nvme_read) / r.nvme_read);
+  if (l.nvme_write > 0) s = std::max(s, double(l.nvme_write) / r.nvme_write);
+  if (l.nvme_read > 0 && l.nvme_write > 0) s = std::max(s, double(l.nvme_read + l.nvme_write) / r.nvme_both);
+  return s;
+}
 
 }  // namespace
 
@@ -134,6 +155,7 @@ std::vector<std::string> missing_rates(const StepWork& w, const Rates& r, bool c
   if (!cpu_compute && w.links.h2d > 0 && w.links.d2h > 0 && !(r.pcie_both > 0)) out.push_back("--pcie-both-gbps");
   if (w.links.nvme_read > 0 && !(r.nvme_read > 0)) out.push_back("--nvme-read-gbps");
   if (w.links.nvme_write > 0 && !(r.nvme_write > 0)) out.push_back("--nvme-write-gbps");
+  if (w.links.nvme_read > 0 && w.links.nvme_write > 0 && !(r.nvme_both > 0)) out.push_back("--nvme-both-gbps");
   if (w.net_bytes > 0 && !(r.net > 0)) out.push_back("--net-gbps");
   return out;
 }
@@ -164,17 +186,100 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
     add("pcie (h2d + d2h)", bytes_text(both), gbps_text(r.pcie_both), both / r.pcie_both);
   }
   if (w.links.nvme_read > 0 || w.links.nvme_write > 0) {
-    const double rs = w.links.nvme_read > 0 ? double(w.links.nvme_read) / r.nvme_read : 0.0;
-    const double ws = w.links.nvme_write > 0 ? double(w.links.nvme_write) / r.nvme_write : 0.0;
     add("nvme (read + write)",
         bytes_text(double(w.links.nvme_read)) + " read + " + bytes_text(double(w.links.nvme_write)) + " written",
-        gbps_text(r.nvme_read) + " read, " + gbps_text(r.nvme_write) + " write", rs + ws);
+        gbps_text(r.nvme_read) + " read, " + gbps_text(r.nvme_write) + " write" +
+            (w.links.nvme_read > 0 && w.links.nvme_write > 0 ? ", " + gbps_text(r.nvme_both) + " both" : ""),
+        nvme_seconds(w.links, r));
   }
   if (w.net_bytes > 0) add("network", bytes_text(double(w.net_bytes)), gbps_text(r.net), double(w.net_bytes) / r.net);
+  // The dependencies (see the header): the optimizer's own time is the
+  // longest of its resources (its pipeline overlaps reads, Adam and writes).
+  const LinkBytes& o = w.optimizer_links;
+  double opt_io = nvme_seconds(o, r);
+  if (!cpu_compute) {
+    if (o.h2d > 0) opt_io = std::max(opt_io, double(o.h2d) / r.h2d);
+    if (o.d2h > 0) opt_io = std::max(opt_io, double(o.d2h) / r.d2h);
+    if (o.h2d > 0 && o.d2h > 0) opt_io = std::max(opt_io, double(o.h2d + o.d2h) / r.pcie_both);
+  }
+  const double fwd = w.first_forward_flops > 0 ? std::min(w.first_forward_flops / r.device_flops, compute_s) : 0.0;
+  double path = 0;
+  if (!w.overlap_optimizer) {
+    path = compute_s + std::max(adam_s, opt_io);
+  } else if (cpu_compute) {  // the forward and CPU Adam share the cores
+    path = std::max(fwd + adam_s, opt_io) + (compute_s - fwd);
+  } else {
+    path = std::max(fwd, std::max(adam_s, opt_io)) + (compute_s - fwd);
+  }
+  if (path > 0) {
+    add("dependencies", w.overlap_optimizer ? "max(first forward, optimizer) + rest of compute"
+                                            : "compute, then the optimizer",
+        strprintf("optimizer %.3f s, first forward %.3f s", std::max(adam_s, opt_io), fwd), path);
+  }
+  // The first of equal times binds (the dependencies equal the cores' time
+  // when nothing overlaps, up to rounding).
   for (const ResourceTime& t : b.resources) {
-    if (t.seconds > b.seconds) b.seconds = t.seconds, b.binding = t.resource;
+    if (t.seconds > b.seconds * (1 + 1e-9)) b.seconds = t.seconds, b.binding = t.resource;
   }
   return b;
+}
+
+PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int64_t rank,
+                              const MachineCapacity& capacity, const Rates& rates) {
+  struct Candidate {
+    std::string name;
+    std::vector<int> order;
+    int64_t device_groups;
+  };
+  std::vector<Candidate> candidates = {{"greedy (param16, grad, optimizer state)", {}, -1}};
+  PlacementPlan greedy = make_plan(cfg, layout, rank, capacity);
+  if (capacity.device_is_host) {
+    candidates.push_back({"optimizer state before gradients", {0, 2, 3, 4, 1}, -1});
+    candidates.push_back({"gradients before parameters", {1, 0, 2, 3, 4}, -1});
+    candidates.push_back({"optimizer state first", {2, 3, 4, 0, 1}, -1});
+  } else {
+    int64_t groups = 0;
+    for (const PlacementUnit& u : greedy.units[size_t(Category::kMaster)]) groups += u.tier == Tier::kDevice;
+    if (groups > 0) {
+      candidates.push_back({"no optimizer sub-group in HBM", {}, 0});
+      if (groups > 1) candidates.push_back({strprintf("%lld of %lld sub-groups in HBM", (long long)(groups / 2),
+                                                      (long long)groups), {}, groups / 2});
+    }
+    candidates.push_back({"gradients before parameters", {1, 0, 2, 3, 4}, -1});
+  }
+  const bool cpu_compute = capacity.device_is_host;
+  PlacementPlan best;
+  double best_s = -1, runner_s = -1;
+  std::string best_name, runner_name, unjudged;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const Candidate& k = candidates[i];
+    Config c = cfg;
+    c.placement.auto_order = k.order;
+    c.placement.auto_device_groups = k.device_groups;
+    PlacementPlan p = i == 0 ? greedy : make_plan(c, layout, rank, capacity);
+    if (i > 0 && !plan_shortfalls(p, capacity).empty()) continue;
+    const StepWork w = predicted_work(c, p, train_fetches(p), 0);
+    if (!missing_rates(w, rates, cpu_compute).empty()) {
+      if (i == 0) {  // nothing to compare with: the greedy fill, said why
+        greedy.auto_choice = "greedy fill (not judged by the bound: no rate for " +
+                             missing_rates(w, rates, cpu_compute).front() + ")";
+        return greedy;
+      }
+      unjudged += (unjudged.empty() ? "" : ", ") + k.name;
+      continue;
+    }
+    const double s = step_bound(w, rates, cpu_compute).seconds;
+    if (best_s < 0 || s < best_s * (1 - 1e-6)) {
+      if (best_s >= 0) runner_s = best_s, runner_name = best_name;
+      best_s = s, best_name = k.name, best = std::move(p);
+    } else if (runner_s < 0 || s < runner_s) {
+      runner_s = s, runner_name = k.name;
+    }
+  }
+  best.auto_choice = strprintf("%s: bound %.3f s", best_name.c_str(), best_s);
+  if (runner_s >= 0) best.auto_choice += strprintf("; runner-up %s: %.3f s", runner_name.c_str(), runner_s);
+  if (!unjudged.empty()) best.auto_choice += "; not judged (no rate): " + unjudged;
+  return best;
 }
 
 }  // namespace strata

@@ -10,6 +10,7 @@
 #include <vector>
 
 #include "config/config.h"
+#include "memory/layout.h"
 #include "memory/placement.h"
 #include "memory/tiered_state.h"
 
@@ -23,10 +24,11 @@ struct Rates {
   double h2d = 0, d2h = 0;     // bytes/s host -> device, device -> host
   double pcie_both = 0;        // bytes/s of H2D and D2H together, both at once
   double nvme_read = 0, nvme_write = 0;  // bytes/s through the I/O engine
+  double nvme_both = 0;                   // bytes/s reading and writing at once, aggregate
   double adam = 0;             // CPU Adam elements/s
   double net = 0;              // bytes/s one rank sends
   std::string device_flops_source, h2d_source, d2h_source, pcie_both_source, nvme_read_source,
-      nvme_write_source, adam_source, net_source;
+      nvme_write_source, nvme_both_source, adam_source, net_source;
 };
 
 // run.rates as Rates (units converted), each named by its key.
@@ -38,6 +40,12 @@ struct StepWork {
   LinkBytes links;         // as the metrics count them (docs/design.md, "Bytes per link")
   int64_t adam_elems = 0;  // elements CPU Adam updates
   int64_t net_bytes = 0;   // sent by this rank
+  // For the step's dependencies: the first micro-batch's forward (what can
+  // run beside the previous step's optimizer), the optimizer's part of
+  // `links`, and whether the optimizer overlaps the next forward at all.
+  double first_forward_flops = 0;
+  LinkBytes optimizer_links;
+  bool overlap_optimizer = true;
 };
 
 // Model FLOPs of one micro-batch of `tokens` tokens: forward and backward
@@ -72,8 +80,25 @@ struct StepBound {
 // The resources that really share hardware: with CPU compute
 // (`cpu_compute`), compute and CPU Adam share the cores, and H2D/D2H are
 // memcpy in RAM; on a GPU they are separate. NVMe reads and writes share the
-// disk. Throws InternalError for work without a rate (missing_rates first).
+// disk: its time is the longest of reads alone, writes alone and both at the
+// aggregate rate. Besides each resource's busy time, the step's dependencies: the
+// optimizer of step s starts after its backward and must finish before step
+// s+1's forward can (its last block waits for its update), and step s+1's
+// backward starts after that forward; so a step takes at least
+// max(first forward, optimizer) + the rest of its compute (the forward and
+// the optimizer in sequence without run.overlap_optimizer). Throws
+// InternalError for work without a rate (missing_rates first).
 StepBound step_bound(const StepWork& work, const Rates& rates, bool cpu_compute);
+
+// placement auto judged by the bound: the candidates auto can build (the
+// greedy fill; with CPU compute, other orders in which categories go down a
+// tier; on a GPU, fewer optimizer sub-groups kept in HBM for its Adam, and
+// gradients before parameters), each that fits costed with predicted_work
+// and step_bound at `rates`, the lowest chosen (the greedy fill on ties).
+// plan.auto_choice says which and the runner-up's bound. A candidate whose
+// work needs a rate `rates` lacks is not judged.
+PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int64_t rank,
+                              const MachineCapacity& capacity, const Rates& rates);
 
 // The rates `work` needs and `rates` lacks, by the flag that gives each
 // ("--device-tflops", "--nvme-read-gbps", ...). Empty when the bound can be

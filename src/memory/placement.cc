@@ -9,6 +9,7 @@
 #include <limits>
 #include <sstream>
 
+#include "memory/bound.h"
 #include "cpu_adam/grad_ops.h"
 #include "memory/device.h"
 #include "util/errors.h"
@@ -421,7 +422,10 @@ std::array<TierSplit, kNumCategories> fill_auto(const Config& cfg, const Machine
       }
     };
     const int first_optimizer = int(Category::kMaster);
-    for (int c = 0; c < (capacity.device_is_host ? kNumCategories : first_optimizer); ++c) {
+    std::vector<int> order = pc.auto_order;
+    if (order.empty()) order = {0, 1, 2, 3, 4};
+    for (int c : order) {
+      if (!capacity.device_is_host && c >= first_optimizer) continue;
       for (PlacementUnit& u : units[size_t(c)]) place(c, u, true);
     }
     if (!capacity.device_is_host) {
@@ -448,10 +452,15 @@ std::array<TierSplit, kNumCategories> fill_auto(const Config& cfg, const Machine
         }
         const int64_t lo = master[i].offset, hi = lo + master[i].numel;
         device_group[i] = bytes <= dev_left && on_device(Category::kParam16, lo, hi) && on_device(Category::kGrad, lo, hi);
+        if (pc.auto_device_groups >= 0 &&
+            std::count(device_group.begin(), device_group.end(), 1) > pc.auto_device_groups) {
+          device_group[i] = 0;
+        }
         if (device_group[i]) dev_left -= bytes;
       }
       // The rest category by category, as on CPU.
-      for (int c = first_optimizer; c < kNumCategories; ++c) {
+      for (int c : order) {
+        if (c < first_optimizer) continue;
         for (size_t i = 0; i < master.size(); ++i) {
           if (device_group[i]) {
             units[size_t(c)][i].tier = Tier::kDevice;
@@ -629,7 +638,8 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
 }
 
 PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, MachineCapacity* capacity,
-                               int64_t rank, int local_ranks, const Device* device, const GivenCapacity& given) {
+                               int64_t rank, int local_ranks, const Device* device, const GivenCapacity& given,
+                               const Rates* rates) {
   const int ranks = std::max(1, local_ranks);
   auto measure = [&](const std::vector<std::string>& paths) {
     MachineCapacity m = measure_capacity(cfg, paths, local_ranks);
@@ -647,7 +657,9 @@ PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, Mac
   PlacementPlan first = make_plan(cfg, layout, rank, measure({}));
   MachineCapacity cap = measure(first.nvme_paths);
   if (capacity != nullptr) *capacity = cap;
-  return cfg.placement.auto_place ? make_plan(cfg, layout, rank, cap) : first;
+  if (!cfg.placement.auto_place) return first;
+  if (rates != nullptr) return choose_by_bound(cfg, layout, rank, cap, *rates);
+  return make_plan(cfg, layout, rank, cap);
 }
 
 std::vector<std::string> plan_shortfalls(const PlacementPlan& plan, const MachineCapacity& cap) {

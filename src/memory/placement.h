@@ -139,6 +139,9 @@ struct PlacementPlan {
   std::array<int, kNumCategories> elem_bytes{};                     // bytes per element
   std::vector<std::string> nvme_paths;
   std::string source;            // "deepspeed", "placement", "auto", "default"
+  // With auto and rates to judge by: which candidate was chosen and the
+  // bound of each (memory/bound.h, choose_by_bound); empty otherwise.
+  std::string auto_choice;
 
   int64_t sub_group_numel = 0;   // elements per optimizer sub-group (aligned)
   int64_t shard_space_numel = 0; // elements of this rank's shards, all blocks
@@ -242,9 +245,13 @@ struct GivenCapacity {
   int64_t device_bytes = -1;  // memory of each GPU (or the device budget)
 };
 
+// With `rates` and placement auto, the candidate placements auto can build
+// are compared by the step's bound and the lowest chosen (memory/bound.h,
+// choose_by_bound; the greedy fill on ties).
+struct Rates;
 PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, MachineCapacity* capacity,
                                int64_t rank = 0, int local_ranks = 1, const Device* device = nullptr,
-                               const GivenCapacity& given = {});
+                               const GivenCapacity& given = {}, const Rates* rates = nullptr);
 
 // The verdict: empty when the plan fits `capacity`; otherwise one line per
 // short tier ("host: short by 3.2 GiB (needs 35.2 GiB, has 32.0 GiB); move
