@@ -24,14 +24,23 @@ usage: tokenize.py --tokenizer DIR --out FILE [--field text] [--dtype auto|uint1
                    [--eos-token TOKEN] [--batch-docs 512] INPUT...
 DIR: a directory holding tokenizer.json (a Hugging Face model directory), or the file itself.
 """
-# This file shares its name with the standard library's `tokenize` module:
-# keep this directory off the import path so that modules importing
-# `tokenize` (linecache, for tracebacks) get the real one.
+# This file shares its name with the standard library's `tokenize` module.
+# Run as a script, it keeps this directory off the import path so that the
+# modules it imports get the real one; imported as `tokenize` by another
+# script in tools/ (linecache does, for tracebacks and matplotlib), it hands
+# the importer the standard library's module instead of itself.
 import os
 import sys
 
 _here = os.path.dirname(os.path.abspath(__file__))
 sys.path[:] = [p for p in sys.path if os.path.abspath(p or ".") != _here]
+if __name__ != "__main__":
+    import importlib
+
+    del sys.modules[__name__]
+    _real = importlib.import_module("tokenize")
+    sys.modules[__name__] = _real
+    globals().update(_real.__dict__)
 
 import argparse  # noqa: E402
 import json  # noqa: E402
