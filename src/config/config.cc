@@ -1066,7 +1066,7 @@ void parse_placement(const json& root, Config& c) {
   const std::string path = "placement";
   check_keys(*v, path,
              {"auto", "param16", "grad", "master", "exp_avg", "exp_avg_sq", "optimizer", "nvme_path",
-              "headroom"},
+              "headroom", "by_bound"},
              kNone, c.ignored_keys);
   read(*v, path, "auto", pc.auto_place);
   // "optimizer" is shorthand for master, exp_avg and exp_avg_sq; a category
@@ -1093,6 +1093,7 @@ void parse_placement(const json& root, Config& c) {
     fail("placement.auto", "true cannot be combined with per-category splits (auto chooses them)");
   }
   if (read(*v, path, "headroom", pc.headroom)) in_closed("placement.headroom", pc.headroom, 0.0, 0.9);
+  read(*v, path, "by_bound", pc.by_bound);
   const bool any_nvme = pc.param16.nvme > 0 || pc.grad.nvme > 0 || pc.master.nvme > 0 ||
                         pc.exp_avg.nvme > 0 || pc.exp_avg_sq.nvme > 0;
   if (any_nvme && pc.nvme_path.empty() && c.zero.offload_optimizer.nvme_path.empty() &&

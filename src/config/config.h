@@ -231,6 +231,7 @@ struct PlacementConfig {
   TierSplit param16, grad, master, exp_avg, exp_avg_sq;
   std::vector<std::string> nvme_path;  // swap directories; default: the offload sections' nvme_path
   double headroom = 0.1;               // fraction of each tier kept free by "auto"
+  bool by_bound = true;                // auto compares its candidates by the step's bound (false: greedy fill)
   // Set by the planner for its candidates (memory/bound.h), not config keys:
   // the order auto fills categories in (empty: param16, grad, master,
   // exp_avg, exp_avg_sq) and, on a GPU, how many optimizer sub-groups may

@@ -249,7 +249,7 @@ PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int6
   }
   const bool cpu_compute = capacity.device_is_host;
   PlacementPlan best;
-  double best_s = -1, runner_s = -1;
+  double best_s = -1, runner_s = -1, greedy_s = -1;
   std::string best_name, runner_name, unjudged;
   for (size_t i = 0; i < candidates.size(); ++i) {
     const Candidate& k = candidates[i];
@@ -269,6 +269,7 @@ PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int6
       continue;
     }
     const double s = step_bound(w, rates, cpu_compute).seconds;
+    if (i == 0) greedy_s = s;
     if (best_s < 0 || s < best_s * (1 - 1e-6)) {
       if (best_s >= 0) runner_s = best_s, runner_name = best_name;
       best_s = s, best_name = k.name, best = std::move(p);
@@ -278,6 +279,9 @@ PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int6
   }
   best.auto_choice = strprintf("%s: bound %.3f s", best_name.c_str(), best_s);
   if (runner_s >= 0) best.auto_choice += strprintf("; runner-up %s: %.3f s", runner_name.c_str(), runner_s);
+  if (best_name != candidates[0].name && runner_name != candidates[0].name) {
+    best.auto_choice += strprintf("; greedy fill: %.3f s", greedy_s);
+  }
   if (!unjudged.empty()) best.auto_choice += "; not judged (no rate): " + unjudged;
   return best;
 }

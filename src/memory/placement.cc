@@ -658,7 +658,7 @@ PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, Mac
   MachineCapacity cap = measure(first.nvme_paths);
   if (capacity != nullptr) *capacity = cap;
   if (!cfg.placement.auto_place) return first;
-  if (rates != nullptr) return choose_by_bound(cfg, layout, rank, cap, *rates);
+  if (rates != nullptr && cfg.placement.by_bound) return choose_by_bound(cfg, layout, rank, cap, *rates);
   return make_plan(cfg, layout, rank, cap);
 }
 
