@@ -122,8 +122,9 @@ TEST(LocalCommunicatorTest, CopiesAndNoOps) {
   EXPECT_EQ(c->bytes_sent(), 0);
 }
 
-// The NCCL process group at world size 1, on device memory: each collective
-// lands what it should, ordered on the device's streams by its completion.
+// The NCCL data group at world size 1, on device memory (Note [Data group]):
+// each collective lands what it should once the device's comm stream, which
+// its completion orders, is synchronized; the host group stays Gloo.
 TEST(NcclTest, CollectivesOnGpuMemoryAtWorldSizeOne) {
   if (!built_with_cuda()) GTEST_SKIP() << "this build has no CUDA path";
   if (cuda_device_count() == 0) GTEST_SKIP() << "no CUDA device on this machine";
@@ -135,15 +136,20 @@ TEST(NcclTest, CollectivesOnGpuMemoryAtWorldSizeOne) {
   o.timeout_s = 60;
   o.process_group_at_one = true;
   std::unique_ptr<Communicator> c = make_communicator(who, o);
+  DataGroupOptions d;
+  d.backend = "nccl";
+  d.stream = dev->native_stream(Stream::kComm);
+  d.device_index = 0;
+  CollectiveGroup* g = c->open_data_group(d);
+  EXPECT_STREQ(g->backend(), "nccl");
   EXPECT_STREQ(c->backend(), "nccl");
+  EXPECT_TRUE(g->orders_streams());
   const int64_t n = 1 << 20;
   std::vector<float> in(static_cast<size_t>(n));
   for (int64_t i = 0; i < n; ++i) in[size_t(i)] = float(i % 1000) * 0.5f - 7.0f;
   DeviceBuffer a = dev->allocate(n * 4, "nccl in"), b = dev->allocate(n * 4, "nccl out");
-  // A completion of NCCL work orders LibTorch's current stream after it (it
-  // does not block the host): the device as a whole is synchronized here.
   auto check = [&](const char* what) {
-    torch::cuda::synchronize(0);
+    dev->synchronize(Stream::kComm);  // the completion ordered this stream, not the host
     std::vector<float> out(static_cast<size_t>(n), 0.0f);
     dev->copy_to_host(out.data(), b.ptr(), n * 4, Stream::kD2H);
     dev->synchronize(Stream::kD2H);
@@ -153,16 +159,20 @@ TEST(NcclTest, CollectivesOnGpuMemoryAtWorldSizeOne) {
   dev->synchronize(Stream::kH2D);
   dev->fill_on_device(b.ptr(), 0xFF, n * 4, Stream::kH2D);
   dev->synchronize(Stream::kH2D);
-  c->all_gather(a.ptr().raw(), b.ptr().raw(), n, DType::kF32).wait();
+  g->all_gather(a.ptr().raw(), b.ptr().raw(), n, DType::kF32).wait();
   check("all_gather");
   dev->fill_on_device(b.ptr(), 0xFF, n * 4, Stream::kH2D);
   dev->synchronize(Stream::kH2D);
-  c->reduce_scatter(a.ptr().raw(), b.ptr().raw(), n, DType::kF32).wait();
+  g->reduce_scatter(a.ptr().raw(), b.ptr().raw(), n, DType::kF32).wait();
   check("reduce_scatter");
   dev->copy_on_device(b.ptr(), a.ptr(), n * 4, Stream::kH2D);
   dev->synchronize(Stream::kH2D);
-  c->all_reduce(b.ptr().raw(), n, DType::kF32, ReduceOp::kSum).wait();
+  g->all_reduce(b.ptr().raw(), n, DType::kF32, ReduceOp::kSum).wait();
   check("all_reduce");
+  // Host values still go over the host group, on host memory.
+  double x[2] = {1.5, 2.5};
+  c->all_reduce(x, 2, DType::kF64, ReduceOp::kSum).wait();
+  EXPECT_EQ(x[1], 2.5);
 }
 
 TEST(ConfigAgreementTest, PerRankKeysMayDifferOthersAreNamed) {

@@ -353,6 +353,9 @@ TEST(ConfigRanges, OutOfRangeNamesKey) {
   EXPECT_CONFIG_ERROR(with({{"optimizer", {{"params", {{"lr", -1}}}}}}), "optimizer.params.lr",
                       "must be >= 0");
   EXPECT_CONFIG_ERROR(with({{"gradient_clipping", -1.0}}), "gradient_clipping", "must be >= 0");
+  EXPECT_CONFIG_ERROR(with({{"communication_data_type", "int8"}}), "communication_data_type",
+                      "expected fp32, bf16 or fp16, got \"int8\"");
+  EXPECT_EQ(parse_config(with({{"communication_data_type", "BF16"}})).comm.data_type, "bf16");
   EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"stage", 4}}}}), "zero_optimization.stage",
                       "must be 0, 1, 2 or 3, got 4");
   EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"offload_optimizer", {{"ratio", 0}}}}}}),

@@ -57,6 +57,12 @@ class DeferredDevice final : public Device {
     const std::pair<int, size_t> m = marks_.at(t);  // kept: copies of a completion wait again
     run(m.first, m.second);
   }
+  // Work of the test's own queued on `s` (not a copy): runs when the stream
+  // is waited for, in order with its copies (tests/deferred_collectives.h).
+  void enqueue(Stream s, std::function<void()> op) {
+    std::lock_guard<std::mutex> lock(mu_);
+    ops_[size_t(s)].push_back(std::move(op));
+  }
   // Copies queued and not yet run.
   size_t queued() const {
     std::lock_guard<std::mutex> lock(mu_);

@@ -5,7 +5,9 @@
 //   OUT.tensors      rank 0: "block name numel" per parameter, in order
 //   OUT.master       rank 0: the gathered, unpadded fp32 master weights
 //   OUT.exp_avg, OUT.exp_avg_sq   rank 0: the gathered, unpadded moments as stored
-//   OUT.rank<r>.json every rank: bytes allocated per category, shard numel
+//   OUT.rank<r>.steps every rank: "step N" after each step (flushed)
+//   OUT.rank<r>.json every rank: bytes allocated per category, shard numel,
+//                    per step bytes on each link and on the network
 #include <cstdio>
 #include <fstream>
 #include <random>
@@ -19,6 +21,7 @@
 #include "comm/communicator.h"
 #include "config/config.h"
 #include "data/dataset.h"
+#include "deferred_collectives.h"
 #include "engine/trainer.h"
 #include "model/model.h"
 #include "util/errors.h"
@@ -40,11 +43,20 @@ void write_unpadded(Trainer& t, Category c, const std::string& path, bool write)
 
 int run(int argc, char** argv) {
   if (argc < 3) {
-    std::fprintf(stderr, "usage: rank_worker CONFIG OUT_PREFIX [KEY=VALUE ...]\n");
+    std::fprintf(stderr, "usage: rank_worker CONFIG OUT_PREFIX [--device=deferred|deferred-stream] [KEY=VALUE ...]\n");
     return 2;
   }
   const RankInfo who = rank_info_from_environment();
-  std::vector<std::string> overrides(argv + 3, argv + argc);
+  std::vector<std::string> overrides;
+  std::string device_kind;
+  for (int i = 3; i < argc; ++i) {
+    const std::string a = argv[i];
+    if (a.rfind("--device=", 0) == 0) {
+      device_kind = a.substr(9);
+    } else {
+      overrides.push_back(a);
+    }
+  }
   Config cfg = load_config(argv[1], overrides, who.world_size);
   setup_logging(cfg.run.log_level, "", who.world_size > 1 ? who.rank : -1);
   at::set_num_threads(1);
@@ -55,7 +67,21 @@ int run(int argc, char** argv) {
   Model model(cfg.model);
   TokenDataset data(cfg.data.paths, parse_token_format(cfg.data.format), cfg.model.vocab_size,
                     cfg.model.seq_len, cfg.data.val_fraction);
-  Trainer trainer(cfg, model, nullptr, comm.get(), who.local_world_size);
+  std::unique_ptr<testing::DeferredDevice> device;
+  std::unique_ptr<StreamCollectives> stream;
+  if (!device_kind.empty()) {
+    if (device_kind != "deferred" && device_kind != "deferred-stream") {
+      std::fprintf(stderr, "rank_worker: unknown --device=%s\n", device_kind.c_str());
+      return 2;
+    }
+    device = std::make_unique<testing::DeferredDevice>();
+    if (device_kind == "deferred-stream" && who.world_size > 1) {
+      DataGroupOptions o;
+      o.backend = "gloo";
+      stream = std::make_unique<testing::DeferredStreamCollectives>(*device, *comm->open_data_group(o));
+    }
+  }
+  Trainer trainer(cfg, model, nullptr, comm.get(), who.local_world_size, device.get(), stream.get());
   const bool lead = who.rank == 0;
 
   const int64_t window = cfg.model.seq_len + 1;
@@ -64,12 +90,17 @@ int run(int argc, char** argv) {
   std::mt19937_64 rng(cfg.run.seed);
   std::ofstream losses;
   if (lead) losses.open(out + ".losses");
+  nlohmann::json steps = nlohmann::json::array();
+  std::ofstream progress(out + ".rank" + std::to_string(who.rank) + ".steps");
   for (int64_t s = 1; s <= cfg.run.steps; ++s) {
     data.sample_train(rng, cfg.train_batch_size, batch.data());
     StepResult r = trainer.step(batch.data() + size_t(who.rank * mine * window));
     char line[64];
     std::snprintf(line, sizeof(line), "%.17g\n", r.loss);
     if (lead) losses << line << std::flush;
+    progress << "step " << s << "\n" << std::flush;
+    steps.push_back({{"h2d", r.links.h2d}, {"d2h", r.links.d2h}, {"nvme_read", r.links.nvme_read},
+                     {"nvme_write", r.links.nvme_write}, {"net", r.net_bytes}});
   }
   trainer.finish();
   if (lead) {
@@ -88,6 +119,7 @@ int run(int argc, char** argv) {
   j["shard_space_numel"] = trainer.plan().shard_space_numel;
   j["parameter_count"] = trainer.layout().parameter_count();
   j["num_blocks"] = trainer.layout().num_blocks();
+  j["steps"] = steps;
   std::ofstream(out + ".rank" + std::to_string(who.rank) + ".json") << j.dump() << "\n";
   comm->barrier();
   return 0;

@@ -182,6 +182,164 @@ TEST_F(RanksTest, StagesAgreeWithOneRank) {
   }
 }
 
+// Ranks on the test device (tests/deferred_device.h: memory host code may
+// not touch, copies that run only when waited for), with the collectives
+// staged through host buffers over Gloo (--device=deferred) or queued on the
+// device's comm stream as NCCL's are (--device=deferred-stream, Note [Device
+// collectives]): world sizes, stages and placements train as one rank on
+// the CPU device does.
+const char* kStaged = "--device=deferred";
+const char* kOnStream = "--device=deferred-stream";
+
+// Placement p of the test device's cases: 0 everything on the device, 1 on
+// the host, 2 on NVMe, 3 every category split three ways.
+const char* kPlacementNames[] = {"device", "host", "nvme", "split"};
+nlohmann::json with_placement(nlohmann::json c, int p, const std::string& swap) {
+  const nlohmann::json nvme = {{"device", "nvme"}, {"nvme_path", swap}};
+  const nlohmann::json split = {{"device", 0.3}, {"host", 0.3}, {"nvme", 0.4}};
+  if (p == 1) {
+    c["zero_optimization"]["offload_param"] = {{"device", "cpu"}};
+    c["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}};
+  } else if (p == 2) {
+    c["zero_optimization"]["offload_param"] = nvme;
+    c["zero_optimization"]["offload_param"]["max_in_cpu"] = 0;
+    c["zero_optimization"]["offload_optimizer"] = nvme;
+    c["zero_optimization"]["sub_group_size"] = 8192;
+  } else if (p == 3) {
+    c["placement"] = {{"param16", split}, {"grad", split}, {"optimizer", split}, {"nvme_path", swap}};
+    c["zero_optimization"]["stage3_param_persistence_threshold"] = 0;
+  }
+  return c;
+}
+
+TEST_F(RanksTest, OnTheTestDeviceWorldSizesAndPlacementsAgreeWithOneRank) {
+  const std::string swap = dir_.file("swap");
+  ASSERT_EQ(mkdir(swap.c_str(), 0700), 0);
+  Result one = run_workers(1, write_config(dir_, "c.json", base_config(data_)), dir_.file("ref"));
+  ASSERT_EQ(one.code, 0) << one.output;
+  for (const char* mode : {kStaged, kOnStream}) {
+    for (int p = 0; p < 4; ++p) {
+      const std::string cfg = write_config(dir_, "p" + std::to_string(p) + ".json",
+                                           with_placement(base_config(data_), p, swap));
+      for (int ws : {2, 4}) {
+        if (ws == 4 && p != 3) continue;  // four ranks: the split placement only (time)
+        const std::string what = std::string(mode) + " " + kPlacementNames[p] + " at world size " + std::to_string(ws);
+        const std::string out = dir_.file(std::string(mode + 9) + kPlacementNames[p] + std::to_string(ws));
+        Result r = run_workers(ws, cfg, out, mode);
+        ASSERT_EQ(r.code, 0) << what << "\n" << r.output;
+        expect_same_training(dir_.file("ref"), out, what);
+      }
+    }
+  }
+  EXPECT_EQ(sh("ls -A " + swap).output, "");
+}
+
+TEST_F(RanksTest, OnTheTestDeviceStagesAgreeWithOneRank) {
+  nlohmann::json c = base_config(data_);
+  c["zero_optimization"]["stage"] = 0;
+  const std::string cfg = write_config(dir_, "c.json", c);
+  Result one = run_workers(1, cfg, dir_.file("ref"));
+  ASSERT_EQ(one.code, 0) << one.output;
+  for (const char* mode : {kStaged, kOnStream}) {
+    for (int stage : {0, 1, 2}) {
+      const std::string what = std::string(mode) + " stage " + std::to_string(stage);
+      const std::string out = dir_.file(std::string(mode + 9) + "s" + std::to_string(stage));
+      Result r = run_workers(2, cfg, out, std::string(mode) + " zero_optimization.stage=" + std::to_string(stage) +
+                                              " zero_optimization.offload_optimizer.device=cpu");
+      ASSERT_EQ(r.code, 0) << what << "\n" << r.output;
+      expect_same_training(dir_.file("ref"), out, what);
+    }
+  }
+}
+
+// Stage 3, every category on the host, no overlap of the optimizer (whose
+// late updates would refetch a block): per rank and step, every parameter
+// shard is fetched once (persistent blocks), and every gradient shard lands
+// (fp32) once per micro-batch (comm.gradient_reduction per_micro_batch) or
+// once per step (per_step: summed on the rank, reduced once). With 12 / ws
+// micro-batches the D2H bytes shrink as 1 / ws^2 or 1 / ws, the H2D bytes as
+// 1 / ws; the network bytes are what `strata plan --world-size` predicts,
+// per_step's a fraction of per_micro_batch's.
+TEST_F(RanksTest, OnTheTestDevicePerRankBytesShrinkWithTheWorldSize) {
+  nlohmann::json c = base_config(data_);
+  c["run"]["steps"] = 2;
+  c["run"]["overlap_optimizer"] = false;
+  c["zero_optimization"]["offload_param"] = {{"device", "cpu"}};
+  c["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}};
+  int64_t total_shard_space = 0;
+  std::map<std::string, std::map<int, int64_t>> net_of;  // reduction -> world size -> planned bytes
+  for (const char* reduction : {"per_micro_batch", "per_step"}) {
+    c["comm"]["gradient_reduction"] = reduction;
+    const std::string cfg = write_config(dir_, std::string(reduction) + ".json", c);
+    for (int ws : {1, 2, 4}) {
+      Result p = sh(kStrata + " plan --json --world-size " + std::to_string(ws) + " " + cfg);
+      ASSERT_EQ(p.code, 0) << p.output;
+      const int64_t planned_net = nlohmann::json::parse(p.output)["network"]["bytes_per_step_per_rank"];
+      const int64_t accum = 12 / ws, landings = std::string(reduction) == "per_step" && ws > 1 ? 1 : accum;
+      for (const char* mode : {kStaged, kOnStream}) {
+        if (ws == 1 && mode == kOnStream) continue;  // one rank: no collectives
+        const std::string what = std::string(reduction) + " " + mode + " at world size " + std::to_string(ws);
+        const std::string out = dir_.file(std::string(reduction) + (mode + 9) + std::to_string(ws));
+        Result r = run_workers(ws, cfg, out, mode);
+        ASSERT_EQ(r.code, 0) << what << "\n" << r.output;
+        for (int rank = 0; rank < ws; ++rank) {
+          const nlohmann::json j = nlohmann::json::parse(read_bytes(out + ".rank" + std::to_string(rank) + ".json"));
+          const int64_t shard_space = j["shard_space_numel"];
+          if (ws == 1) total_shard_space = shard_space;
+          EXPECT_LE(shard_space * ws, total_shard_space + int64_t(j["num_blocks"]) * ws * 2048) << what;
+          ASSERT_EQ(j["steps"].size(), 2u) << what;
+          for (const nlohmann::json& s : j["steps"]) {
+            EXPECT_EQ(int64_t(s["d2h"]), landings * shard_space * 4) << what << ", rank " << rank;
+            EXPECT_EQ(int64_t(s["h2d"]), shard_space * 4) << what << ", rank " << rank;
+            EXPECT_EQ(int64_t(s["net"]), planned_net) << what << ", rank " << rank;
+          }
+        }
+      }
+      net_of[reduction][ws] = planned_net;
+    }
+  }
+  for (int ws : {2, 4}) {
+    EXPECT_GT(net_of["per_step"][ws], 0);
+    EXPECT_LT(net_of["per_step"][ws], net_of["per_micro_batch"][ws]) << "world size " << ws;
+  }
+}
+
+// communication_data_type bf16: the gradient reductions carry 16 bits, so
+// each rank sends what the plan counts for them (less than with fp32), and
+// training follows world size 1 to 16-bit rounding, not to fp32's.
+TEST_F(RanksTest, Bf16CommunicationHalvesTheReductionBytes) {
+  nlohmann::json c = base_config(data_);
+  c["run"]["steps"] = 6;
+  const std::string cfg = write_config(dir_, "c.json", c);
+  c["communication_data_type"] = "bf16";
+  const std::string cfg16 = write_config(dir_, "c16.json", c);
+  Result one = run_workers(1, cfg, dir_.file("ref"));
+  ASSERT_EQ(one.code, 0) << one.output;
+  const std::vector<double> ref = read_losses(dir_.file("ref.losses"));
+  for (int stage : {0, 2}) {
+    const std::string set = " --set zero_optimization.stage=" + std::to_string(stage);
+    auto planned = [&](const std::string& config) {
+      Result p = sh(kStrata + " plan --json --world-size 2 " + config + set);
+      EXPECT_EQ(p.code, 0) << p.output;
+      return int64_t(nlohmann::json::parse(p.output)["network"]["bytes_per_step_per_rank"]);
+    };
+    const int64_t net32 = planned(cfg), net16 = planned(cfg16);
+    EXPECT_LT(net16, net32) << "stage " << stage;
+    for (const char* mode : {kOnStream, ""}) {
+      const std::string what = "stage " + std::to_string(stage) + " " + mode;
+      const std::string out = dir_.file("b" + std::to_string(stage) + (*mode ? "d" : "c"));
+      Result r = run_workers(2, cfg16, out, std::string(mode) + " zero_optimization.stage=" + std::to_string(stage));
+      ASSERT_EQ(r.code, 0) << what << "\n" << r.output;
+      const nlohmann::json j = nlohmann::json::parse(read_bytes(out + ".rank1.json"));
+      for (const nlohmann::json& s : j["steps"]) EXPECT_EQ(int64_t(s["net"]), net16) << what;
+      const std::vector<double> got = read_losses(out + ".losses");
+      ASSERT_EQ(got.size(), ref.size()) << what;
+      for (size_t i = 0; i < ref.size(); ++i) EXPECT_NEAR(got[i], ref[i], 1e-2 * ref[i]) << what << ", step " << i + 1;
+      EXPECT_NE(got.back(), ref.back()) << what << ": 16-bit reductions changed nothing";
+    }
+  }
+}
+
 TEST_F(RanksTest, NvmeEqualsRamBitForBitAtWorldSize2) {
   nlohmann::json c = base_config(data_);
   c["run"]["steps"] = 4;
@@ -300,7 +458,9 @@ bool wait_for_text(const std::string& path, const std::string& text, double seco
 
 // A rank killed mid-run (SIGKILL) or stopped (SIGSTOP): every other rank
 // exits non-zero with one line naming it, within comm.timeout_s + 10 s.
-void lost_rank_case(const TempDir& dir, const std::string& data, int sig) {
+// `device_mode`: empty, `strata train` on the CPU device; else rank_worker
+// on the test device with that --device mode.
+void lost_rank_case(const TempDir& dir, const std::string& data, int sig, const std::string& device_mode = "") {
   nlohmann::json c = base_config(data);
   const double timeout = 6.0;
   c["comm"]["timeout_s"] = timeout;
@@ -308,8 +468,15 @@ void lost_rank_case(const TempDir& dir, const std::string& data, int sig) {
   c["run"]["log_level"] = "info";
   const std::string cfg = write_config(dir, "c.json", c);
   std::vector<std::vector<std::string>> args(3, {kStrata, "train", cfg, "--metrics", dir.file("m{rank}.jsonl")});
+  std::string progress = dir.file("m1.jsonl"), step3 = "\"step\":3,", error = "strata: error: lost rank 1";
+  if (!device_mode.empty()) {
+    args.assign(3, {kWorker, cfg, dir.file("w"), device_mode});
+    progress = dir.file("w.rank1.steps");
+    step3 = "step 3";
+    error = "rank_worker: error: lost rank 1";
+  }
   Ranks rs = start_ranks(3, dir, args, free_port());
-  ASSERT_TRUE(wait_for_text(dir.file("m1.jsonl"), "\"step\":3,", 60)) << read_bytes(rs.logs[1]);
+  ASSERT_TRUE(wait_for_text(progress, step3, 60)) << read_bytes(rs.logs[1]);
   kill(rs.pids[1], sig);
   const auto t0 = std::chrono::steady_clock::now();
   for (int r : {0, 2}) {
@@ -319,7 +486,7 @@ void lost_rank_case(const TempDir& dir, const std::string& data, int sig) {
     EXPECT_NE(code, 0) << log;
     EXPECT_NE(code, -1) << "rank " << r << " still running after " << took << " s";
     EXPECT_LE(took, timeout + 10.0);
-    EXPECT_NE(log.find("strata: error: lost rank 1"), std::string::npos) << log;
+    EXPECT_NE(log.find(error), std::string::npos) << log;
     EXPECT_EQ(log.find("frame #"), std::string::npos) << "a stack trace: " << log;
   }
   kill(rs.pids[1], SIGKILL);
@@ -328,6 +495,12 @@ void lost_rank_case(const TempDir& dir, const std::string& data, int sig) {
 
 TEST_F(RanksTest, KilledRankIsNamedByTheOthers) { lost_rank_case(dir_, data_, SIGKILL); }
 TEST_F(RanksTest, HungRankIsNamedByTheOthersWithinTheTimeout) { lost_rank_case(dir_, data_, SIGSTOP); }
+TEST_F(RanksTest, OnTheTestDeviceAKilledRankIsNamedByTheOthers) {
+  lost_rank_case(dir_, data_, SIGKILL, kStaged);
+}
+TEST_F(RanksTest, OnTheTestDeviceAHungRankIsNamedByTheOthers) {
+  lost_rank_case(dir_, data_, SIGSTOP, kOnStream);
+}
 
 // SIGTERM to one rank: the request is combined at the step boundary, so
 // every rank stops after the same step and exits 0.

@@ -69,6 +69,13 @@ struct Result {
   std::string output;
 };
 
+// Under CI (CI=true, as tools/test.sh and .ci/run set it), where every
+// Python package the tests use is installed: a missing one fails the test.
+inline bool under_ci() {
+  const char* ci = std::getenv("CI");
+  return ci != nullptr && std::string(ci) == "true";
+}
+
 inline Result sh(const std::string& cmd) {
   Result r;
   FILE* p = popen((cmd + " 2>&1").c_str(), "r");

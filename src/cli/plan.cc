@@ -55,7 +55,8 @@ struct Computed {
 // Bytes one rank sends per training step, from the step's schedule of uses
 // (Note [Gathered blocks] in engine/trainer.h): the param16 all-gathers
 // (stage 3: every use; stages 1-2: each block once per step), one gradient
-// reduction per block per micro-batch (reduce-scatter at stages 2-3, all-reduce
+// reduction per block per micro-batch, or per step with
+// PlacementPlan::reduce_per_step (reduce-scatter at stages 2-3, all-reduce
 // at 0-1), and the all-reduce of the norm, loss and stop flag. Ring
 // collectives, the byte counts the Communicator reports as net_bytes.
 int64_t network_bytes(const PlacementPlan& p) {
@@ -73,9 +74,11 @@ int64_t network_bytes(const PlacementPlan& p) {
       for (int64_t shard : p.block_numel) bytes += ring_gather_bytes(ws, shard, param_t);
     }
   }
+  const DType grad_t = p.comm_grad_bytes == 4 ? DType::kF32 : DType::kBF16;  // communication_data_type
+  const int64_t reductions = p.reduce_per_step ? 1 : p.accum;  // comm.gradient_reduction
   for (int64_t shard : p.block_numel) {
-    bytes += p.accum * (p.stage >= 2 ? ring_gather_bytes(ws, shard, DType::kF32)
-                                     : ring_all_reduce_bytes(ws, shard * p.shards, DType::kF32));
+    bytes += reductions * (p.stage >= 2 ? ring_gather_bytes(ws, shard, grad_t)
+                                     : ring_all_reduce_bytes(ws, shard * p.shards, grad_t));
   }
   return bytes + ring_all_reduce_bytes(ws, 3, DType::kF64);
 }
@@ -143,7 +146,9 @@ nlohmann::json plan_json(const Computed& c) {
                         {"grad_rmw", p.staging.grad_rmw}, {"grad_norms", p.staging.grad_norms}, {"opt_grad", p.staging.opt_grad},
                         {"opt_state", p.staging.opt_state}, {"opt_emit", p.staging.opt_emit},
                         {"grad_host", p.staging.grad_host}, {"window_bounce", p.staging.window_bounce},
-                        {"tokens", p.staging.tokens}, {"save_bounce", p.staging.save_bounce}};
+                        {"tokens", p.staging.tokens}, {"save_bounce", p.staging.save_bounce},
+                        {"comm_host", p.staging.comm_host}, {"grad_accum", p.staging.grad_accum}};
+  j["gradient_reduction"] = p.world_size <= 1 ? "none" : p.reduce_per_step ? "per_step" : "per_micro_batch";
   j["device_transient_bytes"] = p.staging.device_bytes();
   j["host_staging_bytes"] = p.staging.host_bytes();
   j["sub_group_numel"] = p.sub_group_numel;
@@ -302,9 +307,12 @@ int run_plan(const PlanOptions& opt) {
       const auto tot = c.plan.total();
       std::printf("node total (%d ranks): device %s, host %s, nvme %s\n", per_node,
                   cell(tot[0] * per_node).c_str(), cell(tot[1] * per_node).c_str(), cell(tot[2] * per_node).c_str());
-      std::printf("network: each rank sends %s per step: %.3f s at %g Gbit/s%s\n",
+      std::printf("network: each rank sends %s per step: %.3f s at %g Gbit/s%s; gradients reduced %s in %s\n",
                   format_bytes(double(c.net_bytes)).c_str(), net_s, opt.net_gbps,
-                  opt.nodes > 1 ? "" : " (one node: loopback or NVLink in practice)");
+                  opt.nodes > 1 ? "" : " (one node: loopback or NVLink in practice)",
+                  c.plan.reduce_per_step ? "once per step (comm.gradient_reduction)"
+                                         : "once per micro-batch (comm.gradient_reduction)",
+                  c.plan.comm_grad_bytes == 4 ? "fp32" : "16 bits (communication_data_type)");
     }
   }
   return c.shortfalls.empty() ? kExitOk : kExitBadInput;
@@ -333,6 +341,8 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   if (p.world_size > 1) {
     row("gathered blocks", p.staging.gather, 0, 0);
     row("gradient reduction", p.staging.grad_sync, 0, 0);
+    if (p.comm_staged) row("staged collectives", 0, p.staging.comm_host, 0);
+    if (p.reduce_per_step) row("gradients summed/step", p.staging.grad_accum, 0, 0);
   }
   row("optimizer staging", 0, p.staging.opt_grad + p.staging.opt_state + p.staging.opt_emit, 0);
   row("token batches", p.staging.tokens, p.staging.tokens, 0);

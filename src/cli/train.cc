@@ -256,6 +256,24 @@ TrainBound train_bound(const Config& cfg, const Trainer& trainer) {
   return b;
 }
 
+// The GPU of this rank (DESIGN: one rank per GPU): cuda:LOCAL_RANK among the
+// visible ones. More local ranks than visible GPUs is refused with NCCL
+// (which refuses two ranks on one GPU) and shared round-robin with Gloo.
+std::string gpu_of_rank(const RankInfo& who, const std::string& backend) {
+  const int visible = cuda_device_count();
+  if (who.local_world_size <= visible) return "cuda:" + std::to_string(who.local_rank);
+  if (backend == "nccl" || visible == 0) {
+    throw ConfigError("run.device", strprintf("%d ranks on this node but %d visible GPU(s): NCCL takes one GPU "
+                                              "per rank (start %d ranks per node, or set comm.backend \"gloo\" "
+                                              "to share GPUs)",
+                                              who.local_world_size, visible, std::max(visible, 1)));
+  }
+  const int gpu = who.local_rank % visible;
+  log::info("%d ranks share %d GPU(s) over Gloo: rank %d takes cuda:%d", who.local_world_size, visible, who.rank,
+            gpu);
+  return "cuda:" + std::to_string(gpu);
+}
+
 int run_train(const TrainOptions& opt) {
   const RankInfo who = rank_info_from_environment();
   std::vector<std::string> overrides = opt.overrides;
@@ -291,7 +309,11 @@ int run_train(const TrainOptions& opt) {
   std::unique_ptr<Device> own_device;
   Device* device = &cpu_device();
   if (cfg.run.device != DeviceKind::kCpu) {
-    own_device = make_device(device_kind_name(cfg.run.device));
+    std::string name = device_kind_name(cfg.run.device);
+    if (multi && cfg.run.device == DeviceKind::kCuda) {
+      on_every_rank(*comm, "to take its GPU", [&] { name = gpu_of_rank(who, co.backend); });
+    }
+    own_device = make_device(name);
     device = own_device.get();
   }
   measure_train_rates(cfg, *device, *comm, who.rank, who.local_world_size);

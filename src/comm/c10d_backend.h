@@ -6,6 +6,8 @@
 #include <torch/csrc/distributed/c10d/Backend.hpp>
 #include <torch/csrc/distributed/c10d/Store.hpp>
 
+#include <functional>
+
 #include "comm/communicator.h"
 
 namespace strata::detail {
@@ -16,12 +18,16 @@ namespace strata::detail {
 c10::intrusive_ptr<c10d::Backend> make_gloo_backend(const c10::intrusive_ptr<c10d::Store>& store,
                                                     const RankInfo& who, const CommOptions& options);
 
-// ProcessGroupNCCL on CUDA device who.local_rank; throws CommError in a build
+// ProcessGroupNCCL on CUDA device `device_index`; throws CommError in a build
 // without the CUDA path.
 c10::intrusive_ptr<c10d::Backend> make_nccl_backend(const c10::intrusive_ptr<c10d::Store>& store,
-                                                    const RankInfo& who, const CommOptions& options);
+                                                    const RankInfo& who, const CommOptions& options,
+                                                    int device_index);
 
-// The device the backend's buffers live on (CPU for Gloo, cuda:local_rank for NCCL).
-at::Device nccl_device(const RankInfo& who);
+// Runs `fn` with `stream` (a cudaStream_t of CUDA device `device_index`) as
+// LibTorch's current stream, so that NCCL work issued in it is queued after
+// that stream's work, and a Work::wait() in it makes that stream wait for the
+// work (Note [Data group]). Without the CUDA path: throws CommError.
+void on_stream(void* stream, int device_index, const std::function<void()>& fn);
 
 }  // namespace strata::detail

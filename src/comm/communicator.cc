@@ -11,6 +11,8 @@
 #include <chrono>
 #include <condition_variable>
 #include <cstring>
+#include <functional>
+#include <map>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -78,6 +80,7 @@ class LocalCommunicator final : public Communicator {
   int64_t bytes_sent() const override { return 0; }
   double wait_seconds() const override { return 0.0; }
   void wait_ticket(uint64_t) override {}
+  CollectiveGroup* open_data_group(const DataGroupOptions&) override { return this; }
 
  private:
   std::map<std::string, std::string> kv_;
@@ -112,6 +115,123 @@ std::string exception_text(const std::exception_ptr& e) {
 std::string hb_key(int r) { return "hb/" + std::to_string(r); }
 std::string exit_key(int r) { return "exit/" + std::to_string(r); }
 
+// One c10d process group's collectives (the host group, or the data group of
+// Note [Data group]); failures go to the communicator's fail_hard, which
+// names the lost rank.
+class C10dGroup final : public CollectiveGroup {
+ public:
+  using FailFn = std::function<void(const std::string&)>;  // [[noreturn]]: throws
+  C10dGroup(c10::intrusive_ptr<c10d::Backend> pg, const char* name, int world_size, at::Device device,
+            void* stream, FailFn fail)
+      : pg_(std::move(pg)), name_(name), world_size_(world_size), device_(device), stream_(stream),
+        fail_(std::move(fail)) {}
+  ~C10dGroup() override {
+    // Note [Lost ranks]: a group after a failed collective is never destroyed.
+    if (failed_) (void)pg_.release();
+  }
+
+  const char* backend() const override { return name_; }
+  bool orders_streams() const override { return device_.is_cuda(); }
+
+  Completion all_gather(const void* in, void* out, int64_t count, DType t) override {
+    at::Tensor input = wrap(const_cast<void*>(in), count, t);
+    at::Tensor output = wrap(out, count * world_size_, t);
+    sent_ += ring_gather_bytes(world_size_, count, t);
+    return track([&] { return pg_->_allgather_base(output, input); });
+  }
+  Completion reduce_scatter(const void* in, void* out, int64_t count, DType t) override {
+    at::Tensor input = wrap(const_cast<void*>(in), count * world_size_, t);
+    at::Tensor output = wrap(out, count, t);
+    sent_ += ring_gather_bytes(world_size_, count, t);
+    return track([&] { return pg_->_reduce_scatter_base(output, input); });
+  }
+  Completion all_reduce(void* buf, int64_t count, DType t, ReduceOp op) override {
+    std::vector<at::Tensor> v{wrap(buf, count, t)};
+    c10d::AllreduceOptions o;
+    o.reduceOp = op == ReduceOp::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
+    sent_ += ring_all_reduce_bytes(world_size_, count, t);
+    return track([&] { return pg_->allreduce(v, o); });
+  }
+  Completion broadcast(void* buf, int64_t count, DType t, int root, int rank) {
+    std::vector<at::Tensor> v{wrap(buf, count, t)};
+    c10d::BroadcastOptions o;
+    o.rootRank = root;
+    if (rank == root) sent_ += count * dtype_bytes(t);
+    return track([&] { return pg_->broadcast(v, o); });
+  }
+  Completion barrier() {
+    return track([&] { return pg_->barrier(); });
+  }
+
+  int64_t bytes_sent() const override { return sent_; }
+  double wait_seconds() const override { return wait_s_; }
+
+  // A host wait (Gloo), or on NCCL the group's stream ordered after the work
+  // (Note [Data group]).
+  void wait_ticket(uint64_t ticket) override {
+    Slot& s = slots_[ticket % kSlots];
+    if (s.ticket != ticket || !s.work) return;
+    c10::intrusive_ptr<c10d::Work> work = std::move(s.work);
+    s.work.reset();
+    const auto t0 = std::chrono::steady_clock::now();
+    try {
+      TraceSpan span(TraceTrack::kComm, "wait");
+      if (stream_ != nullptr) {
+        detail::on_stream(stream_, device_.index(), [&] { work->wait(); });
+      } else {
+        work->wait();
+      }
+    } catch (const std::exception&) {
+      wait_s_ += seconds_since(t0);
+      failed_ = true;
+      fail_(exception_text(std::current_exception()));
+    }
+    wait_s_ += seconds_since(t0);
+  }
+
+ private:
+  static constexpr size_t kSlots = 64;  // collectives in flight at once, at most
+  struct Slot {
+    uint64_t ticket = 0;
+    c10::intrusive_ptr<c10d::Work> work;
+  };
+
+  at::Tensor wrap(void* p, int64_t count, DType t) const {
+    return at::from_blob(p, {count}, at::TensorOptions().dtype(scalar_type(t)).device(device_));
+  }
+
+  template <typename Fn>
+  Completion track(Fn&& issue) {
+    const uint64_t ticket = ++next_ticket_;
+    Slot& s = slots_[ticket % kSlots];
+    if (s.work) wait_ticket(s.ticket);  // a caller that never waited: keep the bound
+    try {
+      if (stream_ != nullptr) {
+        detail::on_stream(stream_, device_.index(), [&] { s.work = issue(); });
+      } else {
+        s.work = issue();
+      }
+    } catch (const std::exception&) {
+      failed_ = true;
+      fail_(exception_text(std::current_exception()));
+    }
+    s.ticket = ticket;
+    return Completion(this, ticket);
+  }
+
+  c10::intrusive_ptr<c10d::Backend> pg_;
+  const char* name_;
+  int world_size_;
+  at::Device device_;
+  void* stream_;
+  FailFn fail_;
+  std::array<Slot, kSlots> slots_;
+  uint64_t next_ticket_ = 0;
+  int64_t sent_ = 0;
+  double wait_s_ = 0.0;
+  bool failed_ = false;
+};
+
 class C10dCommunicator final : public Communicator {
  public:
   C10dCommunicator(const RankInfo& who, const CommOptions& options) : who_(who), options_(options) {
@@ -142,13 +262,11 @@ class C10dCommunicator final : public Communicator {
     exited_.assign(size_t(who.world_size), 0);
     monitor_ = std::thread([this] { monitor(); });
     try {
+      // Note [Data group]: host values always over Gloo.
       auto pg_store = c10::make_intrusive<c10d::PrefixStore>("pg", store_);
-      if (options.backend == "nccl") {
-        pg_ = detail::make_nccl_backend(pg_store, who, options);
-        device_ = detail::nccl_device(who);
-      } else {
-        pg_ = detail::make_gloo_backend(pg_store, who, options);
-      }
+      host_ = std::make_unique<C10dGroup>(detail::make_gloo_backend(pg_store, who, options), "gloo",
+                                          who.world_size, at::Device(at::kCPU), nullptr,
+                                          [this](const std::string& what) { fail_hard(what); });
     } catch (const CommError&) {
       stop_monitor();
       throw;
@@ -162,7 +280,8 @@ class C10dCommunicator final : public Communicator {
     stop_monitor();
     if (failed_) {
       // Note [Lost ranks]: never destroy a group after a failed collective.
-      (void)pg_.release();
+      (void)data_.release();
+      (void)host_.release();
       (void)store_.release();
       (void)monitor_store_.release();
     }
@@ -170,46 +289,49 @@ class C10dCommunicator final : public Communicator {
 
   int rank() const override { return who_.rank; }
   int world_size() const override { return who_.world_size; }
-  const char* backend() const override { return options_.backend == "nccl" ? "nccl" : "gloo"; }
+  const char* backend() const override { return data_ ? data_->backend() : "gloo"; }
+
+  CollectiveGroup* open_data_group(const DataGroupOptions& o) override {
+    STRATA_CHECK(!data_, "the data group is opened once");
+    try {
+      auto pg_store = c10::make_intrusive<c10d::PrefixStore>("data", store_);
+      FailFn fail = [this](const std::string& what) { fail_hard(what); };
+      if (o.backend == "nccl") {
+        data_ = std::make_unique<C10dGroup>(detail::make_nccl_backend(pg_store, who_, options_, o.device_index),
+                                            "nccl", who_.world_size, at::Device(at::kCUDA, at::DeviceIndex(o.device_index)),
+                                            o.stream, std::move(fail));
+      } else {
+        data_ = std::make_unique<C10dGroup>(detail::make_gloo_backend(pg_store, who_, options_), "gloo",
+                                            who_.world_size, at::Device(at::kCPU), nullptr, std::move(fail));
+      }
+    } catch (const CommError&) {
+      throw;
+    } catch (const std::exception&) {
+      fail_hard(exception_text(std::current_exception()));
+    }
+    return data_.get();
+  }
 
   Completion all_gather(const void* in, void* out, int64_t count, DType t) override {
-    at::Tensor input = wrap(const_cast<void*>(in), count, t);
-    at::Tensor output = wrap(out, count * who_.world_size, t);
-    sent_ += ring_gather_bytes(who_.world_size, count, t);
-    return track([&] { return pg_->_allgather_base(output, input); });
+    return host_->all_gather(in, out, count, t);
   }
   Completion reduce_scatter(const void* in, void* out, int64_t count, DType t) override {
-    at::Tensor input = wrap(const_cast<void*>(in), count * who_.world_size, t);
-    at::Tensor output = wrap(out, count, t);
-    sent_ += ring_gather_bytes(who_.world_size, count, t);
-    return track([&] { return pg_->_reduce_scatter_base(output, input); });
+    return host_->reduce_scatter(in, out, count, t);
   }
   Completion all_reduce(void* buf, int64_t count, DType t, ReduceOp op) override {
-    std::vector<at::Tensor> v{wrap(buf, count, t)};
-    c10d::AllreduceOptions o;
-    o.reduceOp = op == ReduceOp::kSum ? c10d::ReduceOp::SUM : c10d::ReduceOp::MAX;
-    sent_ += ring_all_reduce_bytes(who_.world_size, count, t);
-    return track([&] { return pg_->allreduce(v, o); });
+    return host_->all_reduce(buf, count, t, op);
   }
   Completion broadcast(void* buf, int64_t count, DType t, int root) override {
-    std::vector<at::Tensor> v{wrap(buf, count, t)};
-    c10d::BroadcastOptions o;
-    o.rootRank = root;
-    if (who_.rank == root) sent_ += count * dtype_bytes(t);
-    return track([&] { return pg_->broadcast(v, o); });
+    return host_->broadcast(buf, count, t, root, who_.rank);
   }
   void barrier() override {
-    // A one-element all-reduce: Gloo's barrier and NCCL's behave alike then.
+    // A one-element all-reduce: Gloo's barrier needs no buffers either way.
     int64_t one = 1;
-    if (options_.backend == "nccl") {
-      Completion c = track([&] { return pg_->barrier(); });
-      c.wait();
-      return;
-    }
     all_reduce(&one, 1, DType::kI64, ReduceOp::kSum).wait();
   }
 
   void store_set(const std::string& key, const std::string& value) override {
+    std::lock_guard<std::recursive_mutex> lock(store_mu_);
     try {
       store_->set("kv/" + key, std::vector<uint8_t>(value.begin(), value.end()));
     } catch (const std::exception&) {
@@ -217,6 +339,7 @@ class C10dCommunicator final : public Communicator {
     }
   }
   std::string store_get(const std::string& key) override {
+    std::lock_guard<std::recursive_mutex> lock(store_mu_);
     std::vector<uint8_t> v;
     try {
       v = store_->get("kv/" + key);
@@ -258,6 +381,7 @@ class C10dCommunicator final : public Communicator {
   }
 
   void mark_exit(const std::string& why) override {
+    std::lock_guard<std::recursive_mutex> lock(store_mu_);
     try {
       store_->set(exit_key(who_.rank), std::vector<uint8_t>(why.begin(), why.end()));
     } catch (...) {
@@ -265,31 +389,12 @@ class C10dCommunicator final : public Communicator {
     }
   }
 
-  int64_t bytes_sent() const override { return sent_; }
-  double wait_seconds() const override { return wait_s_; }
-
-  void wait_ticket(uint64_t ticket) override {
-    Slot& s = slots_[ticket % kSlots];
-    if (s.ticket != ticket || !s.work) return;
-    c10::intrusive_ptr<c10d::Work> work = std::move(s.work);
-    s.work.reset();
-    const auto t0 = std::chrono::steady_clock::now();
-    try {
-      TraceSpan span(TraceTrack::kComm, "wait");
-      work->wait();
-    } catch (const std::exception&) {
-      wait_s_ += seconds_since(t0);
-      fail_hard(exception_text(std::current_exception()));
-    }
-    wait_s_ += seconds_since(t0);
-  }
+  int64_t bytes_sent() const override { return host_->bytes_sent(); }
+  double wait_seconds() const override { return host_->wait_seconds(); }
+  void wait_ticket(uint64_t ticket) override { host_->wait_ticket(ticket); }
 
  private:
-  static constexpr size_t kSlots = 64;  // collectives in flight at once, at most
-  struct Slot {
-    uint64_t ticket = 0;
-    c10::intrusive_ptr<c10d::Work> work;
-  };
+  using FailFn = C10dGroup::FailFn;
 
   c10::intrusive_ptr<c10d::Store> connect(bool server, std::chrono::milliseconds timeout) {
     c10d::TCPStoreOptions o;
@@ -302,27 +407,11 @@ class C10dCommunicator final : public Communicator {
     return c10::make_intrusive<c10d::PrefixStore>("strata", tcp);
   }
 
-  at::Tensor wrap(void* p, int64_t count, DType t) const {
-    return at::from_blob(p, {count}, at::TensorOptions().dtype(scalar_type(t)).device(device_));
-  }
-
-  template <typename Fn>
-  Completion track(Fn&& issue) {
-    const uint64_t ticket = ++next_ticket_;
-    Slot& s = slots_[ticket % kSlots];
-    if (s.work) wait_ticket(s.ticket);  // a caller that never waited: keep the bound
-    try {
-      s.work = issue();
-    } catch (const std::exception&) {
-      fail_hard(exception_text(std::current_exception()));
-    }
-    s.ticket = ticket;
-    return Completion(this, ticket);
-  }
-
   // A collective or the store failed: name the lost rank (Note [Lost ranks]),
   // tell the others why this rank leaves, and throw.
   [[noreturn]] void fail_hard(const std::string& what) {
+    // The data group's thread and the step's may both fail: one at a time.
+    std::lock_guard<std::recursive_mutex> lock(store_mu_);
     failed_ = true;
     const std::string lost = lost_rank(options_.timeout_s);
     std::string msg;
@@ -415,13 +504,12 @@ class C10dCommunicator final : public Communicator {
 
   RankInfo who_;
   CommOptions options_;
-  at::Device device_ = at::Device(at::kCPU);
   c10::intrusive_ptr<c10d::Store> store_, monitor_store_;
-  c10::intrusive_ptr<c10d::Backend> pg_;
-  std::array<Slot, kSlots> slots_;
-  uint64_t next_ticket_ = 0;
-  int64_t sent_ = 0;
-  double wait_s_ = 0.0;
+  std::unique_ptr<C10dGroup> host_;  // Note [Data group]
+  std::unique_ptr<C10dGroup> data_;
+  // store_ is one connection, and c10d store clients are not for two
+  // threads: the step's and a staged data group's (fail_hard) share it.
+  std::recursive_mutex store_mu_;
   bool failed_ = false;
 
   std::thread monitor_;

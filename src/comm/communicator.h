@@ -43,7 +43,10 @@ int dtype_bytes(DType t);
 enum class ReduceOp { kSum, kMax };
 
 struct CommOptions {
-  std::string backend = "gloo";  // gloo | nccl (world size 1 always uses the local backend)
+  // The host group is always Gloo; this names the data group's backend
+  // (Note [Data group]): gloo | nccl (world size 1 always uses the local
+  // communicator).
+  std::string backend = "gloo";
   double timeout_s = 300.0;      // every collective and store wait; a lost rank is named within it
   double heartbeat_s = 1.0;      // interval of each rank's heartbeat through the store
   int threads = 1;               // Gloo's worker threads
@@ -51,6 +54,53 @@ struct CommOptions {
   // Build the backend's process group even at world size 1 (tests of a
   // backend on one GPU); otherwise world size 1 is the local communicator.
   bool process_group_at_one = false;
+};
+
+// Collectives over the ranks of one process group, on flat buffers. Each is
+// issued from one thread at a time and in the same order on every rank (a
+// group's collectives are matched by their order).
+class CollectiveGroup : public Waiter {
+ public:
+  ~CollectiveGroup() override = default;
+  virtual const char* backend() const = 0;
+
+  // out[r * count .. (r + 1) * count) = rank r's in[0 .. count). `in` may not
+  // overlap `out`. Buffers stay untouched until the completion fired.
+  virtual Completion all_gather(const void* in, void* out, int64_t count, DType t) = 0;
+  // out[0 .. count) = sum over ranks of their in[rank * count .. (rank + 1) * count).
+  virtual Completion reduce_scatter(const void* in, void* out, int64_t count, DType t) = 0;
+  virtual Completion all_reduce(void* buf, int64_t count, DType t, ReduceOp op) = 0;
+
+  // Note [Data group]: true for NCCL, whose work runs on a device stream and
+  // whose completions' wait() makes that stream wait for the work without
+  // blocking the host. False where wait() blocks the host until the work is
+  // done (Gloo, local).
+  virtual bool orders_streams() const { return false; }
+
+  // Bytes this rank has sent over the network since construction (ring
+  // algorithms: (n-1)/n of the buffer per pass), and seconds callers spent
+  // blocked in wait() on collectives.
+  virtual int64_t bytes_sent() const = 0;
+  virtual double wait_seconds() const = 0;
+};
+
+// Note [Data group]
+// Host values (losses, the squared norm, failed-rank and stop votes, config
+// checks, checkpoint handshakes) always go over the communicator's own group,
+// Gloo on host memory. Collectives on device memory go over a second group of
+// the same ranks, the data group, opened once the device exists: NCCL on
+// GPUs (comm.backend "nccl"), whose work is queued on the device's
+// communication stream, or a second Gloo group (comm.backend "gloo") that
+// engine/ feeds through registered host buffers (comm/device_collectives.h).
+// Two groups, because a group's collectives are matched by their order: the
+// data group is driven by the thread that moves device data, the host group
+// by the step's thread, and neither can delay or reorder the other's. NCCL
+// cannot carry host values anyway, and c10d's NCCL Work::wait() only orders
+// the current stream: a host wait on it would return before the work is done.
+struct DataGroupOptions {
+  std::string backend = "gloo";  // gloo | nccl
+  void* stream = nullptr;        // nccl: the cudaStream_t its work is queued on
+  int device_index = -1;         // nccl: the CUDA device of that stream and of the buffers
 };
 
 // Note [Lost ranks]
@@ -69,19 +119,13 @@ struct CommOptions {
 // until every rank still beating has said why it leaves. Destroying a c10d process group after
 // a failed collective can block joining its threads, so a failed
 // communicator is leaked, never destroyed.
-class Communicator : public Waiter {
+class Communicator : public CollectiveGroup {
  public:
   ~Communicator() override = default;
   virtual int rank() const = 0;
   virtual int world_size() const = 0;
-  virtual const char* backend() const = 0;
 
-  // out[r * count .. (r + 1) * count) = rank r's in[0 .. count). `in` may not
-  // overlap `out`. Buffers stay untouched until the completion fired.
-  virtual Completion all_gather(const void* in, void* out, int64_t count, DType t) = 0;
-  // out[0 .. count) = sum over ranks of their in[rank * count .. (rank + 1) * count).
-  virtual Completion reduce_scatter(const void* in, void* out, int64_t count, DType t) = 0;
-  virtual Completion all_reduce(void* buf, int64_t count, DType t, ReduceOp op) = 0;
+  // The collectives of CollectiveGroup are the host group's (Gloo, or local).
   virtual Completion broadcast(void* buf, int64_t count, DType t, int root) = 0;
   virtual void barrier() = 0;
 
@@ -96,11 +140,12 @@ class Communicator : public Waiter {
   // Records that this rank is leaving on purpose (`why`), before it exits.
   virtual void mark_exit(const std::string& why) = 0;
 
-  // Bytes this rank has sent over the network since construction (ring
-  // algorithms: (n-1)/n of the buffer per pass), and seconds callers spent
-  // blocked in wait() on collectives.
-  virtual int64_t bytes_sent() const = 0;
-  virtual double wait_seconds() const = 0;
+  // Note [Data group]: opens the group for collectives on device memory.
+  // Every rank calls it once, at the same point of the start-up; the
+  // communicator owns the group. Throws CommError when the backend cannot be
+  // built (no NCCL in this build). The local communicator is its own data
+  // group (copies).
+  virtual CollectiveGroup* open_data_group(const DataGroupOptions& options) = 0;
 };
 
 // World size 1: copies and no-ops, no sockets.

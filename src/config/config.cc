@@ -351,12 +351,12 @@ const Keys kTopKnown = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "gradient_clipping", "steps_per_print", "optimizer", "scheduler", "fp16", "bf16", "bfloat16",
     "zero_optimization", "aio", "activation_checkpointing", "model", "data", "run", "placement",
-    "comm"};
+    "comm", "communication_data_type"};
 
 // DeepSpeed keys that Strata accepts but does not act on.
 const Keys kTopIgnored = {
     "wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
-    "communication_data_type", "zero_allow_untested_optimizer", "flops_profiler", "tensorboard",
+    "zero_allow_untested_optimizer", "flops_profiler", "tensorboard",
     "wandb", "csv_monitor", "comet", "comms_logger", "checkpoint", "data_types", "amp",
     "dump_state", "sparse_gradients", "memory_breakdown", "elasticity",
     "zero_force_ds_cpu_optimizer", "seq_parallel_communication_data_type",
@@ -1029,9 +1029,11 @@ void parse_run(const json& root, Config& c) {
 void parse_comm(const json& root, Config& c) {
   const std::string path = "comm";
   const json& r = section(root, "", path);
-  check_keys(r, path, {"backend", "timeout_s"}, kNone, c.ignored_keys);
+  check_keys(r, path, {"backend", "timeout_s", "gradient_reduction"}, kNone, c.ignored_keys);
   read_enum(r, path, "backend", c.comm.backend, {"auto", "gloo", "nccl"});
+  read_enum(r, path, "gradient_reduction", c.comm.gradient_reduction, {"auto", "per_step", "per_micro_batch"});
   if (read(r, path, "timeout_s", c.comm.timeout_s)) positive("comm.timeout_s", c.comm.timeout_s);
+  read_enum(root, "", "communication_data_type", c.comm.data_type, {"fp32", "bf16", "fp16"});
 }
 
 // One category's split: {"device": f, "host": f, "nvme": f}, absent tiers 0,

@@ -244,6 +244,17 @@ struct PlacementConfig {
 struct CommConfig {
   std::string backend = "auto";    // auto (gloo for run.device cpu, nccl for cuda) | gloo | nccl
   double timeout_s = 300.0;        // every collective and rendezvous wait; a lost rank is named within it
+  // communication_data_type (top level, DeepSpeed's): the dtype gradients are
+  // reduced in between ranks. fp32 (default): the same sums whatever the
+  // world size, to rounding; bf16 | fp16: half the network bytes of the
+  // reductions, the reduced gradient rounded to 16 bits (docs/config.md).
+  std::string data_type = "fp32";
+  // When gradients are reduced between ranks with gradient accumulation:
+  // per_micro_batch (each micro-batch's, while the next block's backward
+  // runs), per_step (summed on the rank over the step's micro-batches in a
+  // whole-model fp32 buffer, then reduced once: DDP's no_sync; A times fewer
+  // reduction bytes), or auto (per_step when that buffer fits).
+  std::string gradient_reduction = "auto";
 };
 
 struct Config {

@@ -67,7 +67,7 @@ void GatheredBlocks::issue_gather(size_t u) {
       gathered_[slot][i] = gather_mem_.ptr() + int64_t(slot * 2 + i) * largest_block_numel_ * ctx_.compute_bytes;
     }
     TraceSpan span(TraceTrack::kComm, "all_gather");
-    gather_done_[slot][i] = ctx_.comm->all_gather(src.raw(), gathered_[slot][i].raw(), n, dt);
+    gather_done_[slot][i] = ctx_.collectives->all_gather(src, gathered_[slot][i], n, dt);
   }
 }
 
@@ -87,10 +87,15 @@ void GatheredBlocks::next(DevicePtr out[2]) {
   if (!use_issued_) issue_gather(use_);
   const int slot = int(use_ % 2);
   {
+    // The compute stream after the gathers (Note [Device collectives]); the
+    // window's next copy into the shards' slot is queued after that.
     TraceSpan span(TraceTrack::kComm, "wait all_gather");
-    for (Completion& c : gather_done_[slot]) c.wait();
+    for (Completion& c : gather_done_[slot]) {
+      ctx_.device->stream_wait(Stream::kCompute, c);
+      c = Completion();
+    }
   }
-  window_->release();  // the shards are in the gathered buffers now
+  window_->release();  // the shards are read by the gathers the compute stream waited for
   // The next use's gather runs while this one computes.
   use_issued_ = use_ + 1 < uses_->size();
   if (use_issued_) issue_gather(use_ + 1);

@@ -58,8 +58,23 @@ GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
   if (need.grad_stage > 0) stage_[0] = dev.allocate(need.grad_stage, "gradient staging");
   if (need.grad_sync > 0) {
     stage_[1] = dev.allocate(need.grad_stage, "gradient staging (2nd)");
-    const int64_t shard_bytes = need.grad_sync - need.grad_stage;
+    const int64_t shard_bytes = reduce_scatter_ ? 2 * plan.largest_block_shard_numel * 4 : 0;
     if (shard_bytes > 0) shards_mem_ = dev.allocate(shard_bytes, "reduce-scattered gradient shards");
+    const int64_t comm16_bytes = need.grad_sync - need.grad_stage - shard_bytes;
+    if (plan.comm_grad_bytes < 4) {
+      comm_type_ = ctx.cfg->comm.data_type == "fp16" ? at::kHalf : at::kBFloat16;
+      comm16_ = dev.allocate(comm16_bytes, "gradients in communication_data_type");
+      const int64_t full = plan.largest_block_numel * 2;
+      for (int k = 0; k < 2; ++k) {
+        for (size_t b = 0; b < blocks_; ++b) {
+          comm_flat_[k].push_back(
+              ctx.device_tensor(comm16_.ptr() + k * full, ctx.layout->block(b).padded_numel, comm_type_));
+        }
+        comm_shard_[k] = comm16_.ptr() + 2 * full + k * plan.largest_block_shard_numel * 2;
+      }
+    } else {
+      STRATA_CHECK(comm16_bytes == 0, "16-bit gradient buffers planned for fp32 reductions");
+    }
   }
   largest_shard_numel_ = plan.largest_block_shard_numel;
   for (int k = 0; k < 2; ++k) {
@@ -68,6 +83,14 @@ GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
       const BlockLayout& bl = ctx.layout->block(b);
       stage_flat_[k].push_back(ctx.device_tensor(stage_[k].ptr(), bl.padded_numel, at::kFloat));
       stage_views_[k].push_back(param_views(bl, stage_flat_[k].back()));
+    }
+  }
+  if (need.grad_accum > 0) {
+    accum_ = dev.allocate(need.grad_accum, "gradients summed over the step");
+    for (size_t b = 0; b < blocks_; ++b) {
+      const BlockLayout& bl = ctx.layout->block(b);
+      accum_flat_.push_back(ctx.device_tensor(accum_.ptr() + bl.offset * 4, bl.padded_numel, at::kFloat));
+      accum_views_.push_back(param_views(bl, accum_flat_.back()));
     }
   }
   if (need.grad_host > 0) {
@@ -141,9 +164,13 @@ void GradientPath::begin_step() {
   }
   std::fill(written_.begin(), written_.end(), 0);
   tied_ = at::Tensor();
+  micro_ = 0;
 }
 
-void GradientPath::begin_micro(bool last) { last_micro_ = last; }
+void GradientPath::begin_micro(bool last) {
+  last_micro_ = last;
+  first_micro_ = micro_++ == 0;
+}
 
 void GradientPath::add(size_t b, const std::vector<at::Tensor>& grads, size_t first) {
   if (ranks_) {
@@ -269,34 +296,68 @@ void GradientPath::lay_out(size_t b, const std::vector<at::Tensor>& grads, size_
 
 // ---- ranks ------------------------------------------------------------------------
 
-// G staged in fp32 and reduced while the next block's backward runs (Note
-// [Gathered blocks] in trainer.h).
+// G summed in fp32 and reduced while the next block's backward runs (Note
+// [Gathered blocks] in trainer.h): each micro-batch's in a stage, or with
+// PlacementPlan::reduce_per_step the step's sum, kept per block in the
+// whole-model buffer, reduced on the last micro-batch.
 void GradientPath::add_to_reduce(size_t b, const std::vector<at::Tensor>& grads, size_t first) {
+  if (!accum_flat_.empty()) {
+    if (first_micro_) accum_flat_[b].zero_();
+    sum_into(accum_views_[b], b, grads, first);
+    if (!last_micro_) return;
+    const int k = turn_;
+    complete_reduction(k);  // the shard slot's previous block is delivered
+    stage_free();
+    reduce(k, b, accum_flat_[b]);
+    return;
+  }
   const int k = turn_;
   complete_reduction(k);  // the stage's previous block is reduced
   stage_free();
   const at::Tensor& stage = stage_flat_[k][b];
   stage.zero_();
-  const std::vector<at::Tensor>& dst = stage_views_[k][b];
+  sum_into(stage_views_[k][b], b, grads, first);
+  reduce(k, b, stage);
+}
+
+// dst += the head's share of the tied embedding (first, as autograd would
+// sum it) and block b's gradients.
+void GradientPath::sum_into(const std::vector<at::Tensor>& dst, size_t b, const std::vector<at::Tensor>& grads,
+                            size_t first) {
   if (b == ctx_.embedding_block && tied_.defined()) {
-    dst[0].add_(tied_);  // the head's share first, as autograd would sum it
+    dst[0].add_(tied_);
     tied_ = at::Tensor();
   }
   for (size_t i = 0; i < dst.size() && first + i < grads.size(); ++i) {
     const at::Tensor& g = grads[first + i];
     if (g.defined()) dst[i].add_(g);
   }
+}
+
+// Issues block b's reduction from `stage` (its fp32 sum) with slot k's shard.
+void GradientPath::reduce(int k, size_t b, const at::Tensor& stage) {
   const DevicePtr full(static_cast<std::byte*>(stage.data_ptr()));
   const int64_t n = ctx_.shard_numel(b);
   Reduction& r = reduction_[k];
   r.block = int(b);
+  // communication_data_type: the reductions carry the stage rounded to 16 bits.
+  const bool narrow = comm16_.bytes() > 0;
+  DevicePtr send = full;
+  DType t = DType::kF32;
+  if (narrow) {
+    comm_flat_[k][b].copy_(stage);
+    send = DevicePtr(static_cast<std::byte*>(comm_flat_[k][b].data_ptr()));
+    t = comm_type_ == at::kHalf ? DType::kF16 : DType::kBF16;
+  }
   if (reduce_scatter_) {
     const DevicePtr shard = shards_mem_.ptr() + int64_t(k) * largest_shard_numel_ * 4;
-    r.done = ctx_.comm->reduce_scatter(full.raw(), shard.raw(), n, DType::kF32);
+    r.wire = narrow ? comm_shard_[k] : shard;
+    r.done = ctx_.collectives->reduce_scatter(send, r.wire, n, t);
     r.shard = shard;
   } else {
-    r.done = ctx_.comm->all_reduce(full.raw(), ctx_.layout->block(b).padded_numel, DType::kF32, ReduceOp::kSum);
+    r.done = ctx_.collectives->all_reduce(send, ctx_.layout->block(b).padded_numel, t);
     r.shard = full + ctx_.shard_rank * n * 4;
+    r.wire = send + ctx_.shard_rank * n * dtype_bytes(t);
   }
   seq_[k] = ++issued_;
   turn_ = 1 - k;
@@ -306,11 +367,18 @@ void GradientPath::complete_reduction(int k) {
   Reduction& r = reduction_[k];
   if (r.block < 0) return;
   {
+    // Its readers (the add into a device home, the D2H to a host one) are
+    // queued after the compute stream's wait (Note [Device collectives]).
     TraceSpan span(TraceTrack::kComm, "wait gradient reduction");
-    r.done.wait();
+    ctx_.device->stream_wait(Stream::kCompute, r.done);
+    r.done = Completion();
   }
   const size_t b = size_t(r.block);
   r.block = -1;
+  if (!(r.wire == r.shard)) {
+    const int64_t n = ctx_.shard_numel(b);
+    ctx_.device_tensor(r.shard, n, at::kFloat).copy_(ctx_.device_tensor(r.wire, n, comm_type_));
+  }
   deliver(b, r.shard);
 }
 

@@ -105,6 +105,8 @@ class GradientPath {
   void add_through_host(size_t b, const std::vector<at::Tensor>& grads, size_t first);
   void lay_out(size_t b, const std::vector<at::Tensor>& grads, size_t first, int half);
   void add_to_reduce(size_t b, const std::vector<at::Tensor>& grads, size_t first);
+  void sum_into(const std::vector<at::Tensor>& dst, size_t b, const std::vector<at::Tensor>& grads, size_t first);
+  void reduce(int k, size_t b, const at::Tensor& stage);
   void complete_reduction(int k);
   // Adds a reduced fp32 shard at `src` into block b's home.
   void deliver(size_t b, DevicePtr src);
@@ -131,6 +133,8 @@ class GradientPath {
   std::vector<int64_t> norm_lo_, norm_hi_;  // per block: this rank's norm range within its shard
   std::vector<char> written_;          // per block: its home was written this step
   bool last_micro_ = false;
+  bool first_micro_ = false;
+  int64_t micro_ = 0;                  // micro-batches begun this step
   at::Tensor tied_;
 
   // Device: the gradient stage(s) (fp32 of the largest block; two with ranks)
@@ -149,10 +153,23 @@ class GradientPath {
   bool lay_out_in_landing_ = false;
   std::vector<std::vector<at::Tensor>> home_views_;    // per block with a device home: fp32 views
   Completion stage_read_;                              // the last D2H that read a stage or shard
+  // communication_data_type bf16/fp16: the stage cast to 16 bits before its
+  // reduction, and (stages 2-3) the reduced 16-bit shards, widened into the
+  // fp32 shard when the reduction completes. Per stage, built once.
+  DeviceBuffer comm16_;
+  // PlacementPlan::reduce_per_step: every block's fp32 gradient summed over
+  // the step's micro-batches (flat and parameter views per block).
+  DeviceBuffer accum_;
+  std::vector<at::Tensor> accum_flat_;
+  std::vector<std::vector<at::Tensor>> accum_views_;
+  at::ScalarType comm_type_ = at::kFloat;
+  std::vector<at::Tensor> comm_flat_[2];               // per block: 16-bit flat view of the stage's copy
+  DevicePtr comm_shard_[2];
   struct Reduction {
     int block = -1;
     Completion done;
-    DevicePtr shard;
+    DevicePtr shard;   // fp32: what is delivered
+    DevicePtr wire;    // 16-bit communication: the reduced shard, widened into `shard`
   } reduction_[2];
   int64_t largest_shard_numel_ = 0;
   int turn_ = 0;                       // the stage the next block fills

@@ -11,6 +11,7 @@
 
 #include "comm/communicator.h"
 #include "config/config.h"
+#include "engine/device_collectives.h"
 #include "memory/device.h"
 #include "memory/layout.h"
 #include "memory/tiered_state.h"
@@ -22,7 +23,8 @@ struct StepContext {
   const StateLayout* layout = nullptr;
   TieredState* state = nullptr;
   Device* device = nullptr;
-  Communicator* comm = nullptr;
+  Communicator* comm = nullptr;         // the ranks; host values over its host group
+  DeviceCollectives* collectives = nullptr;  // with several ranks: gathers and reductions of device memory
   c10::Device torch_device{c10::DeviceType::CPU};  // LibTorch's name for *device
   at::ScalarType compute_dtype = at::kFloat;
   int compute_bytes = 4;                 // bytes per element of compute_dtype

@@ -77,8 +77,10 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
   ComputeStreamScope on_compute_stream(*ctx_.device);
   const double param_wait0 = blocks_->window().wait_seconds();
   const double opt_wait0 = optimizer_->wait_seconds();
-  const int64_t net0 = comm.bytes_sent();
-  const double comm_wait0 = comm.wait_seconds();
+  auto data_sent = [&] { return collectives_ ? collectives_->bytes_sent() : int64_t(0); };
+  auto data_wait = [&] { return collectives_ ? collectives_->wait_seconds() : 0.0; };
+  const int64_t net0 = comm.bytes_sent() + data_sent();
+  const double comm_wait0 = comm.wait_seconds() + data_wait();
   grads_->begin_step();
   activations_->reset();
   for (KeptGraph& g : graphs_) g = KeptGraph();  // a failed step's
@@ -109,8 +111,8 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
     r.optimizer_wait_s = optimizer_->wait_seconds() - opt_wait0;
     r.wait_s = param_wait + r.optimizer_wait_s;
     r.links += moved;
-    r.net_bytes = comm.bytes_sent() - net0;
-    r.comm_wait_s = comm.wait_seconds() - comm_wait0;
+    r.net_bytes = comm.bytes_sent() + data_sent() - net0;
+    r.comm_wait_s = comm.wait_seconds() + data_wait() - comm_wait0;
     return r;
   };
   if (scaler_) {
@@ -384,9 +386,9 @@ void Trainer::load_checkpoint(CheckpointReader& reader) {
 // ---- start-up ---------------------------------------------------------------------
 
 Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::FaultPlan> faults,
-                 Communicator* comm, int local_ranks, Device* device)
+                 Communicator* comm, int local_ranks, Device* device, StreamCollectives* stream)
     : cfg_(cfg), model_(model), layout_(model.layout_specs(), shard_count(cfg)) {
-  make_context(comm, device);
+  make_context(comm, device, stream);
   const cpu_adam::Isa isa = cpu_adam::parse_isa(cfg.run.cpu_adam_isa);
   if (!cpu_adam::isa_supported(isa)) {
     throw ConfigError("run.cpu_adam_isa", std::string(cpu_adam::isa_name(isa)) +
@@ -443,7 +445,7 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
 }
 
 // The communicator, the device and what the parts share before the state.
-void Trainer::make_context(Communicator* comm, Device* device) {
+void Trainer::make_context(Communicator* comm, Device* device, StreamCollectives* stream) {
   if (comm == nullptr) {
     own_comm_ = make_local_communicator();
     comm = own_comm_.get();
@@ -457,11 +459,29 @@ void Trainer::make_context(Communicator* comm, Device* device) {
       device = own_device_.get();
     }
   }
-  if (!device->host_addressable() && comm->world_size() > 1) {
-    // Collectives on device memory need NCCL on the device's comm stream.
-    throw ConfigError("run.device", "training on " + device->name() +
-                                        " with more than one rank is not supported yet; use world size 1");
+  if (comm->world_size() > 1) {
+    // Note [Device collectives]: in place, staged over Gloo, or on the comm stream.
+    if (device->host_addressable()) {
+      collectives_ = std::make_unique<DeviceCollectives>(*device, *comm);
+    } else if (stream != nullptr) {
+      collectives_ = std::make_unique<DeviceCollectives>(*device, *comm, *stream);
+    } else {
+      DataGroupOptions o;
+      o.backend = cfg_.comm.backend == "auto" ? (device->is_cuda() ? "nccl" : "gloo") : cfg_.comm.backend;
+      o.stream = device->native_stream(Stream::kComm);
+      o.device_index = device->ordinal();
+      CollectiveGroup& data = *comm->open_data_group(o);
+      if (data.orders_streams()) {
+        own_stream_ = stream_collectives_over(data);
+        collectives_ = std::make_unique<DeviceCollectives>(*device, *comm, *own_stream_);
+      } else {
+        collectives_ = std::make_unique<DeviceCollectives>(*device, *comm, data);
+      }
+    }
+    log::info("collectives on %s: %s, over %s", device->name().c_str(), device_comm_mode_name(collectives_->mode()),
+              collectives_->mode() == DeviceCommMode::kInPlace ? comm->backend() : "the data group");
   }
+  ctx_.collectives = collectives_.get();
   ctx_.cfg = &cfg_;
   ctx_.layout = &layout_;
   ctx_.device = device;

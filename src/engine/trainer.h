@@ -105,9 +105,12 @@ class Trainer {
   // `comm`: the ranks of the run (must outlive the trainer; world size
   // cfg.world_size); nullptr: world size 1. `device`: where the step computes
   // and the device tier lives (must outlive the trainer); nullptr: run.device's
-  // (Note [The trainer's device]).
+  // (Note [The trainer's device]). `stream` (tests): with several ranks on a
+  // device host code may not touch, the collectives on its comm stream
+  // (Note [Device collectives]) instead of the data group comm.backend names.
   Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::FaultPlan> faults = nullptr,
-          Communicator* comm = nullptr, int local_ranks = 1, Device* device = nullptr);
+          Communicator* comm = nullptr, int local_ranks = 1, Device* device = nullptr,
+          StreamCollectives* stream = nullptr);
   ~Trainer();
 
   // One optimizer step over this rank's `accum` micro-batches. `tokens` holds
@@ -207,7 +210,7 @@ class Trainer {
   [[noreturn]] void out_of_memory(const c10::OutOfMemoryError& e) const;
 
   // Start-up (trainer.cc, at the end).
-  void make_context(Communicator* comm, Device* device);
+  void make_context(Communicator* comm, Device* device, StreamCollectives* stream);
   void initialise_state(const PlacementPlan& plan);
 
   // Views of block b's weights (compute dtype) at `p`, its gathered copy.
@@ -227,6 +230,10 @@ class Trainer {
   // the trainer owns; tests pass devices of their own.
   std::unique_ptr<Device> own_device_;
   std::unique_ptr<Communicator> own_comm_;  // world size 1 without a caller's
+  // With several ranks: the collectives on device memory (Note [Device
+  // collectives]), over NCCL's data group as a stream's when that is theirs.
+  std::unique_ptr<StreamCollectives> own_stream_;
+  std::unique_ptr<DeviceCollectives> collectives_;
   std::unique_ptr<TieredState> state_;
   StepContext ctx_;                       // what the parts share; refers to the above
   int64_t step_ = 0;

@@ -85,8 +85,11 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
     if (p16[b].tier == Tier::kHost) e.h2d += c * n * F;
     if (p16[b].tier == Tier::kNvme) e.nvme_read += c * n * F, e.h2d += c * n * F;
     const int64_t wire = c == 4 || (p.tied && b == 0) || p.world_size > 1 ? 4 : c;
-    if (grad[b].tier != Tier::kDevice) e.d2h += wire * grad[b].numel * A;
-    if (grad[b].tier == Tier::kNvme) e.nvme_write += 4 * grad[b].numel * A, e.nvme_read += 4 * grad[b].numel * (A - 1);
+    // Gradients land in their home once per micro-batch, or once per step
+    // when ranks reduce once per step (PlacementPlan::reduce_per_step).
+    const int64_t G = p.reduce_per_step ? 1 : A;
+    if (grad[b].tier != Tier::kDevice) e.d2h += wire * grad[b].numel * G;
+    if (grad[b].tier == Tier::kNvme) e.nvme_write += 4 * grad[b].numel * G, e.nvme_read += 4 * grad[b].numel * (G - 1);
   }
   if (p.cpu_checkpointing) {
     e.d2h += p.checkpoint_layers * p.checkpoint_bytes * A;

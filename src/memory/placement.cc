@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <limits>
 #include <sstream>
 
@@ -161,8 +162,13 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
   } else if (plan.shards > 1) {
     n.gather = plan.gathered_numel * plan.compute_bytes;
   }
+  if (plan.comm_staged) n.comm_host = 2 * int64_t(plan.world_size) * kStagedPieceBytes;
+  if (plan.reduce_per_step) n.grad_accum = plan.gathered_numel * 4;
   if (plan.world_size > 1) {
     n.grad_sync = largest * 4 + (plan.stage >= 2 ? 2 * plan.largest_block_shard_numel * 4 : 0);
+    if (plan.comm_grad_bytes < 4) {
+      n.grad_sync += 2 * (largest + (plan.stage >= 2 ? plan.largest_block_shard_numel : 0)) * plan.comm_grad_bytes;
+    }
   }
   if (plan.cpu_checkpointing) {
     n.ckpt_device = std::min<int64_t>(2, plan.checkpoint_layers) * plan.checkpoint_bytes;
@@ -227,12 +233,25 @@ MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::strin
     m.device_bytes = -1;  // no budget: the device tier is host memory
   }
   if (!m.device_is_host) {
-    // Each local rank has a GPU of its own: no division.
+    // Each local rank has a GPU of its own: no division; more local ranks
+    // than GPUs (Gloo shares them round-robin, cli/train.cc) divide a GPU's
+    // free memory among the ranks on it.
     DeviceMemoryInfo info;
-    if (query_device_memory(device, &info)) {
-      const std::string measured = strprintf("%s: %s free of %s", device.c_str(),
+    std::string name = device;
+    int64_t sharing = 1;
+    const int gpus = cuda_device_count();
+    if (cfg.run.device == DeviceKind::kCuda && gpus > 0 && local_ranks > gpus) {
+      const char* lr = std::getenv("LOCAL_RANK");
+      const int local = lr != nullptr ? std::atoi(lr) : 0;
+      name = "cuda:" + std::to_string(local % gpus);
+      sharing = (local_ranks - local % gpus + gpus - 1) / gpus;  // ranks r = local % gpus (mod gpus)
+    }
+    if (query_device_memory(name, &info)) {
+      info.free_bytes /= sharing;
+      const std::string measured = strprintf("%s: %s free of %s%s", name.c_str(),
                                              format_bytes(double(info.free_bytes)).c_str(),
-                                             format_bytes(double(info.total_bytes)).c_str());
+                                             format_bytes(double(info.total_bytes)).c_str(),
+                                             sharing > 1 ? strprintf(", shared by %lld ranks", (long long)sharing).c_str() : "");
       if (m.device_bytes < 0 || info.free_bytes < m.device_bytes) {
         m.device_source = m.device_bytes < 0 ? measured : measured + " (less than run.device_memory_mb)";
         m.device_bytes = info.free_bytes;
@@ -598,6 +617,27 @@ void resolve_recompute(const Config& cfg, const MachineCapacity& capacity, Place
 
 }  // namespace
 
+// comm.gradient_reduction: per_step needs a whole-model fp32 gradient on the
+// device; auto takes it when the plan still fits with it (always where the
+// device tier has no budget), only with ranks and accumulation.
+void choose_gradient_reduction(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
+  const std::string& want = cfg.comm.gradient_reduction;
+  if (plan.world_size <= 1 || plan.accum <= 1 || want == "per_micro_batch") return;
+  plan.reduce_per_step = true;
+  const StagingNeeds with = staging_needs(plan);
+  if (want == "auto") {
+    const auto t = plan.total();
+    const int64_t extra = with.device_bytes() - plan.staging.device_bytes();
+    const int64_t have = capacity.device_is_host ? capacity.host_bytes : capacity.device_bytes;
+    const int64_t need = t[0] + (capacity.device_is_host ? t[1] : 0) + extra;
+    if (have >= 0 && need > have) {
+      plan.reduce_per_step = false;
+      return;
+    }
+  }
+  plan.staging = with;
+}
+
 PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t rank,
                         const MachineCapacity& capacity) {
   STRATA_CHECK(layout.world_size() == shard_count(cfg), "the layout's shards are not the config's");
@@ -608,6 +648,9 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   plan.shards = layout.world_size();
   plan.rank = int(rank);
   plan.device_addressable = capacity.device_addressable;
+  const bool gloo = cfg.comm.backend == "gloo" || (cfg.comm.backend == "auto" && cfg.run.device != DeviceKind::kCuda);
+  plan.comm_staged = plan.world_size > 1 && !plan.device_addressable && gloo;
+  plan.comm_grad_bytes = cfg.comm.data_type == "fp32" ? 4 : 2;
   plan.gathered_numel = layout.total_numel();
   const int int16_bytes = compute_bytes(cfg);  // the working copy: fp32 or 16-bit
   const int moment_bytes = cfg.run.optimizer_state_dtype == "bf16" ? 2 : 4;  // Note [bf16 state]
@@ -634,6 +677,7 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   resolve_recompute(cfg, capacity, plan);
   choose_swap_paths(cfg, plan);
   plan.staging = staging_needs(plan);
+  choose_gradient_reduction(cfg, capacity, plan);
   return plan;
 }
 

@@ -98,7 +98,9 @@ struct StagingNeeds {
   // blocks in the compute dtype (stage 3: two uses of up to two blocks; stages
   // 1-2: the whole replicated model), and the gradient's synchronisation (a
   // second fp32 gradient stage so that one block's reduction overlaps the next
-  // block's backward, and at stages 2-3 two reduce-scattered shards).
+  // block's backward, and at stages 2-3 two reduce-scattered shards; with a
+  // 16-bit communication_data_type, the two stages and shards again in 16
+  // bits, which the reductions carry).
   int64_t gather = 0;
   int64_t grad_sync = 0;
   // A device host code may not touch, with param16 blocks on NVMe: host
@@ -111,17 +113,29 @@ struct StagingNeeds {
   // Host, on a device host code may not touch with saved state (master,
   // moments) on it: a checkpoint save's registered bounce buffer.
   int64_t save_bounce = 0;
+  // Host, with PlacementPlan::comm_staged: the staged collectives' input and
+  // output buffers, registered with the device (2 x world size x
+  // kStagedPieceBytes).
+  int64_t comm_host = 0;
+  // Device, with PlacementPlan::reduce_per_step: the whole model's gradient
+  // in fp32 (padded), summed over the step's micro-batches.
+  int64_t grad_accum = 0;
   int64_t device_bytes() const {
-    return gathered + grad_stage + grad_norms + ckpt_device + gather + grad_sync + tokens;
+    return gathered + grad_stage + grad_norms + ckpt_device + gather + grad_sync + tokens + grad_accum;
   }
   int64_t host_bytes() const {
-    return opt_grad + opt_state + opt_emit + ckpt_host + grad_host + grad_rmw + window_bounce + tokens + save_bounce;
+    return opt_grad + opt_state + opt_emit + ckpt_host + grad_host + grad_rmw + window_bounce + tokens + save_bounce +
+           comm_host;
   }
 };
 
 // A checkpoint save's bounce buffer for device-tier state (bytes): one
 // writer slot's (checkpoint/checkpoint.h, RankFileWriter::kWriterSlotBytes).
 inline constexpr int64_t kSaveBounceBytes = int64_t(8) << 20;
+
+// Bytes per rank of one piece of a staged collective (Note [Device
+// collectives] in engine/device_collectives.h).
+inline constexpr int64_t kStagedPieceBytes = int64_t(4) << 20;
 
 // Shards per block: the world size, except at ZeRO stage 0 where every rank
 // keeps the whole state (DESIGN.md, "State, shards and gathered blocks").
@@ -163,6 +177,17 @@ struct PlacementPlan {
   // with its device-tier parts staged through host memory (Note [Optimizer
   // pipeline] in engine/optimizer_pass.h).
   bool device_addressable = true;
+  // Several ranks on a device host code may not touch with the Gloo data
+  // group: collectives staged through host buffers (StagingNeeds::comm_host;
+  // Note [Device collectives] in engine/device_collectives.h).
+  bool comm_staged = false;
+  // Bytes per element of the gradient reductions between ranks
+  // (communication_data_type: 4 for fp32, 2 for bf16/fp16).
+  int comm_grad_bytes = 4;
+  // With ranks and gradient accumulation: gradients summed on the rank over
+  // the step's micro-batches and reduced once per step (comm.gradient_reduction;
+  // StagingNeeds::grad_accum).
+  bool reduce_per_step = false;
 
   // Transient and staging memory (bytes).
   // Device memory LibTorch allocates for activations (estimate): the saved
