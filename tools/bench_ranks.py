@@ -12,7 +12,11 @@ same-run ratio step(world size N) / step(world size 1) per tier.
 
 Usage:
   .venv/bin/python tools/bench_ranks.py --strata build/strata --dir /tmp/bench-ranks \\
-      [--world-sizes 1,2] [--rounds 3] [--steps 4] [--dim 512] [--layers 4] [--json out.json]
+      [--world-sizes 1,2] [--rounds 3] [--steps 4] [--dim 512] [--layers 4] [--json out.json] \\
+      [--variants "before:comm.gradient_reduction=per_micro_batch,comm.keep_gathered=none;now:"]
+
+--variants: configurations measured side by side, ';'-separated, each NAME:KEY=VALUE,KEY=VALUE
+(--set overrides; default "default:", the config as it is).
 """
 import argparse
 import json
@@ -50,7 +54,7 @@ def collective_seconds(trace_path):
     return sum(e.get("dur", 0.0) for e in events if e.get("ph") == "X" and e.get("tid") == 5) / 1e6
 
 
-def run_once(args, ws, tier, tag):
+def run_once(args, ws, tier, tag, sets=()):
     os.makedirs(args.dir, exist_ok=True)
     swap = os.path.join(args.dir, "swap")
     os.makedirs(swap, exist_ok=True)
@@ -63,6 +67,8 @@ def run_once(args, ws, tier, tag):
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     cmd = [args.strata, "launch", "--nproc", str(ws), "--", "strata", "train", cfg_path, "--metrics", metrics,
            "--trace", trace, "--set", f"run.threads={threads}"]
+    for kv in sets:
+        cmd += ["--set", kv]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit(f"bench_ranks: {' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}{p.stderr[-3000:]}")
@@ -91,25 +97,29 @@ def main():
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--json", help="write every measurement here")
+    ap.add_argument("--variants", default="default:", help="NAME:KEY=VALUE,...;NAME:... (--set overrides)")
     args = ap.parse_args()
     sizes = [int(x) for x in args.world_sizes.split(",")]
-    tiers = args.tiers.split(",")
+    variants = {}
+    for v in args.variants.split(";"):
+        name, _, kvs = v.partition(":")
+        variants[name] = [kv for kv in kvs.split(",") if kv]
+    tiers = [(t, name) for t in args.tiers.split(",") for name in variants]
     results = {}
     for rnd in range(args.rounds):
-        for tier in tiers:
+        for tier, red in tiers:
             for ws in sizes:  # interleaved: each round measures every point once
-                r = run_once(args, ws, tier, f"ws{ws}-{tier}")
-                results.setdefault((tier, ws), []).append(r)
-                print(f"round {rnd + 1}: {tier:4} ws {ws}: step {r['step_s']:.3f} s, bound {r['bound_s']:.3f} s, "
+                r = run_once(args, ws, tier, f"ws{ws}-{tier}-{red}", variants[red])
+                results.setdefault(((tier, red), ws), []).append(r)
+                print(f"round {rnd + 1}: {tier:4} {red} ws {ws}: step {r['step_s']:.3f} s, bound {r['bound_s']:.3f} s, "
                       f"collectives "
                       f"{r['collectives_s']:.3f} s/step, comm wait {r['comm_wait_s']:.3f} s, "
                       f"net {r['net_bytes'] / 2**20:.1f} MiB/step", flush=True)
     print(f"\nmedians of {args.rounds} rounds (global batch {args.global_batch}, stage 3, {args.cores} cores):")
-    print(f"{'tier':5} {'ranks':>5} {'threads':>7} {'step s':>8} {'vs 1 rank':>9} {'collectives s':>13} "
+    print(f"{'tier, variant':24} {'ranks':>5} {'threads':>7} {'step s':>8} {'vs 1 rank':>9} {'collectives s':>13} "
           f"{'net MiB/step':>12} {'bound s':>8} {'step/bound':>10}")
     out = []
     for tier in tiers:
-        base = None
         for ws in sizes:
             rs = results[(tier, ws)]
             step = statistics.median(r["step_s"] for r in rs)
@@ -120,9 +130,9 @@ def main():
             net = rs[-1]["net_bytes"] / 2**20
             bound = statistics.median(r["bound_s"] for r in rs)
             over = statistics.median(r["step_over_bound"] for r in rs)
-            print(f"{tier:5} {ws:5d} {max(1, args.cores // ws):7d} {step:8.3f} {ratio:9.2f} {coll:13.3f} {net:12.1f} "
+            print(f"{tier[0] + ', ' + tier[1]:24} {ws:5d} {max(1, args.cores // ws):7d} {step:8.3f} {ratio:9.2f} {coll:13.3f} {net:12.1f} "
                   f"{bound:8.3f} {over:10.3f}")
-            out.append({"tier": tier, "world_size": ws, "step_s": step, "ratio_vs_first": ratio,
+            out.append({"tier": tier[0], "variant": tier[1], "world_size": ws, "step_s": step, "ratio_vs_first": ratio,
                         "bound_s": bound, "step_over_bound": over,
                         "collectives_s": coll, "net_bytes": rs[-1]["net_bytes"], "rounds": rs})
     if args.json:

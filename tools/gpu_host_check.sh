@@ -14,7 +14,9 @@
 # (tools/bench_adam_sweep.sh; default "1 2 16" threads, 2 rounds). `ranks` runs
 # tools/bench_ranks.py at world sizes RANKS_SIZES (default 1,2,4,8) on all cores. `gpu-a`, `gpu-b`,
 # `gpu-c` run GPU benchmarks (a)-(c) (tools/bench_gpu.py a|b|c: (a) strata against a plain LibTorch
-# loop, GPU_ROUNDS rounds, default 2); `all` includes none of them.
+# loop, GPU_ROUNDS rounds, default 2); `gpu-ranks` trains configs/tiny-cpu.json on the GPU at stage 3
+# with one rank, then two ranks sharing it over Gloo (staged collectives: docs/design.md, "Ranks on a
+# device"), and prints both runs' losses and per-rank bytes side by side; `all` includes none of them.
 set -uo pipefail
 WHAT=${1:-all}
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -71,6 +73,32 @@ if [ "$WHAT" = ranks ] || [ "$WHAT" = all ]; then
   python3 "$ROOT/tools/bench_ranks.py" --strata "$BIN/strata" --dir "${TMPDIR:-/tmp}/bench-ranks" \
     --world-sizes "${RANKS_SIZES:-1,2,4,8}" --rounds "${BENCH_ROUNDS:-2}" --steps 4 \
     --json "$DEST/bench-ranks.json" 2>&1 | tee "$DEST/bench-ranks.log"
+fi
+
+if [ "$WHAT" = gpu-ranks ]; then
+  echo "== two ranks sharing the GPU over Gloo against one rank (stage 3, tiny-cpu on cuda)"
+  work="${TMPDIR:-/tmp}/gpu-ranks"
+  rm -rf "$work" && mkdir -p "$work"
+  sets=(--set run.device=cuda --set zero_optimization.stage=3 --set run.steps=30 --set data.eval_interval=0
+        --set comm.timeout_s=120 --set train_micro_batch_size_per_gpu=8 --set gradient_accumulation_steps=2)
+  for n in 1 2; do
+    ( cd "$work" && timeout 300 "$BIN/strata" launch --nproc $n -- "$BIN/strata" train "$ROOT/configs/tiny-cpu.json" \
+        "${sets[@]}" --set comm.backend=gloo --metrics "$work/r$n.m{rank}.jsonl" --trace "$work/r$n.t{rank}.json" \
+        > "$work/r$n.log" 2>&1; echo "ranks $n rc=$?" )
+  done
+  python3 - "$work" <<'PY'
+import json, sys
+w = sys.argv[1]
+one = [json.loads(l) for l in open(f"{w}/r1.m0.jsonl")]
+two = [[json.loads(l) for l in open(f"{w}/r2.m{r}.jsonl")] for r in (0, 1)]
+print("step  loss(1 rank)  loss(2 ranks)  rel.diff  h2d/d2h/net per rank: 1 rank | 2 ranks (rank 0, rank 1)")
+for a, b0, b1 in zip(one, two[0], two[1]):
+    d = abs(a["loss"] - b0["loss"]) / abs(a["loss"])
+    print(f'{a["step"]:4d}  {a["loss"]:.6f}  {b0["loss"]:.6f}  {d:.2e}  '
+          f'{a["h2d_bytes"]}/{a["d2h_bytes"]}/{a["net_bytes"]} | '
+          f'{b0["h2d_bytes"]}/{b0["d2h_bytes"]}/{b0["net_bytes"]}, {b1["h2d_bytes"]}/{b1["d2h_bytes"]}/{b1["net_bytes"]}')
+PY
+  tar czf "$DEST/gpu-ranks.tgz" -C "$work" . 2>/dev/null || true
 fi
 
 case "$WHAT" in

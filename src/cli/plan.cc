@@ -54,7 +54,8 @@ struct Computed {
 
 // Bytes one rank sends per training step, from the step's schedule of uses
 // (Note [Gathered blocks] in engine/trainer.h): the param16 all-gathers
-// (stage 3: every use; stages 1-2: each block once per step), one gradient
+// (stage 3: every use, or once per step for blocks kept gathered; stages 1-2:
+// each block once per step), one gradient
 // reduction per block per micro-batch, or per step with
 // PlacementPlan::reduce_per_step (reduce-scatter at stages 2-3, all-reduce
 // at 0-1), and the all-reduce of the norm, loss and stop flag. Ring
@@ -68,7 +69,14 @@ int64_t network_bytes(const PlacementPlan& p) {
     if (p.stage == 3) {
       const auto uses = train_schedule(int(p.block_numel.size()), p.tied, p.accum);
       for (const WindowUse& u : uses) {
-        for (int i = 0; i < u.count; ++i) bytes += ring_gather_bytes(ws, p.block_numel[size_t(u.block[i])], param_t);
+        for (int i = 0; i < u.count; ++i) {
+          const size_t b = size_t(u.block[i]);
+          if (!p.keep_gathered.empty() && p.keep_gathered[b]) continue;  // once per step, below
+          bytes += ring_gather_bytes(ws, p.block_numel[b], param_t);
+        }
+      }
+      for (size_t b = 0; b < p.keep_gathered.size(); ++b) {
+        if (p.keep_gathered[b]) bytes += ring_gather_bytes(ws, p.block_numel[b], param_t);
       }
     } else {
       for (int64_t shard : p.block_numel) bytes += ring_gather_bytes(ws, shard, param_t);
@@ -148,6 +156,9 @@ nlohmann::json plan_json(const Computed& c) {
                         {"grad_host", p.staging.grad_host}, {"window_bounce", p.staging.window_bounce},
                         {"tokens", p.staging.tokens}, {"save_bounce", p.staging.save_bounce},
                         {"comm_host", p.staging.comm_host}, {"grad_accum", p.staging.grad_accum}};
+  int64_t kept = 0;
+  for (char k : p.keep_gathered) kept += k;
+  j["kept_gathered_blocks"] = kept;
   j["gradient_reduction"] = p.world_size <= 1 ? "none" : p.reduce_per_step ? "per_step" : "per_micro_batch";
   j["device_transient_bytes"] = p.staging.device_bytes();
   j["host_staging_bytes"] = p.staging.host_bytes();

@@ -298,9 +298,13 @@ int run_train(const TrainOptions& opt) {
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) co.socket_ifname = ifname;
   std::unique_ptr<Communicator> comm = make_communicator(who, co);
   if (multi) {
-    log::info("rank %d of %d (local %d of %d) via %s, %s backend, store %s:%d", who.rank, who.world_size,
-              who.local_rank, who.local_world_size, who.source.c_str(), comm->backend(),
-              who.master_addr.c_str(), who.master_port);
+    // The local rank as read from the launcher (Slurm's SLURM_LOCALID too),
+    // for code that asks LOCAL_RANK for this rank's GPU (the plan's measure).
+    setenv("LOCAL_RANK", std::to_string(who.local_rank).c_str(), 0);
+    log::info("rank %d of %d (local %d of %d) via %s, %s for device data and gloo for host values, store %s:%d",
+              who.rank, who.world_size, who.local_rank, who.local_world_size, who.source.c_str(),
+              cfg.run.device == DeviceKind::kCpu ? "gloo" : co.backend.c_str(), who.master_addr.c_str(),
+              who.master_port);
   }
   check_configs_agree(cfg, *comm);
 

@@ -1029,7 +1029,8 @@ void parse_run(const json& root, Config& c) {
 void parse_comm(const json& root, Config& c) {
   const std::string path = "comm";
   const json& r = section(root, "", path);
-  check_keys(r, path, {"backend", "timeout_s", "gradient_reduction"}, kNone, c.ignored_keys);
+  check_keys(r, path, {"backend", "timeout_s", "gradient_reduction", "keep_gathered"}, kNone, c.ignored_keys);
+  read_enum(r, path, "keep_gathered", c.comm.keep_gathered, {"auto", "all", "none"});
   read_enum(r, path, "backend", c.comm.backend, {"auto", "gloo", "nccl"});
   read_enum(r, path, "gradient_reduction", c.comm.gradient_reduction, {"auto", "per_step", "per_micro_batch"});
   if (read(r, path, "timeout_s", c.comm.timeout_s)) positive("comm.timeout_s", c.comm.timeout_s);

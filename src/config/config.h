@@ -255,6 +255,11 @@ struct CommConfig {
   // whole-model fp32 buffer, then reduced once: DDP's no_sync; A times fewer
   // reduction bytes), or auto (per_step when that buffer fits).
   std::string gradient_reduction = "auto";
+  // Stage 3 with ranks: blocks whose 16-bit parameters stay gathered from
+  // their first use in a step to the optimizer (FSDP's
+  // reshard_after_forward=False): one gather per step instead of one per use.
+  // auto (as many as fit, from the last layer down), all, or none.
+  std::string keep_gathered = "auto";
 };
 
 struct Config {

@@ -61,10 +61,13 @@ DeviceCollectives::DeviceCollectives(Device& device, Communicator& comm, Collect
 DeviceCollectives::DeviceCollectives(Device& device, Communicator& comm, StreamCollectives& stream)
     : device_(device), comm_(comm), mode_(DeviceCommMode::kStream), stream_(&stream), world_size_(comm.world_size()) {}
 
-DeviceCollectives::~DeviceCollectives() {
+DeviceCollectives::~DeviceCollectives() { shutdown(); }
+
+void DeviceCollectives::shutdown() {
   if (!worker_.joinable()) return;
   {
     std::lock_guard<std::mutex> lock(mu_);
+    dropping_ = true;
     quit_ = true;
   }
   cv_.notify_all();
@@ -150,7 +153,7 @@ void DeviceCollectives::worker_loop() {
       bool skip;
       {
         std::lock_guard<std::mutex> lock(mu_);
-        skip = error_ != nullptr;  // after a failure the group is not used again
+        skip = error_ != nullptr || dropping_;  // after a failure the group is not used again
       }
       if (!skip) run_staged(job);
     } catch (...) {

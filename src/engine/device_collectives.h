@@ -82,6 +82,15 @@ class DeviceCollectives final : public Waiter {
 
   DeviceCommMode mode() const { return mode_; }
 
+  // Before the buffers the collectives use are freed (the trainer's
+  // destructor, perhaps after a failed step): staged collectives not yet
+  // started are dropped, never run (their peers may never match them), the
+  // one running ends, and the worker stops. Stream collectives end with their
+  // stream (the caller synchronizes it).
+  void shutdown();
+  // Registered host memory this holds (the staged mode's buffers).
+  int64_t host_bytes() const { return stage_in_.bytes() + stage_out_.bytes(); }
+
   // As CollectiveGroup's, on device memory. The input was written by work
   // queued on the compute stream before the call (or is already complete);
   // a reader of the output orders its stream after the completion
@@ -133,6 +142,7 @@ class DeviceCollectives final : public Waiter {
   uint64_t issued_ = 0;          // guarded by mu_, as are the next four
   uint64_t done_ = 0;
   bool quit_ = false;
+  bool dropping_ = false;        // shutdown(): jobs not yet started are dropped
   std::exception_ptr error_;
   double wait_s_ = 0.0;
   int64_t staged_d2h_ = 0, staged_h2d_ = 0;  // the worker's

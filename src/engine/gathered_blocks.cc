@@ -26,6 +26,20 @@ GatheredBlocks::GatheredBlocks(const StepContext& ctx, const PlacementPlan& plan
   }
   if (need.gather > 0) gather_mem_ = ctx.device->allocate(need.gather, "gathered blocks");
   gathered_valid_.assign(size_t(blocks), 0);
+  kept_at_.assign(size_t(blocks), -1);
+  if (!gather_once_ && ctx.shards > 1) {
+    int64_t at = 2 * (plan.tied ? 2 : 1) * largest_block_numel_ * ctx.compute_bytes;  // after the ring
+    for (size_t b = 0; b < plan.keep_gathered.size(); ++b) {
+      if (!plan.keep_gathered[b]) continue;
+      kept_at_[b] = at;
+      at += ctx.layout->block(b).padded_numel * ctx.compute_bytes;
+    }
+    STRATA_CHECK(at <= need.gather, "blocks kept gathered beyond the planned buffer");
+    if (plan.kept_gathered_numel > 0) {
+      log::info("%s of gathered blocks kept for the step (comm.keep_gathered)",
+                format_bytes(double(plan.kept_gathered_numel * ctx.compute_bytes)).c_str());
+    }
+  }
 }
 
 GatheredBlocks::~GatheredBlocks() = default;
@@ -59,8 +73,10 @@ void GatheredBlocks::issue_gather(size_t u) {
     const DevicePtr src =
         shard[i] ? shard[i] : ctx_.state->resident_on_device(Category::kParam16, ctx_.shard_offset[b], n);
     STRATA_CHECK(src, "a block neither fetched nor resident on the device");
-    if (gather_once_) {
-      gathered_[slot][i] = gather_mem_.ptr() + ctx_.layout->block(b).offset * ctx_.compute_bytes;
+    if (gather_once_ || kept_at_[b] >= 0) {
+      // Gathered once per step (stages 1-2, or kept at stage 3) until invalidate().
+      gathered_[slot][i] = gather_mem_.ptr() + (gather_once_ ? ctx_.layout->block(b).offset * ctx_.compute_bytes
+                                                             : kept_at_[b]);
       if (gathered_valid_[b]) continue;
       gathered_valid_[b] = 1;
     } else {

@@ -55,7 +55,10 @@ class GatheredBlocks {
   std::unique_ptr<ParamWindow> window_;
   std::vector<WindowUse> train_schedule_, eval_schedule_;
   DeviceBuffer gather_mem_;               // gathered blocks (ring, or the whole model)
-  std::vector<char> gathered_valid_;      // gather_once_: per block, gathered since the optimizer
+  std::vector<char> gathered_valid_;      // gathered once per step: per block, gathered since the optimizer
+  // Stage 3: per block kept gathered for the step (PlacementPlan::keep_gathered),
+  // its bytes' offset in gather_mem_ after the ring; -1 for the others.
+  std::vector<int64_t> kept_at_;
   const std::vector<WindowUse>* uses_ = nullptr;
   size_t use_ = 0;                        // the use next() hands out
   bool use_issued_ = false;               // its gather was issued

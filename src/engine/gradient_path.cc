@@ -57,7 +57,9 @@ GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
 
   if (need.grad_stage > 0) stage_[0] = dev.allocate(need.grad_stage, "gradient staging");
   if (need.grad_sync > 0) {
-    stage_[1] = dev.allocate(need.grad_stage, "gradient staging (2nd)");
+    // StagingNeeds::grad_sync: the second stage (none when gradients are
+    // summed per step), the reduced shards, the 16-bit copies.
+    if (need.grad_stage > 0) stage_[1] = dev.allocate(need.grad_stage, "gradient staging (2nd)");
     const int64_t shard_bytes = reduce_scatter_ ? 2 * plan.largest_block_shard_numel * 4 : 0;
     if (shard_bytes > 0) shards_mem_ = dev.allocate(shard_bytes, "reduce-scattered gradient shards");
     const int64_t comm16_bytes = need.grad_sync - need.grad_stage - shard_bytes;
@@ -141,7 +143,8 @@ GradientPath::~GradientPath() {
 }
 
 int64_t GradientPath::device_bytes() const {
-  return stage_[0].bytes() + stage_[1].bytes() + shards_mem_.bytes() + device_norms_.bytes() + norm_scratch_.bytes();
+  return stage_[0].bytes() + stage_[1].bytes() + shards_mem_.bytes() + comm16_.bytes() + accum_.bytes() +
+         device_norms_.bytes() + norm_scratch_.bytes();
 }
 
 int64_t GradientPath::host_bytes() const { return landing_.bytes() + int64_t(rmw_.bytes()); }

@@ -468,6 +468,10 @@ void Trainer::make_context(Communicator* comm, Device* device, StreamCollectives
     } else {
       DataGroupOptions o;
       o.backend = cfg_.comm.backend == "auto" ? (device->is_cuda() ? "nccl" : "gloo") : cfg_.comm.backend;
+      if (o.backend == "nccl" && !device->is_cuda()) {
+        throw ConfigError("comm.backend", "\"nccl\" needs GPU memory, and " + device->name() +
+                                              " is not a GPU; use \"gloo\"");
+      }
       o.stream = device->native_stream(Stream::kComm);
       o.device_index = device->ordinal();
       CollectiveGroup& data = *comm->open_data_group(o);
@@ -506,6 +510,9 @@ void Trainer::make_context(Communicator* comm, Device* device, StreamCollectives
 Trainer::~Trainer() {
   checkpoints_.reset();  // an unfinished save's thread first: it may wait for the optimizer
   optimizer_.reset();
+  // Collectives a failed step left queued must not touch the parts' buffers
+  // once those are freed (Note [Device collectives]).
+  if (collectives_) collectives_->shutdown();
   try {
     for (int s = 0; s < kNumStreams; ++s) ctx_.device->synchronize(Stream(s));
   } catch (...) {
@@ -590,7 +597,8 @@ std::array<int64_t, kNumTiers> Trainer::peak_bytes() const {
   t[0] = state_->device_arena_bytes() + blocks_->window().shape().bytes(ctx_.compute_bytes) +
          blocks_->device_bytes() + grads_->device_bytes() + activations_->device_slot_bytes() + tokens_device_.bytes();
   t[1] = state_->host_arena_bytes() + optimizer_->staging().bytes() + activations_->host_slot_bytes() +
-         grads_->host_bytes() + blocks_->window().bounce_bytes() + tokens_host_.bytes() + checkpoints_->host_bytes();
+         grads_->host_bytes() + blocks_->window().bounce_bytes() + tokens_host_.bytes() + checkpoints_->host_bytes() +
+         (collectives_ ? collectives_->host_bytes() : 0);
   t[2] = state_->swap() != nullptr ? state_->swap()->used_bytes() : 0;
   return t;
 }

@@ -135,7 +135,10 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
   n.gathered = n.window.bytes(plan.compute_bytes);
   const bool grads_off_device = off_device(Category::kGrad);
   // (The CPU device lays gradients out in the landing buffers themselves.)
-  n.grad_stage = plan.world_size > 1 || plan.tied || (grads_off_device && !plan.device_addressable) ? largest * 4 : 0;
+  // With ranks: a stage per block's reduction, unless the step's sum is
+  // reduced (PlacementPlan::reduce_per_step, the buffer grad_accum).
+  n.grad_stage = plan.world_size > 1 ? (plan.reduce_per_step ? 0 : largest * 4)
+                 : plan.tied || (grads_off_device && !plan.device_addressable) ? largest * 4 : 0;
   const int64_t blocks = int64_t(plan.block_numel.size());
   n.grad_norms = blocks * 8;
   if (!plan.device_addressable) {
@@ -158,14 +161,14 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
   }
   if (!plan.device_addressable && saved_on_device) n.save_bounce = kSaveBounceBytes;
   if (plan.shards > 1 && plan.stage == 3) {
-    n.gather = 2 * (plan.tied ? 2 : 1) * largest * plan.compute_bytes;
+    n.gather = (2 * (plan.tied ? 2 : 1) * largest + plan.kept_gathered_numel) * plan.compute_bytes;
   } else if (plan.shards > 1) {
     n.gather = plan.gathered_numel * plan.compute_bytes;
   }
   if (plan.comm_staged) n.comm_host = 2 * int64_t(plan.world_size) * kStagedPieceBytes;
   if (plan.reduce_per_step) n.grad_accum = plan.gathered_numel * 4;
   if (plan.world_size > 1) {
-    n.grad_sync = largest * 4 + (plan.stage >= 2 ? 2 * plan.largest_block_shard_numel * 4 : 0);
+    n.grad_sync = n.grad_stage + (plan.stage >= 2 ? 2 * plan.largest_block_shard_numel * 4 : 0);
     if (plan.comm_grad_bytes < 4) {
       n.grad_sync += 2 * (largest + (plan.stage >= 2 ? plan.largest_block_shard_numel : 0)) * plan.comm_grad_bytes;
     }
@@ -617,6 +620,35 @@ void resolve_recompute(const Config& cfg, const MachineCapacity& capacity, Place
 
 }  // namespace
 
+// Device (or, on the CPU device, host) bytes the plan may still add: -1
+// where the device tier has no budget.
+int64_t room_left(const MachineCapacity& capacity, const PlacementPlan& plan) {
+  const int64_t have = capacity.device_is_host ? capacity.host_bytes : capacity.device_bytes;
+  if (have < 0) return -1;
+  const auto t = plan.total();
+  return std::max<int64_t>(0, have - t[0] - (capacity.device_is_host ? t[1] : 0));
+}
+
+// comm.keep_gathered: at stage 3 with ranks, blocks kept gathered for the
+// step, from the last one down (auto: while they fit; all; none).
+void choose_kept_gathered(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
+  const std::string& want = cfg.comm.keep_gathered;
+  const size_t blocks = plan.block_numel.size();
+  plan.keep_gathered.assign(blocks, 0);
+  plan.kept_gathered_numel = 0;
+  if (plan.stage != 3 || plan.shards <= 1 || want == "none") return;
+  int64_t room = want == "all" ? -1 : room_left(capacity, plan);
+  for (size_t i = blocks; i-- > 0;) {
+    const int64_t padded = plan.block_numel[i] * plan.shards;
+    const int64_t bytes = padded * plan.compute_bytes;
+    if (room >= 0 && bytes > room) continue;
+    if (room >= 0) room -= bytes;
+    plan.keep_gathered[i] = 1;
+    plan.kept_gathered_numel += padded;
+  }
+  plan.staging = staging_needs(plan);
+}
+
 // comm.gradient_reduction: per_step needs a whole-model fp32 gradient on the
 // device; auto takes it when the plan still fits with it (always where the
 // device tier has no budget), only with ranks and accumulation.
@@ -626,11 +658,8 @@ void choose_gradient_reduction(const Config& cfg, const MachineCapacity& capacit
   plan.reduce_per_step = true;
   const StagingNeeds with = staging_needs(plan);
   if (want == "auto") {
-    const auto t = plan.total();
-    const int64_t extra = with.device_bytes() - plan.staging.device_bytes();
-    const int64_t have = capacity.device_is_host ? capacity.host_bytes : capacity.device_bytes;
-    const int64_t need = t[0] + (capacity.device_is_host ? t[1] : 0) + extra;
-    if (have >= 0 && need > have) {
+    const int64_t room = room_left(capacity, plan);
+    if (room >= 0 && with.device_bytes() - plan.staging.device_bytes() > room) {
       plan.reduce_per_step = false;
       return;
     }
@@ -677,6 +706,7 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   resolve_recompute(cfg, capacity, plan);
   choose_swap_paths(cfg, plan);
   plan.staging = staging_needs(plan);
+  choose_kept_gathered(cfg, capacity, plan);
   choose_gradient_reduction(cfg, capacity, plan);
   return plan;
 }

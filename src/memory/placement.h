@@ -98,7 +98,9 @@ struct StagingNeeds {
   // blocks in the compute dtype (stage 3: two uses of up to two blocks; stages
   // 1-2: the whole replicated model), and the gradient's synchronisation (a
   // second fp32 gradient stage so that one block's reduction overlaps the next
-  // block's backward, and at stages 2-3 two reduce-scattered shards; with a
+  // block's backward, and at stages 2-3 two reduce-scattered shards; stage 3's
+  // blocks kept gathered for the step (PlacementPlan::keep_gathered) in gather
+  // after the ring; with a
   // 16-bit communication_data_type, the two stages and shards again in 16
   // bits, which the reductions carry).
   int64_t gather = 0;
@@ -188,6 +190,10 @@ struct PlacementPlan {
   // the step's micro-batches and reduced once per step (comm.gradient_reduction;
   // StagingNeeds::grad_accum).
   bool reduce_per_step = false;
+  // Stage 3 with ranks, per block: kept gathered for the whole step once
+  // gathered (comm.keep_gathered), gathered once per step instead of per use.
+  std::vector<char> keep_gathered;
+  int64_t kept_gathered_numel = 0;  // their padded elements
 
   // Transient and staging memory (bytes).
   // Device memory LibTorch allocates for activations (estimate): the saved
