@@ -333,6 +333,21 @@ TEST_F(RanksTest, KeptGatheredBlocksSendFewerBytesAndTrainTheSame) {
   EXPECT_LT(planned["all"], planned["none"]);
   EXPECT_EQ(read_bytes(dir_.file("none.losses")), read_bytes(dir_.file("all.losses")));
   EXPECT_EQ(read_bytes(dir_.file("none.master")), read_bytes(dir_.file("all.master")));
+  // Untied, two of four blocks kept: the ring of one block per use and the
+  // kept blocks after it share the buffer without overlapping.
+  c["model"]["tie_embeddings"] = false;
+  for (const nlohmann::json& keep : {nlohmann::json("none"), nlohmann::json(2)}) {
+    c["comm"]["keep_gathered"] = keep;
+    const std::string name = std::string("untied-") + (keep.is_number() ? "2" : "none");
+    const std::string cfg = write_config(dir_, name + ".json", c);
+    Result p = sh(kStrata + " plan --json --world-size 2 " + cfg);
+    ASSERT_EQ(p.code, 0) << p.output;
+    EXPECT_EQ(int64_t(nlohmann::json::parse(p.output)["kept_gathered_blocks"]), keep.is_number() ? 2 : 0);
+    Result r = run_workers(2, cfg, dir_.file(name), kOnStream);
+    ASSERT_EQ(r.code, 0) << name << "\n" << r.output;
+  }
+  EXPECT_EQ(read_bytes(dir_.file("untied-none.losses")), read_bytes(dir_.file("untied-2.losses")));
+  EXPECT_EQ(read_bytes(dir_.file("untied-none.master")), read_bytes(dir_.file("untied-2.master")));
 }
 
 // communication_data_type bf16: the gradient reductions carry 16 bits, so

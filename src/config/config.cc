@@ -1030,7 +1030,14 @@ void parse_comm(const json& root, Config& c) {
   const std::string path = "comm";
   const json& r = section(root, "", path);
   check_keys(r, path, {"backend", "timeout_s", "gradient_reduction", "keep_gathered"}, kNone, c.ignored_keys);
-  read_enum(r, path, "keep_gathered", c.comm.keep_gathered, {"auto", "all", "none"});
+  if (r.contains("keep_gathered") && r["keep_gathered"].is_number()) {
+    int64_t n = 0;
+    read(r, path, "keep_gathered", n);
+    non_negative("comm.keep_gathered", n);
+    c.comm.keep_gathered = std::to_string(n);
+  } else {
+    read_enum(r, path, "keep_gathered", c.comm.keep_gathered, {"auto", "all", "none"});
+  }
   read_enum(r, path, "backend", c.comm.backend, {"auto", "gloo", "nccl"});
   read_enum(r, path, "gradient_reduction", c.comm.gradient_reduction, {"auto", "per_step", "per_micro_batch"});
   if (read(r, path, "timeout_s", c.comm.timeout_s)) positive("comm.timeout_s", c.comm.timeout_s);

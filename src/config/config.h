@@ -258,7 +258,8 @@ struct CommConfig {
   // Stage 3 with ranks: blocks whose 16-bit parameters stay gathered from
   // their first use in a step to the optimizer (FSDP's
   // reshard_after_forward=False): one gather per step instead of one per use.
-  // auto (as many as fit, from the last layer down), all, or none.
+  // auto (as many as fit, from the last layer down), all, none, or a number
+  // of blocks (kept as its decimal string), from the last one down.
   std::string keep_gathered = "auto";
 };
 

@@ -12,6 +12,7 @@ namespace strata {
 
 GatheredBlocks::GatheredBlocks(const StepContext& ctx, const PlacementPlan& plan, OptimizerPass& optimizer)
     : ctx_(ctx), optimizer_(optimizer), gather_once_(ctx.shards > 1 && ctx.cfg->zero.stage < 3),
+      per_use_(plan.tied ? 2 : 1),
       largest_block_numel_(plan.largest_block_numel) {
   const StagingNeeds& need = plan.staging;
   const int blocks = int(ctx.layout->num_blocks());
@@ -28,7 +29,7 @@ GatheredBlocks::GatheredBlocks(const StepContext& ctx, const PlacementPlan& plan
   gathered_valid_.assign(size_t(blocks), 0);
   kept_at_.assign(size_t(blocks), -1);
   if (!gather_once_ && ctx.shards > 1) {
-    int64_t at = 2 * (plan.tied ? 2 : 1) * largest_block_numel_ * ctx.compute_bytes;  // after the ring
+    int64_t at = 2 * per_use_ * largest_block_numel_ * ctx.compute_bytes;  // after the ring
     for (size_t b = 0; b < plan.keep_gathered.size(); ++b) {
       if (!plan.keep_gathered[b]) continue;
       kept_at_[b] = at;
@@ -78,12 +79,13 @@ void GatheredBlocks::issue_gather(size_t u) {
       gathered_[slot][i] = gather_mem_.ptr() + (gather_once_ ? ctx_.layout->block(b).offset * ctx_.compute_bytes
                                                              : kept_at_[b]);
       if (gathered_valid_[b]) continue;
-      gathered_valid_[b] = 1;
     } else {
-      gathered_[slot][i] = gather_mem_.ptr() + int64_t(slot * 2 + i) * largest_block_numel_ * ctx_.compute_bytes;
+      // The ring: two uses of per_use_ blocks (StagingNeeds::gather).
+      gathered_[slot][i] = gather_mem_.ptr() + int64_t(slot * per_use_ + i) * largest_block_numel_ * ctx_.compute_bytes;
     }
     TraceSpan span(TraceTrack::kComm, "all_gather");
     gather_done_[slot][i] = ctx_.collectives->all_gather(src, gathered_[slot][i], n, dt);
+    if (gather_once_ || kept_at_[b] >= 0) gathered_valid_[b] = 1;  // once issued
   }
 }
 

@@ -51,6 +51,7 @@ class GatheredBlocks {
   const StepContext& ctx_;
   OptimizerPass& optimizer_;
   bool gather_once_ = false;              // stages 1-2 with several shards
+  int per_use_ = 1;                       // blocks per use: 2 with the tied head (head + embedding)
   int64_t largest_block_numel_ = 0;
   std::unique_ptr<ParamWindow> window_;
   std::vector<WindowUse> train_schedule_, eval_schedule_;

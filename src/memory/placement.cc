@@ -622,11 +622,24 @@ void resolve_recompute(const Config& cfg, const MachineCapacity& capacity, Place
 
 // Device (or, on the CPU device, host) bytes the plan may still add: -1
 // where the device tier has no budget.
-int64_t room_left(const MachineCapacity& capacity, const PlacementPlan& plan) {
-  const int64_t have = capacity.device_is_host ? capacity.host_bytes : capacity.device_bytes;
-  if (have < 0) return -1;
+// Keeps placement.headroom of each budget free, as auto's fill does; on the
+// CPU device both the host's memory and run.device_memory_mb bind.
+int64_t room_left(const Config& cfg, const MachineCapacity& capacity, const PlacementPlan& plan) {
   const auto t = plan.total();
-  return std::max<int64_t>(0, have - t[0] - (capacity.device_is_host ? t[1] : 0));
+  const double keep = 1.0 - cfg.placement.headroom;
+  int64_t room = -1;
+  auto bound_by = [&](int64_t have, int64_t used) {
+    if (have < 0) return;
+    const int64_t r = std::max<int64_t>(0, int64_t(double(have) * keep) - used);
+    room = room < 0 ? r : std::min(room, r);
+  };
+  if (capacity.device_is_host) {
+    bound_by(capacity.host_bytes, t[0] + t[1]);
+    bound_by(capacity.device_bytes, t[0]);
+  } else {
+    bound_by(capacity.device_bytes, t[0]);
+  }
+  return room;
 }
 
 // comm.keep_gathered: at stage 3 with ranks, blocks kept gathered for the
@@ -637,14 +650,18 @@ void choose_kept_gathered(const Config& cfg, const MachineCapacity& capacity, Pl
   plan.keep_gathered.assign(blocks, 0);
   plan.kept_gathered_numel = 0;
   if (plan.stage != 3 || plan.shards <= 1 || want == "none") return;
-  int64_t room = want == "all" ? -1 : room_left(capacity, plan);
-  for (size_t i = blocks; i-- > 0;) {
+  // A number keeps that many blocks, from the last one down, whatever fits.
+  const bool counted = !want.empty() && want.find_first_not_of("0123456789") == std::string::npos;
+  int64_t left = counted ? std::stoll(want) : int64_t(blocks);
+  int64_t room = want == "all" || counted ? -1 : room_left(cfg, capacity, plan);
+  for (size_t i = blocks; i-- > 0 && left > 0;) {
     const int64_t padded = plan.block_numel[i] * plan.shards;
     const int64_t bytes = padded * plan.compute_bytes;
     if (room >= 0 && bytes > room) continue;
     if (room >= 0) room -= bytes;
     plan.keep_gathered[i] = 1;
     plan.kept_gathered_numel += padded;
+    --left;
   }
   plan.staging = staging_needs(plan);
 }
@@ -658,7 +675,7 @@ void choose_gradient_reduction(const Config& cfg, const MachineCapacity& capacit
   plan.reduce_per_step = true;
   const StagingNeeds with = staging_needs(plan);
   if (want == "auto") {
-    const int64_t room = room_left(capacity, plan);
+    const int64_t room = room_left(cfg, capacity, plan);
     if (room >= 0 && with.device_bytes() - plan.staging.device_bytes() > room) {
       plan.reduce_per_step = false;
       return;
