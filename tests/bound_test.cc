@@ -66,7 +66,7 @@ TEST(BoundTest, BytesPerLinkOfAnOffloadedPlacement) {
   const PlacementPlan p = make_plan(cfg, make_layout(), 0, MachineCapacity{});
   const std::vector<int64_t> f = train_fetches(p);
   EXPECT_EQ(f, std::vector<int64_t>(8, 1));
-  StepWork w = predicted_work(cfg, p, f, 0);
+  StepWork w = predicted_work(cfg, p, f, NetworkBytes{});
   EXPECT_EQ(w.links.h2d, 2097152);
   EXPECT_EQ(w.links.d2h, 4194304);
   EXPECT_EQ(w.links.nvme_read, 10485760);
@@ -127,7 +127,7 @@ TEST(BoundTest, OnAGpuCpuAdamPcieAndComputeAreSeparateResources) {
   const Config cfg = config_with(
       {"bf16.enabled=true", "placement={\"param16\":{\"device\":1},\"grad\":{\"device\":1},\"optimizer\":{\"host\":1}}"});
   const PlacementPlan p = make_plan(cfg, make_layout(), 0, gpu_like());
-  StepWork w = predicted_work(cfg, p, train_fetches(p), 0);
+  StepWork w = predicted_work(cfg, p, train_fetches(p), NetworkBytes{});
   EXPECT_EQ(w.links.h2d, 1048576);
   EXPECT_EQ(w.links.d2h, 2097152);
   EXPECT_EQ(w.links.nvme_read + w.links.nvme_write, 0);
@@ -157,7 +157,7 @@ TEST(BoundTest, OnAGpuCpuAdamPcieAndComputeAreSeparateResources) {
   // Everything on the device: the device's own Adam, nothing crosses.
   const Config all = config_with({"bf16.enabled=true"});
   const PlacementPlan q = make_plan(all, make_layout(), 0, gpu_like());
-  const StepWork v = predicted_work(all, q, train_fetches(q), 0);
+  const StepWork v = predicted_work(all, q, train_fetches(q), NetworkBytes{});
   EXPECT_EQ(v.adam_elems, 0);
   EXPECT_EQ(v.links.h2d + v.links.d2h + v.links.nvme_read + v.links.nvme_write, 0);
   EXPECT_EQ(train_fetches(q), std::vector<int64_t>(8, 0));

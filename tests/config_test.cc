@@ -356,6 +356,19 @@ TEST(ConfigRanges, OutOfRangeNamesKey) {
   EXPECT_CONFIG_ERROR(with({{"communication_data_type", "int8"}}), "communication_data_type",
                       "expected fp32, bf16 or fp16, got \"int8\"");
   EXPECT_EQ(parse_config(with({{"communication_data_type", "BF16"}})).comm.data_type, "bf16");
+  EXPECT_CONFIG_ERROR(with({{"comm", {{"secondary_shard", "maybe"}}}}), "comm.secondary_shard",
+                      "expected auto, on or off, got \"maybe\"");
+  EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"zero_hpz_partition_size", 0}}}}),
+                      "zero_optimization.zero_hpz_partition_size", "must be > 0");
+  // DeepSpeed's hpZ key asks for the secondary shard; Strata's own key wins.
+  EXPECT_EQ(parse_config(minimal()).comm.secondary_shard, "auto");
+  EXPECT_EQ(parse_config(with({{"zero_optimization", {{"zero_hpz_partition_size", 8}}}})).comm.secondary_shard, "on");
+  EXPECT_EQ(parse_config(with({{"zero_optimization", {{"zero_hpz_partition_size", 1}}}})).comm.secondary_shard,
+            "auto");
+  EXPECT_EQ(parse_config(with({{"zero_optimization", {{"zero_hpz_partition_size", 8}}},
+                               {"comm", {{"secondary_shard", "off"}}}}))
+                .comm.secondary_shard,
+            "off");
   EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"stage", 4}}}}), "zero_optimization.stage",
                       "must be 0, 1, 2 or 3, got 4");
   EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"offload_optimizer", {{"ratio", 0}}}}}}),

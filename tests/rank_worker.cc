@@ -68,7 +68,7 @@ int run(int argc, char** argv) {
   TokenDataset data(cfg.data.paths, parse_token_format(cfg.data.format), cfg.model.vocab_size,
                     cfg.model.seq_len, cfg.data.val_fraction);
   std::unique_ptr<testing::DeferredDevice> device;
-  std::unique_ptr<StreamCollectives> stream;
+  std::unique_ptr<StreamCollectives> stream, node_stream;
   if (!device_kind.empty()) {
     if (device_kind != "deferred" && device_kind != "deferred-stream") {
       std::fprintf(stderr, "rank_worker: unknown --device=%s\n", device_kind.c_str());
@@ -79,9 +79,15 @@ int run(int argc, char** argv) {
       DataGroupOptions o;
       o.backend = "gloo";
       stream = std::make_unique<testing::DeferredStreamCollectives>(*device, *comm->open_data_group(o));
+      // Ranks on several nodes: the node's group, for a plan with the
+      // secondary shard (opened whether the plan uses it or not).
+      if (who.local_world_size > 1 && who.local_world_size < who.world_size) {
+        node_stream = std::make_unique<testing::DeferredStreamCollectives>(*device, *comm->open_node_group(o));
+      }
     }
   }
-  Trainer trainer(cfg, model, nullptr, comm.get(), who.local_world_size, device.get(), stream.get());
+  Trainer trainer(cfg, model, nullptr, comm.get(), who.local_world_size, device.get(), stream.get(),
+                  node_stream.get());
   const bool lead = who.rank == 0;
 
   const int64_t window = cfg.model.seq_len + 1;
@@ -100,7 +106,8 @@ int run(int argc, char** argv) {
     if (lead) losses << line << std::flush;
     progress << "step " << s << "\n" << std::flush;
     steps.push_back({{"h2d", r.links.h2d}, {"d2h", r.links.d2h}, {"nvme_read", r.links.nvme_read},
-                     {"nvme_write", r.links.nvme_write}, {"net", r.net_bytes}});
+                     {"nvme_write", r.links.nvme_write}, {"net", r.net_bytes},
+                     {"intra_node", r.intra_node_bytes}});
   }
   trainer.finish();
   if (lead) {

@@ -350,6 +350,72 @@ TEST_F(RanksTest, KeptGatheredBlocksSendFewerBytesAndTrainTheSame) {
   EXPECT_EQ(read_bytes(dir_.file("untied-none.master")), read_bytes(dir_.file("untied-2.master")));
 }
 
+// Ranks as `nodes` nodes of `per_node` each, one strata launch per node (as
+// on a cluster), all on this machine; the outputs go to OUT.*.
+Result run_on_nodes(int nodes, int per_node, const std::string& config, const std::string& out,
+                    const std::string& sets) {
+  const std::string port = std::to_string(free_port());
+  std::string cmd = "pids=; ";
+  for (int n = nodes - 1; n >= 0; --n) {
+    const std::string launch = kStrata + " launch --nproc " + std::to_string(per_node) + " --nnodes " +
+                               std::to_string(nodes) + " --node-rank " + std::to_string(n) + " --master-port " +
+                               port + " -- " + kWorker + " " + config + " " + out + " " + sets;
+    if (n > 0) {
+      cmd += launch + " > " + out + ".node" + std::to_string(n) + ".log 2>&1 & pids=\"$pids $!\"; ";
+    } else {
+      cmd += launch + "; rc=$?; for p in $pids; do wait $p || rc=1; done; cat " + out + ".node*.log; exit $rc";
+    }
+  }
+  return sh("bash -c '" + cmd + "'");
+}
+
+// comm.secondary_shard at stage 3 on 2 nodes of 2 ranks: each block's first
+// gather of a step spans the 4 ranks, its later ones the node's 2 from the
+// secondary shard, so each rank sends what the plan counts on each group
+// (fewer bytes across nodes than without it) and training is bit for bit
+// the same (a gather is a copy), in place (CPU), staged, and on the test
+// device's comm stream, whose late collectives would show a secondary shard
+// read before its copy was queued.
+TEST_F(RanksTest, SecondaryShardKeepsLaterGathersInTheNodeAndTrainsTheSame) {
+  nlohmann::json c = base_config(data_);
+  c["run"]["steps"] = 3;
+  c["comm"]["keep_gathered"] = "none";
+  c["comm"]["gradient_reduction"] = "per_micro_batch";
+  std::map<std::string, nlohmann::json> planned;
+  for (const char* sec : {"off", "on"}) {
+    c["comm"]["secondary_shard"] = sec;
+    const std::string cfg = write_config(dir_, std::string(sec) + ".json", c);
+    Result p = sh(kStrata + " plan --json --world-size 4 --nodes 2 " + cfg);
+    ASSERT_EQ(p.code, 0) << p.output;
+    planned[sec] = nlohmann::json::parse(p.output);
+    EXPECT_EQ(bool(planned[sec]["secondary_shard"]), std::string(sec) == "on");
+    for (const char* mode : {"", kStaged, kOnStream}) {
+      const std::string what = std::string(sec) + " " + (*mode ? mode + 9 : "cpu");
+      const std::string out = dir_.file(std::string(sec) + "-" + (*mode ? mode + 9 : "cpu"));
+      Result r = run_on_nodes(2, 2, cfg, out, mode);
+      ASSERT_EQ(r.code, 0) << what << "\n" << r.output;
+      for (int rank = 0; rank < 4; ++rank) {
+        const nlohmann::json j = nlohmann::json::parse(read_bytes(out + ".rank" + std::to_string(rank) + ".json"));
+        ASSERT_EQ(j["steps"].size(), 3u) << what;
+        for (const nlohmann::json& s : j["steps"]) {
+          EXPECT_EQ(int64_t(s["net"]), int64_t(planned[sec]["network"]["bytes_per_step_per_rank"]))
+              << what << ", rank " << rank;
+          EXPECT_EQ(int64_t(s["intra_node"]), int64_t(planned[sec]["network"]["intra_node_bytes_per_step_per_rank"]))
+              << what << ", rank " << rank;
+        }
+      }
+      EXPECT_EQ(read_bytes(dir_.file("off-cpu.losses")), read_bytes(out + ".losses")) << what;
+      EXPECT_TRUE(read_bytes(dir_.file("off-cpu.master")) == read_bytes(out + ".master"))
+          << what << ": the master weights differ";
+    }
+  }
+  EXPECT_EQ(int64_t(planned["off"]["network"]["intra_node_bytes_per_step_per_rank"]), 0);
+  EXPECT_GT(int64_t(planned["on"]["network"]["intra_node_bytes_per_step_per_rank"]), 0);
+  EXPECT_LT(int64_t(planned["on"]["network"]["bytes_per_step_per_rank"]),
+            int64_t(planned["off"]["network"]["bytes_per_step_per_rank"]));
+  EXPECT_GT(int64_t(planned["on"]["staging_bytes"]["secondary"]), 0);
+}
+
 // communication_data_type bf16: the gradient reductions carry 16 bits, so
 // each rank sends what the plan counts for them (less than with fp32), and
 // training follows world size 1 to 16-bit rounding, not to fp32's.

@@ -26,7 +26,9 @@ namespace {
 
 struct LaunchOptions {
   int nproc = 1;
-  int master_port = 0;  // 0: a free port
+  int nnodes = 1;       // nodes, each running one strata launch
+  int node_rank = 0;    // this node's: its ranks are node_rank x nproc ..
+  int master_port = 0;  // 0: a free port (one node only)
   std::string master_addr = "127.0.0.1";
   double grace_s = 10.0;
   std::vector<std::string> command;
@@ -71,8 +73,11 @@ struct Rank {
   int status = 0;        // exit code (128 + signal when killed)
 };
 
-void emit(int rank, const std::string& line) {
-  std::string s = "[rank " + std::to_string(rank) + "] " + line + "\n";
+// This node's first rank (--node-rank x --nproc): output names global ranks.
+int g_first_rank = 0;
+
+void emit(int r, const std::string& line) {
+  std::string s = "[rank " + std::to_string(g_first_rank + r) + "] " + line + "\n";
   (void)!::write(STDOUT_FILENO, s.data(), s.size());
 }
 
@@ -104,7 +109,16 @@ bool drain(int r, Rank& k) {
 int run_launch(const LaunchOptions& opt) {
   if (opt.command.empty()) throw ConfigError("command", "give the command after --, e.g. -- strata train CONFIG");
   if (opt.nproc < 1) throw ConfigError("--nproc", "must be at least 1");
+  if (opt.nnodes < 1) throw ConfigError("--nnodes", "must be at least 1");
+  if (opt.node_rank < 0 || opt.node_rank >= opt.nnodes) {
+    throw ConfigError("--node-rank", strprintf("%d is not below --nnodes %d", opt.node_rank, opt.nnodes));
+  }
+  if (opt.nnodes > 1 && opt.master_port <= 0) {
+    throw ConfigError("--master-port", "needed with --nnodes > 1: every node's launch names the same port of "
+                                       "node 0 (--master-addr)");
+  }
   const int port = opt.master_port > 0 ? opt.master_port : free_port();
+  g_first_rank = opt.node_rank * opt.nproc;
   std::vector<std::string> cmd = opt.command;
   // `strata` names this executable, wherever it was built.
   if (cmd[0] == "strata") cmd[0] = self_exe();
@@ -130,8 +144,8 @@ int run_launch(const LaunchOptions& opt) {
       ::close(fds[1]);
       ::signal(SIGINT, SIG_DFL);
       ::signal(SIGTERM, SIG_DFL);
-      const std::string vars[][2] = {{"RANK", std::to_string(r)},
-                                     {"WORLD_SIZE", std::to_string(opt.nproc)},
+      const std::string vars[][2] = {{"RANK", std::to_string(opt.node_rank * opt.nproc + r)},
+                                     {"WORLD_SIZE", std::to_string(opt.nnodes * opt.nproc)},
                                      {"LOCAL_RANK", std::to_string(r)},
                                      {"LOCAL_WORLD_SIZE", std::to_string(opt.nproc)},
                                      {"MASTER_ADDR", opt.master_addr},
@@ -193,8 +207,8 @@ int run_launch(const LaunchOptions& opt) {
       k.status = WIFEXITED(st) ? WEXITSTATUS(st) : 128 + WTERMSIG(st);
       if (k.status != 0 && failed < 0) {
         failed = r;
-        std::fprintf(stderr, "strata launch: rank %d exited with status %d; stopping the other ranks\n", r,
-                     k.status);
+        std::fprintf(stderr, "strata launch: rank %d exited with status %d; stopping the other ranks\n",
+                     g_first_rank + r, k.status);
         for (Rank& o : ranks) if (o.running) ::kill(-o.pid, SIGTERM);
         stop_at = std::chrono::steady_clock::now() + std::chrono::milliseconds(int64_t(opt.grace_s * 1000));
       }
@@ -220,6 +234,9 @@ void register_launch(CLI::App& app, int& result) {
   CLI::App* cmd = app.add_subcommand(
       "launch", "Start N local ranks of a command (e.g. -- strata train CONFIG) with the standard variables");
   cmd->add_option("--nproc", opt->nproc, "Ranks to start on this machine")->required()->check(CLI::PositiveNumber);
+  cmd->add_option("--nnodes", opt->nnodes, "Nodes of the run, each running this command (default 1)");
+  cmd->add_option("--node-rank", opt->node_rank,
+                  "This node's number, 0 .. nnodes - 1: its ranks are node-rank x nproc + 0 .. nproc - 1");
   cmd->add_option("--master-port", opt->master_port, "Port of the rendezvous store (default: a free one)");
   cmd->add_option("--master-addr", opt->master_addr, "Address of rank 0 (default 127.0.0.1)");
   cmd->add_option("--grace", opt->grace_s, "Seconds the other ranks get to stop after one failed");

@@ -30,6 +30,9 @@ struct PlanOptions {
   int nodes = 1;
   double net_gbps = 100.0;
   bool net_given = false;
+  // The node group's (comm.secondary_shard): H100 SXM's NVLink, 450 GB/s each way.
+  double intra_node_gbps = 3600.0;
+  bool intra_node_given = false;
   // The step's bound (memory/bound.h): rates given instead of measured
   // (0 = run.rates' figure, else measured here), the probes' time, or none.
   bool no_bound = false;
@@ -48,7 +51,7 @@ struct Computed {
   MachineCapacity cap;
   std::vector<std::string> shortfalls;
   int ranks_per_node = 1;
-  int64_t net_bytes = 0;  // sent by one rank per training step
+  NetworkBytes net;  // sent by one rank per training step
   int64_t parameters = 0;  // the model's, unpadded
 };
 
@@ -58,21 +61,30 @@ struct Computed {
 // each block once per step), one gradient
 // reduction per block per micro-batch, or per step with
 // PlacementPlan::reduce_per_step (reduce-scatter at stages 2-3, all-reduce
-// at 0-1), and the all-reduce of the norm, loss and stop flag. Ring
-// collectives, the byte counts the Communicator reports as net_bytes.
-int64_t network_bytes(const PlacementPlan& p) {
+// at 0-1), and the all-reduce of the norm, loss and stop flag. With the
+// secondary shard, a block's first gather of the step spans the world and its
+// later ones the node (count: the block / ranks per node). Ring collectives,
+// the byte counts the communicators report as net_bytes and intra_node_bytes.
+NetworkBytes network_bytes(const PlacementPlan& p) {
   const int ws = p.world_size;
-  if (ws <= 1) return 0;
+  NetworkBytes out;
+  if (ws <= 1) return out;
   const DType param_t = p.compute_bytes == 4 ? DType::kF32 : DType::kBF16;
-  int64_t bytes = 0;
+  int64_t& bytes = out.world;
   if (p.shards > 1) {
     if (p.stage == 3) {
       const auto uses = train_schedule(int(p.block_numel.size()), p.tied, p.accum);
+      std::vector<char> seen(p.block_numel.size(), 0);
       for (const WindowUse& u : uses) {
         for (int i = 0; i < u.count; ++i) {
           const size_t b = size_t(u.block[i]);
           if (!p.keep_gathered.empty() && p.keep_gathered[b]) continue;  // once per step, below
-          bytes += ring_gather_bytes(ws, p.block_numel[b], param_t);
+          if (p.secondary_shard && seen[b]) {
+            out.node += ring_gather_bytes(p.ranks_per_node, p.block_numel[b] * p.nodes(), param_t);
+          } else {
+            bytes += ring_gather_bytes(ws, p.block_numel[b], param_t);
+          }
+          seen[b] = 1;
         }
       }
       for (size_t b = 0; b < p.keep_gathered.size(); ++b) {
@@ -88,7 +100,8 @@ int64_t network_bytes(const PlacementPlan& p) {
     bytes += reductions * (p.stage >= 2 ? ring_gather_bytes(ws, shard, grad_t)
                                      : ring_all_reduce_bytes(ws, shard * p.shards, grad_t));
   }
-  return bytes + ring_all_reduce_bytes(ws, 3, DType::kF64);
+  bytes += ring_all_reduce_bytes(ws, 3, DType::kF64);
+  return out;
 }
 
 // What the data path uses (Note [Mapped tokens] in data/dataset.h): the token
@@ -123,7 +136,7 @@ Computed compute(const Config& cfg, int rank, int local_ranks, const GivenCapaci
   c.parameters = layout.parameter_count();
   c.shortfalls = plan_shortfalls(c.plan, c.cap);
   c.ranks_per_node = local_ranks;
-  c.net_bytes = network_bytes(c.plan);
+  c.net = network_bytes(c.plan);
   return c;
 }
 
@@ -155,10 +168,12 @@ nlohmann::json plan_json(const Computed& c) {
                         {"opt_state", p.staging.opt_state}, {"opt_emit", p.staging.opt_emit},
                         {"grad_host", p.staging.grad_host}, {"window_bounce", p.staging.window_bounce},
                         {"tokens", p.staging.tokens}, {"save_bounce", p.staging.save_bounce},
-                        {"comm_host", p.staging.comm_host}, {"grad_accum", p.staging.grad_accum}};
+                        {"comm_host", p.staging.comm_host}, {"grad_accum", p.staging.grad_accum},
+                        {"secondary", p.staging.secondary}};
   int64_t kept = 0;
   for (char k : p.keep_gathered) kept += k;
   j["kept_gathered_blocks"] = kept;
+  j["secondary_shard"] = p.secondary_shard;
   j["gradient_reduction"] = p.world_size <= 1 ? "none" : p.reduce_per_step ? "per_step" : "per_micro_batch";
   j["device_transient_bytes"] = p.staging.device_bytes();
   j["host_staging_bytes"] = p.staging.host_bytes();
@@ -171,7 +186,7 @@ nlohmann::json plan_json(const Computed& c) {
   j["stage"] = p.stage;
   j["ranks_per_node"] = c.ranks_per_node;
   for (int t = 0; t < kNumTiers; ++t) j["node_total_bytes"][tier_name(Tier(t))] = tot[size_t(t)] * c.ranks_per_node;
-  j["network"] = {{"bytes_per_step_per_rank", c.net_bytes}};
+  j["network"] = {{"bytes_per_step_per_rank", c.net.world}, {"intra_node_bytes_per_step_per_rank", c.net.node}};
   j["fits"] = c.shortfalls.empty();
   j["shortfalls"] = c.shortfalls;
   return j;
@@ -196,6 +211,9 @@ Rates bound_rates(const PlanOptions& opt, const Config& cfg) {
   flag(opt.nvme_both_gbps, 1e9, "--nvme-both-gbps", r.nvme_both, r.nvme_both_source);
   flag(opt.adam_gelems, 1e9, "--adam-gelems", r.adam, r.adam_source);
   if (opt.net_given || !(r.net > 0)) r.net = opt.net_gbps * 1e9 / 8, r.net_source = "--net-gbps";
+  if (opt.intra_node_given || !(r.intra_node > 0)) {
+    r.intra_node = opt.intra_node_gbps * 1e9 / 8, r.intra_node_source = "--intra-node-gbps";
+  }
   return r;
 }
 
@@ -209,7 +227,8 @@ nlohmann::json bound_json(const StepWork& w, const StepBound& b, const Rates& r)
           {"resources", res},
           {"work", {{"flops", w.flops}, {"h2d_bytes", w.links.h2d}, {"d2h_bytes", w.links.d2h},
                     {"nvme_read_bytes", w.links.nvme_read}, {"nvme_write_bytes", w.links.nvme_write},
-                    {"adam_elements", w.adam_elems}, {"net_bytes", w.net_bytes}}},
+                    {"adam_elements", w.adam_elems}, {"net_bytes", w.net_bytes},
+                    {"intra_node_bytes", w.intra_node_bytes}}},
           {"rates", {{"device_flops", r.device_flops}, {"device_flops_source", r.device_flops_source},
                      {"h2d_bytes_per_s", r.h2d}, {"h2d_source", r.h2d_source},
                      {"d2h_bytes_per_s", r.d2h}, {"d2h_source", r.d2h_source},
@@ -218,7 +237,8 @@ nlohmann::json bound_json(const StepWork& w, const StepBound& b, const Rates& r)
                      {"nvme_write_bytes_per_s", r.nvme_write}, {"nvme_write_source", r.nvme_write_source},
                      {"nvme_both_bytes_per_s", r.nvme_both}, {"nvme_both_source", r.nvme_both_source},
                      {"adam_elements_per_s", r.adam}, {"adam_source", r.adam_source},
-                     {"net_bytes_per_s", r.net}, {"net_source", r.net_source}}}};
+                     {"net_bytes_per_s", r.net}, {"net_source", r.net_source},
+                     {"intra_node_bytes_per_s", r.intra_node}, {"intra_node_source", r.intra_node_source}}}};
 }
 
 std::string bound_text(const StepBound& b, const Rates& r, const StepWork& w, int64_t tokens) {
@@ -237,7 +257,8 @@ std::string bound_text(const StepBound& b, const Rates& r, const StepWork& w, in
            {"nvme read", &r.nvme_read_source, w.links.nvme_read > 0},
            {"nvme write", &r.nvme_write_source, w.links.nvme_write > 0},
            {"nvme both", &r.nvme_both_source, w.links.nvme_read > 0 && w.links.nvme_write > 0},
-           {"network", &r.net_source, w.net_bytes > 0}}) {
+           {"network", &r.net_source, w.net_bytes > 0},
+           {"intra-node", &r.intra_node_source, w.intra_node_bytes > 0}}) {
     if (used && !s->empty()) src += std::string(src.empty() ? "" : "; ") + name + ": " + *s;
   }
   return out + "  rates: " + src + "\n";
@@ -251,6 +272,7 @@ int run_plan(const PlanOptions& opt) {
                                            opt.world_size));
   }
   if (!(opt.net_gbps > 0)) throw ConfigError("--net-gbps", "must be positive");
+  if (!(opt.intra_node_gbps > 0)) throw ConfigError("--intra-node-gbps", "must be positive");
   for (auto [name, v] : {std::pair<const char*, double>{"--host-memory-gb", opt.host_memory_gb},
                          {"--nvme-gb", opt.nvme_gb}, {"--device-memory-gb", opt.device_memory_gb},
                          {"--probe-seconds", opt.probe_s}}) {
@@ -273,7 +295,7 @@ int run_plan(const PlanOptions& opt) {
   Rates rates;
   if (!opt.no_bound) {
     rates = bound_rates(opt, cfg);
-    work = predicted_work(cfg, c.plan, train_fetches(c.plan), c.net_bytes);
+    work = predicted_work(cfg, c.plan, train_fetches(c.plan), c.net);
     const bool cpu_compute = cfg.run.device == DeviceKind::kCpu;
     std::unique_ptr<Device> gpu;
     Device* dev = &cpu_device();
@@ -288,11 +310,12 @@ int run_plan(const PlanOptions& opt) {
     measure_rates(cfg, c.plan, dev, work, rates, opt.probe_s);
     if (cfg.placement.auto_place) {
       c = compute(cfg, 0, per_node, given, &rates);
-      work = predicted_work(cfg, c.plan, train_fetches(c.plan), c.net_bytes);
+      work = predicted_work(cfg, c.plan, train_fetches(c.plan), c.net);
     }
     bound = step_bound(work, rates, cpu_compute);
   }
-  const double net_s = double(c.net_bytes) * 8.0 / (opt.net_gbps * 1e9);
+  const double net_s = double(c.net.world) * 8.0 / (opt.net_gbps * 1e9);
+  const double intra_s = double(c.net.node) * 8.0 / (opt.intra_node_gbps * 1e9);
   const int64_t step_tokens = cfg.train_micro_batch_size_per_gpu * cfg.model.seq_len * c.plan.accum;
   if (opt.json) {
     nlohmann::json j = plan_json(c);
@@ -303,6 +326,8 @@ int run_plan(const PlanOptions& opt) {
     j["nodes"] = opt.nodes;
     j["network"]["net_gbps"] = opt.net_gbps;
     j["network"]["seconds_per_step"] = net_s;
+    j["network"]["intra_node_gbps"] = opt.intra_node_gbps;
+    j["network"]["intra_node_seconds_per_step"] = intra_s;
     std::printf("%s\n", j.dump(2).c_str());
   } else {
     std::printf("Placement plan for %s (from %s keys), rank 0 of %d (%d per node, ZeRO stage %d)\n",
@@ -319,11 +344,19 @@ int run_plan(const PlanOptions& opt) {
       std::printf("node total (%d ranks): device %s, host %s, nvme %s\n", per_node,
                   cell(tot[0] * per_node).c_str(), cell(tot[1] * per_node).c_str(), cell(tot[2] * per_node).c_str());
       std::printf("network: each rank sends %s per step: %.3f s at %g Gbit/s%s; gradients reduced %s in %s\n",
-                  format_bytes(double(c.net_bytes)).c_str(), net_s, opt.net_gbps,
+                  format_bytes(double(c.net.world)).c_str(), net_s, opt.net_gbps,
                   opt.nodes > 1 ? "" : " (one node: loopback or NVLink in practice)",
                   c.plan.reduce_per_step ? "once per step (comm.gradient_reduction)"
                                          : "once per micro-batch (comm.gradient_reduction)",
                   c.plan.comm_grad_bytes == 4 ? "fp32" : "16 bits (communication_data_type)");
+      if (c.plan.secondary_shard) {
+        std::printf("secondary shard (comm.secondary_shard): the step's later gathers stay inside the node: "
+                    "each rank sends %s per step to its node's ranks: %.3f s at %g Gbit/s (--intra-node-gbps)\n",
+                    format_bytes(double(c.net.node)).c_str(), intra_s, opt.intra_node_gbps);
+      } else if (opt.nodes > 1 && c.plan.stage == 3 && per_node > 1) {
+        std::printf("secondary shard (comm.secondary_shard): off%s\n",
+                    cfg.comm.secondary_shard == "off" ? "" : " (does not fit)");
+      }
     }
   }
   return c.shortfalls.empty() ? kExitOk : kExitBadInput;
@@ -354,6 +387,7 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
     row("gradient reduction", p.staging.grad_sync, 0, 0);
     if (p.comm_staged) row("staged collectives", 0, p.staging.comm_host, 0);
     if (p.reduce_per_step) row("gradients summed/step", p.staging.grad_accum, 0, 0);
+    if (p.secondary_shard) row("secondary shard", p.staging.secondary, 0, 0);
   }
   row("optimizer staging", 0, p.staging.opt_grad + p.staging.opt_state + p.staging.opt_emit, 0);
   row("token batches", p.staging.tokens, p.staging.tokens, 0);
@@ -377,7 +411,7 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   return out;
 }
 
-int64_t step_network_bytes(const PlacementPlan& plan) { return network_bytes(plan); }
+NetworkBytes step_network_bytes(const PlacementPlan& plan) { return network_bytes(plan); }
 
 void check_plan_fits(const Config& cfg, int rank, int local_ranks) {
   const Rates rates = rates_from_config(cfg.run.rates);
@@ -399,6 +433,10 @@ void register_plan(CLI::App& app, int& result) {
   cmd->add_option("--nodes", opt->nodes, "Nodes the ranks are spread over (each plans with its node's share)");
   cmd->add_option("--net-gbps", opt->net_gbps, "Network bandwidth per rank for the communication time (Gbit/s)")
       ->each([opt](const std::string&) { opt->net_given = true; });
+  cmd->add_option("--intra-node-gbps", opt->intra_node_gbps,
+                  "Bandwidth per rank between the ranks of a node, for the secondary shard's gathers (Gbit/s; "
+                  "default 3600, NVLink 4)")
+      ->each([opt](const std::string&) { opt->intra_node_given = true; });
   cmd->add_option("--host-memory-gb", opt->host_memory_gb, "Plan for a node with this much RAM (GiB), not this one");
   cmd->add_option("--nvme-gb", opt->nvme_gb, "Plan for a node with this much free NVMe (GiB) under the swap directories");
   cmd->add_option("--device-memory-gb", opt->device_memory_gb, "Plan for GPUs with this much memory each (GiB)");

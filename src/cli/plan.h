@@ -8,6 +8,7 @@
 #include <vector>
 
 #include "config/config.h"
+#include "memory/bound.h"
 #include "memory/placement.h"
 
 namespace strata {
@@ -24,7 +25,8 @@ std::string format_plan(const PlacementPlan& plan, const MachineCapacity& cap,
 void check_plan_fits(const Config& cfg, int rank = 0, int local_ranks = 1);
 
 // Bytes one rank sends per training step under `plan` (ring collectives, as
-// the Communicator counts net_bytes).
-int64_t step_network_bytes(const PlacementPlan& plan);
+// the communicators count them: net_bytes over the world's groups,
+// intra_node_bytes over the node's).
+NetworkBytes step_network_bytes(const PlacementPlan& plan);
 
 }  // namespace strata

@@ -227,14 +227,20 @@ void measure_train_rates(Config& cfg, Device& device, Communicator& comm, int ra
     rates.net = measure_network(comm, 0.2);
     rates.net_source = "measured: all-reduce of 16 MiB";
   }
+  if (work.intra_node_bytes > 0 && !(rates.intra_node > 0)) {
+    // No probe of the node's group of its own: the world's rate, a lower
+    // figure where the node has a faster fabric (run.rates.intra_node_gbps).
+    rates.intra_node = rates.net;
+    rates.intra_node_source = "the network's (no intra-node probe; run.rates.intra_node_gbps gives it)";
+  }
   measure_rates(cfg, plan, &device, work, rates, 0.2);
   store_rates(rates, cfg.run.rates);
   if (comm.world_size() > 1) {
     double* r = &cfg.run.rates.device_tflops;  // RateOverrides: doubles only
-    static_assert(sizeof(RateOverrides) == 9 * sizeof(double), "RateOverrides holds nine doubles");
-    std::vector<int64_t> bits(9);
+    static_assert(sizeof(RateOverrides) == 10 * sizeof(double), "RateOverrides holds ten doubles");
+    std::vector<int64_t> bits(10);
     std::memcpy(bits.data(), r, sizeof(RateOverrides));
-    comm.broadcast(bits.data(), 9, DType::kI64, 0).wait();
+    comm.broadcast(bits.data(), 10, DType::kI64, 0).wait();
     std::memcpy(r, bits.data(), sizeof(RateOverrides));
   }
 }
@@ -307,6 +313,12 @@ int run_train(const TrainOptions& opt) {
               who.master_port);
   }
   check_configs_agree(cfg, *comm);
+  if (cfg.zero.hpz_partition_size > 1 && cfg.zero.hpz_partition_size != who.local_world_size) {
+    throw ConfigError("zero_optimization.zero_hpz_partition_size",
+                      strprintf("%lld, but this node has %d rank(s): Strata's secondary shard spans the ranks of a "
+                                "node (docs/config.md, comm.secondary_shard)",
+                                (long long)cfg.zero.hpz_partition_size, who.local_world_size));
+  }
 
   // The device the step computes on, and the rates of the step's bound
   // (auto placement chooses by them): a second or so.
@@ -503,6 +515,7 @@ int run_train(const TrainOptions& opt) {
     StepWork done = bound.work;
     done.links = r.links;
     done.net_bytes = r.net_bytes;
+    done.intra_node_bytes = r.intra_node_bytes;
     const double bound_s = step_bound(done, bound.rates, bound.cpu_compute).seconds;
     nlohmann::json line = {
         {"step", s},
@@ -527,6 +540,7 @@ int run_train(const TrainOptions& opt) {
         {"peak_nvme_bytes", peak[2]},
         {"world_size", who.world_size},
         {"net_bytes", r.net_bytes},
+        {"intra_node_bytes", r.intra_node_bytes},
         {"comm_wait_s", r.comm_wait_s},
     };
     if (trainer.loss_scaler()) {

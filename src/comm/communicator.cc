@@ -81,6 +81,7 @@ class LocalCommunicator final : public Communicator {
   double wait_seconds() const override { return 0.0; }
   void wait_ticket(uint64_t) override {}
   CollectiveGroup* open_data_group(const DataGroupOptions&) override { return this; }
+  CollectiveGroup* open_node_group(const DataGroupOptions&) override { return this; }
 
  private:
   std::map<std::string, std::string> kv_;
@@ -281,6 +282,7 @@ class C10dCommunicator final : public Communicator {
     if (failed_) {
       // Note [Lost ranks]: never destroy a group after a failed collective.
       (void)data_.release();
+      (void)node_.release();
       (void)host_.release();
       (void)store_.release();
       (void)monitor_store_.release();
@@ -293,23 +295,24 @@ class C10dCommunicator final : public Communicator {
 
   CollectiveGroup* open_data_group(const DataGroupOptions& o) override {
     STRATA_CHECK(!data_, "the data group is opened once");
-    try {
-      auto pg_store = c10::make_intrusive<c10d::PrefixStore>("data", store_);
-      FailFn fail = [this](const std::string& what) { fail_hard(what); };
-      if (o.backend == "nccl") {
-        data_ = std::make_unique<C10dGroup>(detail::make_nccl_backend(pg_store, who_, options_, o.device_index),
-                                            "nccl", who_.world_size, at::Device(at::kCUDA, at::DeviceIndex(o.device_index)),
-                                            o.stream, std::move(fail));
-      } else {
-        data_ = std::make_unique<C10dGroup>(detail::make_gloo_backend(pg_store, who_, options_), "gloo",
-                                            who_.world_size, at::Device(at::kCPU), nullptr, std::move(fail));
-      }
-    } catch (const CommError&) {
-      throw;
-    } catch (const std::exception&) {
-      fail_hard(exception_text(std::current_exception()));
-    }
+    data_ = open_group(o, "data", who_);
     return data_.get();
+  }
+
+  CollectiveGroup* open_node_group(const DataGroupOptions& o) override {
+    STRATA_CHECK(!node_, "the node group is opened once");
+    const int per_node = who_.local_world_size;
+    if (who_.world_size % per_node != 0 || who_.rank % per_node != who_.local_rank) {
+      throw CommError(strprintf("rank %d is local rank %d of %d on its node: the ranks are not numbered node by "
+                                "node (RANK = node x LOCAL_WORLD_SIZE + LOCAL_RANK), which the node's group of "
+                                "comm.secondary_shard needs; set it \"off\" or launch with block numbering",
+                                who_.rank, who_.local_rank, per_node));
+    }
+    RankInfo mine = who_;
+    mine.rank = who_.local_rank;
+    mine.world_size = per_node;
+    node_ = open_group(o, "node" + std::to_string(who_.rank / per_node), mine);
+    return node_.get();
   }
 
   Completion all_gather(const void* in, void* out, int64_t count, DType t) override {
@@ -395,6 +398,29 @@ class C10dCommunicator final : public Communicator {
 
  private:
   using FailFn = C10dGroup::FailFn;
+
+  // A group of the data's backend (Note [Data group]) among `as`'s ranks,
+  // rendezvousing under `prefix` in the store.
+  std::unique_ptr<C10dGroup> open_group(const DataGroupOptions& o, const std::string& prefix, const RankInfo& as) {
+    std::unique_ptr<C10dGroup> g;
+    try {
+      auto pg_store = c10::make_intrusive<c10d::PrefixStore>(prefix, store_);
+      FailFn fail = [this](const std::string& what) { fail_hard(what); };
+      if (o.backend == "nccl") {
+        g = std::make_unique<C10dGroup>(detail::make_nccl_backend(pg_store, as, options_, o.device_index), "nccl",
+                                        as.world_size, at::Device(at::kCUDA, at::DeviceIndex(o.device_index)),
+                                        o.stream, std::move(fail));
+      } else {
+        g = std::make_unique<C10dGroup>(detail::make_gloo_backend(pg_store, as, options_), "gloo", as.world_size,
+                                        at::Device(at::kCPU), nullptr, std::move(fail));
+      }
+    } catch (const CommError&) {
+      throw;
+    } catch (const std::exception&) {
+      fail_hard(exception_text(std::current_exception()));
+    }
+    return g;
+  }
 
   c10::intrusive_ptr<c10d::Store> connect(bool server, std::chrono::milliseconds timeout) {
     c10d::TCPStoreOptions o;
@@ -507,6 +533,7 @@ class C10dCommunicator final : public Communicator {
   c10::intrusive_ptr<c10d::Store> store_, monitor_store_;
   std::unique_ptr<C10dGroup> host_;  // Note [Data group]
   std::unique_ptr<C10dGroup> data_;
+  std::unique_ptr<C10dGroup> node_;  // comm.secondary_shard: this node's ranks
   // store_ is one connection, and c10d store clients are not for two
   // threads: the step's and a staged data group's (fail_hard) share it.
   std::recursive_mutex store_mu_;

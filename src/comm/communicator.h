@@ -146,6 +146,15 @@ class Communicator : public CollectiveGroup {
   // built (no NCCL in this build). The local communicator is its own data
   // group (copies).
   virtual CollectiveGroup* open_data_group(const DataGroupOptions& options) = 0;
+  // The data group's counterpart over the ranks of this rank's node: ranks
+  // k x L .. k x L + L - 1 of node k = rank / L, where L is the launcher's
+  // LOCAL_WORLD_SIZE, as local ranks 0 .. L - 1. It carries the secondary
+  // shard's gathers (comm.secondary_shard). Every rank calls it once, at the
+  // same point of the start-up; the communicator owns the group. Throws
+  // CommError when the ranks are not numbered node by node (RANK = node x
+  // LOCAL_WORLD_SIZE + LOCAL_RANK, as torchrun, strata launch and Slurm's
+  // block distribution number them). The local communicator is its own.
+  virtual CollectiveGroup* open_node_group(const DataGroupOptions& options) = 0;
 };
 
 // World size 1: copies and no-ops, no sockets.

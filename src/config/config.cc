@@ -373,11 +373,11 @@ const Keys kZeroKnown = {
     "reduce_scatter", "allgather_partitions", "sub_group_size", "stage3_prefetch_bucket_size",
     "stage3_param_persistence_threshold", "stage3_max_live_parameters",
     "stage3_max_reuse_distance", "stage3_gather_16bit_weights_on_model_save", "offload_param",
-    "offload_optimizer"};
+    "offload_optimizer", "zero_hpz_partition_size"};
 
 const Keys kZeroIgnored = {
     "round_robin_gradients", "elastic_checkpoint", "ignore_unused_parameters",
-    "load_from_fp32_weights", "zero_hpz_partition_size", "zero_quantized_weights",
+    "load_from_fp32_weights", "zero_quantized_weights",
     "zero_quantized_nontrainable_weights", "zero_quantized_gradients", "zeropp_loco_param",
     "mics_shard_size", "mics_hierarchical_params_gather", "stage3_gather_fp16_weights_on_model_save",
     "memory_efficient_linear", "cpu_offload", "cpu_offload_param", "cpu_offload_params",
@@ -630,6 +630,7 @@ void parse_zero(const json& root, Config& c) {
   nonneg("stage3_param_persistence_threshold", zc.stage3_param_persistence_threshold);
   nonneg("stage3_max_live_parameters", zc.stage3_max_live_parameters);
   nonneg("stage3_max_reuse_distance", zc.stage3_max_reuse_distance);
+  pos("zero_hpz_partition_size", zc.hpz_partition_size);
   read(z, path, "stage3_gather_16bit_weights_on_model_save",
        zc.stage3_gather_16bit_weights_on_model_save);
   parse_offload_param(z, c);
@@ -985,7 +986,7 @@ void parse_run(const json& root, Config& c) {
     if (!rates->is_object()) wrong_type(rp, "an object", *rates);
     check_keys(*rates, rp,
                {"device_tflops", "h2d_gbps", "d2h_gbps", "pcie_both_gbps", "nvme_read_gbps", "nvme_write_gbps",
-                "nvme_both_gbps", "adam_gelems", "net_gbps"},
+                "nvme_both_gbps", "adam_gelems", "net_gbps", "intra_node_gbps"},
                kNone, c.ignored_keys);
     RateOverrides& o = rc.rates;
     for (auto [key, out] : {std::pair<const char*, double*>{"device_tflops", &o.device_tflops},
@@ -993,7 +994,7 @@ void parse_run(const json& root, Config& c) {
                             {"pcie_both_gbps", &o.pcie_both_gbps}, {"nvme_read_gbps", &o.nvme_read_gbps},
                             {"nvme_write_gbps", &o.nvme_write_gbps}, {"nvme_both_gbps", &o.nvme_both_gbps},
                             {"adam_gelems", &o.adam_gelems},
-                            {"net_gbps", &o.net_gbps}}) {
+                            {"net_gbps", &o.net_gbps}, {"intra_node_gbps", &o.intra_node_gbps}}) {
       if (read(*rates, rp, key, *out)) positive(join(rp, key), *out);
     }
   }
@@ -1029,7 +1030,8 @@ void parse_run(const json& root, Config& c) {
 void parse_comm(const json& root, Config& c) {
   const std::string path = "comm";
   const json& r = section(root, "", path);
-  check_keys(r, path, {"backend", "timeout_s", "gradient_reduction", "keep_gathered"}, kNone, c.ignored_keys);
+  check_keys(r, path, {"backend", "timeout_s", "gradient_reduction", "keep_gathered", "secondary_shard"}, kNone,
+             c.ignored_keys);
   if (r.contains("keep_gathered") && r["keep_gathered"].is_number()) {
     int64_t n = 0;
     read(r, path, "keep_gathered", n);
@@ -1040,6 +1042,12 @@ void parse_comm(const json& root, Config& c) {
   }
   read_enum(r, path, "backend", c.comm.backend, {"auto", "gloo", "nccl"});
   read_enum(r, path, "gradient_reduction", c.comm.gradient_reduction, {"auto", "per_step", "per_micro_batch"});
+  // DeepSpeed's zero_hpz_partition_size > 1 asks for the secondary shard
+  // unless comm.secondary_shard says otherwise.
+  if (!read_enum(r, path, "secondary_shard", c.comm.secondary_shard, {"auto", "on", "off"}) &&
+      c.zero.hpz_partition_size > 1) {
+    c.comm.secondary_shard = "on";
+  }
   if (read(r, path, "timeout_s", c.comm.timeout_s)) positive("comm.timeout_s", c.comm.timeout_s);
   read_enum(root, "", "communication_data_type", c.comm.data_type, {"fp32", "bf16", "fp16"});
 }

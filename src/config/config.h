@@ -97,6 +97,7 @@ struct RateOverrides {
   double nvme_read_gbps = 0, nvme_write_gbps = 0, nvme_both_gbps = 0;
   double adam_gelems = 0;  // G elements/s
   double net_gbps = 0;     // Gbit/s
+  double intra_node_gbps = 0;  // Gbit/s, the node group's (comm.secondary_shard)
 };
 
 struct RunConfig {
@@ -192,6 +193,10 @@ struct ZeroConfig {
   int64_t stage3_param_persistence_threshold = 100000;
   int64_t stage3_max_live_parameters = 1000000000;
   int64_t stage3_max_reuse_distance = 1000000000;
+  // zero_hpz_partition_size (ZeRO++'s hpZ): 1 = no secondary shard; more =
+  // comm.secondary_shard "on", the secondary shard spanning that many ranks,
+  // which must be the ranks of a node (checked at start).
+  int64_t hpz_partition_size = 1;
   bool stage3_gather_16bit_weights_on_model_save = false;
   OffloadParamConfig offload_param;
   OffloadOptimizerConfig offload_optimizer;
@@ -261,6 +266,11 @@ struct CommConfig {
   // auto (as many as fit, from the last layer down), all, none, or a number
   // of blocks (kept as its decimal string), from the last one down.
   std::string keep_gathered = "auto";
+  // Stage 3 with ranks on several nodes: after a block's first gather of a
+  // step each rank keeps 1/(ranks per node) of it, its node's secondary shard
+  // (ZeRO++'s hpZ), so the step's later gathers of that block run inside the
+  // node. auto (when it fits), on, off.
+  std::string secondary_shard = "auto";
 };
 
 struct Config {

@@ -74,6 +74,22 @@ void DeviceCollectives::shutdown() {
   worker_.join();
 }
 
+void DeviceCollectives::attach_node_group(CollectiveGroup* group, StreamCollectives* stream, int size) {
+  STRATA_CHECK(node_ == nullptr && node_stream_ == nullptr, "the node's group is attached once");
+  STRATA_CHECK(size >= 1 && size <= world_size_, "a node group larger than the world");
+  STRATA_CHECK(mode_ == DeviceCommMode::kStream ? stream != nullptr : group != nullptr,
+               "the node's group does not match the collectives' mode");
+  node_ = group;
+  node_stream_ = stream;
+  node_size_ = size;
+}
+
+Completion DeviceCollectives::node_all_gather(DevicePtr in, DevicePtr out, int64_t count, DType t) {
+  STRATA_CHECK(node_ != nullptr || node_stream_ != nullptr, "a node gather without the node's group");
+  node_sent_ += ring_gather_bytes(node_size_, count, t);
+  return issue(Op::kAllGather, in, out, count, t, /*node=*/true);
+}
+
 Completion DeviceCollectives::all_gather(DevicePtr in, DevicePtr out, int64_t count, DType t) {
   sent_ += ring_gather_bytes(world_size_, count, t);
   return issue(Op::kAllGather, in, out, count, t);
@@ -89,16 +105,19 @@ Completion DeviceCollectives::all_reduce(DevicePtr buf, int64_t count, DType t) 
   return issue(Op::kAllReduce, buf, buf, count, t);
 }
 
-Completion DeviceCollectives::issue(Op op, DevicePtr in, DevicePtr out, int64_t count, DType t) {
+Completion DeviceCollectives::issue(Op op, DevicePtr in, DevicePtr out, int64_t count, DType t, bool node) {
   switch (mode_) {
     case DeviceCommMode::kInPlace:
+      if (node) return node_->all_gather(in.raw(), out.raw(), count, t);
       if (op == Op::kAllGather) return comm_.all_gather(in.raw(), out.raw(), count, t);
       if (op == Op::kReduceScatter) return comm_.reduce_scatter(in.raw(), out.raw(), count, t);
       return comm_.all_reduce(in.raw(), count, t, ReduceOp::kSum);
     case DeviceCommMode::kStream:
       // Note [Device collectives]: after the input's writer, on the comm stream.
       device_.stream_wait(Stream::kComm, device_.record(Stream::kCompute));
-      if (op == Op::kAllGather) {
+      if (node) {
+        node_stream_->all_gather(in, out, count, t);
+      } else if (op == Op::kAllGather) {
         stream_->all_gather(in, out, count, t);
       } else if (op == Op::kReduceScatter) {
         stream_->reduce_scatter(in, out, count, t);
@@ -111,6 +130,8 @@ Completion DeviceCollectives::issue(Op op, DevicePtr in, DevicePtr out, int64_t 
   }
   Job job;
   job.op = op;
+  job.group = node ? node_ : data_;
+  job.size = node ? node_size_ : world_size_;
   job.in = in;
   job.out = out;
   job.count = count;
@@ -177,24 +198,21 @@ void DeviceCollectives::run_staged(const Job& job) {
   Completion produced = job.produced;
   produced.wait();  // the input's writer
   const int64_t eb = dtype_bytes(job.t);
-  const int64_t ws = world_size_;
+  const int64_t ws = job.size;
+  CollectiveGroup& group = *job.group;
   std::byte* in = stage_in_.data();
   std::byte* out = stage_out_.data();
-  auto copied = [&](int64_t d2h, int64_t h2d) {
-    device_.record(Stream::kComm).wait();
-    std::lock_guard<std::mutex> lock(mu_);
-    staged_d2h_ += d2h;
-    staged_h2d_ += h2d;
-  };
+  // The comm stream's copies done (the host buffers are read or reused next).
+  auto copied = [&] { device_.record(Stream::kComm).wait(); };
   if (job.op == Op::kAllReduce) {
     const int64_t piece = ws * kStagedPieceBytes / eb;
     for (int64_t o = 0; o < job.count; o += piece) {
       const int64_t n = std::min(piece, job.count - o);
       device_.copy_to_host(in, job.in + o * eb, n * eb, Stream::kComm);
-      copied(n * eb, 0);
-      data_->all_reduce(in, n, job.t, ReduceOp::kSum).wait();
+      copied();
+      group.all_reduce(in, n, job.t, ReduceOp::kSum).wait();
       device_.copy_to_device(job.out + o * eb, in, n * eb, Stream::kComm);
-      copied(0, n * eb);
+      copied();
     }
     return;
   }
@@ -203,35 +221,25 @@ void DeviceCollectives::run_staged(const Job& job) {
     const int64_t n = std::min(piece, job.count - o);
     if (job.op == Op::kAllGather) {
       device_.copy_to_host(in, job.in + o * eb, n * eb, Stream::kComm);
-      copied(n * eb, 0);
-      data_->all_gather(in, out, n, job.t).wait();
+      copied();
+      group.all_gather(in, out, n, job.t).wait();
       for (int64_t r = 0; r < ws; ++r) {
         device_.copy_to_device(job.out + (r * job.count + o) * eb, out + r * n * eb, n * eb, Stream::kComm);
       }
-      copied(0, ws * n * eb);
+      copied();
     } else {
       for (int64_t r = 0; r < ws; ++r) {
         device_.copy_to_host(in + r * n * eb, job.in + (r * job.count + o) * eb, n * eb, Stream::kComm);
       }
-      copied(ws * n * eb, 0);
-      data_->reduce_scatter(in, out, n, job.t).wait();
+      copied();
+      group.reduce_scatter(in, out, n, job.t).wait();
       device_.copy_to_device(job.out + o * eb, out, n * eb, Stream::kComm);
-      copied(0, n * eb);
+      copied();
     }
   }
 }
 
 int64_t DeviceCollectives::bytes_sent() const { return mode_ == DeviceCommMode::kInPlace ? 0 : sent_; }
-
-int64_t DeviceCollectives::staged_d2h_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return staged_d2h_;
-}
-
-int64_t DeviceCollectives::staged_h2d_bytes() const {
-  std::lock_guard<std::mutex> lock(mu_);
-  return staged_h2d_;
-}
 
 double DeviceCollectives::wait_seconds() const {
   std::lock_guard<std::mutex> lock(mu_);

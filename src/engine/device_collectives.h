@@ -91,6 +91,16 @@ class DeviceCollectives final : public Waiter {
   // Registered host memory this holds (the staged mode's buffers).
   int64_t host_bytes() const { return stage_in_.bytes() + stage_out_.bytes(); }
 
+  // The node's group for the secondary shard's gathers (comm.secondary_shard),
+  // in this object's mode: in place and staged, `group` (a Gloo group of the
+  // node's `size` ranks); on the stream, `stream` over it. Once, before the
+  // first node_all_gather; the staged mode's buffers (sized by the world)
+  // serve it too, and its collectives take their turn in the one worker's
+  // issue order.
+  void attach_node_group(CollectiveGroup* group, StreamCollectives* stream, int size);
+  // all_gather over the node's group.
+  Completion node_all_gather(DevicePtr in, DevicePtr out, int64_t count, DType t);
+
   // As CollectiveGroup's, on device memory. The input was written by work
   // queued on the compute stream before the call (or is already complete);
   // a reader of the output orders its stream after the completion
@@ -103,8 +113,8 @@ class DeviceCollectives final : public Waiter {
   // Communicator::bytes_sent()), and the bytes the staged mode copied
   // device -> host and host -> device.
   int64_t bytes_sent() const;
-  int64_t staged_d2h_bytes() const;
-  int64_t staged_h2d_bytes() const;
+  // Bytes sent over the node's group.
+  int64_t node_bytes_sent() const { return node_sent_; }
   // Seconds callers spent blocked waiting for staged collectives.
   double wait_seconds() const;
 
@@ -114,6 +124,8 @@ class DeviceCollectives final : public Waiter {
   enum class Op : uint8_t { kAllGather, kReduceScatter, kAllReduce };
   struct Job {
     Op op = Op::kAllGather;
+    CollectiveGroup* group = nullptr;  // the data group or the node's
+    int size = 1;                      // its ranks
     DevicePtr in, out;
     int64_t count = 0;
     DType t = DType::kF32;
@@ -121,7 +133,7 @@ class DeviceCollectives final : public Waiter {
   };
   static constexpr uint64_t kJobs = 64;  // staged collectives in flight, at most
 
-  Completion issue(Op op, DevicePtr in, DevicePtr out, int64_t count, DType t);
+  Completion issue(Op op, DevicePtr in, DevicePtr out, int64_t count, DType t, bool node = false);
   void worker_loop();
   void run_staged(const Job& job);
 
@@ -132,6 +144,10 @@ class DeviceCollectives final : public Waiter {
   StreamCollectives* stream_ = nullptr;
   int world_size_ = 1;
   int64_t sent_ = 0;  // the issuing thread's
+  CollectiveGroup* node_ = nullptr;         // attach_node_group's
+  StreamCollectives* node_stream_ = nullptr;
+  int node_size_ = 1;
+  int64_t node_sent_ = 0;  // the issuing thread's
 
   // Staged mode.
   PinnedHostBuffer stage_in_, stage_out_;
@@ -145,7 +161,6 @@ class DeviceCollectives final : public Waiter {
   bool dropping_ = false;        // shutdown(): jobs not yet started are dropped
   std::exception_ptr error_;
   double wait_s_ = 0.0;
-  int64_t staged_d2h_ = 0, staged_h2d_ = 0;  // the worker's
 };
 
 }  // namespace strata

@@ -41,6 +41,26 @@ GatheredBlocks::GatheredBlocks(const StepContext& ctx, const PlacementPlan& plan
                 format_bytes(double(plan.kept_gathered_numel * ctx.compute_bytes)).c_str());
     }
   }
+  secondary_valid_.assign(size_t(blocks), 0);
+  secondary_at_.assign(size_t(blocks), -1);
+  if (plan.secondary_shard) {
+    // Note [Secondary shard].
+    STRATA_CHECK(!gather_once_ && ctx.shards > 1 && plan.nodes() > 1, "a secondary shard outside stage 3 on nodes");
+    secondary_ = true;
+    node_ranks_ = plan.ranks_per_node;
+    local_rank_ = ctx.comm->rank() % node_ranks_;
+    int64_t at = 0;
+    for (size_t b = 0; b < size_t(blocks); ++b) {
+      if (kept_at_[b] >= 0) continue;
+      secondary_at_[b] = at;
+      at += ctx.shard_numel(b) * plan.nodes() * ctx.compute_bytes;
+    }
+    STRATA_CHECK(at == need.secondary, "the secondary shard is not the planned size");
+    secondary_mem_ = ctx.device->allocate(need.secondary, "secondary shard");
+    log::info("secondary shard of %s: a block's later gathers of a step stay inside the node of %d ranks "
+              "(comm.secondary_shard)",
+              format_bytes(double(need.secondary)).c_str(), node_ranks_);
+  }
 }
 
 GatheredBlocks::~GatheredBlocks() = default;
@@ -59,6 +79,7 @@ void GatheredBlocks::begin(bool train) {
 void GatheredBlocks::invalidate() {
   window_->invalidate();
   std::fill(gathered_valid_.begin(), gathered_valid_.end(), 0);
+  std::fill(secondary_valid_.begin(), secondary_valid_.end(), 0);
 }
 
 // Acquires use u's shards from the window and starts gathering them.
@@ -83,9 +104,21 @@ void GatheredBlocks::issue_gather(size_t u) {
       // The ring: two uses of per_use_ blocks (StagingNeeds::gather).
       gathered_[slot][i] = gather_mem_.ptr() + int64_t(slot * per_use_ + i) * largest_block_numel_ * ctx_.compute_bytes;
     }
+    fill_[slot][i] = -1;
+    if (secondary_at_[b] >= 0 && secondary_valid_[b]) {
+      // Note [Secondary shard]: inside the node.
+      TraceSpan span(TraceTrack::kComm, "node all_gather");
+      gather_done_[slot][i] = ctx_.collectives->node_all_gather(secondary_mem_.ptr() + secondary_at_[b],
+                                                                gathered_[slot][i], n * (ctx_.shards / node_ranks_), dt);
+      continue;
+    }
     TraceSpan span(TraceTrack::kComm, "all_gather");
     gather_done_[slot][i] = ctx_.collectives->all_gather(src, gathered_[slot][i], n, dt);
     if (gather_once_ || kept_at_[b] >= 0) gathered_valid_[b] = 1;  // once issued
+    if (secondary_at_[b] >= 0) {
+      fill_[slot][i] = int64_t(b);  // copied once it has landed (next())
+      secondary_valid_[b] = 1;      // for gathers issued after that copy
+    }
   }
 }
 
@@ -113,6 +146,10 @@ void GatheredBlocks::next(DevicePtr out[2]) {
       c = Completion();
     }
   }
+  for (int i = 0; i < 2; ++i) {
+    if (fill_[slot][i] >= 0) fill_secondary(size_t(fill_[slot][i]), gathered_[slot][i]);
+    fill_[slot][i] = -1;
+  }
   window_->release();  // the shards are read by the gathers the compute stream waited for
   // The next use's gather runs while this one computes.
   use_issued_ = use_ + 1 < uses_->size();
@@ -124,6 +161,12 @@ void GatheredBlocks::next(DevicePtr out[2]) {
 void GatheredBlocks::end() {
   if (ctx_.shards == 1) window_->release();
   ++use_;
+}
+
+void GatheredBlocks::fill_secondary(size_t b, DevicePtr gathered) {
+  const int64_t m = ctx_.shard_numel(b) * (ctx_.shards / node_ranks_) * ctx_.compute_bytes;
+  ctx_.device->copy_on_device(secondary_mem_.ptr() + secondary_at_[b], gathered + int64_t(local_rank_) * m, m,
+                              Stream::kCompute);
 }
 
 int32_t GatheredBlocks::ready_blocks() {

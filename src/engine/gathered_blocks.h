@@ -18,6 +18,22 @@
 
 namespace strata {
 
+// Note [Secondary shard]
+// ZeRO++'s hpZ (comm.secondary_shard, PlacementPlan::secondary_shard): at
+// stage 3 with ranks on several nodes, a block's first gather of a step
+// spans the world (each rank gives its primary shard, 1/world of the block);
+// when it has landed, each rank copies 1/L of the gathered block (L ranks per
+// node; local rank j keeps elements [j x m, (j + 1) x m) of the block, m =
+// block / L) into its secondary shard, on the compute stream. The step's later
+// gathers of that block (the backward's, and the next micro-batches') gather
+// the L secondary shards over the node's group instead, which puts the same
+// block together in the same order: the network across nodes carries a
+// block once per step, the node's own fabric the rest. The secondary shard
+// is valid from its copy until the optimizer rewrites the working copy
+// (invalidate()), like a kept block; a later gather issued after the copy was
+// queued reads it, because every collective's input is what the compute
+// stream queued before its issue (Note [Device collectives]).
+
 // Not thread-safe: the compute thread's.
 class GatheredBlocks {
  public:
@@ -47,6 +63,9 @@ class GatheredBlocks {
   // the optimizer has finished them.
   void acquire(DevicePtr out[2], size_t b0, size_t b1);
   int32_t ready_blocks();
+  // Note [Secondary shard]: the copy into block b's secondary shard from the
+  // gathered block at `gathered`, queued on the compute stream.
+  void fill_secondary(size_t b, DevicePtr gathered);
 
   const StepContext& ctx_;
   OptimizerPass& optimizer_;
@@ -63,6 +82,15 @@ class GatheredBlocks {
   const std::vector<WindowUse>* uses_ = nullptr;
   size_t use_ = 0;                        // the use next() hands out
   bool use_issued_ = false;               // its gather was issued
+  // Note [Secondary shard]: per block, its offset in secondary_mem_ (-1:
+  // none, a kept block), and whether it holds the block since the optimizer.
+  bool secondary_ = false;
+  int node_ranks_ = 1;
+  int local_rank_ = 0;
+  DeviceBuffer secondary_mem_;
+  std::vector<int64_t> secondary_at_;
+  std::vector<char> secondary_valid_;
+  int64_t fill_[2][2] = {{-1, -1}, {-1, -1}};  // per ring slot, per block of the use: the block to copy, or -1
   Completion gather_done_[2][2];          // per ring slot, per block of the use
   DevicePtr gathered_[2][2];              // per ring slot, per block of the use
 };

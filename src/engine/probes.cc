@@ -257,6 +257,10 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
   if (need(rates.net, work.net_bytes > 0)) {
     throw ConfigError("--net-gbps", "ranks send bytes each step and no network rate was given (run.rates.net_gbps)");
   }
+  if (need(rates.intra_node, work.intra_node_bytes > 0)) {
+    throw ConfigError("--intra-node-gbps", "ranks send bytes within their node each step and no intra-node rate "
+                                           "was given (run.rates.intra_node_gbps)");
+  }
 }
 
 StepWork union_work(const StepWork& work, const PlacementPlan& plan) {
@@ -292,6 +296,7 @@ void store_rates(const Rates& r, RateOverrides& o) {
   o.nvme_both_gbps = r.nvme_both / 1e9;
   o.adam_gelems = r.adam / 1e9;
   o.net_gbps = r.net * 8 / 1e9;
+  o.intra_node_gbps = r.intra_node * 8 / 1e9;
 }
 
 }  // namespace strata

@@ -78,6 +78,8 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
   const double param_wait0 = blocks_->window().wait_seconds();
   const double opt_wait0 = optimizer_->wait_seconds();
   auto data_sent = [&] { return collectives_ ? collectives_->bytes_sent() : int64_t(0); };
+  auto node_sent = [&] { return collectives_ ? collectives_->node_bytes_sent() : int64_t(0); };
+  const int64_t node0 = node_sent();
   auto data_wait = [&] { return collectives_ ? collectives_->wait_seconds() : 0.0; };
   const int64_t net0 = comm.bytes_sent() + data_sent();
   const double comm_wait0 = comm.wait_seconds() + data_wait();
@@ -112,6 +114,7 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
     r.wait_s = param_wait + r.optimizer_wait_s;
     r.links += moved;
     r.net_bytes = comm.bytes_sent() + data_sent() - net0;
+    r.intra_node_bytes = node_sent() - node0;
     r.comm_wait_s = comm.wait_seconds() + data_wait() - comm_wait0;
     return r;
   };
@@ -386,7 +389,8 @@ void Trainer::load_checkpoint(CheckpointReader& reader) {
 // ---- start-up ---------------------------------------------------------------------
 
 Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::FaultPlan> faults,
-                 Communicator* comm, int local_ranks, Device* device, StreamCollectives* stream)
+                 Communicator* comm, int local_ranks, Device* device, StreamCollectives* stream,
+                 StreamCollectives* node_stream)
     : cfg_(cfg), model_(model), layout_(model.layout_specs(), shard_count(cfg)) {
   make_context(comm, device, stream);
   const cpu_adam::Isa isa = cpu_adam::parse_isa(cfg.run.cpu_adam_isa);
@@ -401,6 +405,7 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   const Rates rates = rates_from_config(cfg.run.rates);
   const PlacementPlan plan =
       plan_for_machine(cfg, layout_, &cap, ctx_.comm->rank(), local_ranks, ctx_.device, GivenCapacity{}, &rates);
+  agree_on_collectives(plan, node_stream);
   // Like DeepSpeed, create missing swap directories (private to the user).
   for (const std::string& dir : plan.nvme_paths) {
     if (!path_exists(dir)) {
@@ -444,6 +449,50 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   initialise_state(plan);
 }
 
+void Trainer::agree_on_collectives(const PlacementPlan& plan, StreamCollectives* node_stream) {
+  Communicator& comm = *ctx_.comm;
+  if (comm.world_size() <= 1) return;
+  // FNV-1a over the choices that decide which collectives run, in 62 bits.
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&](uint64_t v) { h = (h ^ v) * 1099511628211ull; };
+  for (char k : plan.keep_gathered) mix(uint64_t(k));
+  mix(plan.reduce_per_step);
+  mix(plan.secondary_shard);
+  mix(uint64_t(plan.ranks_per_node));
+  const int64_t mine = int64_t(h >> 2);
+  int64_t v[2] = {mine, -mine};
+  comm.all_reduce(v, 2, DType::kI64, ReduceOp::kMax).wait();
+  if (v[0] != -v[1]) {
+    throw ConfigError("comm.keep_gathered",
+                      "the ranks planned different collectives from their own free memory (blocks kept gathered, "
+                      "comm.gradient_reduction or comm.secondary_shard): set comm.keep_gathered to a number, and "
+                      "comm.gradient_reduction and comm.secondary_shard to explicit values");
+  }
+  if (!plan.secondary_shard) return;
+  // Note [Secondary shard]: the node's group, in the data group's mode.
+  const int per_node = plan.ranks_per_node;
+  switch (collectives_->mode()) {
+    case DeviceCommMode::kInPlace: {
+      DataGroupOptions o;
+      o.backend = "gloo";
+      collectives_->attach_node_group(comm.open_node_group(o), nullptr, per_node);
+      break;
+    }
+    case DeviceCommMode::kStaged:
+      collectives_->attach_node_group(comm.open_node_group(data_options_), nullptr, per_node);
+      break;
+    case DeviceCommMode::kStream:
+      if (node_stream == nullptr) {
+        CollectiveGroup& node = *comm.open_node_group(data_options_);
+        STRATA_CHECK(node.orders_streams(), "the node's group of a stream's collectives does not order streams");
+        own_node_stream_ = stream_collectives_over(node);
+        node_stream = own_node_stream_.get();
+      }
+      collectives_->attach_node_group(nullptr, node_stream, per_node);
+      break;
+  }
+}
+
 // The communicator, the device and what the parts share before the state.
 void Trainer::make_context(Communicator* comm, Device* device, StreamCollectives* stream) {
   if (comm == nullptr) {
@@ -474,6 +523,7 @@ void Trainer::make_context(Communicator* comm, Device* device, StreamCollectives
       }
       o.stream = device->native_stream(Stream::kComm);
       o.device_index = device->ordinal();
+      data_options_ = o;
       CollectiveGroup& data = *comm->open_data_group(o);
       if (data.orders_streams()) {
         own_stream_ = stream_collectives_over(data);

@@ -46,7 +46,8 @@ struct StepResult {
   double optimizer_s = 0.0;  // seconds in the optimizer (including its swapping); with
                              // run.overlap_optimizer: the last optimizer step that finished
   double optimizer_wait_s = 0.0;  // seconds this step's compute waited for the optimizer
-  int64_t net_bytes = 0;     // bytes this rank sent over the network in the step
+  int64_t net_bytes = 0;     // bytes this rank sent over the network in the step (the world's groups)
+  int64_t intra_node_bytes = 0;  // besides those, bytes sent over its node's group (comm.secondary_shard)
   double comm_wait_s = 0.0;  // seconds compute waited for collectives
   bool stop = false;         // some rank asked to stop: every rank stops after this step
   double loss_scale = 0.0;   // fp16: the loss scale this step used (0 without one)
@@ -107,10 +108,12 @@ class Trainer {
   // and the device tier lives (must outlive the trainer); nullptr: run.device's
   // (Note [The trainer's device]). `stream` (tests): with several ranks on a
   // device host code may not touch, the collectives on its comm stream
-  // (Note [Device collectives]) instead of the data group comm.backend names.
+  // (Note [Device collectives]) instead of the data group comm.backend names;
+  // `node_stream` (tests) likewise over the node's group, which the plan's
+  // secondary shard needs (Note [Secondary shard] in gathered_blocks.h).
   Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::FaultPlan> faults = nullptr,
           Communicator* comm = nullptr, int local_ranks = 1, Device* device = nullptr,
-          StreamCollectives* stream = nullptr);
+          StreamCollectives* stream = nullptr, StreamCollectives* node_stream = nullptr);
   ~Trainer();
 
   // One optimizer step over this rank's `accum` micro-batches. `tokens` holds
@@ -211,6 +214,11 @@ class Trainer {
 
   // Start-up (trainer.cc, at the end).
   void make_context(Communicator* comm, Device* device, StreamCollectives* stream);
+  // Every rank planned the same collectives (the plan's choices by memory
+  // could differ between ranks with different free memory): else a
+  // ConfigError on every rank. Then the node's group when the plan keeps a
+  // secondary shard.
+  void agree_on_collectives(const PlacementPlan& plan, StreamCollectives* node_stream);
   void initialise_state(const PlacementPlan& plan);
 
   // Views of block b's weights (compute dtype) at `p`, its gathered copy.
@@ -232,7 +240,8 @@ class Trainer {
   std::unique_ptr<Communicator> own_comm_;  // world size 1 without a caller's
   // With several ranks: the collectives on device memory (Note [Device
   // collectives]), over NCCL's data group as a stream's when that is theirs.
-  std::unique_ptr<StreamCollectives> own_stream_;
+  std::unique_ptr<StreamCollectives> own_stream_, own_node_stream_;
+  DataGroupOptions data_options_;  // the data group's, for the node's group
   std::unique_ptr<DeviceCollectives> collectives_;
   std::unique_ptr<TieredState> state_;
   StepContext ctx_;                       // what the parts share; refers to the above

@@ -34,6 +34,7 @@ Rates rates_from_config(const RateOverrides& o) {
   set(o.nvme_both_gbps, 1e9, r.nvme_both, r.nvme_both_source, "nvme_both_gbps");
   set(o.adam_gelems, 1e9, r.adam, r.adam_source, "adam_gelems");
   set(o.net_gbps, 1e9 / 8, r.net, r.net_source, "net_gbps");
+  set(o.intra_node_gbps, 1e9 / 8, r.intra_node, r.intra_node_source, "intra_node_gbps");
   return r;
 }
 
@@ -66,14 +67,15 @@ int64_t on_tier(const PlacementPlan& p, Category c, Tier t, int64_t begin, int64
 // the CPU device (host-addressable) the optimizer's device-tier state is used
 // in place, so its rows move nothing.
 StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::vector<int64_t>& fetches,
-                        int64_t net_bytes) {
+                        const NetworkBytes& net) {
   StepWork w;
   const int64_t A = std::max<int64_t>(p.accum, 1);
   const int64_t tokens = cfg.train_micro_batch_size_per_gpu * cfg.model.seq_len;
   w.flops = double(A) * step_flops(cfg.model, tokens, !p.keep_graphs);
   w.first_forward_flops = step_flops(cfg.model, tokens, false) / 3;  // forward = a third of forward + backward
   w.overlap_optimizer = cfg.run.overlap_optimizer;
-  w.net_bytes = net_bytes;
+  w.net_bytes = net.world;
+  w.intra_node_bytes = net.node;
   LinkBytes& e = w.links;
   const int64_t c = p.compute_bytes;
   const int64_t m = p.elem_bytes[size_t(Category::kExpAvg)];
@@ -160,6 +162,7 @@ std::vector<std::string> missing_rates(const StepWork& w, const Rates& r, bool c
   if (w.links.nvme_write > 0 && !(r.nvme_write > 0)) out.push_back("--nvme-write-gbps");
   if (w.links.nvme_read > 0 && w.links.nvme_write > 0 && !(r.nvme_both > 0)) out.push_back("--nvme-both-gbps");
   if (w.net_bytes > 0 && !(r.net > 0)) out.push_back("--net-gbps");
+  if (w.intra_node_bytes > 0 && !(r.intra_node > 0)) out.push_back("--intra-node-gbps");
   return out;
 }
 
@@ -196,6 +199,10 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
         nvme_seconds(w.links, r));
   }
   if (w.net_bytes > 0) add("network", bytes_text(double(w.net_bytes)), gbps_text(r.net), double(w.net_bytes) / r.net);
+  if (w.intra_node_bytes > 0) {
+    add("intra-node", bytes_text(double(w.intra_node_bytes)), gbps_text(r.intra_node),
+        double(w.intra_node_bytes) / r.intra_node);
+  }
   // The dependencies (see the header): the optimizer's own time is the
   // longest of its resources (its pipeline overlaps reads, Adam and writes).
   const LinkBytes& o = w.optimizer_links;
@@ -261,7 +268,7 @@ PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int6
     c.placement.auto_device_groups = k.device_groups;
     PlacementPlan p = i == 0 ? greedy : make_plan(c, layout, rank, capacity);
     if (i > 0 && !plan_shortfalls(p, capacity).empty()) continue;
-    const StepWork w = predicted_work(c, p, train_fetches(p), 0);
+    const StepWork w = predicted_work(c, p, train_fetches(p), NetworkBytes{});
     if (!missing_rates(w, rates, cpu_compute).empty()) {
       if (i == 0) {  // nothing to compare with: the greedy fill, said why
         greedy.auto_choice = "greedy fill (not judged by the bound: no rate for " +

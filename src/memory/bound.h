@@ -27,19 +27,30 @@ struct Rates {
   double nvme_both = 0;                   // bytes/s reading and writing at once, aggregate
   double adam = 0;             // CPU Adam elements/s
   double net = 0;              // bytes/s one rank sends
+  double intra_node = 0;       // bytes/s one rank sends to its node's ranks (the node group)
   std::string device_flops_source, h2d_source, d2h_source, pcie_both_source, nvme_read_source,
-      nvme_write_source, nvme_both_source, adam_source, net_source;
+      nvme_write_source, nvme_both_source, adam_source, net_source, intra_node_source;
 };
 
 // run.rates as Rates (units converted), each named by its key.
 Rates rates_from_config(const RateOverrides& o);
 
 // The work of one optimizer step of one rank.
+// Bytes one rank sends per step (ring algorithms, as the communicators count
+// them; cli/plan.h's step_network_bytes): over the groups that span the world
+// (the host and data groups), and over its node's group (the secondary
+// shard's gathers).
+struct NetworkBytes {
+  int64_t world = 0;
+  int64_t node = 0;
+};
+
 struct StepWork {
   double flops = 0;        // model FLOPs, recompute included
   LinkBytes links;         // as the metrics count them (docs/design.md, "Bytes per link")
   int64_t adam_elems = 0;  // elements CPU Adam updates
-  int64_t net_bytes = 0;   // sent by this rank
+  int64_t net_bytes = 0;   // sent by this rank over the world's groups
+  int64_t intra_node_bytes = 0;  // sent by this rank over its node's group (comm.secondary_shard)
   // For the step's dependencies: the first micro-batch's forward (what can
   // run beside the previous step's optimizer), the optimizer's part of
   // `links`, and whether the optimizer overlaps the next forward at all.
@@ -55,9 +66,9 @@ double step_flops(const ModelConfig& m, int64_t tokens, bool recompute);
 
 // The work of one step under `plan` (its placement, window fetches per block
 // `fetches` from train_fetches, micro-batch shape from `cfg`), with
-// `net_bytes` sent per rank (cli/plan.cc's ring arithmetic).
+// `net` sent per rank (step_network_bytes in cli/plan.h).
 StepWork predicted_work(const Config& cfg, const PlacementPlan& plan, const std::vector<int64_t>& fetches,
-                        int64_t net_bytes);
+                        const NetworkBytes& net);
 
 // Per block, how often the training step fetches its working copy (a dry run
 // of the parameter window over one step's schedule; 0 for device-resident
@@ -65,7 +76,7 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& plan, const std:
 std::vector<int64_t> train_fetches(const PlacementPlan& plan);
 
 struct ResourceTime {
-  std::string resource;  // "cpu (compute + Adam)", "device", "cpu adam", "h2d", "d2h", "pcie", "nvme", "network"
+  std::string resource;  // "cpu (compute + Adam)", "device", "cpu adam", "h2d", "d2h", "pcie", "nvme", "network", "intra-node"
   std::string work;      // the work, in words ("1.20 TFLOP + 81.0 M elements")
   std::string rate;      // the rate, in words ("98.3 GFLOP/s + 1.52 G elements/s")
   double seconds = 0;

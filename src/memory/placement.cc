@@ -167,6 +167,13 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
   }
   if (plan.comm_staged) n.comm_host = 2 * int64_t(plan.world_size) * kStagedPieceBytes;
   if (plan.reduce_per_step) n.grad_accum = plan.gathered_numel * 4;
+  if (plan.secondary_shard) {
+    for (size_t b = 0; b < plan.block_numel.size(); ++b) {
+      if (plan.keep_gathered.empty() || !plan.keep_gathered[b]) {
+        n.secondary += plan.block_numel[b] * plan.nodes() * plan.compute_bytes;
+      }
+    }
+  }
   if (plan.world_size > 1) {
     n.grad_sync = n.grad_stage + (plan.stage >= 2 ? 2 * plan.largest_block_shard_numel * 4 : 0);
     if (plan.comm_grad_bytes < 4) {
@@ -224,6 +231,7 @@ MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::strin
                                  int local_ranks) {
   MachineCapacity m;
   local_ranks = std::max(1, local_ranks);
+  m.ranks_per_node = local_ranks;
   m.device_is_host = cfg.run.device == DeviceKind::kCpu;
   const std::string device = device_kind_name(cfg.run.device);
   m.device_addressable = m.device_is_host;
@@ -642,8 +650,27 @@ int64_t room_left(const Config& cfg, const MachineCapacity& capacity, const Plac
   return room;
 }
 
+// comm.secondary_shard: at stage 3 with ranks on several nodes of more than
+// one rank, each rank keeps its node's secondary shard (auto: when it fits).
+void choose_secondary_shard(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
+  const std::string& want = cfg.comm.secondary_shard;
+  plan.secondary_shard = false;
+  if (plan.stage != 3 || plan.shards <= 1 || plan.ranks_per_node <= 1 || plan.nodes() <= 1 || want == "off") return;
+  plan.secondary_shard = true;
+  const StagingNeeds with = staging_needs(plan);
+  if (want == "auto") {
+    const int64_t room = room_left(cfg, capacity, plan);
+    if (room >= 0 && with.device_bytes() - plan.staging.device_bytes() > room) {
+      plan.secondary_shard = false;
+      return;
+    }
+  }
+  plan.staging = with;
+}
+
 // comm.keep_gathered: at stage 3 with ranks, blocks kept gathered for the
-// step, from the last one down (auto: while they fit; all; none).
+// step, from the last one down (auto: while they fit; all; none). A kept
+// block needs no secondary shard: it costs its gathered bytes less that.
 void choose_kept_gathered(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
   const std::string& want = cfg.comm.keep_gathered;
   const size_t blocks = plan.block_numel.size();
@@ -656,7 +683,7 @@ void choose_kept_gathered(const Config& cfg, const MachineCapacity& capacity, Pl
   int64_t room = want == "all" || counted ? -1 : room_left(cfg, capacity, plan);
   for (size_t i = blocks; i-- > 0 && left > 0;) {
     const int64_t padded = plan.block_numel[i] * plan.shards;
-    const int64_t bytes = padded * plan.compute_bytes;
+    const int64_t bytes = (padded - (plan.secondary_shard ? plan.block_numel[i] * plan.nodes() : 0)) * plan.compute_bytes;
     if (room >= 0 && bytes > room) continue;
     if (room >= 0) room -= bytes;
     plan.keep_gathered[i] = 1;
@@ -693,6 +720,7 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   plan.stage = int(cfg.zero.stage);
   plan.shards = layout.world_size();
   plan.rank = int(rank);
+  plan.ranks_per_node = std::max(1, capacity.ranks_per_node);
   plan.device_addressable = capacity.device_addressable;
   const bool gloo = cfg.comm.backend == "gloo" || (cfg.comm.backend == "auto" && cfg.run.device != DeviceKind::kCuda);
   plan.comm_staged = plan.world_size > 1 && !plan.device_addressable && gloo;
@@ -723,6 +751,7 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   resolve_recompute(cfg, capacity, plan);
   choose_swap_paths(cfg, plan);
   plan.staging = staging_needs(plan);
+  choose_secondary_shard(cfg, capacity, plan);
   choose_kept_gathered(cfg, capacity, plan);
   choose_gradient_reduction(cfg, capacity, plan);
   return plan;

@@ -57,6 +57,9 @@ struct MachineCapacity {
   // GPU compute: where device_bytes came from ("cuda:0: 79.1 GiB free of
   // 79.6 GiB", "run.device_memory_mb", or why it could not be measured).
   std::string device_source;
+  // Ranks on this node (the launcher's LOCAL_WORLD_SIZE): the world's ranks
+  // are numbered node by node in groups of this many (PlacementPlan::ranks_per_node).
+  int ranks_per_node = 1;
 };
 
 // Measures the capacity: device budget from run.device_memory_mb (CPU: else
@@ -122,8 +125,11 @@ struct StagingNeeds {
   // Device, with PlacementPlan::reduce_per_step: the whole model's gradient
   // in fp32 (padded), summed over the step's micro-batches.
   int64_t grad_accum = 0;
+  // Device, with PlacementPlan::secondary_shard: the node's secondary shard
+  // of every block not kept gathered, in the compute dtype.
+  int64_t secondary = 0;
   int64_t device_bytes() const {
-    return gathered + grad_stage + grad_norms + ckpt_device + gather + grad_sync + tokens + grad_accum;
+    return gathered + grad_stage + grad_norms + ckpt_device + gather + grad_sync + tokens + grad_accum + secondary;
   }
   int64_t host_bytes() const {
     return opt_grad + opt_state + opt_emit + ckpt_host + grad_host + grad_rmw + window_bounce + tokens + save_bounce +
@@ -194,6 +200,14 @@ struct PlacementPlan {
   // gathered (comm.keep_gathered), gathered once per step instead of per use.
   std::vector<char> keep_gathered;
   int64_t kept_gathered_numel = 0;  // their padded elements
+  // Ranks per node (MachineCapacity::ranks_per_node), and whether stage 3
+  // keeps each node's secondary shard (comm.secondary_shard, ZeRO++'s hpZ):
+  // a block's first gather of a step spans the world, its later gathers the
+  // node, from 1/ranks_per_node of the block each rank kept
+  // (StagingNeeds::secondary; Note [Secondary shard] in engine/gathered_blocks.h).
+  int ranks_per_node = 1;
+  bool secondary_shard = false;
+  int nodes() const { return ranks_per_node > 0 && world_size % ranks_per_node == 0 ? world_size / ranks_per_node : 1; }
 
   // Transient and staging memory (bytes).
   // Device memory LibTorch allocates for activations (estimate): the saved
