@@ -55,54 +55,6 @@ struct Computed {
   int64_t parameters = 0;  // the model's, unpadded
 };
 
-// Bytes one rank sends per training step, from the step's schedule of uses
-// (Note [Gathered blocks] in engine/trainer.h): the param16 all-gathers
-// (stage 3: every use, or once per step for blocks kept gathered; stages 1-2:
-// each block once per step), one gradient
-// reduction per block per micro-batch, or per step with
-// PlacementPlan::reduce_per_step (reduce-scatter at stages 2-3, all-reduce
-// at 0-1), and the all-reduce of the norm, loss and stop flag. With the
-// secondary shard, a block's first gather of the step spans the world and its
-// later ones the node (count: the block / ranks per node). Ring collectives,
-// the byte counts the communicators report as net_bytes and intra_node_bytes.
-NetworkBytes network_bytes(const PlacementPlan& p) {
-  const int ws = p.world_size;
-  NetworkBytes out;
-  if (ws <= 1) return out;
-  const DType param_t = p.compute_bytes == 4 ? DType::kF32 : DType::kBF16;
-  int64_t& bytes = out.world;
-  if (p.shards > 1) {
-    if (p.stage == 3) {
-      const auto uses = train_schedule(int(p.block_numel.size()), p.tied, p.accum);
-      std::vector<char> seen(p.block_numel.size(), 0);
-      for (const WindowUse& u : uses) {
-        for (int i = 0; i < u.count; ++i) {
-          const size_t b = size_t(u.block[i]);
-          if (!p.keep_gathered.empty() && p.keep_gathered[b]) continue;  // once per step, below
-          if (p.secondary_shard && seen[b]) {
-            out.node += ring_gather_bytes(p.ranks_per_node, p.block_numel[b] * p.nodes(), param_t);
-          } else {
-            bytes += ring_gather_bytes(ws, p.block_numel[b], param_t);
-          }
-          seen[b] = 1;
-        }
-      }
-      for (size_t b = 0; b < p.keep_gathered.size(); ++b) {
-        if (p.keep_gathered[b]) bytes += ring_gather_bytes(ws, p.block_numel[b], param_t);
-      }
-    } else {
-      for (int64_t shard : p.block_numel) bytes += ring_gather_bytes(ws, shard, param_t);
-    }
-  }
-  const DType grad_t = p.comm_grad_bytes == 4 ? DType::kF32 : DType::kBF16;  // communication_data_type
-  const int64_t reductions = p.reduce_per_step ? 1 : p.accum;  // comm.gradient_reduction
-  for (int64_t shard : p.block_numel) {
-    bytes += reductions * (p.stage >= 2 ? ring_gather_bytes(ws, shard, grad_t)
-                                     : ring_all_reduce_bytes(ws, shard * p.shards, grad_t));
-  }
-  bytes += ring_all_reduce_bytes(ws, 3, DType::kF64);
-  return out;
-}
 
 // What the data path uses (Note [Mapped tokens] in data/dataset.h): the token
 // files are mapped read-only, so they take page cache shared by a node's
@@ -136,7 +88,7 @@ Computed compute(const Config& cfg, int rank, int local_ranks, const GivenCapaci
   c.parameters = layout.parameter_count();
   c.shortfalls = plan_shortfalls(c.plan, c.cap);
   c.ranks_per_node = local_ranks;
-  c.net = network_bytes(c.plan);
+  c.net = step_network_bytes(c.plan);
   return c;
 }
 
@@ -411,7 +363,6 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   return out;
 }
 
-NetworkBytes step_network_bytes(const PlacementPlan& plan) { return network_bytes(plan); }
 
 void check_plan_fits(const Config& cfg, int rank, int local_ranks) {
   const Rates rates = rates_from_config(cfg.run.rates);

@@ -24,9 +24,5 @@ std::string format_plan(const PlacementPlan& plan, const MachineCapacity& cap,
 // not fit (what `strata train` runs first).
 void check_plan_fits(const Config& cfg, int rank = 0, int local_ranks = 1);
 
-// Bytes one rank sends per training step under `plan` (ring collectives, as
-// the communicators count them: net_bytes over the world's groups,
-// intra_node_bytes over the node's).
-NetworkBytes step_network_bytes(const PlacementPlan& plan);
 
 }  // namespace strata

@@ -38,6 +38,68 @@ Rates rates_from_config(const RateOverrides& o) {
   return r;
 }
 
+namespace {
+
+// A ring all_gather / reduce_scatter of `count` elements of `eb` bytes per
+// rank, and a ring all_reduce of `count`: what one rank sends (the
+// communicators' ring_gather_bytes and ring_all_reduce_bytes, in
+// comm/communicator.h, count the same).
+int64_t gather_bytes(int ranks, int64_t count, int eb) { return int64_t(ranks - 1) * count * eb; }
+int64_t all_reduce_bytes(int ranks, int64_t count, int eb) {
+  return ranks <= 1 ? 0 : 2 * int64_t(ranks - 1) * count * eb / ranks;
+}
+
+}  // namespace
+
+// Bytes one rank sends per training step, from the step's schedule of uses
+// (Note [Gathered blocks] in engine/trainer.h): the param16 all-gathers
+// (stage 3: every use, or once per step for blocks kept gathered; stages 1-2:
+// each block once per step), one gradient
+// reduction per block per micro-batch, or per step with
+// PlacementPlan::reduce_per_step (reduce-scatter at stages 2-3, all-reduce
+// at 0-1), and the all-reduce of the norm, loss and stop flag. With the
+// secondary shard, a block's first gather of the step spans the world and its
+// later ones the node (count: the block / ranks per node). Ring collectives,
+// the byte counts the communicators report as net_bytes and intra_node_bytes.
+NetworkBytes step_network_bytes(const PlacementPlan& p) {
+  const int ws = p.world_size;
+  NetworkBytes out;
+  if (ws <= 1) return out;
+  const int param_t = p.compute_bytes;
+  int64_t& bytes = out.world;
+  if (p.shards > 1) {
+    if (p.stage == 3) {
+      const auto uses = train_schedule(int(p.block_numel.size()), p.tied, p.accum);
+      std::vector<char> seen(p.block_numel.size(), 0);
+      for (const WindowUse& u : uses) {
+        for (int i = 0; i < u.count; ++i) {
+          const size_t b = size_t(u.block[i]);
+          if (!p.keep_gathered.empty() && p.keep_gathered[b]) continue;  // once per step, below
+          if (p.secondary_shard && seen[b]) {
+            out.node += gather_bytes(p.ranks_per_node, p.block_numel[b] * p.nodes(), param_t);
+          } else {
+            bytes += gather_bytes(ws, p.block_numel[b], param_t);
+          }
+          seen[b] = 1;
+        }
+      }
+      for (size_t b = 0; b < p.keep_gathered.size(); ++b) {
+        if (p.keep_gathered[b]) bytes += gather_bytes(ws, p.block_numel[b], param_t);
+      }
+    } else {
+      for (int64_t shard : p.block_numel) bytes += gather_bytes(ws, shard, param_t);
+    }
+  }
+  const int grad_t = p.comm_grad_bytes;  // communication_data_type
+  const int64_t reductions = p.reduce_per_step ? 1 : p.accum;  // comm.gradient_reduction
+  for (int64_t shard : p.block_numel) {
+    bytes += reductions * (p.stage >= 2 ? gather_bytes(ws, shard, grad_t)
+                                     : all_reduce_bytes(ws, shard * p.shards, grad_t));
+  }
+  bytes += all_reduce_bytes(ws, 3, 8);
+  return out;
+}
+
 std::vector<int64_t> train_fetches(const PlacementPlan& plan) {
   std::unique_ptr<ParamWindow> w = make_param_window(plan);
   const std::vector<WindowUse> train = train_schedule(int(plan.block_numel.size()), plan.tied, plan.accum);
@@ -268,7 +330,7 @@ PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int6
     c.placement.auto_device_groups = k.device_groups;
     PlacementPlan p = i == 0 ? greedy : make_plan(c, layout, rank, capacity);
     if (i > 0 && !plan_shortfalls(p, capacity).empty()) continue;
-    const StepWork w = predicted_work(c, p, train_fetches(p), NetworkBytes{});
+    const StepWork w = predicted_work(c, p, train_fetches(p), step_network_bytes(p));
     if (!missing_rates(w, rates, cpu_compute).empty()) {
       if (i == 0) {  // nothing to compare with: the greedy fill, said why
         greedy.auto_choice = "greedy fill (not judged by the bound: no rate for " +

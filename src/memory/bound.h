@@ -37,13 +37,14 @@ Rates rates_from_config(const RateOverrides& o);
 
 // The work of one optimizer step of one rank.
 // Bytes one rank sends per step (ring algorithms, as the communicators count
-// them; cli/plan.h's step_network_bytes): over the groups that span the world
+// them): over the groups that span the world
 // (the host and data groups), and over its node's group (the secondary
 // shard's gathers).
 struct NetworkBytes {
   int64_t world = 0;
   int64_t node = 0;
 };
+NetworkBytes step_network_bytes(const PlacementPlan& plan);
 
 struct StepWork {
   double flops = 0;        // model FLOPs, recompute included
@@ -66,7 +67,7 @@ double step_flops(const ModelConfig& m, int64_t tokens, bool recompute);
 
 // The work of one step under `plan` (its placement, window fetches per block
 // `fetches` from train_fetches, micro-batch shape from `cfg`), with
-// `net` sent per rank (step_network_bytes in cli/plan.h).
+// `net` sent per rank (step_network_bytes).
 StepWork predicted_work(const Config& cfg, const PlacementPlan& plan, const std::vector<int64_t>& fetches,
                         const NetworkBytes& net);
 
