@@ -79,12 +79,12 @@ DataUse data_use(const Config& cfg) {
 }
 
 Computed compute(const Config& cfg, int rank, int local_ranks, const GivenCapacity& given,
-                 const Rates* rates = nullptr) {
+                 const Rates* rates = nullptr, const Device* device = nullptr) {
   // From the specs alone, never the model: its tensors could be larger than
   // the machine, which is what the plan is there to say.
   StateLayout layout(model_layout_specs(cfg.model), shard_count(cfg));
   Computed c;
-  c.plan = plan_for_machine(cfg, layout, &c.cap, rank, local_ranks, nullptr, given, rates);
+  c.plan = plan_for_machine(cfg, layout, &c.cap, rank, local_ranks, device, given, rates);
   c.parameters = layout.parameter_count();
   c.shortfalls = plan_shortfalls(c.plan, c.cap);
   c.ranks_per_node = local_ranks;
@@ -364,9 +364,9 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
 }
 
 
-void check_plan_fits(const Config& cfg, int rank, int local_ranks) {
+void check_plan_fits(const Config& cfg, int rank, int local_ranks, const Device* device) {
   const Rates rates = rates_from_config(cfg.run.rates);
-  Computed c = compute(cfg, rank, local_ranks, GivenCapacity{}, &rates);
+  Computed c = compute(cfg, rank, local_ranks, GivenCapacity{}, &rates, device);
   if (c.shortfalls.empty()) return;
   std::string msg = "the placement plan does not fit this machine (see `strata plan`): ";
   for (size_t i = 0; i < c.shortfalls.size(); ++i) msg += (i ? "; " : "") + c.shortfalls[i];

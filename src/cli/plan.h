@@ -22,7 +22,8 @@ std::string format_plan(const PlacementPlan& plan, const MachineCapacity& cap,
 // Computes the plan for `rank` of `cfg` on this machine (one of `local_ranks`
 // ranks sharing it); throws ConfigError with the shortfall lines when it does
 // not fit (what `strata train` runs first).
-void check_plan_fits(const Config& cfg, int rank = 0, int local_ranks = 1);
+// `device`: the rank's (its GPU's free memory is the budget; nullptr: the first GPU's).
+void check_plan_fits(const Config& cfg, int rank = 0, int local_ranks = 1, const Device* device = nullptr);
 
 
 }  // namespace strata

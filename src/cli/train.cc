@@ -304,9 +304,6 @@ int run_train(const TrainOptions& opt) {
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) co.socket_ifname = ifname;
   std::unique_ptr<Communicator> comm = make_communicator(who, co);
   if (multi) {
-    // The local rank as read from the launcher (Slurm's SLURM_LOCALID too),
-    // for code that asks LOCAL_RANK for this rank's GPU (the plan's measure).
-    setenv("LOCAL_RANK", std::to_string(who.local_rank).c_str(), 0);
     log::info("rank %d of %d (local %d of %d) via %s, %s for device data and gloo for host values, store %s:%d",
               who.rank, who.world_size, who.local_rank, who.local_world_size, who.source.c_str(),
               cfg.run.device == DeviceKind::kCpu ? "gloo" : co.backend.c_str(), who.master_addr.c_str(),
@@ -336,7 +333,7 @@ int run_train(const TrainOptions& opt) {
 
   // Everything that can fail on bad input happens before the first byte of
   // output is written. First: does the placement fit this machine?
-  check_plan_fits(cfg, who.rank, who.local_world_size);
+  check_plan_fits(cfg, who.rank, who.local_world_size, device);
   if (!cfg.run.checkpoint.dir.empty()) {
     on_every_rank(*comm, "to write run.checkpoint.dir", [&] { check_checkpoint_dir(cfg.run.checkpoint.dir); });
   }

@@ -228,7 +228,7 @@ bool device_adam_piece(const PlacementPlan& plan, const PlacementUnit& piece) {
 int64_t shard_count(const Config& cfg) { return cfg.zero.stage == 0 ? 1 : cfg.world_size; }
 
 MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::string>& nvme_paths,
-                                 int local_ranks) {
+                                 int local_ranks, int gpu) {
   MachineCapacity m;
   local_ranks = std::max(1, local_ranks);
   m.ranks_per_node = local_ranks;
@@ -245,17 +245,16 @@ MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::strin
   }
   if (!m.device_is_host) {
     // Each local rank has a GPU of its own: no division; more local ranks
-    // than GPUs (Gloo shares them round-robin, cli/train.cc) divide a GPU's
-    // free memory among the ranks on it.
+    // than GPUs (Gloo shares them round-robin, cli/train.cc: local rank r
+    // takes GPU r mod gpus) divide a GPU's free memory among the ranks on it.
     DeviceMemoryInfo info;
     std::string name = device;
     int64_t sharing = 1;
     const int gpus = cuda_device_count();
-    if (cfg.run.device == DeviceKind::kCuda && gpus > 0 && local_ranks > gpus) {
-      const char* lr = std::getenv("LOCAL_RANK");
-      const int local = lr != nullptr ? std::atoi(lr) : 0;
-      name = "cuda:" + std::to_string(local % gpus);
-      sharing = (local_ranks - local % gpus + gpus - 1) / gpus;  // ranks r = local % gpus (mod gpus)
+    if (cfg.run.device == DeviceKind::kCuda && gpus > 0) {
+      const int g = std::max(0, gpu) % gpus;
+      name = "cuda:" + std::to_string(g);
+      if (local_ranks > gpus) sharing = (local_ranks - g + gpus - 1) / gpus;
     }
     if (query_device_memory(name, &info)) {
       info.free_bytes /= sharing;
@@ -762,7 +761,8 @@ PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, Mac
                                const Rates* rates) {
   const int ranks = std::max(1, local_ranks);
   auto measure = [&](const std::vector<std::string>& paths) {
-    MachineCapacity m = measure_capacity(cfg, paths, local_ranks);
+    MachineCapacity m =
+        measure_capacity(cfg, paths, local_ranks, device != nullptr && device->is_cuda() ? device->ordinal() : -1);
     if (device != nullptr) m.device_addressable = device->host_addressable();
     if (given.host_bytes >= 0) m.host_bytes = given.host_bytes / ranks;
     if (given.nvme_bytes >= 0) m.nvme_bytes = given.nvme_bytes / ranks;

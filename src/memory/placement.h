@@ -67,9 +67,12 @@ struct MachineCapacity {
 // budget; unknown where this machine has no such GPU), MemAvailable from /proc/meminfo, statvfs free space under each
 // of `nvme_paths` (the nearest existing ancestor of each). With
 // `local_ranks` > 1 ranks share the node: each gets its share of RAM and disk
-// (the device budget is per rank already).
+// (the device budget is per rank already). `gpu`: the rank's GPU (its
+// ordinal, whose free memory is measured, divided among the local ranks
+// that share it when there are more than GPUs); -1: the first GPU
+// (`strata plan`).
 MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::string>& nvme_paths,
-                                 int local_ranks = 1);
+                                 int local_ranks = 1, int gpu = -1);
 
 // The transient and staging buffers the trainer allocates for a plan (bytes),
 // computed here so that `strata plan` reports exactly what a run will use.
