@@ -313,6 +313,54 @@ TEST(PlacementTest, GpuCapacityIsMeasuredFreeMemoryOrTheBudget) {
   EXPECT_TRUE(h.device_source.empty());
 }
 
+// comm.secondary_shard: at stage 3 on 2 nodes of 2 ranks, auto keeps each
+// node's share of every block not kept gathered (1/2 of its 16-bit
+// parameters) when it fits on the device; not on one node, with one rank per
+// node, below stage 3, when off, or when the device has no room left for it.
+TEST(PlacementTest, SecondaryShardOnSeveralNodesWhenItFits) {
+  const StateLayout layout = make_layout(4);
+  auto cfg = [](std::vector<std::string> o) {
+    o.insert(o.begin(), {"comm.keep_gathered=\"none\"", "run.device=\"cuda\""});
+    nlohmann::json j = {{"data", {{"path", "unused.txt"}}}, {"train_batch_size", 4},
+                        {"zero_optimization", {{"sub_group_size", 65536}, {"stage", 3}}}};
+    return parse_config(j, o, 4);
+  };
+  auto capacity = [](int per_node, int64_t device_bytes) {
+    MachineCapacity m;
+    m.ranks_per_node = per_node;
+    m.device_is_host = false;
+    m.device_addressable = false;
+    m.device_bytes = device_bytes;
+    return m;
+  };
+  const Config on = cfg({});
+  // The whole model's 16-bit (fp32 here) parameters over the node's 2 ranks.
+  const int64_t secondary = kTotal / 2 * 4;
+  PlacementPlan p = make_plan(on, layout, 0, capacity(2, -1));
+  EXPECT_TRUE(p.secondary_shard);
+  EXPECT_EQ(p.staging.secondary, secondary);
+  PlacementPlan without = make_plan(cfg({"comm.secondary_shard=\"off\""}), layout, 0, capacity(2, -1));
+  EXPECT_FALSE(without.secondary_shard);
+  EXPECT_EQ(without.staging.secondary, 0);
+  EXPECT_EQ(p.staging.device_bytes() - without.staging.device_bytes(), secondary);
+  EXPECT_FALSE(make_plan(on, layout, 0, capacity(4, -1)).secondary_shard);  // one node
+  EXPECT_FALSE(make_plan(on, layout, 0, capacity(1, -1)).secondary_shard);  // a rank per node
+  EXPECT_FALSE(make_plan(cfg({"zero_optimization.stage=2"}), StateLayout(make_layout(4)), 0, capacity(2, -1))
+                   .secondary_shard);
+  // A device with room for everything but the secondary shard: auto leaves
+  // it out, on takes it (and the plan says it does not fit).
+  const auto t = without.total();
+  const int64_t tight = int64_t(double(t[0] + secondary / 2) / (1.0 - on.placement.headroom));
+  EXPECT_FALSE(make_plan(on, layout, 0, capacity(2, tight)).secondary_shard);
+  EXPECT_TRUE(make_plan(on, layout, 0, capacity(2, tight * 2)).secondary_shard);
+  PlacementPlan forced = make_plan(cfg({"comm.secondary_shard=\"on\""}), layout, 0, capacity(2, tight));
+  EXPECT_TRUE(forced.secondary_shard);
+  // Kept blocks need none: with all kept, no secondary shard.
+  PlacementPlan kept = make_plan(cfg({"comm.keep_gathered=\"all\""}), layout, 0, capacity(2, -1));
+  EXPECT_FALSE(kept.secondary_shard);
+  EXPECT_EQ(kept.staging.secondary, 0);
+}
+
 TEST(PlacementTest, BadPlacementSectionsNameTheKey) {
   auto key_of = [](const std::vector<std::string>& o) {
     try {

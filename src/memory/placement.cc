@@ -689,6 +689,8 @@ void choose_kept_gathered(const Config& cfg, const MachineCapacity& capacity, Pl
     plan.kept_gathered_numel += padded;
     --left;
   }
+  // Every block kept: no later gather, no secondary shard.
+  if (plan.kept_gathered_numel == plan.gathered_numel) plan.secondary_shard = false;
   plan.staging = staging_needs(plan);
 }
 
