@@ -70,9 +70,9 @@ TEST(PlacementTest, DeepSpeedOptimizerOffloadToCpuAndNvmeWithRatio) {
   EXPECT_EQ(nvme.bytes[int(Category::kGrad)][int(Tier::kHost)], 2 * 65536 * 4);
   // One swapped sub-group of master/exp_avg/exp_avg_sq at a time; gradients
   // and working copy of a sub-group lie in one unit each, so are not staged.
-  // buffer_count 4 -> a pipeline of 3 staging sets (Note [Optimizer pipeline]).
-  EXPECT_EQ(nvme.staging.opt_sets, 3);
-  EXPECT_EQ(nvme.staging.opt_state, 3 * 65536 * 12);
+  // buffer_count 4 -> a pipeline of 8 staging sets, the least above 1 (Note [Optimizer pipeline]).
+  EXPECT_EQ(nvme.staging.opt_sets, 8);
+  EXPECT_EQ(nvme.staging.opt_state, 8 * 65536 * 12);
   EXPECT_EQ(nvme.staging.opt_grad + nvme.staging.opt_emit, 0);
   EXPECT_EQ(nvme.nvme_paths, std::vector<std::string>{"/tmp/x"});
   // Different directories for parameters and optimizer state: all of them are used.
@@ -258,11 +258,14 @@ TEST(PlacementTest, AutoOnCpuSharesOneHostPoolAndSpillsToNvme) {
   StateLayout layout = make_layout();
   Config cfg = config_with({"placement={\"auto\":true,\"headroom\":0.0,\"nvme_path\":\"/tmp/x\"}",
                             "model.dim=8", "model.n_heads=2", "model.n_layers=1", "model.seq_len=8",
-                            "train_micro_batch_size_per_gpu=1"});
+                            "train_micro_batch_size_per_gpu=1",
+                            "zero_optimization.offload_optimizer.buffer_count=1"});
   MachineCapacity cap;  // CPU compute, no device budget: the device tier is host RAM
   cap.device_is_host = true;
-  // Half of the 40 units of state, with room for staging (the two landing
-  // buffers of gradients homed off the device among it).
+  // Half of the 40 units of state, with room for staging (one set of the
+  // sequential pipeline, buffer_count 1: master, exp_avg and exp_avg_sq of a
+  // piece, 3 units; the two landing buffers of gradients homed off the
+  // device among it).
   cap.host_bytes = 22 * 65536 * 4;
   cap.nvme_bytes = int64_t(1) << 40;
   PlacementPlan p = make_plan(cfg, layout, 0, cap);

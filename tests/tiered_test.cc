@@ -142,11 +142,15 @@ TEST_F(TieredTest, ThreeWaySplitOfEveryCategoryIsBitIdentical) {
 TEST_F(TieredTest, OptimizerPipelineDepthChangesStagingNotResults) {
   const std::string nv = "{\"device\":\"nvme\",\"nvme_path\":\"" + swap_ + "\",\"buffer_count\":";
   TrainRun seq = train(base_config(data_), {"zero_optimization.offload_optimizer=" + nv + "1}"}, 4);
+  // buffer_count 3 -> 8 sets (the least above 1), 10 -> 10: reads run 6 and 8 pieces ahead.
   TrainRun deep = train(base_config(data_), {"zero_optimization.offload_optimizer=" + nv + "3}"}, 4);
-  expect_identical(seq, deep, "pipeline depth 1 vs 3");
+  TrainRun deeper = train(base_config(data_), {"zero_optimization.offload_optimizer=" + nv + "10}"}, 4);
+  expect_identical(seq, deep, "pipeline depth 1 vs 8");
+  expect_identical(seq, deeper, "pipeline depth 1 vs 10");
   for (size_t i = 0; i < seq.losses.size(); ++i) EXPECT_EQ(seq.losses[i], baseline_.losses[i]);
   const int64_t group = 20480 * 4 * 3;  // one staging set: master, exp_avg, exp_avg_sq of a sub-group
-  EXPECT_EQ(deep.peak[int(Tier::kHost)] - seq.peak[int(Tier::kHost)], 2 * group);
+  EXPECT_EQ(deep.peak[int(Tier::kHost)] - seq.peak[int(Tier::kHost)], 7 * group);
+  EXPECT_EQ(deeper.peak[int(Tier::kHost)] - seq.peak[int(Tier::kHost)], 9 * group);
 }
 
 // `strata plan`'s numbers (state + staging per tier; activations are an

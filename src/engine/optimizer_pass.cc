@@ -215,6 +215,10 @@ void OptimizerPass::run(const OptimizerThread::Job& job) {
   h.adamw = cfg.optimizer.adam_w_mode;
   OptimizerStaging& st = *staging_;
   const int sets = st.sets();
+  // Pieces read ahead of the one updated: with 3 or more sets, all but the
+  // set being updated and the one whose write-back was issued last; with 2,
+  // one; with 1, none (the next piece is read after the write-back).
+  const size_t ahead = sets >= 3 ? size_t(sets - 2) : sets == 2 ? 1 : 0;
   // A save of an earlier step in flight (Note [Saving while training]):
   // each piece waits until the save has written what its update overwrites.
   std::shared_ptr<SaveGate> save;
@@ -222,11 +226,11 @@ void OptimizerPass::run(const OptimizerThread::Job& job) {
     std::lock_guard<std::mutex> lock(save_mu_);
     if (save_ && job.step > save_->applied()) save = save_;
   }
-  if (!pieces_.empty()) stage_piece(0, job);
+  for (size_t i = 0; i < std::max<size_t>(ahead, 1) && i < pieces_.size(); ++i) stage_piece(i, job);
   for (size_t j = 0; j < pieces_.size(); ++j) {
     const int k = int(j % size_t(sets));
     const PlacementUnit& g = pieces_[j];
-    if (sets > 1 && j + 1 < pieces_.size()) stage_piece(j + 1, job);  // read ahead
+    if (ahead > 0 && j + ahead < pieces_.size()) stage_piece(j + ahead, job);  // read ahead
     st.read_done(k).wait();
     int64_t end = g.offset + g.numel;  // what this piece's update overwrites
     for (const DeviceRun& r : device_launch_[j]) end = std::max(end, r.offset + r.numel);

@@ -72,11 +72,13 @@ class SaveGate {
 // Note [Optimizer pipeline]
 // The loop walks pipeline pieces (sub-groups cut to at most
 // kPipelineChunkElems, Note [Pipeline pieces] in placement.h). Staging comes
-// in `sets` sets. With two or more, piece j+1's reads are issued before piece
-// j is updated, and j's write-backs are issued right after it, so NVMe
-// transfers run on the I/O threads while CPU Adam runs on its own. A set is
-// reused for j + sets only once the write-backs of the piece that used it
-// last have completed. With one set the loop is sequential. Arithmetic does
+// in `sets` sets (pipeline_depth in placement.h). With three or more, the
+// reads of piece j + sets - 2 are issued before piece j is updated (with two,
+// those of j + 1), and j's write-backs right after it, so NVMe transfers run
+// on the I/O threads, sets - 2 pieces deep, while CPU Adam runs on its own. A
+// set is reused for j + sets only once the write-backs of the piece that used
+// it last have completed (the set of j - 2, whose write-backs had the update
+// of j - 1 to run in). With one set the loop is sequential. Arithmetic does
 // not depend on the depth.
 //
 // On a GPU (a device host code may not touch), a piece whose state, gradient

@@ -399,7 +399,7 @@ void estimate_transients(const Config& cfg, const StateLayout& layout, Placement
   plan.window_knobs.max_live_numel = cfg.zero.stage3_max_live_parameters;
   plan.window_knobs.persistence_numel = cfg.zero.stage3_param_persistence_threshold;
   plan.compute_bytes = int(cb);
-  plan.pipeline_depth = int(std::clamp<int64_t>(cfg.zero.offload_optimizer.buffer_count, 1, 3));
+  plan.pipeline_depth = pipeline_depth(cfg.zero.offload_optimizer.buffer_count);
   plan.tied = m.tie_embeddings;
 }
 

@@ -4,6 +4,7 @@
 // No LibTorch here. See Note [Placement units].
 #pragma once
 
+#include <algorithm>
 #include <array>
 #include <optional>
 #include <cstdint>
@@ -174,7 +175,7 @@ struct PlacementPlan {
 
   int64_t largest_block_numel = 0;   // padded, the largest gathered block
   int compute_bytes = 4;             // bytes per element of the working copy
-  int pipeline_depth = 3;            // optimizer staging sets: clamp(offload_optimizer.buffer_count, 1, 3)
+  int pipeline_depth = 8;            // optimizer staging sets: pipeline_depth(offload_optimizer.buffer_count)
   bool tied = false;
   int64_t accum = 1;                 // micro-batches per step
   int64_t token_bytes = 0;           // a step's token windows: accum x micro x (seq_len + 1) x 8
@@ -250,6 +251,15 @@ std::optional<Tier> range_tier(const PlacementPlan& plan, Category c, int64_t of
 // mean 36 GB of staging). Placement still moves whole sub-groups; Adam is
 // elementwise, so the arithmetic does not change.
 inline constexpr int64_t kPipelineChunkElems = int64_t(1) << 20;
+// The optimizer pipeline's sets of piece staging for
+// offload_optimizer.buffer_count (Note [Optimizer pipeline] in
+// engine/optimizer_pass.h): 1 = sequential; otherwise at least 8, at most 16.
+// The pipeline reads sets - 2 pieces ahead, and an NVMe device needs tens of
+// MB in flight: on the dev VM's disk the optimizer at 100% NVMe took 2.6-2.9x
+// longer with 3 sets than with 8 (BENCHMARKS.md, "Tiered placement").
+inline int pipeline_depth(int64_t buffer_count) {
+  return buffer_count <= 1 ? 1 : int(std::clamp<int64_t>(buffer_count, 8, 16));
+}
 int64_t pipeline_piece_numel(const PlacementPlan& plan);
 std::vector<PlacementUnit> pipeline_pieces(const PlacementPlan& plan);
 
