@@ -358,7 +358,7 @@ Result run_on_nodes(int nodes, int per_node, const std::string& config, const st
   std::string cmd = "pids=; ";
   for (int n = nodes - 1; n >= 0; --n) {
     const std::string launch = kStrata + " launch --nproc " + std::to_string(per_node) + " --nnodes " +
-                               std::to_string(nodes) + " --node-rank " + std::to_string(n) + " --master-port " +
+                               std::to_string(nodes) + " --node-rank " + std::to_string(n) + " --master-addr 127.0.0.1 --master-port " +
                                port + " -- " + kWorker + " " + config + " " + out + " " + sets;
     if (n > 0) {
       cmd += launch + " > " + out + ".node" + std::to_string(n) + ".log 2>&1 & pids=\"$pids $!\"; ";

@@ -29,6 +29,7 @@ struct LaunchOptions {
   int nnodes = 1;       // nodes, each running one strata launch
   int node_rank = 0;    // this node's: its ranks are node_rank x nproc ..
   int master_port = 0;  // 0: a free port (one node only)
+  bool master_addr_given = false;
   std::string master_addr = "127.0.0.1";
   double grace_s = 10.0;
   std::vector<std::string> command;
@@ -116,6 +117,9 @@ int run_launch(const LaunchOptions& opt) {
   if (opt.nnodes > 1 && opt.master_port <= 0) {
     throw ConfigError("--master-port", "needed with --nnodes > 1: every node's launch names the same port of "
                                        "node 0 (--master-addr)");
+  }
+  if (opt.nnodes > 1 && !opt.master_addr_given) {
+    throw ConfigError("--master-addr", "needed with --nnodes > 1: node 0's address, the same on every node");
   }
   const int port = opt.master_port > 0 ? opt.master_port : free_port();
   g_first_rank = opt.node_rank * opt.nproc;
@@ -238,7 +242,8 @@ void register_launch(CLI::App& app, int& result) {
   cmd->add_option("--node-rank", opt->node_rank,
                   "This node's number, 0 .. nnodes - 1: its ranks are node-rank x nproc + 0 .. nproc - 1");
   cmd->add_option("--master-port", opt->master_port, "Port of the rendezvous store (default: a free one)");
-  cmd->add_option("--master-addr", opt->master_addr, "Address of rank 0 (default 127.0.0.1)");
+  cmd->add_option("--master-addr", opt->master_addr, "Address of rank 0 (default 127.0.0.1; needed with --nnodes > 1)")
+      ->each([opt](const std::string&) { opt->master_addr_given = true; });
   cmd->add_option("--grace", opt->grace_s, "Seconds the other ranks get to stop after one failed");
   cmd->add_option("command", opt->command, "The command every rank runs")->required()->expected(-1);
   cmd->prefix_command();

@@ -227,7 +227,9 @@ void measure_train_rates(Config& cfg, Device& device, Communicator& comm, int ra
     rates.net = measure_network(comm, 0.2);
     rates.net_source = "measured: all-reduce of 16 MiB";
   }
-  if (work.intra_node_bytes > 0 && !(rates.intra_node > 0)) {
+  // Also where only another candidate of auto's keeps the secondary shard.
+  const bool nodes = comm.world_size() > local_ranks && local_ranks > 1;
+  if ((work.intra_node_bytes > 0 || nodes) && !(rates.intra_node > 0) && rates.net > 0) {
     // No probe of the node's group of its own: the world's rate, a lower
     // figure where the node has a faster fabric (run.rates.intra_node_gbps).
     rates.intra_node = rates.net;
@@ -310,7 +312,8 @@ int run_train(const TrainOptions& opt) {
               who.master_port);
   }
   check_configs_agree(cfg, *comm);
-  if (cfg.zero.hpz_partition_size > 1 && cfg.zero.hpz_partition_size != who.local_world_size) {
+  if (cfg.zero.hpz_partition_size > 1 && cfg.zero.hpz_partition_size != who.local_world_size &&
+      cfg.zero.stage == 3 && cfg.comm.secondary_shard != "off" && who.world_size > who.local_world_size) {
     throw ConfigError("zero_optimization.zero_hpz_partition_size",
                       strprintf("%lld, but this node has %d rank(s): Strata's secondary shard spans the ranks of a "
                                 "node (docs/config.md, comm.secondary_shard)",

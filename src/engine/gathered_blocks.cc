@@ -68,6 +68,8 @@ GatheredBlocks::~GatheredBlocks() = default;
 void GatheredBlocks::begin(bool train) {
   // A failed pass may have left gathers in flight: their buffers are reused.
   for (auto& slot : gather_done_) for (Completion& c : slot) c.wait();
+  // ...and secondary shards whose copy it never queued: gathered again.
+  for (auto& slot : fill_) for (int64_t& b : slot) b = -1;
   uses_ = train ? &train_schedule_ : &eval_schedule_;
   if (!train) window_->set_ready(INT32_MAX);
   else window_->set_ready(ready_blocks());
@@ -115,10 +117,7 @@ void GatheredBlocks::issue_gather(size_t u) {
     TraceSpan span(TraceTrack::kComm, "all_gather");
     gather_done_[slot][i] = ctx_.collectives->all_gather(src, gathered_[slot][i], n, dt);
     if (gather_once_ || kept_at_[b] >= 0) gathered_valid_[b] = 1;  // once issued
-    if (secondary_at_[b] >= 0) {
-      fill_[slot][i] = int64_t(b);  // copied once it has landed (next())
-      secondary_valid_[b] = 1;      // for gathers issued after that copy
-    }
+    if (secondary_at_[b] >= 0) fill_[slot][i] = int64_t(b);  // copied once it has landed (next())
   }
 }
 
@@ -147,7 +146,10 @@ void GatheredBlocks::next(DevicePtr out[2]) {
     }
   }
   for (int i = 0; i < 2; ++i) {
-    if (fill_[slot][i] >= 0) fill_secondary(size_t(fill_[slot][i]), gathered_[slot][i]);
+    if (fill_[slot][i] < 0) continue;
+    const size_t b = size_t(fill_[slot][i]);
+    fill_secondary(b, gathered_[slot][i]);
+    secondary_valid_[b] = 1;  // for the gathers issued after this copy
     fill_[slot][i] = -1;
   }
   window_->release();  // the shards are read by the gathers the compute stream waited for

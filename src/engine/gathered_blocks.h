@@ -55,7 +55,7 @@ class GatheredBlocks {
 
   ParamWindow& window() { return *window_; }
   const ParamWindow& window() const { return *window_; }
-  int64_t device_bytes() const { return gather_mem_.bytes(); }
+  int64_t device_bytes() const { return gather_mem_.bytes() + secondary_mem_.bytes(); }
 
  private:
   void issue_gather(size_t u);

@@ -465,8 +465,9 @@ void Trainer::agree_on_collectives(const PlacementPlan& plan, StreamCollectives*
   if (v[0] != -v[1]) {
     throw ConfigError("comm.keep_gathered",
                       "the ranks planned different collectives from their own free memory (blocks kept gathered, "
-                      "comm.gradient_reduction or comm.secondary_shard): set comm.keep_gathered to a number, and "
-                      "comm.gradient_reduction and comm.secondary_shard to explicit values");
+                      "comm.gradient_reduction or comm.secondary_shard) or their nodes have different numbers of "
+                      "ranks: set comm.keep_gathered to a number, and comm.gradient_reduction and "
+                      "comm.secondary_shard to explicit values");
   }
   if (!plan.secondary_shard) return;
   // Note [Secondary shard]: the node's group, in the data group's mode.
