@@ -649,22 +649,30 @@ int64_t room_left(const Config& cfg, const MachineCapacity& capacity, const Plac
   return room;
 }
 
+// Turns on a choice of the plan (`choice`) whose buffers staging_needs
+// sizes; with `only_if_fits` (auto) turns it off again when those buffers do
+// not fit in room_left.
+void take_if_fits(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan, bool& choice,
+                  bool only_if_fits) {
+  choice = true;
+  const StagingNeeds with = staging_needs(plan);
+  if (only_if_fits) {
+    const int64_t room = room_left(cfg, capacity, plan);
+    if (room >= 0 && with.device_bytes() - plan.staging.device_bytes() > room) {
+      choice = false;
+      return;
+    }
+  }
+  plan.staging = with;
+}
+
 // comm.secondary_shard: at stage 3 with ranks on several nodes of more than
 // one rank, each rank keeps its node's secondary shard (auto: when it fits).
 void choose_secondary_shard(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
   const std::string& want = cfg.comm.secondary_shard;
   plan.secondary_shard = false;
   if (plan.stage != 3 || plan.shards <= 1 || plan.ranks_per_node <= 1 || plan.nodes() <= 1 || want == "off") return;
-  plan.secondary_shard = true;
-  const StagingNeeds with = staging_needs(plan);
-  if (want == "auto") {
-    const int64_t room = room_left(cfg, capacity, plan);
-    if (room >= 0 && with.device_bytes() - plan.staging.device_bytes() > room) {
-      plan.secondary_shard = false;
-      return;
-    }
-  }
-  plan.staging = with;
+  take_if_fits(cfg, capacity, plan, plan.secondary_shard, want == "auto");
 }
 
 // comm.keep_gathered: at stage 3 with ranks, blocks kept gathered for the
@@ -700,16 +708,7 @@ void choose_kept_gathered(const Config& cfg, const MachineCapacity& capacity, Pl
 void choose_gradient_reduction(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
   const std::string& want = cfg.comm.gradient_reduction;
   if (plan.world_size <= 1 || plan.accum <= 1 || want == "per_micro_batch") return;
-  plan.reduce_per_step = true;
-  const StagingNeeds with = staging_needs(plan);
-  if (want == "auto") {
-    const int64_t room = room_left(cfg, capacity, plan);
-    if (room >= 0 && with.device_bytes() - plan.staging.device_bytes() > room) {
-      plan.reduce_per_step = false;
-      return;
-    }
-  }
-  plan.staging = with;
+  take_if_fits(cfg, capacity, plan, plan.reduce_per_step, want == "auto");
 }
 
 PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t rank,
