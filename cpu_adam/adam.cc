@@ -183,6 +183,18 @@ void CpuAdam::convert(const float* src, void* dst, EmitType type, int64_t numel)
   });
 }
 
+void CpuAdam::parallel_for(int64_t n, void (*body)(void*, int64_t, int64_t), void* context) {
+  require(n >= 0, "n must be >= 0");
+  if (n == 0) return;
+  if (threads_ == 1 || n == 1) return body(context, 0, n);
+  // Dynamic partition: the chunks are small and even, and a thread the
+  // compute preempts should not hold back the rest.
+  arena_.execute([&] {
+    tbb::parallel_for(tbb::blocked_range<int64_t>(0, n, 1),
+                      [&](const tbb::blocked_range<int64_t>& r) { body(context, r.begin(), r.end()); });
+  });
+}
+
 void convert_f32_to_16(const float* src, void* dst, EmitType type, int64_t numel, Isa isa) {
   require(type != EmitType::kNone, "convert needs a 16-bit type");
   require(numel >= 0, "numel must be >= 0");

@@ -46,6 +46,13 @@ class CpuAdam {
   // REQUIRES: type != kNone; src and dst do not overlap.
   void convert(const float* src, void* dst, EmitType type, int64_t numel);
 
+  // body(context, b, e) over disjoint [b, e) covering [0, n) on the arena
+  // (the calling thread is one of its threads), for other work the caller
+  // spreads over Adam's threads (the swap checksums of the optimizer's
+  // pipeline, Note [Parallel checksums] in nvme/swap_store.h). `body` must
+  // not throw. One call at a time per object, as for step().
+  void parallel_for(int64_t n, void (*body)(void* context, int64_t begin, int64_t end), void* context);
+
   // Elements per parallel tile: large enough to amortise scheduling and keep
   // the hardware prefetchers streaming, small enough to balance two threads.
   static constexpr int64_t kTileNumel = 16384;  // 64 KiB of each fp32 array

@@ -59,9 +59,10 @@ TEST(BoundTest, StepFlopsCountEveryMatrixTheHeadAndTheAttention) {
 //   d2h: gradients 4n x 2 = 4194304
 //   nvme read: gradient read-add-write 4n x 1 + optimizer state 12n + the optimizer's gradient 4n = 10485760
 //   nvme write: gradients 4n x 2 + optimizer state 12n = 10485760
+// (without the swap checksums: BoundTest.SwapChecksumsShareTheCpu has them).
 TEST(BoundTest, BytesPerLinkOfAnOffloadedPlacement) {
   const Config cfg = config_with(
-      {"gradient_accumulation_steps=2", "train_micro_batch_size_per_gpu=1",
+      {"gradient_accumulation_steps=2", "train_micro_batch_size_per_gpu=1", "run.swap_checksums=false",
        "placement={\"param16\":{\"host\":1},\"grad\":{\"nvme\":1},\"optimizer\":{\"nvme\":1},\"nvme_path\":\"/tmp\"}"});
   const PlacementPlan p = make_plan(cfg, make_layout(), 0, MachineCapacity{});
   const std::vector<int64_t> f = train_fetches(p);
@@ -72,6 +73,7 @@ TEST(BoundTest, BytesPerLinkOfAnOffloadedPlacement) {
   EXPECT_EQ(w.links.nvme_read, 10485760);
   EXPECT_EQ(w.links.nvme_write, 10485760);
   EXPECT_EQ(w.adam_elems, kN);
+  EXPECT_EQ(w.checksum_bytes, 0);
   // The optimizer's part: state 12n each way, its gradient read 4n.
   EXPECT_EQ(w.optimizer_links.nvme_read, 8388608);
   EXPECT_EQ(w.optimizer_links.nvme_write, 6291456);
@@ -163,13 +165,75 @@ TEST(BoundTest, OnAGpuCpuAdamPcieAndComputeAreSeparateResources) {
   EXPECT_EQ(train_fetches(q), std::vector<int64_t>(8, 0));
 }
 
+// The same placement as BytesPerLinkOfAnOffloadedPlacement with the swap
+// checksums (run.swap_checksums, the default): every NVMe byte is
+// checksummed, 10485760 read + 10485760 written = 20971520; the optimizer's
+// 8388608 + 6291456 = 14680064. At 1.048576 GB/s of CRC-32C that is 0.02 s,
+// 0.014 s of it on the optimizer's thread, in sequence with its Adam.
+TEST(BoundTest, SwapChecksumsShareTheCpu) {
+  const Config cfg = config_with(
+      {"gradient_accumulation_steps=2", "train_micro_batch_size_per_gpu=1",
+       "placement={\"param16\":{\"host\":1},\"grad\":{\"nvme\":1},\"optimizer\":{\"nvme\":1},\"nvme_path\":\"/tmp\"}"});
+  const PlacementPlan p = make_plan(cfg, make_layout(), 0, MachineCapacity{});
+  StepWork w = predicted_work(cfg, p, train_fetches(p), NetworkBytes{});
+  EXPECT_EQ(w.checksum_bytes, 20971520);
+  EXPECT_EQ(w.optimizer_checksum_bytes, 14680064);
+  Rates r;
+  r.device_flops = w.flops / 0.05;
+  w.first_forward_flops = w.flops / 8;
+  r.adam = 1e9;
+  r.h2d = 2e9, r.d2h = 4e9, r.nvme_read = 1e9, r.nvme_write = 0.5e9, r.nvme_both = 1e9;
+  EXPECT_EQ(missing_rates(w, r, true), std::vector<std::string>{"--checksum-gbps"});
+  r.checksum = 1.048576e9;
+  const StepBound b = step_bound(w, r, /*cpu_compute=*/true);
+  ASSERT_EQ(b.resources.size(), 5u);
+  // The cores: 0.05 s of compute + 0.000524288 s of Adam + 0.02 s of checksums.
+  EXPECT_EQ(b.resources[0].resource, "cpu (compute + Adam + checksums)");
+  EXPECT_NEAR(b.resources[0].seconds, 0.070524288, 1e-12);
+  // The optimizer: the first forward, its Adam and its checksums (0.00625 +
+  // 0.000524288 + 0.014 s) now outlast its I/O (0.014680064 s).
+  EXPECT_EQ(b.resources[4].resource, "dependencies");
+  EXPECT_NEAR(b.resources[4].seconds, 0.020774288 + 0.04375, 1e-12);
+  EXPECT_EQ(b.binding, "cpu (compute + Adam + checksums)");
+  EXPECT_NEAR(b.seconds, 0.070524288, 1e-12);
+
+  // On a GPU, bf16, weights and gradients in HBM, the optimizer state on
+  // NVMe: 12n read and 12n written, all of it the optimizer's (12582912
+  // bytes checksummed). CPU Adam 0.02 s and the checksums 0.01 s share the
+  // host's cores, in sequence on the optimizer's thread: 0.03 s, beside the
+  // first forward (0.0025 s of the device's 0.01 s).
+  const Config gcfg = config_with(
+      {"bf16.enabled=true",
+       "placement={\"param16\":{\"device\":1},\"grad\":{\"device\":1},\"optimizer\":{\"nvme\":1},\"nvme_path\":\"/tmp\"}"});
+  const PlacementPlan q = make_plan(gcfg, make_layout(), 0, gpu_like());
+  StepWork v = predicted_work(gcfg, q, train_fetches(q), NetworkBytes{});
+  EXPECT_EQ(v.links.nvme_read, 6291456);
+  EXPECT_EQ(v.links.nvme_write, 6291456);
+  EXPECT_EQ(v.checksum_bytes, 12582912);
+  EXPECT_EQ(v.optimizer_checksum_bytes, 12582912);
+  Rates g;
+  g.device_flops = v.flops / 0.01;
+  v.first_forward_flops = v.flops / 4;
+  g.adam = double(kN) / 0.02;
+  g.checksum = 12582912 / 0.01;
+  g.h2d = g.d2h = g.pcie_both = g.nvme_read = g.nvme_write = g.nvme_both = 1e12;
+  const StepBound c = step_bound(v, g, /*cpu_compute=*/false);
+  EXPECT_EQ(c.resources[1].resource, "cpu (Adam + checksums)");
+  EXPECT_NEAR(c.resources[1].seconds, 0.03, 1e-12);
+  EXPECT_EQ(c.binding, "dependencies");
+  EXPECT_NEAR(c.seconds, 0.03 + 0.0075, 1e-12);
+}
+
 TEST(BoundTest, RatesFromTheConfigAreConvertedAndNamed) {
-  const Config cfg = config_with({"run.rates={\"device_tflops\":2,\"nvme_read_gbps\":3.5,\"net_gbps\":100}"});
+  const Config cfg = config_with(
+      {"run.rates={\"device_tflops\":2,\"nvme_read_gbps\":3.5,\"checksum_gbps\":12,\"net_gbps\":100}"});
   const Rates r = rates_from_config(cfg.run.rates);
   EXPECT_DOUBLE_EQ(r.device_flops, 2e12);
   EXPECT_DOUBLE_EQ(r.nvme_read, 3.5e9);
   EXPECT_DOUBLE_EQ(r.net, 12.5e9);  // 100 Gbit/s
   EXPECT_EQ(r.nvme_read_source, "run.rates.nvme_read_gbps");
+  EXPECT_DOUBLE_EQ(r.checksum, 12e9);
+  EXPECT_EQ(r.checksum_source, "run.rates.checksum_gbps");
   EXPECT_EQ(r.h2d, 0.0);
   try {
     config_with({"run.rates={\"nvme_gbps\":3}"});

@@ -742,6 +742,64 @@ TEST_F(SwapTest, FlippedByteIsCaughtOnTheNextRead) {
   store.read(id, 0, 256 * kKiB, buf_.data() + 4 * kMiB).wait();
 }
 
+// Note [Parallel checksums]: runs the chunks on three threads, the last
+// range first, and counts the calls.
+class ReversedThreads final : public ParallelFor {
+ public:
+  void run(int64_t n, Body body, void* context) const override {
+    ++calls;
+    std::vector<std::thread> threads;
+    for (int t = 2; t >= 0; --t) {
+      threads.emplace_back([=] { body(context, n * t / 3, n * (t + 1) / 3); });
+      if (t == 2) threads.back().join(), threads.pop_back();  // the last range ends before the others start
+    }
+    for (std::thread& t : threads) t.join();
+  }
+  mutable int calls = 0;
+};
+
+TEST_F(SwapTest, ParallelChecksumsAgreeWithOneThreadAndReportTheLowestBadBlock) {
+  SwapOptions o = options(1);
+  o.block_bytes = 4096;  // 48 blocks a chunk: a dozen chunks
+  SwapStore store(*engine_, o);
+  const int64_t n = 2 * kMiB + 1000;  // a short last block
+  const RegionId id = store.add_region("exp_avg", n);
+  std::byte* src = buf_.data();
+  std::byte* dst = buf_.data() + 4 * kMiB;
+  fill_random(src, n, 7);
+  ReversedThreads threads;
+  // Checksummed on the threads, verified on one; then the other way round.
+  store.write(id, 0, n, src, &threads).wait();
+  EXPECT_EQ(threads.calls, 1);
+  store.read(id, 0, n, dst).wait();
+  ASSERT_EQ(std::memcmp(dst, src, size_t(n)), 0);
+  store.write(id, 0, n, src).wait();
+  std::memset(dst, 0, size_t(n));
+  store.read(id, 0, n, dst, &threads).wait();
+  EXPECT_EQ(threads.calls, 2);
+  ASSERT_EQ(std::memcmp(dst, src, size_t(n)), 0);
+  // Two flipped blocks, in the first and the last range: the first is named.
+  const std::string path = store.file_paths().front();
+  const int fd = ::open(path.c_str(), O_RDWR);
+  ASSERT_GE(fd, 0);
+  for (const off_t at : {off_t(100 * 4096 + 5), off_t(500 * 4096 + 9)}) {
+    unsigned char byte;
+    ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
+    byte ^= 0x01;
+    ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
+  }
+  ::close(fd);
+  try {
+    store.read(id, 0, n, dst, &threads).wait();
+    ADD_FAILURE() << "corrupt blocks were returned";
+  } catch (const IoError& e) {
+    EXPECT_EQ(e.path(), path);
+    EXPECT_EQ(e.offset(), 100 * 4096) << e.what();
+    EXPECT_NE(std::string(e.what()).find("'exp_avg' at region offset 409600"), std::string::npos) << e.what();
+  }
+  EXPECT_EQ(threads.calls, 3);
+}
+
 TEST_F(SwapTest, TruncatedFileIsCaught) {
   SwapStore store(*engine_, options(1, 4 * kMiB));
   const RegionId id = store.add_region("params", 4 * kMiB);

@@ -6,6 +6,8 @@
 #include <gtest/gtest.h>
 
 #include <dirent.h>
+#include <fcntl.h>
+#include <unistd.h>
 #include <sys/stat.h>
 
 #include <algorithm>
@@ -19,6 +21,7 @@
 #include "test_util.h"
 #include "nvme/fault_backend.h"
 #include "util/errors.h"
+#include "util/fs.h"
 
 namespace strata {
 namespace {
@@ -288,6 +291,57 @@ TEST_F(TieredTest, EioInTheMiddleOfAnOptimizerSwapStopsWithAClearError) {
 TEST_F(TieredTest, EnospcInTheMiddleOfAnOptimizerSwapStopsWithAClearError) {
   expect_swap_fault_is_reported(data_, swap_, nvme::FaultKind::kEnospc, "No space left on device", true);
   expect_swap_fault_is_reported(data_, swap_, nvme::FaultKind::kEnospc, "No space left on device", false);
+}
+
+// A swap file changed behind the store's back: the next optimizer step's
+// read of that state stops with the region, file and offset (the pieces are
+// checksummed on CPU Adam's threads: Note [Parallel checksums] in
+// nvme/swap_store.h), with the optimizer overlapped and inline.
+TEST_F(TieredTest, SwapFileChangedBetweenStepsIsCaughtByTheOptimizer) {
+  for (const bool overlap : {true, false}) {
+    Config cfg = parse_config(base_config(data_),
+                              {"zero_optimization.offload_optimizer={\"device\":\"nvme\",\"nvme_path\":\"" + swap_ + "\"}",
+                               "zero_optimization.sub_group_size=1000000",
+                               std::string("run.overlap_optimizer=") + (overlap ? "true" : "false")});
+    Model model(cfg.model);
+    Trainer trainer(cfg, model);
+    TokenDataset ds(cfg.data.paths, TokenFormat::kText, 256, cfg.model.seq_len, 0.0);
+    std::vector<int64_t> batch(size_t(4 * (cfg.model.seq_len + 1)));
+    std::mt19937_64 rng(1);
+    ds.sample_train(rng, 4, batch.data());
+    trainer.step(batch.data());
+    trainer.finish();
+    // One byte of every 4 KiB of the store's file flipped.
+    std::vector<std::string> files;
+    for (const std::string& top : list_dir(swap_)) {
+      for (const std::string& rank : list_dir(swap_ + "/" + top)) {
+        const std::string dir = swap_ + "/" + top + "/" + rank;
+        if (!is_directory(dir)) continue;
+        for (const std::string& f : list_dir(dir)) files.push_back(dir + "/" + f);
+      }
+    }
+    ASSERT_EQ(files.size(), 1u);
+    struct stat st;
+    ASSERT_EQ(::stat(files[0].c_str(), &st), 0);
+    const int fd = ::open(files[0].c_str(), O_RDWR);
+    ASSERT_GE(fd, 0);
+    for (off_t at = 100; at < st.st_size; at += 4096) {
+      unsigned char byte;
+      ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
+      byte ^= 0x40;
+      ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
+    }
+    ::close(fd);
+    try {
+      trainer.step(batch.data());
+      trainer.finish();
+      ADD_FAILURE() << "a changed swap file was read back (overlap " << overlap << ")";
+    } catch (const IoError& e) {
+      EXPECT_EQ(e.path(), files[0]);
+      EXPECT_NE(std::string(e.what()).find("checksum mismatch in swap region"), std::string::npos) << e.what();
+    }
+    EXPECT_THROW(trainer.step(batch.data()), Error);  // half-updated: no further step
+  }
 }
 
 }  // namespace

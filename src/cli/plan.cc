@@ -39,6 +39,7 @@ struct PlanOptions {
   double probe_s = 0.5;
   double device_tflops = 0, h2d_gbps = 0, d2h_gbps = 0, pcie_both_gbps = 0;
   double nvme_gbps = 0, nvme_read_gbps = 0, nvme_write_gbps = 0, nvme_both_gbps = 0, adam_gelems = 0;
+  double checksum_gbps = 0;
   // A machine described instead of measured (0 = measure): per node, per GPU.
   double host_memory_gb = 0, nvme_gb = 0, device_memory_gb = 0;
 };
@@ -162,6 +163,7 @@ Rates bound_rates(const PlanOptions& opt, const Config& cfg) {
   flag(opt.nvme_write_gbps, 1e9, "--nvme-write-gbps", r.nvme_write, r.nvme_write_source);
   flag(opt.nvme_both_gbps, 1e9, "--nvme-both-gbps", r.nvme_both, r.nvme_both_source);
   flag(opt.adam_gelems, 1e9, "--adam-gelems", r.adam, r.adam_source);
+  flag(opt.checksum_gbps, 1e9, "--checksum-gbps", r.checksum, r.checksum_source);
   if (opt.net_given || !(r.net > 0)) r.net = opt.net_gbps * 1e9 / 8, r.net_source = "--net-gbps";
   if (opt.intra_node_given || !(r.intra_node > 0)) {
     r.intra_node = opt.intra_node_gbps * 1e9 / 8, r.intra_node_source = "--intra-node-gbps";
@@ -179,7 +181,8 @@ nlohmann::json bound_json(const StepWork& w, const StepBound& b, const Rates& r)
           {"resources", res},
           {"work", {{"flops", w.flops}, {"h2d_bytes", w.links.h2d}, {"d2h_bytes", w.links.d2h},
                     {"nvme_read_bytes", w.links.nvme_read}, {"nvme_write_bytes", w.links.nvme_write},
-                    {"adam_elements", w.adam_elems}, {"net_bytes", w.net_bytes},
+                    {"adam_elements", w.adam_elems}, {"checksum_bytes", w.checksum_bytes},
+                    {"optimizer_checksum_bytes", w.optimizer_checksum_bytes}, {"net_bytes", w.net_bytes},
                     {"intra_node_bytes", w.intra_node_bytes}}},
           {"rates", {{"device_flops", r.device_flops}, {"device_flops_source", r.device_flops_source},
                      {"h2d_bytes_per_s", r.h2d}, {"h2d_source", r.h2d_source},
@@ -189,21 +192,23 @@ nlohmann::json bound_json(const StepWork& w, const StepBound& b, const Rates& r)
                      {"nvme_write_bytes_per_s", r.nvme_write}, {"nvme_write_source", r.nvme_write_source},
                      {"nvme_both_bytes_per_s", r.nvme_both}, {"nvme_both_source", r.nvme_both_source},
                      {"adam_elements_per_s", r.adam}, {"adam_source", r.adam_source},
+                     {"checksum_bytes_per_s", r.checksum}, {"checksum_source", r.checksum_source},
                      {"net_bytes_per_s", r.net}, {"net_source", r.net_source},
                      {"intra_node_bytes_per_s", r.intra_node}, {"intra_node_source", r.intra_node_source}}}};
 }
 
 std::string bound_text(const StepBound& b, const Rates& r, const StepWork& w, int64_t tokens) {
   std::string out = "step bound (one optimizer step of one rank; docs/design.md, \"The step's bound\"):\n";
-  out += strprintf("  %-22s %-44s %-34s %9s\n", "resource", "work", "rate", "seconds");
+  out += strprintf("  %-32s %-44s %-34s %9s\n", "resource", "work", "rate", "seconds");
   for (const ResourceTime& t : b.resources) {
-    out += strprintf("  %-22s %-44s %-34s %9.3f\n", t.resource.c_str(), t.work.c_str(), t.rate.c_str(), t.seconds);
+    out += strprintf("  %-32s %-44s %-34s %9.3f\n", t.resource.c_str(), t.work.c_str(), t.rate.c_str(), t.seconds);
   }
   out += strprintf("bound: %.3f s per step, by %s (at most %.0f tokens/s)\n", b.seconds, b.binding.c_str(),
                    b.seconds > 0 ? double(tokens) / b.seconds : 0.0);
   std::string src;
   for (const auto& [name, s, used] : std::vector<std::tuple<const char*, const std::string*, bool>>{
            {"device", &r.device_flops_source, w.flops > 0}, {"adam", &r.adam_source, w.adam_elems > 0},
+           {"checksums", &r.checksum_source, w.checksum_bytes > 0},
            {"h2d", &r.h2d_source, w.links.h2d > 0}, {"d2h", &r.d2h_source, w.links.d2h > 0},
            {"pcie", &r.pcie_both_source, w.links.h2d > 0 && w.links.d2h > 0},
            {"nvme read", &r.nvme_read_source, w.links.nvme_read > 0},
@@ -254,7 +259,7 @@ int run_plan(const PlanOptions& opt) {
     if (!cpu_compute) {
       DeviceMemoryInfo info;
       dev = nullptr;
-      if (!missing_rates(union_work(work, c.plan), rates, false).empty() && query_device_memory("cuda", &info)) {
+      if (!missing_rates(union_work(work, c.plan, cfg.run.swap_checksums), rates, false).empty() && query_device_memory("cuda", &info)) {
         gpu = make_device("cuda");
         dev = gpu.get();
       }
@@ -402,6 +407,8 @@ void register_plan(CLI::App& app, int& result) {
   cmd->add_option("--nvme-write-gbps", opt->nvme_write_gbps, "NVMe write rate (GB/s)");
   cmd->add_option("--nvme-both-gbps", opt->nvme_both_gbps, "NVMe reads and writes at once, aggregate (GB/s)");
   cmd->add_option("--adam-gelems", opt->adam_gelems, "CPU Adam rate (G elements/s)");
+  cmd->add_option("--checksum-gbps", opt->checksum_gbps,
+                  "CRC-32C rate of the swap checksums on CPU Adam's threads (GB/s; run.swap_checksums)");
   cmd->callback([opt, &result]() { result = run_plan(*opt); });
 }
 

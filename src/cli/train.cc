@@ -239,10 +239,11 @@ void measure_train_rates(Config& cfg, Device& device, Communicator& comm, int ra
   store_rates(rates, cfg.run.rates);
   if (comm.world_size() > 1) {
     double* r = &cfg.run.rates.device_tflops;  // RateOverrides: doubles only
-    static_assert(sizeof(RateOverrides) == 10 * sizeof(double), "RateOverrides holds ten doubles");
-    std::vector<int64_t> bits(10);
+    constexpr size_t kRates = 11;
+    static_assert(sizeof(RateOverrides) == kRates * sizeof(double), "RateOverrides holds doubles only");
+    std::vector<int64_t> bits(kRates);
     std::memcpy(bits.data(), r, sizeof(RateOverrides));
-    comm.broadcast(bits.data(), 10, DType::kI64, 0).wait();
+    comm.broadcast(bits.data(), int64_t(kRates), DType::kI64, 0).wait();
     std::memcpy(r, bits.data(), sizeof(RateOverrides));
   }
 }
@@ -514,6 +515,7 @@ int run_train(const TrainOptions& opt) {
     const double tokens_per_s = double(r.tokens) / step_s;
     StepWork done = bound.work;
     done.links = r.links;
+    if (done.checksum_bytes > 0) done.checksum_bytes = r.links.nvme_read + r.links.nvme_write;
     done.net_bytes = r.net_bytes;
     done.intra_node_bytes = r.intra_node_bytes;
     const double bound_s = step_bound(done, bound.rates, bound.cpu_compute).seconds;

@@ -96,6 +96,7 @@ struct RateOverrides {
   double h2d_gbps = 0, d2h_gbps = 0, pcie_both_gbps = 0;  // GB/s (1e9 bytes)
   double nvme_read_gbps = 0, nvme_write_gbps = 0, nvme_both_gbps = 0;
   double adam_gelems = 0;  // G elements/s
+  double checksum_gbps = 0;  // GB/s of CRC-32C on the optimizer's threads (run.swap_checksums)
   double net_gbps = 0;     // Gbit/s
   double intra_node_gbps = 0;  // Gbit/s, the node group's (comm.secondary_shard)
 };

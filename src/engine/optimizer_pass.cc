@@ -106,6 +106,12 @@ OptimizerPass::OptimizerPass(const StepContext& ctx, const PlacementPlan& plan, 
   device_done_.resize(pieces_.size());
   staging_ = std::make_unique<OptimizerStaging>(plan, *ctx.state);
   sets_.resize(size_t(staging_->sets()));
+  checksum_threads_.adam = adam_.get();
+  for (int k = 0; k < staging_->sets(); ++k) {
+    staging_->reads(k).set_checksum_threads(&checksum_threads_);
+    staging_->writes(k).set_checksum_threads(&checksum_threads_);
+  }
+  param_write_.set_checksum_threads(&checksum_threads_);
   cut_runs();
   if (ctx.cfg->run.overlap_optimizer) {
     thread_ = std::make_unique<OptimizerThread>([this](const OptimizerThread::Job& job) { run(job); });

@@ -144,6 +144,14 @@ class OptimizerPass {
 
   const StepContext& ctx_;
   std::unique_ptr<cpu_adam::CpuAdam> adam_;
+  // Adam's threads checksum the staged pieces' swap reads and writes (Note
+  // [Parallel checksums] in nvme/swap_store.h): between the pieces' updates,
+  // on the same thread that calls step(), so never beside it.
+  struct AdamThreads final : nvme::ParallelFor {
+    cpu_adam::CpuAdam* adam = nullptr;
+    void run(int64_t n, Body body, void* context) const override { adam->parallel_for(n, body, context); }
+  };
+  AdamThreads checksum_threads_;
   // Pipeline pieces in shard order (Note [Pipeline pieces] in placement.h),
   // their runs inside one block shard (with the global unpadded index of
   // their first element: the key of bf16 moments' rounding).

@@ -14,6 +14,7 @@
 #include "engine/optimizer_pass.h"
 #include "model/model.h"
 #include "nvme/bench.h"
+#include "nvme/crc32c.h"
 #include "util/errors.h"
 #include "util/fs.h"
 #include "util/logging.h"
@@ -209,6 +210,25 @@ double probe_adam(const Config& cfg, const Device& device, double budget_s) {
          });
 }
 
+double probe_checksum(const Config& cfg, const Device& device, double budget_s) {
+  cpu_adam::CpuAdam adam(adam_threads(cfg, device), cpu_adam::parse_isa(cfg.run.cpu_adam_isa));
+  const int64_t bytes = budget_s >= 0.5 ? int64_t(512) << 20 : int64_t(128) << 20;
+  constexpr int64_t kBlock = 4096, kChunk = 48 * kBlock;  // as the swap store checksums
+  std::vector<std::byte> buf(size_t(bytes), std::byte{0x5a});
+  std::vector<uint32_t> crc(size_t(bytes / kBlock));
+  struct Job {
+    const std::byte* data;
+    uint32_t* crc;
+    static void chunk(void* self, int64_t begin, int64_t end) {
+      const auto& j = *static_cast<const Job*>(self);
+      for (int64_t c = begin; c < end; ++c) {
+        nvme::crc32c_blocks(j.data + c * kChunk, size_t(kChunk), size_t(kBlock), j.crc + c * (kChunk / kBlock));
+      }
+    }
+  } job{buf.data(), crc.data()};
+  return double(bytes) / median_seconds(budget_s, [&] { adam.parallel_for(bytes / kChunk, &Job::chunk, &job); });
+}
+
 void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device* device, const StepWork& work,
                            Rates& rates, double budget_s) {
   const bool cpu_compute = device == nullptr || !device->is_cuda();
@@ -223,6 +243,13 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
   if (need(rates.adam, work.adam_elems > 0)) {
     rates.adam = probe_adam(cfg, device ? *device : cpu_device(), budget_s);
     rates.adam_source = strprintf("measured: CPU Adam over %d Mi elements", budget_s >= 0.5 ? 8 : 4);
+  }
+  if (need(rates.checksum, work.checksum_bytes > 0)) {
+    const Device& d = device ? *device : cpu_device();
+    rates.checksum = probe_checksum(cfg, d, budget_s);
+    rates.checksum_source = strprintf("measured: CRC-32C over %d MiB on %d thread(s)", budget_s >= 0.5 ? 512 : 128,
+                                      adam_threads(cfg, d) > 0 ? adam_threads(cfg, d)
+                                                               : int(std::thread::hardware_concurrency()));
   }
   const bool h2d = need(rates.h2d, work.links.h2d > 0), d2h = need(rates.d2h, work.links.d2h > 0);
   const bool both = !cpu_compute && need(rates.pcie_both, work.links.h2d > 0 && work.links.d2h > 0);
@@ -263,7 +290,7 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
   }
 }
 
-StepWork union_work(const StepWork& work, const PlacementPlan& plan) {
+StepWork union_work(const StepWork& work, const PlacementPlan& plan, bool checksums) {
   StepWork u = work;
   u.adam_elems = std::max<int64_t>(u.adam_elems, 1);
   u.links.h2d = std::max<int64_t>(u.links.h2d, 1);
@@ -271,6 +298,7 @@ StepWork union_work(const StepWork& work, const PlacementPlan& plan) {
   if (!plan.nvme_paths.empty()) {
     u.links.nvme_read = std::max<int64_t>(u.links.nvme_read, 1);
     u.links.nvme_write = std::max<int64_t>(u.links.nvme_write, 1);
+    if (checksums) u.checksum_bytes = std::max<int64_t>(u.checksum_bytes, 1);
   }
   return u;
 }
@@ -280,7 +308,7 @@ void measure_rates(const Config& cfg, const PlacementPlan& plan, Device* device,
   measure_missing_rates(cfg, plan, device, work, rates, budget_s);
   if (!cfg.placement.auto_place) return;
   try {
-    measure_missing_rates(cfg, plan, device, union_work(work, plan), rates, budget_s);
+    measure_missing_rates(cfg, plan, device, union_work(work, plan, cfg.run.swap_checksums), rates, budget_s);
   } catch (const Error&) {
     // What cannot be measured here leaves those candidates unjudged.
   }
@@ -295,6 +323,7 @@ void store_rates(const Rates& r, RateOverrides& o) {
   o.nvme_write_gbps = r.nvme_write / 1e9;
   o.nvme_both_gbps = r.nvme_both / 1e9;
   o.adam_gelems = r.adam / 1e9;
+  o.checksum_gbps = r.checksum / 1e9;
   o.net_gbps = r.net * 8 / 1e9;
   o.intra_node_gbps = r.intra_node * 8 / 1e9;
 }

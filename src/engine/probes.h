@@ -41,6 +41,12 @@ IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s);
 // emitting the compute dtype's working copy.
 double probe_adam(const Config& cfg, const Device& device, double budget_s);
 
+// Bytes/s of the swap checksums (CRC-32C of 4 KiB blocks) on CPU Adam's
+// threads, as the optimizer's pipeline runs them (Note [Parallel checksums]
+// in nvme/swap_store.h), over a buffer past the caches: a read's blocks
+// arrive from the disk by DMA, not through the cache.
+double probe_checksum(const Config& cfg, const Device& device, double budget_s);
+
 // Fills each rate `work` needs and `rates` lacks by measuring it here (NVMe
 // in plan.nvme_paths' first directory), naming the source "measured". A rate
 // that cannot be measured here (no swap directory yet, no GPU for cuda, the
@@ -49,9 +55,10 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
                            Rates& rates, double budget_s);
 
 // `work` with every link auto's other candidates could use (copies both
-// ways, NVMe when the plan has swap directories, CPU Adam), so that the
-// rates to judge them by are measured too.
-StepWork union_work(const StepWork& work, const PlacementPlan& plan);
+// ways, NVMe and with `checksums` (run.swap_checksums) their checksums when
+// the plan has swap directories, CPU Adam), so that the rates to judge them
+// by are measured too.
+StepWork union_work(const StepWork& work, const PlacementPlan& plan, bool checksums);
 
 // The rates of `work` (errors as measure_missing_rates), then, where it can
 // measure them here, those of union_work as well.

@@ -33,6 +33,7 @@ Rates rates_from_config(const RateOverrides& o) {
   set(o.nvme_write_gbps, 1e9, r.nvme_write, r.nvme_write_source, "nvme_write_gbps");
   set(o.nvme_both_gbps, 1e9, r.nvme_both, r.nvme_both_source, "nvme_both_gbps");
   set(o.adam_gelems, 1e9, r.adam, r.adam_source, "adam_gelems");
+  set(o.checksum_gbps, 1e9, r.checksum, r.checksum_source, "checksum_gbps");
   set(o.net_gbps, 1e9 / 8, r.net, r.net_source, "net_gbps");
   set(o.intra_node_gbps, 1e9 / 8, r.intra_node, r.intra_node_source, "intra_node_gbps");
   return r;
@@ -185,6 +186,10 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
     o.nvme_write += c * on_tier(p, Category::kParam16, Tier::kNvme, at, n);
   }
   e += o;
+  if (cfg.run.swap_checksums) {
+    w.checksum_bytes = e.nvme_read + e.nvme_write;
+    w.optimizer_checksum_bytes = o.nvme_read + o.nvme_write;
+  }
   return w;
 }
 
@@ -217,6 +222,7 @@ std::vector<std::string> missing_rates(const StepWork& w, const Rates& r, bool c
   std::vector<std::string> out;
   if (w.flops > 0 && !(r.device_flops > 0)) out.push_back("--device-tflops");
   if (w.adam_elems > 0 && !(r.adam > 0)) out.push_back("--adam-gelems");
+  if (w.checksum_bytes > 0 && !(r.checksum > 0)) out.push_back("--checksum-gbps");
   if (w.links.h2d > 0 && !(r.h2d > 0)) out.push_back("--h2d-gbps");
   if (w.links.d2h > 0 && !(r.d2h > 0)) out.push_back("--d2h-gbps");
   if (!cpu_compute && w.links.h2d > 0 && w.links.d2h > 0 && !(r.pcie_both > 0)) out.push_back("--pcie-both-gbps");
@@ -237,14 +243,22 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
   };
   const double compute_s = w.flops > 0 ? w.flops / r.device_flops : 0.0;
   const double adam_s = w.adam_elems > 0 ? double(w.adam_elems) / r.adam : 0.0;
+  const double checksum_s = w.checksum_bytes > 0 ? double(w.checksum_bytes) / r.checksum : 0.0;
+  const double opt_checksum_s = w.optimizer_checksum_bytes > 0 ? double(w.optimizer_checksum_bytes) / r.checksum : 0.0;
+  const bool checksums = w.checksum_bytes > 0;
+  const std::string checksum_work = checksums ? " + " + bytes_text(double(w.checksum_bytes)) + " checksummed" : "";
+  const std::string checksum_rate = checksums ? " + " + gbps_text(r.checksum) + " CRC-32C" : "";
   if (cpu_compute) {
-    // One pool of cores and memory bandwidth does both.
-    add("cpu (compute + Adam)", flops_text(w.flops) + " + " + elems_text(double(w.adam_elems)),
-        strprintf("%.3g TFLOP/s + %.3g G elements/s", r.device_flops / 1e12, r.adam / 1e9), compute_s + adam_s);
+    // One pool of cores and memory bandwidth does all of it.
+    add(checksums ? "cpu (compute + Adam + checksums)" : "cpu (compute + Adam)",
+        flops_text(w.flops) + " + " + elems_text(double(w.adam_elems)) + checksum_work,
+        strprintf("%.3g TFLOP/s + %.3g G elements/s", r.device_flops / 1e12, r.adam / 1e9) + checksum_rate,
+        compute_s + adam_s + checksum_s);
   } else {
     if (w.flops > 0) add("device", flops_text(w.flops), strprintf("%.3g TFLOP/s", r.device_flops / 1e12), compute_s);
-    if (w.adam_elems > 0) {
-      add("cpu adam", elems_text(double(w.adam_elems)), strprintf("%.3g G elements/s", r.adam / 1e9), adam_s);
+    if (w.adam_elems > 0 || checksums) {
+      add(checksums ? "cpu (Adam + checksums)" : "cpu adam", elems_text(double(w.adam_elems)) + checksum_work,
+          strprintf("%.3g G elements/s", r.adam / 1e9) + checksum_rate, adam_s + checksum_s);
     }
   }
   if (w.links.h2d > 0) add("h2d", bytes_text(double(w.links.h2d)), gbps_text(r.h2d), double(w.links.h2d) / r.h2d);
@@ -276,17 +290,19 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
   }
   const double fwd = w.first_forward_flops > 0 ? std::min(w.first_forward_flops / r.device_flops, compute_s) : 0.0;
   double path = 0;
+  // The optimizer's thread checksums its pieces between their updates.
+  const double opt_cpu = adam_s + opt_checksum_s;
   if (!w.overlap_optimizer) {
-    path = compute_s + std::max(adam_s, opt_io);
+    path = compute_s + std::max(opt_cpu, opt_io);
   } else if (cpu_compute) {  // the forward and CPU Adam share the cores
-    path = std::max(fwd + adam_s, opt_io) + (compute_s - fwd);
+    path = std::max(fwd + opt_cpu, opt_io) + (compute_s - fwd);
   } else {
-    path = std::max(fwd, std::max(adam_s, opt_io)) + (compute_s - fwd);
+    path = std::max(fwd, std::max(opt_cpu, opt_io)) + (compute_s - fwd);
   }
   if (path > 0) {
     add("dependencies", w.overlap_optimizer ? "max(first forward, optimizer) + rest of compute"
                                             : "compute, then the optimizer",
-        strprintf("optimizer %.3f s, first forward %.3f s", std::max(adam_s, opt_io), fwd), path);
+        strprintf("optimizer %.3f s, first forward %.3f s", std::max(opt_cpu, opt_io), fwd), path);
   }
   // The first of equal times binds (the dependencies equal the cores' time
   // when nothing overlaps, up to rounding).

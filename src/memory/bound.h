@@ -26,10 +26,11 @@ struct Rates {
   double nvme_read = 0, nvme_write = 0;  // bytes/s through the I/O engine
   double nvme_both = 0;                   // bytes/s reading and writing at once, aggregate
   double adam = 0;             // CPU Adam elements/s
+  double checksum = 0;         // bytes/s of CRC-32C on CPU Adam's threads (the swap checksums)
   double net = 0;              // bytes/s one rank sends
   double intra_node = 0;       // bytes/s one rank sends to its node's ranks (the node group)
   std::string device_flops_source, h2d_source, d2h_source, pcie_both_source, nvme_read_source,
-      nvme_write_source, nvme_both_source, adam_source, net_source, intra_node_source;
+      nvme_write_source, nvme_both_source, adam_source, checksum_source, net_source, intra_node_source;
 };
 
 // run.rates as Rates (units converted), each named by its key.
@@ -50,6 +51,11 @@ struct StepWork {
   double flops = 0;        // model FLOPs, recompute included
   LinkBytes links;         // as the metrics count them (docs/design.md, "Bytes per link")
   int64_t adam_elems = 0;  // elements CPU Adam updates
+  // Bytes whose CRC-32C is computed (swap writes) or verified (swap reads):
+  // every NVMe byte when run.swap_checksums; the optimizer's part apart
+  // (its pipeline's thread checksums them between updates).
+  int64_t checksum_bytes = 0;
+  int64_t optimizer_checksum_bytes = 0;
   int64_t net_bytes = 0;   // sent by this rank over the world's groups
   int64_t intra_node_bytes = 0;  // sent by this rank over its node's group (comm.secondary_shard)
   // For the step's dependencies: the first micro-batch's forward (what can
@@ -77,7 +83,10 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& plan, const std:
 std::vector<int64_t> train_fetches(const PlacementPlan& plan);
 
 struct ResourceTime {
-  std::string resource;  // "cpu (compute + Adam)", "device", "cpu adam", "h2d", "d2h", "pcie", "nvme", "network", "intra-node"
+  // "cpu (compute + Adam)" (or "cpu (compute + Adam + checksums)"), "device",
+  // "cpu adam" (or "cpu (Adam + checksums)"), "h2d", "d2h", "pcie (h2d + d2h)",
+  // "nvme (read + write)", "network", "intra-node", "dependencies"
+  std::string resource;
   std::string work;      // the work, in words ("1.20 TFLOP + 81.0 M elements")
   std::string rate;      // the rate, in words ("98.3 GFLOP/s + 1.52 G elements/s")
   double seconds = 0;
@@ -90,15 +99,17 @@ struct StepBound {
 };
 
 // The resources that really share hardware: with CPU compute
-// (`cpu_compute`), compute and CPU Adam share the cores, and H2D/D2H are
-// memcpy in RAM; on a GPU they are separate. NVMe reads and writes share the
+// (`cpu_compute`), compute, CPU Adam and the swap checksums share the cores,
+// and H2D/D2H are memcpy in RAM; on a GPU the device is apart, and CPU Adam
+// and the checksums share the host's cores. NVMe reads and writes share the
 // disk: its time is the longest of reads alone, writes alone and both at the
 // aggregate rate. Besides each resource's busy time, the step's dependencies: the
 // optimizer of step s starts after its backward and must finish before step
 // s+1's forward can (its last block waits for its update), and step s+1's
 // backward starts after that forward; so a step takes at least
 // max(first forward, optimizer) + the rest of its compute (the forward and
-// the optimizer in sequence without run.overlap_optimizer). Throws
+// the optimizer in sequence without run.overlap_optimizer), where the
+// optimizer's CPU time is Adam's and its checksums' in sequence. Throws
 // InternalError for work without a rate (missing_rates first).
 StepBound step_bound(const StepWork& work, const Rates& rates, bool cpu_compute);
 

@@ -227,8 +227,8 @@ void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t nu
       std::byte* mine = buf + buf_off;
       const int64_t bytes = n * eb;
       if (h.tier == Tier::kNvme) {
-        pending.handles_.push_back(reading ? swap_->read(h.region, at * eb, bytes, mine)
-                                           : swap_->write(h.region, at * eb, bytes, mine));
+        pending.handles_.push_back(reading ? swap_->read(h.region, at * eb, bytes, mine, pending.checksum_threads_)
+                                           : swap_->write(h.region, at * eb, bytes, mine, pending.checksum_threads_));
         count(reading ? 2 : 3, bytes);
         if (compute_side && reading) count(0, bytes);  // and the H2D a GPU would make from its bounce buffer
       } else if (h.tier == Tier::kDevice) {

@@ -70,6 +70,10 @@ struct TieredStateOptions {
 class PendingIo final : public Waiter {
  public:
   bool empty() const { return handles_.empty() && device_.empty(); }
+  // The threads that checksum this group's swap reads and writes (Note
+  // [Parallel checksums] in nvme/swap_store.h); nullptr: the calling thread.
+  // It must outlive the group's transfers.
+  void set_checksum_threads(const nvme::ParallelFor* threads) { checksum_threads_ = threads; }
   // The completion of everything added since the group was last waited for.
   // A completion of an earlier round returns at once.
   Completion completion() { return empty() ? Completion() : Completion(this, round_); }
@@ -90,6 +94,7 @@ class PendingIo final : public Waiter {
   friend class TieredState;
   std::vector<nvme::SwapHandle> handles_;
   std::vector<Completion> device_;  // device-tier copies (kStateH2D/kStateD2H)
+  const nvme::ParallelFor* checksum_threads_ = nullptr;
   uint64_t round_ = 0;
 };
 
