@@ -6,6 +6,8 @@
 #include <chrono>
 #include <cstring>
 #include <random>
+#include <exception>
+#include <thread>
 #include <vector>
 
 #include "nvme/io_error.h"
@@ -104,6 +106,31 @@ BenchResult IoBench::run(IoOp op, EngineOptions eo,
   r.direct = f.direct();
   r.fixed_buffers = engine.stats().fixed_buffer_ops > 0;
   r.fsync = op == IoOp::kWrite && options_.fsync_writes;
+  return r;
+}
+
+BenchResult run_both(IoBench& reader, IoBench& writer, const EngineOptions& engine) {
+  const auto t0 = std::chrono::steady_clock::now();
+  BenchResult w;
+  std::exception_ptr failed;
+  std::thread t([&] {
+    try {
+      w = writer.run(IoOp::kWrite, engine);
+    } catch (...) {
+      failed = std::current_exception();
+    }
+  });
+  BenchResult r;
+  try {
+    r = reader.run(IoOp::kRead, engine);
+  } catch (...) {
+    t.join();
+    throw;
+  }
+  t.join();
+  if (failed) std::rethrow_exception(failed);
+  r.seconds = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
+  r.bytes += w.bytes;
   return r;
 }
 

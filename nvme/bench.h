@@ -66,4 +66,10 @@ class IoBench {
   PinnedBuffer buffer_;
 };
 
+// Reads `reader`'s file (written by an earlier pass) while `writer`'s file
+// is written, each with a fresh engine of `engine`, on two threads: the
+// disk's aggregate rate under a mix like the optimizer's swapping (the bytes
+// of both passes over the time both took). op is kRead, bytes both passes'.
+BenchResult run_both(IoBench& reader, IoBench& writer, const EngineOptions& engine);
+
 }  // namespace strata::nvme

@@ -546,6 +546,14 @@ TEST(BenchTest, WritesThenReadsTheWholeFileAndCleansUp) {
         EXPECT_EQ(r.direct, direct == DirectIo::kRequire);
         EXPECT_EQ(r.rings, 2);
       }
+      // Read back while a second file is written: both passes' bytes, and
+      // the first file still reads whole afterwards.
+      IoBench second(bo);
+      const BenchResult both = run_both(bench, second, eo);
+      EXPECT_EQ(both.bytes, 16 * kMiB);
+      EXPECT_GT(both.seconds, 0);
+      EXPECT_TRUE(path_exists(second.path()));
+      EXPECT_EQ(bench.run(IoOp::kRead, eo).bytes, 8 * kMiB);
       EXPECT_TRUE(path_exists(path));
     }
     EXPECT_FALSE(path_exists(path)) << "temporary file left behind";

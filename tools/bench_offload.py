@@ -4,8 +4,8 @@ over NVMe shares, timed against the I/O bound measured in the same run.
 
 For a model whose optimizer state is several GB (default: ~250M parameters,
 3 GB of fp32 master + exp_avg + exp_avg_sq), each round
-  1. measures the swap directory's write and read bandwidth with
-     `strata bench-io` (the same block size, queue depth and rings as the
+  1. measures the swap directory's write, read and both-at-once bandwidth
+     with `strata bench-io` (the same block size, queue depth and rings as the
      training config's aio section),
   2. trains a few steps with 0, 25, 50, 75 and 100 % of the optimizer state on
      NVMe (the rest, and the gradients, in host RAM) and reads the metrics.
@@ -67,7 +67,8 @@ def make_config(args, share, swap_dir, metrics, overlap=True, checksums=True, io
                 "swap_checksums": checksums,
                 # The step's bound over this round's bench-io figures (compute and
                 # CPU Adam are measured by strata train at start).
-                "rates": {"nvme_read_gbps": io["read"], "nvme_write_gbps": io["write"]} if io else None},
+                "rates": {"nvme_read_gbps": io["read"], "nvme_write_gbps": io["write"],
+                          "nvme_both_gbps": io["both"]} if io else None},
     }
 
 
@@ -81,15 +82,15 @@ def run(cmd, **kw):
 def bench_io(args, directory):
     out = run([args.strata, "bench-io", "--dir", directory, "--size-mb", str(args.io_size_mb),
                "--block-size", args.block_size, "--queue-depth", str(args.queue_depth),
-               "--rings", str(args.rings), "--json"])
+               "--rings", str(args.rings), "--ops", "write,read,both", "--json"])
     bw = {}
     for line in out.splitlines():
         line = line.strip()
         if line.startswith("{"):
             m = json.loads(line)
             bw[m["op"]] = m["gbps"]
-    if "read" not in bw or "write" not in bw:
-        sys.exit("bench_offload: bench-io printed no read/write figures:\n" + out)
+    if "read" not in bw or "write" not in bw or "both" not in bw:
+        sys.exit("bench_offload: bench-io printed no read/write/both figures:\n" + out)
     return bw
 
 
@@ -157,7 +158,8 @@ def main():
     try:
         for r in range(args.rounds):
             io = bench_io(args, work)
-            print(f"round {r + 1}: bench-io write {io['write']:.2f} GB/s, read {io['read']:.2f} GB/s", flush=True)
+            print(f"round {r + 1}: bench-io write {io['write']:.2f} GB/s, read {io['read']:.2f} GB/s, "
+                  f"both at once {io['both']:.2f} GB/s", flush=True)
             per_share = {}
             for s in shares:
                 m = train(args, s, work, io=io)

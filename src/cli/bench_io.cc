@@ -83,6 +83,7 @@ struct Measured {
   Config config;
   double write_gbps = 0;  // medians over rounds
   double read_gbps = 0;
+  double both_gbps = 0;   // reading and writing at once, aggregate (--ops ...,both)
 };
 
 nlohmann::json to_json(const nvme::BenchResult& r, int round) {
@@ -119,9 +120,17 @@ int run_bench_io(const BenchIoOptions& opt) {
     bo.direct = nvme::DirectIo::kOff;
   else
     throw ConfigError("--direct", "must be auto, require or off, got '" + opt.direct + "'");
-  const bool do_write = opt.ops.find("write") != std::string::npos;
-  const bool do_read = opt.ops.find("read") != std::string::npos;
-  if (!do_write && !do_read) throw ConfigError("--ops", "must name write, read or both");
+  bool do_write = false, do_read = false, do_both = false;
+  for (size_t at = 0; at <= opt.ops.size();) {
+    const size_t comma = std::min(opt.ops.find(',', at), opt.ops.size());
+    const std::string op = opt.ops.substr(at, comma - at);
+    if (op == "write") do_write = true;
+    else if (op == "read") do_read = true;
+    else if (op == "both") do_both = true;
+    else throw ConfigError("--ops", "'" + op + "' is not write, read or both");
+    at = comma + 1;
+  }
+  if (do_both && !do_write) throw ConfigError("--ops", "both reads the file the write pass wrote: name write too");
   if (opt.rounds < 1) throw ConfigError("--rounds", "must be at least 1");
   const int64_t submit_batch_bytes =
       opt.submit_batch == "0" ? 0 : parse_size("--submit-batch", opt.submit_batch);
@@ -152,6 +161,8 @@ int run_bench_io(const BenchIoOptions& opt) {
   }
 
   nvme::IoBench bench(bo);
+  std::unique_ptr<nvme::IoBench> second;  // the file written while `bench`'s is read (--ops both)
+  if (do_both) second = std::make_unique<nvme::IoBench>(bo);
   std::vector<Measured> measured;
   if (!opt.json) {
     std::printf("bench-io: %s, %s per pass%s%s\n", bench.path().c_str(),
@@ -168,7 +179,7 @@ int run_bench_io(const BenchIoOptions& opt) {
     eo.overlap_events = opt.overlap_events;
     eo.single_submit = opt.single_submit;
     eo.submit_batch_bytes = submit_batch_bytes;
-    std::vector<double> writes, reads;
+    std::vector<double> writes, reads, boths;
     std::string backend;
     bool direct = true;
     for (int round = 0; round < opt.rounds; ++round) {
@@ -189,8 +200,19 @@ int run_bench_io(const BenchIoOptions& opt) {
         if (opt.json) std::printf("%s\n", to_json(r, round).dump().c_str());
         std::fflush(stdout);
       }
+      if (do_both) {
+        // The written file read back while a second one is written.
+        const nvme::BenchResult r = nvme::run_both(bench, *second, eo);
+        boths.push_back(r.gbps());
+        if (opt.json) {
+          nlohmann::json j = to_json(r, round);
+          j["op"] = "both";
+          std::printf("%s\n", j.dump().c_str());
+        }
+        std::fflush(stdout);
+      }
     }
-    measured.push_back({c, median(writes), median(reads)});
+    measured.push_back({c, median(writes), median(reads), median(boths)});
     if (!opt.json && ci == 0) {
       std::printf("backend %s, %s I/O\n", backend.c_str(), direct ? "direct" : "buffered");
       std::printf("%8s %6s %6s %12s %12s\n", "block", "qd", "rings", "write GB/s", "read GB/s");
@@ -198,6 +220,10 @@ int run_bench_io(const BenchIoOptions& opt) {
     if (!opt.json) {
       std::printf("%8s %6d %6d %12.2f %12.2f\n", size_label(c.block_size_bytes).c_str(),
                   c.queue_depth, c.rings, measured.back().write_gbps, measured.back().read_gbps);
+      if (do_both) {
+        std::printf("%8s %6s %6s %12s %12s  both at once: %.2f GB/s (aggregate)\n", "", "", "", "", "",
+                    measured.back().both_gbps);
+      }
       std::fflush(stdout);
     }
   }
@@ -257,7 +283,10 @@ void register_bench_io(CLI::App& app, int& result) {
   cmd->add_flag("--json", opt->json, "Print one JSON object per measurement instead of a table");
   cmd->add_option("--backend", opt->backend, "auto | io_uring | threads")->capture_default_str();
   cmd->add_option("--direct", opt->direct, "O_DIRECT: auto | require | off")->capture_default_str();
-  cmd->add_option("--ops", opt->ops, "write,read | write | read")->capture_default_str();
+  cmd->add_option("--ops", opt->ops,
+                  "write,read | write | read; add both: read the written file while writing a second one "
+                  "(the aggregate rate, run.rates.nvme_both_gbps)")
+      ->capture_default_str();
   cmd->add_flag("--fsync", opt->fsync,
                 "Time each write pass to the end of fdatasync (the durable rate a checkpoint pays)");
   cmd->add_option("--rounds", opt->rounds, "Passes per configuration (the table shows medians)")

@@ -174,11 +174,7 @@ IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s) {
   r.read = bench.run(nvme::IoOp::kRead, e).gbps() * 1e9;
   // Both at once: read the first file back while a second is written.
   nvme::IoBench other(o);
-  const auto t0 = Clock::now();
-  std::thread writer([&] { other.run(nvme::IoOp::kWrite, e); });
-  bench.run(nvme::IoOp::kRead, e);
-  writer.join();
-  r.both = double(2 * o.bytes) / since(t0);
+  r.both = nvme::run_both(bench, other, e).gbps() * 1e9;
   return r;
 }
 
