@@ -237,7 +237,10 @@ void OptimizerPass::run(const OptimizerThread::Job& job) {
     const int k = int(j % size_t(sets));
     const PlacementUnit& g = pieces_[j];
     if (ahead > 0 && j + ahead < pieces_.size()) stage_piece(j + ahead, job);  // read ahead
-    st.read_done(k).wait();
+    {
+      TraceSpan span(TraceTrack::kAdam, "wait for the piece's reads (and verify them)");
+      st.read_done(k).wait();
+    }
     int64_t end = g.offset + g.numel;  // what this piece's update overwrites
     for (const DeviceRun& r : device_launch_[j]) end = std::max(end, r.offset + r.numel);
     if (save) {
@@ -277,7 +280,10 @@ void OptimizerPass::stage_piece(size_t j, const OptimizerThread::Job& job) {
   const PlacementPlan& plan = state.plan();
   const int k = int(j % size_t(st.sets()));
   const PlacementUnit& g = pieces_[j];
-  st.write_done(k).wait();  // the set's previous user is written back
+  if (st.write_done(k).pending()) {
+    TraceSpan span(TraceTrack::kAdam, "wait for the set's write-back");
+    st.write_done(k).wait();  // the set's previous user is written back
+  }
   OptSet& sp = sets_[size_t(k)];
   sp.adam = cpu_adam::AdamSpans();
   sp.adam.state_type = plan.bf16_moments() ? cpu_adam::StateType::kBF16 : cpu_adam::StateType::kF32;
