@@ -87,31 +87,34 @@ TEST(BoundTest, BytesPerLinkOfAnOffloadedPlacement) {
   r.adam = 1e9;  // + 0.000524288 s of Adam on the same cores
   r.h2d = 2e9, r.d2h = 4e9, r.nvme_read = 1e9, r.nvme_write = 0.5e9, r.nvme_both = 1e9;
   StepBound b = step_bound(w, r, /*cpu_compute=*/true);
-  ASSERT_EQ(b.resources.size(), 5u);
-  EXPECT_EQ(b.resources[0].resource, "cpu (compute + Adam)");
-  EXPECT_NEAR(b.resources[0].seconds, 0.050524288, 1e-12);
-  EXPECT_NEAR(b.resources[1].seconds, 0.001048576, 1e-12);  // h2d
-  EXPECT_NEAR(b.resources[2].seconds, 0.001048576, 1e-12);  // d2h
+  ASSERT_EQ(b.resources.size(), 3u);
+  // The cores: 0.05 s of compute, 0.000524288 s of Adam and the copies,
+  // memcpy here: H2D 0.001048576 s and D2H 0.001048576 s.
+  EXPECT_EQ(b.resources[0].resource, "cpu (compute + Adam + copies)");
+  EXPECT_NEAR(b.resources[0].seconds, 0.052621440, 1e-12);
   // Reads 0.01048576 s, writes 0.02097152 s, both 20971520 B at 1 GB/s.
-  EXPECT_NEAR(b.resources[3].seconds, 0.02097152, 1e-12);
+  EXPECT_EQ(b.resources[1].resource, "nvme (read + write)");
+  EXPECT_NEAR(b.resources[1].seconds, 0.02097152, 1e-12);
   // The optimizer's I/O (reads 0.008388608 s, writes 0.012582912 s, both
   // 14680064 B: 0.014680064 s) outlasts the first forward with Adam
-  // (0.00625 + 0.000524288 s); the rest of the compute (0.04375 s) follows.
-  EXPECT_EQ(b.resources[4].resource, "dependencies");
-  EXPECT_NEAR(b.resources[4].seconds, 0.014680064 + 0.04375, 1e-12);
+  // (0.00625 + 0.000524288 s); the rest of the compute (0.04375 s) and the
+  // copies (0.002097152 s) follow.
+  EXPECT_EQ(b.resources[2].resource, "dependencies");
+  EXPECT_NEAR(b.resources[2].seconds, 0.014680064 + 0.04375 + 0.002097152, 1e-12);
   EXPECT_EQ(b.binding, "dependencies");
-  EXPECT_NEAR(b.seconds, 0.058430064, 1e-12);
-  // Without the overlap, compute then the optimizer: 0.05 + 0.014680064.
+  EXPECT_NEAR(b.seconds, 0.060527216, 1e-12);
+  // Without the overlap, compute and copies, then the optimizer: 0.05 +
+  // 0.002097152 + 0.014680064.
   w.overlap_optimizer = false;
-  EXPECT_NEAR(step_bound(w, r, true).seconds, 0.064680064, 1e-12);
+  EXPECT_NEAR(step_bound(w, r, true).seconds, 0.066777216, 1e-12);
   w.overlap_optimizer = true;
   // Writes at 0.1 GB/s: the disk takes 0.1048576 s, the optimizer's writes
-  // 0.06291456 s, and the dependencies 0.06291456 + 0.04375 s bind.
+  // 0.06291456 s, and the dependencies 0.06291456 + 0.04375 + 0.002097152 s bind.
   r.nvme_write = 0.1e9;
   b = step_bound(w, r, true);
-  EXPECT_NEAR(b.resources[3].seconds, 0.1048576, 1e-12);
+  EXPECT_NEAR(b.resources[1].seconds, 0.1048576, 1e-12);
   EXPECT_EQ(b.binding, "dependencies");
-  EXPECT_NEAR(b.seconds, 0.10666456, 1e-12);
+  EXPECT_NEAR(b.seconds, 0.108761712, 1e-12);
   // Without any compute to hide behind, the disk binds.
   w.flops = w.first_forward_flops = 0;
   w.adam_elems = 0;
@@ -186,16 +189,17 @@ TEST(BoundTest, SwapChecksumsShareTheCpu) {
   EXPECT_EQ(missing_rates(w, r, true), std::vector<std::string>{"--checksum-gbps"});
   r.checksum = 1.048576e9;
   const StepBound b = step_bound(w, r, /*cpu_compute=*/true);
-  ASSERT_EQ(b.resources.size(), 5u);
-  // The cores: 0.05 s of compute + 0.000524288 s of Adam + 0.02 s of checksums.
-  EXPECT_EQ(b.resources[0].resource, "cpu (compute + Adam + checksums)");
-  EXPECT_NEAR(b.resources[0].seconds, 0.070524288, 1e-12);
+  ASSERT_EQ(b.resources.size(), 3u);
+  // The cores: 0.05 s of compute + 0.000524288 s of Adam + 0.002097152 s of
+  // copies + 0.02 s of checksums.
+  EXPECT_EQ(b.resources[0].resource, "cpu (compute + Adam + copies + checksums)");
+  EXPECT_NEAR(b.resources[0].seconds, 0.07262144, 1e-12);
   // The optimizer: the first forward, its Adam and its checksums (0.00625 +
   // 0.000524288 + 0.014 s) now outlast its I/O (0.014680064 s).
-  EXPECT_EQ(b.resources[4].resource, "dependencies");
-  EXPECT_NEAR(b.resources[4].seconds, 0.020774288 + 0.04375, 1e-12);
-  EXPECT_EQ(b.binding, "cpu (compute + Adam + checksums)");
-  EXPECT_NEAR(b.seconds, 0.070524288, 1e-12);
+  EXPECT_EQ(b.resources[2].resource, "dependencies");
+  EXPECT_NEAR(b.resources[2].seconds, 0.020774288 + 0.04375 + 0.002097152, 1e-12);
+  EXPECT_EQ(b.binding, "cpu (compute + Adam + copies + checksums)");
+  EXPECT_NEAR(b.seconds, 0.07262144, 1e-12);
 
   // On a GPU, bf16, weights and gradients in HBM, the optimizer state on
   // NVMe: 12n read and 12n written, all of it the optimizer's (12582912

@@ -192,6 +192,9 @@ double probe_adam(const Config& cfg, const Device& device, double budget_s) {
   std::vector<float> param(size_t(n), 0.5f), grad(size_t(n), 1e-3f);
   std::vector<uint32_t> m(size_t(n), 0), v(size_t(n), 0);  // zero in fp32 and in bf16 pairs
   std::vector<uint16_t> emit(static_cast<size_t>(n), uint16_t{0});
+  // fp32 compute: the working copy is the master's copy, made after the step
+  // (OptimizerPass::update_piece).
+  std::vector<float> working(cfg.run.compute_dtype == ComputeDtype::kFp32 ? size_t(n) : 0);
   cpu_adam::AdamSpans s;
   s.param = param.data();
   s.grad = grad.data();
@@ -207,6 +210,7 @@ double probe_adam(const Config& cfg, const Device& device, double budget_s) {
   cpu_adam::StepArgs a;
   return double(n) / fastest_seconds(budget_s, [&] {
            adam.step(h, a, s);
+           if (!working.empty()) std::memcpy(working.data(), param.data(), size_t(n) * 4);
            ++a.step;
          });
 }

@@ -38,7 +38,8 @@ struct IoRates {
 IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s);
 
 // CPU Adam's elements/s with the optimizer's threads, ISA and state dtype,
-// emitting the compute dtype's working copy.
+// emitting the compute dtype's working copy (fp32: copying it after the step,
+// as the optimizer does).
 double probe_adam(const Config& cfg, const Device& device, double budget_s);
 
 // Bytes/s of the swap checksums (CRC-32C of 4 KiB blocks) on CPU Adam's

@@ -248,12 +248,23 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
   const bool checksums = w.checksum_bytes > 0;
   const std::string checksum_work = checksums ? " + " + bytes_text(double(w.checksum_bytes)) + " checksummed" : "";
   const std::string checksum_rate = checksums ? " + " + gbps_text(r.checksum) + " CRC-32C" : "";
+  // On CPU compute, H2D and D2H are memcpy by the cores.
+  const double copies_s = !cpu_compute ? 0.0
+                                       : (w.links.h2d > 0 ? double(w.links.h2d) / r.h2d : 0.0) +
+                                             (w.links.d2h > 0 ? double(w.links.d2h) / r.d2h : 0.0);
   if (cpu_compute) {
     // One pool of cores and memory bandwidth does all of it.
-    add(checksums ? "cpu (compute + Adam + checksums)" : "cpu (compute + Adam)",
-        flops_text(w.flops) + " + " + elems_text(double(w.adam_elems)) + checksum_work,
-        strprintf("%.3g TFLOP/s + %.3g G elements/s", r.device_flops / 1e12, r.adam / 1e9) + checksum_rate,
-        compute_s + adam_s + checksum_s);
+    const bool copies = w.links.h2d > 0 || w.links.d2h > 0;
+    std::string name = "cpu (compute + Adam", work = flops_text(w.flops) + " + " + elems_text(double(w.adam_elems));
+    std::string rate = strprintf("%.3g TFLOP/s + %.3g G elements/s", r.device_flops / 1e12, r.adam / 1e9);
+    if (copies) {
+      name += " + copies";
+      work += " + " + bytes_text(double(w.links.h2d + w.links.d2h)) + " copied";
+      if (w.links.h2d > 0) rate += " + " + gbps_text(r.h2d) + " h2d";
+      if (w.links.d2h > 0) rate += " + " + gbps_text(r.d2h) + " d2h";
+    }
+    if (checksums) name += " + checksums";
+    add(name + ")", work + checksum_work, rate + checksum_rate, compute_s + adam_s + copies_s + checksum_s);
   } else {
     if (w.flops > 0) add("device", flops_text(w.flops), strprintf("%.3g TFLOP/s", r.device_flops / 1e12), compute_s);
     if (w.adam_elems > 0 || checksums) {
@@ -261,8 +272,8 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
           strprintf("%.3g G elements/s", r.adam / 1e9) + checksum_rate, adam_s + checksum_s);
     }
   }
-  if (w.links.h2d > 0) add("h2d", bytes_text(double(w.links.h2d)), gbps_text(r.h2d), double(w.links.h2d) / r.h2d);
-  if (w.links.d2h > 0) add("d2h", bytes_text(double(w.links.d2h)), gbps_text(r.d2h), double(w.links.d2h) / r.d2h);
+  if (!cpu_compute && w.links.h2d > 0) add("h2d", bytes_text(double(w.links.h2d)), gbps_text(r.h2d), double(w.links.h2d) / r.h2d);
+  if (!cpu_compute && w.links.d2h > 0) add("d2h", bytes_text(double(w.links.d2h)), gbps_text(r.d2h), double(w.links.d2h) / r.d2h);
   if (!cpu_compute && w.links.h2d > 0 && w.links.d2h > 0) {
     const double both = double(w.links.h2d + w.links.d2h);
     add("pcie (h2d + d2h)", bytes_text(both), gbps_text(r.pcie_both), both / r.pcie_both);
@@ -292,10 +303,12 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
   double path = 0;
   // The optimizer's thread checksums its pieces between their updates.
   const double opt_cpu = adam_s + opt_checksum_s;
+  // On CPU compute the cores make the step's copies too (the fetches in the
+  // forward, the gradients' landing in the backward: copies_s, 0 on a GPU).
   if (!w.overlap_optimizer) {
-    path = compute_s + std::max(opt_cpu, opt_io);
+    path = compute_s + copies_s + std::max(opt_cpu, opt_io);
   } else if (cpu_compute) {  // the forward and CPU Adam share the cores
-    path = std::max(fwd + opt_cpu, opt_io) + (compute_s - fwd);
+    path = std::max(fwd + opt_cpu, opt_io) + (compute_s - fwd) + copies_s;
   } else {
     path = std::max(fwd, std::max(opt_cpu, opt_io)) + (compute_s - fwd);
   }

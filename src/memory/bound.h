@@ -83,7 +83,7 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& plan, const std:
 std::vector<int64_t> train_fetches(const PlacementPlan& plan);
 
 struct ResourceTime {
-  // "cpu (compute + Adam)" (or "cpu (compute + Adam + checksums)"), "device",
+  // "cpu (compute + Adam)" (with " + copies", " + checksums" where they have work), "device",
   // "cpu adam" (or "cpu (Adam + checksums)"), "h2d", "d2h", "pcie (h2d + d2h)",
   // "nvme (read + write)", "network", "intra-node", "dependencies"
   std::string resource;
@@ -99,9 +99,10 @@ struct StepBound {
 };
 
 // The resources that really share hardware: with CPU compute
-// (`cpu_compute`), compute, CPU Adam and the swap checksums share the cores,
-// and H2D/D2H are memcpy in RAM; on a GPU the device is apart, and CPU Adam
-// and the checksums share the host's cores. NVMe reads and writes share the
+// (`cpu_compute`), compute, CPU Adam, the copies (H2D/D2H are memcpy by the
+// cores) and the swap checksums share the cores, in the step's dependencies
+// too; on a GPU the device and the PCIe directions are apart, and CPU Adam and
+// the checksums share the host's cores. NVMe reads and writes share the
 // disk: its time is the longest of reads alone, writes alone and both at the
 // aggregate rate. Besides each resource's busy time, the step's dependencies: the
 // optimizer of step s starts after its backward and must finish before step
