@@ -17,7 +17,9 @@ link, and two same-run ratios:
   - full step with 100 % on NVMe / full step with it in RAM (0 %).
 It also prints each share's step bound (`bound_s` from the metrics: the
 model of docs/design.md "The step's bound" over the step's own byte counts,
-with this round's bench-io figures as the NVMe rates) and step / bound.
+with this round's bench-io figures as the NVMe rates and this round's
+`strata plan --probe-seconds` probes for compute, CPU Adam, the CRC-32C of
+the swap checksums and memcpy, the same for every share) and step / bound.
 With --plot FILE it draws step time, the bound and bytes per link against the share
 (needs matplotlib: tools/setup.sh installs it into .venv).
 
@@ -65,10 +67,10 @@ def make_config(args, share, swap_dir, metrics, overlap=True, checksums=True, io
                  "val_fraction": 0.0, "eval_interval": 0},
         "run": {"steps": args.steps + args.warmup, "seed": 1, "metrics": metrics, "overlap_optimizer": overlap,
                 "swap_checksums": checksums,
-                # The step's bound over this round's bench-io figures (compute and
-                # CPU Adam are measured by strata train at start).
-                "rates": {"nvme_read_gbps": io["read"], "nvme_write_gbps": io["write"],
-                          "nvme_both_gbps": io["both"]} if io else None},
+                # The step's bound over this round's rates: bench-io's for the
+                # disk, `strata plan`'s probes for the rest (probe_rates).
+                "rates": ({"nvme_read_gbps": io["read"], "nvme_write_gbps": io["write"],
+                           "nvme_both_gbps": io["both"]} | io.get("probed", {})) if io else None},
     }
 
 
@@ -92,6 +94,19 @@ def bench_io(args, directory):
     if "read" not in bw or "write" not in bw or "both" not in bw:
         sys.exit("bench_offload: bench-io printed no read/write/both figures:\n" + out)
     return bw
+
+
+def probe_rates(args, work, io):
+    """The rest of the bound's rates, once per round for every share: `strata
+    plan --probe-seconds` (longer than strata train's 0.2 s at start) on the
+    100% configuration with the disk's rates given."""
+    plan = json.loads(run([args.strata, "plan", "--json", "--probe-seconds", str(args.probe_seconds),
+                           _write(work, "probe.json", make_config(args, 100, os.path.join(work, "swap"),
+                                                                  "/dev/null", io=io))]))
+    r = plan["bound"]["rates"]
+    return {"device_tflops": r["device_flops"] / 1e12, "adam_gelems": r["adam_elements_per_s"] / 1e9,
+            "checksum_gbps": r["checksum_bytes_per_s"] / 1e9, "d2h_gbps": r["d2h_bytes_per_s"] / 1e9,
+            "h2d_gbps": (r["h2d_bytes_per_s"] or r["d2h_bytes_per_s"]) / 1e9}
 
 
 def train(args, share, work, overlap=True, checksums=True, io=None):
@@ -129,6 +144,8 @@ def main():
     ap.add_argument("--queue-depth", type=int, default=32)
     ap.add_argument("--rings", type=int, default=2)
     ap.add_argument("--io-size-mb", type=int, default=2048)
+    ap.add_argument("--probe-seconds", type=float, default=1.0,
+                    help="each rate probe of `strata plan` per round (the bound's compute, Adam, CRC, memcpy)")
     ap.add_argument("--json", help="write all figures to this file")
     ap.add_argument("--plot", help="draw step time and bytes per link against the share into this PNG")
     ap.add_argument("--replot", metavar="JSON", help="only draw --plot from a --json file of an earlier run")
@@ -158,8 +175,12 @@ def main():
     try:
         for r in range(args.rounds):
             io = bench_io(args, work)
+            io["probed"] = probe_rates(args, work, io)
+            p = io["probed"]
             print(f"round {r + 1}: bench-io write {io['write']:.2f} GB/s, read {io['read']:.2f} GB/s, "
-                  f"both at once {io['both']:.2f} GB/s", flush=True)
+                  f"both at once {io['both']:.2f} GB/s; probes: compute {p['device_tflops'] * 1e3:.1f} GFLOP/s, "
+                  f"Adam {p['adam_gelems']:.2f} G elements/s, CRC-32C {p['checksum_gbps']:.1f} GB/s, "
+                  f"memcpy {p['d2h_gbps']:.1f} GB/s", flush=True)
             per_share = {}
             for s in shares:
                 m = train(args, s, work, io=io)
@@ -172,7 +193,8 @@ def main():
             inline = None
             if 100 in shares:
                 inline = train(args, 100, work, overlap=False)
-                print(f"  nvme 100%, optimizer not overlapped: optimizer {inline['optimizer_s']:.2f} s", flush=True)
+                print(f"  nvme 100%, optimizer not overlapped: step {inline['step_s']:.2f} s, "
+                      f"bound {inline['bound_s']:.2f} s, optimizer {inline['optimizer_s']:.2f} s", flush=True)
             # What the swap checksums cost the step.
             unchecked = None
             if 100 in shares:
@@ -206,6 +228,10 @@ def main():
         summary["optimizer_over_io_bound"] = opt_ratio
         print(f"\noptimizer step alone (run.overlap_optimizer=false), 100% on NVMe / I/O bound (same round): "
               f"{opt_ratio:.3f}x (target <= 1.10)")
+        inline_step = statistics.median(rd["inline100"]["step_s"] for rd in rounds)
+        inline_ratio = statistics.median(rd["inline100"]["step_over_bound"] for rd in rounds)
+        summary["inline100"] = {"step_s": inline_step, "step_over_bound": inline_ratio}
+        print(f"full step at 100% without run.overlap_optimizer: {inline_step:.2f} s, step / bound {inline_ratio:.3f}")
         if 0 in shares:
             step_ratio = statistics.median(rd["shares"][100]["step_s"] / rd["shares"][0]["step_s"] for rd in rounds)
             summary["step_nvme_over_ram"] = step_ratio
