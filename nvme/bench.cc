@@ -5,8 +5,8 @@
 #include <algorithm>
 #include <chrono>
 #include <cstring>
-#include <random>
 #include <exception>
+#include <random>
 #include <thread>
 #include <vector>
 
