@@ -31,6 +31,27 @@ MachineCapacity gpu_like() {
   return m;
 }
 
+// Param16 in host RAM, gradients and optimizer state on NVMe, two
+// micro-batches of one (BytesPerLinkOfAnOffloadedPlacement counts its bytes).
+Config offloaded_config(bool checksums) {
+  return config_with(
+      {"gradient_accumulation_steps=2", "train_micro_batch_size_per_gpu=1",
+       std::string("run.swap_checksums=") + (checksums ? "true" : "false"),
+       "placement={\"param16\":{\"host\":1},\"grad\":{\"nvme\":1},\"optimizer\":{\"nvme\":1},\"nvme_path\":\"/tmp\"}"});
+}
+
+// Rates for `w` on the CPU device: 0.05 s of compute of which the first
+// forward is an eighth (0.00625 s), Adam at 1 G elements/s, 2 GB/s H2D, 4
+// GB/s D2H, NVMe 1 GB/s read, 0.5 GB/s write, 1 GB/s both at once.
+Rates cpu_rates(StepWork& w) {
+  Rates r;
+  r.device_flops = w.flops / 0.05;
+  w.first_forward_flops = w.flops / 8;
+  r.adam = 1e9;
+  r.h2d = 2e9, r.d2h = 4e9, r.nvme_read = 1e9, r.nvme_write = 0.5e9, r.nvme_both = 1e9;
+  return r;
+}
+
 // dim 64, 2 layers, 4 heads of 16 (2 kv heads), ffn 96, vocab 256, seq 32:
 //   per layer, matrices: q 64x64 = 4096, k and v 64x32 = 2048 each, o 4096,
 //   gate/up/down 3 x 64 x 96 = 18432: 30720 multiply-adds per token;
@@ -61,9 +82,7 @@ TEST(BoundTest, StepFlopsCountEveryMatrixTheHeadAndTheAttention) {
 //   nvme write: gradients 4n x 2 + optimizer state 12n = 10485760
 // (without the swap checksums: BoundTest.SwapChecksumsShareTheCpu has them).
 TEST(BoundTest, BytesPerLinkOfAnOffloadedPlacement) {
-  const Config cfg = config_with(
-      {"gradient_accumulation_steps=2", "train_micro_batch_size_per_gpu=1", "run.swap_checksums=false",
-       "placement={\"param16\":{\"host\":1},\"grad\":{\"nvme\":1},\"optimizer\":{\"nvme\":1},\"nvme_path\":\"/tmp\"}"});
+  const Config cfg = offloaded_config(/*checksums=*/false);
   const PlacementPlan p = make_plan(cfg, make_layout(), 0, MachineCapacity{});
   const std::vector<int64_t> f = train_fetches(p);
   EXPECT_EQ(f, std::vector<int64_t>(8, 1));
@@ -81,11 +100,7 @@ TEST(BoundTest, BytesPerLinkOfAnOffloadedPlacement) {
   // Rates: 1 GB/s read, 0.5 GB/s write, 1 GB/s both at once (the disk's
   // time is the longest of the three), 2 GB/s H2D, 4 GB/s D2H, 0.05 s of
   // compute of which the first forward is an eighth (0.00625 s).
-  Rates r;
-  r.device_flops = w.flops / 0.05;
-  w.first_forward_flops = w.flops / 8;
-  r.adam = 1e9;  // + 0.000524288 s of Adam on the same cores
-  r.h2d = 2e9, r.d2h = 4e9, r.nvme_read = 1e9, r.nvme_write = 0.5e9, r.nvme_both = 1e9;
+  Rates r = cpu_rates(w);  // Adam: + 0.000524288 s on the same cores
   StepBound b = step_bound(w, r, /*cpu_compute=*/true);
   ASSERT_EQ(b.resources.size(), 3u);
   // The cores: 0.05 s of compute, 0.000524288 s of Adam and the copies,
@@ -174,18 +189,12 @@ TEST(BoundTest, OnAGpuCpuAdamPcieAndComputeAreSeparateResources) {
 // 8388608 + 6291456 = 14680064. At 1.048576 GB/s of CRC-32C that is 0.02 s,
 // 0.014 s of it on the optimizer's thread, in sequence with its Adam.
 TEST(BoundTest, SwapChecksumsShareTheCpu) {
-  const Config cfg = config_with(
-      {"gradient_accumulation_steps=2", "train_micro_batch_size_per_gpu=1",
-       "placement={\"param16\":{\"host\":1},\"grad\":{\"nvme\":1},\"optimizer\":{\"nvme\":1},\"nvme_path\":\"/tmp\"}"});
+  const Config cfg = offloaded_config(/*checksums=*/true);
   const PlacementPlan p = make_plan(cfg, make_layout(), 0, MachineCapacity{});
   StepWork w = predicted_work(cfg, p, train_fetches(p), NetworkBytes{});
   EXPECT_EQ(w.checksum_bytes, 20971520);
   EXPECT_EQ(w.optimizer_checksum_bytes, 14680064);
-  Rates r;
-  r.device_flops = w.flops / 0.05;
-  w.first_forward_flops = w.flops / 8;
-  r.adam = 1e9;
-  r.h2d = 2e9, r.d2h = 4e9, r.nvme_read = 1e9, r.nvme_write = 0.5e9, r.nvme_both = 1e9;
+  Rates r = cpu_rates(w);
   EXPECT_EQ(missing_rates(w, r, true), std::vector<std::string>{"--checksum-gbps"});
   r.checksum = 1.048576e9;
   const StepBound b = step_bound(w, r, /*cpu_compute=*/true);

@@ -727,14 +727,7 @@ TEST_F(SwapTest, FlippedByteIsCaughtOnTheNextRead) {
   store.read(id, buf_.data() + 4 * kMiB).wait();  // intact
   // Flip one byte in the second block of the file, behind the store's back.
   const std::string path = store.file_paths().front();
-  const int fd = ::open(path.c_str(), O_RDWR);
-  ASSERT_GE(fd, 0);
-  const off_t at = 256 * kKiB + 777;
-  unsigned char byte;
-  ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
-  byte ^= 0x10;
-  ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
-  ::close(fd);
+  ASSERT_TRUE(strata::testing::flip_bytes(path, std::vector<off_t>{256 * kKiB + 777}, 0x10));
   SwapHandle corrupt = store.read(id, buf_.data() + 4 * kMiB);
   try {
     corrupt.wait();
@@ -788,15 +781,7 @@ TEST_F(SwapTest, ParallelChecksumsAgreeWithOneThreadAndReportTheLowestBadBlock) 
   ASSERT_EQ(std::memcmp(dst, src, size_t(n)), 0);
   // Two flipped blocks, in the first and the last range: the first is named.
   const std::string path = store.file_paths().front();
-  const int fd = ::open(path.c_str(), O_RDWR);
-  ASSERT_GE(fd, 0);
-  for (const off_t at : {off_t(100 * 4096 + 5), off_t(500 * 4096 + 9)}) {
-    unsigned char byte;
-    ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
-    byte ^= 0x01;
-    ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
-  }
-  ::close(fd);
+  ASSERT_TRUE(strata::testing::flip_bytes(path, std::vector<off_t>{100 * 4096 + 5, 500 * 4096 + 9}, 0x01));
   try {
     store.read(id, 0, n, dst, &threads).wait();
     ADD_FAILURE() << "corrupt blocks were returned";

@@ -323,15 +323,9 @@ TEST_F(TieredTest, SwapFileChangedBetweenStepsIsCaughtByTheOptimizer) {
     ASSERT_EQ(files.size(), 1u);
     struct stat st;
     ASSERT_EQ(::stat(files[0].c_str(), &st), 0);
-    const int fd = ::open(files[0].c_str(), O_RDWR);
-    ASSERT_GE(fd, 0);
-    for (off_t at = 100; at < st.st_size; at += 4096) {
-      unsigned char byte;
-      ASSERT_EQ(::pread(fd, &byte, 1, at), 1);
-      byte ^= 0x40;
-      ASSERT_EQ(::pwrite(fd, &byte, 1, at), 1);
-    }
-    ::close(fd);
+    std::vector<off_t> every_page;
+    for (off_t at = 100; at < st.st_size; at += 4096) every_page.push_back(at);
+    ASSERT_TRUE(testing::flip_bytes(files[0], every_page, 0x40));
     try {
       trainer.step(batch.data());
       trainer.finish();

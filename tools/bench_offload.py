@@ -109,14 +109,18 @@ def probe_rates(args, work, io):
             "h2d_gbps": (r["h2d_bytes_per_s"] or r["d2h_bytes_per_s"]) / 1e9}
 
 
-def train(args, share, work, overlap=True, checksums=True, io=None):
+def train(args, share, work, overlap=True, checksums=True, io=None, tag=""):
     swap = os.path.join(work, "swap")
     os.makedirs(swap, exist_ok=True)
     metrics = os.path.join(work, f"metrics-{share}.jsonl")
     cfg_path = os.path.join(work, f"config-{share}.json")
     with open(cfg_path, "w") as f:
         json.dump(make_config(args, share, swap, metrics, overlap, checksums, io), f, indent=1)
-    run([args.strata, "train", cfg_path])
+    cmd = [args.strata, "train", cfg_path]
+    if args.trace:  # a Chrome trace per run (`strata train --trace`)
+        os.makedirs(args.trace, exist_ok=True)
+        cmd += ["--trace", os.path.join(args.trace, f"trace-{share}{tag}.json")]
+    run(cmd)
     steps = [json.loads(l) for l in open(metrics) if l.strip()]
     timed = steps[args.warmup:]
     shutil.rmtree(swap, ignore_errors=True)
@@ -147,6 +151,7 @@ def main():
     ap.add_argument("--probe-seconds", type=float, default=1.0,
                     help="each rate probe of `strata plan` per round (the bound's compute, Adam, CRC, memcpy)")
     ap.add_argument("--json", help="write all figures to this file")
+    ap.add_argument("--trace", metavar="DIR", help="write each run's Chrome trace (strata train --trace) into DIR")
     ap.add_argument("--plot", help="draw step time and bytes per link against the share into this PNG")
     ap.add_argument("--replot", metavar="JSON", help="only draw --plot from a --json file of an earlier run")
     args = ap.parse_args()
@@ -183,7 +188,7 @@ def main():
                   f"memcpy {p['d2h_gbps']:.1f} GB/s", flush=True)
             per_share = {}
             for s in shares:
-                m = train(args, s, work, io=io)
+                m = train(args, s, work, io=io, tag=f"-round{r + 1}")
                 per_share[s] = m
                 print(f"  nvme {s:3d}%: step {m['step_s']:.2f} s, bound {m['bound_s']:.2f} s, "
                       f"optimizer {m['optimizer_s']:.2f} s, "
@@ -192,13 +197,13 @@ def main():
             # The optimizer alone (not overlapped with compute) against the I/O bound.
             inline = None
             if 100 in shares:
-                inline = train(args, 100, work, overlap=False)
+                inline = train(args, 100, work, overlap=False, io=io, tag=f"-round{r + 1}-inline")
                 print(f"  nvme 100%, optimizer not overlapped: step {inline['step_s']:.2f} s, "
                       f"bound {inline['bound_s']:.2f} s, optimizer {inline['optimizer_s']:.2f} s", flush=True)
             # What the swap checksums cost the step.
             unchecked = None
             if 100 in shares:
-                unchecked = train(args, 100, work, checksums=False)
+                unchecked = train(args, 100, work, checksums=False, io=io, tag=f"-round{r + 1}-unchecked")
                 print(f"  nvme 100%, run.swap_checksums=false: step {unchecked['step_s']:.2f} s, "
                       f"optimizer {unchecked['optimizer_s']:.2f} s", flush=True)
             rounds.append({"io": io, "shares": per_share, "inline100": inline, "unchecked100": unchecked})
