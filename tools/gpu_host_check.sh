@@ -16,7 +16,11 @@
 # `gpu-c` run GPU benchmarks (a)-(c) (tools/bench_gpu.py a|b|c: (a) strata against a plain LibTorch
 # loop, GPU_ROUNDS rounds, default 2); `gpu-ranks` trains configs/tiny-cpu.json on the GPU at stage 3
 # with one rank, then two ranks sharing it over Gloo (staged collectives: docs/design.md, "Ranks on a
-# device"), and prints both runs' losses and per-rank bytes side by side; `all` includes none of them.
+# device"), and prints both runs' losses and per-rank bytes side by side; `gpu-suite` runs the test
+# binaries that have GPU cases; `gpu-race` the race probe (tools/gpu_race.json: three GPU runs that must
+# agree bit for bit); `gpu-plans` `strata plan` of configs/gpu-*.json with every rate probed on the host;
+# `gpu-proof` all three and one round of (a) in one call; `gpu-b-trace` (b)'s plan, then B_STEPS
+# (default 3) of its steps with the trace. `all` includes none of the GPU modes.
 set -uo pipefail
 WHAT=${1:-all}
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -101,6 +105,111 @@ PY
   tar czf "$DEST/gpu-ranks.tgz" -C "$work" . 2>/dev/null || true
 fi
 
+if [ "$WHAT" = gpu-suite ] || [ "$WHAT" = gpu-proof ]; then
+  echo "== GPU suite (device, kernels, step, comm, cli tests on the GPU host)"
+  suite="${TMPDIR:-/tmp}/gpu-suite"
+  rm -rf "$suite" && mkdir -p "$suite"
+  pids=()
+  for name in device_test kernels_test step_test comm_test cli_test; do
+    ( cd "$suite" && OMP_NUM_THREADS=2 timeout "${SUITE_TIMEOUT:-240}" "$BIN/$name" >"$suite/$name.log" 2>&1
+      echo "$name rc=$?" >>"$suite/tests.txt" ) &
+    pids+=($!)
+  done
+fi
+
+if [ "$WHAT" = gpu-race ] || [ "$WHAT" = gpu-proof ]; then
+  # The race probe: a tiny fp32 model with the 16-bit parameters on NVMe, cpu_checkpointing,
+  # gradients split device/host and the optimizer device/host/NVMe (tools/gpu_race.json), 5 steps,
+  # twice as it runs and once with CUDA_LAUNCH_BLOCKING=1. Every loss and gradient norm must agree
+  # bit for bit: a difference means a missing wait. The CPU device's run is printed beside them.
+  echo "== race probe"
+  race="${TMPDIR:-/tmp}/gpu-race"
+  rm -rf "$race" && mkdir -p "$race/swap"
+  cp "$ROOT/tools/gpu_race.json" "$race/race.json"
+  python3 -c "
+import array, random
+r = random.Random(0)
+array.array('H', (r.randrange(256) for _ in range(200000))).tofile(open('$race/tok.bin', 'wb'))"
+  for run in first second blocking cpu; do
+    env=(); sets=()
+    [ $run = blocking ] && env=(CUDA_LAUNCH_BLOCKING=1)
+    [ $run = cpu ] && sets=(--set 'run.device="cpu"')
+    ( cd "$race" && env "${env[@]}" timeout 120 "$BIN/strata" train race.json "${sets[@]}" --metrics "m-$run.jsonl" \
+        --trace "t-$run.json" >"$race/$run.log" 2>&1; echo "race $run rc=$?" )
+  done
+  python3 - "$race" <<'PY' | tee "$DEST/race.txt"
+import json, sys
+w = sys.argv[1]
+runs = {}
+for r in ("first", "second", "blocking", "cpu"):
+    try:
+        runs[r] = [json.loads(l) for l in open(f"{w}/m-{r}.jsonl") if l.strip()]
+    except OSError as e:
+        print(f"{r}: no metrics ({e})")
+print("step " + "  ".join(f"{r:>24s}" for r in runs))
+n = max((len(v) for v in runs.values()), default=0)
+for i in range(n):
+    print(f"{i + 1:4d} " + "  ".join(f"{v[i]['loss']:.17g}/{v[i]['grad_norm']:.6g}" if i < len(v) else "-" for v in runs.values()))
+gpu = [runs[r] for r in ("first", "second", "blocking") if r in runs]
+same = len(gpu) == 3 and all(len(g) == 5 for g in gpu) and all(
+    (a["loss"], a["grad_norm"]) == (b["loss"], b["grad_norm"]) for g in gpu[1:] for a, b in zip(gpu[0], g))
+print("race probe:", "the three GPU runs agree bit for bit" if same else "THE GPU RUNS DIFFER (or one failed)")
+if "cpu" in runs and gpu:
+    d = max(abs(a["loss"] - b["loss"]) / abs(b["loss"]) for a, b in zip(gpu[0], runs["cpu"]))
+    print(f"largest relative loss difference from the CPU device: {d:.3g}")
+PY
+  tar czf "$DEST/gpu-race.tgz" -C "$race" --exclude=swap --exclude=tok.bin . 2>/dev/null || true
+fi
+
+if [ "$WHAT" = gpu-suite ] || [ "$WHAT" = gpu-proof ]; then
+  wait "${pids[@]}"
+  sort "$suite/tests.txt" | tee "$DEST/gpu-suite.txt"
+  grep -h -E '^\[  (PASSED|SKIPPED|FAILED) ' "$suite"/*_test.log | sort | uniq -c | tee -a "$DEST/gpu-suite.txt"
+  grep -h -B30 -E '^\[  FAILED  \] [A-Za-z]' "$suite"/*_test.log | head -120 | tee -a "$DEST/gpu-suite.txt"
+  grep -h -E '^\[  SKIPPED \] [A-Za-z]' "$suite"/*_test.log | head -40 | tee -a "$DEST/gpu-suite.txt"
+  tar czf "$DEST/gpu-suite.tgz" -C "$suite" . 2>/dev/null || true
+fi
+
+if [ "$WHAT" = gpu-plans ] || [ "$WHAT" = gpu-proof ]; then
+  # The step's bound of the GPU configs with every rate probed on this host.
+  echo "== strata plan of configs/gpu-*.json, rates probed here"
+  mkdir -p out/swap
+  for c in configs/gpu-*.json; do
+    timeout 120 "$BIN/strata" plan "$c" --probe-seconds 1 2>&1 | tee -a "$DEST/gpu-plans.txt"
+    timeout 120 "$BIN/strata" plan "$c" --probe-seconds 1 --json >>"$DEST/gpu-plans.jsonl" 2>>"$DEST/gpu-plans.txt"
+  done
+fi
+
+if [ "$WHAT" = gpu-proof ]; then
+  echo "== GPU benchmark (a), one round"
+  PYTHONUNBUFFERED=1 timeout "${GPU_A_TIMEOUT:-200}" python3 "$ROOT/tools/bench_gpu.py" a --strata "$BIN/strata" \
+    --torch-ref "$BIN/bench_train_torch" --rounds 1 --deadline "${GPU_A_TIMEOUT:-200}" --dir "${TMPDIR:-/tmp}/bench-gpu-a" \
+    --json "$DEST/bench-gpu-a.json" 2>&1 | tee "$DEST/bench-gpu-a.log"
+fi
+
+if [ "$WHAT" = gpu-b-trace ]; then
+  # (b)'s model: its plan with every rate probed here, then B_STEPS steps with the trace and
+  # metrics (step_s against bound_s, the optimizer's seconds and the compute's wait for it).
+  echo "== kernels_test"
+  timeout 120 "$BIN/kernels_test" 2>&1 | grep -E '^\[  (PASSED|FAILED|SKIPPED) |Failure|Which is' | tee "$DEST/kernels.txt"
+  work="${TMPDIR:-/tmp}/gpu-b-trace"
+  rm -rf "$work" && mkdir -p "$work" out/swap
+  python3 -c "import sys; sys.path.insert(0, 'tools'); import bench_gpu; bench_gpu.ensure_tokens('out/gpu-tokens.bin')"
+  echo "== strata plan configs/gpu-b-llama8b.json"
+  timeout 120 "$BIN/strata" plan configs/gpu-b-llama8b.json --probe-seconds 1 2>&1 | tee "$DEST/plan-b.txt" | tail -14
+  echo "== (b), ${B_STEPS:-3} steps with the trace"
+  timeout "${B_TIMEOUT:-190}" "$BIN/strata" train configs/gpu-b-llama8b.json --steps "${B_STEPS:-3}" \
+    --set data.eval_interval=0 --metrics "$work/m.jsonl" --trace "$work/t.json" >"$work/log.txt" 2>&1
+  echo "rc=$?"; grep -v '^train ' "$work/log.txt" | cut -c1-240 | tail -12
+  python3 -c "
+import json
+for l in open('$work/m.jsonl'):
+    d = json.loads(l)
+    print(f\"step {d['step']}: {d['step_s']:.3f} s, bound {d['bound_s']:.3f}, optimizer {d['optimizer_s']:.3f} (wait {d['optimizer_wait_s']:.3f}), {d['tokens_per_s']:.0f} tok/s\")
+" 2>&1
+  tar czf "$DEST/gpu-b-trace.tgz" -C "$work" . 2>/dev/null || true
+fi
+
 case "$WHAT" in
   gpu-a|gpu-b|gpu-c)
     which=${WHAT#gpu-}
@@ -108,7 +217,7 @@ case "$WHAT" in
     work="${TMPDIR:-/tmp}/bench-gpu-$which"
     rm -rf "$work"
     PYTHONUNBUFFERED=1 python3 "$ROOT/tools/bench_gpu.py" "$which" --strata "$BIN/strata" \
-      --torch-ref "$BIN/bench_train_torch" --rounds "${GPU_ROUNDS:-2}" --dir "$work" \
+      --torch-ref "$BIN/bench_train_torch" --rounds "${GPU_ROUNDS:-2}" --deadline "${GPU_DEADLINE:-560}" --dir "$work" \
       --json "$DEST/bench-gpu-$which.json" 2>&1 | tee "$DEST/bench-gpu-$which.log"
     # One file for every log and metrics file ($OUT brings back at most 8).
     tar czf "$DEST/bench-gpu-$which-logs.tgz" -C "$work" . 2>/dev/null || true
