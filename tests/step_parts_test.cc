@@ -26,6 +26,7 @@
 #include "deferred_device.h"
 #include "engine/gradient_path.h"
 #include "engine/optimizer_pass.h"
+#include "engine/probes.h"
 #include "engine/step_context.h"
 #include "memory/buffer.h"
 #include "memory/placement.h"
@@ -221,6 +222,25 @@ TEST(OptimizerPassTest, StateOnEveryTierUpdatesAsOneCpuAdamCall) {
     const std::vector<std::byte> got = read_all(*f.state, c);
     EXPECT_EQ(std::memcmp(got.data(), t.data_ptr(), got.size()), 0) << category_name(c);
   }
+}
+
+// The CPU probes' buffers are at least 4x the largest cache (the H100 host's
+// 300 MiB L3 held CPU Adam's old 8 Mi-element probe, which then ran 4x faster
+// than the optimizer), never under their old sizes, and capped. Figures by hand.
+TEST(ProbeTest, CpuProbeBuffersAreFourTimesTheLargestCache) {
+  const int64_t mi = int64_t(1) << 20;
+  EXPECT_EQ(adam_probe_numel(1.0, 0), 8 * mi);
+  EXPECT_EQ(adam_probe_numel(0.25, 0), 4 * mi);
+  EXPECT_EQ(adam_probe_numel(1.0, 32 * mi), 8 * mi);    // 4 x 32 MiB / 18 B = 7.1 Mi
+  EXPECT_EQ(adam_probe_numel(0.25, 32 * mi), 8 * mi);   // rounded up to whole Mi
+  EXPECT_EQ(adam_probe_numel(1.0, 300 * mi), 67 * mi);  // 4 x 300 MiB / 18 B = 66.7 Mi
+  EXPECT_EQ(adam_probe_numel(1.0, 2048 * mi), 256 * mi);  // 455 Mi, capped
+  EXPECT_EQ(checksum_probe_bytes(1.0, 0), 512 * mi);
+  EXPECT_EQ(checksum_probe_bytes(0.25, 0), 128 * mi);
+  EXPECT_EQ(checksum_probe_bytes(1.0, 300 * mi), 1200 * mi);
+  EXPECT_EQ(checksum_probe_bytes(0.25, 64 * mi), 256 * mi);
+  EXPECT_EQ(checksum_probe_bytes(1.0, 2048 * mi), 4096 * mi);
+  EXPECT_GT(largest_cpu_cache_bytes(), 0) << "neither sysfs nor sysconf names a CPU cache";
 }
 
 }  // namespace

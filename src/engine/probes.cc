@@ -6,8 +6,11 @@
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 #include <thread>
 #include <vector>
+
+#include <unistd.h>
 
 #include "cpu_adam/adam.h"
 #include "engine/compute_stream.h"
@@ -183,11 +186,49 @@ IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s) {
   return r;
 }
 
+int64_t largest_cpu_cache_bytes() {
+  int64_t best = 0;
+  for (int i = 0; i < 8; ++i) {
+    std::ifstream f("/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/size");
+    int64_t v = 0;
+    char unit = 0;
+    if (!(f >> v)) continue;
+    f >> unit;
+    if (unit == 'K') v <<= 10;
+    if (unit == 'M') v <<= 20;
+    if (unit == 'G') v <<= 30;
+    best = std::max(best, v);
+  }
+#ifdef _SC_LEVEL3_CACHE_SIZE
+  if (best == 0) best = std::max<int64_t>(0, sysconf(_SC_LEVEL3_CACHE_SIZE));
+#endif
+  return best;
+}
+
+namespace {
+// `base`, or 4x `cache_bytes` in units of `bytes_each` rounded up to 1 Mi
+// when that is larger, at most `cap` (never under `base`).
+int64_t past_the_caches(int64_t base, int bytes_each, int64_t cap, int64_t cache_bytes) {
+  const int64_t mi = int64_t(1) << 20;
+  const int64_t want = (4 * std::max<int64_t>(0, cache_bytes) / bytes_each + mi - 1) / mi * mi;
+  return std::max(base, std::min(want, cap));
+}
+}  // namespace
+
+int64_t adam_probe_numel(double budget_s, int64_t cache_bytes) {
+  return past_the_caches(budget_s >= 0.5 ? int64_t(8) << 20 : int64_t(4) << 20, 18, int64_t(256) << 20,
+                         cache_bytes);
+}
+
+int64_t checksum_probe_bytes(double budget_s, int64_t cache_bytes) {
+  return past_the_caches(budget_s >= 0.5 ? int64_t(512) << 20 : int64_t(128) << 20, 1, int64_t(4) << 30,
+                         cache_bytes);
+}
+
 double probe_adam(const Config& cfg, const Device& device, double budget_s) {
   const cpu_adam::Isa isa = cpu_adam::parse_isa(cfg.run.cpu_adam_isa);
   cpu_adam::CpuAdam adam(adam_threads(cfg, device), isa);
-  // Well past the caches: 8 Mi elements (4 Mi for a short probe) of 18-20 bytes.
-  const int64_t n = budget_s >= 0.5 ? int64_t(8) << 20 : int64_t(4) << 20;
+  const int64_t n = adam_probe_numel(budget_s, largest_cpu_cache_bytes());
   const bool bf16_state = cfg.run.optimizer_state_dtype == "bf16";
   std::vector<float> param(size_t(n), 0.5f), grad(size_t(n), 1e-3f);
   std::vector<uint32_t> m(size_t(n), 0), v(size_t(n), 0);  // zero in fp32 and in bf16 pairs
@@ -217,8 +258,8 @@ double probe_adam(const Config& cfg, const Device& device, double budget_s) {
 
 double probe_checksum(const Config& cfg, const Device& device, double budget_s) {
   cpu_adam::CpuAdam adam(adam_threads(cfg, device), cpu_adam::parse_isa(cfg.run.cpu_adam_isa));
-  const int64_t bytes = budget_s >= 0.5 ? int64_t(512) << 20 : int64_t(128) << 20;
   constexpr int64_t kBlock = 4096, kChunk = 48 * kBlock;  // as the swap store checksums
+  const int64_t bytes = checksum_probe_bytes(budget_s, largest_cpu_cache_bytes()) / kChunk * kChunk;
   std::vector<std::byte> buf(size_t(bytes), std::byte{0x5a});
   std::vector<uint32_t> crc(size_t(bytes / kBlock));
   struct Job {
@@ -247,12 +288,13 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
   }
   if (need(rates.adam, work.adam_elems > 0)) {
     rates.adam = probe_adam(cfg, device ? *device : cpu_device(), budget_s);
-    rates.adam_source = strprintf("measured: CPU Adam over %d Mi elements", budget_s >= 0.5 ? 8 : 4);
+    rates.adam_source = strprintf("measured: CPU Adam over %lld Mi elements", (long long)(adam_probe_numel(budget_s, largest_cpu_cache_bytes()) >> 20));
   }
   if (need(rates.checksum, work.checksum_bytes > 0)) {
     const Device& d = device ? *device : cpu_device();
     rates.checksum = probe_checksum(cfg, d, budget_s);
-    rates.checksum_source = strprintf("measured: CRC-32C over %d MiB on %d thread(s)", budget_s >= 0.5 ? 512 : 128,
+    rates.checksum_source = strprintf("measured: CRC-32C over %lld MiB on %d thread(s)",
+                                      (long long)(checksum_probe_bytes(budget_s, largest_cpu_cache_bytes()) >> 20),
                                       adam_threads(cfg, d) > 0 ? adam_threads(cfg, d)
                                                                : int(std::thread::hardware_concurrency()));
   }
