@@ -35,7 +35,7 @@ MachineCapacity gpu_like() {
 // micro-batches of one (BytesPerLinkOfAnOffloadedPlacement counts its bytes).
 Config offloaded_config(bool checksums) {
   return config_with(
-      {"gradient_accumulation_steps=2", "train_micro_batch_size_per_gpu=1",
+      {"gradient_accumulation_steps=2", "train_micro_batch_size_per_gpu=1", "run.overlap_optimizer=true",
        std::string("run.swap_checksums=") + (checksums ? "true" : "false"),
        "placement={\"param16\":{\"host\":1},\"grad\":{\"nvme\":1},\"optimizer\":{\"nvme\":1},\"nvme_path\":\"/tmp\"}"});
 }

@@ -422,6 +422,19 @@ TEST(ConfigEnums, BadEnumListsTheChoices) {
                       "expected fp32 or bf16");
   EXPECT_CONFIG_ERROR(with({{"data", {{"path", "x"}, {"format", "int8"}}}}), "data.format",
                       "expected text, uint16 or uint32");
+  EXPECT_CONFIG_ERROR(with({{"run", {{"overlap_optimizer", "sometimes"}}}}), "run.overlap_optimizer",
+                      "expected true, false or \"auto\"");
+  EXPECT_CONFIG_ERROR(with({{"run", {{"overlap_optimizer", 1}}}}), "run.overlap_optimizer",
+                      "expected true, false or \"auto\"");
+}
+
+TEST(ConfigEnums, OverlapOptimizerIsABooleanOrAuto) {
+  EXPECT_EQ(parse_config(with({{"run", {{"steps", 3}}}})).run.overlap_optimizer, OptimizerOverlap::kAuto);
+  EXPECT_EQ(parse_config(with({{"run", {{"overlap_optimizer", true}}}})).run.overlap_optimizer, OptimizerOverlap::kOn);
+  EXPECT_EQ(parse_config(with({{"run", {{"overlap_optimizer", false}}}})).run.overlap_optimizer,
+            OptimizerOverlap::kOff);
+  EXPECT_EQ(parse_config(with({{"run", {{"overlap_optimizer", "AUTO"}}}})).run.overlap_optimizer,
+            OptimizerOverlap::kAuto);
 }
 
 TEST(ConfigEnums, CaseInsensitiveNamesAreCanonicalized) {

@@ -205,6 +205,30 @@ TEST(PlacementTest, AutoFillsTheDeviceFirstWithParametersThenGradients) {
 // sub-group's optimizer state on the device only whole and only beside its
 // gradient and working copy (so the GPU's Adam updates it), never one
 // category of it alone, though a lone master unit would fit.
+// run.overlap_optimizer "auto": on a GPU always; on the CPU device only when
+// no optimizer state is on NVMe (one sub-group there is enough to turn it
+// off); true and false as given.
+TEST(PlacementTest, OptimizerOverlapsOnAGpuAndOnTheCpuUnlessItSwaps) {
+  StateLayout layout = make_layout();
+  const std::string swap = "zero_optimization.offload_optimizer={\"device\":\"nvme\",\"nvme_path\":\"/tmp/x\",";
+  MachineCapacity gpu;
+  gpu.device_is_host = false;
+  gpu.device_addressable = false;
+  for (const char* overlap : {"\"auto\"", "true", "false"}) {
+    const std::string o = std::string("run.overlap_optimizer=") + overlap;
+    const bool forced = std::string(overlap) == "true", off = std::string(overlap) == "false";
+    const Config in_ram = config_with({o});
+    const Config one_group = config_with({o, swap + "\"ratio\":0.125}"});  // 1 of 8 sub-groups
+    const Config all = config_with({o, swap + "\"ratio\":1.0}"});
+    ASSERT_EQ(make_plan(one_group, layout, 0, unlimited()).bytes[int(Category::kExpAvg)][int(Tier::kNvme)],
+              65536 * 4);
+    EXPECT_EQ(optimizer_overlaps(in_ram, make_plan(in_ram, layout, 0, unlimited())), !off) << o;
+    EXPECT_EQ(optimizer_overlaps(one_group, make_plan(one_group, layout, 0, unlimited())), forced) << o;
+    EXPECT_EQ(optimizer_overlaps(all, make_plan(all, layout, 0, unlimited())), forced) << o;
+    EXPECT_EQ(optimizer_overlaps(all, make_plan(all, layout, 0, gpu)), !off) << o << " on a GPU";
+  }
+}
+
 TEST(PlacementTest, AutoOnAGpuPutsOptimizerStateOnTheDeviceOnlyWhole) {
   StateLayout layout = make_layout();
   Config cfg = config_with({"placement={\"auto\":true,\"headroom\":0.0,\"nvme_path\":\"/tmp/x\"}",

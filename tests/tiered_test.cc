@@ -452,7 +452,7 @@ TEST_F(TieredTest, OverlappedOptimizerIsBitIdenticalToInline) {
 TEST_F(TieredTest, StepMetricsCountEachOptimizerStepsBytesOnce) {
   const std::string nvme = "zero_optimization.offload_optimizer={\"device\":\"nvme\",\"nvme_path\":\"" + swap_ + "\"}";
   const TrainRun inl = train(base_config(data_), {nvme, "run.overlap_optimizer=false"}, 4);
-  const TrainRun ovl = train(base_config(data_), {nvme}, 4);
+  const TrainRun ovl = train(base_config(data_), {nvme, "run.overlap_optimizer=true"}, 4);
   const int64_t state = inl.bytes.master + inl.bytes.optimizer;
   for (size_t i = 0; i < 4; ++i) {
     EXPECT_EQ(inl.step_links[i].nvme_read, state) << "inline step " << i + 1;

@@ -47,7 +47,7 @@ def parse_size(text):
     return int(text)
 
 
-def make_config(args, share, swap_dir, metrics, overlap=True, checksums=True, io=None):
+def make_config(args, share, swap_dir, metrics, overlap=None, checksums=True, io=None):
     nvme = share / 100.0
     split = {"device": 0.0, "host": round(1.0 - nvme, 6), "nvme": nvme}
     return {
@@ -65,7 +65,11 @@ def make_config(args, share, swap_dir, metrics, overlap=True, checksums=True, io
                   "n_kv_heads": args.dim // 64, "seq_len": args.seq_len, "tie_embeddings": True},
         "data": {"path": [p for p in LICENSES if os.path.exists(p)], "format": "text",
                  "val_fraction": 0.0, "eval_interval": 0},
-        "run": {"steps": args.steps + args.warmup, "seed": 1, "metrics": metrics, "overlap_optimizer": overlap,
+        "run": {"steps": args.steps + args.warmup, "seed": 1, "metrics": metrics,
+                # run.overlap_optimizer: --overlap for the sweep ("auto" by default), false for the runs
+                # of the optimizer alone.
+                "overlap_optimizer": {"on": True, "off": False}.get(overlap if overlap is not None
+                                                                    else args.overlap, "auto"),
                 "swap_checksums": checksums,
                 # The step's bound over this round's rates: bench-io's for the
                 # disk, `strata plan`'s probes for the rest (probe_rates).
@@ -109,7 +113,7 @@ def probe_rates(args, work, io):
             "h2d_gbps": (r["h2d_bytes_per_s"] or r["d2h_bytes_per_s"]) / 1e9}
 
 
-def train(args, share, work, overlap=True, checksums=True, io=None, tag=""):
+def train(args, share, work, overlap=None, checksums=True, io=None, tag=""):
     swap = os.path.join(work, "swap")
     os.makedirs(swap, exist_ok=True)
     metrics = os.path.join(work, f"metrics-{share}.jsonl")
@@ -150,6 +154,10 @@ def main():
     ap.add_argument("--io-size-mb", type=int, default=2048)
     ap.add_argument("--probe-seconds", type=float, default=1.0,
                     help="each rate probe of `strata plan` per round (the bound's compute, Adam, CRC, memcpy)")
+    ap.add_argument("--overlap", choices=["auto", "on", "off"], default="auto",
+                    help="run.overlap_optimizer of the sweep (auto: the config's default)")
+    ap.add_argument("--no-overlap-all", action="store_true",
+                    help="also train every share with run.overlap_optimizer=false (same round) and report both")
     ap.add_argument("--json", help="write all figures to this file")
     ap.add_argument("--trace", metavar="DIR", help="write each run's Chrome trace (strata train --trace) into DIR")
     ap.add_argument("--plot", help="draw step time and bytes per link against the share into this PNG")
@@ -194,10 +202,15 @@ def main():
                       f"optimizer {m['optimizer_s']:.2f} s, "
                       f"nvme read {m['nvme_read_bytes'] / 1e9:.2f} GB, write {m['nvme_write_bytes'] / 1e9:.2f} GB",
                       flush=True)
+                if args.no_overlap_all:
+                    n = train(args, s, work, overlap="off", io=io, tag=f"-round{r + 1}-inline")
+                    m["no_overlap"] = n
+                    print(f"  nvme {s:3d}% without the overlap: step {n['step_s']:.2f} s, bound {n['bound_s']:.2f} s "
+                          f"(overlapped / not: {m['step_s'] / n['step_s']:.3f})", flush=True)
             # The optimizer alone (not overlapped with compute) against the I/O bound.
             inline = None
             if 100 in shares:
-                inline = train(args, 100, work, overlap=False, io=io, tag=f"-round{r + 1}-inline")
+                inline = train(args, 100, work, overlap="off", io=io, tag=f"-round{r + 1}-inline")
                 print(f"  nvme 100%, optimizer not overlapped: step {inline['step_s']:.2f} s, "
                       f"bound {inline['bound_s']:.2f} s, optimizer {inline['optimizer_s']:.2f} s", flush=True)
             # What the swap checksums cost the step.
@@ -220,13 +233,24 @@ def main():
     for s in shares:
         med = lambda k: statistics.median(rd["shares"][s][k] for rd in rounds)
         b = statistics.median(bound(rd, s) for rd in rounds)
-        row = {k: med(k) for k in rounds[0]["shares"][s]}
+        row = {k: med(k) for k in rounds[0]["shares"][s] if k != "no_overlap"}
         row["io_bound_s"] = b
         summary["shares"][s] = row
         print(f"{s:6d} {row['step_s']:8.2f} {row['optimizer_s']:8.2f} {row['wait_s']:7.2f} "
               f"{row['nvme_read_bytes'] / 1e9:10.2f} {row['nvme_write_bytes'] / 1e9:10.2f} "
               f"{row['h2d_bytes'] / 1e9:7.2f} {row['d2h_bytes'] / 1e9:7.2f} {b:10.2f} {row['bound_s']:8.2f} "
               f"{row['step_over_bound']:10.3f}")
+    if args.no_overlap_all:
+        print(f"\n{'nvme %':>6} {'overlap: step s':>15} {'step/bound':>10} {'no overlap: step s':>18} {'step/bound':>10} "
+              f"{'overlapped / not':>16}")
+        for s in shares:
+            med = lambda f: statistics.median(f(rd["shares"][s]) for rd in rounds)
+            row = {"step_s": med(lambda m: m["no_overlap"]["step_s"]),
+                   "step_over_bound": med(lambda m: m["no_overlap"]["step_over_bound"]),
+                   "overlapped_over_not": med(lambda m: m["step_s"] / m["no_overlap"]["step_s"])}
+            summary["shares"][s]["no_overlap"] = row
+            print(f"{s:6d} {summary['shares'][s]['step_s']:15.2f} {summary['shares'][s]['step_over_bound']:10.3f} "
+                  f"{row['step_s']:18.2f} {row['step_over_bound']:10.3f} {row['overlapped_over_not']:16.3f}")
     if 100 in shares:
         opt_ratio = statistics.median(rd["inline100"]["optimizer_s"] / bound(rd, 100, rd["inline100"])
                                       for rd in rounds)

@@ -178,6 +178,7 @@ nlohmann::json bound_json(const StepWork& w, const StepBound& b, const Rates& r)
   }
   return {{"seconds", b.seconds},
           {"binding", b.binding},
+          {"overlap_optimizer", w.overlap_optimizer},
           {"resources", res},
           {"work", {{"flops", w.flops}, {"h2d_bytes", w.links.h2d}, {"d2h_bytes", w.links.d2h},
                     {"nvme_read_bytes", w.links.nvme_read}, {"nvme_write_bytes", w.links.nvme_write},

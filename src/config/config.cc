@@ -1011,7 +1011,15 @@ void parse_run(const json& root, Config& c) {
   }
   read_enum(r, path, "cpu_adam_isa", rc.cpu_adam_isa,
             {"auto", "scalar", "avx2", "avx512", "avx512_bf16"});
-  read(r, path, "overlap_optimizer", rc.overlap_optimizer);
+  if (const json* v = find(r, "overlap_optimizer")) {
+    if (v->is_boolean()) {
+      rc.overlap_optimizer = v->get<bool>() ? OptimizerOverlap::kOn : OptimizerOverlap::kOff;
+    } else if (v->is_string() && lower(v->get<std::string>()) == "auto") {
+      rc.overlap_optimizer = OptimizerOverlap::kAuto;
+    } else {
+      wrong_type(join(path, "overlap_optimizer"), "true, false or \"auto\"", *v);
+    }
+  }
   read(r, path, "swap_checksums", rc.swap_checksums);
   read_enum(r, path, "optimizer_state_dtype", rc.optimizer_state_dtype, {"fp32", "bf16"});
   std::string recompute = recompute_name(rc.recompute);

@@ -84,6 +84,7 @@ struct CheckpointConfig {
 enum class DeviceKind { kCpu, kCuda };          // run.device
 enum class ComputeDtype { kFp32, kBf16, kFp16 }; // derived from the bf16/fp16 sections
 enum class Recompute { kAuto, kAlways, kNever }; // run.recompute
+enum class OptimizerOverlap { kAuto, kOn, kOff };  // run.overlap_optimizer: "auto" | true | false
 const char* device_kind_name(DeviceKind d);      // "cpu", "cuda"
 const char* compute_dtype_name(ComputeDtype d);  // "fp32", "bf16", "fp16"
 const char* recompute_name(Recompute r);         // "auto", "always", "never"
@@ -112,8 +113,9 @@ struct RunConfig {
   int64_t device_memory_mb = 0;    // device-tier budget in MiB; 0 = what the device has
   // Run the optimizer on its own thread, overlapped with the next step's
   // forward (each block waits only for its own sub-groups); see
-  // Note [Optimizer overlap]. Arithmetic is the same either way.
-  bool overlap_optimizer = true;
+  // Note [Optimizer overlap]. Arithmetic is the same either way. kAuto is
+  // resolved with the plan (optimizer_overlaps in memory/placement.h).
+  OptimizerOverlap overlap_optimizer = OptimizerOverlap::kAuto;
   // CRC-32C per 4 KiB swap block, computed on write and verified on read.
   bool swap_checksums = true;
   std::string cpu_adam_isa = "auto";  // auto | scalar | avx2 | avx512 | avx512_bf16 (force a lower one)

@@ -113,7 +113,7 @@ OptimizerPass::OptimizerPass(const StepContext& ctx, const PlacementPlan& plan, 
   }
   param_write_.set_checksum_threads(&checksum_threads_);
   cut_runs();
-  if (ctx.cfg->run.overlap_optimizer) {
+  if (optimizer_overlaps(*ctx.cfg, plan)) {
     thread_ = std::make_unique<OptimizerThread>([this](const OptimizerThread::Job& job) { run(job); });
   }
 }

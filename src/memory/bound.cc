@@ -136,7 +136,7 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
   const int64_t tokens = cfg.train_micro_batch_size_per_gpu * cfg.model.seq_len;
   w.flops = double(A) * step_flops(cfg.model, tokens, !p.keep_graphs);
   w.first_forward_flops = step_flops(cfg.model, tokens, false) / 3;  // forward = a third of forward + backward
-  w.overlap_optimizer = cfg.run.overlap_optimizer;
+  w.overlap_optimizer = optimizer_overlaps(cfg, p);
   w.net_bytes = net.world;
   w.intra_node_bytes = net.node;
   LinkBytes& e = w.links;
@@ -314,7 +314,7 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
   }
   if (path > 0) {
     add("dependencies", w.overlap_optimizer ? "max(first forward, optimizer) + rest of compute"
-                                            : "compute, then the optimizer",
+                                            : "compute, then the optimizer (not overlapped)",
         strprintf("optimizer %.3f s, first forward %.3f s", std::max(opt_cpu, opt_io), fwd), path);
   }
   // The first of equal times binds (the dependencies equal the cores' time

@@ -108,6 +108,21 @@ int64_t pipeline_piece_numel(const PlacementPlan& plan) {
   return std::min({plan.sub_group_numel, plan.shard_space_numel, kPipelineChunkElems});
 }
 
+bool optimizer_overlaps(const Config& cfg, const PlacementPlan& plan) {
+  switch (cfg.run.overlap_optimizer) {
+    case OptimizerOverlap::kOn: return true;
+    case OptimizerOverlap::kOff: return false;
+    case OptimizerOverlap::kAuto: break;
+  }
+  if (!plan.device_addressable) return true;
+  for (Category c : {Category::kMaster, Category::kExpAvg, Category::kExpAvgSq}) {
+    for (const PlacementUnit& u : plan.units[size_t(c)]) {
+      if (u.tier == Tier::kNvme && u.numel > 0) return false;
+    }
+  }
+  return true;
+}
+
 std::vector<PlacementUnit> pipeline_pieces(const PlacementPlan& plan) {
   const int64_t chunk = pipeline_piece_numel(plan);
   std::vector<PlacementUnit> out;

@@ -263,6 +263,17 @@ inline int pipeline_depth(int64_t buffer_count) {
 int64_t pipeline_piece_numel(const PlacementPlan& plan);
 std::vector<PlacementUnit> pipeline_pieces(const PlacementPlan& plan);
 
+// Whether the optimizer runs on its own thread, overlapped with the next
+// step's forward (run.overlap_optimizer; Note [Optimizer overlap] in
+// engine/optimizer_thread.h). "auto": yes on a device host code may not touch
+// (a GPU, whose compute leaves the cores to CPU Adam); on the CPU device only
+// when no optimizer state is on NVMe. There the forward's threads and the
+// optimizer's share the cores, and a swapping optimizer slowed by them keeps
+// its disk waiting: on the dev VM, steps with 25-100% of the optimizer state
+// on NVMe ran 0-23% slower overlapped, with none 5-10% faster
+// (BENCHMARKS.md, "The step's bound").
+bool optimizer_overlaps(const Config& cfg, const PlacementPlan& plan);
+
 // Whether the optimizer updates `piece` on the device: a device host code may
 // not touch (!plan.device_addressable) with the piece's master weights,
 // moments, gradient and working copy all on the device tier.
