@@ -229,6 +229,24 @@ TEST(CliTest, PlanBoundDividesHandCountedWorkByTheGivenRates) {
   EXPECT_GT(b["seconds"].get<double>(), 4.325376);
   EXPECT_LT(b["seconds"].get<double>(), 4.326376);
   EXPECT_EQ(b["rates"]["device_flops_source"], "--device-tflops");
+  // run.overlap_optimizer "auto" on the CPU device: overlapped with the
+  // optimizer state in RAM, in sequence once any of it is on NVMe.
+  auto dependencies = [](const nlohmann::json& bound) {
+    for (const auto& row : bound["resources"]) {
+      if (row["resource"] == "dependencies") return row["work"].get<std::string>();
+    }
+    return std::string("(no dependencies row)");
+  };
+  EXPECT_EQ(b["overlap_optimizer"], true);
+  EXPECT_EQ(dependencies(b), "max(first forward, optimizer) + rest of compute");
+  nlohmann::json swapping = tiny_config(data, dir.file("m.jsonl"));
+  swapping["zero_optimization"] = {{"offload_optimizer", {{"device", "nvme"}, {"nvme_path", dir.path()}}}};
+  Result sw = run_strata("plan --json " + dir.write("swapping.json", swapping.dump(2)) + rates +
+                         " --nvme-gbps 1 --checksum-gbps 10");
+  ASSERT_EQ(sw.code, 0) << sw.output;
+  const nlohmann::json sb = nlohmann::json::parse(sw.output)["bound"];
+  EXPECT_EQ(sb["overlap_optimizer"], false);
+  EXPECT_EQ(dependencies(sb), "compute, then the optimizer (not overlapped)");
   r = run_strata("plan " + cfg + rates);
   ASSERT_EQ(r.code, 0) << r.output;
   EXPECT_NE(r.output.find("bound: 4.32"), std::string::npos) << r.output;

@@ -201,10 +201,6 @@ TEST(PlacementTest, AutoFillsTheDeviceFirstWithParametersThenGradients) {
   EXPECT_TRUE(plan_shortfalls(p, cap).empty());
 }
 
-// On a GPU, CPU Adam cannot use device memory in place: auto puts a
-// sub-group's optimizer state on the device only whole and only beside its
-// gradient and working copy (so the GPU's Adam updates it), never one
-// category of it alone, though a lone master unit would fit.
 // run.overlap_optimizer "auto": on a GPU always; on the CPU device only when
 // no optimizer state is on NVMe (one sub-group there is enough to turn it
 // off); true and false as given.
@@ -229,6 +225,10 @@ TEST(PlacementTest, OptimizerOverlapsOnAGpuAndOnTheCpuUnlessItSwaps) {
   }
 }
 
+// On a GPU, CPU Adam cannot use device memory in place: auto puts a
+// sub-group's optimizer state on the device only whole and only beside its
+// gradient and working copy (so the GPU's Adam updates it), never one
+// category of it alone, though a lone master unit would fit.
 TEST(PlacementTest, AutoOnAGpuPutsOptimizerStateOnTheDeviceOnlyWhole) {
   StateLayout layout = make_layout();
   Config cfg = config_with({"placement={\"auto\":true,\"headroom\":0.0,\"nvme_path\":\"/tmp/x\"}",

@@ -240,7 +240,11 @@ TEST(ProbeTest, CpuProbeBuffersAreFourTimesTheLargestCache) {
   EXPECT_EQ(checksum_probe_bytes(1.0, 300 * mi), 1200 * mi);
   EXPECT_EQ(checksum_probe_bytes(0.25, 64 * mi), 256 * mi);
   EXPECT_EQ(checksum_probe_bytes(1.0, 2048 * mi), 4096 * mi);
-  EXPECT_GT(largest_cpu_cache_bytes(), 0) << "neither sysfs nor sysconf names a CPU cache";
+  EXPECT_EQ(parse_cache_size("32768K"), 32 * mi);
+  EXPECT_EQ(parse_cache_size("300M"), 300 * mi);
+  EXPECT_EQ(parse_cache_size("1G"), 1024 * mi);
+  EXPECT_EQ(parse_cache_size("512"), 512);
+  EXPECT_EQ(parse_cache_size("none"), 0);
 }
 
 }  // namespace

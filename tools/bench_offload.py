@@ -68,8 +68,8 @@ def make_config(args, share, swap_dir, metrics, overlap=None, checksums=True, io
         "run": {"steps": args.steps + args.warmup, "seed": 1, "metrics": metrics,
                 # run.overlap_optimizer: --overlap for the sweep ("auto" by default), false for the runs
                 # of the optimizer alone.
-                "overlap_optimizer": {"on": True, "off": False}.get(overlap if overlap is not None
-                                                                    else args.overlap, "auto"),
+                "overlap_optimizer": {"on": True, "off": False, "auto": "auto"}[overlap if overlap is not None
+                                                                                else args.overlap],
                 "swap_checksums": checksums,
                 # The step's bound over this round's rates: bench-io's for the
                 # disk, `strata plan`'s probes for the rest (probe_rates).
@@ -203,7 +203,7 @@ def main():
                       f"nvme read {m['nvme_read_bytes'] / 1e9:.2f} GB, write {m['nvme_write_bytes'] / 1e9:.2f} GB",
                       flush=True)
                 if args.no_overlap_all:
-                    n = train(args, s, work, overlap="off", io=io, tag=f"-round{r + 1}-inline")
+                    n = train(args, s, work, overlap="off", io=io, tag=f"-round{r + 1}-no-overlap")
                     m["no_overlap"] = n
                     print(f"  nvme {s:3d}% without the overlap: step {n['step_s']:.2f} s, bound {n['bound_s']:.2f} s "
                           f"(overlapped / not: {m['step_s'] / n['step_s']:.3f})", flush=True)
@@ -241,8 +241,8 @@ def main():
               f"{row['h2d_bytes'] / 1e9:7.2f} {row['d2h_bytes'] / 1e9:7.2f} {b:10.2f} {row['bound_s']:8.2f} "
               f"{row['step_over_bound']:10.3f}")
     if args.no_overlap_all:
-        print(f"\n{'nvme %':>6} {'overlap: step s':>15} {'step/bound':>10} {'no overlap: step s':>18} {'step/bound':>10} "
-              f"{'overlapped / not':>16}")
+        print(f"\n{'nvme %':>6} {'sweep: step s':>15} {'step/bound':>10} {'no overlap: step s':>18} {'step/bound':>10} "
+              f"{'sweep / not':>16}   (the sweep: --overlap {args.overlap})")
         for s in shares:
             med = lambda f: statistics.median(f(rd["shares"][s]) for rd in rounds)
             row = {"step_s": med(lambda m: m["no_overlap"]["step_s"]),
@@ -297,7 +297,7 @@ def plot(summary, shares, path):
     fig, (a, b) = plt.subplots(1, 2, figsize=(11, 4.4))
     a.bar(shares, [r["step_s"] for r in rows], width=12, color="#9ecae1", label="training step")
     a.plot(shares, [r["optimizer_s"] for r in rows], color="#e6550d", marker="s",
-           label="optimizer incl. swapping (own thread, overlapped)")
+           label="optimizer incl. swapping (run.overlap_optimizer as --overlap)")
     a.plot(shares, [r["io_bound_s"] for r in rows], "k--", marker="o", label="NVMe I/O bound (bench-io, same run)")
     a.plot(shares, [r["wait_s"] for r in rows], color="#31a354", marker="^", label="compute waiting for data")
     if all("bound_s" in r for r in rows):

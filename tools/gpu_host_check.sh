@@ -9,7 +9,8 @@
 #   strip -o .dev/bin/strata build/strata
 #   for t in build/tests/*_test build/tests/bench_adam_torch build/tests/bench_train_torch build/tests/rank_worker; do strip -o .dev/bin/${t##*/} $t; done
 #   cp -L /lib/x86_64-linux-gnu/{libtbb.so.12,liburing.so.2,libspdlog.so.1.10,libfmt.so.9} .dev/lib/
-# Then run `bash tools/gpu_host_check.sh [tests|bench|ranks|gpu-a|gpu-b|gpu-c|all]` there with carry [".dev"]; logs and
+# Then run `bash tools/gpu_host_check.sh [tests|bench|ranks|gpu-a|gpu-b|gpu-c|gpu-ranks|gpu-suite|gpu-race|
+# gpu-plans|gpu-proof|gpu-b-trace|all]` there with carry [".dev"]; logs and
 # JSON lines go to $OUT (or out/gpu-host). BENCH_THREADS and BENCH_ROUNDS set the sweep
 # (tools/bench_adam_sweep.sh; default "1 2 16" threads, 2 rounds). `ranks` runs
 # tools/bench_ranks.py at world sizes RANKS_SIZES (default 1,2,4,8) on all cores. `gpu-a`, `gpu-b`,
@@ -134,7 +135,7 @@ array.array('H', (r.randrange(256) for _ in range(200000))).tofile(open('$race/t
     env=(); sets=()
     [ $run = blocking ] && env=(CUDA_LAUNCH_BLOCKING=1)
     [ $run = cpu ] && sets=(--set 'run.device="cpu"')
-    ( cd "$race" && env "${env[@]}" timeout 120 "$BIN/strata" train race.json "${sets[@]}" --metrics "m-$run.jsonl" \
+    ( cd "$race" && env ${env[@]+"${env[@]}"} timeout 120 "$BIN/strata" train race.json ${sets[@]+"${sets[@]}"} --metrics "m-$run.jsonl" \
         --trace "t-$run.json" >"$race/$run.log" 2>&1; echo "race $run rc=$?" )
   done
   python3 - "$race" <<'PY' | tee "$DEST/race.txt"
@@ -176,7 +177,8 @@ if [ "$WHAT" = gpu-plans ] || [ "$WHAT" = gpu-proof ]; then
   mkdir -p out/swap
   for c in configs/gpu-*.json; do
     timeout 120 "$BIN/strata" plan "$c" --probe-seconds 1 2>&1 | tee -a "$DEST/gpu-plans.txt"
-    timeout 120 "$BIN/strata" plan "$c" --probe-seconds 1 --json >>"$DEST/gpu-plans.jsonl" 2>>"$DEST/gpu-plans.txt"
+    timeout 120 "$BIN/strata" plan "$c" --probe-seconds 1 --json 2>>"$DEST/gpu-plans.txt" |
+      python3 -c 'import json, sys; print(json.dumps(json.load(sys.stdin)))' >>"$DEST/gpu-plans.jsonl"
   done
 fi
 

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 #include <fstream>
+#include <set>
 #include <thread>
 #include <vector>
 
@@ -186,23 +187,45 @@ IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s) {
   return r;
 }
 
+int64_t parse_cache_size(const std::string& text) {
+  int64_t v = 0;
+  size_t i = 0;
+  while (i < text.size() && text[i] >= '0' && text[i] <= '9') v = v * 10 + (text[i++] - '0');
+  if (i == 0) return 0;
+  const char unit = i < text.size() ? text[i] : 0;
+  if (unit == 'K') return v << 10;
+  if (unit == 'M') return v << 20;
+  if (unit == 'G') return v << 30;
+  return v;
+}
+
 int64_t largest_cpu_cache_bytes() {
-  int64_t best = 0;
-  for (int i = 0; i < 8; ++i) {
-    std::ifstream f("/sys/devices/system/cpu/cpu0/cache/index" + std::to_string(i) + "/size");
-    int64_t v = 0;
-    char unit = 0;
-    if (!(f >> v)) continue;
-    f >> unit;
-    if (unit == 'K') v <<= 10;
-    if (unit == 'M') v <<= 20;
-    if (unit == 'G') v <<= 30;
-    best = std::max(best, v);
+  // The last level over every CPU: each distinct cache (its level and the CPUs
+  // sharing it) counted once, so that a machine of several L3s (sockets,
+  // chiplets) counts them all, as CPU Adam's threads use them all.
+  int top = 0;
+  int64_t total = 0;
+  std::set<std::string> seen;
+  for (int cpu = 0; cpu < 4096; ++cpu) {
+    const std::string cpu_dir = "/sys/devices/system/cpu/cpu" + std::to_string(cpu), dir = cpu_dir + "/cache";
+    if (!is_directory(cpu_dir)) break;
+    if (!is_directory(dir)) continue;
+    for (int i = 0; i < 8; ++i) {
+      const std::string idx = dir + "/index" + std::to_string(i);
+      std::ifstream level_file(idx + "/level"), size_file(idx + "/size"), shared_file(idx + "/shared_cpu_list");
+      int level = 0;
+      std::string size, shared;
+      if (!(level_file >> level) || !(size_file >> size)) continue;
+      shared_file >> shared;
+      if (level < top) continue;
+      if (level > top) top = level, total = 0, seen.clear();
+      if (seen.insert(shared.empty() ? idx : shared).second) total += parse_cache_size(size);
+    }
   }
 #ifdef _SC_LEVEL3_CACHE_SIZE
-  if (best == 0) best = std::max<int64_t>(0, sysconf(_SC_LEVEL3_CACHE_SIZE));
+  if (total == 0) total = std::max<int64_t>(0, sysconf(_SC_LEVEL3_CACHE_SIZE));
 #endif
-  return best;
+  return total;
 }
 
 namespace {

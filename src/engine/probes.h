@@ -37,17 +37,21 @@ struct IoRates {
 };
 IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s);
 
-// The largest CPU cache in bytes, as sysfs lists this machine's caches (a
-// VM's own share), else as sysconf says; 0 when neither does.
+// The last-level CPU caches in bytes: the highest level sysfs lists for this
+// machine's CPUs (a VM's own share), each distinct cache once (several
+// sockets or chiplets add up), else sysconf's L3; 0 when neither says.
 int64_t largest_cpu_cache_bytes();
+// A sysfs cache size ("32768K", "300M", "512"): bytes, 0 when unreadable.
+int64_t parse_cache_size(const std::string& text);
 
 // The sizes of the CPU probes' buffers, given the largest cache: a probe that
 // repeats over a buffer the cache holds measures the cache, not memory (on the
 // H100 host, 300 MiB of L3, CPU Adam over 8 Mi elements ran 4x faster than the
 // optimizer over 6.6 G: BENCHMARKS.md, "GPU"). CPU Adam's elements: 8 Mi (4 Mi
 // for a probe under 0.5 s), or 4x the cache in elements of 18 bytes rounded
-// up to 1 Mi where that is more, at most 256 Mi. The checksums' bytes: 512
-// MiB (128 MiB), or 4x the cache, at most 4 GiB.
+// up to 1 Mi where that is more, at most 256 Mi (4.5 GiB of buffers at
+// start). The checksums' bytes: 512 MiB (128 MiB), or 4x the cache, at most
+// 4 GiB.
 int64_t adam_probe_numel(double budget_s, int64_t cache_bytes);
 int64_t checksum_probe_bytes(double budget_s, int64_t cache_bytes);
 

@@ -270,8 +270,9 @@ std::vector<PlacementUnit> pipeline_pieces(const PlacementPlan& plan);
 // when no optimizer state is on NVMe. There the forward's threads and the
 // optimizer's share the cores, and a swapping optimizer slowed by them keeps
 // its disk waiting: on the dev VM, steps with 25-100% of the optimizer state
-// on NVMe ran 0-23% slower overlapped, with none 5-10% faster
-// (BENCHMARKS.md, "The step's bound").
+// on NVMe ran 6-16% slower overlapped (medians; rounds 0-26%), with none 5%
+// faster (BENCHMARKS.md, "The step's bound"). Ranks decide alone: only the
+// timing differs (the optimizer's thread runs no collectives).
 bool optimizer_overlaps(const Config& cfg, const PlacementPlan& plan);
 
 // Whether the optimizer updates `piece` on the device: a device host code may
