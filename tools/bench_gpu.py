@@ -186,9 +186,11 @@ def bench_b(args):
     return out
 
 
-def plan_of(args, cfg_path):
-    p = subprocess.run([args.strata, "plan", cfg_path, "--json"], stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                       text=True, timeout=120)
+def plan_of(args, cfg_path, bound=True):
+    """`strata plan --json`; without `bound` no rate probes (the bisection of (c) needs only the verdict:
+    on the H100 host a plan with its probes took about 10 s of the short device time)."""
+    cmd = [args.strata, "plan", cfg_path, "--json"] + ([] if bound else ["--no-bound"])
+    p = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, timeout=120)
     if not p.stdout.strip():
         sys.exit(f"strata plan {cfg_path} printed nothing (rc {p.returncode}): {p.stderr[-2000:]}")
     return json.loads(p.stdout)
@@ -200,13 +202,13 @@ def bench_c(args):
     base = json.load(open(args.config))
     path = os.path.join(args.dir, "gpu-c.json")
 
-    def config(layers):
+    def config(layers, bound=False):
         cfg = json.loads(json.dumps(base))
         cfg["model"]["n_layers"] = layers
         cfg["run"]["metrics"] = os.path.join(args.dir, "strata-c.jsonl")
         with open(path, "w") as f:
             json.dump(cfg, f, indent=1)
-        return plan_of(args, path)
+        return plan_of(args, path, bound)
 
     lo, hi = 1, 8
     while config(hi)["fits"]:
@@ -221,7 +223,7 @@ def bench_c(args):
             lo = mid
         else:
             hi = mid
-    plan = config(lo)
+    plan = config(lo, bound=True)
     cap = plan["capacity_bytes"]
     state = sum(plan["state_total_bytes"].values())
     non_state = sum(plan["total_bytes"].values()) - state
