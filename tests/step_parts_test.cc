@@ -224,7 +224,7 @@ TEST(OptimizerPassTest, StateOnEveryTierUpdatesAsOneCpuAdamCall) {
   }
 }
 
-// The CPU probes' buffers are at least 4x the largest cache (the H100 host's
+// The CPU probes' buffers are at least 4x the last-level caches (the H100 host's
 // 300 MiB L3 held CPU Adam's old 8 Mi-element probe, which then ran 4x faster
 // than the optimizer), never under their old sizes, and capped. Figures by hand.
 TEST(ProbeTest, CpuProbeBuffersAreFourTimesTheLargestCache) {

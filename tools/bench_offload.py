@@ -209,7 +209,9 @@ def main():
                           f"(overlapped / not: {m['step_s'] / n['step_s']:.3f})", flush=True)
             # The optimizer alone (not overlapped with compute) against the I/O bound.
             inline = None
-            if 100 in shares:
+            if 100 in shares and args.no_overlap_all and args.overlap != "off":
+                inline = per_share[100]["no_overlap"]  # the same run, made above
+            elif 100 in shares:
                 inline = train(args, 100, work, overlap="off", io=io, tag=f"-round{r + 1}-inline")
                 print(f"  nvme 100%, optimizer not overlapped: step {inline['step_s']:.2f} s, "
                       f"bound {inline['bound_s']:.2f} s, optimizer {inline['optimizer_s']:.2f} s", flush=True)

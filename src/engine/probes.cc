@@ -199,7 +199,8 @@ int64_t parse_cache_size(const std::string& text) {
   return v;
 }
 
-int64_t largest_cpu_cache_bytes() {
+namespace {
+int64_t scan_last_level_caches() {
   // The last level over every CPU: each distinct cache (its level and the CPUs
   // sharing it) counted once, so that a machine of several L3s (sockets,
   // chiplets) counts them all, as CPU Adam's threads use them all.
@@ -227,6 +228,12 @@ int64_t largest_cpu_cache_bytes() {
 #endif
   return total;
 }
+}  // namespace
+
+int64_t last_level_cache_bytes() {
+  static const int64_t bytes = scan_last_level_caches();  // the machine's, read once
+  return bytes;
+}
 
 namespace {
 // `base`, or 4x `cache_bytes` in units of `bytes_each` rounded up to 1 Mi
@@ -251,7 +258,7 @@ int64_t checksum_probe_bytes(double budget_s, int64_t cache_bytes) {
 double probe_adam(const Config& cfg, const Device& device, double budget_s) {
   const cpu_adam::Isa isa = cpu_adam::parse_isa(cfg.run.cpu_adam_isa);
   cpu_adam::CpuAdam adam(adam_threads(cfg, device), isa);
-  const int64_t n = adam_probe_numel(budget_s, largest_cpu_cache_bytes());
+  const int64_t n = adam_probe_numel(budget_s, last_level_cache_bytes());
   const bool bf16_state = cfg.run.optimizer_state_dtype == "bf16";
   std::vector<float> param(size_t(n), 0.5f), grad(size_t(n), 1e-3f);
   std::vector<uint32_t> m(size_t(n), 0), v(size_t(n), 0);  // zero in fp32 and in bf16 pairs
@@ -282,7 +289,7 @@ double probe_adam(const Config& cfg, const Device& device, double budget_s) {
 double probe_checksum(const Config& cfg, const Device& device, double budget_s) {
   cpu_adam::CpuAdam adam(adam_threads(cfg, device), cpu_adam::parse_isa(cfg.run.cpu_adam_isa));
   constexpr int64_t kBlock = 4096, kChunk = 48 * kBlock;  // as the swap store checksums
-  const int64_t bytes = checksum_probe_bytes(budget_s, largest_cpu_cache_bytes()) / kChunk * kChunk;
+  const int64_t bytes = checksum_probe_bytes(budget_s, last_level_cache_bytes()) / kChunk * kChunk;
   std::vector<std::byte> buf(size_t(bytes), std::byte{0x5a});
   std::vector<uint32_t> crc(size_t(bytes / kBlock));
   struct Job {
@@ -311,13 +318,13 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
   }
   if (need(rates.adam, work.adam_elems > 0)) {
     rates.adam = probe_adam(cfg, device ? *device : cpu_device(), budget_s);
-    rates.adam_source = strprintf("measured: CPU Adam over %lld Mi elements", (long long)(adam_probe_numel(budget_s, largest_cpu_cache_bytes()) >> 20));
+    rates.adam_source = strprintf("measured: CPU Adam over %lld Mi elements", (long long)(adam_probe_numel(budget_s, last_level_cache_bytes()) >> 20));
   }
   if (need(rates.checksum, work.checksum_bytes > 0)) {
     const Device& d = device ? *device : cpu_device();
     rates.checksum = probe_checksum(cfg, d, budget_s);
     rates.checksum_source = strprintf("measured: CRC-32C over %lld MiB on %d thread(s)",
-                                      (long long)(checksum_probe_bytes(budget_s, largest_cpu_cache_bytes()) >> 20),
+                                      (long long)(checksum_probe_bytes(budget_s, last_level_cache_bytes()) >> 20),
                                       adam_threads(cfg, d) > 0 ? adam_threads(cfg, d)
                                                                : int(std::thread::hardware_concurrency()));
   }

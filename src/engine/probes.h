@@ -39,12 +39,13 @@ IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s);
 
 // The last-level CPU caches in bytes: the highest level sysfs lists for this
 // machine's CPUs (a VM's own share), each distinct cache once (several
-// sockets or chiplets add up), else sysconf's L3; 0 when neither says.
-int64_t largest_cpu_cache_bytes();
+// sockets or chiplets add up), else sysconf's L3; 0 when neither says. Read
+// once per process.
+int64_t last_level_cache_bytes();
 // A sysfs cache size ("32768K", "300M", "512"): bytes, 0 when unreadable.
 int64_t parse_cache_size(const std::string& text);
 
-// The sizes of the CPU probes' buffers, given the largest cache: a probe that
+// The sizes of the CPU probes' buffers, given the last-level caches: a probe that
 // repeats over a buffer the cache holds measures the cache, not memory (on the
 // H100 host, 300 MiB of L3, CPU Adam over 8 Mi elements ran 4x faster than the
 // optimizer over 6.6 G: BENCHMARKS.md, "GPU"). CPU Adam's elements: 8 Mi (4 Mi
