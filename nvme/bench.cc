@@ -3,6 +3,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <atomic>
 #include <chrono>
 #include <cstring>
 #include <exception>
@@ -20,6 +21,9 @@ namespace strata::nvme {
 namespace {
 constexpr int64_t kRequestBytes = int64_t(64) << 20;  // one submit() per 64 MiB of the file
 bool g_warned_buffered_bench = false;
+// Numbers the temporary files of one process: `run_both` reads one bench's
+// file while another bench writes its own, so two may exist at once.
+std::atomic<int> g_bench_files{0};
 }  // namespace
 
 IoBench::IoBench(BenchOptions options) : options_(std::move(options)) {
@@ -30,7 +34,7 @@ IoBench::IoBench(BenchOptions options) : options_(std::move(options)) {
       "benchmark buffer must be a positive multiple of 4096");
   if (options_.file.empty()) {
     if (!is_directory(options_.dir)) throw InputError(options_.dir, "directory does not exist");
-    path_ = strprintf("%s/strata-bench-io.%d.dat", options_.dir.c_str(), int(::getpid()));
+    path_ = strprintf("%s/strata-bench-io.%d.%d.dat", options_.dir.c_str(), int(::getpid()), g_bench_files++);
     temporary_ = true;
   } else {
     path_ = options_.file;
