@@ -42,13 +42,15 @@ Config offloaded_config(bool checksums) {
 
 // Rates for `w` on the CPU device: 0.05 s of compute of which the first
 // forward is an eighth (0.00625 s), Adam at 1 G elements/s, 2 GB/s H2D, 4
-// GB/s D2H, NVMe 1 GB/s read, 0.5 GB/s write, 1 GB/s both at once.
+// GB/s D2H, gradient adds at 0.5 G elements/s, NVMe 1 GB/s read, 0.5 GB/s
+// write, 1 GB/s both at once.
 Rates cpu_rates(StepWork& w) {
   Rates r;
   r.device_flops = w.flops / 0.05;
   w.first_forward_flops = w.flops / 8;
   r.adam = 1e9;
   r.h2d = 2e9, r.d2h = 4e9, r.nvme_read = 1e9, r.nvme_write = 0.5e9, r.nvme_both = 1e9;
+  r.grad_add = 0.5e9;
   return r;
 }
 
@@ -80,6 +82,7 @@ TEST(BoundTest, StepFlopsCountEveryMatrixTheHeadAndTheAttention) {
 //   d2h: gradients 4n x 2 = 4194304
 //   nvme read: gradient read-add-write 4n x 1 + optimizer state 12n + the optimizer's gradient 4n = 10485760
 //   nvme write: gradients 4n x 2 + optimizer state 12n = 10485760
+//   gradient adds (the lander, into homes off the device): n x 2 = 1048576 elements
 // (without the swap checksums: BoundTest.SwapChecksumsShareTheCpu has them).
 TEST(BoundTest, BytesPerLinkOfAnOffloadedPlacement) {
   const Config cfg = offloaded_config(/*checksums=*/false);
@@ -92,6 +95,7 @@ TEST(BoundTest, BytesPerLinkOfAnOffloadedPlacement) {
   EXPECT_EQ(w.links.nvme_read, 10485760);
   EXPECT_EQ(w.links.nvme_write, 10485760);
   EXPECT_EQ(w.adam_elems, kN);
+  EXPECT_EQ(w.grad_add_elems, 1048576);
   EXPECT_EQ(w.checksum_bytes, 0);
   // The optimizer's part: state 12n each way, its gradient read 4n.
   EXPECT_EQ(w.optimizer_links.nvme_read, 8388608);
@@ -103,33 +107,34 @@ TEST(BoundTest, BytesPerLinkOfAnOffloadedPlacement) {
   Rates r = cpu_rates(w);  // Adam: + 0.000524288 s on the same cores
   StepBound b = step_bound(w, r, /*cpu_compute=*/true);
   ASSERT_EQ(b.resources.size(), 3u);
-  // The cores: 0.05 s of compute, 0.000524288 s of Adam and the copies,
-  // memcpy here: H2D 0.001048576 s and D2H 0.001048576 s.
-  EXPECT_EQ(b.resources[0].resource, "cpu (compute + Adam + copies)");
-  EXPECT_NEAR(b.resources[0].seconds, 0.052621440, 1e-12);
+  // The cores: 0.05 s of compute, 0.000524288 s of Adam, the copies,
+  // memcpy here: H2D 0.001048576 s and D2H 0.001048576 s, and the gradient
+  // adds, 0.002097152 s.
+  EXPECT_EQ(b.resources[0].resource, "cpu (compute + Adam + copies + gradient adds)");
+  EXPECT_NEAR(b.resources[0].seconds, 0.054718592, 1e-12);
   // Reads 0.01048576 s, writes 0.02097152 s, both 20971520 B at 1 GB/s.
   EXPECT_EQ(b.resources[1].resource, "nvme (read + write)");
   EXPECT_NEAR(b.resources[1].seconds, 0.02097152, 1e-12);
   // The optimizer's I/O (reads 0.008388608 s, writes 0.012582912 s, both
   // 14680064 B: 0.014680064 s) outlasts the first forward with Adam
-  // (0.00625 + 0.000524288 s); the rest of the compute (0.04375 s) and the
-  // copies (0.002097152 s) follow.
+  // (0.00625 + 0.000524288 s); the rest of the compute (0.04375 s), the
+  // copies (0.002097152 s) and the gradient adds (0.002097152 s) follow.
   EXPECT_EQ(b.resources[2].resource, "dependencies");
-  EXPECT_NEAR(b.resources[2].seconds, 0.014680064 + 0.04375 + 0.002097152, 1e-12);
+  EXPECT_NEAR(b.resources[2].seconds, 0.014680064 + 0.04375 + 0.002097152 + 0.002097152, 1e-12);
   EXPECT_EQ(b.binding, "dependencies");
-  EXPECT_NEAR(b.seconds, 0.060527216, 1e-12);
-  // Without the overlap, compute and copies, then the optimizer: 0.05 +
-  // 0.002097152 + 0.014680064.
+  EXPECT_NEAR(b.seconds, 0.062624368, 1e-12);
+  // Without the overlap, compute, copies and adds, then the optimizer: 0.05 +
+  // 0.002097152 + 0.002097152 + 0.014680064.
   w.overlap_optimizer = false;
-  EXPECT_NEAR(step_bound(w, r, true).seconds, 0.066777216, 1e-12);
+  EXPECT_NEAR(step_bound(w, r, true).seconds, 0.068874368, 1e-12);
   w.overlap_optimizer = true;
   // Writes at 0.1 GB/s: the disk takes 0.1048576 s, the optimizer's writes
-  // 0.06291456 s, and the dependencies 0.06291456 + 0.04375 + 0.002097152 s bind.
+  // 0.06291456 s, and the dependencies 0.06291456 + 0.04375 + 0.004194304 s bind.
   r.nvme_write = 0.1e9;
   b = step_bound(w, r, true);
   EXPECT_NEAR(b.resources[1].seconds, 0.1048576, 1e-12);
   EXPECT_EQ(b.binding, "dependencies");
-  EXPECT_NEAR(b.seconds, 0.108761712, 1e-12);
+  EXPECT_NEAR(b.seconds, 0.110858864, 1e-12);
   // Without any compute to hide behind, the disk binds.
   w.flops = w.first_forward_flops = 0;
   w.adam_elems = 0;
@@ -200,15 +205,15 @@ TEST(BoundTest, SwapChecksumsShareTheCpu) {
   const StepBound b = step_bound(w, r, /*cpu_compute=*/true);
   ASSERT_EQ(b.resources.size(), 3u);
   // The cores: 0.05 s of compute + 0.000524288 s of Adam + 0.002097152 s of
-  // copies + 0.02 s of checksums.
-  EXPECT_EQ(b.resources[0].resource, "cpu (compute + Adam + copies + checksums)");
-  EXPECT_NEAR(b.resources[0].seconds, 0.07262144, 1e-12);
+  // copies + 0.002097152 s of gradient adds + 0.02 s of checksums.
+  EXPECT_EQ(b.resources[0].resource, "cpu (compute + Adam + copies + gradient adds + checksums)");
+  EXPECT_NEAR(b.resources[0].seconds, 0.074718592, 1e-12);
   // The optimizer: the first forward, its Adam and its checksums (0.00625 +
   // 0.000524288 + 0.014 s) now outlast its I/O (0.014680064 s).
   EXPECT_EQ(b.resources[2].resource, "dependencies");
-  EXPECT_NEAR(b.resources[2].seconds, 0.020774288 + 0.04375 + 0.002097152, 1e-12);
-  EXPECT_EQ(b.binding, "cpu (compute + Adam + copies + checksums)");
-  EXPECT_NEAR(b.seconds, 0.07262144, 1e-12);
+  EXPECT_NEAR(b.resources[2].seconds, 0.020774288 + 0.04375 + 0.002097152 + 0.002097152, 1e-12);
+  EXPECT_EQ(b.binding, "cpu (compute + Adam + copies + gradient adds + checksums)");
+  EXPECT_NEAR(b.seconds, 0.074718592, 1e-12);
 
   // On a GPU, bf16, weights and gradients in HBM, the optimizer state on
   // NVMe: 12n read and 12n written, all of it the optimizer's (12582912
@@ -237,9 +242,46 @@ TEST(BoundTest, SwapChecksumsShareTheCpu) {
   EXPECT_NEAR(c.seconds, 0.03 + 0.0075, 1e-12);
 }
 
+// A GPU, bf16, two micro-batches, gradients homed in host RAM: each
+// micro-batch's bf16 gradient (2n bytes, n = 524288; block 0, the tied
+// embedding, in fp32: 2 x 65536 more) lands over D2H and the
+// lander thread adds it into its fp32 home, 2n = 1048576 elements a step.
+// Those adds are one host thread's work beside the backward: a resource of
+// their own, apart from CPU Adam's cores, and no step of the dependencies.
+TEST(BoundTest, OnAGpuTheGradientAddsAreOneHostThread) {
+  const Config cfg = config_with(
+      {"bf16.enabled=true", "gradient_accumulation_steps=2", "train_micro_batch_size_per_gpu=1",
+       "placement={\"param16\":{\"device\":1},\"grad\":{\"host\":1},\"optimizer\":{\"host\":1}}"});
+  const PlacementPlan p = make_plan(cfg, make_layout(), 0, gpu_like());
+  StepWork w = predicted_work(cfg, p, train_fetches(p), NetworkBytes{});
+  EXPECT_EQ(w.grad_add_elems, 1048576);
+  EXPECT_EQ(w.links.d2h, 2359296);  // (2n + 131072) x 2 micro-batches; the optimizer finds them on the host
+  Rates r;
+  r.device_flops = w.flops / 0.01;  // 0.01 s, a quarter of it the first forward
+  w.first_forward_flops = w.flops / 4;
+  r.adam = double(kN) / 0.02;  // 0.02 s
+  r.h2d = r.d2h = r.pcie_both = 1e12;
+  EXPECT_EQ(missing_rates(w, r, false), std::vector<std::string>{"--grad-add-gelems"});
+  r.grad_add = 1048576 / 0.04;  // 0.04 s
+  StepBound b = step_bound(w, r, false);
+  EXPECT_EQ(b.resources[1].resource, "cpu adam");
+  EXPECT_NEAR(b.resources[1].seconds, 0.02, 1e-12);
+  EXPECT_EQ(b.resources[2].resource, "host gradient adds");
+  EXPECT_NEAR(b.resources[2].seconds, 0.04, 1e-12);
+  EXPECT_EQ(b.binding, "host gradient adds");
+  EXPECT_NEAR(b.seconds, 0.04, 1e-12);
+  // At 0.01 s the dependencies bind again (the optimizer's 0.02 s beside the
+  // first forward, then the rest of the compute, 0.0075 s): the adds are not in them.
+  r.grad_add = 1048576 / 0.01;
+  b = step_bound(w, r, false);
+  EXPECT_EQ(b.binding, "dependencies");
+  EXPECT_NEAR(b.seconds, 0.0275, 1e-12);
+}
+
 TEST(BoundTest, RatesFromTheConfigAreConvertedAndNamed) {
   const Config cfg = config_with(
-      {"run.rates={\"device_tflops\":2,\"nvme_read_gbps\":3.5,\"checksum_gbps\":12,\"net_gbps\":100}"});
+      {"run.rates={\"device_tflops\":2,\"nvme_read_gbps\":3.5,\"checksum_gbps\":12,\"grad_add_gelems\":1.5,"
+       "\"net_gbps\":100}"});
   const Rates r = rates_from_config(cfg.run.rates);
   EXPECT_DOUBLE_EQ(r.device_flops, 2e12);
   EXPECT_DOUBLE_EQ(r.nvme_read, 3.5e9);
@@ -247,6 +289,8 @@ TEST(BoundTest, RatesFromTheConfigAreConvertedAndNamed) {
   EXPECT_EQ(r.nvme_read_source, "run.rates.nvme_read_gbps");
   EXPECT_DOUBLE_EQ(r.checksum, 12e9);
   EXPECT_EQ(r.checksum_source, "run.rates.checksum_gbps");
+  EXPECT_DOUBLE_EQ(r.grad_add, 1.5e9);
+  EXPECT_EQ(r.grad_add_source, "run.rates.grad_add_gelems");
   EXPECT_EQ(r.h2d, 0.0);
   try {
     config_with({"run.rates={\"nvme_gbps\":3}"});

@@ -240,6 +240,13 @@ TEST(ProbeTest, CpuProbeBuffersAreFourTimesTheLargestCache) {
   EXPECT_EQ(checksum_probe_bytes(1.0, 300 * mi), 1200 * mi);
   EXPECT_EQ(checksum_probe_bytes(0.25, 64 * mi), 256 * mi);
   EXPECT_EQ(checksum_probe_bytes(1.0, 2048 * mi), 4096 * mi);
+  // Gradient adds: a home of 4 bytes and a landed element of 2 (bf16) or 4.
+  EXPECT_EQ(grad_add_probe_numel(1.0, 0, 2), 16 * mi);
+  EXPECT_EQ(grad_add_probe_numel(0.25, 0, 4), 4 * mi);
+  EXPECT_EQ(grad_add_probe_numel(0.25, 32 * mi, 4), 16 * mi);   // 4 x 32 MiB / 8 B
+  EXPECT_EQ(grad_add_probe_numel(1.0, 300 * mi, 2), 200 * mi);  // 4 x 300 MiB / 6 B
+  EXPECT_EQ(grad_add_probe_numel(1.0, 300 * mi, 4), 150 * mi);
+  EXPECT_EQ(grad_add_probe_numel(1.0, 2048 * mi, 2), 256 * mi);  // capped
   EXPECT_EQ(parse_cache_size("32768K"), 32 * mi);
   EXPECT_EQ(parse_cache_size("300M"), 300 * mi);
   EXPECT_EQ(parse_cache_size("1G"), 1024 * mi);

@@ -19,7 +19,7 @@ It also prints each share's step bound (`bound_s` from the metrics: the
 model of docs/design.md "The step's bound" over the step's own byte counts,
 with this round's bench-io figures as the NVMe rates and this round's
 `strata plan --probe-seconds` probes for compute, CPU Adam, the CRC-32C of
-the swap checksums and memcpy, the same for every share) and step / bound.
+the swap checksums, memcpy and the gradient adds, the same for every share) and step / bound.
 With --plot FILE it draws step time, the bound and bytes per link against the share
 (needs matplotlib: tools/setup.sh installs it into .venv).
 
@@ -110,7 +110,8 @@ def probe_rates(args, work, io):
     r = plan["bound"]["rates"]
     return {"device_tflops": r["device_flops"] / 1e12, "adam_gelems": r["adam_elements_per_s"] / 1e9,
             "checksum_gbps": r["checksum_bytes_per_s"] / 1e9, "d2h_gbps": r["d2h_bytes_per_s"] / 1e9,
-            "h2d_gbps": (r["h2d_bytes_per_s"] or r["d2h_bytes_per_s"]) / 1e9}
+            "h2d_gbps": (r["h2d_bytes_per_s"] or r["d2h_bytes_per_s"]) / 1e9,
+            "grad_add_gelems": r["grad_add_elements_per_s"] / 1e9}
 
 
 def train(args, share, work, overlap=None, checksums=True, io=None, tag=""):

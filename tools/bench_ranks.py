@@ -10,9 +10,19 @@ spans of its "collectives" track, i.e. issuing and waiting for all-gathers,
 reduce-scatters and all-reduces). It prints medians over rounds and the
 same-run ratio step(world size N) / step(world size 1) per tier.
 
+Each run's step bound (`bound_s`, docs/design.md "The step's bound") takes
+its rates from probes made just before it in the same round: as many
+`strata plan --probe-seconds` processes as the run has ranks, at once, each
+with the rank's threads (so they contend for the cores, memory and disk as
+the ranks will), and the first one's rates given to every rank as
+run.rates (training takes rank 0's too). The network's rate is still
+measured by the ranks at start (all-reduces). --probe-seconds 0 leaves
+every rate to `strata train`'s 0.2 s probes at start.
+
 Usage:
   .venv/bin/python tools/bench_ranks.py --strata build/strata --dir /tmp/bench-ranks \\
       [--world-sizes 1,2] [--rounds 3] [--steps 4] [--dim 512] [--layers 4] [--json out.json] \\
+      [--probe-seconds 1] \\
       [--variants "before:comm.gradient_reduction=per_micro_batch,comm.keep_gathered=none;now:"]
 
 --variants: configurations measured side by side, ';'-separated, each NAME:KEY=VALUE,KEY=VALUE
@@ -54,13 +64,49 @@ def collective_seconds(trace_path):
     return sum(e.get("dur", 0.0) for e in events if e.get("ph") == "X" and e.get("tid") == 5) / 1e6
 
 
-def run_once(args, ws, tier, tag, sets=()):
+# run.rates keys and the `strata plan --json` rates they come from (bytes,
+# FLOPs and elements per second there; GB/s, TFLOP/s, G elements/s here).
+RATE_KEYS = {"device_tflops": ("device_flops", 1e12), "adam_gelems": ("adam_elements_per_s", 1e9),
+             "checksum_gbps": ("checksum_bytes_per_s", 1e9), "d2h_gbps": ("d2h_bytes_per_s", 1e9),
+             "h2d_gbps": ("d2h_bytes_per_s", 1e9),  # memcpy on the CPU device: one figure
+             "nvme_read_gbps": ("nvme_read_bytes_per_s", 1e9), "nvme_write_gbps": ("nvme_write_bytes_per_s", 1e9),
+             "nvme_both_gbps": ("nvme_both_bytes_per_s", 1e9),
+             "grad_add_gelems": ("grad_add_elements_per_s", 1e9)}
+
+
+def write_config(args, tier, tag):
     os.makedirs(args.dir, exist_ok=True)
     swap = os.path.join(args.dir, "swap")
     os.makedirs(swap, exist_ok=True)
     cfg_path = os.path.join(args.dir, f"{tag}.json")
     with open(cfg_path, "w") as f:
         json.dump(make_config(args, tier, swap), f)
+    return cfg_path
+
+
+def probe_rates(args, ws, tier, tag, sets=()):
+    """The bound's rates for one run: `ws` concurrent `strata plan` probes
+    with the rank's threads; the first process's rates, as run.rates sets."""
+    cfg_path = write_config(args, tier, tag + "-probe")
+    threads = max(1, args.cores // ws)
+    env = dict(os.environ, OMP_NUM_THREADS=str(threads))
+    cmd = [args.strata, "plan", "--json", "--probe-seconds", str(args.probe_seconds), cfg_path,
+           "--set", f"run.threads={threads}"]
+    for kv in sets:
+        cmd += ["--set", kv]
+    procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+             for _ in range(ws)]
+    outs = [p.communicate() for p in procs]
+    for p, (out, err) in zip(procs, outs):
+        if p.returncode != 0:
+            sys.exit(f"bench_ranks: {' '.join(cmd)} failed ({p.returncode}):\n{err[-3000:]}")
+    rates = json.loads(outs[0][0])["bound"]["rates"]
+    got = {k: rates[src] / scale for k, (src, scale) in RATE_KEYS.items() if rates.get(src)}
+    return got
+
+
+def run_once(args, ws, tier, tag, sets=(), rates=None):
+    cfg_path = write_config(args, tier, tag)
     metrics = os.path.join(args.dir, f"{tag}.jsonl")
     trace = os.path.join(args.dir, f"{tag}.rank{{rank}}.trace.json")
     threads = max(1, args.cores // ws)
@@ -69,6 +115,8 @@ def run_once(args, ws, tier, tag, sets=()):
            "--trace", trace, "--set", f"run.threads={threads}"]
     for kv in sets:
         cmd += ["--set", kv]
+    for k, v in (rates or {}).items():
+        cmd += ["--set", f"run.rates.{k}={v:.6g}"]
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit(f"bench_ranks: {' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}{p.stderr[-3000:]}")
@@ -97,6 +145,9 @@ def main():
     ap.add_argument("--micro-batch", type=int, default=2)
     ap.add_argument("--global-batch", type=int, default=16)
     ap.add_argument("--json", help="write every measurement here")
+    ap.add_argument("--probe-seconds", type=float, default=1.0,
+                    help="each rate probe of the concurrent `strata plan` runs before every training run "
+                         "(0: strata train's own 0.2 s probes at start)")
     ap.add_argument("--variants", default="default:", help="NAME:KEY=VALUE,...;NAME:... (--set overrides)")
     args = ap.parse_args()
     sizes = [int(x) for x in args.world_sizes.split(",")]
@@ -109,9 +160,19 @@ def main():
     for rnd in range(args.rounds):
         for tier, red in tiers:
             for ws in sizes:  # interleaved: each round measures every point once
-                r = run_once(args, ws, tier, f"ws{ws}-{tier}-{red}", variants[red])
+                tag = f"ws{ws}-{tier}-{red}"
+                rates = probe_rates(args, ws, tier, tag, variants[red]) if args.probe_seconds > 0 else None
+                r = run_once(args, ws, tier, tag, variants[red], rates)
+                r["rates"] = rates
                 results.setdefault(((tier, red), ws), []).append(r)
-                print(f"round {rnd + 1}: {tier:4} {red} ws {ws}: step {r['step_s']:.3f} s, bound {r['bound_s']:.3f} s, "
+                probed = ""
+                if rates:
+                    probed = (f" (probes: compute {rates['device_tflops'] * 1e3:.1f} GFLOP/s, Adam "
+                              f"{rates['adam_gelems']:.2f} G el/s" +
+                              (f", NVMe write {rates['nvme_write_gbps']:.2f} read {rates['nvme_read_gbps']:.2f} GB/s"
+                               if "nvme_read_gbps" in rates else "") + ")")
+                print(f"round {rnd + 1}: {tier:4} {red} ws {ws}{probed}: step {r['step_s']:.3f} s, "
+                      f"bound {r['bound_s']:.3f} s, "
                       f"collectives "
                       f"{r['collectives_s']:.3f} s/step, comm wait {r['comm_wait_s']:.3f} s, "
                       f"net {r['net_bytes'] / 2**20:.1f} MiB/step", flush=True)

@@ -39,7 +39,7 @@ struct PlanOptions {
   double probe_s = 0.5;
   double device_tflops = 0, h2d_gbps = 0, d2h_gbps = 0, pcie_both_gbps = 0;
   double nvme_gbps = 0, nvme_read_gbps = 0, nvme_write_gbps = 0, nvme_both_gbps = 0, adam_gelems = 0;
-  double checksum_gbps = 0;
+  double checksum_gbps = 0, grad_add_gelems = 0;
   // A machine described instead of measured (0 = measure): per node, per GPU.
   double host_memory_gb = 0, nvme_gb = 0, device_memory_gb = 0;
 };
@@ -164,6 +164,7 @@ Rates bound_rates(const PlanOptions& opt, const Config& cfg) {
   flag(opt.nvme_both_gbps, 1e9, "--nvme-both-gbps", r.nvme_both, r.nvme_both_source);
   flag(opt.adam_gelems, 1e9, "--adam-gelems", r.adam, r.adam_source);
   flag(opt.checksum_gbps, 1e9, "--checksum-gbps", r.checksum, r.checksum_source);
+  flag(opt.grad_add_gelems, 1e9, "--grad-add-gelems", r.grad_add, r.grad_add_source);
   if (opt.net_given || !(r.net > 0)) r.net = opt.net_gbps * 1e9 / 8, r.net_source = "--net-gbps";
   if (opt.intra_node_given || !(r.intra_node > 0)) {
     r.intra_node = opt.intra_node_gbps * 1e9 / 8, r.intra_node_source = "--intra-node-gbps";
@@ -182,7 +183,8 @@ nlohmann::json bound_json(const StepWork& w, const StepBound& b, const Rates& r)
           {"resources", res},
           {"work", {{"flops", w.flops}, {"h2d_bytes", w.links.h2d}, {"d2h_bytes", w.links.d2h},
                     {"nvme_read_bytes", w.links.nvme_read}, {"nvme_write_bytes", w.links.nvme_write},
-                    {"adam_elements", w.adam_elems}, {"checksum_bytes", w.checksum_bytes},
+                    {"adam_elements", w.adam_elems}, {"grad_add_elements", w.grad_add_elems},
+                    {"checksum_bytes", w.checksum_bytes},
                     {"optimizer_checksum_bytes", w.optimizer_checksum_bytes}, {"net_bytes", w.net_bytes},
                     {"intra_node_bytes", w.intra_node_bytes}}},
           {"rates", {{"device_flops", r.device_flops}, {"device_flops_source", r.device_flops_source},
@@ -194,6 +196,7 @@ nlohmann::json bound_json(const StepWork& w, const StepBound& b, const Rates& r)
                      {"nvme_both_bytes_per_s", r.nvme_both}, {"nvme_both_source", r.nvme_both_source},
                      {"adam_elements_per_s", r.adam}, {"adam_source", r.adam_source},
                      {"checksum_bytes_per_s", r.checksum}, {"checksum_source", r.checksum_source},
+                     {"grad_add_elements_per_s", r.grad_add}, {"grad_add_source", r.grad_add_source},
                      {"net_bytes_per_s", r.net}, {"net_source", r.net_source},
                      {"intra_node_bytes_per_s", r.intra_node}, {"intra_node_source", r.intra_node_source}}}};
 }
@@ -210,6 +213,7 @@ std::string bound_text(const StepBound& b, const Rates& r, const StepWork& w, in
   for (const auto& [name, s, used] : std::vector<std::tuple<const char*, const std::string*, bool>>{
            {"device", &r.device_flops_source, w.flops > 0}, {"adam", &r.adam_source, w.adam_elems > 0},
            {"checksums", &r.checksum_source, w.checksum_bytes > 0},
+           {"gradient adds", &r.grad_add_source, w.grad_add_elems > 0},
            {"h2d", &r.h2d_source, w.links.h2d > 0}, {"d2h", &r.d2h_source, w.links.d2h > 0},
            {"pcie", &r.pcie_both_source, w.links.h2d > 0 && w.links.d2h > 0},
            {"nvme read", &r.nvme_read_source, w.links.nvme_read > 0},
@@ -410,6 +414,8 @@ void register_plan(CLI::App& app, int& result) {
   cmd->add_option("--adam-gelems", opt->adam_gelems, "CPU Adam rate (G elements/s)");
   cmd->add_option("--checksum-gbps", opt->checksum_gbps,
                   "CRC-32C rate of the swap checksums on CPU Adam's threads (GB/s; run.swap_checksums)");
+  cmd->add_option("--grad-add-gelems", opt->grad_add_gelems,
+                  "Rate of adding landed gradients into their host homes, one thread (G elements/s)");
   cmd->callback([opt, &result]() { result = run_plan(*opt); });
 }
 

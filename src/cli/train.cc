@@ -239,7 +239,7 @@ void measure_train_rates(Config& cfg, Device& device, Communicator& comm, int ra
   store_rates(rates, cfg.run.rates);
   if (comm.world_size() > 1) {
     double* r = &cfg.run.rates.device_tflops;  // RateOverrides: doubles only
-    constexpr size_t kRates = 11;
+    constexpr size_t kRates = 12;
     static_assert(sizeof(RateOverrides) == kRates * sizeof(double), "RateOverrides holds doubles only");
     std::vector<int64_t> bits(kRates);
     std::memcpy(bits.data(), r, sizeof(RateOverrides));

@@ -986,7 +986,7 @@ void parse_run(const json& root, Config& c) {
     if (!rates->is_object()) wrong_type(rp, "an object", *rates);
     check_keys(*rates, rp,
                {"device_tflops", "h2d_gbps", "d2h_gbps", "pcie_both_gbps", "nvme_read_gbps", "nvme_write_gbps",
-                "nvme_both_gbps", "adam_gelems", "checksum_gbps", "net_gbps", "intra_node_gbps"},
+                "nvme_both_gbps", "adam_gelems", "checksum_gbps", "grad_add_gelems", "net_gbps", "intra_node_gbps"},
                kNone, c.ignored_keys);
     RateOverrides& o = rc.rates;
     for (auto [key, out] : {std::pair<const char*, double*>{"device_tflops", &o.device_tflops},
@@ -994,6 +994,7 @@ void parse_run(const json& root, Config& c) {
                             {"pcie_both_gbps", &o.pcie_both_gbps}, {"nvme_read_gbps", &o.nvme_read_gbps},
                             {"nvme_write_gbps", &o.nvme_write_gbps}, {"nvme_both_gbps", &o.nvme_both_gbps},
                             {"adam_gelems", &o.adam_gelems}, {"checksum_gbps", &o.checksum_gbps},
+                            {"grad_add_gelems", &o.grad_add_gelems},
                             {"net_gbps", &o.net_gbps}, {"intra_node_gbps", &o.intra_node_gbps}}) {
       if (read(*rates, rp, key, *out)) positive(join(rp, key), *out);
     }

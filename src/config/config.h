@@ -98,6 +98,7 @@ struct RateOverrides {
   double nvme_read_gbps = 0, nvme_write_gbps = 0, nvme_both_gbps = 0;
   double adam_gelems = 0;  // G elements/s
   double checksum_gbps = 0;  // GB/s of CRC-32C on the optimizer's threads (run.swap_checksums)
+  double grad_add_gelems = 0;  // G elements/s of gradients added into their host homes (one thread)
   double net_gbps = 0;     // Gbit/s
   double intra_node_gbps = 0;  // Gbit/s, the node group's (comm.secondary_shard)
 };

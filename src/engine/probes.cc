@@ -14,6 +14,7 @@
 #include <unistd.h>
 
 #include "cpu_adam/adam.h"
+#include "cpu_adam/grad_ops.h"
 #include "engine/compute_stream.h"
 #include "engine/optimizer_pass.h"
 #include "model/model.h"
@@ -305,6 +306,20 @@ double probe_checksum(const Config& cfg, const Device& device, double budget_s) 
   return double(bytes) / fastest_seconds(budget_s, [&] { adam.parallel_for(bytes / kChunk, &Job::chunk, &job); });
 }
 
+int64_t grad_add_probe_numel(double budget_s, int64_t cache_bytes, int wire_bytes) {
+  return past_the_caches(budget_s >= 0.5 ? int64_t(16) << 20 : int64_t(4) << 20, 4 + wire_bytes, int64_t(256) << 20,
+                         cache_bytes);
+}
+
+double probe_grad_add(cpu_adam::GradType wire, double budget_s) {
+  const int wire_bytes = wire == cpu_adam::GradType::kF32 ? 4 : 2;
+  const int64_t n = grad_add_probe_numel(budget_s, last_level_cache_bytes(), wire_bytes);
+  std::vector<float> home(size_t(n), 0.25f);
+  std::vector<std::byte> landed(size_t(n) * size_t(wire_bytes), std::byte{0x3c});  // finite in every dtype
+  return double(n) /
+         fastest_seconds(budget_s, [&] { cpu_adam::accumulate_grad(home.data(), landed.data(), wire, n, false); });
+}
+
 void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device* device, const StepWork& work,
                            Rates& rates, double budget_s) {
   const bool cpu_compute = device == nullptr || !device->is_cuda();
@@ -327,6 +342,17 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
                                       (long long)(checksum_probe_bytes(budget_s, last_level_cache_bytes()) >> 20),
                                       adam_threads(cfg, d) > 0 ? adam_threads(cfg, d)
                                                                : int(std::thread::hardware_concurrency()));
+  }
+  if (need(rates.grad_add, work.grad_add_elems > 0)) {
+    // The wire most blocks land in (memory/bound.cc, predicted_work).
+    const cpu_adam::GradType wire = plan.compute_bytes == 4 || plan.world_size > 1 ? cpu_adam::GradType::kF32
+                                    : cfg.run.compute_dtype == ComputeDtype::kFp16 ? cpu_adam::GradType::kF16
+                                                                                   : cpu_adam::GradType::kBF16;
+    rates.grad_add = probe_grad_add(wire, budget_s);
+    rates.grad_add_source =
+        strprintf("measured: %s gradients added into fp32 on 1 thread, %lld Mi elements", cpu_adam::grad_type_name(wire),
+                  (long long)(grad_add_probe_numel(budget_s, last_level_cache_bytes(),
+                                                   wire == cpu_adam::GradType::kF32 ? 4 : 2) >> 20));
   }
   const bool h2d = need(rates.h2d, work.links.h2d > 0), d2h = need(rates.d2h, work.links.d2h > 0);
   const bool both = !cpu_compute && need(rates.pcie_both, work.links.h2d > 0 && work.links.d2h > 0);
@@ -372,6 +398,7 @@ StepWork union_work(const StepWork& work, const PlacementPlan& plan, bool checks
   u.adam_elems = std::max<int64_t>(u.adam_elems, 1);
   u.links.h2d = std::max<int64_t>(u.links.h2d, 1);
   u.links.d2h = std::max<int64_t>(u.links.d2h, 1);
+  u.grad_add_elems = std::max<int64_t>(u.grad_add_elems, 1);
   if (!plan.nvme_paths.empty()) {
     u.links.nvme_read = std::max<int64_t>(u.links.nvme_read, 1);
     u.links.nvme_write = std::max<int64_t>(u.links.nvme_write, 1);
@@ -401,6 +428,7 @@ void store_rates(const Rates& r, RateOverrides& o) {
   o.nvme_both_gbps = r.nvme_both / 1e9;
   o.adam_gelems = r.adam / 1e9;
   o.checksum_gbps = r.checksum / 1e9;
+  o.grad_add_gelems = r.grad_add / 1e9;
   o.net_gbps = r.net * 8 / 1e9;
   o.intra_node_gbps = r.intra_node * 8 / 1e9;
 }

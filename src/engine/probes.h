@@ -8,6 +8,7 @@
 #include <string>
 
 #include "config/config.h"
+#include "cpu_adam/types.h"
 #include "memory/bound.h"
 #include "memory/device.h"
 #include "memory/placement.h"
@@ -66,6 +67,14 @@ double probe_adam(const Config& cfg, const Device& device, double budget_s);
 // in nvme/swap_store.h), over a buffer past the caches: a read's blocks
 // arrive from the disk by DMA, not through the cache.
 double probe_checksum(const Config& cfg, const Device& device, double budget_s);
+
+// Elements/s of one thread adding landed gradients of `wire` into fp32 homes
+// (cpu_adam::accumulate_grad, what the gradient path's lander does for homes
+// off the device), over grad_add_probe_numel elements: 16 Mi (4 Mi for a
+// probe under 0.5 s), or 4x the last-level cache in elements of home and
+// wire bytes where that is more, at most 256 Mi.
+int64_t grad_add_probe_numel(double budget_s, int64_t cache_bytes, int wire_bytes);
+double probe_grad_add(cpu_adam::GradType wire, double budget_s);
 
 // Fills each rate `work` needs and `rates` lacks by measuring it here (NVMe
 // in plan.nvme_paths' first directory), naming the source "measured". A rate

@@ -34,6 +34,7 @@ Rates rates_from_config(const RateOverrides& o) {
   set(o.nvme_both_gbps, 1e9, r.nvme_both, r.nvme_both_source, "nvme_both_gbps");
   set(o.adam_gelems, 1e9, r.adam, r.adam_source, "adam_gelems");
   set(o.checksum_gbps, 1e9, r.checksum, r.checksum_source, "checksum_gbps");
+  set(o.grad_add_gelems, 1e9, r.grad_add, r.grad_add_source, "grad_add_gelems");
   set(o.net_gbps, 1e9 / 8, r.net, r.net_source, "net_gbps");
   set(o.intra_node_gbps, 1e9 / 8, r.intra_node, r.intra_node_source, "intra_node_gbps");
   return r;
@@ -153,7 +154,7 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
     // Gradients land in their home once per micro-batch, or once per step
     // when ranks reduce once per step (PlacementPlan::reduce_per_step).
     const int64_t G = p.reduce_per_step ? 1 : A;
-    if (grad[b].tier != Tier::kDevice) e.d2h += wire * grad[b].numel * G;
+    if (grad[b].tier != Tier::kDevice) e.d2h += wire * grad[b].numel * G, w.grad_add_elems += grad[b].numel * G;
     if (grad[b].tier == Tier::kNvme) e.nvme_write += 4 * grad[b].numel * G, e.nvme_read += 4 * grad[b].numel * (G - 1);
   }
   if (p.cpu_checkpointing) {
@@ -223,6 +224,7 @@ std::vector<std::string> missing_rates(const StepWork& w, const Rates& r, bool c
   if (w.flops > 0 && !(r.device_flops > 0)) out.push_back("--device-tflops");
   if (w.adam_elems > 0 && !(r.adam > 0)) out.push_back("--adam-gelems");
   if (w.checksum_bytes > 0 && !(r.checksum > 0)) out.push_back("--checksum-gbps");
+  if (w.grad_add_elems > 0 && !(r.grad_add > 0)) out.push_back("--grad-add-gelems");
   if (w.links.h2d > 0 && !(r.h2d > 0)) out.push_back("--h2d-gbps");
   if (w.links.d2h > 0 && !(r.d2h > 0)) out.push_back("--d2h-gbps");
   if (!cpu_compute && w.links.h2d > 0 && w.links.d2h > 0 && !(r.pcie_both > 0)) out.push_back("--pcie-both-gbps");
@@ -252,6 +254,10 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
   const double copies_s = !cpu_compute ? 0.0
                                        : (w.links.h2d > 0 ? double(w.links.h2d) / r.h2d : 0.0) +
                                              (w.links.d2h > 0 ? double(w.links.d2h) / r.d2h : 0.0);
+  // The lander's adds of landed gradients into their host homes: one thread,
+  // beside the backward.
+  const double grad_add_s = w.grad_add_elems > 0 ? double(w.grad_add_elems) / r.grad_add : 0.0;
+  const std::string grad_add_rate = w.grad_add_elems > 0 ? strprintf("%.3g G elements/s", r.grad_add / 1e9) : "";
   if (cpu_compute) {
     // One pool of cores and memory bandwidth does all of it.
     const bool copies = w.links.h2d > 0 || w.links.d2h > 0;
@@ -263,13 +269,24 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
       if (w.links.h2d > 0) rate += " + " + gbps_text(r.h2d) + " h2d";
       if (w.links.d2h > 0) rate += " + " + gbps_text(r.d2h) + " d2h";
     }
+    if (w.grad_add_elems > 0) {
+      name += " + gradient adds";
+      work += " + " + elems_text(double(w.grad_add_elems)) + " added";
+      rate += " + " + grad_add_rate + " adds";
+    }
     if (checksums) name += " + checksums";
-    add(name + ")", work + checksum_work, rate + checksum_rate, compute_s + adam_s + copies_s + checksum_s);
+    add(name + ")", work + checksum_work, rate + checksum_rate,
+        compute_s + adam_s + copies_s + grad_add_s + checksum_s);
   } else {
     if (w.flops > 0) add("device", flops_text(w.flops), strprintf("%.3g TFLOP/s", r.device_flops / 1e12), compute_s);
     if (w.adam_elems > 0 || checksums) {
       add(checksums ? "cpu (Adam + checksums)" : "cpu adam", elems_text(double(w.adam_elems)) + checksum_work,
           strprintf("%.3g G elements/s", r.adam / 1e9) + checksum_rate, adam_s + checksum_s);
+    }
+    // Its own thread on the host; the compute does not wait for it until the
+    // step's last landing, so it is a resource, not a step of the dependencies.
+    if (w.grad_add_elems > 0) {
+      add("host gradient adds", elems_text(double(w.grad_add_elems)) + " added", grad_add_rate, grad_add_s);
     }
   }
   if (!cpu_compute && w.links.h2d > 0) add("h2d", bytes_text(double(w.links.h2d)), gbps_text(r.h2d), double(w.links.h2d) / r.h2d);
@@ -303,12 +320,13 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
   double path = 0;
   // The optimizer's thread checksums its pieces between their updates.
   const double opt_cpu = adam_s + opt_checksum_s;
-  // On CPU compute the cores make the step's copies too (the fetches in the
-  // forward, the gradients' landing in the backward: copies_s, 0 on a GPU).
+  // On CPU compute the cores make the step's copies and gradient adds too
+  // (the fetches in the forward, the gradients' landing in the backward).
+  const double landing_s = cpu_compute ? copies_s + grad_add_s : 0.0;
   if (!w.overlap_optimizer) {
-    path = compute_s + copies_s + std::max(opt_cpu, opt_io);
+    path = compute_s + landing_s + std::max(opt_cpu, opt_io);
   } else if (cpu_compute) {  // the forward and CPU Adam share the cores
-    path = std::max(fwd + opt_cpu, opt_io) + (compute_s - fwd) + copies_s;
+    path = std::max(fwd + opt_cpu, opt_io) + (compute_s - fwd) + landing_s;
   } else {
     path = std::max(fwd, std::max(opt_cpu, opt_io)) + (compute_s - fwd);
   }

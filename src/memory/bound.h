@@ -27,10 +27,12 @@ struct Rates {
   double nvme_both = 0;                   // bytes/s reading and writing at once, aggregate
   double adam = 0;             // CPU Adam elements/s
   double checksum = 0;         // bytes/s of CRC-32C on CPU Adam's threads (the swap checksums)
+  double grad_add = 0;         // elements/s of gradients added into host homes (the lander's one thread)
   double net = 0;              // bytes/s one rank sends
   double intra_node = 0;       // bytes/s one rank sends to its node's ranks (the node group)
   std::string device_flops_source, h2d_source, d2h_source, pcie_both_source, nvme_read_source,
-      nvme_write_source, nvme_both_source, adam_source, checksum_source, net_source, intra_node_source;
+      nvme_write_source, nvme_both_source, adam_source, checksum_source, grad_add_source, net_source,
+      intra_node_source;
 };
 
 // run.rates as Rates (units converted), each named by its key.
@@ -51,6 +53,10 @@ struct StepWork {
   double flops = 0;        // model FLOPs, recompute included
   LinkBytes links;         // as the metrics count them (docs/design.md, "Bytes per link")
   int64_t adam_elems = 0;  // elements CPU Adam updates
+  // Gradient elements added into homes off the device (host or NVMe), one
+  // pass per landing (the first a copy): the gradient path's lander thread
+  // reads each landed gradient and its home and writes the sum.
+  int64_t grad_add_elems = 0;
   // Bytes whose CRC-32C is computed (swap writes) or verified (swap reads):
   // every NVMe byte when run.swap_checksums; the optimizer's part apart
   // (its pipeline's thread checksums them between updates).
@@ -83,8 +89,9 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& plan, const std:
 std::vector<int64_t> train_fetches(const PlacementPlan& plan);
 
 struct ResourceTime {
-  // "cpu (compute + Adam)" (with " + copies", " + checksums" where they have work), "device",
-  // "cpu adam" (or "cpu (Adam + checksums)"), "h2d", "d2h", "pcie (h2d + d2h)",
+  // "cpu (compute + Adam)" (with " + copies", " + gradient adds", " + checksums" where they
+  // have work), "device", "cpu adam" (or "cpu (Adam + checksums)"), "host gradient adds", "h2d",
+  // "d2h", "pcie (h2d + d2h)",
   // "nvme (read + write)", "network", "intra-node", "dependencies"
   std::string resource;
   std::string work;      // the work, in words ("1.20 TFLOP + 81.0 M elements")
@@ -100,9 +107,10 @@ struct StepBound {
 
 // The resources that really share hardware: with CPU compute
 // (`cpu_compute`), compute, CPU Adam, the copies (H2D/D2H are memcpy by the
-// cores) and the swap checksums share the cores, in the step's dependencies
-// too; on a GPU the device and the PCIe directions are apart, and CPU Adam and
-// the checksums share the host's cores. NVMe reads and writes share the
+// cores), the gradient adds into host homes and the swap checksums share the
+// cores, in the step's dependencies too; on a GPU the device and the PCIe
+// directions are apart, CPU Adam and the checksums share the host's cores,
+// and the gradient adds are one thread's (a resource of their own). NVMe reads and writes share the
 // disk: its time is the longest of reads alone, writes alone and both at the
 // aggregate rate. Besides each resource's busy time, the step's dependencies: the
 // optimizer of step s starts after its backward and must finish before step
