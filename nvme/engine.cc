@@ -5,10 +5,10 @@
 
 #include <algorithm>
 #include <condition_variable>
-#include <deque>
 #include <exception>
 #include <future>
 #include <latch>
+#include <list>
 #include <string_view>
 #include <utility>
 
@@ -89,6 +89,69 @@ struct RequestState {
   }
 };
 
+// Note [No allocation per request]
+// A step submits hundreds of requests; none of them allocates. A request's
+// state (and its shared_ptr control block) comes from a free list of equal
+// blocks, filled with kPooledStates at the first engine's start and grown
+// only past that many states alive at once; a worker's ranges are list
+// nodes it recycles (kSpareRanges made at its start; a finished range's node
+// goes back to the worker's spare list before it next waits); the swap
+// store collects a call's requests in a vector per thread that keeps its
+// capacity. nvme_test's NoAllocationOnceWarm counts.
+constexpr int kPooledStates = 256;
+constexpr int kSpareRanges = 64;
+
+class StatePool {
+ public:
+  void* get(size_t bytes) {
+    {
+      std::lock_guard<std::mutex> lock(mu_);
+      if (bytes == block_ && !free_.empty()) {
+        void* p = free_.back();
+        free_.pop_back();
+        return p;
+      }
+    }
+    return ::operator new(bytes);
+  }
+  size_t free_blocks() {
+    std::lock_guard<std::mutex> lock(mu_);
+    return free_.size();
+  }
+  void put(void* p, size_t bytes) {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (block_ == 0) block_ = bytes;
+    if (bytes != block_) {
+      ::operator delete(p);
+      return;
+    }
+    free_.push_back(p);
+  }
+
+ private:
+  std::mutex mu_;
+  size_t block_ = 0;  // the one size it keeps (the control block with its state)
+  std::vector<void*> free_;
+};
+
+// Never destroyed: a handle may outlive every engine.
+StatePool& state_pool() {
+  static StatePool* pool = new StatePool;
+  return *pool;
+}
+
+template <class T>
+struct StateAllocator {
+  using value_type = T;
+  StateAllocator() = default;
+  template <class U>
+  StateAllocator(const StateAllocator<U>&) {}  // NOLINT: rebinding
+  T* allocate(size_t n) { return static_cast<T*>(state_pool().get(n * sizeof(T))); }
+  void deallocate(T* p, size_t n) { state_pool().put(p, n * sizeof(T)); }
+  template <class U>
+  bool operator==(const StateAllocator<U>&) const { return true; }
+};
+
 struct Counters {
   std::atomic<int64_t> read_ops{0}, write_ops{0}, read_bytes{0}, write_bytes{0}, submits{0},
       short_transfers{0}, retries{0}, fixed_buffer_ops{0};
@@ -138,6 +201,7 @@ class Worker {
  public:
   Worker(IoEngine& engine, int index) : engine_(engine), index_(index) {
     const EngineOptions& o = engine.options_;
+    spare_.resize(size_t(kSpareRanges));  // Note [No allocation per request]
     slots_.resize(size_t(o.queue_depth));
     for (int i = o.queue_depth - 1; i >= 0; --i) free_slots_.push_back(i);
     completions_.resize(size_t(o.queue_depth));
@@ -165,10 +229,16 @@ class Worker {
 
   const char* backend_name() const { return backend_name_; }
 
-  void enqueue(std::vector<Range>& ranges) {
+  // Queues `r` in a recycled node (Note [No allocation per request]).
+  void enqueue(Range&& r) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      for (auto& r : ranges) incoming_.push_back(std::move(r));
+      if (spare_.empty()) {
+        incoming_.push_back(std::move(r));
+      } else {
+        incoming_.splice(incoming_.end(), spare_, spare_.begin());
+        incoming_.back() = std::move(r);
+      }
     }
     cv_.notify_one();
   }
@@ -270,12 +340,17 @@ class Worker {
     while (true) {
       {
         std::unique_lock<std::mutex> lock(mu_);
+        spare_.splice(spare_.end(), done_);  // before waiting: the next submit reuses them
         if (idle()) {
           cv_.wait(lock, [&] { return stop_ || !incoming_.empty() || !controls_.empty(); });
           if (stop_ && incoming_.empty() && controls_.empty()) return;
         }
-        for (auto& r : incoming_) ranges_.push_back(std::move(r));
-        incoming_.clear();
+        if (!incoming_.empty()) {
+          const auto first_new = incoming_.begin();
+          const bool at_end = issue_ == ranges_.end();
+          ranges_.splice(ranges_.end(), incoming_);
+          if (at_end) issue_ = first_new;
+        }
         controls.swap(controls_);
       }
       for (const Control& c : controls) {
@@ -297,22 +372,23 @@ class Worker {
     }
   }
 
-  bool idle() const { return submitted_ == 0 && retry_.empty() && issue_index_ >= ranges_.size(); }
+  bool idle() const { return submitted_ == 0 && retry_.empty() && issue_ == ranges_.end(); }
 
   Range* next_range() {
-    while (issue_index_ < ranges_.size()) {
-      Range& r = ranges_[issue_index_];
+    while (issue_ != ranges_.end()) {
+      Range& r = *issue_;
       if (!r.stopped && r.issued_bytes < r.bytes) {
         if (!r.req->failed.load(std::memory_order_relaxed)) return &r;
         stop(r);  // another part of the request failed: do not start more
       }
-      ++issue_index_;
+      ++issue_;
     }
     return nullptr;
   }
 
   void fill() {
-    std::vector<int> retry;
+    std::vector<int>& retry = retry_scratch_;  // keeps its capacity
+    retry.clear();
     retry.swap(retry_);
     for (int tag : retry) {
       Slot& s = slots_[size_t(tag)];
@@ -447,10 +523,12 @@ class Worker {
     r.req.reset();
   }
 
+  // Finished ranges from the front into done_, whose nodes go back to
+  // spare_ at the next lock (references to the other ranges stay valid).
   void pop_finished() {
     while (!ranges_.empty() && ranges_.front().finished) {
-      ranges_.pop_front();  // references to the other elements stay valid
-      if (issue_index_ > 0) --issue_index_;
+      if (issue_ == ranges_.begin()) ++issue_;
+      done_.splice(done_.end(), ranges_, ranges_.begin());
     }
   }
 
@@ -462,16 +540,19 @@ class Worker {
 
   std::mutex mu_;
   std::condition_variable cv_;
-  std::vector<Range> incoming_;    // guarded by mu_
+  std::list<Range> incoming_;      // guarded by mu_
+  std::list<Range> spare_;         // recycled nodes; guarded by mu_
   std::vector<Control> controls_;  // guarded by mu_
   bool stop_ = false;              // guarded by mu_
 
   // Owned by the worker thread.
-  std::deque<Range> ranges_;  // in submission order; finished ones popped from the front
-  size_t issue_index_ = 0;    // ranges_[issue_index_] is the first with pieces to issue
+  std::list<Range> ranges_;  // in submission order; finished ones moved from the front to done_
+  std::list<Range> done_;    // finished, for spare_
+  std::list<Range>::iterator issue_ = ranges_.end();  // the first range with pieces to issue
   std::vector<Slot> slots_;   // queue_depth entries; the tag of an operation is its index
   std::vector<int> free_slots_;
   std::vector<int> retry_;  // slots to prepare again (short transfer, EAGAIN)
+  std::vector<int> retry_scratch_;
   int submitted_ = 0;       // prepared or submitted, completion not yet reaped
   int batch_ = 1;           // completions to wait for before refilling
   std::vector<Completion> completions_;
@@ -536,6 +617,13 @@ IoEngine::IoEngine(EngineOptions options)
   for (auto& f : files_) f = std::make_unique<FileEntry>();
   for (int i = 0; i < options_.rings; ++i) {
     workers_.push_back(std::make_unique<detail::Worker>(*this, i));
+  }
+  // Note [No allocation per request]: the request states' pool, filled once.
+  if (detail::state_pool().free_blocks() < size_t(detail::kPooledStates)) {
+    std::vector<std::shared_ptr<RequestState>> fill;
+    for (int i = 0; i < detail::kPooledStates; ++i) {
+      fill.push_back(std::allocate_shared<RequestState>(detail::StateAllocator<RequestState>{}));
+    }
   }
   backend_name_ = workers_.front()->backend_name();
   log::debug("I/O engine: %s, %d ring(s) x queue depth %d, blocks of %s", backend_name_,
@@ -659,13 +747,13 @@ void BufferRegistration::reset() {
 }
 
 IoHandle IoEngine::submit(std::span<const IoRequest> requests) {
-  auto state = std::make_shared<RequestState>();
+  // Note [No allocation per request].
+  auto state = std::allocate_shared<RequestState>(detail::StateAllocator<RequestState>{});
   const int rings = options_.rings;
   const int64_t block = options_.block_size_bytes;
-  std::vector<std::vector<Range>> per_worker(static_cast<size_t>(rings));
-  int64_t parts = 0;
   {
     std::lock_guard<std::mutex> lock(files_mu_);
+    // Every request is checked before any is queued.
     for (const IoRequest& q : requests) {
       STRATA_CHECK(q.file.slot >= 0 && size_t(q.file.slot) < files_.size() &&
                        files_[size_t(q.file.slot)]->attached,
@@ -683,6 +771,13 @@ IoHandle IoEngine::submit(std::span<const IoRequest> requests) {
                                         f.path().c_str(), (long long)q.offset_bytes,
                                         (long long)q.bytes, q.buffer));
       }
+    }
+    // One part stands for the submit itself until every range is queued, so
+    // that a worker finishing the first range cannot complete the handle.
+    state->parts_left.store(1, std::memory_order_relaxed);
+    for (const IoRequest& q : requests) {
+      if (q.bytes == 0) continue;
+      const File& f = files_[size_t(q.file.slot)]->file;
       // Contiguous shares of whole blocks, one per ring, so that each ring's
       // batches are adjacent on disk (mergeable) and the rings run in parallel.
       const int64_t pieces = (q.bytes + block - 1) / block;
@@ -703,16 +798,12 @@ IoHandle IoEngine::submit(std::span<const IoRequest> requests) {
         r.buffer = static_cast<std::byte*>(q.buffer) + begin;
         r.offset_bytes = q.offset_bytes + begin;
         r.bytes = end - begin;
-        per_worker[(first + uint32_t(k)) % uint32_t(rings)].push_back(std::move(r));
-        ++parts;
+        state->parts_left.fetch_add(1, std::memory_order_relaxed);
+        workers_[(first + uint32_t(k)) % uint32_t(rings)]->enqueue(std::move(r));
       }
     }
   }
-  state->parts_left.store(parts, std::memory_order_relaxed);
-  if (parts == 0) state->done.store(1, std::memory_order_release);
-  for (int w = 0; w < rings; ++w) {
-    if (!per_worker[size_t(w)].empty()) workers_[size_t(w)]->enqueue(per_worker[size_t(w)]);
-  }
+  state->finish_part();  // the submit's own part
   return IoHandle(std::move(state));
 }
 

@@ -391,6 +391,12 @@ std::vector<std::string> SwapStore::file_paths() const { return file_paths_; }
 
 std::vector<SwapStore::Piece> SwapStore::map(int64_t logical, int64_t bytes) const {
   std::vector<Piece> pieces;
+  map_into(logical, bytes, pieces);
+  return pieces;
+}
+
+void SwapStore::map_into(int64_t logical, int64_t bytes, std::vector<Piece>& pieces) const {
+  pieces.clear();
   const int64_t stripe = options_.stripe_bytes;
   const int64_t dirs = int64_t(files_.size());
   while (bytes > 0) {
@@ -408,7 +414,19 @@ std::vector<SwapStore::Piece> SwapStore::map(int64_t logical, int64_t bytes) con
     logical += n;
     bytes -= n;
   }
-  return pieces;
+}
+
+IoHandle SwapStore::submit_pieces(IoOp op, const Region& r, int64_t offset, int64_t xfer, std::byte* p) {
+  thread_local std::vector<Piece> pieces;
+  thread_local std::vector<IoRequest> requests;
+  map_into(r.start_bytes + offset, xfer, pieces);
+  requests.clear();
+  int64_t done = 0;
+  for (const Piece& piece : pieces) {
+    requests.push_back({op, files_[size_t(piece.file)], piece.file_offset_bytes, piece.bytes, p + done});
+    done += piece.bytes;
+  }
+  return engine_.submit(requests);
 }
 
 int64_t SwapStore::block_len(const Region& r, int64_t block) const {
@@ -502,15 +520,8 @@ SwapHandle SwapStore::write(RegionId id, int64_t offset, int64_t bytes, const vo
     run_chunks(parallel, blocks, &ChecksumJob::chunk, &job);
   }
   for (int64_t k = 0; k < blocks; ++k) r.written[size_t(first + k)] = 1;
-  std::vector<IoRequest> requests;
-  int64_t done = 0;
-  for (const Piece& piece : map(r.start_bytes + offset, xfer)) {
-    requests.push_back({IoOp::kWrite, files_[size_t(piece.file)], piece.file_offset_bytes,
-                        piece.bytes, const_cast<std::byte*>(p + done)});
-    done += piece.bytes;
-  }
   SwapHandle h;
-  h.io_ = engine_.submit(requests);
+  h.io_ = submit_pieces(IoOp::kWrite, r, offset, xfer, const_cast<std::byte*>(p));
   h.store_ = this;
   h.op_ = IoOp::kWrite;
   h.region_ = id.index;
@@ -539,15 +550,8 @@ SwapHandle SwapStore::read(RegionId id, int64_t offset, int64_t bytes, void* buf
     }
   }
   auto* p = static_cast<std::byte*>(buffer);
-  std::vector<IoRequest> requests;
-  int64_t done = 0;
-  for (const Piece& piece : map(r.start_bytes + offset, xfer)) {
-    requests.push_back(
-        {IoOp::kRead, files_[size_t(piece.file)], piece.file_offset_bytes, piece.bytes, p + done});
-    done += piece.bytes;
-  }
   SwapHandle h;
-  h.io_ = engine_.submit(requests);
+  h.io_ = submit_pieces(IoOp::kRead, r, offset, xfer, p);
   h.store_ = this;
   h.op_ = IoOp::kRead;
   h.region_ = id.index;

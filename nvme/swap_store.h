@@ -209,6 +209,12 @@ class SwapStore {
   void read_index(const std::string& path);
   // Logical range -> per-file pieces (split at stripe boundaries).
   std::vector<Piece> map(int64_t logical_offset_bytes, int64_t bytes) const;
+  // The same pieces into `out` (cleared first; its capacity is kept).
+  void map_into(int64_t logical_offset_bytes, int64_t bytes, std::vector<Piece>& out) const;
+  // `op` on [offset, offset + xfer) of `r` from/into `p`: one request per
+  // piece, collected without allocating (Note [No allocation per request]
+  // in nvme/engine.cc).
+  IoHandle submit_pieces(IoOp op, const Region& r, int64_t offset, int64_t xfer, std::byte* p);
   Region& region(RegionId id);
   const Region& region(RegionId id) const;
   int64_t block_len(const Region& r, int64_t block) const;

@@ -6,7 +6,6 @@
 
 #include <algorithm>
 #include <condition_variable>
-#include <deque>
 #include <mutex>
 #include <thread>
 #include <vector>
@@ -23,6 +22,10 @@ class ThreadBackend final : public Backend {
  public:
   explicit ThreadBackend(int queue_depth) {
     const int threads = std::clamp(queue_depth, 1, kMaxThreadsPerQueue);
+    // At most queue_depth operations are outstanding: no allocation after this.
+    prepared_.reserve(size_t(queue_depth));
+    queue_.reserve(size_t(queue_depth));
+    done_.reserve(size_t(queue_depth));
     for (int i = 0; i < threads; ++i) threads_.emplace_back([this] { run(); });
   }
   ~ThreadBackend() override {
@@ -41,6 +44,8 @@ class ThreadBackend final : public Backend {
   int submit_and_reap(int min_complete, std::span<Completion> out) override {
     std::unique_lock<std::mutex> lock(mu_);
     if (!prepared_.empty()) {
+      queue_.erase(queue_.begin(), queue_.begin() + ptrdiff_t(head_));  // taken ones (no allocation)
+      head_ = 0;
       queue_.insert(queue_.end(), prepared_.begin(), prepared_.end());
       const size_t n = prepared_.size();
       prepared_.clear();
@@ -60,10 +65,9 @@ class ThreadBackend final : public Backend {
   void run() {
     std::unique_lock<std::mutex> lock(mu_);
     while (true) {
-      work_cv_.wait(lock, [&] { return stop_ || !queue_.empty(); });
-      if (queue_.empty()) return;  // stop_
-      const BackendOp op = queue_.front();
-      queue_.pop_front();
+      work_cv_.wait(lock, [&] { return stop_ || head_ < queue_.size(); });
+      if (head_ == queue_.size()) return;  // stop_
+      const BackendOp op = queue_[head_++];
       lock.unlock();
       ssize_t rc;
       do {
@@ -82,7 +86,8 @@ class ThreadBackend final : public Backend {
   std::mutex mu_;
   std::condition_variable work_cv_;
   std::condition_variable done_cv_;
-  std::deque<BackendOp> queue_;   // guarded by mu_
+  std::vector<BackendOp> queue_;  // [head_, size) waiting; guarded by mu_
+  size_t head_ = 0;               // guarded by mu_
   std::vector<Completion> done_;  // guarded by mu_
   bool stop_ = false;             // guarded by mu_
   std::vector<std::thread> threads_;
