@@ -1,6 +1,7 @@
 #include "memory/bound.h"
 
 #include <algorithm>
+#include <thread>
 
 #include "memory/param_window.h"
 #include "util/errors.h"
@@ -138,6 +139,7 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
   w.flops = double(A) * step_flops(cfg.model, tokens, !p.keep_graphs);
   w.first_forward_flops = step_flops(cfg.model, tokens, false) / 3;  // forward = a third of forward + backward
   w.overlap_optimizer = optimizer_overlaps(cfg, p);
+  w.cpu_threads = cfg.run.threads > 0 ? int(cfg.run.threads) : std::max(1, int(std::thread::hardware_concurrency()));
   w.net_bytes = net.world;
   w.intra_node_bytes = net.node;
   LinkBytes& e = w.links;
@@ -251,12 +253,16 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
   const std::string checksum_work = checksums ? " + " + bytes_text(double(w.checksum_bytes)) + " checksummed" : "";
   const std::string checksum_rate = checksums ? " + " + gbps_text(r.checksum) + " CRC-32C" : "";
   // On CPU compute, H2D and D2H are memcpy by the cores.
+  // On CPU compute, H2D and D2H are memcpy by one thread at a time.
   const double copies_s = !cpu_compute ? 0.0
                                        : (w.links.h2d > 0 ? double(w.links.h2d) / r.h2d : 0.0) +
                                              (w.links.d2h > 0 ? double(w.links.d2h) / r.d2h : 0.0);
   // The lander's adds of landed gradients into their host homes: one thread,
   // beside the backward.
   const double grad_add_s = w.grad_add_elems > 0 ? double(w.grad_add_elems) / r.grad_add : 0.0;
+  // With CPU compute both are one thread's work among the pool's: their share
+  // of the cores' time is their CPU time over the pool's threads.
+  const double landing_s = cpu_compute ? (copies_s + grad_add_s) / std::max(1, w.cpu_threads) : 0.0;
   const std::string grad_add_rate = w.grad_add_elems > 0 ? strprintf("%.3g G elements/s", r.grad_add / 1e9) : "";
   if (cpu_compute) {
     // One pool of cores and memory bandwidth does all of it.
@@ -274,9 +280,10 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
       work += " + " + elems_text(double(w.grad_add_elems)) + " added";
       rate += " + " + grad_add_rate + " adds";
     }
+    if (copies || w.grad_add_elems > 0) rate += strprintf(" (copies, adds: 1 of %d threads)", std::max(1, w.cpu_threads));
     if (checksums) name += " + checksums";
     add(name + ")", work + checksum_work, rate + checksum_rate,
-        compute_s + adam_s + copies_s + grad_add_s + checksum_s);
+        compute_s + adam_s + landing_s + checksum_s);
   } else {
     if (w.flops > 0) add("device", flops_text(w.flops), strprintf("%.3g TFLOP/s", r.device_flops / 1e12), compute_s);
     if (w.adam_elems > 0 || checksums) {
@@ -321,8 +328,8 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
   // The optimizer's thread checksums its pieces between their updates.
   const double opt_cpu = adam_s + opt_checksum_s;
   // On CPU compute the cores make the step's copies and gradient adds too
-  // (the fetches in the forward, the gradients' landing in the backward).
-  const double landing_s = cpu_compute ? copies_s + grad_add_s : 0.0;
+  // (the fetches in the forward, the gradients' landing in the backward):
+  // landing_s, 0 on a GPU.
   if (!w.overlap_optimizer) {
     path = compute_s + landing_s + std::max(opt_cpu, opt_io);
   } else if (cpu_compute) {  // the forward and CPU Adam share the cores
