@@ -4,6 +4,7 @@
 
 #include <gtest/gtest.h>
 
+#include "memory/bound.h"
 #include "memory/device.h"
 #include "util/errors.h"
 
@@ -199,6 +200,59 @@ TEST(PlacementTest, AutoFillsTheDeviceFirstWithParametersThenGradients) {
   EXPECT_LE(total[0], cap.device_bytes);
   EXPECT_LE(total[1], cap.host_bytes);
   EXPECT_TRUE(plan_shortfalls(p, cap).empty());
+}
+
+// Note [Auto's margin] (memory/bound.h): on the capacity above, auto's other
+// candidate on a GPU, gradients before parameters, moves half of param16 to
+// the host (fetched over H2D each step) where the greedy fill has half of
+// the gradients there (landed over D2H and added by the host's lander
+// thread). As that thread's rate is swept from fast to slow, the greedy
+// fill's bound rises past the candidate's; choose_by_bound takes the
+// candidate only once it is more than 10% lower, and says so either way.
+TEST(PlacementTest, AutoByTheBoundLeavesTheGreedyFillOnlyForAClearlyLowerBound) {
+  StateLayout layout = make_layout();
+  Config cfg = config_with({"placement={\"auto\":true,\"headroom\":0.0,\"nvme_path\":\"/tmp/x\"}",
+                            "model.dim=8", "model.n_heads=2", "model.n_layers=1", "model.seq_len=8",
+                            "train_micro_batch_size_per_gpu=1", "run.swap_checksums=false",
+                            "zero_optimization.offload_optimizer.buffer_count=1"});
+  const int64_t activations = make_plan(cfg, layout, 0, unlimited()).activation_bytes;
+  const int64_t unit = 65536 * 4;
+  MachineCapacity cap;
+  cap.device_is_host = false;
+  cap.device_addressable = false;
+  cap.device_bytes = 8 * unit + 4 * unit + activations + 1 * unit + 8 * 8 + 65536 / 4096 * 8 + token_bytes(cfg);
+  cap.host_bytes = 4 * unit + 8 * unit + 4 * unit + 3 * unit + 4 * unit + token_bytes(cfg);
+  cap.nvme_bytes = int64_t(1) << 40;
+  Config other = cfg;
+  other.placement.auto_order = {1, 0, 2, 3, 4};  // gradients before parameters
+  const PlacementPlan greedy = make_plan(cfg, layout, 0, cap);
+  const PlacementPlan grads_first = make_plan(other, layout, 0, cap);
+  ASSERT_TRUE(plan_shortfalls(grads_first, cap).empty());
+  ASSERT_LT(grads_first.split[int(Category::kParam16)].device, 1.0);  // the two differ
+  Rates r;
+  r.device_flops = 1e12, r.adam = 1e9, r.h2d = r.d2h = 10e9, r.pcie_both = 20e9;
+  r.nvme_read = r.nvme_write = r.nvme_both = 2e9;
+  bool took_it = false, kept_greedy_though_lower = false;
+  for (double adds = 10e9; adds > 0.01e9; adds /= 1.25) {
+    r.grad_add = adds;
+    auto seconds = [&](const Config& c, const PlacementPlan& p) {
+      return step_bound(predicted_work(c, p, train_fetches(p), step_network_bytes(p)), r, false).seconds;
+    };
+    const double g = seconds(cfg, greedy), k = seconds(other, grads_first);
+    const PlacementPlan chosen = choose_by_bound(cfg, layout, 0, cap, r);
+    const bool is_other = chosen.split[int(Category::kParam16)].device < 1.0;
+    EXPECT_EQ(is_other, k < g * 0.9) << "adds " << adds << "/s: greedy " << g << " s, other " << k << " s; "
+                                     << chosen.auto_choice;
+    if (is_other) {
+      took_it = true;
+      EXPECT_NE(chosen.auto_choice.find("gradients before parameters: bound"), std::string::npos) << chosen.auto_choice;
+    } else if (k < g) {
+      kept_greedy_though_lower = true;
+      EXPECT_NE(chosen.auto_choice.find("not 10% lower"), std::string::npos) << chosen.auto_choice;
+    }
+  }
+  EXPECT_TRUE(took_it);
+  EXPECT_TRUE(kept_greedy_though_lower);
 }
 
 // run.overlap_optimizer "auto": on a GPU always; on the CPU device only when

@@ -98,14 +98,14 @@ def main():
             for name, by_bound in (("by bound", True), ("greedy", False)):
                 plan = json.loads(run([args.strata, "plan", "--json", cfg_path, *sets,
                                        f"--set=placement.by_bound={str(by_bound).lower()}"]))
-                choice = plan.get("auto_choice") or {}
+                choice = plan.get("auto_choice") or "(greedy fill, not judged)"
                 rd["runs"][name] = {"plan_bound_s": plan["bound"]["seconds"], "binding": plan["bound"]["binding"],
                                     "choice": choice, "placement": tiers(plan)}
             print(f"round {rnd + 1}: rates " + ", ".join(f"{k} {v:.3g}" for k, v in rates.items()), flush=True)
             for name in ("by bound", "greedy"):
                 r = rd["runs"][name]
                 print(f"  {name}: plan bound {r['plan_bound_s']:.3f} s by {r['binding']}; "
-                      f"choice {json.dumps(r['choice'])}\n    {r['placement']}", flush=True)
+                      f"choice: {r['choice']}\n    {r['placement']}", flush=True)
             for name, by_bound in (("by bound", True), ("greedy", False)):
                 metrics = os.path.join(args.dir, f"metrics-{name.replace(' ', '-')}.jsonl")
                 run([args.strata, "train", cfg_path, "--metrics", metrics, *sets,

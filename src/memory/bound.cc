@@ -403,6 +403,15 @@ PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int6
       runner_s = s, runner_name = k.name;
     }
   }
+  // Note [Auto's margin]: another candidate replaces the greedy fill only
+  // when its bound is lower by more than kAutoMargin.
+  if (best_name != candidates[0].name && best_s > greedy_s * (1 - kAutoMargin)) {
+    greedy.auto_choice = strprintf(
+        "%s: bound %.3f s (%s: %.3f s, not %.0f%% lower: within what the bound leaves out)", candidates[0].name.c_str(),
+        greedy_s, best_name.c_str(), best_s, kAutoMargin * 100);
+    if (!unjudged.empty()) greedy.auto_choice += "; not judged (no rate): " + unjudged;
+    return greedy;
+  }
   best.auto_choice = strprintf("%s: bound %.3f s", best_name.c_str(), best_s);
   if (runner_s >= 0) best.auto_choice += strprintf("; runner-up %s: %.3f s", runner_name.c_str(), runner_s);
   if (best_name != candidates[0].name && runner_name != candidates[0].name) {

@@ -132,9 +132,20 @@ StepBound step_bound(const StepWork& work, const Rates& rates, bool cpu_compute)
 // greedy fill; with CPU compute, other orders in which categories go down a
 // tier; on a GPU, fewer optimizer sub-groups kept in HBM for its Adam, and
 // gradients before parameters), each that fits costed with predicted_work
-// and step_bound at `rates`, the lowest chosen (the greedy fill on ties).
+// and step_bound at `rates`, the lowest chosen where it beats the greedy
+// fill's by more than kAutoMargin (Note [Auto's margin]), else the greedy fill.
 // plan.auto_choice says which and the runner-up's bound. A candidate whose
 // work needs a rate `rates` lacks is not judged.
+//
+// Note [Auto's margin]
+// The bound is a lower bound, and what it leaves out differs between
+// placements: on the dev VM a candidate 4% below the greedy fill by the
+// bound (parameters and gradients on NVMe, their fetches and gradient
+// writes partly on the compute's thread) ran 10-28% slower (BENCHMARKS.md,
+// "The step's bound"). So another candidate wins only when its bound is
+// lower than the greedy fill's by more than kAutoMargin; plan.auto_choice
+// then names the candidate that was not taken.
+inline constexpr double kAutoMargin = 0.10;
 PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int64_t rank,
                               const MachineCapacity& capacity, const Rates& rates);
 

@@ -317,7 +317,7 @@ struct GivenCapacity {
 
 // With `rates` and placement auto, the candidate placements auto can build
 // are compared by the step's bound and the lowest chosen (memory/bound.h,
-// choose_by_bound; the greedy fill on ties).
+// choose_by_bound; the greedy fill unless another is more than 10% lower).
 struct Rates;
 PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, MachineCapacity* capacity,
                                int64_t rank = 0, int local_ranks = 1, const Device* device = nullptr,
