@@ -163,12 +163,9 @@ TEST(PlacementTest, SubGroupsAreAlignedContiguousRanges) {
   EXPECT_EQ(next, kTotal);
 }
 
-TEST(PlacementTest, AutoFillsTheDeviceFirstWithParametersThenGradients) {
-  StateLayout layout = make_layout();
-  Config cfg = config_with({"placement={\"auto\":true,\"headroom\":0.0,\"nvme_path\":\"/tmp/x\"}",
-                            "model.dim=8", "model.n_heads=2", "model.n_layers=1", "model.seq_len=8",
-                            "train_micro_batch_size_per_gpu=1",
-                            "zero_optimization.offload_optimizer.buffer_count=1"});
+// A GPU whose tiers hold, with auto's greedy fill of `cfg` (fp32, one
+// micro-batch of 8 tokens, one staging set), exactly:
+MachineCapacity gpu_capacity_for_auto(const Config& cfg, const StateLayout& layout) {
   const int64_t activations = make_plan(cfg, layout, 0, unlimited()).activation_bytes;
   const int64_t unit = 65536 * 4;  // every unit here: one block / one sub-group of fp32
   MachineCapacity cap;
@@ -186,6 +183,16 @@ TEST(PlacementTest, AutoFillsTheDeviceFirstWithParametersThenGradients) {
   // host homes (one unit each).
   cap.host_bytes = 4 * unit + 8 * unit + 4 * unit + 3 * unit + 4 * unit + token_bytes(cfg);
   cap.nvme_bytes = int64_t(1) << 40;
+  return cap;
+}
+
+TEST(PlacementTest, AutoFillsTheDeviceFirstWithParametersThenGradients) {
+  StateLayout layout = make_layout();
+  Config cfg = config_with({"placement={\"auto\":true,\"headroom\":0.0,\"nvme_path\":\"/tmp/x\"}",
+                            "model.dim=8", "model.n_heads=2", "model.n_layers=1", "model.seq_len=8",
+                            "train_micro_batch_size_per_gpu=1",
+                            "zero_optimization.offload_optimizer.buffer_count=1"});
+  const MachineCapacity cap = gpu_capacity_for_auto(cfg, layout);
   PlacementPlan p = make_plan(cfg, layout, 0, cap);
   EXPECT_EQ(p.source, "auto");
   EXPECT_NEAR(p.split[int(Category::kParam16)].device, 1.0, 1e-9);
@@ -215,14 +222,7 @@ TEST(PlacementTest, AutoByTheBoundLeavesTheGreedyFillOnlyForAClearlyLowerBound) 
                             "model.dim=8", "model.n_heads=2", "model.n_layers=1", "model.seq_len=8",
                             "train_micro_batch_size_per_gpu=1", "run.swap_checksums=false",
                             "zero_optimization.offload_optimizer.buffer_count=1"});
-  const int64_t activations = make_plan(cfg, layout, 0, unlimited()).activation_bytes;
-  const int64_t unit = 65536 * 4;
-  MachineCapacity cap;
-  cap.device_is_host = false;
-  cap.device_addressable = false;
-  cap.device_bytes = 8 * unit + 4 * unit + activations + 1 * unit + 8 * 8 + 65536 / 4096 * 8 + token_bytes(cfg);
-  cap.host_bytes = 4 * unit + 8 * unit + 4 * unit + 3 * unit + 4 * unit + token_bytes(cfg);
-  cap.nvme_bytes = int64_t(1) << 40;
+  const MachineCapacity cap = gpu_capacity_for_auto(cfg, layout);
   Config other = cfg;
   other.placement.auto_order = {1, 0, 2, 3, 4};  // gradients before parameters
   const PlacementPlan greedy = make_plan(cfg, layout, 0, cap);
