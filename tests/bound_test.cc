@@ -109,36 +109,36 @@ TEST(BoundTest, BytesPerLinkOfAnOffloadedPlacement) {
   Rates r = cpu_rates(w);  // Adam: + 0.000524288 s on the same cores
   StepBound b = step_bound(w, r, /*cpu_compute=*/true);
   ASSERT_EQ(b.resources.size(), 3u);
-  // The cores: 0.05 s of compute, 0.000524288 s of Adam, and half (one
-  // thread of the two) of the copies, memcpy here: H2D 0.001048576 s and D2H
-  // 0.001048576 s, and of the gradient adds, 0.002097152 s.
+  // The cores: 0.05 s of compute, 0.000524288 s of Adam, the copies on the
+  // compute's thread, memcpy here: H2D 0.001048576 s and D2H 0.001048576 s,
+  // and half (one thread of the two) of the gradient adds' 0.002097152 s.
   EXPECT_EQ(w.cpu_threads, 2);
   EXPECT_EQ(b.resources[0].resource, "cpu (compute + Adam + copies + gradient adds)");
-  EXPECT_NEAR(b.resources[0].seconds, 0.05 + 0.000524288 + (0.002097152 + 0.002097152) / 2, 1e-12);
+  EXPECT_NEAR(b.resources[0].seconds, 0.05 + 0.000524288 + 0.002097152 + 0.002097152 / 2, 1e-12);
   // Reads 0.01048576 s, writes 0.02097152 s, both 20971520 B at 1 GB/s.
   EXPECT_EQ(b.resources[1].resource, "nvme (read + write)");
   EXPECT_NEAR(b.resources[1].seconds, 0.02097152, 1e-12);
   // The optimizer's I/O (reads 0.008388608 s, writes 0.012582912 s, both
   // 14680064 B: 0.014680064 s) outlasts the first forward with Adam
-  // (0.00625 + 0.000524288 s); the rest of the compute (0.04375 s) and the
-  // copies' and adds' share of the cores (0.002097152 s) follow.
+  // (0.00625 + 0.000524288 s); the rest of the compute (0.04375 s), the
+  // copies (0.002097152 s) and the adds' share of the cores (0.001048576 s) follow.
   EXPECT_EQ(b.resources[2].resource, "dependencies");
-  EXPECT_NEAR(b.resources[2].seconds, 0.014680064 + 0.04375 + 0.002097152, 1e-12);
+  EXPECT_NEAR(b.resources[2].seconds, 0.014680064 + 0.04375 + 0.002097152 + 0.001048576, 1e-12);
   EXPECT_EQ(b.binding, "dependencies");
-  EXPECT_NEAR(b.seconds, 0.060527216, 1e-12);
+  EXPECT_NEAR(b.seconds, 0.061575792, 1e-12);
   // Without the overlap, compute, copies and adds, then the optimizer: 0.05 +
-  // 0.002097152 + 0.014680064.
+  // 0.002097152 + 0.001048576 + 0.014680064.
   w.overlap_optimizer = false;
-  EXPECT_NEAR(step_bound(w, r, true).seconds, 0.066777216, 1e-12);
+  EXPECT_NEAR(step_bound(w, r, true).seconds, 0.067825792, 1e-12);
   w.overlap_optimizer = true;
   // Writes at 0.1 GB/s: the disk takes 0.1048576 s, the optimizer's writes
-  // 0.06291456 s, and the dependencies 0.06291456 + 0.04375 + 0.002097152 s bind.
+  // 0.06291456 s, and the dependencies 0.06291456 + 0.04375 + 0.003145728 s bind.
   r.nvme_write = 0.1e9;
   b = step_bound(w, r, true);
   EXPECT_NEAR(b.resources[1].seconds, 0.1048576, 1e-12);
   EXPECT_EQ(b.binding, "dependencies");
-  EXPECT_NEAR(b.seconds, 0.108761712, 1e-12);
-  // One thread of compute: the copies and adds take their whole 0.004194304 s.
+  EXPECT_NEAR(b.seconds, 0.109810288, 1e-12);
+  // One thread of compute: the adds take their whole 0.002097152 s.
   w.cpu_threads = 1;
   EXPECT_NEAR(step_bound(w, r, true).resources[0].seconds, 0.05 + 0.000524288 + 0.004194304, 1e-12);
   w.cpu_threads = 2;
@@ -211,17 +211,17 @@ TEST(BoundTest, SwapChecksumsShareTheCpu) {
   r.checksum = 1.048576e9;
   const StepBound b = step_bound(w, r, /*cpu_compute=*/true);
   ASSERT_EQ(b.resources.size(), 3u);
-  // The cores: 0.05 s of compute + 0.000524288 s of Adam + half of the
-  // 0.002097152 s of copies and 0.002097152 s of gradient adds + 0.02 s of
+  // The cores: 0.05 s of compute + 0.000524288 s of Adam + 0.002097152 s of
+  // copies + half of the 0.002097152 s of gradient adds + 0.02 s of
   // checksums (on Adam's threads, all of them).
   EXPECT_EQ(b.resources[0].resource, "cpu (compute + Adam + copies + gradient adds + checksums)");
-  EXPECT_NEAR(b.resources[0].seconds, 0.07262144, 1e-12);
+  EXPECT_NEAR(b.resources[0].seconds, 0.073670016, 1e-12);
   // The optimizer: the first forward, its Adam and its checksums (0.00625 +
   // 0.000524288 + 0.014 s) now outlast its I/O (0.014680064 s).
   EXPECT_EQ(b.resources[2].resource, "dependencies");
-  EXPECT_NEAR(b.resources[2].seconds, 0.020774288 + 0.04375 + 0.002097152, 1e-12);
+  EXPECT_NEAR(b.resources[2].seconds, 0.020774288 + 0.04375 + 0.002097152 + 0.001048576, 1e-12);
   EXPECT_EQ(b.binding, "cpu (compute + Adam + copies + gradient adds + checksums)");
-  EXPECT_NEAR(b.seconds, 0.07262144, 1e-12);
+  EXPECT_NEAR(b.seconds, 0.073670016, 1e-12);
 
   // On a GPU, bf16, weights and gradients in HBM, the optimizer state on
   // NVMe: 12n read and 12n written, all of it the optimizer's (12582912

@@ -91,7 +91,7 @@ def probe_rates(args, ws, tier, tag, sets=()):
     threads = max(1, args.cores // ws)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
     cmd = [args.strata, "plan", "--json", "--probe-seconds", str(args.probe_seconds), cfg_path,
-           "--set", f"run.threads={threads}"]
+           "--world-size", str(ws), "--set", f"run.threads={threads}"]
     for kv in sets:
         cmd += ["--set", kv]
     procs = [subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -167,10 +167,10 @@ def main():
                 results.setdefault(((tier, red), ws), []).append(r)
                 probed = ""
                 if rates:
-                    probed = (f" (probes: compute {rates['device_tflops'] * 1e3:.1f} GFLOP/s, Adam "
-                              f"{rates['adam_gelems']:.2f} G el/s" +
-                              (f", NVMe write {rates['nvme_write_gbps']:.2f} read {rates['nvme_read_gbps']:.2f} GB/s"
-                               if "nvme_read_gbps" in rates else "") + ")")
+                    probed = (f" (probes: compute {rates.get('device_tflops', 0) * 1e3:.1f} GFLOP/s, Adam "
+                              f"{rates.get('adam_gelems', 0):.2f} G el/s" +
+                              (f", NVMe write {rates.get('nvme_write_gbps', 0):.2f} read "
+                               f"{rates['nvme_read_gbps']:.2f} GB/s" if "nvme_read_gbps" in rates else "") + ")")
                 print(f"round {rnd + 1}: {tier:4} {red} ws {ws}{probed}: step {r['step_s']:.3f} s, "
                       f"bound {r['bound_s']:.3f} s, "
                       f"collectives "

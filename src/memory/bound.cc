@@ -253,16 +253,19 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
   const std::string checksum_work = checksums ? " + " + bytes_text(double(w.checksum_bytes)) + " checksummed" : "";
   const std::string checksum_rate = checksums ? " + " + gbps_text(r.checksum) + " CRC-32C" : "";
   // On CPU compute, H2D and D2H are memcpy by the cores.
-  // On CPU compute, H2D and D2H are memcpy by one thread at a time.
+  // On CPU compute, H2D and D2H are memcpy on the compute's thread (the
+  // CPU device copies in the calling thread: the window's fetches, the
+  // gradients' landing), between its parallel regions: their whole seconds.
   const double copies_s = !cpu_compute ? 0.0
                                        : (w.links.h2d > 0 ? double(w.links.h2d) / r.h2d : 0.0) +
                                              (w.links.d2h > 0 ? double(w.links.d2h) / r.d2h : 0.0);
   // The lander's adds of landed gradients into their host homes: one thread,
   // beside the backward.
   const double grad_add_s = w.grad_add_elems > 0 ? double(w.grad_add_elems) / r.grad_add : 0.0;
-  // With CPU compute both are one thread's work among the pool's: their share
-  // of the cores' time is their CPU time over the pool's threads.
-  const double landing_s = cpu_compute ? (copies_s + grad_add_s) / std::max(1, w.cpu_threads) : 0.0;
+  // With CPU compute the adds are the lander's work beside the compute's
+  // threads: their share of the cores' time is their CPU time over the
+  // pool's threads.
+  const double landing_s = cpu_compute ? copies_s + grad_add_s / std::max(1, w.cpu_threads) : 0.0;
   const std::string grad_add_rate = w.grad_add_elems > 0 ? strprintf("%.3g G elements/s", r.grad_add / 1e9) : "";
   if (cpu_compute) {
     // One pool of cores and memory bandwidth does all of it.
@@ -280,7 +283,7 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
       work += " + " + elems_text(double(w.grad_add_elems)) + " added";
       rate += " + " + grad_add_rate + " adds";
     }
-    if (copies || w.grad_add_elems > 0) rate += strprintf(" (copies, adds: 1 of %d threads)", std::max(1, w.cpu_threads));
+    if (w.grad_add_elems > 0) rate += strprintf(" (adds: 1 of %d threads)", std::max(1, w.cpu_threads));
     if (checksums) name += " + checksums";
     add(name + ")", work + checksum_work, rate + checksum_rate,
         compute_s + adam_s + landing_s + checksum_s);

@@ -58,9 +58,10 @@ struct StepWork {
   // reads each landed gradient and its home and writes the sum.
   int64_t grad_add_elems = 0;
   // The CPU device's pool of cores: the compute's threads (run.threads, else
-  // every core). The copies and the gradient adds run on one thread each
-  // beside the compute, so on CPU compute they take 1/cpu_threads of the
-  // pool for their seconds (CPU time is what they share).
+  // every core). The gradient adds run on the lander's one thread beside the
+  // compute, so on CPU compute they take 1/cpu_threads of the pool for their
+  // seconds (CPU time is what they share); the copies run on the compute's
+  // own thread and take their whole seconds.
   int cpu_threads = 1;
   // Bytes whose CRC-32C is computed (swap writes) or verified (swap reads):
   // every NVMe byte when run.swap_checksums; the optimizer's part apart
@@ -112,9 +113,10 @@ struct StepBound {
 
 // The resources that really share hardware: with CPU compute
 // (`cpu_compute`), compute, CPU Adam, the copies (H2D/D2H are memcpy by the
-// cores), the gradient adds into host homes and the swap checksums share the
-// cores, in the step's dependencies too (the copies and adds, one thread's
-// work each, at 1/cpu_threads of their seconds: their CPU time); on a GPU the device and the PCIe
+// cores, on the compute's thread), the gradient adds into host homes and the
+// swap checksums share the cores, in the step's dependencies too (the adds,
+// the lander's one thread beside the compute, at 1/cpu_threads of their
+// seconds: their CPU time); on a GPU the device and the PCIe
 // directions are apart, CPU Adam and the checksums share the host's cores,
 // and the gradient adds are one thread's (a resource of their own). NVMe reads and writes share the
 // disk: its time is the longest of reads alone, writes alone and both at the
