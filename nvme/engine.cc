@@ -9,6 +9,7 @@
 #include <future>
 #include <latch>
 #include <list>
+#include <new>
 #include <string_view>
 #include <utility>
 
@@ -106,9 +107,10 @@ class StatePool {
   void* get(size_t bytes) {
     {
       std::lock_guard<std::mutex> lock(mu_);
-      if (bytes == block_ && !free_.empty()) {
-        void* p = free_.back();
-        free_.pop_back();
+      if (bytes == block_ && head_ != nullptr) {
+        Free* p = head_;
+        head_ = p->next;
+        --count_;
         return p;
       }
     }
@@ -116,22 +118,29 @@ class StatePool {
   }
   size_t free_blocks() {
     std::lock_guard<std::mutex> lock(mu_);
-    return free_.size();
+    return count_;
   }
-  void put(void* p, size_t bytes) {
+  // Never allocates (a shared_ptr's release, noexcept, calls it): the free
+  // list is threaded through the blocks themselves.
+  void put(void* p, size_t bytes) noexcept {
     std::lock_guard<std::mutex> lock(mu_);
-    if (block_ == 0) block_ = bytes;
+    if (block_ == 0 && bytes >= sizeof(Free)) block_ = bytes;
     if (bytes != block_) {
       ::operator delete(p);
       return;
     }
-    free_.push_back(p);
+    head_ = new (p) Free{head_};
+    ++count_;
   }
 
  private:
+  struct Free {
+    Free* next;
+  };
   std::mutex mu_;
   size_t block_ = 0;  // the one size it keeps (the control block with its state)
-  std::vector<void*> free_;
+  Free* head_ = nullptr;
+  size_t count_ = 0;
 };
 
 // Never destroyed: a handle may outlive every engine.
@@ -751,7 +760,8 @@ IoHandle IoEngine::submit(std::span<const IoRequest> requests) {
   auto state = std::allocate_shared<RequestState>(detail::StateAllocator<RequestState>{});
   const int rings = options_.rings;
   const int64_t block = options_.block_size_bytes;
-  {
+  bool queuing = false;
+  try {
     std::lock_guard<std::mutex> lock(files_mu_);
     // Every request is checked before any is queued.
     for (const IoRequest& q : requests) {
@@ -775,6 +785,7 @@ IoHandle IoEngine::submit(std::span<const IoRequest> requests) {
     // One part stands for the submit itself until every range is queued, so
     // that a worker finishing the first range cannot complete the handle.
     state->parts_left.store(1, std::memory_order_relaxed);
+    queuing = true;
     for (const IoRequest& q : requests) {
       if (q.bytes == 0) continue;
       const File& f = files_[size_t(q.file.slot)]->file;
@@ -802,6 +813,15 @@ IoHandle IoEngine::submit(std::span<const IoRequest> requests) {
         workers_[(first + uint32_t(k)) % uint32_t(rings)]->enqueue(std::move(r));
       }
     }
+  } catch (...) {
+    if (queuing) {
+      // A range could not be queued (no memory for its node): stop the
+      // queued ones and let them end before the caller's buffers may be reused.
+      state->fail(ENOMEM, "", "an I/O request could not be queued", -1, -1);
+      state->finish_part();
+      while (state->done.load(std::memory_order_acquire) == 0) state->done.wait(0, std::memory_order_acquire);
+    }
+    throw;
   }
   state->finish_part();  // the submit's own part
   return IoHandle(std::move(state));
