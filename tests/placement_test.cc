@@ -163,6 +163,17 @@ TEST(PlacementTest, SubGroupsAreAlignedContiguousRanges) {
   EXPECT_EQ(next, kTotal);
 }
 
+// placement auto with no headroom on a one-layer model of 8 tokens, one
+// staging set, and `more` overrides.
+Config auto_config(std::vector<std::string> more = {}) {
+  std::vector<std::string> o = {"placement={\"auto\":true,\"headroom\":0.0,\"nvme_path\":\"/tmp/x\"}",
+                                "model.dim=8", "model.n_heads=2", "model.n_layers=1", "model.seq_len=8",
+                                "train_micro_batch_size_per_gpu=1",
+                                "zero_optimization.offload_optimizer.buffer_count=1"};
+  o.insert(o.end(), more.begin(), more.end());
+  return config_with(o);
+}
+
 // A GPU whose tiers hold, with auto's greedy fill of `cfg` (fp32, one
 // micro-batch of 8 tokens, one staging set), exactly:
 MachineCapacity gpu_capacity_for_auto(const Config& cfg, const StateLayout& layout) {
@@ -188,10 +199,7 @@ MachineCapacity gpu_capacity_for_auto(const Config& cfg, const StateLayout& layo
 
 TEST(PlacementTest, AutoFillsTheDeviceFirstWithParametersThenGradients) {
   StateLayout layout = make_layout();
-  Config cfg = config_with({"placement={\"auto\":true,\"headroom\":0.0,\"nvme_path\":\"/tmp/x\"}",
-                            "model.dim=8", "model.n_heads=2", "model.n_layers=1", "model.seq_len=8",
-                            "train_micro_batch_size_per_gpu=1",
-                            "zero_optimization.offload_optimizer.buffer_count=1"});
+  Config cfg = auto_config();
   const MachineCapacity cap = gpu_capacity_for_auto(cfg, layout);
   PlacementPlan p = make_plan(cfg, layout, 0, cap);
   EXPECT_EQ(p.source, "auto");
@@ -218,10 +226,7 @@ TEST(PlacementTest, AutoFillsTheDeviceFirstWithParametersThenGradients) {
 // candidate only once it is more than 10% lower, and says so either way.
 TEST(PlacementTest, AutoByTheBoundLeavesTheGreedyFillOnlyForAClearlyLowerBound) {
   StateLayout layout = make_layout();
-  Config cfg = config_with({"placement={\"auto\":true,\"headroom\":0.0,\"nvme_path\":\"/tmp/x\"}",
-                            "model.dim=8", "model.n_heads=2", "model.n_layers=1", "model.seq_len=8",
-                            "train_micro_batch_size_per_gpu=1", "run.swap_checksums=false",
-                            "zero_optimization.offload_optimizer.buffer_count=1"});
+  Config cfg = auto_config({"run.swap_checksums=false"});
   const MachineCapacity cap = gpu_capacity_for_auto(cfg, layout);
   Config other = cfg;
   other.placement.auto_order = {1, 0, 2, 3, 4};  // gradients before parameters
@@ -334,10 +339,7 @@ TEST(PlacementTest, AutoOnAGpuPutsOptimizerStateOnTheDeviceOnlyWhole) {
 
 TEST(PlacementTest, AutoOnCpuSharesOneHostPoolAndSpillsToNvme) {
   StateLayout layout = make_layout();
-  Config cfg = config_with({"placement={\"auto\":true,\"headroom\":0.0,\"nvme_path\":\"/tmp/x\"}",
-                            "model.dim=8", "model.n_heads=2", "model.n_layers=1", "model.seq_len=8",
-                            "train_micro_batch_size_per_gpu=1",
-                            "zero_optimization.offload_optimizer.buffer_count=1"});
+  Config cfg = auto_config();
   MachineCapacity cap;  // CPU compute, no device budget: the device tier is host RAM
   cap.device_is_host = true;
   // Half of the 40 units of state, with room for staging (one set of the

@@ -26,13 +26,10 @@ import statistics
 import subprocess
 import sys
 
+from plan_rates import run_rates
+
 LICENSES = ["/usr/share/common-licenses/" + n for n in
             ("GPL-3", "GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "GFDL-1.3", "Artistic")]
-RATE_KEYS = {"device_tflops": ("device_flops", 1e12), "adam_gelems": ("adam_elements_per_s", 1e9),
-             "checksum_gbps": ("checksum_bytes_per_s", 1e9), "d2h_gbps": ("d2h_bytes_per_s", 1e9),
-             "h2d_gbps": ("h2d_bytes_per_s", 1e9), "nvme_read_gbps": ("nvme_read_bytes_per_s", 1e9),
-             "nvme_write_gbps": ("nvme_write_bytes_per_s", 1e9), "nvme_both_gbps": ("nvme_both_bytes_per_s", 1e9),
-             "grad_add_gelems": ("grad_add_elements_per_s", 1e9)}
 
 
 def make_config(args, swap):
@@ -92,7 +89,7 @@ def main():
             os.makedirs(swap, exist_ok=True)
             probed = json.loads(run([args.strata, "plan", "--json", "--probe-seconds", str(args.probe_seconds),
                                      cfg_path]))["bound"]["rates"]
-            rates = {k: probed[src] / scale for k, (src, scale) in RATE_KEYS.items() if probed.get(src)}
+            rates = run_rates(probed)
             sets = [f"--set=run.rates.{k}={v:.6g}" for k, v in rates.items()]
             rd = {"rates": rates, "runs": {}}
             for name, by_bound in (("by bound", True), ("greedy", False)):

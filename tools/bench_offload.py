@@ -36,6 +36,8 @@ import subprocess
 import sys
 import tempfile
 
+from plan_rates import run_rates
+
 LICENSES = ["/usr/share/common-licenses/" + n for n in
             ("GPL-3", "GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "GFDL-1.3", "Artistic")]
 
@@ -107,11 +109,8 @@ def probe_rates(args, work, io):
     plan = json.loads(run([args.strata, "plan", "--json", "--probe-seconds", str(args.probe_seconds),
                            _write(work, "probe.json", make_config(args, 100, os.path.join(work, "swap"),
                                                                   "/dev/null", io=io))]))
-    r = plan["bound"]["rates"]
-    return {"device_tflops": r["device_flops"] / 1e12, "adam_gelems": r["adam_elements_per_s"] / 1e9,
-            "checksum_gbps": r["checksum_bytes_per_s"] / 1e9, "d2h_gbps": r["d2h_bytes_per_s"] / 1e9,
-            "h2d_gbps": (r["h2d_bytes_per_s"] or r["d2h_bytes_per_s"]) / 1e9,
-            "grad_add_gelems": r["grad_add_elements_per_s"] / 1e9}
+    # The disk's are this round's bench-io figures (given to the plan).
+    return {k: v for k, v in run_rates(plan["bound"]["rates"]).items() if not k.startswith("nvme_")}
 
 
 def train(args, share, work, overlap=None, checksums=True, io=None, tag=""):

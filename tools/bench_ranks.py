@@ -36,6 +36,8 @@ import statistics
 import subprocess
 import sys
 
+from plan_rates import run_rates
+
 LICENSES = ["/usr/share/common-licenses/" + n for n in ("GPL-3", "GPL-2", "LGPL-2.1", "Apache-2.0")]
 
 
@@ -64,16 +66,6 @@ def collective_seconds(trace_path):
     return sum(e.get("dur", 0.0) for e in events if e.get("ph") == "X" and e.get("tid") == 5) / 1e6
 
 
-# run.rates keys and the `strata plan --json` rates they come from (bytes,
-# FLOPs and elements per second there; GB/s, TFLOP/s, G elements/s here).
-RATE_KEYS = {"device_tflops": ("device_flops", 1e12), "adam_gelems": ("adam_elements_per_s", 1e9),
-             "checksum_gbps": ("checksum_bytes_per_s", 1e9), "d2h_gbps": ("d2h_bytes_per_s", 1e9),
-             "h2d_gbps": ("d2h_bytes_per_s", 1e9),  # memcpy on the CPU device: one figure
-             "nvme_read_gbps": ("nvme_read_bytes_per_s", 1e9), "nvme_write_gbps": ("nvme_write_bytes_per_s", 1e9),
-             "nvme_both_gbps": ("nvme_both_bytes_per_s", 1e9),
-             "grad_add_gelems": ("grad_add_elements_per_s", 1e9)}
-
-
 def write_config(args, tier, tag):
     os.makedirs(args.dir, exist_ok=True)
     swap = os.path.join(args.dir, "swap")
@@ -100,9 +92,7 @@ def probe_rates(args, ws, tier, tag, sets=()):
     for p, (out, err) in zip(procs, outs):
         if p.returncode != 0:
             sys.exit(f"bench_ranks: {' '.join(cmd)} failed ({p.returncode}):\n{err[-3000:]}")
-    rates = json.loads(outs[0][0])["bound"]["rates"]
-    got = {k: rates[src] / scale for k, (src, scale) in RATE_KEYS.items() if rates.get(src)}
-    return got
+    return run_rates(json.loads(outs[0][0])["bound"]["rates"])
 
 
 def run_once(args, ws, tier, tag, sets=(), rates=None):
