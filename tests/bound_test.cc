@@ -12,15 +12,18 @@ namespace strata {
 namespace {
 
 // 8 blocks of 64 Ki elements (already multiples of the 2048 quantum).
-StateLayout make_layout() {
+StateLayout make_layout(int64_t shards = 1) {
   std::vector<std::pair<std::string, std::vector<ParamSpec>>> blocks;
   for (int b = 0; b < 8; ++b) blocks.push_back({"block." + std::to_string(b), {{"w", {256, 256}, Init::kNormal, 0.02}}});
-  return StateLayout(blocks, 1);
+  return StateLayout(blocks, shards);
 }
 constexpr int64_t kN = 8 * 65536;
 
+// The micro_batch schedule unless an override says otherwise (the layer
+// schedule's work: BoundTest.TheLayerScheduleLandsEachGradientOnce).
 Config config_with(const std::vector<std::string>& overrides) {
-  nlohmann::json j = {{"data", {{"path", "unused.txt"}}}, {"zero_optimization", {{"sub_group_size", 65536}}}};
+  nlohmann::json j = {{"data", {{"path", "unused.txt"}}}, {"zero_optimization", {{"sub_group_size", 65536}}},
+                      {"run", {{"schedule", "micro_batch"}}}};
   return parse_config(j, overrides);
 }
 
@@ -75,6 +78,50 @@ TEST(BoundTest, StepFlopsCountEveryMatrixTheHeadAndTheAttention) {
   m.explicit_head_dim = 32;  // q 128 wide: q, o 64x128 = 8192 each, k, v 64x64 = 4096 each
   const double layer = 2 * (8192 + 2 * 4096 + 8192 + 18432) + 4 * 32 * 128;
   EXPECT_DOUBLE_EQ(step_flops(m, 1, false), 3 * (2 * layer + 2 * 256 * 64));
+}
+
+// The same placement under the layer schedule (Note [Step schedules]): each
+// block's two micro-batches summed on the device and landed once, in fp32,
+// as the home's first write (no read-modify-write on NVMe):
+//   h2d: param16 4n = 2097152 (as before: the blocks are persistent)
+//   d2h: gradients 4n x 1 = 2097152
+//   nvme read: optimizer state 12n + the optimizer's gradient 4n = 8388608
+//   nvme write: gradients 4n + optimizer state 12n = 8388608
+//   gradient adds: n = 524288 elements
+// and the optimizer of the step before overlaps both micro-batches' forward.
+TEST(BoundTest, TheLayerScheduleLandsEachGradientOnce) {
+  Config cfg = offloaded_config(/*checksums=*/false);
+  const PlacementPlan mb = make_plan(cfg, make_layout(), 0, MachineCapacity{});
+  cfg.run.schedule = StepSchedule::kLayer;
+  const PlacementPlan p = make_plan(cfg, make_layout(), 0, MachineCapacity{});
+  ASSERT_TRUE(p.layer_major());
+  const std::vector<int64_t> f = train_fetches(p);
+  EXPECT_EQ(f, std::vector<int64_t>(8, 1));
+  const StepWork w = predicted_work(cfg, p, f, NetworkBytes{});
+  EXPECT_EQ(w.links.h2d, 2097152);
+  EXPECT_EQ(w.links.d2h, 2097152);
+  EXPECT_EQ(w.links.nvme_read, 8388608);
+  EXPECT_EQ(w.links.nvme_write, 8388608);
+  EXPECT_EQ(w.grad_add_elems, 524288);
+  EXPECT_EQ(w.adam_elems, kN);
+  const StepWork wm = predicted_work(cfg, mb, train_fetches(mb), NetworkBytes{});
+  EXPECT_EQ(w.flops, wm.flops);
+  EXPECT_EQ(w.first_forward_flops, 2 * wm.first_forward_flops);
+  // With ranks: one reduction per block per step, not one per micro-batch.
+  Config two = cfg;
+  two.world_size = 2;
+  two.zero.stage = 2;
+  two.run.schedule = StepSchedule::kMicroBatch;
+  two.comm.gradient_reduction = "per_micro_batch";
+  const StateLayout l2 = make_layout(2);
+  const NetworkBytes per_micro = step_network_bytes(make_plan(two, l2, 0, MachineCapacity{}));
+  two.run.schedule = StepSchedule::kLayer;
+  const NetworkBytes per_step = step_network_bytes(make_plan(two, l2, 0, MachineCapacity{}));
+  // reduce-scatter of every block: (ws - 1) / ws of its fp32 bytes per rank,
+  // 8 blocks of 65536; stages 1-2 also gather the 16-bit (here fp32) weights
+  // once, and the norm all-reduce sends 2 x (ws - 1) / ws of 24 bytes.
+  const int64_t reduce = 8 * 65536 / 2 * 4;
+  EXPECT_EQ(per_micro.world - per_step.world, reduce);
 }
 
 // CPU compute (host-addressable device): param16 in host RAM (fetched once,

@@ -41,9 +41,10 @@ struct WindowRun {
 };
 
 // Dry-runs one training step of `accum` micro-batches.
-WindowRun run(const Blocks& m, const WindowKnobs& k, int64_t accum = 1, int64_t cap_bytes = -1) {
+WindowRun run(const Blocks& m, const WindowKnobs& k, int64_t accum = 1, int64_t cap_bytes = -1,
+              StepSchedule schedule = StepSchedule::kMicroBatch) {
   ParamWindow w(m.numel, m.fetched, k, cap_bytes, 2);
-  const auto s = train_schedule(int(m.numel.size()), /*tied=*/true, accum);
+  const auto s = train_schedule(schedule, int(m.numel.size()), /*tied=*/true, accum);
   // plan() resets the counters: run the schedule again by hand to read them.
   WindowRun r;
   r.shape = w.plan({&s});
@@ -61,14 +62,67 @@ WindowRun run(const Blocks& m, const WindowKnobs& k, int64_t accum = 1, int64_t 
 }
 
 TEST(ParamWindowTest, ScheduleIsForwardHeadWithTiedEmbeddingThenBackward) {
-  const auto s = train_schedule(4, true, 2);
-  std::vector<int> order;
-  for (const WindowUse& u : s) order.push_back(u.block[0]);
+  const auto s = train_schedule(StepSchedule::kMicroBatch, 4, true, 2);
+  std::vector<int> order, micro;
+  for (const StepOp& u : s) order.push_back(u.block[0]), micro.push_back(u.micro);
   EXPECT_EQ(order, (std::vector<int>{0, 1, 2, 3, 2, 1, 0, 0, 1, 2, 3, 2, 1, 0}));
+  EXPECT_EQ(micro, (std::vector<int>{0, 0, 0, 0, 0, 0, 0, 1, 1, 1, 1, 1, 1, 1}));
   EXPECT_EQ(s[3].count, 2);
   EXPECT_EQ(s[3].block[1], 0);
-  EXPECT_EQ(train_schedule(4, false, 1)[3].count, 1);
+  EXPECT_EQ(s[3].pass, Pass::kHead);
+  EXPECT_EQ(s[2].pass, Pass::kForward);
+  EXPECT_EQ(s[4].pass, Pass::kBackward);
+  EXPECT_EQ(train_schedule(StepSchedule::kMicroBatch, 4, false, 1)[3].count, 1);
   EXPECT_EQ(eval_schedule(4, true).size(), 4u);
+}
+
+// Note [Step schedules]: layer runs each block for every micro-batch before
+// the next block, the head per micro-batch, then the blocks in reverse, each
+// for every micro-batch in order.
+TEST(ParamWindowTest, LayerScheduleRunsEachBlockForEveryMicroBatchInTurn) {
+  const auto s = train_schedule(StepSchedule::kLayer, 4, true, 2);
+  std::vector<int> order, micro, pass;
+  for (const StepOp& u : s) order.push_back(u.block[0]), micro.push_back(u.micro), pass.push_back(int(u.pass));
+  EXPECT_EQ(order, (std::vector<int>{0, 0, 1, 1, 2, 2, 3, 3, 2, 2, 1, 1, 0, 0}));
+  EXPECT_EQ(micro, (std::vector<int>{0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1, 0, 1}));
+  EXPECT_EQ(pass, (std::vector<int>{0, 0, 0, 0, 0, 0, 1, 1, 2, 2, 2, 2, 2, 2}));
+  EXPECT_EQ(s[6].count, 2);
+  EXPECT_EQ(s[7].block[1], 0);
+  // One micro-batch: both schedules are the same list.
+  const auto a = train_schedule(StepSchedule::kLayer, 5, false, 1), b = train_schedule(StepSchedule::kMicroBatch, 5, false, 1);
+  ASSERT_EQ(a.size(), b.size());
+  for (size_t i = 0; i < a.size(); ++i) {
+    EXPECT_EQ(a[i].block[0], b[i].block[0]);
+    EXPECT_EQ(a[i].pass, b[i].pass);
+  }
+}
+
+// Under layer a windowed block is fetched at most twice a step (once for its
+// forwards, once for its backwards), whatever the micro-batch count and even
+// without prefetch; the tied embedding at most three times (its forwards, the
+// head's, its backwards). micro_batch fetches a block up to 2A + 1 times.
+TEST(ParamWindowTest, UnderLayerEachWindowedBlockIsFetchedAtMostTwiceAStep) {
+  const Blocks m = model(4);  // 6 blocks, all fetched
+  for (int64_t accum : {1, 3, 8}) {
+    for (int64_t prefetch : {int64_t(0), int64_t(1000000)}) {
+      ParamWindow w(m.numel, m.fetched, knobs(prefetch), -1, 2);
+      const auto s = train_schedule(StepSchedule::kLayer, int(m.numel.size()), true, accum);
+      w.plan({&s});
+      const std::vector<int64_t>& f = w.planned_fetches();
+      for (size_t b = 0; b < f.size(); ++b) {
+        EXPECT_GE(f[b], 1) << "block " << b << ", A = " << accum;
+        EXPECT_LE(f[b], b == 0 ? 3 : 2) << "block " << b << ", A = " << accum << ", prefetch " << prefetch;
+      }
+      // The head's uses are consecutive: once. With prefetch the last layer
+      // is kept from its forwards to its backwards: once.
+      EXPECT_EQ(f[5], 1);
+      if (prefetch > 0) EXPECT_EQ(f[4], 1);
+      const WindowRun mb = run(m, knobs(prefetch), accum, -1, StepSchedule::kMicroBatch);
+      const WindowRun ly = run(m, knobs(prefetch), accum, -1, StepSchedule::kLayer);
+      EXPECT_LE(ly.fetches, 2 * int64_t(m.numel.size()) + 1);
+      if (accum > 1 && prefetch == 0) EXPECT_GT(mb.fetches, ly.fetches) << "A = " << accum;
+    }
+  }
 }
 
 TEST(ParamWindowTest, NoPrefetchHoldsOnlyTheCurrentUse) {
@@ -135,7 +189,7 @@ TEST(ParamWindowTest, ResidentBlocksAreNeverFetched) {
   EXPECT_EQ(r.fetches, 2);
   EXPECT_EQ(r.peak_live, 20000);
   ParamWindow w(m.numel, m.fetched, knobs(0), -1, 2);
-  const auto s = train_schedule(int(m.numel.size()), true, 1);
+  const auto s = train_schedule(StepSchedule::kMicroBatch, int(m.numel.size()), true, 1);
   w.plan({&s});
   w.begin(&s);
   DevicePtr out[2];

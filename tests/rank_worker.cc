@@ -119,6 +119,7 @@ int run(int argc, char** argv) {
   write_unpadded(trainer, Category::kMaster, out + ".master", lead);
   write_unpadded(trainer, Category::kExpAvg, out + ".exp_avg", lead);
   write_unpadded(trainer, Category::kExpAvgSq, out + ".exp_avg_sq", lead);
+  write_unpadded(trainer, Category::kGrad, out + ".grad", lead);
   nlohmann::json j;
   for (int c = 0; c < kNumCategories; ++c) {
     j["allocated"][category_name(Category(c))] = trainer.state().allocated_bytes(Category(c));

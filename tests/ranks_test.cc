@@ -268,14 +268,19 @@ TEST_F(RanksTest, OnTheTestDevicePerRankBytesShrinkWithTheWorldSize) {
   c["zero_optimization"]["offload_optimizer"] = {{"device", "cpu"}};
   int64_t total_shard_space = 0;
   std::map<std::string, std::map<int, int64_t>> net_of;  // reduction -> world size -> planned bytes
-  for (const char* reduction : {"per_micro_batch", "per_step"}) {
-    c["comm"]["gradient_reduction"] = reduction;
+  // micro_batch with each reduction, and the layer schedule (Note [Step
+  // schedules]), whose blocks land and are reduced once per step whatever
+  // comm.gradient_reduction says.
+  for (const char* reduction : {"per_micro_batch", "per_step", "layer"}) {
+    const bool layer = std::string(reduction) == "layer";
+    c["comm"]["gradient_reduction"] = layer ? "per_micro_batch" : reduction;
+    c["run"]["schedule"] = layer ? "layer" : "micro_batch";
     const std::string cfg = write_config(dir_, std::string(reduction) + ".json", c);
     for (int ws : {1, 2, 4}) {
       Result p = sh(kStrata + " plan --json --world-size " + std::to_string(ws) + " " + cfg);
       ASSERT_EQ(p.code, 0) << p.output;
       const int64_t planned_net = nlohmann::json::parse(p.output)["network"]["bytes_per_step_per_rank"];
-      const int64_t accum = 12 / ws, landings = std::string(reduction) == "per_step" && ws > 1 ? 1 : accum;
+      const int64_t accum = 12 / ws, landings = layer || (std::string(reduction) == "per_step" && ws > 1) ? 1 : accum;
       for (const char* mode : {kStaged, kOnStream}) {
         if (ws == 1 && mode == kOnStream) continue;  // one rank: no collectives
         const std::string what = std::string(reduction) + " " + mode + " at world size " + std::to_string(ws);
@@ -301,6 +306,51 @@ TEST_F(RanksTest, OnTheTestDevicePerRankBytesShrinkWithTheWorldSize) {
   for (int ws : {2, 4}) {
     EXPECT_GT(net_of["per_step"][ws], 0);
     EXPECT_LT(net_of["per_step"][ws], net_of["per_micro_batch"][ws]) << "world size " << ws;
+    EXPECT_EQ(net_of["layer"][ws], net_of["per_step"][ws]) << "world size " << ws;
+  }
+}
+
+// The same bytes of two runs' files (losses, master weights, moments,
+// gradients): bit for bit.
+void expect_identical_files(const std::string& a, const std::string& b, const std::string& what) {
+  for (const char* f : {".losses", ".master", ".exp_avg", ".exp_avg_sq", ".grad"}) {
+    const std::string x = read_bytes(a + f), y = read_bytes(b + f);
+    EXPECT_FALSE(x.empty()) << what << f;
+    EXPECT_TRUE(x == y) << what << ": " << f << " differs";
+  }
+}
+
+// Note [Step schedules]: with ranks the layer schedule trains bit for bit as
+// micro_batch with comm.gradient_reduction per_step (each block's
+// micro-batches summed in fp32 in order, reduced once): stages 0-3 at two
+// ranks over Gloo, the staged and stream collectives of the test device at
+// two ranks, four ranks at stage 3; the tied embedding's sum included.
+TEST_F(RanksTest, LayerScheduleTrainsBitForBitAsPerStepReductions) {
+  nlohmann::json c = base_config(data_);
+  c["run"]["steps"] = 3;
+  c["comm"]["gradient_reduction"] = "per_step";
+  c["model"]["tie_embeddings"] = true;
+  const std::string cfg = write_config(dir_, "c.json", c);
+  struct Case {
+    int ws;
+    std::string args;
+  };
+  const std::vector<Case> cases = {
+      {2, "zero_optimization.stage=0"}, {2, "zero_optimization.stage=1"}, {2, "zero_optimization.stage=2"},
+      {2, "zero_optimization.stage=3"}, {4, "zero_optimization.stage=3"},
+      {2, std::string(kStaged) + " zero_optimization.stage=3 zero_optimization.offload_param.device=cpu "
+              "zero_optimization.offload_optimizer.device=cpu"},
+      {2, std::string(kOnStream) + " zero_optimization.stage=2 zero_optimization.offload_optimizer.device=cpu"},
+      {2, std::string(kOnStream) + " zero_optimization.stage=3"},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const std::string what = cases[i].args + " at world size " + std::to_string(cases[i].ws);
+    const std::string a = dir_.file("mb" + std::to_string(i)), b = dir_.file("ly" + std::to_string(i));
+    Result ra = run_workers(cases[i].ws, cfg, a, cases[i].args + " run.schedule=\"micro_batch\"");
+    ASSERT_EQ(ra.code, 0) << what << "\n" << ra.output;
+    Result rb = run_workers(cases[i].ws, cfg, b, cases[i].args + " run.schedule=\"layer\"");
+    ASSERT_EQ(rb.code, 0) << what << "\n" << rb.output;
+    expect_identical_files(a, b, what);
   }
 }
 

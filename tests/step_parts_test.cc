@@ -101,11 +101,20 @@ std::vector<std::vector<at::Tensor>> gradients(const StateLayout& layout, int se
   return out;
 }
 
+// Both schedules (Note [Step schedules]): micro_batch adds each micro-batch's
+// gradient of every block in turn, crossing in the wire dtype each time;
+// layer adds a block's micro-batches in a row, summed on the device and
+// landed once in fp32. The homes hold the same bits either way.
 TEST(GradientPathTest, HomesOnEveryTierHoldTheSumAndOnlyOffDeviceBlocksCrossInTheirWireDtype) {
+  for (const std::string schedule : {"micro_batch", "layer"})
   for (const bool tied : {false, true}) {
     testing::TempDir dir;
     ASSERT_EQ(mkdir((dir.path() + "/swap").c_str(), 0700), 0);
-    Fixture f({std::string("model.tie_embeddings=") + (tied ? "true" : "false")}, dir.path() + "/swap");
+    Fixture f({std::string("model.tie_embeddings=") + (tied ? "true" : "false"), "run.schedule=\"" + schedule + "\""},
+              dir.path() + "/swap");
+    const bool layer = schedule == "layer";
+    ASSERT_EQ(f.plan.layer_major(), layer);
+    const std::string what = schedule + (tied ? ", tied" : ", untied");
     const size_t blocks = f.layout.num_blocks();
     std::array<bool, kNumTiers> seen{};
     for (const PlacementUnit& u : f.plan.units[size_t(Category::kGrad)]) seen[size_t(u.tier)] = true;
@@ -118,13 +127,20 @@ TEST(GradientPathTest, HomesOnEveryTierHoldTheSumAndOnlyOffDeviceBlocksCrossInTh
     {
       TieredState::TallyScope tally(&moved);
       path.begin_step();
-      for (int m = 0; m < 2; ++m) {
-        path.begin_micro(m == 1);
+      if (layer) {
+        if (tied) for (int m = 0; m < 2; ++m) path.set_tied(m, head_share[size_t(m)][0][0]);
         for (size_t b = blocks; b-- > 0;) {
-          if (tied && b == 0) path.set_tied(head_share[size_t(m)][0][0]);
-          path.add(b, micro[size_t(m)][b], 0);
+          for (int m = 0; m < 2; ++m) path.add(b, micro[size_t(m)][b], 0, m);
         }
         path.end_micro();
+      } else {
+        for (int m = 0; m < 2; ++m) {
+          for (size_t b = blocks; b-- > 0;) {
+            if (tied && b == 0) path.set_tied(m, head_share[size_t(m)][0][0]);
+            path.add(b, micro[size_t(m)][b], 0, m);
+          }
+          path.end_micro();
+        }
       }
     }
     const double norm = path.finish_step(&moved);
@@ -145,14 +161,16 @@ TEST(GradientPathTest, HomesOnEveryTierHoldTheSumAndOnlyOffDeviceBlocksCrossInTh
       HostBuffer mem(size_t(bl.padded_numel * 4), "test: a block's gradient");  // aligned for NVMe
       f.state->read(Category::kGrad, f.ctx.shard_offset[b], bl.padded_numel, mem.data());
       const at::Tensor got = at::from_blob(mem.data(), {bl.padded_numel}, at::kFloat);
-      EXPECT_TRUE(at::equal(got, want)) << "block " << b << (tied ? " (tied)" : "");
+      EXPECT_TRUE(at::equal(got, want)) << "block " << b << ", " << what;
       want_norm += cpu_adam::ordered_squared_norm(want.data_ptr<float>(), bl.padded_numel);
       if (f.plan.units[size_t(Category::kGrad)][b].tier != Tier::kDevice) {
-        want_d2h += 2 * bl.padded_numel * (tied && b == 0 ? 2 : 1) * 2;  // 2 micro-batches
+        // micro_batch: 2 micro-batches in bf16 (the tied embedding's fp32
+        // sum in 4 bytes); layer: the fp32 sum once.
+        want_d2h += layer ? 4 * bl.padded_numel : 2 * bl.padded_numel * (tied && b == 0 ? 2 : 1) * 2;
       }
     }
-    EXPECT_EQ(std::bit_cast<uint64_t>(norm), std::bit_cast<uint64_t>(want_norm)) << (tied ? "tied" : "untied");
-    EXPECT_EQ(moved.d2h, want_d2h) << (tied ? "tied" : "untied");
+    EXPECT_EQ(std::bit_cast<uint64_t>(norm), std::bit_cast<uint64_t>(want_norm)) << what;
+    EXPECT_EQ(moved.d2h, want_d2h) << what;
     EXPECT_EQ(moved.h2d, 0);
     const GradientPath::LanderStats st = path.lander_stats();
     EXPECT_GT(st.adds, 0);

@@ -18,6 +18,7 @@
 
 #include <unistd.h>
 
+#include <bit>
 #include <cmath>
 #include <random>
 
@@ -404,6 +405,78 @@ TEST_F(StepTest, ADeviceHostCodeMayNotTouchTrainsBitForBitAsTheCpuDevice) {
   }
 }
 
+// ---- run.schedule (Note [Step schedules] in src/memory/schedule.h) --------------
+
+// Every state category, the gradients included, as their bits (a skipped
+// fp16 step leaves non-finite gradients, and NaN equals nothing).
+std::vector<at::Tensor> all_state(Training& run) {
+  std::vector<at::Tensor> out = run.state();
+  for (size_t b = 0; b < run.trainer().layout().num_blocks(); ++b) out.push_back(run.trainer().grad_block(b));
+  for (at::Tensor& t : out) t = t.view(t.element_size() == 4 ? at::kInt : at::kShort);
+  return out;
+}
+
+// The layer schedule trains bit for bit like micro_batch (world size 1):
+// losses, norms and every state category, on every placement of the matrix
+// above, tied and untied, fp32, bf16 and fp16 (with skipped steps), with
+// offloaded activations and kept graphs, on the CPU device and on the test
+// device (a missing wait or ordering in the new order leaves stale bytes).
+TEST_F(StepTest, LayerScheduleTrainsBitForBitAsMicroBatch) {
+  const std::string swap = dir_.path() + "/swap";
+  const std::string split = "{\"device\":0.3,\"host\":0.3,\"nvme\":0.4}";
+  const std::string nvme = "{\"device\":\"nvme\",\"nvme_path\":\"" + swap + "\"";
+  const std::vector<std::vector<std::string>> cases = {
+      {},
+      {"model.tie_embeddings=false", "bf16.enabled=true", "gradient_accumulation_steps=3"},
+      {"zero_optimization.stage=3", "zero_optimization.offload_param.device=cpu",
+       "zero_optimization.offload_optimizer.device=cpu",
+       "zero_optimization.stage3_param_persistence_threshold=0", "activation_checkpointing.cpu_checkpointing=true"},
+      {"zero_optimization.stage=3", "zero_optimization.offload_param=" + nvme + ",\"max_in_cpu\":0}",
+       "zero_optimization.offload_optimizer=" + nvme + "}", "zero_optimization.stage3_param_persistence_threshold=5000",
+       "bf16.enabled=true"},
+      {"placement={\"param16\":" + split + ",\"grad\":" + split + ",\"optimizer\":" + split + ",\"nvme_path\":\"" +
+       swap + "\"}", "zero_optimization.stage3_param_persistence_threshold=0", "model.tie_embeddings=false"},
+      {"placement={\"param16\":{\"device\":0.5,\"host\":0.5},\"grad\":{\"device\":0.7,\"nvme\":0.3},"
+       "\"optimizer\":{\"device\":0.6,\"host\":0.4},\"nvme_path\":\"" + swap + "\"}",
+       "fp16={\"enabled\":true,\"loss_scale\":1024}", "run.overlap_optimizer=false"},
+      // fp16 whose first steps overflow and are skipped, gradients on the host.
+      {"fp16={\"enabled\":true,\"initial_scale_power\":24}", "gradient_accumulation_steps=4",
+       "placement={\"param16\":{\"device\":1},\"grad\":{\"host\":1},\"optimizer\":{\"host\":1}}"},
+      {"bf16.enabled=true", "run.optimizer_state_dtype=\"bf16\"", "zero_optimization.sub_group_size=4096"},
+      // Kept graphs (Note [Recompute]): A graphs per block under layer.
+      {"run.recompute=\"never\"", "gradient_accumulation_steps=3"},
+  };
+  int skipped = 0;
+  for (const std::vector<std::string>& o : cases) {
+    const std::string what = o.empty() ? "all on the device" : nlohmann::json(o).dump();
+    std::vector<std::string> mb = o, ly = o;
+    mb.push_back("run.schedule=\"micro_batch\"");
+    ly.push_back("run.schedule=\"layer\"");
+    Training a(base_config(data_), mb);
+    Training b(base_config(data_), ly);
+    testing::DeferredDevice dev;
+    Training c(base_config(data_), ly, nullptr, &dev);
+    ASSERT_FALSE(a.trainer().plan().layer_major()) << what;
+    ASSERT_TRUE(b.trainer().plan().layer_major()) << what;
+    ASSERT_TRUE(c.trainer().plan().layer_major()) << what;
+    for (int s = 1; s <= 3; ++s) {
+      const StepResult ra = a.step(), rb = b.step(), rc = c.step();
+      EXPECT_EQ(ra.loss, rb.loss) << what << ", step " << s;
+      EXPECT_EQ(ra.loss, rc.loss) << what << ", step " << s << " (test device)";
+      EXPECT_EQ(std::bit_cast<uint64_t>(ra.grad_norm), std::bit_cast<uint64_t>(rb.grad_norm)) << what << ", step " << s;
+      EXPECT_EQ(std::bit_cast<uint64_t>(ra.grad_norm), std::bit_cast<uint64_t>(rc.grad_norm))
+          << what << ", step " << s << " (test device)";
+      EXPECT_EQ(ra.skipped, rb.skipped) << what << ", step " << s;
+      EXPECT_EQ(ra.skipped, rc.skipped) << what << ", step " << s;
+      skipped += ra.skipped;
+    }
+    const std::vector<at::Tensor> sa = all_state(a);
+    EXPECT_TRUE(same_state(sa, all_state(b))) << what;
+    EXPECT_TRUE(same_state(sa, all_state(c))) << what << " (test device)";
+  }
+  EXPECT_GT(skipped, 0) << "no case skipped a step: the fp16 case no longer overflows";
+}
+
 // ---- bytes per link (docs/design.md, "Bytes per link") ----------------------------
 
 // The table of docs/design.md, written out for world size 1 with every
@@ -413,8 +486,13 @@ TEST_F(StepTest, ADeviceHostCodeMayNotTouchTrainsBitForBitAsTheCpuDevice) {
 // bytes a block's gradient crosses PCIe in (4 for fp32 compute and for the
 // tied embedding, whose gradient is a real fp32 sum, else c); m: bytes of a
 // moment; A: micro-batches.
+// Under the layer schedule (Note [Step schedules]) with A > 1 a block's
+// gradient lands once per step, its micro-batches' fp32 sum: 4 bytes per
+// element, one write of an NVMe home and no read before it.
 LinkBytes table_bytes(const PlacementPlan& p, int64_t accum) {
   LinkBytes e;
+  const bool once = p.layer_major() && accum > 1;
+  const int64_t landings = once ? 1 : accum;
   const int64_t c = p.compute_bytes;
   const int64_t m = p.elem_bytes[size_t(Category::kExpAvg)];
   const std::vector<PlacementUnit>& p16 = p.units[size_t(Category::kParam16)];
@@ -425,9 +503,9 @@ LinkBytes table_bytes(const PlacementPlan& p, int64_t accum) {
     if (p16[b].tier == Tier::kHost) e.h2d += c * n;
     if (p16[b].tier == Tier::kNvme) e.nvme_read += c * n, e.h2d += c * n;
     // The backward's gradient, every micro-batch.
-    const int64_t w = c == 4 || (p.tied && b == 0) ? 4 : c;
-    if (grad[b].tier != Tier::kDevice) e.d2h += w * n * accum;
-    if (grad[b].tier == Tier::kNvme) e.nvme_write += 4 * n * accum, e.nvme_read += 4 * n * (accum - 1);
+    const int64_t w = c == 4 || (p.tied && b == 0) || once ? 4 : c;
+    if (grad[b].tier != Tier::kDevice) e.d2h += w * n * landings;
+    if (grad[b].tier == Tier::kNvme) e.nvme_write += 4 * n * landings, e.nvme_read += 4 * n * (landings - 1);
   }
   // Offloaded activations: each layer's input D2H after its forward and H2D
   // before its backward, every micro-batch.
@@ -502,12 +580,32 @@ TEST_F(StepTest, EveryLinkCarriesExactlyTheBytesOfThePlacement) {
        swap + "\"}", "zero_optimization.stage3_param_persistence_threshold=0"},
       {"bf16.enabled=true", "run.optimizer_state_dtype=\"bf16\"", "zero_optimization.sub_group_size=4096"},
   };
-  for (std::vector<std::string> o : cases) {
-    const std::string what = nlohmann::json(o).dump();
+  // Every case under both schedules at the config's 2 micro-batches; the
+  // cases that home param16 and gradients on every tier (the 3-way split,
+  // and gradients on the host beside the device) also at A = 1, 3 and 8.
+  struct Run {
+    std::vector<std::string> o;
+    std::string schedule;
+    int64_t accum;
+  };
+  std::vector<Run> runs;
+  for (const std::string schedule : {"micro_batch", "layer"}) {
+    for (const std::vector<std::string>& o : cases) runs.push_back({o, schedule, 2});
+    for (int64_t a : {1, 3, 8}) {
+      runs.push_back({cases[4], schedule, a});
+      runs.push_back({cases[6], schedule, a});
+    }
+  }
+  for (Run& k : runs) {
+    std::vector<std::string> o = k.o;
+    const std::string what = nlohmann::json(o).dump() + ", " + k.schedule + ", A = " + std::to_string(k.accum);
     o.insert(o.end(), common.begin(), common.end());
+    o.push_back("run.schedule=\"" + k.schedule + "\"");
+    o.push_back("gradient_accumulation_steps=" + std::to_string(k.accum));
     testing::DeferredDevice dev;
     Training run(base_config(data_), o, nullptr, &dev);
     const PlacementPlan& plan = run.trainer().plan();
+    ASSERT_EQ(plan.layer_major(), k.schedule == "layer") << what;
     const LinkBytes want = table_bytes(plan, plan.accum);
     for (int s = 1; s <= 2; ++s) {
       const StepResult r = run.step();
@@ -523,16 +621,22 @@ TEST_F(StepTest, EveryLinkCarriesExactlyTheBytesOfThePlacement) {
 // On the CPU device the metrics count what a GPU would move: gradients on
 // the host in bf16 cross in 2 bytes per element per micro-batch, the tied
 // embedding's (a real fp32 sum) in 4.
+// Under the layer schedule each block's three micro-batches are summed on
+// the device and cross once, in fp32.
 TEST_F(StepTest, OnTheCpuDeviceHostGradientsCrossInTheComputeDtype) {
-  Training run(base_config(data_), {"bf16.enabled=true", "gradient_accumulation_steps=3",
-                                    "placement={\"param16\":{\"device\":1},\"grad\":{\"host\":1},\"optimizer\":{\"host\":1}}"});
-  const PlacementPlan& plan = run.trainer().plan();
-  ASSERT_TRUE(plan.tied);
-  int64_t want = 0;
-  for (size_t b = 0; b < plan.units[size_t(Category::kGrad)].size(); ++b) {
-    want += (b == 0 ? 4 : 2) * plan.units[size_t(Category::kGrad)][b].numel * 3;
+  for (const std::string schedule : {"micro_batch", "layer"}) {
+    Training run(base_config(data_), {"bf16.enabled=true", "gradient_accumulation_steps=3",
+                                      "run.schedule=\"" + schedule + "\"",
+                                      "placement={\"param16\":{\"device\":1},\"grad\":{\"host\":1},\"optimizer\":{\"host\":1}}"});
+    const PlacementPlan& plan = run.trainer().plan();
+    ASSERT_TRUE(plan.tied);
+    int64_t want = 0;
+    for (size_t b = 0; b < plan.units[size_t(Category::kGrad)].size(); ++b) {
+      const int64_t n = plan.units[size_t(Category::kGrad)][b].numel;
+      want += schedule == "layer" ? 4 * n : (b == 0 ? 4 : 2) * n * 3;
+    }
+    for (int s = 1; s <= 2; ++s) EXPECT_EQ(run.step().links.d2h, want) << schedule << ", step " << s;
   }
-  for (int s = 1; s <= 2; ++s) EXPECT_EQ(run.step().links.d2h, want) << "step " << s;
 }
 
 // Note [Gradient path]: adds of landed gradients into host and NVMe homes
@@ -540,15 +644,19 @@ TEST_F(StepTest, OnTheCpuDeviceHostGradientsCrossInTheComputeDtype) {
 // compute.
 TEST_F(StepTest, HostArithmeticOnLandedGradientsRunsOffTheComputeThread) {
   const std::string swap = dir_.path() + "/swap";
-  testing::DeferredDevice dev;
-  Training run(base_config(data_),
-               {"bf16.enabled=true", "placement={\"param16\":{\"device\":1},\"grad\":{\"host\":0.5,\"nvme\":0.5},"
-                "\"optimizer\":{\"host\":1},\"nvme_path\":\"" + swap + "\"}"},
-               nullptr, &dev);
-  for (int s = 1; s <= 2; ++s) run.step();
-  const GradientPath::LanderStats st = run.trainer().lander_stats();
-  EXPECT_EQ(st.adds, 2 * 2 * int64_t(run.trainer().layout().num_blocks()));  // steps x micro-batches x blocks
-  EXPECT_EQ(st.adds_on_compute_thread, 0);
+  for (const std::string schedule : {"micro_batch", "layer"}) {
+    testing::DeferredDevice dev;
+    Training run(base_config(data_),
+                 {"bf16.enabled=true", "run.schedule=\"" + schedule + "\"",
+                  "placement={\"param16\":{\"device\":1},\"grad\":{\"host\":0.5,\"nvme\":0.5},"
+                  "\"optimizer\":{\"host\":1},\"nvme_path\":\"" + swap + "\"}"},
+                 nullptr, &dev);
+    for (int s = 1; s <= 2; ++s) run.step();
+    const GradientPath::LanderStats st = run.trainer().lander_stats();
+    // steps x landings per step (micro_batch: one per micro-batch; layer: one) x blocks
+    EXPECT_EQ(st.adds, 2 * (schedule == "layer" ? 1 : 2) * int64_t(run.trainer().layout().num_blocks())) << schedule;
+    EXPECT_EQ(st.adds_on_compute_thread, 0) << schedule;
+  }
 }
 
 // Placement independence on a device with memory of its own: with clipping

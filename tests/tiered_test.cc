@@ -400,25 +400,38 @@ TEST_F(TieredTest, DeviceBudgetBoundsTheParameterWindow) {
 
 TEST_F(TieredTest, CpuCheckpointingOffloadsSavedInputsBitIdentically) {
   // Saved inputs exist when backward recomputes (Note [Recompute]).
-  const std::vector<std::string> four_layers = {"model.n_layers=4", "run.recompute=\"always\""};
-  std::vector<std::string> offload = four_layers;
-  offload.push_back("activation_checkpointing.cpu_checkpointing=true");
-  const TrainRun kept = train(base_config(data_), four_layers, 3);
-  const TrainRun off = train(base_config(data_), offload, 3);
-  expect_identical(kept, off, "cpu_checkpointing");
+  // Both schedules (Note [Step schedules]): micro_batch holds one
+  // micro-batch's inputs of every layer on the device, layer both
+  // micro-batches'; offloaded, each brings them back through two slots.
   const int64_t ckpt = 2 * 32 * 64 * 4;  // micro x seq x dim x fp32: one layer's input
-  EXPECT_EQ(kept.checkpoint_device, 4 * ckpt);
-  EXPECT_EQ(off.checkpoint_device, 2 * ckpt);
-  // Each step: 2 micro-batches x 4 layers out and back in.
-  EXPECT_EQ(off.links.d2h - kept.links.d2h, 3 * 2 * 4 * ckpt);
-  EXPECT_EQ(off.links.h2d - kept.links.h2d, 3 * 2 * 4 * ckpt);
+  TrainRun first;
+  for (const std::string schedule : {"micro_batch", "layer"}) {
+    const std::vector<std::string> four_layers = {"model.n_layers=4", "run.recompute=\"always\"",
+                                                  "run.schedule=\"" + schedule + "\""};
+    std::vector<std::string> offload = four_layers;
+    offload.push_back("activation_checkpointing.cpu_checkpointing=true");
+    const TrainRun kept = train(base_config(data_), four_layers, 3);
+    const TrainRun off = train(base_config(data_), offload, 3);
+    expect_identical(kept, off, "cpu_checkpointing, " + schedule);
+    if (schedule == "micro_batch") first = kept;
+    expect_identical(first, off, "cpu_checkpointing, " + schedule + " against micro_batch");
+    EXPECT_EQ(kept.checkpoint_device, (schedule == "layer" ? 2 : 1) * 4 * ckpt) << schedule;
+    EXPECT_EQ(off.checkpoint_device, 2 * ckpt) << schedule;
+    // Each step: 2 micro-batches x 4 layers out and back in.
+    EXPECT_EQ(off.links.d2h - kept.links.d2h, 3 * 2 * 4 * ckpt) << schedule;
+    EXPECT_EQ(off.links.h2d - kept.links.h2d, 3 * 2 * 4 * ckpt) << schedule;
+  }
   // One layer (a single device slot) and an odd count.
+  // Under layer one layer's two micro-batches take both slots.
   for (int layers : {1, 3}) {
-    const std::string n = "model.n_layers=" + std::to_string(layers);
-    const TrainRun k = train(base_config(data_), {n, "run.recompute=\"always\""}, 2);
-    const TrainRun o = train(base_config(data_), {n, "activation_checkpointing.cpu_checkpointing=true"}, 2);
-    expect_identical(k, o, "cpu_checkpointing with " + n);
-    EXPECT_EQ(o.checkpoint_device, std::min(layers, 2) * ckpt) << n;  // two slots, or one for one layer
+    for (const std::string schedule : {"micro_batch", "layer"}) {
+      const std::string n = "model.n_layers=" + std::to_string(layers), sch = "run.schedule=\"" + schedule + "\"";
+      const TrainRun k = train(base_config(data_), {n, sch, "run.recompute=\"always\""}, 2);
+      const TrainRun o = train(base_config(data_), {n, sch, "activation_checkpointing.cpu_checkpointing=true"}, 2);
+      expect_identical(k, o, "cpu_checkpointing with " + n + ", " + schedule);
+      const int slots = schedule == "layer" ? 2 : std::min(layers, 2);  // two slots, or one for one layer
+      EXPECT_EQ(o.checkpoint_device, slots * ckpt) << n << ", " << schedule;
+    }
   }
 }
 

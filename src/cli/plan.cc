@@ -112,6 +112,13 @@ nlohmann::json plan_json(const Computed& c) {
   j["activation_bytes"] = p.activation_bytes;
   j["cpu_checkpointing"] = p.cpu_checkpointing;
   j["recompute"] = p.keep_graphs ? "never" : "always";
+  j["schedule"] = schedule_name(p.schedule);
+  if (!p.schedule_choice.empty()) j["schedule_choice"] = p.schedule_choice;
+  // The activations' rows (Note [Step schedules] in memory/schedule.h).
+  j["activations"] = {{"micro_batches_held", p.held_micro},
+                      {"checkpoints", p.checkpoint_activation_bytes},
+                      {"output_gradients_held", p.held_output_grad_bytes},
+                      {"tied_head_gradients_held", p.held_tied_grad_bytes}};
   j["parameter_window"] = {{"slots", p.staging.window.slots},
                            {"slot_elements", p.staging.window.slot_numel},
                            {"persistent_elements", p.staging.window.persistent_numel}};
@@ -127,7 +134,9 @@ nlohmann::json plan_json(const Computed& c) {
   for (char k : p.keep_gathered) kept += k;
   j["kept_gathered_blocks"] = kept;
   j["secondary_shard"] = p.secondary_shard;
-  j["gradient_reduction"] = p.world_size <= 1 ? "none" : p.reduce_per_step ? "per_step" : "per_micro_batch";
+  j["gradient_reduction"] = p.world_size <= 1                        ? "none"
+                            : p.reduce_per_step || (p.layer_major() && p.accum > 1) ? "per_step"
+                                                                                    : "per_micro_batch";
   j["device_transient_bytes"] = p.staging.device_bytes();
   j["host_staging_bytes"] = p.staging.host_bytes();
   j["sub_group_numel"] = p.sub_group_numel;
@@ -308,8 +317,9 @@ int run_plan(const PlanOptions& opt) {
       std::printf("network: each rank sends %s per step: %.3f s at %g Gbit/s%s; gradients reduced %s in %s\n",
                   format_bytes(double(c.net.world)).c_str(), net_s, opt.net_gbps,
                   opt.nodes > 1 ? "" : " (one node: loopback or NVLink in practice)",
-                  c.plan.reduce_per_step ? "once per step (comm.gradient_reduction)"
-                                         : "once per micro-batch (comm.gradient_reduction)",
+                  c.plan.layer_major()   ? "once per step (the layer schedule)"
+                  : c.plan.reduce_per_step ? "once per step (comm.gradient_reduction)"
+                                           : "once per micro-batch (comm.gradient_reduction)",
                   c.plan.comm_grad_bytes == 4 ? "fp32" : "16 bits (communication_data_type)");
       if (c.plan.secondary_shard) {
         std::printf("secondary shard (comm.secondary_shard): the step's later gathers stay inside the node: "
@@ -341,7 +351,12 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   const auto st = p.state_total();
   row("state total", st[0], st[1], st[2]);
   row(p.keep_graphs ? "activations (graphs)" : "activations (recompute)", p.activation_bytes, 0, 0);
-  if (p.cpu_checkpointing) row("offloaded checkpoints", p.staging.ckpt_device, p.staging.ckpt_host, 0);
+  // Its rows the schedule decides (Note [Step schedules] in memory/schedule.h).
+  const std::string held = p.held_micro > 1 ? strprintf(" (x%lld)", (long long)p.held_micro) : "";
+  row("  saved inputs" + held, p.checkpoint_activation_bytes, 0, 0);
+  if (p.held_output_grad_bytes > 0) row("  output grads" + held, p.held_output_grad_bytes, 0, 0);
+  if (p.held_tied_grad_bytes > 0) row("  tied head grads" + held, p.held_tied_grad_bytes, 0, 0);
+  if (p.cpu_checkpointing) row("offloaded checkpoints" + held, p.staging.ckpt_device, p.staging.ckpt_host, 0);
   row("parameter window", p.staging.gathered, p.staging.window_bounce, 0);
   row("gradient staging", p.staging.grad_stage + p.staging.grad_norms, p.staging.grad_host + p.staging.grad_rmw, 0);
   if (p.world_size > 1) {
@@ -350,6 +365,8 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
     if (p.comm_staged) row("staged collectives", 0, p.staging.comm_host, 0);
     if (p.reduce_per_step) row("gradients summed/step", p.staging.grad_accum, 0, 0);
     if (p.secondary_shard) row("secondary shard", p.staging.secondary, 0, 0);
+  } else if (p.staging.grad_accum > 0) {
+    row("block gradient sum", p.staging.grad_accum, 0, 0);
   }
   row("optimizer staging", 0, p.staging.opt_grad + p.staging.opt_state + p.staging.opt_emit, 0);
   row("token batches", p.staging.tokens, p.staging.tokens, 0);
@@ -360,6 +377,8 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
                    cap_cell(cap.host_bytes).c_str(), cap_cell(cap.nvme_bytes).c_str());
   if (cap.device_is_host) out += "  (CPU compute: the device tier is host memory)\n";
   if (!cap.device_is_host && !cap.device_source.empty()) out += "  (device memory: " + cap.device_source + ")\n";
+  out += strprintf("  schedule: %s%s\n", schedule_name(p.schedule),
+                   p.schedule_choice.empty() ? "" : (" (run.schedule auto: " + p.schedule_choice + ")").c_str());
   out += strprintf("  optimizer sub-groups of %lld elements; Adam moments in %s; swap directories: %s\n",
                    (long long)p.sub_group_numel,
                    p.bf16_moments() ? "bf16 (stochastic rounding)" : "fp32",

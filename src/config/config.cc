@@ -56,6 +56,15 @@ const char* recompute_name(Recompute r) {
   return "auto";
 }
 
+const char* schedule_name(StepSchedule s) {
+  switch (s) {
+    case StepSchedule::kMicroBatch: return "micro_batch";
+    case StepSchedule::kLayer: return "layer";
+    case StepSchedule::kAuto: break;
+  }
+  return "auto";
+}
+
 int64_t ModelConfig::ffn_dim() const {
   if (ffn_hidden > 0) return ffn_hidden;
   const int64_t hidden = 8 * dim / 3;
@@ -977,7 +986,7 @@ void parse_run(const json& root, Config& c) {
   check_keys(r, path,
              {"steps", "seed", "metrics", "log_file", "log_level", "device", "threads",
               "device_memory_mb", "cpu_adam_isa", "overlap_optimizer",
-              "swap_checksums", "optimizer_state_dtype", "checkpoint", "recompute", "rates"},
+              "swap_checksums", "optimizer_state_dtype", "checkpoint", "recompute", "schedule", "rates"},
              kNone, c.ignored_keys);
   RunConfig& rc = c.run;
   if (read(r, path, "steps", rc.steps)) positive("run.steps", rc.steps);
@@ -1026,6 +1035,11 @@ void parse_run(const json& root, Config& c) {
   std::string recompute = recompute_name(rc.recompute);
   read_enum(r, path, "recompute", recompute, {"auto", "always", "never"});
   rc.recompute = recompute == "always" ? Recompute::kAlways : recompute == "never" ? Recompute::kNever : Recompute::kAuto;
+  std::string schedule = schedule_name(rc.schedule);
+  read_enum(r, path, "schedule", schedule, {"auto", "micro_batch", "layer"});
+  rc.schedule = schedule == "micro_batch" ? StepSchedule::kMicroBatch
+                : schedule == "layer"     ? StepSchedule::kLayer
+                                          : StepSchedule::kAuto;
   const json& ck = section(r, path, "checkpoint");
   check_keys(ck, "run.checkpoint", {"dir", "every", "keep"}, kNone, c.ignored_keys);
   read(ck, "run.checkpoint", "dir", rc.checkpoint.dir);

@@ -85,9 +85,11 @@ enum class DeviceKind { kCpu, kCuda };          // run.device
 enum class ComputeDtype { kFp32, kBf16, kFp16 }; // derived from the bf16/fp16 sections
 enum class Recompute { kAuto, kAlways, kNever }; // run.recompute
 enum class OptimizerOverlap { kAuto, kOn, kOff };  // run.overlap_optimizer: "auto" | true | false
+enum class StepSchedule { kAuto, kMicroBatch, kLayer };  // run.schedule
 const char* device_kind_name(DeviceKind d);      // "cpu", "cuda"
 const char* compute_dtype_name(ComputeDtype d);  // "fp32", "bf16", "fp16"
 const char* recompute_name(Recompute r);         // "auto", "always", "never"
+const char* schedule_name(StepSchedule s);       // "auto", "micro_batch", "layer"
 inline int compute_dtype_bytes(ComputeDtype d) { return d == ComputeDtype::kFp32 ? 4 : 2; }
 
 // run.rates: the rates of the step's bound (memory/bound.h) given instead of
@@ -129,6 +131,13 @@ struct RunConfig {
   // activations held), or lets the plan decide (auto: never when the weights
   // stay in place for the step and the activations fit). Note [Recompute].
   Recompute recompute = Recompute::kAuto;
+  // The order of the step's work (memory/schedule.h, Note [Step schedules]):
+  // micro_batch (each micro-batch's forward and backward over every block in
+  // turn), layer (each block for every micro-batch before the next block:
+  // every block used twice a step, gradients landed and reduced once), or
+  // auto (layer when it fits and the step's bound is lower). Arithmetic is
+  // the same either way.
+  StepSchedule schedule = StepSchedule::kAuto;
   CheckpointConfig checkpoint;
   RateOverrides rates;
 };

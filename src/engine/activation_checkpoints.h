@@ -1,7 +1,8 @@
-// The activation checkpoints of a step: each layer's input, kept from its
-// forward to its backward on the device, or with
+// The activation checkpoints of a step: each layer's input per micro-batch,
+// kept from its forward to its backward on the device, or with
 // activation_checkpointing.cpu_checkpointing offloaded to host slots and
-// brought back one layer ahead into two device slots.
+// brought back one backward op ahead (in the schedule's order) into two
+// device slots.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -12,6 +13,7 @@
 
 #include "memory/device.h"
 #include "memory/placement.h"
+#include "memory/schedule.h"
 #include "memory/tiered_state.h"
 
 namespace strata {
@@ -22,8 +24,10 @@ class ActivationCheckpoints {
  public:
   // Allocates the host and device slots the plan counted (staging.ckpt_*).
   // `shape`: one layer's input [micro_batch, seq_len, dim] in `dtype`.
+  // `schedule`: the training step's ops (memory/schedule.h), whose backward
+  // order the restores follow; it must outlive this.
   ActivationCheckpoints(const PlacementPlan& plan, size_t num_blocks, std::vector<int64_t> shape,
-                        at::ScalarType dtype, TieredState* state);
+                        at::ScalarType dtype, TieredState* state, const std::vector<StepOp>& schedule);
   // Copies still in flight (a step that failed mid-way) finish before the
   // slots they use are freed.
   ~ActivationCheckpoints();
@@ -35,11 +39,15 @@ class ActivationCheckpoints {
     offloaded_.wait();
     offloading_ = at::Tensor();
     device_now_ = 0;
+    restored_ = 0;
+    for (at::Tensor& t : saved_) t = at::Tensor();
   }
-  // Keeps x as block b's input (on the device, or offloaded to the host).
-  void save(size_t b, const at::Tensor& x);
-  // Block b's input on the device for its backward; prefetches b - 1's.
-  at::Tensor restore(size_t b);
+  // Keeps x as block b's input for micro-batch m (on the device, or
+  // offloaded to the host).
+  void save(size_t b, int64_t m, const at::Tensor& x);
+  // Block b's input of micro-batch m on the device for its backward, which
+  // must be the schedule's next backward op; prefetches the one after it.
+  at::Tensor restore(size_t b, int64_t m);
 
   // Peak bytes of saved inputs on the device (the layers' inputs, or the two
   // slots that bring them back).
@@ -48,10 +56,24 @@ class ActivationCheckpoints {
   int64_t host_slot_bytes() const { return host_.bytes(); }
 
  private:
+  size_t key(size_t b, int64_t m) const { return b * size_t(accum_) + size_t(m); }
+  // cpu_checkpointing: layer b of micro-batch m in host slot
+  // (b - 1) x held + m (m taken as 0 when one micro-batch is held).
+  int64_t host_slot(size_t b, int64_t m) const { return int64_t(b - 1) * held_ + (held_ > 1 ? m : 0); }
+  void bring(size_t k);  // the k-th restore's input into its device slot
+
   size_t head_;                       // the head's block index (layers are 1..head_-1)
-  std::vector<at::Tensor> saved_;     // per block, when kept on the device
-  // cpu_checkpointing: layer b in host slot b - 1, brought back into device
-  // slot (head - 1 - b) % 2. Copies on the D2H / H2D streams of the state's
+  int64_t accum_ = 1;                 // micro-batches per step
+  int64_t held_ = 1;                  // micro-batches whose inputs are held at once (PlacementPlan::held_micro)
+  std::vector<at::Tensor> saved_;     // per (block, micro-batch), when kept on the device
+  // The restores of a step in the schedule's backward order (layers only:
+  // the embedding's input is the tokens), as (block, micro-batch).
+  std::vector<std::pair<size_t, int64_t>> restore_order_;
+  std::vector<char> after_forward_;   // per restore: a forward ran since the one before (not prefetched)
+  std::vector<int> slot_of_;          // per restore: its device slot, alternating from the first after a forward
+  size_t restored_ = 0;               // restores made this step
+  // cpu_checkpointing: the restores after a forward come back into device
+  // slots 0, 1, 0, ... Copies on the D2H / H2D streams of the state's
   // device (Note [Buffer reuse across streams], memory/device.h).
   Device& dev_;
   PinnedHostBuffer host_;

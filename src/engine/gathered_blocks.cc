@@ -18,7 +18,7 @@ GatheredBlocks::GatheredBlocks(const StepContext& ctx, const PlacementPlan& plan
   const int blocks = int(ctx.layout->num_blocks());
   window_ = make_param_window(plan);
   window_->attach(ctx.state, need.window, ctx.compute_bytes);
-  train_schedule_ = train_schedule(blocks, plan.tied, plan.accum);
+  train_schedule_ = plan_train_schedule(plan);
   eval_schedule_ = eval_schedule(blocks, plan.tied);
   if (need.gathered > 0) {
     log::info("parameter window: %d slot(s) of %s, %s of persistent blocks", need.window.slots,
@@ -86,7 +86,7 @@ void GatheredBlocks::invalidate() {
 
 // Acquires use u's shards from the window and starts gathering them.
 void GatheredBlocks::issue_gather(size_t u) {
-  const WindowUse& use = (*uses_)[u];
+  const StepOp& use = (*uses_)[u];
   DevicePtr shard[2];
   acquire(shard, size_t(use.block[0]), use.count > 1 ? size_t(use.block[1]) : SIZE_MAX);
   const int slot = int(u % 2);
@@ -124,7 +124,7 @@ void GatheredBlocks::issue_gather(size_t u) {
 void GatheredBlocks::next(DevicePtr out[2]) {
   if (ctx_.shards == 1) {
     // One shard: the shard is the block, used in place (fetched or resident).
-    const WindowUse& use = (*uses_)[use_];
+    const StepOp& use = (*uses_)[use_];
     acquire(out, size_t(use.block[0]), use.count > 1 ? size_t(use.block[1]) : SIZE_MAX);
     for (int i = 0; i < use.count; ++i) {
       if (!out[i]) {

@@ -53,6 +53,11 @@ class GatheredBlocks {
   // before is valid.
   void invalidate();
 
+  // The training step's ops (memory/schedule.h): the order the trainer
+  // executes and the window prefetches, one list.
+  const std::vector<StepOp>& train_ops() const { return train_schedule_; }
+  const std::vector<StepOp>& eval_ops() const { return eval_schedule_; }
+
   ParamWindow& window() { return *window_; }
   const ParamWindow& window() const { return *window_; }
   int64_t device_bytes() const { return gather_mem_.bytes() + secondary_mem_.bytes(); }
@@ -73,13 +78,13 @@ class GatheredBlocks {
   int per_use_ = 1;                       // blocks per use: 2 with the tied head (head + embedding)
   int64_t largest_block_numel_ = 0;
   std::unique_ptr<ParamWindow> window_;
-  std::vector<WindowUse> train_schedule_, eval_schedule_;
+  std::vector<StepOp> train_schedule_, eval_schedule_;
   DeviceBuffer gather_mem_;               // gathered blocks (ring, or the whole model)
   std::vector<char> gathered_valid_;      // gathered once per step: per block, gathered since the optimizer
   // Stage 3: per block kept gathered for the step (PlacementPlan::keep_gathered),
   // its bytes' offset in gather_mem_ after the ring; -1 for the others.
   std::vector<int64_t> kept_at_;
-  const std::vector<WindowUse>* uses_ = nullptr;
+  const std::vector<StepOp>* uses_ = nullptr;
   size_t use_ = 0;                        // the use next() hands out
   bool use_issued_ = false;               // its gather was issued
   // Note [Secondary shard]: per block, its offset in secondary_mem_ (-1:

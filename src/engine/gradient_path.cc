@@ -87,14 +87,23 @@ GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
       stage_views_[k].push_back(param_views(bl, stage_flat_[k].back()));
     }
   }
+  accum_ = ctx.cfg->gradient_accumulation_steps;
   if (need.grad_accum > 0) {
-    accum_ = dev.allocate(need.grad_accum, "gradients summed over the step");
+    // The whole model's sum (PlacementPlan::reduce_per_step), or under the
+    // layer schedule one block's at a time (Note [Step schedules]).
+    sum_on_device_ = !plan.reduce_per_step;
+    STRATA_CHECK(!sum_on_device_ || (plan.layer_major() && !ranks_), "a block gradient sum outside the layer schedule");
+    sum_mem_ = dev.allocate(need.grad_accum, sum_on_device_ ? "block gradient sum" : "gradients summed over the step");
     for (size_t b = 0; b < blocks_; ++b) {
       const BlockLayout& bl = ctx.layout->block(b);
-      accum_flat_.push_back(ctx.device_tensor(accum_.ptr() + bl.offset * 4, bl.padded_numel, at::kFloat));
+      const int64_t at = sum_on_device_ ? 0 : bl.offset * 4;
+      accum_flat_.push_back(ctx.device_tensor(sum_mem_.ptr() + at, bl.padded_numel, at::kFloat));
       accum_views_.push_back(param_views(bl, accum_flat_.back()));
+      accum_padding_.push_back(accum_flat_.back().narrow(0, bl.numel, bl.padded_numel - bl.numel));
     }
   }
+  layer_ = plan.layer_major();
+  tied_held_.resize(size_t(std::max<int64_t>(accum_, 1)));
   if (need.grad_host > 0) {
     landing_ = dev.allocate_pinned(need.grad_host, "gradients on their way to host homes");
     landing_half_bytes_ = need.grad_host / 2;
@@ -114,6 +123,7 @@ GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
         home_views_[b] = param_views(bl, ctx.device_tensor(home, bl.padded_numel, at::kFloat));
         continue;
       }
+      if (sum_on_device_) continue;  // summed in sum_mem_, landed from there
       for (int h = 0; h < (lay_out_in_landing_ ? 2 : 1); ++h) {
         const DevicePtr at = lay_out_in_landing_ ? DevicePtr(landing_.data() + h * landing_half_bytes_) : stage_[0].ptr();
         STRATA_CHECK(at, "a gradient home off the device without a stage or landing buffer");
@@ -143,7 +153,7 @@ GradientPath::~GradientPath() {
 }
 
 int64_t GradientPath::device_bytes() const {
-  return stage_[0].bytes() + stage_[1].bytes() + shards_mem_.bytes() + comm16_.bytes() + accum_.bytes() +
+  return stage_[0].bytes() + stage_[1].bytes() + shards_mem_.bytes() + comm16_.bytes() + sum_mem_.bytes() +
          device_norms_.bytes() + norm_scratch_.bytes();
 }
 
@@ -167,22 +177,29 @@ void GradientPath::begin_step() {
   }
   std::fill(written_.begin(), written_.end(), 0);
   tied_ = at::Tensor();
-  micro_ = 0;
+  for (at::Tensor& t : tied_held_) t = at::Tensor();
 }
 
-void GradientPath::begin_micro(bool last) {
-  last_micro_ = last;
-  first_micro_ = micro_++ == 0;
+void GradientPath::set_tied(int64_t micro, const at::Tensor& g) {
+  STRATA_CHECK(micro >= 0 && micro < int64_t(tied_held_.size()), "a tied gradient for a micro-batch out of range");
+  tied_held_[size_t(micro)] = g;
 }
 
-void GradientPath::add(size_t b, const std::vector<at::Tensor>& grads, size_t first) {
+void GradientPath::add(size_t b, const std::vector<at::Tensor>& grads, size_t first, int64_t micro) {
+  first_micro_ = micro == 0;
+  last_micro_ = micro + 1 == accum_;
+  // The head's share of the tied embedding for this micro-batch.
+  if (b == ctx_.embedding_block) tied_ = std::move(tied_held_[size_t(micro)]);
   if (ranks_) {
     add_to_reduce(b, grads, first);
   } else if (home_on_device_[b]) {
     add_on_device(b, grads, first);
+  } else if (sum_on_device_) {
+    add_summed(b, grads, first);
   } else {
     add_through_host(b, grads, first);
   }
+  tied_ = at::Tensor();
 }
 
 void GradientPath::end_micro() {
@@ -273,10 +290,39 @@ void GradientPath::add_through_host(size_t b, const std::vector<at::Tensor>& gra
   const BlockLayout& bl = ctx_.layout->block(b);
   if (lay_out_in_landing_) {
     ctx_.state->count_copy(/*to_device=*/false, bl.padded_numel * bytes_of(wire_[b]));  // what a GPU would copy
-    queue_landing(b, half, wire_[b], Completion());
+    queue_landing(b, half, wire_[b], Completion(), last_micro_);
   } else {
-    land(b, DevicePtr(static_cast<std::byte*>(wire_flat_[half][b].data_ptr())), wire_[b]);
+    land(b, DevicePtr(static_cast<std::byte*>(wire_flat_[half][b].data_ptr())), wire_[b], last_micro_);
   }
+}
+
+// Under the layer schedule with A > 1 (Note [Step schedules]): the block's
+// micro-batch gradients G (the tied embedding's the fp32 sum with the head's
+// share, in the stage) summed in fp32 on the device in the order 0..A-1 —
+// G on the first, + G on the others: the IEEE additions the home would make
+// — and landed once, in fp32, as the home's first write (no read on NVMe).
+void GradientPath::add_summed(size_t b, const std::vector<at::Tensor>& grads, size_t first) {
+  if (first_micro_) stage_free();  // the last landing's D2H has read the sum
+  const std::vector<at::Tensor>& sum = accum_views_[b];
+  for (size_t i = 0; i < sum.size(); ++i) {
+    at::Tensor g = first + i < grads.size() ? grads[first + i] : at::Tensor();
+    if (i == 0 && b == ctx_.embedding_block && tied_.defined()) {
+      const at::Tensor& t = stage_views_[0][b][0];
+      t.copy_(tied_);  // the head's share first
+      if (g.defined()) t.add_(g);
+      g = t;
+    }
+    if (!g.defined()) {
+      if (first_micro_) sum[i].zero_();
+    } else if (first_micro_) {
+      sum[i].copy_(g);
+    } else {
+      sum[i].add_(g);
+    }
+  }
+  if (first_micro_ && accum_padding_[b].numel() > 0) accum_padding_[b].zero_();
+  if (!last_micro_) return;
+  land(b, DevicePtr(static_cast<std::byte*>(accum_flat_[b].data_ptr())), cpu_adam::GradType::kF32, true);
 }
 
 // Block b's gradient in its wire dtype in buffer `half`, padding zeroed.
@@ -314,6 +360,19 @@ void GradientPath::add_to_reduce(size_t b, const std::vector<at::Tensor>& grads,
     reduce(k, b, accum_flat_[b]);
     return;
   }
+  if (layer_) {
+    // Note [Step schedules]: the block's micro-batches summed in a stage, in
+    // order, as per_step sums them in its whole-model buffer; reduced once.
+    if (first_micro_) {
+      sum_turn_ = turn_;
+      complete_reduction(sum_turn_);  // the stage's previous block is reduced
+      stage_free();
+      stage_flat_[sum_turn_][b].zero_();
+    }
+    sum_into(stage_views_[sum_turn_][b], b, grads, first);
+    if (last_micro_) reduce(sum_turn_, b, stage_flat_[sum_turn_][b]);
+    return;
+  }
   const int k = turn_;
   complete_reduction(k);  // the stage's previous block is reduced
   stage_free();
@@ -343,6 +402,7 @@ void GradientPath::reduce(int k, size_t b, const at::Tensor& stage) {
   const int64_t n = ctx_.shard_numel(b);
   Reduction& r = reduction_[k];
   r.block = int(b);
+  r.last = last_micro_;
   // communication_data_type: the reductions carry the stage rounded to 16 bits.
   const bool narrow = comm16_.bytes() > 0;
   DevicePtr send = full;
@@ -377,17 +437,18 @@ void GradientPath::complete_reduction(int k) {
     r.done = Completion();
   }
   const size_t b = size_t(r.block);
+  const bool last = r.last;
   r.block = -1;
   if (!(r.wire == r.shard)) {
     const int64_t n = ctx_.shard_numel(b);
     ctx_.device_tensor(r.shard, n, at::kFloat).copy_(ctx_.device_tensor(r.wire, n, comm_type_));
   }
-  deliver(b, r.shard);
+  deliver(b, r.shard, last);
 }
 
-void GradientPath::deliver(size_t b, DevicePtr src) {
+void GradientPath::deliver(size_t b, DevicePtr src, bool last) {
   if (!home_on_device_[b]) {
-    land(b, src, cpu_adam::GradType::kF32);
+    land(b, src, cpu_adam::GradType::kF32, last);
     return;
   }
   const int64_t n = ctx_.shard_numel(b);
@@ -400,7 +461,7 @@ void GradientPath::deliver(size_t b, DevicePtr src) {
     h.add_(s);
   }
   written_[b] = 1;
-  if (last_micro_) device_norm(b, home);
+  if (last) device_norm(b, home);
 }
 
 // ---- to the host ------------------------------------------------------------------
@@ -422,17 +483,17 @@ int GradientPath::claim_landing() {
   return half;
 }
 
-void GradientPath::queue_landing(size_t b, int half, cpu_adam::GradType wire, const Completion& copied) {
+void GradientPath::queue_landing(size_t b, int half, cpu_adam::GradType wire, const Completion& copied, bool last) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     STRATA_CHECK(queue_.size < 2, "more landings queued than landing halves");
-    queue_.push_back(Landing{int(b), half, wire, copied, !written_[b], last_micro_});
+    queue_.push_back(Landing{int(b), half, wire, copied, !written_[b], last});
   }
   cv_.notify_all();
   written_[b] = 1;
 }
 
-void GradientPath::land(size_t b, DevicePtr src, cpu_adam::GradType wire) {
+void GradientPath::land(size_t b, DevicePtr src, cpu_adam::GradType wire, bool last) {
   const int64_t bytes = ctx_.shard_numel(b) * bytes_of(wire);
   STRATA_CHECK(bytes <= landing_half_bytes_, "a gradient larger than its landing buffer");
   const int half = claim_landing();
@@ -449,7 +510,7 @@ void GradientPath::land(size_t b, DevicePtr src, cpu_adam::GradType wire) {
   }
   stage_read_ = copied;  // the stage is rewritten only after this read
   ctx_.state->count_copy(/*to_device=*/false, bytes);
-  queue_landing(b, half, wire, copied);
+  queue_landing(b, half, wire, copied, last);
 }
 
 void GradientPath::wait_lander_idle() {

@@ -67,15 +67,16 @@ class GradientPath {
   // A step begins (on the thread that queues compute): each block's first
   // add() writes its home. Drops what a failed step left in flight.
   void begin_step();
-  // A micro-batch begins; on the `last` one the adds take the norms.
-  void begin_micro(bool last);
-  // The head's gradient of the tied embedding, added when the embedding's
-  // own is (the embedding's backward comes last).
-  void set_tied(const at::Tensor& g) { tied_ = g; }
-  // Block b's weight gradients, grads[first..] (one per parameter; undefined
-  // for a parameter without one): into the home, or on their way there.
-  void add(size_t b, const std::vector<at::Tensor>& grads, size_t first);
-  // The micro-batch's backward is queued: the last reductions are completed.
+  // The head's gradient of the tied embedding for micro-batch `micro`,
+  // added when the embedding's own for that micro-batch is (the embedding's
+  // backward comes last; under the layer schedule after every head).
+  void set_tied(int64_t micro, const at::Tensor& g);
+  // Block b's weight gradients of micro-batch `micro`, grads[first..] (one
+  // per parameter; undefined for a parameter without one): into the home,
+  // or on their way there. A block's micro-batches come in order 0..A-1;
+  // the last one's add takes its norm.
+  void add(size_t b, const std::vector<at::Tensor>& grads, size_t first, int64_t micro);
+  // A micro-batch's backward is queued: the last reductions are completed.
   void end_micro();
   // Waits for every landing of the step and returns the squared norm of this
   // rank's part of the gradient, summed over blocks in block order. Adds the
@@ -101,6 +102,7 @@ class GradientPath {
     bool first = false;
     bool last = false;
   };
+  void add_summed(size_t b, const std::vector<at::Tensor>& grads, size_t first);
   void add_on_device(size_t b, const std::vector<at::Tensor>& grads, size_t first);
   void add_through_host(size_t b, const std::vector<at::Tensor>& grads, size_t first);
   void lay_out(size_t b, const std::vector<at::Tensor>& grads, size_t first, int half);
@@ -109,13 +111,14 @@ class GradientPath {
   void reduce(int k, size_t b, const at::Tensor& stage);
   void complete_reduction(int k);
   // Adds a reduced fp32 shard at `src` into block b's home.
-  void deliver(size_t b, DevicePtr src);
+  // `last`: the block's last micro-batch (its norm is taken).
+  void deliver(size_t b, DevicePtr src, bool last);
   // D2H of block b's shard at `src` (in `wire`) and its landing job.
-  void land(size_t b, DevicePtr src, cpu_adam::GradType wire);
+  void land(size_t b, DevicePtr src, cpu_adam::GradType wire, bool last);
   // A landing half no job uses any more (waits for the lander), now taken.
   int claim_landing();
   void release_landing(int half);      // a claimed half on which nothing was queued
-  void queue_landing(size_t b, int half, cpu_adam::GradType wire, const Completion& copied);
+  void queue_landing(size_t b, int half, cpu_adam::GradType wire, const Completion& copied, bool last);
   // The device's norm of b's final gradient at `home` (device memory).
   void device_norm(size_t b, DevicePtr home);
   // The compute stream waits for the last D2H that read the stages.
@@ -132,10 +135,13 @@ class GradientPath {
   std::vector<cpu_adam::GradType> wire_;  // per block: the dtype its shard crosses PCIe in
   std::vector<int64_t> norm_lo_, norm_hi_;  // per block: this rank's norm range within its shard
   std::vector<char> written_;          // per block: its home was written this step
-  bool last_micro_ = false;
-  bool first_micro_ = false;
-  int64_t micro_ = 0;                  // micro-batches begun this step
-  at::Tensor tied_;
+  int64_t accum_ = 1;                  // micro-batches per step
+  bool layer_ = false;                 // the layer schedule (Note [Step schedules])
+  bool last_micro_ = false;            // the current add's micro-batch is the block's last
+  bool first_micro_ = false;           // ... its first
+  at::Tensor tied_;                    // the current add's share of the tied head
+  std::vector<at::Tensor> tied_held_;  // per micro-batch: the head's share, until the embedding's add
+  int sum_turn_ = 0;                   // ranks under layer: the stage the current block is summed in
 
   // Device: the gradient stage(s) (fp32 of the largest block; two with ranks)
   // and, at stages 2-3, two reduced shards. Views per block, built once.
@@ -158,10 +164,14 @@ class GradientPath {
   // fp32 shard when the reduction completes. Per stage, built once.
   DeviceBuffer comm16_;
   // PlacementPlan::reduce_per_step: every block's fp32 gradient summed over
-  // the step's micro-batches (flat and parameter views per block).
-  DeviceBuffer accum_;
+  // the step's micro-batches; or (sum_on_device_: the layer schedule at one
+  // rank with homes off the device) one block's at a time (flat, parameter
+  // and padding views per block).
+  DeviceBuffer sum_mem_;
+  bool sum_on_device_ = false;
   std::vector<at::Tensor> accum_flat_;
   std::vector<std::vector<at::Tensor>> accum_views_;
+  std::vector<at::Tensor> accum_padding_;
   at::ScalarType comm_type_ = at::kFloat;
   std::vector<at::Tensor> comm_flat_[2];               // per block: 16-bit flat view of the stage's copy
   DevicePtr comm_shard_[2];
@@ -170,6 +180,7 @@ class GradientPath {
     Completion done;
     DevicePtr shard;   // fp32: what is delivered
     DevicePtr wire;    // 16-bit communication: the reduced shard, widened into `shard`
+    bool last = false;  // the block's last micro-batch: its delivery takes the norm
   } reduction_[2];
   int64_t largest_shard_numel_ = 0;
   int turn_ = 0;                       // the stage the next block fills

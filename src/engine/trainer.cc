@@ -86,6 +86,7 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
   grads_->begin_step();
   activations_->reset();
   for (KeptGraph& g : graphs_) g = KeptGraph();  // a failed step's
+  for (at::Tensor& f : flow_) f = at::Tensor();
   blocks_->begin(/*train=*/true);
 
   // Each micro-batch's loss is scaled by 1 / (accum x ranks): the reduced
@@ -93,7 +94,7 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
   // multiplies it by the loss scale too (Note [Loss scaling]).
   const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
   double sums[3] = {0.0, 0.0, stop_requested ? 1.0 : 0.0};  // squared norm, loss, stop
-  sums[1] = micro_batches(tokens, loss_scale / double(accum * ranks));
+  sums[1] = run_schedule(tokens, loss_scale / double(accum * ranks));
   const double param_wait = blocks_->window().wait_seconds() - param_wait0;
   StepResult r;
   r.tokens = accum * micro * cfg_.model.seq_len * ranks;
@@ -131,20 +132,17 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
   return finish_result();
 }
 
-// Every micro-batch's forward and backward (each loss scaled by `loss_scale`
-// for the backward); returns this rank's share of the global batch's mean
-// loss.
-double Trainer::micro_batches(const int64_t* tokens, double loss_scale) {
+// The step's ops in the order of its schedule (Note [Step schedules] in
+// memory/schedule.h: micro_batch or layer, the list the parameter window
+// prefetches by), each loss scaled by `loss_scale` for the backward; returns
+// this rank's share of the global batch's mean loss.
+double Trainer::run_schedule(const int64_t* tokens, double loss_scale) {
   const int64_t accum = cfg_.gradient_accumulation_steps;
   const int64_t micro = cfg_.train_micro_batch_size_per_gpu;
   const at::Tensor batch = stage_tokens(tokens, accum * micro);
   double sum = 0.0;
   try {
-    for (int64_t m = 0; m < accum; ++m) {
-      grads_->begin_micro(m + 1 == accum);
-      micro_loss_[size_t(m)] = forward_backward(batch.narrow(0, m * micro, micro), loss_scale);
-      grads_->end_micro();
-    }
+    for (const StepOp& op : blocks_->train_ops()) run_op(op, batch.narrow(0, op.micro * micro, micro), loss_scale);
     // Read once the backward is queued: on a GPU, .item() waits for it.
     for (at::Tensor& l : micro_loss_) {
       sum += l.item<double>() / double(accum * ctx_.comm->world_size());
@@ -154,6 +152,28 @@ double Trainer::micro_batches(const int64_t* tokens, double loss_scale) {
     out_of_memory(e);
   }
   return sum;
+}
+
+// One op of the schedule on micro-batch op.micro (`tokens`: its windows).
+// flow_[m] carries the micro-batch between ops: the input of its next
+// forward, then the gradient of the output of its next backward.
+void Trainer::run_op(const StepOp& op, const at::Tensor& tokens, double loss_scale) {
+  const int64_t T = cfg_.model.seq_len;
+  const size_t b = size_t(op.block[0]);
+  at::Tensor& flow = flow_[size_t(op.micro)];
+  switch (op.pass) {
+    case Pass::kForward:
+      flow = forward_block(b, op.micro, b == ctx_.embedding_block ? tokens.narrow(1, 0, T) : flow, /*train=*/true);
+      break;
+    case Pass::kHead:
+      micro_loss_[size_t(op.micro)] = head_forward_backward(flow, tokens.narrow(1, 1, T), loss_scale, op.micro, &flow);
+      break;
+    case Pass::kBackward:
+      flow = block_backward(b, op.micro, flow);
+      // The micro-batch's backward is queued: its last reductions complete.
+      if (b == ctx_.embedding_block) grads_->end_micro();
+      break;
+  }
 }
 
 // The optimizer step for `r`'s norm and learning rate: global-norm clipping
@@ -191,99 +211,92 @@ void Trainer::apply_optimizer(StepResult& r, double loss_scale) {
 // the weights given the output gradient. Weight gradients go to the gradient
 // path (Note [Gradient path]) block by block, so nothing but one block's
 // graph is alive at a time. A tied head's output-projection gradient is added
-// into the embedding block's gradient, which backward reaches last.
-at::Tensor Trainer::forward_backward(const at::Tensor& tokens, double loss_scale) {
-  const int64_t T = cfg_.model.seq_len;
-  at::Tensor x = forward_layers(tokens.narrow(1, 0, T), /*train=*/true);
-  at::Tensor dx;
-  at::Tensor loss = head_forward_backward(x, tokens.narrow(1, 1, T), loss_scale, &dx);
-  x = at::Tensor();
-  // Layers and embedding, in reverse: recomputed from their saved inputs, or
-  // through the graphs their forward kept (Note [Recompute]).
-  DevicePtr gathered[2];
-  for (size_t b = ctx_.head_block; b-- > 0;) {
-    blocks_->next(gathered);
-    dx = block_backward(b, dx, gathered[0]);
-  }
-  return loss;
-}
+// into the embedding block's gradient, which backward reaches last. The
+// order of blocks and micro-batches is the schedule's (Note [Step schedules]
+// in memory/schedule.h); each op is one of the three below.
 
-// The blocks before the head, in order; training keeps each block's input.
-// Shared by training and evaluation.
-at::Tensor Trainer::forward_layers(at::Tensor x, bool train) {
+// Block b's forward for micro-batch m (training keeps its input, or its
+// graph: Note [Recompute]); shared by training and evaluation.
+at::Tensor Trainer::forward_block(size_t b, int64_t m, const at::Tensor& x, bool train) {
   const bool keep = train && keep_graphs_;
   std::optional<at::NoGradGuard> no_grad;
   if (!keep) no_grad.emplace();
+  if (train && !keep) activations_->save(b, m, x);
   DevicePtr gathered[2];
-  for (size_t b = 0; b < ctx_.head_block; ++b) {
-    if (train && !keep) activations_->save(b, x);
-    blocks_->next(gathered);
-    TraceSpan span(TraceTrack::kCompute, forward_names_[b].c_str());
+  blocks_->next(gathered);
+  at::Tensor y;
+  {
+    TraceSpan span(TraceTrack::kCompute, span_name(Pass::kForward, b, m));
     if (keep) {
       // Note [Recompute]: the graph over leaf views of the weights and a
       // leaf input, kept for the backward.
-      KeptGraph& g = graphs_[b];
+      KeptGraph& g = graphs_[graph_key(b, m)];
       g.w = as_leaves(weights(b, gathered[0]));
       g.xin = b == ctx_.embedding_block ? x : x.detach().requires_grad_(true);
       g.y = model_.forward(b, g.w, g.xin);
-      x = g.y.detach();
+      y = g.y.detach();
     } else {
       std::vector<at::Tensor> w = weights(b, gathered[0]);
-      x = model_.forward(b, w, x);
+      y = model_.forward(b, w, x);
     }
-    blocks_->end();
   }
-  return x;
+  blocks_->end();
+  return y;
 }
 
 // The head and the loss with autograd: the loss (detached), *dx the gradient
 // of the head's input; the head's weight gradients go to the gradient path.
 at::Tensor Trainer::head_forward_backward(const at::Tensor& x, const at::Tensor& targets, double loss_scale,
-                                          at::Tensor* dx) {
+                                          int64_t m, at::Tensor* dx) {
   DevicePtr gathered[2];
   at::Tensor xin = x.detach().requires_grad_(true);
   blocks_->next(gathered);
   std::vector<at::Tensor> w = as_leaves(weights(ctx_.head_block, gathered[0]));
   at::Tensor tied;
   if (cfg_.model.tie_embeddings) tied = as_leaves(weights(ctx_.embedding_block, gathered[1]))[0];
-  TraceSpan span(TraceTrack::kCompute, "head forward + backward");
+  TraceSpan span(TraceTrack::kCompute, span_name(Pass::kHead, ctx_.head_block, m));
   at::Tensor loss = loss_of(model_.forward(ctx_.head_block, w, xin, tied), targets);
   std::vector<at::Tensor> wrt{xin};
   wrt.insert(wrt.end(), w.begin(), w.end());
   if (tied.defined()) wrt.push_back(tied);
   std::vector<at::Tensor> grads =
       torch::autograd::grad({loss * loss_scale}, wrt, /*grad_outputs=*/{}, /*retain_graph=*/false);
+  loss = loss.detach();
+  xin = at::Tensor();
   *dx = grads[0];
   // The head's gradient for the tied embedding is added when the embedding's
-  // own gradient is, so the embedding's home is written once per micro-batch.
-  if (tied.defined()) grads_->set_tied(grads.back());
+  // own gradient of the micro-batch is, so the embedding's home is written
+  // once per micro-batch (micro_batch) or per step (layer).
+  if (tied.defined()) grads_->set_tied(m, grads.back());
   w.clear();
   tied = at::Tensor();
   blocks_->end();
-  grads_->add(ctx_.head_block, grads, 1);
-  return loss.detach();
+  grads_->add(ctx_.head_block, grads, 1, m);
+  return loss;
 }
 
 // Block b's backward given the gradient of its output: its weight gradients
 // to the gradient path; returns the gradient of its input (none for the
 // embedding).
-at::Tensor Trainer::block_backward(size_t b, const at::Tensor& dx, DevicePtr gathered) {
+at::Tensor Trainer::block_backward(size_t b, int64_t m, const at::Tensor& dx) {
   const bool is_embedding = b == ctx_.embedding_block;
+  DevicePtr gathered[2];
+  blocks_->next(gathered);
   std::vector<at::Tensor> w, grads;
   at::Tensor xin, y;
   if (keep_graphs_) {
-    KeptGraph& g = graphs_[b];
+    KeptGraph& g = graphs_[graph_key(b, m)];
     w = std::move(g.w);
     xin = std::move(g.xin);
     y = std::move(g.y);
     g = KeptGraph();
   } else {
-    w = as_leaves(weights(b, gathered));
-    at::Tensor saved = activations_->restore(b);
+    w = as_leaves(weights(b, gathered[0]));
+    at::Tensor saved = activations_->restore(b, m);
     xin = is_embedding ? saved : saved.detach().requires_grad_(true);
   }
   {
-    TraceSpan span(TraceTrack::kCompute, backward_names_[b].c_str());
+    TraceSpan span(TraceTrack::kCompute, span_name(Pass::kBackward, b, m));
     if (!y.defined()) y = model_.forward(b, w, xin);
     std::vector<at::Tensor> wrt;
     if (!is_embedding) wrt.push_back(xin);
@@ -294,7 +307,7 @@ at::Tensor Trainer::block_backward(size_t b, const at::Tensor& dx, DevicePtr gat
   xin = at::Tensor();
   w.clear();
   blocks_->end();
-  grads_->add(b, grads, is_embedding ? 0 : 1);
+  grads_->add(b, grads, is_embedding ? 0 : 1, m);
   return is_embedding ? at::Tensor() : grads[0];
 }
 
@@ -303,7 +316,7 @@ at::Tensor Trainer::loss_of(const at::Tensor& logits, const at::Tensor& targets)
                                 targets.reshape({-1}));
 }
 
-// Evaluation shares the forward (forward_layers) and the gathered blocks with
+// Evaluation shares the forward (forward_block) and the gathered blocks with
 // training. Every rank evaluates the same windows (collective: at stage 3 the
 // blocks are gathered), so every rank returns the same loss.
 double Trainer::eval_loss(const int64_t* tokens, int64_t batches) {
@@ -317,7 +330,10 @@ double Trainer::eval_loss(const int64_t* tokens, int64_t batches) {
   for (int64_t i = 0; i < batches; ++i) {
     const at::Tensor batch = stage_tokens(tokens + i * micro * (T + 1), micro);
     blocks_->begin(/*train=*/false);
-    at::Tensor x = forward_layers(batch.narrow(1, 0, T), /*train=*/false);
+    at::Tensor x = batch.narrow(1, 0, T);
+    for (const StepOp& op : blocks_->eval_ops()) {
+      if (op.pass == Pass::kForward) x = forward_block(size_t(op.block[0]), 0, x, /*train=*/false);
+    }
     DevicePtr gathered[2];
     blocks_->next(gathered);
     at::Tensor tied;
@@ -430,8 +446,16 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   for (const BlockLayout& bl : layout_.blocks()) {
     ctx_.global_index.push_back(global);
     global += bl.numel;
-    forward_names_.push_back("forward " + bl.name);
-    backward_names_.push_back("backward " + bl.name);
+  }
+  // The trace's span names, by pass, block and micro-batch, made once.
+  const int64_t A = std::max<int64_t>(cfg.gradient_accumulation_steps, 1);
+  for (int pass = 0; pass < 3; ++pass) {
+    static const char* const kPass[3] = {"forward", "head forward + backward", "backward"};
+    for (const BlockLayout& bl : layout_.blocks()) {
+      for (int64_t m = 0; m < A; ++m) {
+        span_names_.push_back(strprintf("%s %s mb %lld", kPass[pass], bl.name.c_str(), (long long)m));
+      }
+    }
   }
 
   optimizer_ = std::make_unique<OptimizerPass>(ctx_, plan, isa);
@@ -440,10 +464,11 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   checkpoints_ = std::make_unique<StateCheckpoints>(ctx_, *optimizer_);
   activations_ = std::make_unique<ActivationCheckpoints>(
       plan, layout_.num_blocks(), std::vector<int64_t>{cfg.train_micro_batch_size_per_gpu, cfg.model.seq_len, cfg.model.dim},
-      ctx_.compute_dtype, state_.get());
+      ctx_.compute_dtype, state_.get(), blocks_->train_ops());
   keep_graphs_ = plan.keep_graphs;
-  graphs_.resize(layout_.num_blocks());
-  micro_loss_.resize(size_t(cfg.gradient_accumulation_steps));
+  graphs_.resize(layout_.num_blocks() * size_t(A));
+  micro_loss_.resize(size_t(A));
+  flow_.resize(size_t(A));
   tokens_host_ = ctx_.device->allocate_pinned(plan.staging.tokens, "token windows (host)");
   tokens_device_ = ctx_.device->allocate(plan.staging.tokens, "token windows");
   initialise_state(plan);

@@ -194,18 +194,18 @@ class Trainer {
   std::array<int64_t, kNumTiers> peak_bytes() const;
 
  private:
-  // The step (trainer.cc, in this order): the micro-batches, the optimizer,
-  // forward and backward of one micro-batch (returning its loss, a 0-dim
-  // tensor on the device).
-  double micro_batches(const int64_t* tokens, double loss_scale);
+  // The step (trainer.cc, in this order): the schedule's ops, one op, the
+  // optimizer, then the three kinds of op (Note [Step schedules] in
+  // memory/schedule.h): a block's forward, the head's forward and backward
+  // (returning the micro-batch's loss, a 0-dim tensor on the device), a
+  // block's backward (returning the gradient of its input).
+  double run_schedule(const int64_t* tokens, double loss_scale);
+  void run_op(const StepOp& op, const at::Tensor& tokens, double loss_scale);
   void apply_optimizer(StepResult& r, double loss_scale);
-  at::Tensor forward_backward(const at::Tensor& tokens, double loss_scale);
-  at::Tensor head_forward_backward(const at::Tensor& x, const at::Tensor& targets, double loss_scale,
+  at::Tensor forward_block(size_t b, int64_t m, const at::Tensor& x, bool train);
+  at::Tensor head_forward_backward(const at::Tensor& x, const at::Tensor& targets, double loss_scale, int64_t m,
                                    at::Tensor* dx);
-  at::Tensor block_backward(size_t b, const at::Tensor& dx, DevicePtr gathered);
-  // Forward over the blocks before the head (saving inputs when training);
-  // shared by training and evaluation.
-  at::Tensor forward_layers(at::Tensor x, bool train);
+  at::Tensor block_backward(size_t b, int64_t m, const at::Tensor& dx);
   at::Tensor loss_of(const at::Tensor& logits, const at::Tensor& targets) const;
   // `rows` windows of seq_len + 1 tokens from host memory to the device,
   // through registered memory, ordered before the compute queued next.
@@ -265,8 +265,13 @@ class Trainer {
     std::vector<at::Tensor> w;   // leaf views of its weights
     at::Tensor y;                // its output, the graph's root
   };
-  std::vector<KeptGraph> graphs_;
+  std::vector<KeptGraph> graphs_;         // per (block, micro-batch): graph_key
+  size_t graph_key(size_t b, int64_t m) const { return b * micro_loss_.size() + size_t(m); }
   std::vector<at::Tensor> micro_loss_;    // per micro-batch of the step: its loss, read at the end
+  // Per micro-batch, between ops: the input of its next forward, then the
+  // gradient of the output of its next backward (the layer schedule holds
+  // all A at once: the plan's activation rows).
+  std::vector<at::Tensor> flow_;
 
   // Tokens: registered host memory and device memory for a step's windows
   // (Note [The trainer's device]); the H2D copy's completion guards the host side.
@@ -274,7 +279,11 @@ class Trainer {
   DeviceBuffer tokens_device_;
   Completion tokens_copied_;
 
-  std::vector<std::string> forward_names_, backward_names_;  // trace span names per block
+  // Trace span names by pass, block and micro-batch (util/trace.h keeps the pointers).
+  std::vector<std::string> span_names_;
+  const char* span_name(Pass pass, size_t b, int64_t m) const {
+    return span_names_[(size_t(pass) * layout_.num_blocks() + b) * micro_loss_.size() + size_t(m)].c_str();
+  }
 };
 
 }  // namespace strata

@@ -72,9 +72,9 @@ NetworkBytes step_network_bytes(const PlacementPlan& p) {
   int64_t& bytes = out.world;
   if (p.shards > 1) {
     if (p.stage == 3) {
-      const auto uses = train_schedule(int(p.block_numel.size()), p.tied, p.accum);
+      const auto uses = plan_train_schedule(p);
       std::vector<char> seen(p.block_numel.size(), 0);
-      for (const WindowUse& u : uses) {
+      for (const StepOp& u : uses) {
         for (int i = 0; i < u.count; ++i) {
           const size_t b = size_t(u.block[i]);
           if (!p.keep_gathered.empty() && p.keep_gathered[b]) continue;  // once per step, below
@@ -94,7 +94,8 @@ NetworkBytes step_network_bytes(const PlacementPlan& p) {
     }
   }
   const int grad_t = p.comm_grad_bytes;  // communication_data_type
-  const int64_t reductions = p.reduce_per_step ? 1 : p.accum;  // comm.gradient_reduction
+  // comm.gradient_reduction; the layer schedule reduces each block once per step.
+  const int64_t reductions = p.reduce_per_step || p.layer_major() ? 1 : p.accum;
   for (int64_t shard : p.block_numel) {
     bytes += reductions * (p.stage >= 2 ? gather_bytes(ws, shard, grad_t)
                                      : all_reduce_bytes(ws, shard * p.shards, grad_t));
@@ -105,7 +106,7 @@ NetworkBytes step_network_bytes(const PlacementPlan& p) {
 
 std::vector<int64_t> train_fetches(const PlacementPlan& plan) {
   std::unique_ptr<ParamWindow> w = make_param_window(plan);
-  const std::vector<WindowUse> train = train_schedule(int(plan.block_numel.size()), plan.tied, plan.accum);
+  const std::vector<StepOp> train = plan_train_schedule(plan);
   w->plan({&train});
   return w->planned_fetches();
 }
@@ -137,7 +138,11 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
   const int64_t A = std::max<int64_t>(p.accum, 1);
   const int64_t tokens = cfg.train_micro_batch_size_per_gpu * cfg.model.seq_len;
   w.flops = double(A) * step_flops(cfg.model, tokens, !p.keep_graphs);
-  w.first_forward_flops = step_flops(cfg.model, tokens, false) / 3;  // forward = a third of forward + backward
+  // The forward the optimizer of the step before overlaps (Note [Optimizer
+  // overlap]): until the last block's forward, the first micro-batch's under
+  // micro_batch, every micro-batch's under layer (Note [Step schedules]).
+  // The forward is a third of forward + backward.
+  w.first_forward_flops = double(p.held_micro) * step_flops(cfg.model, tokens, false) / 3;
   w.overlap_optimizer = optimizer_overlaps(cfg, p);
   w.cpu_threads = cfg.run.threads > 0 ? int(cfg.run.threads) : std::max(1, int(std::thread::hardware_concurrency()));
   w.net_bytes = net.world;
@@ -152,10 +157,11 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
     const int64_t n = p16[b].numel, F = fetches[b];
     if (p16[b].tier == Tier::kHost) e.h2d += c * n * F;
     if (p16[b].tier == Tier::kNvme) e.nvme_read += c * n * F, e.h2d += c * n * F;
-    const int64_t wire = c == 4 || (p.tied && b == 0) || p.world_size > 1 ? 4 : c;
+    const int64_t wire = grad_wire_bytes(p, b);
     // Gradients land in their home once per micro-batch, or once per step
-    // when ranks reduce once per step (PlacementPlan::reduce_per_step).
-    const int64_t G = p.reduce_per_step ? 1 : A;
+    // when ranks reduce once per step (PlacementPlan::reduce_per_step) and
+    // under the layer schedule (summed on the device first).
+    const int64_t G = p.reduce_per_step || p.layer_major() ? 1 : A;
     if (grad[b].tier != Tier::kDevice) e.d2h += wire * grad[b].numel * G, w.grad_add_elems += grad[b].numel * G;
     if (grad[b].tier == Tier::kNvme) e.nvme_write += 4 * grad[b].numel * G, e.nvme_read += 4 * grad[b].numel * (G - 1);
   }
@@ -422,6 +428,43 @@ PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int6
   }
   if (!unjudged.empty()) best.auto_choice += "; not judged (no rate): " + unjudged;
   return best;
+}
+
+PlacementPlan choose_schedule_by_bound(const Config& cfg, const StateLayout& layout, int64_t rank,
+                                       const MachineCapacity& capacity, const Rates& rates) {
+  if (cfg.gradient_accumulation_steps <= 1) return make_plan(cfg, layout, rank, capacity);
+  Config mb = cfg, ly = cfg;
+  mb.run.schedule = StepSchedule::kMicroBatch;
+  ly.run.schedule = StepSchedule::kLayer;
+  auto plan_of = [&](const Config& c) {
+    return c.placement.auto_place && c.placement.by_bound ? choose_by_bound(c, layout, rank, capacity, rates)
+                                                          : make_plan(c, layout, rank, capacity);
+  };
+  PlacementPlan a = plan_of(mb);
+  PlacementPlan b;
+  try {
+    b = plan_of(ly);
+  } catch (const ConfigError& e) {
+    a.schedule_choice = std::string("micro_batch (layer refused: ") + e.what() + ")";
+    return a;
+  }
+  if (!plan_shortfalls(b, capacity).empty()) {
+    a.schedule_choice = "micro_batch (layer does not fit: it holds the activations of every micro-batch)";
+    return a;
+  }
+  const bool cpu_compute = capacity.device_is_host;
+  const StepWork wa = predicted_work(mb, a, train_fetches(a), step_network_bytes(a));
+  const StepWork wb = predicted_work(ly, b, train_fetches(b), step_network_bytes(b));
+  if (!missing_rates(wa, rates, cpu_compute).empty() || !missing_rates(wb, rates, cpu_compute).empty()) {
+    return make_plan(cfg, layout, rank, capacity);  // without the bound
+  }
+  const double sa = step_bound(wa, rates, cpu_compute).seconds, sb = step_bound(wb, rates, cpu_compute).seconds;
+  if (sb < sa) {
+    b.schedule_choice = strprintf("layer: bound %.3f s (micro_batch: %.3f s)", sb, sa);
+    return b;
+  }
+  a.schedule_choice = strprintf("micro_batch: bound %.3f s (layer: %.3f s, not lower)", sa, sb);
+  return a;
 }
 
 }  // namespace strata

@@ -151,6 +151,14 @@ inline constexpr double kAutoMargin = 0.10;
 PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int64_t rank,
                               const MachineCapacity& capacity, const Rates& rates);
 
+// run.schedule auto with rates (Note [Step schedules] in memory/schedule.h):
+// the plan under each schedule (placement auto by the bound within each), and
+// the layer schedule when it fits and its bound is lower; with one
+// micro-batch, or a rate missing, as make_plan decides without rates.
+// plan.schedule_choice says which and why.
+PlacementPlan choose_schedule_by_bound(const Config& cfg, const StateLayout& layout, int64_t rank,
+                                       const MachineCapacity& capacity, const Rates& rates);
+
 // The rates `work` needs and `rates` lacks, by the flag that gives each
 // ("--device-tflops", "--nvme-read-gbps", ...). Empty when the bound can be
 // computed.

@@ -11,45 +11,6 @@
 
 namespace strata {
 
-namespace {
-
-WindowUse one(int32_t b) {
-  WindowUse u;
-  u.block[0] = b;
-  u.count = 1;
-  return u;
-}
-
-void append_forward_and_head(std::vector<WindowUse>& s, int num_blocks, bool tied) {
-  const int32_t head = num_blocks - 1;
-  for (int32_t b = 0; b < head; ++b) s.push_back(one(b));
-  WindowUse h = one(head);
-  if (tied) {
-    h.block[1] = 0;
-    h.count = 2;
-  }
-  s.push_back(h);
-}
-
-}  // namespace
-
-std::vector<WindowUse> train_schedule(int num_blocks, bool tied, int64_t accum) {
-  STRATA_CHECK(num_blocks >= 2, "a model has at least an embedding and a head");
-  std::vector<WindowUse> s;
-  for (int64_t m = 0; m < accum; ++m) {
-    append_forward_and_head(s, num_blocks, tied);
-    for (int32_t b = num_blocks - 1; b-- > 0;) s.push_back(one(b));
-  }
-  return s;
-}
-
-std::vector<WindowUse> eval_schedule(int num_blocks, bool tied) {
-  STRATA_CHECK(num_blocks >= 2, "a model has at least an embedding and a head");
-  std::vector<WindowUse> s;
-  append_forward_and_head(s, num_blocks, tied);
-  return s;
-}
-
 ParamWindow::ParamWindow(std::vector<int64_t> block_numel, std::vector<char> fetched,
                          const WindowKnobs& knobs, int64_t cap_bytes, int elem_bytes)
     : numel_(std::move(block_numel)), fetched_(std::move(fetched)), knobs_(knobs) {
@@ -91,9 +52,9 @@ ParamWindow::ParamWindow(std::vector<int64_t> block_numel, std::vector<char> fet
 
 ParamWindow::~ParamWindow() { drain(); }
 
-WindowShape ParamWindow::plan(const std::vector<const std::vector<WindowUse>*>& schedules) {
+WindowShape ParamWindow::plan(const std::vector<const std::vector<StepOp>*>& schedules) {
   STRATA_CHECK(state_ == nullptr, "plan() is a dry run, before attach()");
-  for (const std::vector<WindowUse>* s : schedules) {
+  for (const std::vector<StepOp>* s : schedules) {
     block_fetches_.assign(numel_.size(), 0);
     begin(s);
     DevicePtr out[2];
@@ -160,7 +121,7 @@ void ParamWindow::drain() {
   std::fill(bounced_.begin(), bounced_.end(), 0);
 }
 
-void ParamWindow::begin(const std::vector<WindowUse>* schedule) {
+void ParamWindow::begin(const std::vector<StepOp>* schedule) {
   drain();
   for (Slot& s : slots_) s = Slot();
   std::fill(slot_of_.begin(), slot_of_.end(), -1);
@@ -259,7 +220,7 @@ void ParamWindow::copy_bounced(int s) {
 // next pass clean either way.
 void ParamWindow::pump_bounced() {
   for (size_t i = current_ + 1; i < claimed_; ++i) {
-    const WindowUse& u = (*schedule_)[i];
+    const StepOp& u = (*schedule_)[i];
     for (int k = 0; k < u.count; ++k) {
       const int32_t b = u.block[k];
       if (!windowed(b) || slot_of_[size_t(b)] < 0) continue;
@@ -275,7 +236,7 @@ void ParamWindow::pump_bounced() {
 // Claims use `i`: its windowed blocks not in a slot get one and are fetched.
 // Unless `force`, only within the prefetch and live limits and the free slots.
 bool ParamWindow::try_claim(size_t i, bool force) {
-  const WindowUse& u = (*schedule_)[i];
+  const StepOp& u = (*schedule_)[i];
   int new_slots = 0;
   int64_t new_numel = 0;
   for (int k = 0; k < u.count; ++k) {
@@ -341,7 +302,7 @@ void ParamWindow::acquire(DevicePtr out[2]) {
     try_claim(current_, /*force=*/true);
     ++claimed_;
   }
-  const WindowUse& u = (*schedule_)[current_];
+  const StepOp& u = (*schedule_)[current_];
   for (int k = 0; k < u.count; ++k) {
     const int32_t b = u.block[k];
     out[k] = DevicePtr();
@@ -370,7 +331,7 @@ void ParamWindow::acquire(DevicePtr out[2]) {
 
 void ParamWindow::release() {
   STRATA_CHECK(acquired_, "parameter window: release without acquire");
-  const WindowUse& u = (*schedule_)[current_];
+  const StepOp& u = (*schedule_)[current_];
   for (int k = 0; k < u.count; ++k) {
     const int32_t b = u.block[k];
     if (!windowed(b)) continue;

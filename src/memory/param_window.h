@@ -10,6 +10,7 @@
 #include "memory/buffer.h"
 #include "memory/completion.h"
 #include "memory/device.h"
+#include "memory/schedule.h"
 #include "nvme/engine.h"
 
 namespace strata {
@@ -18,9 +19,9 @@ class TieredState;
 class PendingIo;
 
 // Note [Prefetch window]
-// A step uses blocks in an order known before it starts (the schedule):
-// forward 0..H-1, the head together with the tied embedding, backward H-1..0,
-// once per micro-batch. Blocks whose working copy lives on the device are used
+// A step uses blocks in an order known before it starts: the ops of its
+// schedule (memory/schedule.h, Note [Step schedules]), the same list the
+// trainer executes. Blocks whose working copy lives on the device are used
 // in place. Every other block is fetched into a slot of the window before it is
 // used and its slot is freed once no claimed use remains. After each use the
 // window claims the next schedule entries in order, fetching what is not
@@ -32,7 +33,8 @@ class PendingIo;
 //   - a slot is free (the slot count is fixed at start-up).
 // A block already in a slot is claimed again instead of fetched again (block
 // H-1 from forward to backward, block 0 from one micro-batch's backward to the
-// next one's forward). The current entry is always admitted, whatever the
+// next one's forward; under the layer schedule each block across its A
+// consecutive ops, so a windowed block is fetched at most twice a step). The current entry is always admitted, whatever the
 // limits. Blocks with fewer than `persistence_numel` elements
 // (stage3_param_persistence_threshold) are persistent: fetched into their own
 // area once per step (after the optimizer changed them) and kept; under a
@@ -44,18 +46,6 @@ struct WindowKnobs {
   int64_t max_live_numel = 1000000000;   // stage3_max_live_parameters
   int64_t persistence_numel = 100000;    // stage3_param_persistence_threshold
 };
-
-// One use of blocks at once: one block, or the head with the tied embedding.
-struct WindowUse {
-  int32_t block[2] = {-1, -1};
-  int count = 0;
-};
-
-// The uses of one training step (`accum` micro-batches) and of one evaluation
-// batch, for `num_blocks` blocks where block 0 is the embedding and the last
-// one the head.
-std::vector<WindowUse> train_schedule(int num_blocks, bool tied, int64_t accum);
-std::vector<WindowUse> eval_schedule(int num_blocks, bool tied);
 
 struct WindowShape {
   int64_t slot_numel = 0;          // padded elements of the largest windowed block
@@ -74,7 +64,7 @@ class ParamWindow {
               int64_t cap_bytes, int elem_bytes);
 
   // The shape that running `schedules` needs (a dry run; no memory, no I/O).
-  WindowShape plan(const std::vector<const std::vector<WindowUse>*>& schedules);
+  WindowShape plan(const std::vector<const std::vector<StepOp>*>& schedules);
 
   // Makes the window live: allocates `shape` in the memory of the state's
   // device and fetches through `state` (category param16, elem_bytes bytes
@@ -85,7 +75,7 @@ class ParamWindow {
 
   // Starts a pass over `schedule` (which must outlive it); waits for and drops
   // whatever an earlier, possibly failed, pass left in flight.
-  void begin(const std::vector<WindowUse>* schedule);
+  void begin(const std::vector<StepOp>* schedule);
   // The next use of the schedule: orders the device's compute stream after
   // its blocks' fetches (waiting on the host for NVMe reads, and for any
   // fetch on a device whose streams run inline), then prefetches ahead.
@@ -159,7 +149,7 @@ class ParamWindow {
   std::vector<int64_t> persistent_at_;   // element offset in persistent_mem_, per block
   std::vector<char> persistent_valid_;
 
-  const std::vector<WindowUse>* schedule_ = nullptr;
+  const std::vector<StepOp>* schedule_ = nullptr;
   std::vector<Slot> slots_;
   std::vector<PendingIo> pending_;   // per slot (live mode); sized once: done_ points into it
   std::vector<Completion> done_;     // per slot: its fetch

@@ -95,11 +95,15 @@ std::unique_ptr<ParamWindow> make_param_window(const PlacementPlan& plan) {
                                        plan.compute_bytes);
 }
 
+std::vector<StepOp> plan_train_schedule(const PlacementPlan& plan) {
+  return train_schedule(plan.schedule, int(plan.block_numel.size()), plan.tied, plan.accum);
+}
+
 namespace {
 WindowShape window_shape(const PlacementPlan& plan) {
   const int n = int(plan.block_numel.size());
-  const std::vector<WindowUse> train = train_schedule(n, plan.tied, plan.accum);
-  const std::vector<WindowUse> eval = eval_schedule(n, plan.tied);
+  const std::vector<StepOp> train = plan_train_schedule(plan);
+  const std::vector<StepOp> eval = eval_schedule(n, plan.tied);
   return make_param_window(plan)->plan({&train, &eval});
 }
 }  // namespace
@@ -149,11 +153,14 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
   n.window = window_shape(plan);
   n.gathered = n.window.bytes(plan.compute_bytes);
   const bool grads_off_device = off_device(Category::kGrad);
+  // Under the layer schedule at one rank, a block's micro-batches are summed
+  // in one block-sized buffer and land once (Note [Gradient path]).
+  if (plan.layer_major() && plan.world_size <= 1 && plan.accum > 1 && grads_off_device) n.grad_accum = largest * 4;
   // (The CPU device lays gradients out in the landing buffers themselves.)
   // With ranks: a stage per block's reduction, unless the step's sum is
   // reduced (PlacementPlan::reduce_per_step, the buffer grad_accum).
   n.grad_stage = plan.world_size > 1 ? (plan.reduce_per_step ? 0 : largest * 4)
-                 : plan.tied || (grads_off_device && !plan.device_addressable) ? largest * 4 : 0;
+                 : plan.tied || (grads_off_device && !plan.device_addressable && n.grad_accum == 0) ? largest * 4 : 0;
   const int64_t blocks = int64_t(plan.block_numel.size());
   n.grad_norms = blocks * 8;
   if (!plan.device_addressable) {
@@ -196,8 +203,8 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
     }
   }
   if (plan.cpu_checkpointing) {
-    n.ckpt_device = std::min<int64_t>(2, plan.checkpoint_layers) * plan.checkpoint_bytes;
-    n.ckpt_host = plan.checkpoint_layers * plan.checkpoint_bytes;
+    n.ckpt_device = std::min<int64_t>(2, plan.held_micro * plan.checkpoint_layers) * plan.checkpoint_bytes;
+    n.ckpt_host = plan.held_micro * plan.checkpoint_layers * plan.checkpoint_bytes;
   }
   // Host: per sub-group, what is not resident in one piece is staged, a
   // pipeline piece at a time (Note [Pipeline pieces]); on a device host code
@@ -228,6 +235,7 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
 
 int grad_wire_bytes(const PlacementPlan& plan, size_t b) {
   if (plan.world_size > 1 || plan.compute_bytes == 4 || (plan.tied && b == 0)) return 4;
+  if (plan.layer_major() && plan.accum > 1) return 4;  // the micro-batches' fp32 sum lands
   return plan.compute_bytes;
 }
 
@@ -396,19 +404,31 @@ void estimate_transients(const Config& cfg, const StateLayout& layout, Placement
   plan.checkpoint_bytes = tokens * m.dim * cb;
   plan.checkpoint_layers = m.n_layers;
   plan.cpu_checkpointing = cfg.activation_checkpointing.cpu_checkpointing;
-  const int64_t saved =
-      tokens * 8 + (plan.cpu_checkpointing ? 0 : plan.checkpoint_layers * plan.checkpoint_bytes);
+  // Note [Step schedules]: the layer schedule holds A micro-batches' saved
+  // inputs per layer, the A gradients of the current block's outputs between
+  // blocks, and with a tied head the A head gradients of the embedding
+  // until its backward; micro_batch one micro-batch's of each (the gradient
+  // of the output and the head's share are then part of the op's own).
+  plan.accum = cfg.gradient_accumulation_steps;
+  const int64_t held = held_micro_batches(plan.schedule, plan.accum);
+  plan.held_micro = held;
+  plan.checkpoint_activation_bytes =
+      held * (tokens * 8 + (plan.cpu_checkpointing ? 0 : plan.checkpoint_layers * plan.checkpoint_bytes));
+  plan.held_output_grad_bytes = held > 1 ? held * plan.checkpoint_bytes : 0;
+  plan.held_tied_grad_bytes = held > 1 && m.tie_embeddings ? held * m.vocab_size * m.dim * cb : 0;
   const int64_t layer = tokens * (6 * m.dim + 4 * m.q_dim() + 4 * m.ffn_dim()) * cb + 3 * tokens * m.n_heads * m.seq_len * 4;
   const int64_t head = 3 * tokens * m.vocab_size * 4;
-  plan.activation_bytes = saved + std::max(layer, head);
+  const int64_t held_grads = plan.held_output_grad_bytes + plan.held_tied_grad_bytes;
+  plan.activation_bytes = plan.checkpoint_activation_bytes + held_grads + std::max(layer, head);
   // Keeping the forward's graphs (run.recompute never): every layer's graph
-  // (which holds its input) and the head's, at once.
-  plan.graph_extra_bytes = std::max<int64_t>(0, tokens * 8 + m.n_layers * layer + head - plan.activation_bytes);
+  // (which holds its input) and the head's, at once; for every micro-batch
+  // held.
+  plan.graph_extra_bytes =
+      std::max<int64_t>(0, held * (tokens * 8 + m.n_layers * layer) + held_grads + head - plan.activation_bytes);
   int64_t largest_block = 0;
   for (const BlockLayout& b : layout.blocks()) largest_block = std::max(largest_block, b.padded_numel);
   plan.largest_block_numel = largest_block;
   for (const BlockLayout& b : layout.blocks()) plan.block_numel.push_back(b.shard_numel());
-  plan.accum = cfg.gradient_accumulation_steps;
   plan.token_bytes = std::max<int64_t>(plan.accum, 1) * cfg.train_micro_batch_size_per_gpu * (m.seq_len + 1) * 8;
   plan.window_knobs.prefetch_numel = cfg.zero.stage3_prefetch_bucket_size;
   plan.window_knobs.max_live_numel = cfg.zero.stage3_max_live_parameters;
@@ -722,12 +742,50 @@ void choose_kept_gathered(const Config& cfg, const MachineCapacity& capacity, Pl
 // device tier has no budget), only with ranks and accumulation.
 void choose_gradient_reduction(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
   const std::string& want = cfg.comm.gradient_reduction;
-  if (plan.world_size <= 1 || plan.accum <= 1 || want == "per_micro_batch") return;
+  // The layer schedule reduces each block once per step anyway, from a block-sized sum.
+  if (plan.world_size <= 1 || plan.accum <= 1 || want == "per_micro_batch" || plan.layer_major()) return;
   take_if_fits(cfg, capacity, plan, plan.reduce_per_step, want == "auto");
+}
+
+// run.schedule auto without rates (Note [Step schedules] in
+// memory/schedule.h): the layer schedule when there is more than one
+// micro-batch, its plan fits the machine, and the activations it holds did
+// not move any state to a slower tier than micro_batch's plan puts it on (then
+// it moves no more bytes on any link, and fewer where blocks are fetched or
+// gradients land off the device). With rates, plan_for_machine chooses by the
+// step's bound instead (memory/bound.h, choose_schedule_by_bound).
+static PlacementPlan resolve_schedule(const Config& cfg, const StateLayout& layout, int64_t rank,
+                               const MachineCapacity& capacity) {
+  Config mb = cfg, ly = cfg;
+  mb.run.schedule = StepSchedule::kMicroBatch;
+  ly.run.schedule = StepSchedule::kLayer;
+  PlacementPlan a = make_plan(mb, layout, rank, capacity);
+  if (cfg.gradient_accumulation_steps <= 1) {
+    a.schedule_choice = "micro_batch (one micro-batch: the two schedules are one order)";
+    return a;
+  }
+  PlacementPlan b;
+  try {
+    b = make_plan(ly, layout, rank, capacity);
+  } catch (const ConfigError& e) {
+    a.schedule_choice = std::string("micro_batch (layer refused: ") + e.what() + ")";
+    return a;
+  }
+  if (!plan_shortfalls(b, capacity).empty()) {
+    a.schedule_choice = "micro_batch (layer does not fit: it holds the activations of every micro-batch)";
+    return a;
+  }
+  if (b.bytes != a.bytes) {
+    a.schedule_choice = "micro_batch (layer's held activations would move state to a slower tier)";
+    return a;
+  }
+  b.schedule_choice = "layer (fits with the same placement)";
+  return b;
 }
 
 PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t rank,
                         const MachineCapacity& capacity) {
+  if (cfg.run.schedule == StepSchedule::kAuto) return resolve_schedule(cfg, layout, rank, capacity);
   STRATA_CHECK(layout.world_size() == shard_count(cfg), "the layout's shards are not the config's");
   STRATA_CHECK(rank >= 0 && rank < std::max<int64_t>(1, cfg.world_size), "rank out of range");
   PlacementPlan plan;
@@ -737,6 +795,7 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   plan.rank = int(rank);
   plan.ranks_per_node = std::max(1, capacity.ranks_per_node);
   plan.device_addressable = capacity.device_addressable;
+  plan.schedule = cfg.run.schedule;
   const bool gloo = cfg.comm.backend == "gloo" || (cfg.comm.backend == "auto" && cfg.run.device != DeviceKind::kCuda);
   plan.comm_staged = plan.world_size > 1 && !plan.device_addressable && gloo;
   plan.comm_grad_bytes = cfg.comm.data_type == "fp32" ? 4 : 2;
@@ -793,6 +852,9 @@ PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, Mac
   PlacementPlan first = make_plan(cfg, layout, rank, measure({}));
   MachineCapacity cap = measure(first.nvme_paths);
   if (capacity != nullptr) *capacity = cap;
+  if (rates != nullptr && cfg.run.schedule == StepSchedule::kAuto && cfg.gradient_accumulation_steps > 1) {
+    return choose_schedule_by_bound(cfg, layout, rank, cap, *rates);
+  }
   if (!cfg.placement.auto_place) return first;
   if (rates != nullptr && cfg.placement.by_bound) return choose_by_bound(cfg, layout, rank, cap, *rates);
   return make_plan(cfg, layout, rank, cap);
@@ -808,15 +870,27 @@ std::vector<std::string> plan_shortfalls(const PlacementPlan& plan, const Machin
                               format_bytes(double(have)).c_str(), advice.c_str()));
     }
   };
+  // Note [Step schedules]: what the layer schedule's held activations add.
+  std::string layer;
+  if (plan.layer_major() && plan.held_micro > 1) {
+    layer = strprintf("; the layer schedule holds the activations of %lld micro-batches (saved inputs %s, "
+                      "output gradients %s, tied head gradients %s): set "
+                      "activation_checkpointing.cpu_checkpointing, lower train_micro_batch_size_per_gpu, or set "
+                      "run.schedule \"micro_batch\"",
+                      (long long)plan.held_micro, format_bytes(double(plan.checkpoint_activation_bytes)).c_str(),
+                      format_bytes(double(plan.held_output_grad_bytes)).c_str(),
+                      format_bytes(double(plan.held_tied_grad_bytes)).c_str());
+  }
   check(Tier::kDevice, t[0], cap.device_bytes,
         "move state off the device (zero_optimization.offload_optimizer / offload_param, or a placement "
-        "split with less on device), lower train_micro_batch_size_per_gpu, or raise run.device_memory_mb");
+        "split with less on device), lower train_micro_batch_size_per_gpu, or raise run.device_memory_mb" + layer);
   int64_t host_need = t[1];
   if (cap.device_is_host && cap.device_bytes >= 0) host_need += std::min<int64_t>(t[0], cap.device_bytes);
   else if (cap.device_is_host) host_need += t[0];
   check(Tier::kHost, host_need, cap.host_bytes,
         "move state to nvme (offload_optimizer.device \"nvme\" or a placement split), or lower "
-        "zero_optimization.sub_group_size to shrink the optimizer staging buffers");
+        "zero_optimization.sub_group_size to shrink the optimizer staging buffers" +
+            (cap.device_is_host || plan.cpu_checkpointing ? layer : std::string()));
   check(Tier::kNvme, t[2], cap.nvme_bytes, "free disk space under the nvme_path directories or add more");
   return out;
 }

@@ -98,7 +98,8 @@ struct StagingNeeds {
   int64_t opt_emit = 0;    // host: a sub-group's new working copy, when not resident in one piece
   int opt_sets = 0;        // sets of the three above (the optimizer pipeline's depth)
   // activation_checkpointing.cpu_checkpointing: every layer's saved input in
-  // host memory, and two device slots to bring them back for the backward.
+  // host memory (per micro-batch held: A under the layer schedule), and two
+  // device slots to bring them back for the backward.
   int64_t ckpt_device = 0;
   int64_t ckpt_host = 0;
   // Ranks (Note [Gathered blocks] in trainer.h): device buffers of gathered
@@ -127,7 +128,10 @@ struct StagingNeeds {
   // kStagedPieceBytes).
   int64_t comm_host = 0;
   // Device, with PlacementPlan::reduce_per_step: the whole model's gradient
-  // in fp32 (padded), summed over the step's micro-batches.
+  // in fp32 (padded), summed over the step's micro-batches. Under the layer
+  // schedule at world size 1 with A > 1 and a gradient homed off the device:
+  // one block's (the largest), where each block's gradient is summed over the
+  // micro-batches before it lands once (Note [Gradient path]).
   int64_t grad_accum = 0;
   // Device, with PlacementPlan::secondary_shard: the node's secondary shard
   // of every block not kept gathered, in the compute dtype.
@@ -178,6 +182,11 @@ struct PlacementPlan {
   int pipeline_depth = 8;            // optimizer staging sets: pipeline_depth(offload_optimizer.buffer_count)
   bool tied = false;
   int64_t accum = 1;                 // micro-batches per step
+  // run.schedule resolved (Note [Step schedules] in memory/schedule.h):
+  // kMicroBatch or kLayer, never kAuto.
+  StepSchedule schedule = StepSchedule::kMicroBatch;
+  bool layer_major() const { return schedule == StepSchedule::kLayer; }
+  std::string schedule_choice;       // run.schedule auto: what was chosen and why
   int64_t token_bytes = 0;           // a step's token windows: accum x micro x (seq_len + 1) x 8
   std::vector<int64_t> block_numel;  // padded elements per block
   WindowKnobs window_knobs;          // from the stage3_* keys
@@ -218,6 +227,15 @@ struct PlacementPlan {
   // block inputs unless offloaded (cpu_checkpointing), one block's recompute;
   // with keep_graphs, every layer's graph and the head's.
   int64_t activation_bytes = 0;
+  // Its rows (Note [Step schedules] in memory/schedule.h): the saved block
+  // inputs held (the token windows and, unless offloaded, every layer's input,
+  // per micro-batch held), and under layer the A gradients of the current
+  // block's outputs held between blocks and, with a tied head, the A head
+  // gradients of the embedding held until its backward.
+  int64_t held_micro = 1;            // micro-batches whose activations are held at once (A under layer)
+  int64_t checkpoint_activation_bytes = 0;
+  int64_t held_output_grad_bytes = 0;
+  int64_t held_tied_grad_bytes = 0;
   int64_t checkpoint_bytes = 0;      // one layer's saved input
   int64_t checkpoint_layers = 0;     // layers whose input is saved
   bool cpu_checkpointing = false;    // saved inputs offloaded to host (staging.ckpt_*)
@@ -279,6 +297,9 @@ bool optimizer_overlaps(const Config& cfg, const PlacementPlan& plan);
 // not touch (!plan.device_addressable) with the piece's master weights,
 // moments, gradient and working copy all on the device tier.
 bool device_adam_piece(const PlacementPlan& plan, const PlacementUnit& piece);
+
+// The ops of one training step under the plan's schedule (memory/schedule.h).
+std::vector<StepOp> plan_train_schedule(const PlacementPlan& plan);
 
 // The parameter window for `plan`'s blocks (fetched: those whose working
 // copy is off the device), not yet attached; the trainer runs it and
