@@ -148,6 +148,33 @@ TEST_F(CheckpointCliTest, KilledRunResumesBitExactTwoRanks) {
       "ws2-nvme");
 }
 
+// The schedule is not arithmetic (Note [Step schedules] in
+// src/memory/schedule.h): 5 steps under one schedule, saved, resumed under
+// the other for the rest, give every loss and the final checkpoint's bytes
+// of 10 steps straight under the first (12 micro-batches a step).
+TEST_F(CheckpointCliTest, ACheckpointResumesUnderTheOtherSchedule) {
+  for (const auto& [first, second] : {std::pair<std::string, std::string>{"micro_batch", "layer"}, {"layer", "micro_batch"}}) {
+    const std::string what = first + "-then-" + second;
+    const std::string a = dir_.file(what + "-a"), b = dir_.file(what + "-b");
+    const std::string cfg_a = config(what + "-a.json", base_config(data_, a));
+    const std::string cfg_b = config(what + "-b.json", base_config(data_, b));
+    Result straight = train(1, cfg_a, "--metrics " + a + ".jsonl --set run.schedule=" + first);
+    ASSERT_EQ(straight.code, 0) << straight.output;
+    Result part = train(1, cfg_b, "--steps 5 --metrics " + b + "-1.jsonl --set run.schedule=" + first);
+    ASSERT_EQ(part.code, 0) << part.output;
+    Result resumed = train(1, cfg_b, "--resume --metrics " + b + "-2.jsonl --set run.schedule=" + second);
+    ASSERT_EQ(resumed.code, 0) << resumed.output;
+    const std::map<int64_t, double> ref = losses(a + ".jsonl"), rest = losses(b + "-2.jsonl");
+    ASSERT_EQ(ref.size(), 10u) << what;
+    ASSERT_EQ(rest.size(), 5u) << what;
+    for (const auto& [step, loss] : rest) EXPECT_EQ(loss, ref.at(step)) << what << ": step " << step;
+    const std::string f = "/step-00000010/rank-00000.bin";
+    const std::string x = read_bytes(a + f), y = read_bytes(b + f);
+    EXPECT_FALSE(x.empty()) << what << f;
+    EXPECT_TRUE(x == y) << what << ": " << f << " differs";
+  }
+}
+
 // fp16 with a dynamic loss scale: the checkpoint at step 5 follows a skipped
 // (overflowing) step, so it holds 4 optimizer steps, a doubled-then-halved
 // scale (2^20, not the config's initial 2^19) and the counters; the resumed

@@ -4,6 +4,8 @@
 
 #include <gtest/gtest.h>
 
+#include <map>
+
 #include "memory/bound.h"
 #include "memory/device.h"
 #include "util/errors.h"
@@ -460,6 +462,133 @@ TEST(PlacementTest, BadPlacementSectionsNameTheKey) {
   EXPECT_EQ(key_of({"placement={\"param16\":{\"device\":1.5,\"host\":-0.5}}"}), "placement.param16.device");
   EXPECT_EQ(key_of({"run.device_memory_mb=-1"}), "run.device_memory_mb");
   EXPECT_EQ(key_of({"placement={\"auto\":true,\"grad\":{\"host\":1.0}}"}), "placement.auto");
+}
+
+}  // namespace
+}  // namespace strata
+
+namespace strata {
+namespace {
+
+// Note [Step schedules]: the rows the schedule adds to the plan, by hand.
+// Model dim 64, seq 32, vocab 256, micro-batch 2, A = 4, fp32, tied:
+//   one layer's saved input: 2 x 32 tokens x 64 x 4 bytes = 16384;
+//   saved inputs per micro-batch: the tokens (64 x 8 = 512) and 2 layers'
+//   inputs (32768): 33280; layer holds 4 micro-batches' (133120), micro_batch one;
+//   layer's 4 output gradients between blocks: 4 x 16384 = 65536;
+//   layer's 4 head gradients of the tied embedding: 4 x 256 x 64 x 4 = 262144;
+//   with gradients on the host, layer's block gradient sum: the largest
+//   block (65536 elements) in fp32 = 262144 bytes;
+//   with cpu_checkpointing, host slots for 4 micro-batches of 2 layers
+//   (131072) and two device slots (32768).
+TEST(PlacementTest, TheLayerSchedulesRowsAreTheActivationsItHolds) {
+  const StateLayout layout = make_layout();
+  const std::vector<std::string> base = {"model.dim=64", "model.n_heads=4", "model.n_layers=2", "model.seq_len=32",
+                                         "model.vocab_size=256", "model.tie_embeddings=true",
+                                         "train_micro_batch_size_per_gpu=2", "gradient_accumulation_steps=4",
+                                         "run.recompute=\"always\"", "placement={\"grad\":{\"host\":1}}"};
+  auto plan = [&](const std::string& schedule, std::vector<std::string> more = {}) {
+    std::vector<std::string> o = base;
+    o.push_back("run.schedule=\"" + schedule + "\"");
+    o.insert(o.end(), more.begin(), more.end());
+    return make_plan(config_with(o), layout, 0, unlimited());
+  };
+  const PlacementPlan mb = plan("micro_batch"), ly = plan("layer");
+  ASSERT_FALSE(mb.layer_major());
+  ASSERT_TRUE(ly.layer_major());
+  EXPECT_EQ(mb.held_micro, 1);
+  EXPECT_EQ(ly.held_micro, 4);
+  EXPECT_EQ(mb.checkpoint_activation_bytes, 33280);
+  EXPECT_EQ(ly.checkpoint_activation_bytes, 133120);
+  EXPECT_EQ(mb.held_output_grad_bytes, 0);
+  EXPECT_EQ(ly.held_output_grad_bytes, 65536);
+  EXPECT_EQ(mb.held_tied_grad_bytes, 0);
+  EXPECT_EQ(ly.held_tied_grad_bytes, 262144);
+  EXPECT_EQ(ly.activation_bytes - mb.activation_bytes, (133120 - 33280) + 65536 + 262144);
+  EXPECT_EQ(mb.staging.grad_accum, 0);
+  EXPECT_EQ(ly.staging.grad_accum, 262144);
+  // Gradients land once, in fp32: the landing buffers hold a block's fp32 shard either way here.
+  EXPECT_EQ(ly.staging.grad_host, 2 * 65536 * 4);
+  const PlacementPlan off = plan("layer", {"activation_checkpointing.cpu_checkpointing=true"});
+  EXPECT_EQ(off.staging.ckpt_host, 131072);
+  EXPECT_EQ(off.staging.ckpt_device, 32768);
+  EXPECT_EQ(off.checkpoint_activation_bytes, 4 * 512);
+  EXPECT_EQ(plan("micro_batch", {"activation_checkpointing.cpu_checkpointing=true"}).staging.ckpt_host, 32768);
+  // One micro-batch: layer holds nothing more.
+  const PlacementPlan one = plan("layer", {"gradient_accumulation_steps=1"});
+  EXPECT_EQ(one.activation_bytes, plan("micro_batch", {"gradient_accumulation_steps=1"}).activation_bytes);
+  EXPECT_EQ(one.staging.grad_accum, 0);
+  // A device too small for layer's activations: the verdict names the
+  // schedule's rows and what to change.
+  MachineCapacity cap;
+  cap.device_bytes = mb.total()[0] + 1000;
+  const std::vector<std::string> verdict = plan_shortfalls(ly, cap);
+  ASSERT_EQ(verdict.size(), 1u);
+  EXPECT_NE(verdict[0].find("the layer schedule holds the activations of 4 micro-batches"), std::string::npos)
+      << verdict[0];
+  EXPECT_NE(verdict[0].find("run.schedule \"micro_batch\""), std::string::npos) << verdict[0];
+  EXPECT_NE(verdict[0].find("cpu_checkpointing"), std::string::npos) << verdict[0];
+  EXPECT_TRUE(plan_shortfalls(mb, cap).empty());
+  // auto without rates on that device: layer does not fit, so micro_batch.
+  Config a = config_with(base);
+  const PlacementPlan chosen = make_plan(a, layout, 0, cap);
+  EXPECT_FALSE(chosen.layer_major()) << chosen.schedule_choice;
+  EXPECT_NE(chosen.schedule_choice.find("does not fit"), std::string::npos) << chosen.schedule_choice;
+  EXPECT_TRUE(make_plan(a, layout, 0, unlimited()).layer_major());
+}
+
+// run.schedule auto with rates chooses the schedule with the lower bound,
+// on two configurations that go opposite ways: gradients homed on the host
+// of a GPU (layer lands each once: fewer D2H bytes and gradient adds), and
+// auto placement on a GPU whose memory holds micro_batch's activations beside
+// all the state but not layer's, so layer moves parameters off the device
+// and fetches them over a slow H2D link.
+TEST(PlacementTest, AutoScheduleFollowsTheBoundBothWays) {
+  const StateLayout layout = make_layout();
+  Rates r;
+  r.device_flops = 1e12, r.adam = 1e9, r.h2d = 0.5e9, r.d2h = 0.5e9, r.pcie_both = 1e9;
+  r.nvme_read = r.nvme_write = r.nvme_both = 2e9, r.grad_add = 0.2e9, r.checksum = 10e9;
+  auto bound_of = [&](const Config& c, const PlacementPlan& p) {
+    return step_bound(predicted_work(c, p, train_fetches(p), step_network_bytes(p)), r, false).seconds;
+  };
+  std::map<bool, int> chosen_layer;
+  for (int k = 0; k < 2; ++k) {
+    std::vector<std::string> o = {"model.dim=64", "model.n_heads=4", "model.n_layers=2", "model.seq_len=64",
+                                  "model.vocab_size=256", "train_micro_batch_size_per_gpu=4",
+                                  "gradient_accumulation_steps=8", "run.swap_checksums=false",
+                                  "run.recompute=\"always\""};
+    MachineCapacity cap;
+    cap.device_is_host = false;
+    cap.device_addressable = false;
+    if (k == 0) {
+      o.push_back("placement={\"grad\":{\"host\":1},\"optimizer\":{\"host\":1}}");
+    } else {
+      o.push_back("placement={\"auto\":true,\"headroom\":0.0,\"nvme_path\":\"/tmp/x\"}");
+    }
+    Config cfg = config_with(o), mbc = cfg, lyc = cfg;
+    mbc.run.schedule = StepSchedule::kMicroBatch;
+    lyc.run.schedule = StepSchedule::kLayer;
+    if (k == 1) {
+      // Everything on the device under micro_batch, with 1 KiB to spare.
+      cap.device_bytes = make_plan(mbc, layout, 0, unlimited()).total()[0] + 1024;
+      cap.host_bytes = int64_t(1) << 40;
+    }
+    const PlacementPlan mb = make_plan(mbc, layout, 0, cap), ly = make_plan(lyc, layout, 0, cap);
+    ASSERT_TRUE(plan_shortfalls(ly, cap).empty()) << k;
+    const double smb = bound_of(mbc, mb), sly = bound_of(lyc, ly);
+    const PlacementPlan chosen = choose_schedule_by_bound(cfg, layout, 0, cap, r);
+    EXPECT_EQ(chosen.layer_major(), sly < smb) << k << ": micro_batch " << smb << " s, layer " << sly << " s; "
+                                               << chosen.schedule_choice;
+    EXPECT_NE(chosen.schedule_choice.find("bound"), std::string::npos) << chosen.schedule_choice;
+    ++chosen_layer[chosen.layer_major()];
+    if (k == 1) {
+      EXPECT_EQ(mb.split[int(Category::kParam16)].device, 1.0);
+      EXPECT_LT(ly.split[int(Category::kParam16)].device + ly.split[int(Category::kMaster)].device, 2.0)
+          << "layer's activations moved no state";
+    }
+  }
+  EXPECT_EQ(chosen_layer[true], 1) << "the two configurations did not go opposite ways";
+  EXPECT_EQ(chosen_layer[false], 1);
 }
 
 }  // namespace

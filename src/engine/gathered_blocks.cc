@@ -20,6 +20,8 @@ GatheredBlocks::GatheredBlocks(const StepContext& ctx, const PlacementPlan& plan
   window_->attach(ctx.state, need.window, ctx.compute_bytes);
   train_schedule_ = plan_train_schedule(plan);
   eval_schedule_ = eval_schedule(blocks, plan.tied);
+  train_ring_slot_ = ring_slots(train_schedule_);
+  eval_ring_slot_ = ring_slots(eval_schedule_);
   if (need.gathered > 0) {
     log::info("parameter window: %d slot(s) of %s, %s of persistent blocks", need.window.slots,
               format_bytes(double(need.window.slot_numel * ctx.compute_bytes)).c_str(),
@@ -65,12 +67,27 @@ GatheredBlocks::GatheredBlocks(const StepContext& ctx, const PlacementPlan& plan
 
 GatheredBlocks::~GatheredBlocks() = default;
 
+bool GatheredBlocks::repeats(const std::vector<StepOp>& ops, size_t u) {
+  return u > 0 && ops[u].count == ops[u - 1].count && ops[u].block[0] == ops[u - 1].block[0] &&
+         ops[u].block[1] == ops[u - 1].block[1];
+}
+
+// The ring slot of each use: uses alternate between the two slots, except
+// that a use repeating the one before it (same blocks) shares its slot and
+// its gathered copy.
+std::vector<int> GatheredBlocks::ring_slots(const std::vector<StepOp>& ops) {
+  std::vector<int> slot(ops.size(), 0);
+  for (size_t u = 1; u < ops.size(); ++u) slot[u] = repeats(ops, u) ? slot[u - 1] : 1 - slot[u - 1];
+  return slot;
+}
+
 void GatheredBlocks::begin(bool train) {
   // A failed pass may have left gathers in flight: their buffers are reused.
   for (auto& slot : gather_done_) for (Completion& c : slot) c.wait();
   // ...and secondary shards whose copy it never queued: gathered again.
   for (auto& slot : fill_) for (int64_t& b : slot) b = -1;
   uses_ = train ? &train_schedule_ : &eval_schedule_;
+  ring_slot_ = train ? &train_ring_slot_ : &eval_ring_slot_;
   if (!train) window_->set_ready(INT32_MAX);
   else window_->set_ready(ready_blocks());
   window_->begin(uses_);
@@ -84,12 +101,15 @@ void GatheredBlocks::invalidate() {
   std::fill(secondary_valid_.begin(), secondary_valid_.end(), 0);
 }
 
-// Acquires use u's shards from the window and starts gathering them.
+// Acquires use u's shards from the window and starts gathering them; a use
+// of the blocks the use before it had (the layer schedule's next
+// micro-batch) reads that use's gathered copy in the same ring slot.
 void GatheredBlocks::issue_gather(size_t u) {
   const StepOp& use = (*uses_)[u];
   DevicePtr shard[2];
   acquire(shard, size_t(use.block[0]), use.count > 1 ? size_t(use.block[1]) : SIZE_MAX);
-  const int slot = int(u % 2);
+  const int slot = (*ring_slot_)[u];
+  if (u > 0 && repeats(*uses_, u)) return;  // gathered_[slot] holds them: nothing to issue
   const DType dt = ctx_.compute_dtype == at::kFloat ? DType::kF32 : DType::kBF16;
   for (int i = 0; i < use.count; ++i) {
     const size_t b = size_t(use.block[i]);
@@ -135,7 +155,7 @@ void GatheredBlocks::next(DevicePtr out[2]) {
     return;
   }
   if (!use_issued_) issue_gather(use_);
-  const int slot = int(use_ % 2);
+  const int slot = (*ring_slot_)[use_];
   {
     // The compute stream after the gathers (Note [Device collectives]); the
     // window's next copy into the shards' slot is queued after that.

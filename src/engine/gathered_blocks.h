@@ -64,6 +64,8 @@ class GatheredBlocks {
 
  private:
   void issue_gather(size_t u);
+  static bool repeats(const std::vector<StepOp>& ops, size_t u);  // use u has use u - 1's blocks
+  static std::vector<int> ring_slots(const std::vector<StepOp>& ops);
   // The window's next use (blocks `b0` and, for the tied head, `b1`), once
   // the optimizer has finished them.
   void acquire(DevicePtr out[2], size_t b0, size_t b1);
@@ -85,6 +87,10 @@ class GatheredBlocks {
   // its bytes' offset in gather_mem_ after the ring; -1 for the others.
   std::vector<int64_t> kept_at_;
   const std::vector<StepOp>* uses_ = nullptr;
+  // Per use of each schedule: its ring slot (ring_slots); ring_slot_ the
+  // current pass's.
+  std::vector<int> train_ring_slot_, eval_ring_slot_;
+  const std::vector<int>* ring_slot_ = nullptr;
   size_t use_ = 0;                        // the use next() hands out
   bool use_issued_ = false;               // its gather was issued
   // Note [Secondary shard]: per block, its offset in secondary_mem_ (-1:

@@ -74,7 +74,14 @@ NetworkBytes step_network_bytes(const PlacementPlan& p) {
     if (p.stage == 3) {
       const auto uses = plan_train_schedule(p);
       std::vector<char> seen(p.block_numel.size(), 0);
-      for (const StepOp& u : uses) {
+      for (size_t k = 0; k < uses.size(); ++k) {
+        const StepOp& u = uses[k];
+        // A use of the blocks the use before it had reads its gathered copy
+        // (the layer schedule's micro-batches of one block).
+        if (k > 0 && u.count == uses[k - 1].count && u.block[0] == uses[k - 1].block[0] &&
+            u.block[1] == uses[k - 1].block[1]) {
+          continue;
+        }
         for (int i = 0; i < u.count; ++i) {
           const size_t b = size_t(u.block[i]);
           if (!p.keep_gathered.empty() && p.keep_gathered[b]) continue;  // once per step, below
