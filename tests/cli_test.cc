@@ -200,6 +200,20 @@ TEST(CliTest, PlanCountsTheDataPath) {
   EXPECT_EQ(p["data"]["mapped_bytes"], size);
   EXPECT_EQ(p["data"]["token_batch_bytes"], 3 * 2 * (16 + 1) * 8);  // accumulation x micro-batch x window, int64
   EXPECT_TRUE(p["data"]["missing_files"].empty());
+  // The schedule and its activation rows (Note [Step schedules]): layer holds
+  // the 3 micro-batches' saved inputs (the tokens, 2 x 16 x 8 bytes, and the
+  // layer's input, 2 x 16 x 32 x 4 bytes, per micro-batch) and 3 output
+  // gradients of 4096 bytes.
+  r = run_strata("plan --json --no-bound --set run.schedule=layer " + write_config(dir, j));
+  ASSERT_EQ(r.code, 0) << r.output;
+  p = nlohmann::json::parse(r.output);
+  EXPECT_EQ(p["schedule"], "layer");
+  EXPECT_EQ(p["activations"]["micro_batches_held"], 3);
+  EXPECT_EQ(p["activations"]["checkpoints"], 3 * (2 * 16 * 8 + 2 * 16 * 32 * 4));
+  EXPECT_EQ(p["activations"]["output_gradients_held"], 3 * 2 * 16 * 32 * 4);
+  r = run_strata("plan --no-bound --set run.schedule=layer " + write_config(dir, j));
+  EXPECT_NE(r.output.find("saved inputs (x3)"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("schedule: layer"), std::string::npos) << r.output;
   j["data"]["path"] = {data, dir.file("elsewhere.txt")};
   r = run_strata("plan " + write_config(dir, j));
   ASSERT_EQ(r.code, 0) << r.output;

@@ -10,7 +10,7 @@
 #   for t in build/tests/*_test build/tests/bench_adam_torch build/tests/bench_train_torch build/tests/rank_worker; do strip -o .dev/bin/${t##*/} $t; done
 #   cp -L /lib/x86_64-linux-gnu/{libtbb.so.12,liburing.so.2,libspdlog.so.1.10,libfmt.so.9} .dev/lib/
 # Then run `bash tools/gpu_host_check.sh [tests|bench|ranks|gpu-a|gpu-b|gpu-c|gpu-ranks|gpu-suite|gpu-race|
-# gpu-plans|gpu-proof|gpu-b-trace|all]` there with carry [".dev"]; logs and
+# gpu-plans|gpu-proof|gpu-b-trace|gpu-b-schedules|all]` there with carry [".dev"]; logs and
 # JSON lines go to $OUT (or out/gpu-host). BENCH_THREADS and BENCH_ROUNDS set the sweep
 # (tools/bench_adam_sweep.sh; default "1 2 16" threads, 2 rounds). `ranks` runs
 # tools/bench_ranks.py at world sizes RANKS_SIZES (default 1,2,4,8) on all cores. `gpu-a`, `gpu-b`,
@@ -21,7 +21,10 @@
 # binaries that have GPU cases; `gpu-race` the race probe (tools/gpu_race.json: three GPU runs that must
 # agree bit for bit); `gpu-plans` `strata plan` of configs/gpu-*.json with every rate probed on the host;
 # `gpu-proof` all three and one round of (a) in one call; `gpu-b-trace` (b)'s plan, then B_STEPS
-# (default 3) of its steps with the trace. `all` includes none of the GPU modes.
+# (default 3) of its steps with the trace; `gpu-b-schedules` (b) under run.schedule micro_batch and layer
+# in one call: each schedule's plan with the rates probed once, then B_STEPS (default 4) steps of each,
+# alternating, with the metrics (docs/design.md, "The step as a schedule"). `all` includes none of the
+# GPU modes.
 set -uo pipefail
 WHAT=${1:-all}
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -210,6 +213,38 @@ for l in open('$work/m.jsonl'):
     print(f\"step {d['step']}: {d['step_s']:.3f} s, bound {d['bound_s']:.3f}, optimizer {d['optimizer_s']:.3f} (wait {d['optimizer_wait_s']:.3f}), {d['tokens_per_s']:.0f} tok/s\")
 " 2>&1
   tar czf "$DEST/gpu-b-trace.tgz" -C "$work" . 2>/dev/null || true
+fi
+
+if [ "$WHAT" = gpu-b-schedules ]; then
+  # (b) under both schedules: the plans (rates probed once, then given to both and to the runs), then
+  # B_STEPS steps of each schedule; prints step, bound, the optimizer and the compute's wait for it.
+  work="${TMPDIR:-/tmp}/gpu-b-schedules"
+  rm -rf "$work" && mkdir -p "$work" out/swap
+  python3 -c "import sys; sys.path.insert(0, 'tools'); import bench_gpu; bench_gpu.ensure_tokens('out/gpu-tokens.bin')"
+  timeout 120 "$BIN/strata" plan configs/gpu-b-llama8b.json --json --probe-seconds 1 >"$work/plan.json" 2>"$work/plan.err"
+  RATES=$(python3 -c "
+import json, sys
+sys.path.insert(0, 'tools')
+from plan_rates import run_rates
+print(' '.join(f'--set run.rates.{k}={v:.6g}' for k, v in run_rates(json.load(open('$work/plan.json'))['bound']['rates']).items()))")
+  for s in micro_batch layer; do
+    echo "== strata plan, run.schedule=$s"
+    timeout 60 "$BIN/strata" plan configs/gpu-b-llama8b.json --set run.schedule=$s $RATES 2>&1 | tee "$DEST/plan-b-$s.txt" |
+      grep -E 'schedule|^bound|^  (device|cpu adam|h2d|d2h|pcie|dependencies)|activations|saved|output'
+  done
+  for s in micro_batch layer; do
+    echo "== (b), run.schedule=$s, ${B_STEPS:-4} steps"
+    timeout "${B_TIMEOUT:-150}" "$BIN/strata" train configs/gpu-b-llama8b.json --steps "${B_STEPS:-4}" \
+      --set run.schedule=$s $RATES --set data.eval_interval=0 --metrics "$work/m-$s.jsonl" >"$work/log-$s.txt" 2>&1
+    echo "rc=$?"; grep -v '^train ' "$work/log-$s.txt" | cut -c1-240 | tail -4
+    python3 -c "
+import json
+for l in open('$work/m-$s.jsonl'):
+    d = json.loads(l)
+    print(f\"$s step {d['step']}: {d['step_s']:.3f} s, bound {d['bound_s']:.3f}, optimizer {d['optimizer_s']:.3f} (wait {d['optimizer_wait_s']:.3f}), {d['tokens_per_s']:.0f} tok/s, h2d {d['h2d_bytes'] / 1e9:.1f} GB, d2h {d['d2h_bytes'] / 1e9:.1f} GB\")
+" 2>&1 | tee -a "$DEST/gpu-b-schedules.txt"
+  done
+  cp "$work"/m-*.jsonl "$DEST/" 2>/dev/null || true
 fi
 
 case "$WHAT" in

@@ -36,6 +36,9 @@ GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
   TieredState& state = *ctx.state;
   ranks_ = ctx.comm->world_size() > 1;
   reduce_scatter_ = ranks_ && ctx.cfg->zero.stage >= 2;
+  layer_ = plan.layer_major();
+  accum_ = ctx.cfg->gradient_accumulation_steps;
+  tied_held_.resize(size_t(std::max<int64_t>(accum_, 1)));
   const cpu_adam::GradType compute_wire = ctx.compute_dtype == at::kBFloat16 ? cpu_adam::GradType::kBF16
                                           : ctx.compute_dtype == at::kHalf   ? cpu_adam::GradType::kF16
                                                                              : cpu_adam::GradType::kF32;
@@ -54,7 +57,24 @@ GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
   written_.assign(blocks_, 0);
   host_norms_.assign(blocks_, 0.0);
   device_norms_host_.assign(blocks_, 0.0);
+  make_device_buffers(plan);
+  if (need.grad_host > 0) {
+    landing_ = dev.allocate_pinned(need.grad_host, "gradients on their way to host homes");
+    landing_half_bytes_ = need.grad_host / 2;
+  }
+  lay_out_in_landing_ = dev.host_addressable();
+  if (!ranks_) make_views();
+  if (need.grad_rmw > 0) rmw_ = HostBuffer(size_t(need.grad_rmw), "gradient read-modify-write");
+  io_registered_.push_back(state.register_io_buffer(Category::kGrad, rmw_.data(), int64_t(rmw_.bytes())));
+  lander_ = std::thread([this] { lander_loop(); });
+}
 
+// The device buffers StagingNeeds counted: the gradient stages, with ranks
+// the reduced shards and 16-bit copies, the sums over the micro-batches, the
+// norm slots.
+void GradientPath::make_device_buffers(const PlacementPlan& plan) {
+  const StagingNeeds& need = plan.staging;
+  Device& dev = *ctx_.device;
   if (need.grad_stage > 0) stage_[0] = dev.allocate(need.grad_stage, "gradient staging");
   if (need.grad_sync > 0) {
     // StagingNeeds::grad_sync: the second stage (none when gradients are
@@ -64,13 +84,13 @@ GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
     if (shard_bytes > 0) shards_mem_ = dev.allocate(shard_bytes, "reduce-scattered gradient shards");
     const int64_t comm16_bytes = need.grad_sync - need.grad_stage - shard_bytes;
     if (plan.comm_grad_bytes < 4) {
-      comm_type_ = ctx.cfg->comm.data_type == "fp16" ? at::kHalf : at::kBFloat16;
+      comm_type_ = ctx_.cfg->comm.data_type == "fp16" ? at::kHalf : at::kBFloat16;
       comm16_ = dev.allocate(comm16_bytes, "gradients in communication_data_type");
       const int64_t full = plan.largest_block_numel * 2;
       for (int k = 0; k < 2; ++k) {
         for (size_t b = 0; b < blocks_; ++b) {
           comm_flat_[k].push_back(
-              ctx.device_tensor(comm16_.ptr() + k * full, ctx.layout->block(b).padded_numel, comm_type_));
+              ctx_.device_tensor(comm16_.ptr() + k * full, ctx_.layout->block(b).padded_numel, comm_type_));
         }
         comm_shard_[k] = comm16_.ptr() + 2 * full + k * plan.largest_block_shard_numel * 2;
       }
@@ -82,55 +102,23 @@ GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
   for (int k = 0; k < 2; ++k) {
     if (!stage_[k].ptr()) continue;
     for (size_t b = 0; b < blocks_; ++b) {
-      const BlockLayout& bl = ctx.layout->block(b);
-      stage_flat_[k].push_back(ctx.device_tensor(stage_[k].ptr(), bl.padded_numel, at::kFloat));
+      const BlockLayout& bl = ctx_.layout->block(b);
+      stage_flat_[k].push_back(ctx_.device_tensor(stage_[k].ptr(), bl.padded_numel, at::kFloat));
       stage_views_[k].push_back(param_views(bl, stage_flat_[k].back()));
     }
   }
-  accum_ = ctx.cfg->gradient_accumulation_steps;
   if (need.grad_accum > 0) {
     // The whole model's sum (PlacementPlan::reduce_per_step), or under the
     // layer schedule one block's at a time (Note [Step schedules]).
     sum_on_device_ = !plan.reduce_per_step;
-    STRATA_CHECK(!sum_on_device_ || (plan.layer_major() && !ranks_), "a block gradient sum outside the layer schedule");
+    STRATA_CHECK(!sum_on_device_ || (layer_ && !ranks_), "a block gradient sum outside the layer schedule");
     sum_mem_ = dev.allocate(need.grad_accum, sum_on_device_ ? "block gradient sum" : "gradients summed over the step");
     for (size_t b = 0; b < blocks_; ++b) {
-      const BlockLayout& bl = ctx.layout->block(b);
+      const BlockLayout& bl = ctx_.layout->block(b);
       const int64_t at = sum_on_device_ ? 0 : bl.offset * 4;
-      accum_flat_.push_back(ctx.device_tensor(sum_mem_.ptr() + at, bl.padded_numel, at::kFloat));
+      accum_flat_.push_back(ctx_.device_tensor(sum_mem_.ptr() + at, bl.padded_numel, at::kFloat));
       accum_views_.push_back(param_views(bl, accum_flat_.back()));
       accum_padding_.push_back(accum_flat_.back().narrow(0, bl.numel, bl.padded_numel - bl.numel));
-    }
-  }
-  layer_ = plan.layer_major();
-  tied_held_.resize(size_t(std::max<int64_t>(accum_, 1)));
-  if (need.grad_host > 0) {
-    landing_ = dev.allocate_pinned(need.grad_host, "gradients on their way to host homes");
-    landing_half_bytes_ = need.grad_host / 2;
-  }
-  lay_out_in_landing_ = dev.host_addressable();
-  if (!ranks_) {
-    home_views_.resize(blocks_);
-    for (int h = 0; h < 2; ++h) {
-      wire_flat_[h].resize(blocks_);
-      wire_views_[h].resize(blocks_);
-      wire_padding_[h].resize(blocks_);
-    }
-    for (size_t b = 0; b < blocks_; ++b) {
-      const BlockLayout& bl = ctx.layout->block(b);
-      if (home_on_device_[b]) {
-        const DevicePtr home = state.resident_on_device(Category::kGrad, ctx.shard_offset[b], bl.padded_numel);
-        home_views_[b] = param_views(bl, ctx.device_tensor(home, bl.padded_numel, at::kFloat));
-        continue;
-      }
-      if (sum_on_device_) continue;  // summed in sum_mem_, landed from there
-      for (int h = 0; h < (lay_out_in_landing_ ? 2 : 1); ++h) {
-        const DevicePtr at = lay_out_in_landing_ ? DevicePtr(landing_.data() + h * landing_half_bytes_) : stage_[0].ptr();
-        STRATA_CHECK(at, "a gradient home off the device without a stage or landing buffer");
-        wire_flat_[h][b] = ctx.device_tensor(at, bl.padded_numel, torch_type(wire_[b]));
-        wire_views_[h][b] = param_views(bl, wire_flat_[h][b]);
-        wire_padding_[h][b] = wire_flat_[h][b].narrow(0, bl.numel, bl.padded_numel - bl.numel);
-      }
     }
   }
   if (need.grad_norms > 0) {
@@ -138,9 +126,34 @@ GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
     const int64_t scratch = need.grad_norms - int64_t(blocks_) * 8;
     if (scratch > 0) norm_scratch_ = dev.allocate(scratch, "gradient norm partials");
   }
-  if (need.grad_rmw > 0) rmw_ = HostBuffer(size_t(need.grad_rmw), "gradient read-modify-write");
-  io_registered_.push_back(state.register_io_buffer(Category::kGrad, rmw_.data(), int64_t(rmw_.bytes())));
-  lander_ = std::thread([this] { lander_loop(); });
+}
+
+// One rank: per block, views of its device home, or of the buffer its
+// gradient is laid out in before it lands (the stage, or on the CPU device
+// each landing half) in its wire dtype.
+void GradientPath::make_views() {
+  home_views_.resize(blocks_);
+  for (int h = 0; h < 2; ++h) {
+    wire_flat_[h].resize(blocks_);
+    wire_views_[h].resize(blocks_);
+    wire_padding_[h].resize(blocks_);
+  }
+  for (size_t b = 0; b < blocks_; ++b) {
+    const BlockLayout& bl = ctx_.layout->block(b);
+    if (home_on_device_[b]) {
+      const DevicePtr home = ctx_.state->resident_on_device(Category::kGrad, ctx_.shard_offset[b], bl.padded_numel);
+      home_views_[b] = param_views(bl, ctx_.device_tensor(home, bl.padded_numel, at::kFloat));
+      continue;
+    }
+    if (sum_on_device_) continue;  // summed in sum_mem_, landed from there
+    for (int h = 0; h < (lay_out_in_landing_ ? 2 : 1); ++h) {
+      const DevicePtr at = lay_out_in_landing_ ? DevicePtr(landing_.data() + h * landing_half_bytes_) : stage_[0].ptr();
+      STRATA_CHECK(at, "a gradient home off the device without a stage or landing buffer");
+      wire_flat_[h][b] = ctx_.device_tensor(at, bl.padded_numel, torch_type(wire_[b]));
+      wire_views_[h][b] = param_views(bl, wire_flat_[h][b]);
+      wire_padding_[h][b] = wire_flat_[h][b].narrow(0, bl.numel, bl.padded_numel - bl.numel);
+    }
+  }
 }
 
 GradientPath::~GradientPath() {
@@ -246,10 +259,22 @@ GradientPath::LanderStats GradientPath::lander_stats() {
 void GradientPath::add_on_device(size_t b, const std::vector<at::Tensor>& grads, size_t first) {
   const bool write = !written_[b];
   const std::vector<at::Tensor>& home = home_views_[b];
-  for (size_t i = 0; i < home.size(); ++i) {
+  write_or_add(home, b, grads, first, write);
+  written_[b] = 1;
+  if (last_micro_) {
+    device_norm(b, ctx_.state->resident_on_device(Category::kGrad, ctx_.shard_offset[b], ctx_.shard_numel(b)));
+  }
+}
+
+// dst = G (`write`) or dst + G, parameter by parameter (undefined: zero, or
+// nothing to add), where G is autograd's gradient or, for the tied
+// embedding, the real fp32 sum with the head's share, made in the stage
+// (the head's share first, as autograd would sum them).
+void GradientPath::write_or_add(const std::vector<at::Tensor>& dst, size_t b, const std::vector<at::Tensor>& grads,
+                                size_t first, bool write) {
+  for (size_t i = 0; i < dst.size(); ++i) {
     at::Tensor g = first + i < grads.size() ? grads[first + i] : at::Tensor();
     if (i == 0 && b == ctx_.embedding_block && tied_.defined()) {
-      // The tied embedding's real fp32 sum, in the stage: head's share first.
       stage_free();
       const at::Tensor& sum = stage_views_[0][b][0];
       sum.copy_(tied_);
@@ -258,16 +283,12 @@ void GradientPath::add_on_device(size_t b, const std::vector<at::Tensor>& grads,
       g = sum;
     }
     if (!g.defined()) {
-      if (write) home[i].zero_();
+      if (write) dst[i].zero_();
     } else if (write) {
-      home[i].copy_(g);
+      dst[i].copy_(g);
     } else {
-      home[i].add_(g);
+      dst[i].add_(g);
     }
-  }
-  written_[b] = 1;
-  if (last_micro_) {
-    device_norm(b, ctx_.state->resident_on_device(Category::kGrad, ctx_.shard_offset[b], ctx_.shard_numel(b)));
   }
 }
 
@@ -303,23 +324,7 @@ void GradientPath::add_through_host(size_t b, const std::vector<at::Tensor>& gra
 // — and landed once, in fp32, as the home's first write (no read on NVMe).
 void GradientPath::add_summed(size_t b, const std::vector<at::Tensor>& grads, size_t first) {
   if (first_micro_) stage_free();  // the last landing's D2H has read the sum
-  const std::vector<at::Tensor>& sum = accum_views_[b];
-  for (size_t i = 0; i < sum.size(); ++i) {
-    at::Tensor g = first + i < grads.size() ? grads[first + i] : at::Tensor();
-    if (i == 0 && b == ctx_.embedding_block && tied_.defined()) {
-      const at::Tensor& t = stage_views_[0][b][0];
-      t.copy_(tied_);  // the head's share first
-      if (g.defined()) t.add_(g);
-      g = t;
-    }
-    if (!g.defined()) {
-      if (first_micro_) sum[i].zero_();
-    } else if (first_micro_) {
-      sum[i].copy_(g);
-    } else {
-      sum[i].add_(g);
-    }
-  }
+  write_or_add(accum_views_[b], b, grads, first, first_micro_);
   if (first_micro_ && accum_padding_[b].numel() > 0) accum_padding_[b].zero_();
   if (!last_micro_) return;
   land(b, DevicePtr(static_cast<std::byte*>(accum_flat_[b].data_ptr())), cpu_adam::GradType::kF32, true);

@@ -102,7 +102,11 @@ class GradientPath {
     bool first = false;
     bool last = false;
   };
+  void make_device_buffers(const PlacementPlan& plan);  // construction, in this order
+  void make_views();
   void add_summed(size_t b, const std::vector<at::Tensor>& grads, size_t first);
+  void write_or_add(const std::vector<at::Tensor>& dst, size_t b, const std::vector<at::Tensor>& grads, size_t first,
+                    bool write);
   void add_on_device(size_t b, const std::vector<at::Tensor>& grads, size_t first);
   void add_through_host(size_t b, const std::vector<at::Tensor>& grads, size_t first);
   void lay_out(size_t b, const std::vector<at::Tensor>& grads, size_t first, int half);

@@ -64,6 +64,16 @@ at::ScalarType compute_scalar_type(const Config& cfg) {
 
 }  // namespace
 
+// Note [Compute probe's shape]
+// The CPU's rate depends on the shape of the products: on an AVX-512 dev VM
+// one layer of dim 1024 ran at 137-143 GFLOP/s over 1 x 128 tokens and
+// measurably faster over training's 4 x 128 (BENCHMARKS.md, "The step's
+// bound"), so a probe narrowed to fewer tokens than a micro-batch read low
+// and put the bound above the measured step (0.84-0.88). The probe keeps the
+// micro-batch's tokens up to kProbeCallFlops a call (0.3 s at 150 GFLOP/s;
+// the fastest of at least 5 calls is kept), and narrows only beyond that.
+constexpr double kProbeCallFlops = 5e10;
+
 double probe_compute(const Config& cfg, Device& device, double budget_s, std::string* what) {
   ModelConfig m = cfg.model;
   m.n_layers = 1;
@@ -92,10 +102,10 @@ double probe_compute(const Config& cfg, Device& device, double budget_s, std::st
                            (long long)m.n_heads, (long long)hd, (long long)m.ffn_hidden);
   }
   int64_t batch = cfg.train_micro_batch_size_per_gpu, seq = m.seq_len;
-  // On the CPU, at most ~1e10 FLOPs a call: fewer windows, then shorter ones.
+  // On the CPU, at most kProbeCallFlops a call: fewer windows, then shorter ones.
   if (cpu) {
     const double per_token = step_flops(m, 1, false) - 6.0 * double(m.vocab_size * m.dim);
-    const int64_t tokens = std::max<int64_t>(64, int64_t(1e10 / std::max(per_token, 1.0)));
+    const int64_t tokens = std::max<int64_t>(64, int64_t(kProbeCallFlops / std::max(per_token, 1.0)));
     if (batch * seq > tokens) {
       batch = std::max<int64_t>(1, tokens / seq);
       if (batch * seq > tokens) seq = std::max<int64_t>(64, std::min(seq, tokens));

@@ -374,10 +374,16 @@ void Trainer::out_of_memory(const c10::OutOfMemoryError& e) const {
       "%s ran out of memory in the forward/backward of step %lld: the device has %s in all, %s free; Strata's "
       "state and buffers take %s there and the plan estimated %s for activations; lower "
       "train_micro_batch_size_per_gpu, set run.recompute \"always\" or activation_checkpointing.cpu_checkpointing, "
-      "or move state off the device (strata plan shows the split). LibTorch: %s",
+      "%sor move state off the device (strata plan shows the split). LibTorch: %s",
       ctx_.device->name().c_str(), (long long)(step_ + 1), format_bytes(double(m.total_bytes)).c_str(),
       format_bytes(double(m.free_bytes)).c_str(), format_bytes(double(peak_bytes()[0])).c_str(),
-      format_bytes(double(state_->plan().activation_bytes)).c_str(), torch_line.c_str()));
+      format_bytes(double(state_->plan().activation_bytes)).c_str(),
+      // Note [Step schedules]: the layer schedule holds every micro-batch's activations.
+      state_->plan().layer_major() && state_->plan().held_micro > 1
+          ? strprintf("set run.schedule \"micro_batch\" (the layer schedule holds %lld micro-batches' activations), ",
+                      (long long)state_->plan().held_micro).c_str()
+          : "",
+      torch_line.c_str()));
 }
 
 // ---- checkpoints (engine/state_checkpoints.h) ---------------------------------------
@@ -484,15 +490,16 @@ void Trainer::agree_on_collectives(const PlacementPlan& plan, StreamCollectives*
   mix(plan.reduce_per_step);
   mix(plan.secondary_shard);
   mix(uint64_t(plan.ranks_per_node));
+  mix(uint64_t(plan.schedule));  // the order of the reductions and gathers (Note [Step schedules])
   const int64_t mine = int64_t(h >> 2);
   int64_t v[2] = {mine, -mine};
   comm.all_reduce(v, 2, DType::kI64, ReduceOp::kMax).wait();
   if (v[0] != -v[1]) {
     throw ConfigError("comm.keep_gathered",
                       "the ranks planned different collectives from their own free memory (blocks kept gathered, "
-                      "comm.gradient_reduction or comm.secondary_shard) or their nodes have different numbers of "
-                      "ranks: set comm.keep_gathered to a number, and comm.gradient_reduction and "
-                      "comm.secondary_shard to explicit values");
+                      "comm.gradient_reduction, comm.secondary_shard or run.schedule) or their nodes have different "
+                      "numbers of ranks: set comm.keep_gathered to a number, and comm.gradient_reduction, "
+                      "comm.secondary_shard and run.schedule to explicit values");
   }
   if (!plan.secondary_shard) return;
   // Note [Secondary shard]: the node's group, in the data group's mode.

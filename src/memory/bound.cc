@@ -439,36 +439,28 @@ PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int6
 
 PlacementPlan choose_schedule_by_bound(const Config& cfg, const StateLayout& layout, int64_t rank,
                                        const MachineCapacity& capacity, const Rates& rates) {
-  if (cfg.gradient_accumulation_steps <= 1) return make_plan(cfg, layout, rank, capacity);
+  std::optional<PlacementPlan> b;
+  PlacementPlan a = schedule_candidates(
+      cfg, capacity,
+      [&](const Config& c) {
+        return c.placement.auto_place && c.placement.by_bound ? choose_by_bound(c, layout, rank, capacity, rates)
+                                                              : make_plan(c, layout, rank, capacity);
+      },
+      &b);
+  if (!b) return a;
   Config mb = cfg, ly = cfg;
   mb.run.schedule = StepSchedule::kMicroBatch;
   ly.run.schedule = StepSchedule::kLayer;
-  auto plan_of = [&](const Config& c) {
-    return c.placement.auto_place && c.placement.by_bound ? choose_by_bound(c, layout, rank, capacity, rates)
-                                                          : make_plan(c, layout, rank, capacity);
-  };
-  PlacementPlan a = plan_of(mb);
-  PlacementPlan b;
-  try {
-    b = plan_of(ly);
-  } catch (const ConfigError& e) {
-    a.schedule_choice = std::string("micro_batch (layer refused: ") + e.what() + ")";
-    return a;
-  }
-  if (!plan_shortfalls(b, capacity).empty()) {
-    a.schedule_choice = "micro_batch (layer does not fit: it holds the activations of every micro-batch)";
-    return a;
-  }
   const bool cpu_compute = capacity.device_is_host;
   const StepWork wa = predicted_work(mb, a, train_fetches(a), step_network_bytes(a));
-  const StepWork wb = predicted_work(ly, b, train_fetches(b), step_network_bytes(b));
+  const StepWork wb = predicted_work(ly, *b, train_fetches(*b), step_network_bytes(*b));
   if (!missing_rates(wa, rates, cpu_compute).empty() || !missing_rates(wb, rates, cpu_compute).empty()) {
     return make_plan(cfg, layout, rank, capacity);  // without the bound
   }
   const double sa = step_bound(wa, rates, cpu_compute).seconds, sb = step_bound(wb, rates, cpu_compute).seconds;
   if (sb < sa) {
-    b.schedule_choice = strprintf("layer: bound %.3f s (micro_batch: %.3f s)", sb, sa);
-    return b;
+    b->schedule_choice = strprintf("layer: bound %.3f s (micro_batch: %.3f s)", sb, sa);
+    return *b;
   }
   a.schedule_choice = strprintf("micro_batch: bound %.3f s (layer: %.3f s, not lower)", sa, sb);
   return a;

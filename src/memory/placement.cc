@@ -5,6 +5,7 @@
 #include <unistd.h>
 
 #include <algorithm>
+#include <functional>
 #include <cmath>
 #include <cstdlib>
 #include <limits>
@@ -747,6 +748,31 @@ void choose_gradient_reduction(const Config& cfg, const MachineCapacity& capacit
   take_if_fits(cfg, capacity, plan, plan.reduce_per_step, want == "auto");
 }
 
+PlacementPlan schedule_candidates(const Config& cfg, const MachineCapacity& capacity,
+                                  const std::function<PlacementPlan(const Config&)>& make,
+                                  std::optional<PlacementPlan>* layer) {
+  Config mb = cfg, ly = cfg;
+  mb.run.schedule = StepSchedule::kMicroBatch;
+  ly.run.schedule = StepSchedule::kLayer;
+  PlacementPlan a = make(mb);
+  layer->reset();
+  if (cfg.gradient_accumulation_steps <= 1) {
+    a.schedule_choice = "micro_batch (one micro-batch: the two schedules are one order)";
+    return a;
+  }
+  try {
+    *layer = make(ly);
+  } catch (const ConfigError& e) {
+    a.schedule_choice = std::string("micro_batch (layer refused: ") + e.what() + ")";
+    return a;
+  }
+  if (!plan_shortfalls(**layer, capacity).empty()) {
+    layer->reset();
+    a.schedule_choice = "micro_batch (layer does not fit: it holds the activations of every micro-batch)";
+  }
+  return a;
+}
+
 // run.schedule auto without rates (Note [Step schedules] in
 // memory/schedule.h): the layer schedule when there is more than one
 // micro-batch, its plan fits the machine, and the activations it holds did
@@ -755,32 +781,17 @@ void choose_gradient_reduction(const Config& cfg, const MachineCapacity& capacit
 // gradients land off the device). With rates, plan_for_machine chooses by the
 // step's bound instead (memory/bound.h, choose_schedule_by_bound).
 static PlacementPlan resolve_schedule(const Config& cfg, const StateLayout& layout, int64_t rank,
-                               const MachineCapacity& capacity) {
-  Config mb = cfg, ly = cfg;
-  mb.run.schedule = StepSchedule::kMicroBatch;
-  ly.run.schedule = StepSchedule::kLayer;
-  PlacementPlan a = make_plan(mb, layout, rank, capacity);
-  if (cfg.gradient_accumulation_steps <= 1) {
-    a.schedule_choice = "micro_batch (one micro-batch: the two schedules are one order)";
-    return a;
-  }
-  PlacementPlan b;
-  try {
-    b = make_plan(ly, layout, rank, capacity);
-  } catch (const ConfigError& e) {
-    a.schedule_choice = std::string("micro_batch (layer refused: ") + e.what() + ")";
-    return a;
-  }
-  if (!plan_shortfalls(b, capacity).empty()) {
-    a.schedule_choice = "micro_batch (layer does not fit: it holds the activations of every micro-batch)";
-    return a;
-  }
-  if (b.bytes != a.bytes) {
+                                      const MachineCapacity& capacity) {
+  std::optional<PlacementPlan> b;
+  PlacementPlan a = schedule_candidates(
+      cfg, capacity, [&](const Config& c) { return make_plan(c, layout, rank, capacity); }, &b);
+  if (!b) return a;
+  if (b->bytes != a.bytes) {
     a.schedule_choice = "micro_batch (layer's held activations would move state to a slower tier)";
     return a;
   }
-  b.schedule_choice = "layer (fits with the same placement)";
-  return b;
+  b->schedule_choice = "layer (fits with the same placement)";
+  return *b;
 }
 
 PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t rank,

@@ -8,6 +8,7 @@
 #include <array>
 #include <optional>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <string>
 #include <vector>
@@ -297,6 +298,14 @@ bool optimizer_overlaps(const Config& cfg, const PlacementPlan& plan);
 // not touch (!plan.device_addressable) with the piece's master weights,
 // moments, gradient and working copy all on the device tier.
 bool device_adam_piece(const PlacementPlan& plan, const PlacementUnit& piece);
+
+// run.schedule auto (Note [Step schedules] in memory/schedule.h): the plan
+// `make` gives under micro_batch, returned, and under layer, in *layer when
+// there is more than one micro-batch and its plan is made and fits
+// `capacity` (else nullopt, and the returned plan's schedule_choice says why).
+PlacementPlan schedule_candidates(const Config& cfg, const MachineCapacity& capacity,
+                                  const std::function<PlacementPlan(const Config&)>& make,
+                                  std::optional<PlacementPlan>* layer);
 
 // The ops of one training step under the plan's schedule (memory/schedule.h).
 std::vector<StepOp> plan_train_schedule(const PlacementPlan& plan);
