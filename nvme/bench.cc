@@ -44,7 +44,10 @@ IoBench::IoBench(BenchOptions options) : options_(std::move(options)) {
   {
     File f = File::open(
         path_, OpenOptions{.write = true, .create = true, .mode = 0600, .direct = options_.direct});
-    if (f.size_bytes() < options_.bytes) f.preallocate(options_.bytes);
+    if (f.size_bytes() < options_.bytes || temporary_) {
+      f.preallocate(options_.bytes);
+      unwritten_ = options_.lay_out;
+    }
   }
   buffer_ = PinnedBuffer(std::min(options_.bytes, options_.max_buffer_bytes));
   // Incompressible contents, in case the device compresses or deduplicates.
@@ -75,14 +78,15 @@ BenchResult IoBench::run(IoOp op, EngineOptions eo,
                   "memory, not a drive");
   }
   const int64_t total = options_.bytes;
-  const int64_t request =
-      std::min({total, std::max(kRequestBytes, eo.block_size_bytes), buffer_.bytes()});
-  const int64_t buffer_bytes = buffer_.bytes() / request * request;  // request i uses slot i mod n
-  std::vector<IoRequest> requests;
-  for (int64_t off = 0; off < total; off += request) {
-    const int64_t n = std::min(request, total - off);
-    requests.push_back({op, file, off, n, buffer_.data() + off % buffer_bytes});
+  if (unwritten_) {
+    // Note [Laid-out bench files]: untimed, with this pass's engine.
+    std::vector<IoHandle> laid;
+    for (const IoRequest& r : pass(IoOp::kWrite, file, eo.block_size_bytes)) laid.push_back(engine.submit(r));
+    for (IoHandle& h : laid) h.wait();
+    f.drop_cache();
+    unwritten_ = false;
   }
+  const std::vector<IoRequest> requests = pass(op, file, eo.block_size_bytes);
   if (op == IoOp::kRead) f.drop_cache();
 
   const auto t0 = std::chrono::steady_clock::now();
@@ -113,7 +117,25 @@ BenchResult IoBench::run(IoOp op, EngineOptions eo,
   return r;
 }
 
+void IoBench::lay_out(const EngineOptions& engine) {
+  if (!unwritten_) return;
+  run(IoOp::kWrite, engine);  // lays the file out first, then a write pass: both untimed here
+}
+
+std::vector<IoRequest> IoBench::pass(IoOp op, FileId file, int64_t block_size_bytes) const {
+  const int64_t total = options_.bytes;
+  const int64_t request = std::min({total, std::max(kRequestBytes, block_size_bytes), buffer_.bytes()});
+  const int64_t buffer_bytes = buffer_.bytes() / request * request;  // request i uses slot i mod n
+  std::vector<IoRequest> requests;
+  for (int64_t off = 0; off < total; off += request) {
+    const int64_t n = std::min(request, total - off);
+    requests.push_back({op, file, off, n, buffer_.data() + off % buffer_bytes});
+  }
+  return requests;
+}
+
 BenchResult run_both(IoBench& reader, IoBench& writer, const EngineOptions& engine) {
+  writer.lay_out(engine);  // Note [Laid-out bench files]: before the timed region
   const auto t0 = std::chrono::steady_clock::now();
   BenchResult w;
   std::exception_ptr failed;
