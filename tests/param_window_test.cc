@@ -116,11 +116,15 @@ TEST(ParamWindowTest, UnderLayerEachWindowedBlockIsFetchedAtMostTwiceAStep) {
       // The head's uses are consecutive: once. With prefetch the last layer
       // is kept from its forwards to its backwards: once.
       EXPECT_EQ(f[5], 1);
-      if (prefetch > 0) EXPECT_EQ(f[4], 1);
+      if (prefetch > 0) {
+        EXPECT_EQ(f[4], 1);
+      }
       const WindowRun mb = run(m, knobs(prefetch), accum, -1, StepSchedule::kMicroBatch);
       const WindowRun ly = run(m, knobs(prefetch), accum, -1, StepSchedule::kLayer);
       EXPECT_LE(ly.fetches, 2 * int64_t(m.numel.size()) + 1);
-      if (accum > 1 && prefetch == 0) EXPECT_GT(mb.fetches, ly.fetches) << "A = " << accum;
+      if (accum > 1 && prefetch == 0) {
+        EXPECT_GT(mb.fetches, ly.fetches) << "A = " << accum;
+      }
     }
   }
 }
