@@ -535,6 +535,39 @@ TEST(PlacementTest, TheLayerSchedulesRowsAreTheActivationsItHolds) {
   EXPECT_FALSE(chosen.layer_major()) << chosen.schedule_choice;
   EXPECT_NE(chosen.schedule_choice.find("does not fit"), std::string::npos) << chosen.schedule_choice;
   EXPECT_TRUE(make_plan(a, layout, 0, unlimited()).layer_major());
+  // The window gets what the rest leaves of a device budget: layer leaves it
+  // less by its extra held activations and the block-sized fp32 sum of
+  // its gradient (the layout's largest block, 65536 elements, in fp32).
+  auto with = [&](std::vector<std::string> more) {
+    std::vector<std::string> o = base;
+    o.insert(o.end(), more.begin(), more.end());
+    return config_with(o);
+  };
+  MachineCapacity gpu;
+  gpu.device_is_host = false;
+  gpu.device_bytes = int64_t(64) << 20;
+  const PlacementPlan mbw = make_plan(with({"run.schedule=\"micro_batch\""}), layout, 0, gpu);
+  const PlacementPlan lyw = make_plan(with({"run.schedule=\"layer\""}), layout, 0, gpu);
+  ASSERT_GT(lyw.window_cap_bytes, 0);
+  EXPECT_EQ(mbw.window_cap_bytes - lyw.window_cap_bytes, (133120 - 33280) + 65536 + 262144 + 65536 * 4);
+  // Auto without rates keeps micro_batch where layer's activations would
+  // cost it the kept graphs (run.recompute auto): a device that holds
+  // micro_batch's graphs and layer without them, but not layer with them.
+  auto with_recompute_auto = [&](const std::string& schedule) {
+    return with({"run.recompute=\"auto\"", "run.schedule=\"" + schedule + "\""});
+  };
+  MachineCapacity tight = gpu;
+  tight.device_bytes = lyw.total()[0] + 1024;
+  const PlacementPlan mbk = make_plan(with_recompute_auto("micro_batch"), layout, 0, tight);
+  const PlacementPlan lyk = make_plan(with_recompute_auto("layer"), layout, 0, tight);
+  ASSERT_TRUE(mbk.keep_graphs) << "the tight device holds micro_batch's graphs";
+  ASSERT_FALSE(lyk.keep_graphs);
+  ASSERT_TRUE(plan_shortfalls(lyk, tight).empty());
+  ASSERT_EQ(lyk.bytes, mbk.bytes);
+  const PlacementPlan ak = make_plan(with_recompute_auto("auto"), layout, 0, tight);
+  EXPECT_FALSE(ak.layer_major()) << ak.schedule_choice;
+  EXPECT_NE(ak.schedule_choice.find("keep the graphs"), std::string::npos) << ak.schedule_choice;
+  EXPECT_TRUE(make_plan(with_recompute_auto("auto"), layout, 0, unlimited()).layer_major());
 }
 
 // run.schedule auto with rates chooses the schedule with the lower bound,
@@ -577,8 +610,15 @@ TEST(PlacementTest, AutoScheduleFollowsTheBoundBothWays) {
     ASSERT_TRUE(plan_shortfalls(ly, cap).empty()) << k;
     const double smb = bound_of(mbc, mb), sly = bound_of(lyc, ly);
     const PlacementPlan chosen = choose_schedule_by_bound(cfg, layout, 0, cap, r);
-    EXPECT_EQ(chosen.layer_major(), sly < smb) << k << ": micro_batch " << smb << " s, layer " << sly << " s; "
-                                               << chosen.schedule_choice;
+    // Without rates: layer where it gives nothing up (k = 0), else
+    // micro_batch; the bound overrides that only when lower by more than
+    // kAutoMargin.
+    const bool layer_default = layer_gives_up(mb, ly).empty();
+    EXPECT_EQ(layer_default, k == 0) << layer_gives_up(mb, ly);
+    const bool expect_layer = layer_default ? !(smb < sly * (1 - kAutoMargin)) : sly < smb * (1 - kAutoMargin);
+    EXPECT_EQ(chosen.layer_major(), expect_layer) << k << ": micro_batch " << smb << " s, layer " << sly << " s; "
+                                                  << chosen.schedule_choice;
+    EXPECT_EQ(chosen.layer_major(), sly < smb) << "the lower bound did not win by the margin here";
     EXPECT_NE(chosen.schedule_choice.find("bound"), std::string::npos) << chosen.schedule_choice;
     ++chosen_layer[chosen.layer_major()];
     if (k == 1) {

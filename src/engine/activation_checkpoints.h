@@ -25,7 +25,7 @@ class ActivationCheckpoints {
   // Allocates the host and device slots the plan counted (staging.ckpt_*).
   // `shape`: one layer's input [micro_batch, seq_len, dim] in `dtype`.
   // `schedule`: the training step's ops (memory/schedule.h), whose backward
-  // order the restores follow; it must outlive this.
+  // order the restores follow (read here only).
   ActivationCheckpoints(const PlacementPlan& plan, size_t num_blocks, std::vector<int64_t> shape,
                         at::ScalarType dtype, TieredState* state, const std::vector<StepOp>& schedule);
   // Copies still in flight (a step that failed mid-way) finish before the

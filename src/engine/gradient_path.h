@@ -48,6 +48,14 @@ namespace strata {
 //    stages 2-3, all-reduce at 0-1) while the next block's backward runs;
 //    the reduced shard is a real fp32 sum, and goes to its home as above
 //    in fp32.
+// Under the layer schedule (Note [Step schedules] in memory/schedule.h) a
+// block's A micro-batches follow one another, so its gradient is summed
+// before it moves: with a home off the device at one rank, G is added in
+// fp32 into a block-sized device buffer (StagingNeeds::grad_accum; the
+// same additions in the same order as above) and the sum lands once, in
+// fp32, as the home's first write (NVMe: no read); with ranks it is summed
+// in a gradient stage and reduced once. The tied head's shares are kept per
+// micro-batch until the embedding's backward.
 // On the last micro-batch the final gradient's squared norm over this rank's
 // part is taken where the home is (the device's kernel, or the lander) in
 // the order of Note [Ordered norm] (cpu_adam/grad_ops.h), and the step sums

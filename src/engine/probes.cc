@@ -321,13 +321,13 @@ int64_t grad_add_probe_numel(double budget_s, int64_t cache_bytes, int wire_byte
                          cache_bytes);
 }
 
-double probe_grad_add(cpu_adam::GradType wire, double budget_s) {
+double probe_grad_add(cpu_adam::GradType wire, bool first, double budget_s) {
   const int wire_bytes = wire == cpu_adam::GradType::kF32 ? 4 : 2;
   const int64_t n = grad_add_probe_numel(budget_s, last_level_cache_bytes(), wire_bytes);
   std::vector<float> home(size_t(n), 0.25f);
   std::vector<std::byte> landed(size_t(n) * size_t(wire_bytes), std::byte{0x3c});  // finite in every dtype
   return double(n) /
-         fastest_seconds(budget_s, [&] { cpu_adam::accumulate_grad(home.data(), landed.data(), wire, n, false); });
+         fastest_seconds(budget_s, [&] { cpu_adam::accumulate_grad(home.data(), landed.data(), wire, n, first); });
 }
 
 void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device* device, const StepWork& work,
@@ -354,13 +354,18 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
                                                                : int(std::thread::hardware_concurrency()));
   }
   if (need(rates.grad_add, work.grad_add_elems > 0)) {
-    // The wire most blocks land in (memory/bound.cc, predicted_work).
-    const cpu_adam::GradType wire = plan.compute_bytes == 4 || plan.world_size > 1 ? cpu_adam::GradType::kF32
+    // What most blocks' landings do (memory/bound.cc, predicted_work): add
+    // their wire into the fp32 home, or under the layer schedule with
+    // several micro-batches write the block's fp32 sum as the home's first
+    // write (Note [Gradient path] in engine/gradient_path.h).
+    const bool summed = plan.layer_major() && plan.accum > 1;
+    const cpu_adam::GradType wire = plan.compute_bytes == 4 || plan.world_size > 1 || summed ? cpu_adam::GradType::kF32
                                     : cfg.run.compute_dtype == ComputeDtype::kFp16 ? cpu_adam::GradType::kF16
                                                                                    : cpu_adam::GradType::kBF16;
-    rates.grad_add = probe_grad_add(wire, budget_s);
+    rates.grad_add = probe_grad_add(wire, summed, budget_s);
     rates.grad_add_source =
-        strprintf("measured: %s gradients added into fp32 on 1 thread, %lld Mi elements", cpu_adam::grad_type_name(wire),
+        strprintf("measured: %s gradients %s fp32 on 1 thread, %lld Mi elements", cpu_adam::grad_type_name(wire),
+                  summed ? "written as" : "added into",
                   (long long)(grad_add_probe_numel(budget_s, last_level_cache_bytes(),
                                                    wire == cpu_adam::GradType::kF32 ? 4 : 2) >> 20));
   }

@@ -72,9 +72,11 @@ double probe_checksum(const Config& cfg, const Device& device, double budget_s);
 // (cpu_adam::accumulate_grad, what the gradient path's lander does for homes
 // off the device), over grad_add_probe_numel elements: 16 Mi (4 Mi for a
 // probe under 0.5 s), or 4x the last-level cache in elements of home and
-// wire bytes where that is more, at most 256 Mi.
+// wire bytes where that is more, at most 256 Mi. With `first` the landing is
+// the home's first write (a converting copy), as a block's fp32 sum lands
+// under the layer schedule.
 int64_t grad_add_probe_numel(double budget_s, int64_t cache_bytes, int wire_bytes);
-double probe_grad_add(cpu_adam::GradType wire, double budget_s);
+double probe_grad_add(cpu_adam::GradType wire, bool first, double budget_s);
 
 // Fills each rate `work` needs and `rates` lacks by measuring it here (NVMe
 // in plan.nvme_paths' first directory), naming the source "measured". A rate

@@ -209,8 +209,9 @@ void Trainer::apply_optimizer(StepResult& r, double loss_scale) {
 // reverse: recompute the block from its saved input with autograd over leaf
 // views of its weights, and ask autograd for the gradients of the input and of
 // the weights given the output gradient. Weight gradients go to the gradient
-// path (Note [Gradient path]) block by block, so nothing but one block's
-// graph is alive at a time. A tied head's output-projection gradient is added
+// path (Note [Gradient path]) block by block, so when recomputing nothing
+// but one block's graph is alive at a time (kept graphs, one per block and
+// micro-batch held: Note [Recompute]). A tied head's output-projection gradient is added
 // into the embedding block's gradient, which backward reaches last. The
 // order of blocks and micro-batches is the schedule's (Note [Step schedules]
 // in memory/schedule.h); each op is one of the three below.

@@ -84,7 +84,10 @@ struct StateBytes {
 // the block's param16 shard (in place when device-resident, else from the
 // parameter window) is all-gathered into a gathered buffer; the next use's
 // gather is issued before the current use computes, so it overlaps compute.
-// Stage 3 gathers at every use into a ring of two uses' buffers; stages 1-2
+// Stage 3 gathers into a ring of two uses' buffers, at every use but one
+// that follows a use of the same blocks, which reads that use's copy
+// (GatheredBlocks::ring_slots: under the layer schedule a block is gathered
+// twice a step, the tied embedding three times); stages 1-2
 // keep param16 replicated: a block is gathered into a whole-model buffer at
 // its first use after each optimizer step and reused. After a block's
 // backward its full fp32 gradient is reduce-scattered (stages 2-3) or

@@ -458,11 +458,24 @@ PlacementPlan choose_schedule_by_bound(const Config& cfg, const StateLayout& lay
     return make_plan(cfg, layout, rank, capacity);  // without the bound
   }
   const double sa = step_bound(wa, rates, cpu_compute).seconds, sb = step_bound(wb, rates, cpu_compute).seconds;
-  if (sb < sa) {
-    b->schedule_choice = strprintf("layer: bound %.3f s (micro_batch: %.3f s)", sb, sa);
+  // The bound overrides the choice made without rates (resolve_schedule in
+  // placement.cc) only when it is lower by more than kAutoMargin (Note
+  // [Auto's margin]): what the bound leaves out is of that order.
+  const std::string gives_up = layer_gives_up(a, *b);
+  const bool layer_default = gives_up.empty();
+  const double def_s = layer_default ? sb : sa, other_s = layer_default ? sa : sb;
+  const bool take_layer = other_s < def_s * (1 - kAutoMargin) ? !layer_default : layer_default;
+  std::string note;
+  if (other_s < def_s && take_layer == layer_default) {
+    note = strprintf("; %s is lower by less than %.0f%%, the choice without rates stands: %s",
+                     layer_default ? "micro_batch" : "layer", kAutoMargin * 100,
+                     layer_default ? "layer fits with the same placement" : gives_up.c_str());
+  }
+  if (take_layer) {
+    b->schedule_choice = strprintf("layer: bound %.3f s (micro_batch: %.3f s%s)", sb, sa, note.c_str());
     return *b;
   }
-  a.schedule_choice = strprintf("micro_batch: bound %.3f s (layer: %.3f s, not lower)", sa, sb);
+  a.schedule_choice = strprintf("micro_batch: bound %.3f s (layer: %.3f s%s)", sa, sb, note.c_str());
   return a;
 }
 

@@ -34,7 +34,8 @@ class PendingIo;
 // A block already in a slot is claimed again instead of fetched again (block
 // H-1 from forward to backward, block 0 from one micro-batch's backward to the
 // next one's forward; under the layer schedule each block across its A
-// consecutive ops, so a windowed block is fetched at most twice a step). The current entry is always admitted, whatever the
+// consecutive ops, so a windowed block is fetched at most twice a step, the
+// tied embedding three times). The current entry is always admitted, whatever the
 // limits. Blocks with fewer than `persistence_numel` elements
 // (stage3_param_persistence_threshold) are persistent: fetched into their own
 // area once per step (after the optimizer changed them) and kept; under a

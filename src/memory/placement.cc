@@ -569,7 +569,8 @@ void cap_window(const Config& cfg, const MachineCapacity& capacity, PlacementPla
       left -= plan.bytes[size_t(c)][size_t(Tier::kDevice)];
       if (shared) left -= plan.bytes[size_t(c)][size_t(Tier::kHost)];
     }
-    left -= plan.activation_bytes + other.grad_stage + other.grad_norms + other.ckpt_device;
+    left -= plan.activation_bytes + other.grad_stage + other.grad_norms + other.ckpt_device + other.grad_accum +
+            other.tokens;
     if (shared) left -= other.host_bytes();
     return std::max<int64_t>(0, left);
   };
@@ -773,21 +774,35 @@ PlacementPlan schedule_candidates(const Config& cfg, const MachineCapacity& capa
   return a;
 }
 
+// What the layer schedule's plan b gives up against micro_batch's plan a:
+// empty when it places every byte of state on the same tier and keeps every
+// device-memory choice micro_batch's plan made (kept graphs, blocks kept
+// gathered, the secondary shard); else why not.
+std::string layer_gives_up(const PlacementPlan& a, const PlacementPlan& b) {
+  if (b.bytes != a.bytes) return "layer's held activations would move state to a slower tier";
+  if (a.keep_graphs && !b.keep_graphs) return "layer's held activations leave no room to keep the graphs";
+  if (a.secondary_shard && !b.secondary_shard) return "layer's held activations leave no room for the secondary shard";
+  auto kept = [](const PlacementPlan& p) { return std::count(p.keep_gathered.begin(), p.keep_gathered.end(), 1); };
+  if (kept(b) < kept(a)) return "layer's held activations leave room to keep fewer blocks gathered";
+  return "";
+}
+
 // run.schedule auto without rates (Note [Step schedules] in
 // memory/schedule.h): the layer schedule when there is more than one
-// micro-batch, its plan fits the machine, and the activations it holds did
-// not move any state to a slower tier than micro_batch's plan puts it on (then
-// it moves no more bytes on any link, and fewer where blocks are fetched or
-// gradients land off the device). With rates, plan_for_machine chooses by the
-// step's bound instead (memory/bound.h, choose_schedule_by_bound).
+// micro-batch, its plan fits the machine, and the activations it holds gave
+// up nothing of micro_batch's plan (layer_gives_up: then it moves no more
+// bytes on any link, and fewer where blocks are fetched or gradients land off
+// the device). With rates, plan_for_machine chooses by the step's bound
+// instead (memory/bound.h, choose_schedule_by_bound).
 static PlacementPlan resolve_schedule(const Config& cfg, const StateLayout& layout, int64_t rank,
                                       const MachineCapacity& capacity) {
   std::optional<PlacementPlan> b;
   PlacementPlan a = schedule_candidates(
       cfg, capacity, [&](const Config& c) { return make_plan(c, layout, rank, capacity); }, &b);
   if (!b) return a;
-  if (b->bytes != a.bytes) {
-    a.schedule_choice = "micro_batch (layer's held activations would move state to a slower tier)";
+  const std::string why = layer_gives_up(a, *b);
+  if (!why.empty()) {
+    a.schedule_choice = "micro_batch (" + why + ")";
     return a;
   }
   b->schedule_choice = "layer (fits with the same placement)";

@@ -307,6 +307,12 @@ PlacementPlan schedule_candidates(const Config& cfg, const MachineCapacity& capa
                                   const std::function<PlacementPlan(const Config&)>& make,
                                   std::optional<PlacementPlan>* layer);
 
+// What the layer schedule's plan `b` gives up against micro_batch's plan `a`
+// of the same config: empty when it places every byte of state on the same
+// tier and keeps every device-memory choice `a` made (kept graphs, blocks kept
+// gathered, the secondary shard); else a phrase saying what.
+std::string layer_gives_up(const PlacementPlan& a, const PlacementPlan& b);
+
 // The ops of one training step under the plan's schedule (memory/schedule.h).
 std::vector<StepOp> plan_train_schedule(const PlacementPlan& plan);
 

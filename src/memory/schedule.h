@@ -28,8 +28,9 @@ namespace strata {
 // and an off-device gradient lands A times (docs/design.md, "Bytes per link").
 // layer (GreedySnake's "vertical" order): forward block b for m = 0..A-1,
 // then b + 1; the head for m = 0..A-1; backward block b for m = 0..A-1, from
-// H-1 down. Every block is used twice a step whatever A is (the window keeps
-// a block across its A consecutive ops), and a block's gradient is final when
+// H-1 down. Every block is fetched at most twice a step whatever A is (the
+// tied embedding three times: the head uses it between its forward and its
+// backward), as the window keeps a block across its A consecutive ops, and a block's gradient is final when
 // its A-th backward ends: summed on the device in the order 0..A-1 and handed
 // on once (one landing, one reduction). It holds A checkpoints per block and
 // A output gradients between blocks. Both run the same operations on the
