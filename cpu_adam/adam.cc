@@ -10,6 +10,8 @@
 #include <algorithm>
 #include <atomic>
 #include <cmath>
+#include <cstddef>
+#include <cstring>
 #include <stdexcept>
 #include <string>
 
@@ -132,6 +134,7 @@ CpuAdam::CpuAdam(int threads, Isa isa)
                                " is not supported by this CPU (best: " + isa_name(best_isa()) + ")")
                                   .c_str());
   arena_.initialize();  // start the arena now, not on the first step
+  scratch_ = std::make_unique<float[]>(size_t(threads_) * 3 * size_t(kTileNumel));
 }
 
 bool CpuAdam::step(const AdamParams& params, const StepArgs& args, const AdamSpans& s) {
@@ -158,6 +161,71 @@ bool CpuAdam::step(const AdamParams& params, const StepArgs& args, const AdamSpa
           const int64_t begin = r.begin() * kTileNumel;
           const int64_t end = std::min(r.end() * kTileNumel, s.numel);
           if (!kernel(c, s, begin, end)) finite.store(false, std::memory_order_relaxed);
+        },
+        tbb::static_partitioner());
+  });
+  return finite.load(std::memory_order_relaxed);
+}
+
+// Note [A step that keeps its state] in adam.h. Each tile's param and
+// moments are copied into the slot's scratch and stepped there with the
+// tile's own rounding offset (the bf16 moments' rounding is keyed by the
+// element's index: Note [bf16 state] in types.h), so the arithmetic is
+// step()'s element by element.
+bool CpuAdam::keep_state_tiles(const void* constants, const AdamSpans& s, float* param_out, int64_t tile_begin,
+                               int64_t tile_end, int slot) {
+  const detail::StepConstants& c = *static_cast<const detail::StepConstants*>(constants);
+  const detail::StepKernel kernel = detail::kernels_for(isa_).step;
+  const size_t state_bytes = s.state_type == StateType::kBF16 ? 2 : 4;
+  const size_t grad_bytes = s.grad_type == GradType::kF32 ? 4 : 2;
+  const size_t emit_bytes = 2;
+  float* p = scratch_.get() + size_t(slot) * 3 * size_t(kTileNumel);
+  float* m = p + kTileNumel;
+  float* v = m + kTileNumel;
+  bool finite = true;
+  for (int64_t t = tile_begin; t < tile_end; ++t) {
+    const int64_t at = t * kTileNumel, n = std::min(kTileNumel, s.numel - at);
+    std::memcpy(p, s.param + at, size_t(n) * 4);
+    std::memcpy(m, static_cast<const std::byte*>(s.exp_avg) + size_t(at) * state_bytes, size_t(n) * state_bytes);
+    std::memcpy(v, static_cast<const std::byte*>(s.exp_avg_sq) + size_t(at) * state_bytes, size_t(n) * state_bytes);
+    AdamSpans tile = s;
+    tile.param = p;
+    tile.exp_avg = m;
+    tile.exp_avg_sq = v;
+    tile.grad = static_cast<const std::byte*>(s.grad) + size_t(at) * grad_bytes;
+    if (s.emit != nullptr) tile.emit = static_cast<std::byte*>(s.emit) + size_t(at) * emit_bytes;
+    tile.numel = n;
+    detail::StepConstants ct = c;
+    ct.rounding_offset = c.rounding_offset + uint64_t(at);
+    if (!kernel(ct, tile, 0, n)) finite = false;
+    if (param_out != nullptr) std::memcpy(param_out + at, p, size_t(n) * 4);
+  }
+  return finite;
+}
+
+bool CpuAdam::step_keeping_state(const AdamParams& params, const StepArgs& args, const AdamSpans& s,
+                                 float* param_out) {
+  require(args.step >= 1, "step must be >= 1 (the first step is 1)");
+  require(s.numel >= 0, "numel must be >= 0");
+  require((s.emit == nullptr) == (s.emit_type == EmitType::kNone),
+          "emit must be non-null exactly when emit_type is not kNone");
+  require((param_out == nullptr) == (s.emit_type != EmitType::kNone),
+          "param_out must be given exactly when there is no 16-bit copy to emit");
+  if (s.numel == 0) return true;
+  require(s.param != nullptr && s.grad != nullptr && s.exp_avg != nullptr && s.exp_avg_sq != nullptr, "null span");
+  const detail::StepConstants c = detail::make_constants(params, args);
+  const int64_t tiles = tile_count(s.numel);
+  if (threads_ == 1 || tiles == 1) return keep_state_tiles(&c, s, param_out, 0, tiles, 0);
+  std::atomic<bool> finite{true};
+  arena_.execute([&] {
+    tbb::parallel_for(
+        tbb::blocked_range<int64_t>(0, tiles),
+        [&](const tbb::blocked_range<int64_t>& r) {
+          const int slot = tbb::this_task_arena::current_thread_index();
+          require(slot >= 0 && slot < threads_, "an arena thread outside the scratch's slots");
+          if (!keep_state_tiles(&c, s, param_out, r.begin(), r.end(), slot)) {
+            finite.store(false, std::memory_order_relaxed);
+          }
         },
         tbb::static_partitioner());
   });

@@ -7,6 +7,7 @@
 #include <oneapi/tbb/task_arena.h>
 
 #include <cstdint>
+#include <memory>
 
 #include "cpu_adam/convert.h"
 #include "cpu_adam/types.h"
@@ -41,6 +42,22 @@ class CpuAdam {
   // either); emit non-null iff emit_type != kNone. Any alignment is accepted.
   bool step(const AdamParams& params, const StepArgs& args, const AdamSpans& spans);
 
+  // Note [A step that keeps its state]
+  // The same step as step(), bit for bit, computed tile by tile in scratch
+  // memory of the thread that runs the tile: spans.param, exp_avg and
+  // exp_avg_sq are read and left as they were, and only the updated
+  // parameters come out: in emit_type into spans.emit, or (emit_type kNone)
+  // in fp32 into `param_out`. The optimizer's speculative update (Note
+  // [Speculative optimizer] in src/engine/optimizer_pass.h) emits the
+  // working copy this way and writes the state once the step's verdict is
+  // known. Main-memory traffic: the step's reads and the 16-bit (or fp32)
+  // copy's writes; the scratch, kTileNumel elements of each of the three per
+  // thread, stays in the core's caches.
+  // REQUIRES: as step(); param_out non-null iff emit_type == kNone, not
+  // overlapping the other spans.
+  bool step_keeping_state(const AdamParams& params, const StepArgs& args, const AdamSpans& spans,
+                          float* param_out);
+
   // dst[i] = src[i] rounded to `type` (convert.h), in parallel on the arena:
   // the separate 16-bit pass that step() with emit makes unnecessary.
   // REQUIRES: type != kNone; src and dst do not overlap.
@@ -58,9 +75,16 @@ class CpuAdam {
   static constexpr int64_t kTileNumel = 16384;  // 64 KiB of each fp32 array
 
  private:
+  // Tiles [tile_begin, tile_end) of step_keeping_state, in scratch slot `slot`.
+  bool keep_state_tiles(const void* constants, const AdamSpans& s, float* param_out, int64_t tile_begin,
+                        int64_t tile_end, int slot);
+
   int threads_;
   Isa isa_;
   tbb::task_arena arena_;
+  // step_keeping_state's scratch: per arena slot, kTileNumel fp32 elements
+  // of param, exp_avg and exp_avg_sq (allocated here, once).
+  std::unique_ptr<float[]> scratch_;
 };
 
 // Single-threaded conversion with the kernels of `isa` (best by default).

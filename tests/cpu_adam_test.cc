@@ -620,6 +620,63 @@ TEST_P(CpuAdamIsa, ThreadCountDoesNotChangeResults) {
   EXPECT_EQ(params[0], params[2]);
 }
 
+// Note [A step that keeps its state]: the updated parameters (16-bit emit,
+// or fp32 into param_out) are step()'s bit for bit, for fp32 and bf16
+// moments (whose rounding is keyed by the element's index), on one thread
+// and several, and param, exp_avg and exp_avg_sq are left as they were.
+TEST_P(CpuAdamIsa, StepKeepingStateEmitsWhatStepWould) {
+  SKIP_UNLESS_SUPPORTED(GetParam());
+  const int64_t n = 3 * CpuAdam::kTileNumel + 77;
+  for (StateType st : {StateType::kF32, StateType::kBF16}) {
+    for (EmitType et : {EmitType::kNone, EmitType::kBF16, EmitType::kF16}) {
+      for (int threads : {1, 3}) {
+        CpuAdam adam(threads, GetParam());
+        const size_t sb = st == StateType::kBF16 ? 2 : 4;
+        std::mt19937_64 rng(77);
+        std::normal_distribution<float> normal(0.0f, 1.0f);
+        const size_t un = static_cast<size_t>(n);
+        std::vector<float> param(un), grad(un), out(un);
+        for (float& x : param) x = normal(rng);
+        std::vector<std::byte> m(un * sb), v(un * sb);
+        std::vector<uint16_t> emit(un), emit_ref(un);
+        for (int t = 1; t <= 3; ++t) {
+          for (float& g : grad) g = normal(rng);
+          AdamSpans s;
+          s.param = param.data();
+          s.grad = grad.data();
+          s.exp_avg = m.data();
+          s.exp_avg_sq = v.data();
+          s.state_type = st;
+          s.numel = n;
+          if (et != EmitType::kNone) s.emit = emit.data(), s.emit_type = et;
+          const AdamParams hp{.lr = 1e-2, .weight_decay = 0.1};
+          const StepArgs args{.step = t, .grad_scale = 0.5f, .rounding_offset = 1000003};
+          const std::vector<float> p0 = param;
+          const std::vector<std::byte> m0 = m, v0 = v;
+          ASSERT_TRUE(adam.step_keeping_state(hp, args, s, et == EmitType::kNone ? out.data() : nullptr));
+          ASSERT_EQ(param, p0) << "param written";
+          ASSERT_EQ(m, m0) << "exp_avg written";
+          ASSERT_EQ(v, v0) << "exp_avg_sq written";
+          const std::vector<uint16_t> kept_emit = emit;
+          if (et != EmitType::kNone) {
+            s.emit = emit_ref.data();
+          }
+          ASSERT_TRUE(adam.step(hp, args, s));
+          if (et == EmitType::kNone) {
+            ASSERT_EQ(out, param) << state_type_name(st) << " threads " << threads << " step " << t;
+          } else {
+            ASSERT_EQ(kept_emit, emit_ref) << state_type_name(st) << " " << emit_type_name(et) << " threads "
+                                           << threads << " step " << t;
+          }
+          if (t > 1) {
+            ASSERT_NE(m, m0) << "the reference step moved the moments";
+          }
+        }
+      }
+    }
+  }
+}
+
 INSTANTIATE_TEST_SUITE_P(AllIsas, CpuAdamIsa, ::testing::ValuesIn(kAllIsas),
                          [](const auto& info) { return std::string(isa_name(info.param)); });
 
