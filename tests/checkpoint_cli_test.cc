@@ -179,6 +179,45 @@ TEST_F(CheckpointCliTest, ACheckpointResumesUnderTheOtherSchedule) {
 // (overflowing) step, so it holds 4 optimizer steps, a doubled-then-halved
 // scale (2^20, not the config's initial 2^19) and the counters; the resumed
 // run skips the same later steps with the same scales and losses.
+// Note [Speculative optimizer]: a run killed while its optimizer speculates
+// a step, commits one, or redoes a clipped one resumes from its last
+// checkpoint bit for bit: the losses of 10 steps with the inline optimizer
+// after a micro_batch step, against 10 steps with the optimizer behind the
+// backward killed in step 7's job of each kind (STRATA_OPTIMIZER_KILL_AT)
+// and resumed from step 5's checkpoint; the final checkpoints' bytes too.
+TEST_F(CheckpointCliTest, KilledDuringSpeculationResumesBitExact) {
+  for (const auto& [kind, clip] : std::vector<std::pair<std::string, std::string>>{
+           {"speculate", "0"}, {"commit", "0"}, {"full", "0.0001"}}) {
+    const std::string what = kind;
+    const std::string a = dir_.file("spec-" + kind + "-a"), b = dir_.file("spec-" + kind + "-b");
+    const std::string cfg_a = config("spec-" + kind + "-a.json", base_config(data_, a));
+    const std::string cfg_b = config("spec-" + kind + "-b.json", base_config(data_, b));
+    const std::string clipping = " --set gradient_clipping=" + clip;
+    Result straight = train(1, cfg_a, "--metrics " + a + ".jsonl" + clipping +
+                                          " --set run.schedule='\"micro_batch\"' --set run.overlap_optimizer=false"
+                                          " --set optimizer.speculate='\"off\"'");
+    ASSERT_EQ(straight.code, 0) << straight.output;
+    const std::string spec = clipping + " --set run.schedule='\"layer\"' --set run.overlap_optimizer=true"
+                                        " --set optimizer.speculate='\"on\"'";
+    Result killed = train(1, cfg_b, "--metrics " + b + "-1.jsonl" + spec, "STRATA_OPTIMIZER_KILL_AT=" + kind + ":7");
+    EXPECT_EQ(killed.code, 128 + SIGKILL) << what << ": " << killed.output;
+    EXPECT_EQ(read_bytes(b + "/latest"), "step-00000005\n") << what;
+    Result resumed = train(1, cfg_b, "--resume --metrics " + b + "-2.jsonl" + spec);
+    ASSERT_EQ(resumed.code, 0) << resumed.output;
+    const std::map<int64_t, double> ref = losses(a + ".jsonl"), first = losses(b + "-1.jsonl"),
+                                     rest = losses(b + "-2.jsonl");
+    ASSERT_EQ(ref.size(), 10u) << what;
+    ASSERT_EQ(rest.size(), 5u) << what;
+    EXPECT_GE(first.size(), 5u) << what;
+    for (const auto& [step, loss] : rest) EXPECT_EQ(loss, ref.at(step)) << what << ": step " << step;
+    for (const auto& [step, loss] : first) EXPECT_EQ(loss, ref.at(step)) << what << ": step " << step;
+    const std::string f = "/step-00000010/rank-00000.bin";
+    const std::string x = read_bytes(a + f), y = read_bytes(b + f);
+    EXPECT_FALSE(x.empty()) << what << f;
+    EXPECT_TRUE(x == y) << what << ": " << f << " differs";
+  }
+}
+
 TEST_F(CheckpointCliTest, Fp16KilledRunResumesWithItsLossScale) {
   const std::vector<std::string> sets = {
       "fp16={\"enabled\":true,\"initial_scale_power\":19,\"loss_scale_window\":2,\"hysteresis\":1}"};

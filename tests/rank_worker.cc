@@ -107,7 +107,7 @@ int run(int argc, char** argv) {
     progress << "step " << s << "\n" << std::flush;
     steps.push_back({{"h2d", r.links.h2d}, {"d2h", r.links.d2h}, {"nvme_read", r.links.nvme_read},
                      {"nvme_write", r.links.nvme_write}, {"net", r.net_bytes},
-                     {"intra_node", r.intra_node_bytes}});
+                     {"intra_node", r.intra_node_bytes}, {"speculation", r.speculation}});
   }
   trainer.finish();
   if (lead) {

@@ -354,6 +354,54 @@ TEST_F(RanksTest, LayerScheduleTrainsBitForBitAsPerStepReductions) {
   }
 }
 
+// Note [Speculative optimizer]: the optimizer behind the backward under the
+// layer schedule (each block's gradient final after its reduction) trains
+// bit for bit like the inline optimizer after a micro_batch step, at stages
+// 0-3 with two ranks over Gloo and on the test device's staged and stream
+// collectives; half the cases clip every step (the speculation redone),
+// half never clip (committed), and every rank reports which.
+TEST_F(RanksTest, SpeculativeOptimizerTrainsBitForBitWithRanks) {
+  nlohmann::json c = base_config(data_);
+  c["run"]["steps"] = 3;
+  c["model"]["tie_embeddings"] = true;
+  c["comm"]["gradient_reduction"] = "per_step";  // micro_batch's reductions as layer's (bit for bit)
+  const std::string cfg = write_config(dir_, "c.json", c);
+  struct Case {
+    std::string args;
+    bool clip;
+  };
+  const std::vector<Case> cases = {
+      {"zero_optimization.stage=0", false},
+      {"zero_optimization.stage=1", true},
+      {"zero_optimization.stage=2", false},
+      {"zero_optimization.stage=3", true},
+      {std::string(kStaged) + " zero_optimization.stage=3 zero_optimization.offload_param.device=cpu "
+                              "zero_optimization.offload_optimizer.device=cpu", false},
+      {std::string(kOnStream) + " zero_optimization.stage=2 zero_optimization.offload_optimizer.device=cpu", true},
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const std::string what = cases[i].args + (cases[i].clip ? ", clipped" : "");
+    const std::string clip = cases[i].clip ? " gradient_clipping=0.0001" : " gradient_clipping=0";
+    const std::string a = dir_.file("inline" + std::to_string(i)), b = dir_.file("spec" + std::to_string(i));
+    Result ra = run_workers(2, cfg, a, cases[i].args + clip +
+                                           " run.schedule=\"micro_batch\" run.overlap_optimizer=false"
+                                           " optimizer.speculate=\"off\"");
+    ASSERT_EQ(ra.code, 0) << what << "\n" << ra.output;
+    Result rb = run_workers(2, cfg, b, cases[i].args + clip +
+                                           " run.schedule=\"layer\" run.overlap_optimizer=true"
+                                           " optimizer.speculate=\"on\"");
+    ASSERT_EQ(rb.code, 0) << what << "\n" << rb.output;
+    expect_identical_files(a, b, what);
+    for (int rank = 0; rank < 2; ++rank) {
+      const nlohmann::json j = nlohmann::json::parse(read_bytes(b + ".rank" + std::to_string(rank) + ".json"));
+      ASSERT_EQ(j["steps"].size(), 3u) << what;
+      for (const nlohmann::json& s : j["steps"]) {
+        EXPECT_EQ(std::string(s["speculation"]), cases[i].clip ? "redone" : "committed") << what << ", rank " << rank;
+      }
+    }
+  }
+}
+
 // comm.keep_gathered at stage 3: blocks kept gathered for the step are
 // gathered once instead of at every use, so each rank sends what the plan
 // counts (less than with none kept), and training is bit for bit the same

@@ -20,6 +20,9 @@
 
 #include <bit>
 #include <cmath>
+#include <chrono>
+#include <map>
+#include <thread>
 #include <random>
 
 #include "config/config.h"
@@ -310,7 +313,10 @@ TEST_F(StepTest, KeptGraphsTrainBitForBitAsRecompute) {
 }
 
 TEST_F(StepTest, PlanKeepsGraphsOnlyWhereWeightsStayAndActivationsFit) {
-  auto plan = [&](const std::vector<std::string>& sets, const MachineCapacity& cap) {
+  // One schedule throughout (auto would take micro_batch where layer's A
+  // graphs do not fit and micro_batch's do: placement_test).
+  auto plan = [&](std::vector<std::string> sets, const MachineCapacity& cap) {
+    sets.insert(sets.begin(), "run.schedule=\"micro_batch\"");
     const Config cfg = parse_config(base_config(data_), sets);
     const Model model(cfg.model);
     const StateLayout layout(model.layout_specs(), shard_count(cfg));
@@ -475,6 +481,144 @@ TEST_F(StepTest, LayerScheduleTrainsBitForBitAsMicroBatch) {
     EXPECT_TRUE(same_state(sa, all_state(c))) << what << " (test device)";
   }
   EXPECT_GT(skipped, 0) << "no case skipped a step: the fp16 case no longer overflows";
+}
+
+// Note [Speculative optimizer]: the optimizer behind the backward (layer
+// schedule, optimizer.speculate on) trains bit for bit like the inline
+// optimizer after a micro_batch step: losses, norms, skipped steps and every
+// state category, on every placement of the matrix, with gradient clipping
+// at a threshold between the steps' norms (so some steps commit their
+// speculation and some redo it), without clipping, and with fp16 steps that
+// overflow (restored); on the CPU device and on the test device.
+TEST_F(StepTest, SpeculativeOptimizerTrainsBitForBitAsTheInlineOptimizer) {
+  const std::string swap = dir_.path() + "/swap";
+  const std::string split = "{\"device\":0.3,\"host\":0.3,\"nvme\":0.4}";
+  const std::string nvme = "{\"device\":\"nvme\",\"nvme_path\":\"" + swap + "\"";
+  const std::vector<std::vector<std::string>> cases = {
+      {},
+      {"model.tie_embeddings=false", "bf16.enabled=true", "gradient_accumulation_steps=3"},
+      {"zero_optimization.stage=3", "zero_optimization.offload_param.device=cpu",
+       "zero_optimization.offload_optimizer.device=cpu",
+       "zero_optimization.stage3_param_persistence_threshold=0", "activation_checkpointing.cpu_checkpointing=true"},
+      {"zero_optimization.stage=3", "zero_optimization.offload_param=" + nvme + ",\"max_in_cpu\":0}",
+       "zero_optimization.offload_optimizer=" + nvme + "}", "zero_optimization.stage3_param_persistence_threshold=5000",
+       "bf16.enabled=true"},
+      {"placement={\"param16\":" + split + ",\"grad\":" + split + ",\"optimizer\":" + split + ",\"nvme_path\":\"" +
+       swap + "\"}", "zero_optimization.stage3_param_persistence_threshold=0", "model.tie_embeddings=false"},
+      {"placement={\"param16\":{\"device\":0.5,\"host\":0.5},\"grad\":{\"device\":0.7,\"nvme\":0.3},"
+       "\"optimizer\":{\"device\":0.6,\"host\":0.4},\"nvme_path\":\"" + swap + "\"}",
+       "fp16={\"enabled\":true,\"loss_scale\":1024}"},
+      {"fp16={\"enabled\":true,\"initial_scale_power\":24}", "gradient_accumulation_steps=4",
+       "placement={\"param16\":{\"device\":1},\"grad\":{\"host\":1},\"optimizer\":{\"host\":1}}"},
+      {"bf16.enabled=true", "run.optimizer_state_dtype=\"bf16\"", "zero_optimization.sub_group_size=4096"},
+      {"run.recompute=\"never\"", "gradient_accumulation_steps=3"},
+  };
+  constexpr int kSteps = 8;  // the fp16 case overflows its first steps
+  std::map<std::string, int> outcomes;
+  for (const std::vector<std::string>& o : cases) {
+    for (bool clip : {true, false}) {
+      std::string what = (o.empty() ? "all on the device" : nlohmann::json(o).dump()) + (clip ? ", clipped" : "");
+      std::vector<std::string> inline_opt = o;
+      inline_opt.insert(inline_opt.end(), {"run.schedule=\"micro_batch\"", "run.overlap_optimizer=false",
+                                           "optimizer.speculate=\"off\""});
+      std::vector<std::string> spec = o;
+      spec.insert(spec.end(), {"run.schedule=\"layer\"", "run.overlap_optimizer=true", "optimizer.speculate=\"on\""});
+      double threshold = 0.0;
+      if (clip) {
+        // Between the smallest and the largest finite norm of an unclipped run.
+        Training cal(base_config(data_), inline_opt);
+        double lo = INFINITY, hi = 0.0;
+        for (int s = 1; s <= kSteps; ++s) {
+          const double n = cal.step().grad_norm;
+          if (std::isfinite(n)) lo = std::min(lo, n), hi = std::max(hi, n);
+        }
+        ASSERT_LT(lo, hi) << what;
+        threshold = (lo + hi) / 2;
+      }
+      const std::string clipping = "gradient_clipping=" + std::to_string(threshold);
+      inline_opt.push_back(clipping);
+      spec.push_back(clipping);
+      Training a(base_config(data_), inline_opt);
+      Training b(base_config(data_), spec);
+      testing::DeferredDevice dev;
+      Training c(base_config(data_), spec, nullptr, &dev);
+      ASSERT_FALSE(a.trainer().plan().speculate) << what;
+      ASSERT_TRUE(b.trainer().plan().speculate) << what << ": " << b.trainer().plan().speculate_choice;
+      // On the test device a piece wholly on the device is the device's
+      // Adam's, which waits for the verdict: nothing to speculate when all are.
+      const bool c_speculates = c.trainer().plan().speculate;
+      if (!c_speculates) {
+        ASSERT_NE(c.trainer().plan().speculate_choice.find("device's Adam"), std::string::npos) << what;
+      }
+      for (int s = 1; s <= kSteps; ++s) {
+        const StepResult ra = a.step(), rb = b.step(), rc = c.step();
+        EXPECT_EQ(ra.loss, rb.loss) << what << ", step " << s;
+        EXPECT_EQ(ra.loss, rc.loss) << what << ", step " << s << " (test device)";
+        EXPECT_EQ(std::bit_cast<uint64_t>(ra.grad_norm), std::bit_cast<uint64_t>(rb.grad_norm)) << what << ", step " << s;
+        EXPECT_EQ(std::bit_cast<uint64_t>(ra.grad_norm), std::bit_cast<uint64_t>(rc.grad_norm))
+            << what << ", step " << s << " (test device)";
+        EXPECT_EQ(ra.skipped, rb.skipped) << what << ", step " << s;
+        EXPECT_EQ(ra.skipped, rc.skipped) << what << ", step " << s;
+        EXPECT_EQ(ra.speculation, "") << what;
+        if (c_speculates) {
+          EXPECT_EQ(rb.speculation, rc.speculation) << what << ", step " << s;
+        }
+        const bool clipped = clip && std::isfinite(ra.grad_norm) && ra.grad_norm + 1e-6 > threshold;
+        if (ra.skipped) {
+          EXPECT_EQ(rb.speculation, "restored") << what << ", step " << s;
+        } else if (!clipped) {
+          EXPECT_EQ(rb.speculation, "committed") << what << ", step " << s;
+        }
+        ++outcomes[rb.speculation];
+      }
+      const std::vector<at::Tensor> sa = all_state(a);
+      EXPECT_TRUE(same_state(sa, all_state(b))) << what;
+      EXPECT_TRUE(same_state(sa, all_state(c))) << what << " (test device)";
+    }
+  }
+  EXPECT_GT(outcomes["committed"], 0);
+  EXPECT_GT(outcomes["redone"], 0) << "no step was clipped";
+  EXPECT_GT(outcomes["restored"], 0) << "no fp16 step overflowed";
+}
+
+// Note [Speculative optimizer], the order: on the test device, block b + 1's
+// update begins before block b's backward ends (the compute thread, at the
+// start of b's first backward, holds until the optimizer's speculation has
+// reached b + 1: were the optimizer after the backward, it never would, and
+// the hold gives up after 30 s), and after a committed step the working copy
+// is final at once (the next forward waits for nothing; only the last
+// block's speculation was left at the verdict).
+TEST_F(StepTest, EachBlocksUpdateBeginsBeforeTheNextBlocksBackwardEnds) {
+  testing::DeferredDevice dev;
+  Training t(base_config(data_),
+             {"model.n_layers=4", "model.tie_embeddings=false", "zero_optimization.sub_group_size=4096",
+              "gradient_accumulation_steps=2",
+              "placement={\"param16\":{\"device\":1},\"grad\":{\"host\":1},\"optimizer\":{\"host\":1}}",
+              "run.schedule=\"layer\"", "optimizer.speculate=\"on\"", "gradient_clipping=0"},
+             nullptr, &dev);
+  ASSERT_TRUE(t.trainer().plan().speculate) << t.trainer().plan().speculate_choice;
+  const int64_t blocks = int64_t(t.trainer().layout().num_blocks());
+  int held = 0, gave_up = 0;
+  t.trainer().set_backward_hook([&](size_t b, int64_t m) {
+    if (m != 0 || int64_t(b) + 1 >= blocks) return;
+    const auto deadline = std::chrono::steady_clock::now() + std::chrono::seconds(30);
+    while (t.trainer().speculation_reached_block() > int64_t(b) + 1) {
+      if (std::chrono::steady_clock::now() > deadline) {
+        ++gave_up;
+        return;
+      }
+      std::this_thread::sleep_for(std::chrono::microseconds(200));
+    }
+    ++held;
+  });
+  for (int s = 1; s <= 2; ++s) {
+    const StepResult r = t.step();
+    EXPECT_EQ(r.speculation, "committed") << "step " << s;
+    EXPECT_GE(t.trainer().optimizer_progress(), t.trainer().plan().shard_space_numel)
+        << "the working copy is not final after a committed step";
+  }
+  EXPECT_EQ(gave_up, 0) << "a block's update waited for a later block's backward";
+  EXPECT_EQ(held, 2 * (blocks - 1));
 }
 
 // ---- bytes per link (docs/design.md, "Bytes per link") ----------------------------

@@ -114,6 +114,11 @@ nlohmann::json plan_json(const Computed& c) {
   j["recompute"] = p.keep_graphs ? "never" : "always";
   j["schedule"] = schedule_name(p.schedule);
   if (!p.schedule_choice.empty()) j["schedule_choice"] = p.schedule_choice;
+  // Note [Speculative optimizer] in engine/optimizer_pass.h.
+  j["speculate"] = {{"on", p.speculate},
+                    {"mechanism", p.speculate ? "two_pass" : "none"},
+                    {"elements", speculated_numel(p)},
+                    {"choice", p.speculate_choice}};
   // The activations' rows (Note [Step schedules] in memory/schedule.h).
   j["activations"] = {{"micro_batches_held", p.held_micro},
                       {"checkpoints", p.checkpoint_activation_bytes},
@@ -262,7 +267,7 @@ int run_plan(const PlanOptions& opt) {
   // (a GPU only when run.device is cuda and one is here). With placement
   // auto the rates come first: auto compares its candidates by the bound.
   StepWork work;
-  StepBound bound;
+  StepBound bound, clipped_bound;
   Rates rates;
   if (!opt.no_bound) {
     rates = bound_rates(opt, cfg);
@@ -284,6 +289,11 @@ int run_plan(const PlanOptions& opt) {
       work = predicted_work(cfg, c.plan, train_fetches(c.plan), c.net);
     }
     bound = step_bound(work, rates, cpu_compute);
+    if (work.speculated_elems > 0) {
+      StepWork clipped = work;
+      clipped.clipped = true;
+      clipped_bound = step_bound(clipped, rates, cpu_compute);
+    }
   }
   const double net_s = double(c.net.world) * 8.0 / (opt.net_gbps * 1e9);
   const double intra_s = double(c.net.node) * 8.0 / (opt.intra_node_gbps * 1e9);
@@ -291,6 +301,7 @@ int run_plan(const PlanOptions& opt) {
   if (opt.json) {
     nlohmann::json j = plan_json(c);
     if (!opt.no_bound) j["bound"] = bound_json(work, bound, rates);
+    if (!opt.no_bound && work.speculated_elems > 0) j["bound"]["clipped_step_seconds"] = clipped_bound.seconds;
     if (!c.plan.auto_choice.empty()) j["auto_choice"] = c.plan.auto_choice;
     j["data"] = {{"files", cfg.data.paths.size()}, {"mapped_bytes", data.mapped_bytes},
                  {"token_batch_bytes", c.plan.staging.tokens}, {"missing_files", data.missing}};
@@ -310,6 +321,10 @@ int run_plan(const PlanOptions& opt) {
                 cfg.data.paths.size(), format_bytes(double(data.mapped_bytes)).c_str(),
                 data.missing.empty() ? "" : strprintf(" (%zu not on this machine, not counted)", data.missing.size()).c_str());
     if (!opt.no_bound) std::fputs(bound_text(bound, rates, work, step_tokens).c_str(), stdout);
+    if (!opt.no_bound && work.speculated_elems > 0) {
+      std::printf("  a clipped step (its speculation redone after the backward): %.3f s, by %s\n", clipped_bound.seconds,
+                  clipped_bound.binding.c_str());
+    }
     if (opt.world_size > 1) {
       const auto tot = c.plan.total();
       std::printf("node total (%d ranks): device %s, host %s, nvme %s\n", per_node,
@@ -379,6 +394,13 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   if (!cap.device_is_host && !cap.device_source.empty()) out += "  (device memory: " + cap.device_source + ")\n";
   out += strprintf("  schedule: %s%s\n", schedule_name(p.schedule),
                    p.schedule_choice.empty() ? "" : (" (run.schedule auto: " + p.schedule_choice + ")").c_str());
+  if (p.speculate) {
+    out += strprintf("  optimizer behind the backward: %s: two passes over %s elements of CPU Adam (the working copy "
+                     "beside the backward, master and moments after the verdict); pieces in HBM wait for it\n",
+                     p.speculate_choice.c_str(), strprintf("%.4g M", double(speculated_numel(p)) / 1e6).c_str());
+  } else {
+    out += strprintf("  optimizer behind the backward: %s\n", p.speculate_choice.c_str());
+  }
   out += strprintf("  optimizer sub-groups of %lld elements; Adam moments in %s; swap directories: %s\n",
                    (long long)p.sub_group_numel,
                    p.bf16_moments() ? "bf16 (stochastic rounding)" : "fp32",

@@ -545,6 +545,12 @@ int run_train(const TrainOptions& opt) {
         {"intra_node_bytes", r.intra_node_bytes},
         {"comm_wait_s", r.comm_wait_s},
     };
+    if (!r.speculation.empty()) {
+      // Note [Speculative optimizer] in engine/optimizer_pass.h.
+      line["speculation"] = r.speculation;
+      line["optimizer_hidden_s"] = r.optimizer_hidden_s;
+      line["redone_elements"] = r.redone_elements;
+    }
     if (trainer.loss_scaler()) {
       line["loss_scale"] = r.loss_scale;
       line["skipped"] = r.skipped;

@@ -56,6 +56,15 @@ const char* recompute_name(Recompute r) {
   return "auto";
 }
 
+const char* speculate_name(Speculate s) {
+  switch (s) {
+    case Speculate::kOn: return "on";
+    case Speculate::kOff: return "off";
+    case Speculate::kAuto: break;
+  }
+  return "auto";
+}
+
 const char* schedule_name(StepSchedule s) {
   switch (s) {
     case StepSchedule::kMicroBatch: return "micro_batch";
@@ -446,9 +455,12 @@ void parse_batch(const json& root, Config& c) {
 void parse_optimizer(const json& root, Config& c) {
   const std::string path = "optimizer";
   const json& o = section(root, "", path);
-  check_keys(o, path, {"type", "params"}, kNone, c.ignored_keys);
+  check_keys(o, path, {"type", "params", "speculate"}, kNone, c.ignored_keys);
   OptimizerConfig& opt = c.optimizer;
   read_enum(o, path, "type", opt.type, {"Adam", "AdamW"});
+  std::string speculate = speculate_name(opt.speculate);
+  read_enum(o, path, "speculate", speculate, {"auto", "on", "off"});
+  opt.speculate = speculate == "on" ? Speculate::kOn : speculate == "off" ? Speculate::kOff : Speculate::kAuto;
 
   const std::string pp = "optimizer.params";
   const json& p = section(o, path, "params");

@@ -142,8 +142,13 @@ struct RunConfig {
   RateOverrides rates;
 };
 
+// optimizer.speculate (Note [Speculative optimizer] in engine/optimizer_pass.h).
+enum class Speculate { kAuto, kOn, kOff };
+const char* speculate_name(Speculate s);  // "auto", "on", "off"
+
 struct OptimizerConfig {
   std::string type = "AdamW";      // Adam | AdamW
+  Speculate speculate = Speculate::kAuto;
   double lr = 1e-3;
   double beta1 = 0.9;
   double beta2 = 0.999;

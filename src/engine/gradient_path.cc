@@ -30,7 +30,7 @@ int64_t bytes_of(cpu_adam::GradType t) { return t == cpu_adam::GradType::kF32 ? 
 }  // namespace
 
 GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
-    : ctx_(ctx), blocks_(ctx.layout->num_blocks()) {
+    : ctx_(ctx), blocks_(ctx.layout->num_blocks()), final_generation_(blocks_, 0), final_device_(blocks_) {
   const StagingNeeds& need = plan.staging;
   Device& dev = *ctx.device;
   TieredState& state = *ctx.state;
@@ -187,10 +187,42 @@ void GradientPath::begin_step() {
     error_ = nullptr;
     links_ = LinkBytes();
     compute_thread_ = std::this_thread::get_id();  // the step's caller queues the compute
+    ++generation_;
+    cancelled_ = false;
   }
   std::fill(written_.begin(), written_.end(), 0);
   tied_ = at::Tensor();
   for (at::Tensor& t : tied_held_) t = at::Tensor();
+}
+
+bool GradientPath::wait_final(size_t b, Completion* device) {
+  std::unique_lock<std::mutex> lock(mu_);
+  STRATA_CHECK(b < final_generation_.size(), "a final gradient of a block out of range");
+  cv_.wait(lock, [&] { return final_generation_[b] == generation_ || cancelled_; });
+  if (final_generation_[b] != generation_) return false;
+  *device = final_device_[b];
+  return true;
+}
+
+void GradientPath::cancel_waits() {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    cancelled_ = true;
+  }
+  cv_.notify_all();
+}
+
+void GradientPath::mark_final(size_t b, const Completion& device) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    mark_final_locked(b, device);
+  }
+  cv_.notify_all();
+}
+
+void GradientPath::mark_final_locked(size_t b, const Completion& device) {
+  final_generation_[b] = generation_;
+  final_device_[b] = device;
 }
 
 void GradientPath::set_tied(int64_t micro, const at::Tensor& g) {
@@ -263,6 +295,7 @@ void GradientPath::add_on_device(size_t b, const std::vector<at::Tensor>& grads,
   written_[b] = 1;
   if (last_micro_) {
     device_norm(b, ctx_.state->resident_on_device(Category::kGrad, ctx_.shard_offset[b], ctx_.shard_numel(b)));
+    mark_final(b, ctx_.device->record(Stream::kCompute));
   }
 }
 
@@ -466,7 +499,10 @@ void GradientPath::deliver(size_t b, DevicePtr src, bool last) {
     h.add_(s);
   }
   written_[b] = 1;
-  if (last) device_norm(b, home);
+  if (last) {
+    device_norm(b, home);
+    mark_final(b, ctx_.device->record(Stream::kCompute));
+  }
 }
 
 // ---- to the host ------------------------------------------------------------------
@@ -585,6 +621,7 @@ void GradientPath::land_on_host(Landing& l) {
   }
   if (l.last) host_norms_[b] = cpu_adam::ordered_squared_norm(values + norm_lo_[b], norm_hi_[b] - norm_lo_[b]);
   std::lock_guard<std::mutex> lock(mu_);
+  if (l.last) mark_final_locked(b, Completion());  // the loop notifies
   ++stats_.adds;
   if (std::this_thread::get_id() == compute_thread_) ++stats_.adds_on_compute_thread;
 }

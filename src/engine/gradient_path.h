@@ -14,6 +14,7 @@
 #include <vector>
 
 #include "cpu_adam/types.h"
+#include "engine/optimizer_thread.h"
 #include "engine/step_context.h"
 #include "memory/buffer.h"
 #include "memory/device.h"
@@ -62,7 +63,7 @@ namespace strata {
 // the blocks' norms in block order.
 //
 // Not thread-safe: the compute thread's (the lander is internal).
-class GradientPath {
+class GradientPath final : public GradientSource {
  public:
   // Allocates the buffers the plan counted (StagingNeeds::grad_*) and starts
   // the lander.
@@ -86,6 +87,12 @@ class GradientPath {
   void add(size_t b, const std::vector<at::Tensor>& grads, size_t first, int64_t micro);
   // A micro-batch's backward is queued: the last reductions are completed.
   void end_micro();
+  // GradientSource (Note [Speculative optimizer] in optimizer_pass.h), any
+  // thread: until block b's gradient of this step is whole in its home (its
+  // last add on the device, or its last landing added by the lander).
+  bool wait_final(size_t b, Completion* device) override;
+  // The step failed: wait_final() returns false until the next begin_step().
+  void cancel_waits();
   // Waits for every landing of the step and returns the squared norm of this
   // rank's part of the gradient, summed over blocks in block order. Adds the
   // lander's transfers (NVMe homes) to *moved.
@@ -138,6 +145,8 @@ class GradientPath {
   void lander_loop();
   void land_on_host(Landing& l);
   void wait_lander_idle();
+  void mark_final(size_t b, const Completion& device);  // takes mu_
+  void mark_final_locked(size_t b, const Completion& device);
 
   const StepContext& ctx_;
   const size_t blocks_;
@@ -231,6 +240,12 @@ class GradientPath {
   std::exception_ptr error_;
   LanderStats stats_;
   LinkBytes links_;                    // the lander's transfers this step
+  // wait_final(): per block, the step (generation) whose gradient is final
+  // in its home, and what a device-side read waits for; also guarded by mu_.
+  uint64_t generation_ = 0;
+  bool cancelled_ = false;
+  std::vector<uint64_t> final_generation_;
+  std::vector<Completion> final_device_;
   std::thread::id compute_thread_;
   PendingIo lander_io_;                // the lander's NVMe reads and writes
   std::thread lander_;

@@ -3,7 +3,10 @@
 
 #include <algorithm>
 #include <chrono>
+#include <csignal>
+#include <cstdlib>
 #include <cstring>
+#include <string>
 #include <thread>
 
 #include "util/errors.h"
@@ -23,6 +26,39 @@ namespace {
 // compute queued so far. (The copy stream may still carry waits for compute
 // that the other thread queued, e.g. a window fetch's: slower, never wrong.)
 const Completion kNoKernel;
+
+// Tests (checkpoint_cli_test): a deterministic kill.
+// STRATA_OPTIMIZER_KILL_AT=<kind>:<step>, kind one of speculate, commit,
+// full, restore: SIGKILL as that kind of job of optimizer step <step> starts
+// its second piece (or its first, when it has one).
+struct OptimizerKill {
+  int kind = -1;
+  int64_t step = 0;
+};
+const OptimizerKill& optimizer_kill() {
+  static const OptimizerKill k = [] {
+    OptimizerKill o;
+    const char* v = std::getenv("STRATA_OPTIMIZER_KILL_AT");
+    if (v == nullptr) return o;
+    const std::string t = v;
+    const size_t a = t.find(':');
+    if (a == std::string::npos) return o;
+    const std::string kind = t.substr(0, a);
+    const char* names[] = {"full", "speculate", "commit", "restore"};  // OptimizerThread::Kind's order
+    for (int i = 0; i < 4; ++i) {
+      if (kind == names[i]) o.kind = i;
+    }
+    o.step = std::atoll(t.c_str() + a + 1);
+    return o;
+  }();
+  return k;
+}
+
+void maybe_kill(const OptimizerThread::Job& job, size_t pos, size_t n) {
+  const OptimizerKill& k = optimizer_kill();
+  if (k.kind < 0 || k.kind != int(job.kind) || k.step != job.step || pos != std::min<size_t>(1, n - 1)) return;
+  std::raise(SIGKILL);
+}
 
 }  // namespace
 
@@ -104,6 +140,16 @@ OptimizerPass::OptimizerPass(const StepContext& ctx, const PlacementPlan& plan, 
     piece_device_state_.push_back(!plan.device_addressable && device ? 1 : 0);
   }
   device_done_.resize(pieces_.size());
+  for (size_t j = 0; j < pieces_.size(); ++j) {
+    piece_speculates_.push_back(plan.speculate && !piece_on_device_[j] ? 1 : 0);
+    speculates_ |= piece_speculates_.back() != 0;
+    if (piece_speculates_.back()) speculated_numel_ += pieces_[j].numel;
+    ascending_.push_back(j);
+  }
+  for (size_t j = pieces_.size(); j-- > 0;) {
+    if (piece_speculates_[j]) descending_.push_back(j);
+  }
+  set_of_.assign(pieces_.size(), 0);
   staging_ = std::make_unique<OptimizerStaging>(plan, *ctx.state);
   sets_.resize(size_t(staging_->sets()));
   checksum_threads_.adam = adam_.get();
@@ -112,6 +158,7 @@ OptimizerPass::OptimizerPass(const StepContext& ctx, const PlacementPlan& plan, 
     staging_->writes(k).set_checksum_threads(&checksum_threads_);
   }
   param_write_.set_checksum_threads(&checksum_threads_);
+  grad_read_.set_checksum_threads(&checksum_threads_);
   cut_runs();
   if (optimizer_overlaps(*ctx.cfg, plan)) {
     thread_ = std::make_unique<OptimizerThread>([this](const OptimizerThread::Job& job) { run(job); });
@@ -133,6 +180,10 @@ void OptimizerPass::cut_runs() {
       const int64_t in_block = ctx_.shard_rank * ctx_.shard_numel(b) + (lo - ctx_.shard_offset[b]);
       runs.push_back({lo - piece.offset, hi - lo, uint64_t(ctx_.global_index[b] + in_block), int32_t(b)});
     }
+    // Trace span names (Note [Speculative optimizer]): the piece's first block.
+    const std::string block = runs.empty() ? "padding" : layout.block(size_t(runs.front().block)).name;
+    speculate_names_.push_back("speculate " + block);
+    commit_names_.push_back("commit " + block);
     piece_runs_.push_back(std::move(runs));
   }
   device_launch_.assign(pieces_.size(), {});
@@ -210,7 +261,7 @@ void OptimizerPass::set_save(std::shared_ptr<SaveGate> save) {
 // copy comes out of the same pass (bf16: emitted by CPU Adam; fp32: copied).
 //
 // Note [Optimizer pipeline] in optimizer_pass.h.
-void OptimizerPass::run(const OptimizerThread::Job& job) {
+cpu_adam::AdamParams OptimizerPass::adam_params(const OptimizerThread::Job& job) const {
   const Config& cfg = *ctx_.cfg;
   cpu_adam::AdamParams h;
   h.lr = job.lr;
@@ -219,47 +270,115 @@ void OptimizerPass::run(const OptimizerThread::Job& job) {
   h.eps = cfg.optimizer.eps;
   h.weight_decay = cfg.optimizer.weight_decay;
   h.adamw = cfg.optimizer.adam_w_mode;
+  return h;
+}
+
+// A save of an earlier step in flight (Note [Saving while training]): a job
+// that writes state waits per piece until the save has written what the
+// piece's update overwrites.
+std::shared_ptr<SaveGate> OptimizerPass::save_for(const OptimizerThread::Job& job) {
+  using Kind = OptimizerThread::Kind;
+  if (job.kind == Kind::kSpeculate || job.kind == Kind::kRestore) return nullptr;  // the state is only read
+  std::lock_guard<std::mutex> lock(save_mu_);
+  if (save_ && job.step > save_->applied()) return save_;
+  return nullptr;
+}
+
+// Per piece, wherever its state lives: resident state is updated in place,
+// swapped state is read into staging, updated and written back. The working
+// copy comes out of the same pass (bf16: emitted by CPU Adam; fp32: copied).
+// The kinds of Note [Speculative optimizer] walk their own pieces in their
+// own order through the same pipeline.
+//
+// Note [Optimizer pipeline] in optimizer_pass.h.
+void OptimizerPass::run(const OptimizerThread::Job& job) {
+  using Kind = OptimizerThread::Kind;
+  const cpu_adam::AdamParams h = adam_params(job);
   OptimizerStaging& st = *staging_;
   const int sets = st.sets();
+  const std::vector<size_t>& order =
+      job.kind == Kind::kSpeculate || job.kind == Kind::kCommit ? descending_ : ascending_;
   // Pieces read ahead of the one updated: with 3 or more sets, all but the
   // set being updated and the one whose write-back was issued last; with 2,
   // one; with 1, none (the next piece is read after the write-back).
   const size_t ahead = sets >= 3 ? size_t(sets - 2) : sets == 2 ? 1 : 0;
-  // A save of an earlier step in flight (Note [Saving while training]):
-  // each piece waits until the save has written what its update overwrites.
-  std::shared_ptr<SaveGate> save;
-  {
-    std::lock_guard<std::mutex> lock(save_mu_);
-    if (save_ && job.step > save_->applied()) save = save_;
-  }
-  for (size_t i = 0; i < std::max<size_t>(ahead, 1) && i < pieces_.size(); ++i) stage_piece(i, job);
-  for (size_t j = 0; j < pieces_.size(); ++j) {
-    const int k = int(j % size_t(sets));
-    const PlacementUnit& g = pieces_[j];
-    if (ahead > 0 && j + ahead < pieces_.size()) stage_piece(j + ahead, job);  // read ahead
-    {
-      TraceSpan span(TraceTrack::kAdam, "wait for the piece's reads (and verify them)");
+  const std::shared_ptr<SaveGate> save = save_for(job);
+  // Staging sets go round by position in the order (the pieces a job
+  // works on need not be consecutive); a kind other than kFull works on
+  // the pieces that speculate, and publishes the others as they are.
+  for (size_t pos = 0; pos < order.size(); ++pos) set_of_[order[pos]] = int(pos % size_t(sets));
+  try {
+    walk(job, order, ahead, save, h);
+  } catch (const Abandoned&) {
+    // The step failed before its verdict: nothing of the state was written;
+    // the staging's transfers end before the buffers are reused.
+    for (int k = 0; k < sets; ++k) {
       st.read_done(k).wait();
+      st.write_done(k).wait();
     }
-    int64_t end = g.offset + g.numel;  // what this piece's update overwrites
-    for (const DeviceRun& r : device_launch_[j]) end = std::max(end, r.offset + r.numel);
-    if (save) {
-      TraceSpan span(TraceTrack::kAdam, "wait for checkpoint");
-      save->wait_written_below(end);
+  }
+}
+
+void OptimizerPass::walk(const OptimizerThread::Job& job, const std::vector<size_t>& order, size_t ahead,
+                         const std::shared_ptr<SaveGate>& save, const cpu_adam::AdamParams& h) {
+  using Kind = OptimizerThread::Kind;
+  OptimizerStaging& st = *staging_;
+  const int sets = st.sets();
+  const size_t n = order.size();
+  auto works_on = [&](size_t j) { return job.kind == Kind::kFull || piece_speculates_[j] != 0; };
+  auto stage_at = [&](size_t pos) {
+    if (works_on(order[pos])) stage_piece(order[pos], job);
+  };
+  for (size_t i = 0; i < std::max<size_t>(ahead, 1) && i < n; ++i) stage_at(i);
+  for (size_t pos = 0; pos < n; ++pos) {
+    maybe_kill(job, pos, n);
+    const size_t j = order[pos];
+    const int k = set_of_[j];
+    const PlacementUnit& g = pieces_[j];
+    if (ahead > 0 && pos + ahead < n) stage_at(pos + ahead);  // read ahead
+    if (works_on(j)) {
+      {
+        TraceSpan span(TraceTrack::kAdam, "wait for the piece's reads (and verify them)");
+        st.read_done(k).wait();
+      }
+      int64_t end = g.offset + g.numel;  // what this piece's update overwrites
+      for (const DeviceRun& r : device_launch_[j]) end = std::max(end, r.offset + r.numel);
+      if (save) {
+        TraceSpan span(TraceTrack::kAdam, "wait for checkpoint");
+        save->wait_written_below(end);
+      }
+      switch (job.kind) {
+        case Kind::kFull:
+          if (piece_on_device_[j]) {
+            TraceSpan span(TraceTrack::kAdam, "adam on the device");
+            for (const DeviceRun& r : device_launch_[j]) launch_device_run(h, job, r);
+            // One event per launch: a piece a merged run covers shares its launch's.
+            if (!device_launch_[j].empty()) last_launch_ = ctx_.device->record(Stream::kCompute);
+            device_done_[j] = last_launch_;
+          } else {
+            update_piece(j, job, h);
+            write_back_piece(j, /*state=*/true, /*working=*/true);
+            if (piece_device_state_[j]) device_done_[j] = ctx_.device->record(Stream::kStateH2D);
+          }
+          break;
+        case Kind::kSpeculate:
+          speculate_piece(j, job, h);
+          write_back_piece(j, /*state=*/false, /*working=*/true);
+          break;
+        case Kind::kCommit:
+          update_piece(j, job, h);
+          if (thread_) thread_->publish_low(g.offset);  // its gradient is read
+          write_back_piece(j, /*state=*/true, /*working=*/false);
+          if (piece_device_state_[j]) device_done_[j] = ctx_.device->record(Stream::kStateH2D);
+          break;
+        case Kind::kRestore:
+          restore_piece(j);
+          write_back_piece(j, /*state=*/false, /*working=*/true);
+          break;
+      }
     }
-    if (piece_on_device_[j]) {
-      TraceSpan span(TraceTrack::kAdam, "adam on the device");
-      for (const DeviceRun& r : device_launch_[j]) launch_device_run(h, job, r);
-      // One event per launch: a piece a merged run covers shares its launch's.
-      if (!device_launch_[j].empty()) last_launch_ = ctx_.device->record(Stream::kCompute);
-      device_done_[j] = last_launch_;
-    } else {
-      update_piece(j, job, h);
-      write_back_piece(j);
-      if (piece_device_state_[j]) device_done_[j] = ctx_.device->record(Stream::kStateH2D);
-    }
-    if (thread_) thread_->publish(g.offset + g.numel);
-    if (sets == 1 && j + 1 < pieces_.size()) stage_piece(j + 1, job);  // sequential: after the write-back
+    if (thread_ && (job.kind == Kind::kFull || job.kind == Kind::kRestore)) thread_->publish(g.offset + g.numel);
+    if (sets == 1 && pos + 1 < n) stage_at(pos + 1);  // sequential: after the write-back
   }
   for (int k = 0; k < sets; ++k) st.write_done(k).wait();
 }
@@ -273,12 +392,15 @@ void OptimizerPass::order_after_updates(Stream s, int64_t offset, int64_t numel)
   }
 }
 
-// Piece j's spans: resident homes in place, the rest read into set j % sets.
+// Piece j's spans: resident homes in place, the rest read into its set.
+// A speculation reads the gradient later, once final (speculate_piece); a
+// restore reads the master weights only.
 void OptimizerPass::stage_piece(size_t j, const OptimizerThread::Job& job) {
+  using Kind = OptimizerThread::Kind;
   OptimizerStaging& st = *staging_;
   TieredState& state = *ctx_.state;
   const PlacementPlan& plan = state.plan();
-  const int k = int(j % size_t(st.sets()));
+  const int k = set_of_[j];
   const PlacementUnit& g = pieces_[j];
   if (st.write_done(k).pending()) {
     TraceSpan span(TraceTrack::kAdam, "wait for the set's write-back");
@@ -289,75 +411,218 @@ void OptimizerPass::stage_piece(size_t j, const OptimizerThread::Job& job) {
   sp.adam.state_type = plan.bf16_moments() ? cpu_adam::StateType::kBF16 : cpu_adam::StateType::kF32;
   sp.adam.grad_type = cpu_adam::GradType::kF32;
   sp.adam.numel = g.numel;
+  sp.keeps_state = false;
   if (piece_on_device_[j]) return;  // updated in place on the device (launch_device_run)
+  const bool after_backward = job.kind == Kind::kFull || job.kind == Kind::kCommit;
   auto fetch = [&](Category c) -> std::byte* {
     std::byte* p = state.resident(c, g.offset, g.numel);
-    if (p != nullptr) return p;
+    if (p != nullptr) {
+      sp.keeps_state |= c != Category::kGrad;
+      return p;
+    }
     std::byte* dst = st.slot(c, k);
     STRATA_CHECK(dst != nullptr, "optimizer staging without a slot for a piece that needs one");
     // Device-tier parts (a GPU) after the backward that wrote the gradient,
-    // not behind the next step's forward this thread may run beside.
-    st.read_done(k) = state.read_async(c, g.offset, g.numel, dst, st.reads(k), &job.backward_done);
+    // not behind the next step's forward this thread may run beside; state
+    // no kernel writes (a speculation's, a restore's) at once.
+    st.read_done(k) = state.read_async(c, g.offset, g.numel, dst, st.reads(k),
+                                       after_backward ? &job.backward_done : &kNoKernel);
     return dst;
   };
-  sp.adam.grad = fetch(Category::kGrad);
+  if (job.kind != Kind::kSpeculate && job.kind != Kind::kRestore) sp.adam.grad = fetch(Category::kGrad);
   sp.adam.param = reinterpret_cast<float*>(fetch(Category::kMaster));
-  sp.adam.exp_avg = fetch(Category::kExpAvg);
-  sp.adam.exp_avg_sq = fetch(Category::kExpAvgSq);
+  if (job.kind != Kind::kRestore) {
+    sp.adam.exp_avg = fetch(Category::kExpAvg);
+    sp.adam.exp_avg_sq = fetch(Category::kExpAvgSq);
+  }
   sp.working = state.resident(Category::kParam16, g.offset, g.numel);
   sp.working_resident = sp.working != nullptr;
   if (!sp.working_resident) sp.working = st.slot(Category::kParam16, k);
   STRATA_CHECK(sp.working != nullptr, "optimizer staging without a working-copy slot");
-  if (ctx_.compute_dtype != at::kFloat) {
+  if (ctx_.compute_dtype != at::kFloat && job.kind != Kind::kCommit) {
     sp.adam.emit = sp.working;
     sp.adam.emit_type = ctx_.compute_dtype == at::kBFloat16 ? cpu_adam::EmitType::kBF16 : cpu_adam::EmitType::kF16;
   }
 }
 
+namespace {
+cpu_adam::AdamSpans run_part(const cpu_adam::AdamSpans& whole, int64_t start, int64_t numel, int64_t moment_bytes,
+                             int64_t working_bytes) {
+  cpu_adam::AdamSpans part = whole;
+  part.param += start;
+  part.grad = static_cast<const float*>(part.grad) + start;
+  part.exp_avg = static_cast<std::byte*>(part.exp_avg) + start * moment_bytes;
+  part.exp_avg_sq = static_cast<std::byte*>(part.exp_avg_sq) + start * moment_bytes;
+  if (part.emit != nullptr) part.emit = static_cast<std::byte*>(part.emit) + start * working_bytes;
+  part.numel = numel;
+  return part;
+}
+}  // namespace
+
 // CPU Adam over piece j, one call per run inside a block shard: the rounding
 // of bf16 moments is keyed by the global unpadded parameter index (Note [bf16
-// state]), so it depends on neither pieces, placement nor world size.
+// state]), so it depends on neither pieces, placement nor world size. A
+// commit (Note [Speculative optimizer]) leaves the working copy alone.
 void OptimizerPass::update_piece(size_t j, const OptimizerThread::Job& job, const cpu_adam::AdamParams& h) {
-  const OptSet& sp = sets_[j % sets_.size()];
+  const OptSet& sp = sets_[size_t(set_of_[j])];
   const int64_t moment_bytes = ctx_.state->elem_bytes(Category::kExpAvg);
-  TraceSpan span(TraceTrack::kAdam, "adam sub-group");
+  TraceSpan span(TraceTrack::kAdam,
+                 job.kind == OptimizerThread::Kind::kCommit ? commit_names_[j].c_str() : "adam sub-group");
   for (const AdamRun& run : piece_runs_[j]) {
-    cpu_adam::AdamSpans part = sp.adam;
-    part.param += run.start;
-    part.grad = static_cast<const float*>(part.grad) + run.start;
-    part.exp_avg = static_cast<std::byte*>(part.exp_avg) + run.start * moment_bytes;
-    part.exp_avg_sq = static_cast<std::byte*>(part.exp_avg_sq) + run.start * moment_bytes;
-    if (part.emit != nullptr) part.emit = static_cast<std::byte*>(part.emit) + run.start * ctx_.compute_bytes;
-    part.numel = run.numel;
-    adam_->step(h, cpu_adam::StepArgs{job.step, job.grad_scale, run.key}, part);
+    adam_->step(h, cpu_adam::StepArgs{job.step, job.grad_scale, run.key},
+                run_part(sp.adam, run.start, run.numel, moment_bytes, ctx_.compute_bytes));
   }
-  if (ctx_.compute_dtype == at::kFloat) std::memcpy(sp.working, sp.adam.param, size_t(pieces_[j].numel * 4));
+  if (ctx_.compute_dtype == at::kFloat && job.kind != OptimizerThread::Kind::kCommit) {
+    std::memcpy(sp.working, sp.adam.param, size_t(pieces_[j].numel * 4));
+  }
 }
 
-// Piece j's staged state and working copy back to their homes.
-void OptimizerPass::write_back_piece(size_t j) {
+// Note [Speculative optimizer], pass 1: once the gradients of piece j's
+// blocks are final, the step's new working copy, the state read only (in
+// scratch: CpuAdam::step_keeping_state, where some of it is resident; on the
+// staged copies, which are then dropped, where none is).
+void OptimizerPass::speculate_piece(size_t j, const OptimizerThread::Job& job, const cpu_adam::AdamParams& h) {
+  OptSet& sp = sets_[size_t(set_of_[j])];
+  const PlacementUnit& g = pieces_[j];
+  Completion after;
+  {
+    TraceSpan span(TraceTrack::kAdam, "wait for final gradients");
+    for (const AdamRun& run : piece_runs_[j]) {
+      Completion c;
+      if (!gradients_->wait_final(size_t(run.block), &c)) throw Abandoned();
+      if (c.pending()) after = c;  // one stream: the latest covers the others
+    }
+  }
+  TieredState& state = *ctx_.state;
+  std::byte* grad = state.resident(Category::kGrad, g.offset, g.numel);
+  if (grad == nullptr) {
+    grad = staging_->slot(Category::kGrad, set_of_[j]);
+    STRATA_CHECK(grad != nullptr, "optimizer staging without a gradient slot");
+    TraceSpan span(TraceTrack::kAdam, "read the final gradient");
+    state.read_async(Category::kGrad, g.offset, g.numel, grad, grad_read_, &after).wait();
+  }
+  sp.adam.grad = grad;
+  int64_t lowest = INT64_MAX;
+  for (const AdamRun& run : piece_runs_[j]) lowest = std::min<int64_t>(lowest, run.block);
+  reached_block_.store(lowest, std::memory_order_release);
+  const int64_t moment_bytes = ctx_.state->elem_bytes(Category::kExpAvg);
+  const bool fp32 = ctx_.compute_dtype == at::kFloat;
+  TraceSpan span(TraceTrack::kAdam, speculate_names_[j].c_str());
+  for (const AdamRun& run : piece_runs_[j]) {
+    const cpu_adam::AdamSpans part = run_part(sp.adam, run.start, run.numel, moment_bytes, ctx_.compute_bytes);
+    const cpu_adam::StepArgs args{job.step, job.grad_scale, run.key};
+    if (sp.keeps_state) {
+      adam_->step_keeping_state(h, args, part, fp32 ? reinterpret_cast<float*>(sp.working) + run.start : nullptr);
+    } else {
+      adam_->step(h, args, part);  // staged copies: dropped afterwards
+      if (fp32) std::memcpy(reinterpret_cast<float*>(sp.working) + run.start, part.param, size_t(run.numel) * 4);
+    }
+  }
+}
+
+// Note [Speculative optimizer], a skipped step: piece j's working copy from
+// its (unchanged) master weights, rounded as start-up and checkpoint loads
+// round them.
+void OptimizerPass::restore_piece(size_t j) {
+  const OptSet& sp = sets_[size_t(set_of_[j])];
+  const int64_t n = pieces_[j].numel;
+  TraceSpan span(TraceTrack::kAdam, "restore the working copy");
+  if (ctx_.compute_dtype == at::kFloat) {
+    std::memcpy(sp.working, sp.adam.param, size_t(n) * 4);
+  } else {
+    adam_->convert(sp.adam.param, sp.working, sp.adam.emit_type, n);
+  }
+}
+
+// Piece j's staged state (`state`) and working copy (`working`) back to
+// their homes.
+void OptimizerPass::write_back_piece(size_t j, bool state_too, bool working) {
   OptimizerStaging& st = *staging_;
   TieredState& state = *ctx_.state;
-  const int k = int(j % size_t(st.sets()));
+  const int k = set_of_[j];
   const PlacementUnit& g = pieces_[j];
   const OptSet& sp = sets_[size_t(k)];
   PendingIo& w = st.writes(k);
   Completion& written = st.write_done(k);
-  if (!state.resident(Category::kMaster, g.offset, g.numel)) {
-    written = state.write_async(Category::kMaster, g.offset, g.numel, sp.adam.param, w, &kNoKernel);
+  if (state_too) {
+    if (!state.resident(Category::kMaster, g.offset, g.numel)) {
+      written = state.write_async(Category::kMaster, g.offset, g.numel, sp.adam.param, w, &kNoKernel);
+    }
+    if (!state.resident(Category::kExpAvg, g.offset, g.numel)) {
+      written = state.write_async(Category::kExpAvg, g.offset, g.numel, sp.adam.exp_avg, w, &kNoKernel);
+    }
+    if (!state.resident(Category::kExpAvgSq, g.offset, g.numel)) {
+      written = state.write_async(Category::kExpAvgSq, g.offset, g.numel, sp.adam.exp_avg_sq, w, &kNoKernel);
+    }
   }
-  if (!state.resident(Category::kExpAvg, g.offset, g.numel)) {
-    written = state.write_async(Category::kExpAvg, g.offset, g.numel, sp.adam.exp_avg, w, &kNoKernel);
-  }
-  if (!state.resident(Category::kExpAvgSq, g.offset, g.numel)) {
-    written = state.write_async(Category::kExpAvgSq, g.offset, g.numel, sp.adam.exp_avg_sq, w, &kNoKernel);
-  }
-  if (sp.working_resident) return;
+  if (!working || sp.working_resident) return;
   if (thread_) {
     // The next forward may read it as soon as the progress says so.
     state.write_async(Category::kParam16, g.offset, g.numel, sp.working, param_write_, &kNoKernel).wait();
   } else {
     written = state.write_async(Category::kParam16, g.offset, g.numel, sp.working, w, &kNoKernel);
+  }
+}
+
+// Note [Speculative optimizer], a commit: the pieces wholly in HBM, not
+// speculated, updated by the device's Adam on the compute stream (from the
+// compute thread: the next forward's kernels queue after them).
+void OptimizerPass::launch_device_pieces(const OptimizerThread::Job& job) {
+  const cpu_adam::AdamParams h = adam_params(job);
+  const std::shared_ptr<SaveGate> save = save_for(job);
+  for (size_t j = 0; j < pieces_.size(); ++j) {
+    if (!piece_on_device_[j] || device_launch_[j].empty()) {
+      if (piece_on_device_[j]) device_done_[j] = last_launch_;
+      continue;
+    }
+    int64_t end = pieces_[j].offset + pieces_[j].numel;
+    for (const DeviceRun& r : device_launch_[j]) end = std::max(end, r.offset + r.numel);
+    if (save) save->wait_written_below(end);
+    for (const DeviceRun& r : device_launch_[j]) launch_device_run(h, job, r);
+    last_launch_ = ctx_.device->record(Stream::kCompute);
+    device_done_[j] = last_launch_;
+  }
+}
+
+void OptimizerPass::speculate(const OptimizerThread::Job& job) {
+  STRATA_CHECK(thread_ && speculates_ && gradients_ != nullptr, "speculation without its thread or gradients");
+  OptimizerThread::Job j = job;
+  j.kind = OptimizerThread::Kind::kSpeculate;
+  reached_block_.store(INT64_MAX, std::memory_order_release);  // this step's speculation has begun nothing
+  thread_->queue(j);
+}
+
+OptimizerPass::Report OptimizerPass::settle(Verdict verdict, const OptimizerThread::Job& job) {
+  finish();  // the speculation has ended (and the commit before it)
+  const Report r = thread_->take_report();
+  OptimizerThread::Job j = job;
+  switch (verdict) {
+    case Verdict::kCommit:
+      launch_device_pieces(job);
+      j.kind = OptimizerThread::Kind::kCommit;
+      break;
+    case Verdict::kRedo: j.kind = OptimizerThread::Kind::kFull; break;
+    case Verdict::kRestore: j.kind = OptimizerThread::Kind::kRestore; break;
+  }
+  thread_->start(j);
+  return r;
+}
+
+void OptimizerPass::abandon_speculation(const OptimizerThread::Job& job) {
+  finish();  // the speculation stops at its next wait for a gradient
+  OptimizerThread::Job j = job;
+  j.kind = OptimizerThread::Kind::kRestore;
+  thread_->start(j);
+  finish();
+}
+
+void OptimizerPass::wait_committed(int64_t offset) {
+  if (!thread_) return;
+  try {
+    thread_->wait_low(offset, &wait_s_);
+  } catch (...) {
+    broken_ = true;
+    throw;
   }
 }
 

@@ -8,9 +8,11 @@
 #include <ATen/ATen.h>
 
 #include <array>
+#include <atomic>
 #include <cstdint>
 #include <memory>
 #include <mutex>
+#include <string>
 #include <vector>
 
 #include "cpu_adam/adam.h"
@@ -91,6 +93,46 @@ class SaveGate {
 // (kStateD2H, kStateH2D) and complete with their set's group like NVMe
 // transfers, so they pipeline the same way instead of waiting per copy.
 //
+// Note [Speculative optimizer]
+// With optimizer.speculate (PlacementPlan::speculate) the update runs behind
+// the backward, exact. Its inputs but two are known when the step begins:
+// the learning rate, the Adam step, the loss scale; the two that are not are
+// the clip coefficient (the global norm, after the whole backward and its
+// all-reduce) and fp16's overflow verdict. The step speculates that the
+// coefficient is 1 and nothing overflowed, i.e. the gradient scale is
+// 1/loss_scale, which is the inline optimizer's float(coef / loss_scale)
+// bit for bit when that holds.
+// The mechanism, "two passes": the pre-step state is kept by not writing it.
+//  1. speculate (kSpeculate, on the optimizer thread, beside the backward):
+//     as each block's gradient becomes final (GradientSource::wait_final:
+//     its last micro-batch's add and, with ranks, its reduction, landed),
+//     from the highest piece down, CPU Adam computes the piece's step and
+//     writes only the new working copy (CpuAdam::step_keeping_state, or the
+//     step on staged copies of swapped state that are then dropped). The
+//     master weights and moments are read, not written.
+//  2. the verdict (compute thread, after the norm's all-reduce):
+//     - coefficient 1, finite: commit. Pieces wholly in HBM (the device's
+//       Adam; not speculated: it is fast) are launched on the compute
+//       stream at once; a commit job (kCommit, from the highest piece down,
+//       the next backward's order) computes the same step again and writes
+//       master and moments (not the working copy, already final), during
+//       the next step's forward. A block's gradient home is rewritten by the
+//       next backward only once the commit is below it (wait_committed).
+//     - clipped (coefficient < 1): redo. A full job with the true scale, as
+//       without speculation: the state was never written, so this is the
+//       inline optimizer's update; the next forward waits per block for it.
+//     - skipped (fp16 overflow) or a non-finite norm: restore. The working
+//       copy is the master weights rounded to the compute dtype (as start-up
+//       and checkpoint loads make it), so kRestore rewrites the speculated
+//       pieces' working copy from the unchanged master weights.
+// Extra host memory traffic of a committed step: the commit pass re-reads
+// the gradient, master and moments (16 bytes per element with fp32 moments)
+// beside the inline pass's reads and writes; a swapped piece is read twice.
+// A checkpoint holds committed state only: a save waits for the commit job
+// of its step (wait_for_job), and a kill during speculation leaves master
+// and moments at the last committed step (the working copy is rebuilt from
+// the master weights on load).
+//
 // Thread-safety: step(), wait(), finish() and the accessors are the compute
 // thread's; set_save() and wait_for_job() any thread's.
 // CPU Adam's threads for `cfg` on `device` (0 = all cores).
@@ -108,6 +150,28 @@ class OptimizerPass {
   // Applies `job`: inline (returns its time and bytes), or handed to the
   // thread after the previous job finished (returns that one's).
   Report step(const OptimizerThread::Job& job);
+  // Note [Speculative optimizer]. Whether some piece speculates.
+  bool speculates() const { return speculates_; }
+  // Where speculation learns that gradients are final. REQUIRES: set before
+  // the first speculate().
+  void set_gradients(GradientSource* source) { gradients_ = source; }
+  // Queues the step's speculation (job.kind kSpeculate) behind the previous
+  // step's commit.
+  void speculate(const OptimizerThread::Job& job);
+  enum class Verdict { kCommit, kRedo, kRestore };
+  // After the speculation ended: commits it, redoes the step with `job`'s
+  // true scale (kRedo), or restores the working copy (kRestore). Returns the
+  // report of the jobs finished since the last step()/settle().
+  Report settle(Verdict verdict, const OptimizerThread::Job& job);
+  // A step failed before its verdict: the speculation stops (the gradient
+  // source's waits return false) and the working copy is restored.
+  void abandon_speculation(const OptimizerThread::Job& job);
+  // Until the commit job has written [offset, end of the shard space).
+  void wait_committed(int64_t offset);
+  int64_t speculated_numel() const { return speculated_numel_; }  // elements of the pieces that speculate
+  // Any thread (tests): the lowest block whose speculated update has begun
+  // in the running or last speculation (INT64_MAX: none yet).
+  int64_t speculation_reached_block() const { return reached_block_.load(std::memory_order_acquire); }
   // Until the running job has made [0, offset) final (no-op without the
   // thread); rethrows its failure, after which broken() is true.
   void wait(int64_t offset);
@@ -133,10 +197,18 @@ class OptimizerPass {
   void order_after_updates(Stream s, int64_t offset, int64_t numel) const;
 
  private:
+  struct Abandoned {};  // a speculation's gradients will not come (abandon_speculation)
   void run(const OptimizerThread::Job& job);
+  void walk(const OptimizerThread::Job& job, const std::vector<size_t>& order, size_t ahead,
+            const std::shared_ptr<SaveGate>& save, const cpu_adam::AdamParams& h);
   void stage_piece(size_t j, const OptimizerThread::Job& job);
   void update_piece(size_t j, const OptimizerThread::Job& job, const cpu_adam::AdamParams& h);
-  void write_back_piece(size_t j);
+  void speculate_piece(size_t j, const OptimizerThread::Job& job, const cpu_adam::AdamParams& h);
+  void restore_piece(size_t j);
+  void write_back_piece(size_t j, bool state, bool working);
+  void launch_device_pieces(const OptimizerThread::Job& job);
+  cpu_adam::AdamParams adam_params(const OptimizerThread::Job& job) const;
+  std::shared_ptr<SaveGate> save_for(const OptimizerThread::Job& job);
   void cut_runs();
   struct DeviceRun;
   void launch_device_run(const cpu_adam::AdamParams& h, const OptimizerThread::Job& job, const DeviceRun& r);
@@ -163,7 +235,19 @@ class OptimizerPass {
     int32_t block = 0;
   };
   std::vector<std::vector<AdamRun>> piece_runs_;
+  std::vector<std::string> speculate_names_, commit_names_;  // per piece: trace spans
   std::vector<char> piece_on_device_;     // per piece: device_adam_piece()
+  // Note [Speculative optimizer]: per piece, whether it speculates (CPU
+  // Adam's pieces, with PlacementPlan::speculate); the pieces in shard
+  // order, and those that speculate from the highest down.
+  std::vector<char> piece_speculates_;
+  bool speculates_ = false;
+  int64_t speculated_numel_ = 0;
+  std::atomic<int64_t> reached_block_{INT64_MAX};
+  std::vector<size_t> ascending_, descending_;
+  std::vector<int> set_of_;               // per piece: its staging set in the running job
+  GradientSource* gradients_ = nullptr;
+  PendingIo grad_read_;                   // a speculated piece's gradient, read once final
   // Device pieces' runs merged across pieces (one launch per stretch of a
   // block shard, not one per 2^20-element piece), launched at the piece where
   // each starts; empty for the pieces a merged run covers.
@@ -183,6 +267,7 @@ class OptimizerPass {
     cpu_adam::AdamSpans adam;
     std::byte* working = nullptr;
     bool working_resident = false;
+    bool keeps_state = false;  // some of master and moments is resident (updated in place)
   };
   std::vector<OptSet> sets_;              // per staging set
   PendingIo param_write_;                 // a staged working copy's write, waited at once

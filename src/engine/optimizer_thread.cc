@@ -55,23 +55,55 @@ void OptimizerThread::loop() {
       error = std::current_exception();
     }
     lock.lock();
-    report_ = Report{seconds_since(t0), moved};
-    error_ = error;
-    ended_step_ = job.step;
-    ended_failed_ = error != nullptr;
-    progress_ = INT64_MAX;
-    busy_ = false;
+    const double took = seconds_since(t0);
+    report_.seconds += took;
+    if (job.kind == Kind::kSpeculate) report_.speculated_s += took;
+    report_.links += moved;
+    if (error && !error_) error_ = error;
+    if (job.kind != Kind::kSpeculate) {  // a speculation's state is not its step's
+      ended_step_ = job.step;
+      ended_failed_ = error != nullptr;
+    }
+    low_ = 0;
+    if (queued_ && !error_) {
+      queued_ = false;
+      begin_locked(next_);
+    } else {
+      queued_ = false;
+      progress_ = state_progress_ = INT64_MAX;
+      busy_ = false;
+    }
     cv_.notify_all();
   }
+}
+
+void OptimizerThread::begin_locked(const Job& job) {
+  job_ = job;
+  ready_ = true;
+  busy_ = true;
+  const bool working_final = job.kind == Kind::kSpeculate || job.kind == Kind::kCommit;
+  progress_ = working_final ? kWorkingFinal : 0;
+  state_progress_ = 0;
+  low_ = job.kind == Kind::kCommit ? INT64_MAX : 0;
 }
 
 void OptimizerThread::start(const Job& job) {
   {
     std::lock_guard<std::mutex> lock(mu_);
-    job_ = job;
-    ready_ = true;
-    busy_ = true;
-    progress_ = 0;
+    begin_locked(job);
+  }
+  cv_.notify_all();
+}
+
+void OptimizerThread::queue(const Job& job) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    if (!busy_) {
+      begin_locked(job);
+    } else {
+      next_ = job;
+      queued_ = true;
+    }
   }
   cv_.notify_all();
 }
@@ -80,8 +112,32 @@ void OptimizerThread::publish(int64_t offset) {
   {
     std::lock_guard<std::mutex> lock(mu_);
     progress_ = offset;
+    state_progress_ = offset;
   }
   cv_.notify_all();
+}
+
+void OptimizerThread::publish_low(int64_t offset) {
+  {
+    std::lock_guard<std::mutex> lock(mu_);
+    low_ = offset;
+  }
+  cv_.notify_all();
+}
+
+void OptimizerThread::wait_low(int64_t offset, double* waited) {
+  std::unique_lock<std::mutex> lock(mu_);
+  if (low_ > offset) {
+    TraceSpan span(TraceTrack::kCompute, "wait for the optimizer's commit");
+    const auto t0 = std::chrono::steady_clock::now();
+    cv_.wait(lock, [&] { return low_ <= offset; });
+    *waited += seconds_since(t0);
+  }
+  if (!busy_ && error_) {
+    std::exception_ptr e = error_;
+    error_ = nullptr;
+    std::rethrow_exception(e);
+  }
 }
 
 void OptimizerThread::wait(int64_t offset, double* waited) {
@@ -101,7 +157,7 @@ void OptimizerThread::wait(int64_t offset, double* waited) {
 
 bool OptimizerThread::wait_for_job(int64_t step, int64_t offset) {
   std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return !busy_ || job_.step != step || progress_ >= offset; });
+  cv_.wait(lock, [&] { return !busy_ || job_.step != step || state_progress_ >= offset; });
   if (busy_ && job_.step == step) return true;  // far enough
   return !(ended_step_ == step && ended_failed_);
 }

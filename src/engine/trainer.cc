@@ -94,21 +94,38 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
   // multiplies it by the loss scale too (Note [Loss scaling]).
   const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
   double sums[3] = {0.0, 0.0, stop_requested ? 1.0 : 0.0};  // squared norm, loss, stop
-  sums[1] = run_schedule(tokens, loss_scale / double(accum * ranks));
-  const double param_wait = blocks_->window().wait_seconds() - param_wait0;
   StepResult r;
-  r.tokens = accum * micro * cfg_.model.seq_len * ranks;
-  // This rank's squared norm (Note [Gradient path]), the loss and the stop
-  // requests: one all-reduce of three numbers.
-  sums[0] = grads_->finish_step(&moved);
-  {
-    TraceSpan span(TraceTrack::kComm, "all_reduce norm, loss, stop");
-    comm.all_reduce(sums, 3, DType::kF64, ReduceOp::kSum).wait();
+  r.lr = learning_rate(cfg_.scheduler, cfg_.optimizer.lr, applied_steps_ + 1);
+  // Note [Speculative optimizer]: the update as if the clip coefficient were
+  // 1 and nothing overflowed, behind the backward, block by block.
+  const bool speculating = speculate_this_step();
+  const OptimizerThread::Job speculated{float(1.0 / loss_scale), r.lr, applied_steps_ + 1, Completion(),
+                                        OptimizerThread::Kind::kSpeculate};
+  if (speculating) optimizer_->speculate(speculated);
+  double param_wait = 0.0;
+  try {
+    sums[1] = run_schedule(tokens, loss_scale / double(accum * ranks));
+    param_wait = blocks_->window().wait_seconds() - param_wait0;
+    // This rank's squared norm (Note [Gradient path]), the loss and the stop
+    // requests: one all-reduce of three numbers.
+    sums[0] = grads_->finish_step(&moved);
+    {
+      TraceSpan span(TraceTrack::kComm, "all_reduce norm, loss, stop");
+      comm.all_reduce(sums, 3, DType::kF64, ReduceOp::kSum).wait();
+    }
+  } catch (...) {
+    if (speculating) {
+      // Nothing of the state was written; the working copy is put back.
+      grads_->cancel_waits();
+      blocks_->invalidate();
+      optimizer_->abandon_speculation(speculated);
+    }
+    throw;
   }
+  r.tokens = accum * micro * cfg_.model.seq_len * ranks;
   r.grad_norm = std::sqrt(sums[0]) / loss_scale;
   r.loss = sums[1];
   r.stop = sums[2] > 0.0;
-  r.lr = learning_rate(cfg_.scheduler, cfg_.optimizer.lr, applied_steps_ + 1);
   auto finish_result = [&] {
     ++step_;
     r.optimizer_wait_s = optimizer_->wait_seconds() - opt_wait0;
@@ -126,10 +143,56 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
     r.loss_scale = loss_scale;
     r.skipped = !std::isfinite(r.grad_norm);
     scaler_->update(r.skipped, step_ + 1);
-    if (r.skipped) return finish_result();
   }
+  if (speculating) {
+    settle_speculation(r, speculated);
+    return finish_result();
+  }
+  if (r.skipped) return finish_result();
   apply_optimizer(r, loss_scale);
   return finish_result();
+}
+
+bool Trainer::speculate_this_step() const {
+  return optimizer_->speculates() && step_ >= speculation_paused_until_;
+}
+
+// Note [Speculative optimizer]: the verdict on a speculated step. The clip
+// coefficient and the scale are apply_optimizer's, bit for bit.
+void Trainer::settle_speculation(StepResult& r, const OptimizerThread::Job& speculated) {
+  blocks_->invalidate();  // the speculation rewrote the working copy
+  ctx_.device->synchronize(Stream::kH2D);  // as apply_optimizer: this step's fetches are done
+  auto report = [&](const OptimizerPass::Report& opt) {
+    r.optimizer_s = opt.seconds;
+    r.optimizer_hidden_s = opt.speculated_s;
+    r.links += opt.links;
+  };
+  if (!std::isfinite(r.grad_norm)) {
+    report(optimizer_->settle(OptimizerPass::Verdict::kRestore, speculated));
+    r.speculation = "restored";
+    if (r.skipped) return;  // fp16: a skipped step
+    optimizer_->finish();
+    apply_optimizer(r, 1.0);  // throws: a non-finite norm without a loss scaler
+    return;
+  }
+  double coef = 1.0;
+  if (cfg_.gradient_clipping > 0.0) coef = std::min(1.0, cfg_.gradient_clipping / (r.grad_norm + 1e-6));
+  const double scale = r.loss_scale > 0.0 ? r.loss_scale : 1.0;
+  const OptimizerThread::Job job{float(coef / scale), r.lr, applied_steps_ + 1, ctx_.device->record(Stream::kCompute)};
+  if (job.grad_scale == speculated.grad_scale) {
+    report(optimizer_->settle(OptimizerPass::Verdict::kCommit, job));
+    r.speculation = "committed";
+    redos_in_a_row_ = 0;
+  } else {
+    report(optimizer_->settle(OptimizerPass::Verdict::kRedo, job));
+    r.speculation = "redone";
+    r.redone_elements = optimizer_->speculated_numel();
+    if (++redos_in_a_row_ >= kSpeculationRedosToPause && cfg_.optimizer.speculate == Speculate::kAuto) {
+      speculation_paused_until_ = step_ + 1 + kSpeculationPauseSteps;
+      redos_in_a_row_ = 0;
+    }
+  }
+  ++applied_steps_;
 }
 
 // The step's ops in the order of its schedule (Note [Step schedules] in
@@ -272,6 +335,7 @@ at::Tensor Trainer::head_forward_backward(const at::Tensor& x, const at::Tensor&
   w.clear();
   tied = at::Tensor();
   blocks_->end();
+  optimizer_->wait_committed(ctx_.shard_offset[ctx_.head_block]);  // Note [Speculative optimizer]
   grads_->add(ctx_.head_block, grads, 1, m);
   return loss;
 }
@@ -280,6 +344,7 @@ at::Tensor Trainer::head_forward_backward(const at::Tensor& x, const at::Tensor&
 // to the gradient path; returns the gradient of its input (none for the
 // embedding).
 at::Tensor Trainer::block_backward(size_t b, int64_t m, const at::Tensor& dx) {
+  if (backward_hook_) backward_hook_(b, m);
   const bool is_embedding = b == ctx_.embedding_block;
   DevicePtr gathered[2];
   blocks_->next(gathered);
@@ -308,6 +373,7 @@ at::Tensor Trainer::block_backward(size_t b, int64_t m, const at::Tensor& dx) {
   xin = at::Tensor();
   w.clear();
   blocks_->end();
+  optimizer_->wait_committed(ctx_.shard_offset[b]);  // Note [Speculative optimizer]
   grads_->add(b, grads, is_embedding ? 0 : 1, m);
   return is_embedding ? at::Tensor() : grads[0];
 }
@@ -468,6 +534,7 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   optimizer_ = std::make_unique<OptimizerPass>(ctx_, plan, isa);
   blocks_ = std::make_unique<GatheredBlocks>(ctx_, plan, *optimizer_);
   grads_ = std::make_unique<GradientPath>(ctx_, plan);
+  optimizer_->set_gradients(grads_.get());
   checkpoints_ = std::make_unique<StateCheckpoints>(ctx_, *optimizer_);
   activations_ = std::make_unique<ActivationCheckpoints>(
       plan, layout_.num_blocks(), std::vector<int64_t>{cfg.train_micro_batch_size_per_gpu, cfg.model.seq_len, cfg.model.dim},

@@ -10,6 +10,7 @@
 
 #include <array>
 #include <cstdint>
+#include <functional>
 #include <memory>
 #include <optional>
 #include <string>
@@ -35,6 +36,12 @@
 
 namespace strata {
 
+// optimizer.speculate auto (Note [Speculative optimizer] in optimizer_pass.h):
+// after this many redone (clipped) steps in a row, the next
+// kSpeculationPauseSteps steps run the optimizer after the backward.
+inline constexpr int64_t kSpeculationRedosToPause = 3;
+inline constexpr int64_t kSpeculationPauseSteps = 20;
+
 struct StepResult {
   double loss = 0.0;       // mean over the micro-batches of the step
   double grad_norm = 0.0;  // global L2 norm before clipping
@@ -52,6 +59,14 @@ struct StepResult {
   bool stop = false;         // some rank asked to stop: every rank stops after this step
   double loss_scale = 0.0;   // fp16: the loss scale this step used (0 without one)
   bool skipped = false;      // fp16: the gradients overflowed and the optimizer step was skipped
+  // Note [Speculative optimizer] (optimizer_pass.h): "" when the step did not
+  // speculate, else "committed", "redone" (a clipped step) or "restored" (a
+  // skipped one); the optimizer seconds that ran beside the backward
+  // (speculative jobs finished since the last report); elements updated
+  // again by a redo.
+  std::string speculation;
+  double optimizer_hidden_s = 0.0;
+  int64_t redone_elements = 0;
 };
 
 // Bytes of each state category, for the start-up report.
@@ -141,6 +156,12 @@ class Trainer {
   int64_t steps_done() const { return step_; }
   // Optimizer steps applied: steps_done() less those fp16 skipped on overflow
   // (Note [Loss scaling]). Adam's step count and the lr schedule follow it.
+  // Tests (Note [Speculative optimizer]): called on the compute thread as
+  // each block's backward for a micro-batch begins; the lowest block whose
+  // speculated update has begun; the optimizer's published progress.
+  void set_backward_hook(std::function<void(size_t block, int64_t micro)> hook) { backward_hook_ = std::move(hook); }
+  int64_t speculation_reached_block() const { return optimizer_->speculation_reached_block(); }
+  int64_t optimizer_progress() { return optimizer_->progress(); }
   int64_t optimizer_steps() const { return applied_steps_; }
   // fp16 only (else nullptr): the loss scale and its counters.
   const LossScaler* loss_scaler() const { return scaler_.get(); }
@@ -205,6 +226,10 @@ class Trainer {
   double run_schedule(const int64_t* tokens, double loss_scale);
   void run_op(const StepOp& op, const at::Tensor& tokens, double loss_scale);
   void apply_optimizer(StepResult& r, double loss_scale);
+  // Note [Speculative optimizer]: whether this step speculates (auto pauses
+  // after kSpeculationRedosToPause redone steps in a row), and the verdict.
+  bool speculate_this_step() const;
+  void settle_speculation(StepResult& r, const OptimizerThread::Job& speculated);
   at::Tensor forward_block(size_t b, int64_t m, const at::Tensor& x, bool train);
   at::Tensor head_forward_backward(const at::Tensor& x, const at::Tensor& targets, double loss_scale, int64_t m,
                                    at::Tensor* dx);
@@ -250,6 +275,9 @@ class Trainer {
   StepContext ctx_;                       // what the parts share; refers to the above
   int64_t step_ = 0;
   int64_t applied_steps_ = 0;             // optimizer steps applied (fp16 skips some)
+  std::function<void(size_t, int64_t)> backward_hook_;
+  int64_t redos_in_a_row_ = 0;            // speculated steps redone in a row
+  int64_t speculation_paused_until_ = 0;  // auto: no speculation before this step (step_ numbering)
   std::unique_ptr<LossScaler> scaler_;    // fp16 only
 
   // The parts of the step; the optimizer first, which the others use (and

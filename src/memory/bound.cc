@@ -179,6 +179,8 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
   LinkBytes& o = w.optimizer_links;  // added to e at the end
   const int64_t moment[3] = {4, m, m};
   const Category opt[3] = {Category::kMaster, Category::kExpAvg, Category::kExpAvgSq};
+  // Block 0's range of the shard space: its pieces' speculation ends last.
+  const PlacementUnit& first_block = p16.front();
   for (const PlacementUnit& piece : pipeline_pieces(p)) {
     const int64_t at = piece.offset, n = piece.numel;
     bool all_device = true;
@@ -187,12 +189,20 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
     }
     // The device's own Adam (on a GPU) or CPU Adam in place (on the CPU device).
     if (all_device && !p.device_addressable) continue;
-    w.adam_elems += n;
+    // A speculated piece is stepped twice (Note [Speculative optimizer]):
+    // beside the backward, and again to commit (or redo) it, reading its
+    // state twice and writing it once.
+    const int64_t passes = p.speculate ? 2 : 1;
+    w.adam_elems += n * passes;
+    if (p.speculate) {
+      w.speculated_elems += n;
+      w.speculation_tail_elems += overlap(first_block, at, n);
+    }
     if (all_device) continue;
     for (int k = 0; k < 3; ++k) {
       const int64_t dev = on_tier(p, opt[k], Tier::kDevice, at, n), nv = on_tier(p, opt[k], Tier::kNvme, at, n);
-      if (!p.device_addressable) o.h2d += moment[k] * dev, o.d2h += moment[k] * dev;
-      o.nvme_read += moment[k] * nv;
+      if (!p.device_addressable) o.h2d += moment[k] * dev, o.d2h += moment[k] * dev * passes;
+      o.nvme_read += moment[k] * nv * passes;
       o.nvme_write += moment[k] * nv;
     }
     const int64_t g_dev = on_tier(p, Category::kGrad, Tier::kDevice, at, n);
@@ -346,17 +356,39 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
   // On CPU compute the cores make the step's copies and gradient adds too
   // (the fetches in the forward, the gradients' landing in the backward):
   // landing_s, 0 on a GPU.
+  // Note [Speculative optimizer]: a committed step's optimizer runs beside
+  // the backward and the next step's compute (its seconds are the
+  // resources' rows); the step waits only for the last block's
+  // speculation, after the backward. A clipped step is redone after the
+  // backward: the overlapped optimizer's path, the speculation wasted.
+  const bool speculated = w.speculated_elems > 0 && w.overlap_optimizer && !w.clipped;
+  const double spec_share = w.speculated_elems > 0 ? double(w.speculation_tail_elems) / double(w.speculated_elems) : 0.0;
+  const double tail_s = spec_share * std::max(opt_cpu, opt_io) / 2;  // one of the two passes
+  // A redo's optimizer is one pass of the two counted.
+  const double redo_cpu = w.speculated_elems > 0 ? opt_cpu - double(w.speculated_elems) / r.adam : opt_cpu;
   if (!w.overlap_optimizer) {
     path = compute_s + landing_s + std::max(opt_cpu, opt_io);
+  } else if (speculated) {
+    // On CPU compute the cores run both passes beside the compute.
+    path = cpu_compute ? std::max(compute_s + landing_s + opt_cpu, opt_io) : compute_s + tail_s;
   } else if (cpu_compute) {  // the forward and CPU Adam share the cores
-    path = std::max(fwd + opt_cpu, opt_io) + (compute_s - fwd) + landing_s;
+    path = std::max(fwd + redo_cpu, opt_io) + (compute_s - fwd) + landing_s;
   } else {
-    path = std::max(fwd, std::max(opt_cpu, opt_io)) + (compute_s - fwd);
+    path = std::max(fwd, std::max(redo_cpu, opt_io)) + (compute_s - fwd);
   }
   if (path > 0) {
-    add("dependencies", w.overlap_optimizer ? "max(first forward, optimizer) + rest of compute"
-                                            : "compute, then the optimizer (not overlapped)",
-        strprintf("optimizer %.3f s, first forward %.3f s", std::max(opt_cpu, opt_io), fwd), path);
+    if (speculated) {
+      add("dependencies", cpu_compute ? "compute + both optimizer passes (one pool of cores)"
+                                      : "compute + the last block's speculation (optimizer behind the backward)",
+          strprintf("speculation tail %.3f s", tail_s), path);
+    } else {
+      add("dependencies",
+          w.overlap_optimizer ? (w.clipped ? "max(first forward, optimizer redone) + rest of compute"
+                                           : "max(first forward, optimizer) + rest of compute")
+                              : "compute, then the optimizer (not overlapped)",
+          strprintf("optimizer %.3f s, first forward %.3f s", std::max(w.clipped ? redo_cpu : opt_cpu, opt_io), fwd),
+          path);
+    }
   }
   // The first of equal times binds (the dependencies equal the cores' time
   // when nothing overlaps, up to rounding).

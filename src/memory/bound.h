@@ -76,6 +76,15 @@ struct StepWork {
   double first_forward_flops = 0;
   LinkBytes optimizer_links;
   bool overlap_optimizer = true;
+  // Note [Speculative optimizer] (engine/optimizer_pass.h), with
+  // PlacementPlan::speculate: the elements CPU Adam speculates beside the
+  // backward (counted twice in adam_elems: the speculation and the commit
+  // or redo), those of block 0, whose backward comes last (the
+  // speculation's tail after the backward), and whether the step is costed
+  // as clipped (redone after the backward, as without speculation).
+  int64_t speculated_elems = 0;
+  int64_t speculation_tail_elems = 0;
+  bool clipped = false;
 };
 
 // Model FLOPs of one micro-batch of `tokens` tokens: forward and backward

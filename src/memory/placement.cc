@@ -787,6 +787,58 @@ std::string layer_gives_up(const PlacementPlan& a, const PlacementPlan& b) {
   return "";
 }
 
+// optimizer.speculate (Note [Speculative optimizer] in
+// engine/optimizer_pass.h). It needs the optimizer's thread and a piece CPU
+// Adam updates. auto leaves it off where it costs more than it hides: on the
+// CPU device (Adam and the compute share the cores, and the commit pass
+// adds memory traffic) and with optimizer state on NVMe (the commit reads
+// it a second time).
+static void resolve_speculation(const Config& cfg, PlacementPlan& plan) {
+  const Speculate want = cfg.optimizer.speculate;
+  plan.speculate = false;
+  if (want == Speculate::kOff) {
+    plan.speculate_choice = "off";
+    return;
+  }
+  if (!optimizer_overlaps(cfg, plan)) {
+    if (want == Speculate::kOn) {
+      throw ConfigError("optimizer.speculate", "on needs the optimizer on its own thread, which "
+                                               "run.overlap_optimizer turns off here; set it true");
+    }
+    plan.speculate_choice = "off (the optimizer runs inline: run.overlap_optimizer)";
+    return;
+  }
+  bool cpu_piece = false;
+  for (const PlacementUnit& piece : pipeline_pieces(plan)) cpu_piece |= !device_adam_piece(plan, piece);
+  if (!cpu_piece) {
+    plan.speculate_choice = "off (every piece is updated by the device's Adam after the verdict)";
+    return;
+  }
+  if (want == Speculate::kAuto) {
+    if (plan.device_addressable) {
+      plan.speculate_choice = "off (the CPU device: Adam shares the cores with the compute; \"on\" to force)";
+      return;
+    }
+    for (Category c : {Category::kMaster, Category::kExpAvg, Category::kExpAvgSq}) {
+      if (plan.any_on_nvme(c)) {
+        plan.speculate_choice = "off (optimizer state on NVMe: the commit would read it twice; \"on\" to force)";
+        return;
+      }
+    }
+  }
+  plan.speculate = true;
+  plan.speculate_choice = want == Speculate::kOn ? "on" : "on (auto)";
+}
+
+int64_t speculated_numel(const PlacementPlan& plan) {
+  if (!plan.speculate) return 0;
+  int64_t n = 0;
+  for (const PlacementUnit& piece : pipeline_pieces(plan)) {
+    if (!device_adam_piece(plan, piece)) n += piece.numel;
+  }
+  return n;
+}
+
 // run.schedule auto without rates (Note [Step schedules] in
 // memory/schedule.h): the layer schedule when there is more than one
 // micro-batch, its plan fits the machine, and the activations it holds gave
@@ -854,6 +906,7 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   choose_secondary_shard(cfg, capacity, plan);
   choose_kept_gathered(cfg, capacity, plan);
   choose_gradient_reduction(cfg, capacity, plan);
+  resolve_speculation(cfg, plan);
   return plan;
 }
 

@@ -210,6 +210,12 @@ struct PlacementPlan {
   // the step's micro-batches and reduced once per step (comm.gradient_reduction;
   // StagingNeeds::grad_accum).
   bool reduce_per_step = false;
+  // optimizer.speculate resolved (Note [Speculative optimizer] in
+  // engine/optimizer_pass.h): CPU Adam's pieces are updated behind the
+  // backward, speculatively, by two passes; speculate_choice says why or why
+  // not.
+  bool speculate = false;
+  std::string speculate_choice;
   // Stage 3 with ranks, per block: kept gathered for the whole step once
   // gathered (comm.keep_gathered), gathered once per step instead of per use.
   std::vector<char> keep_gathered;
@@ -312,6 +318,10 @@ PlacementPlan schedule_candidates(const Config& cfg, const MachineCapacity& capa
 // tier and keeps every device-memory choice `a` made (kept graphs, blocks kept
 // gathered, the secondary shard); else a phrase saying what.
 std::string layer_gives_up(const PlacementPlan& a, const PlacementPlan& b);
+
+// Elements whose update speculates (PlacementPlan::speculate: CPU Adam's
+// pieces), 0 without speculation.
+int64_t speculated_numel(const PlacementPlan& plan);
 
 // The ops of one training step under the plan's schedule (memory/schedule.h).
 std::vector<StepOp> plan_train_schedule(const PlacementPlan& plan);
