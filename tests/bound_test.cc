@@ -242,6 +242,49 @@ TEST(BoundTest, OnAGpuCpuAdamPcieAndComputeAreSeparateResources) {
   EXPECT_EQ(train_fetches(q), std::vector<int64_t>(8, 0));
 }
 
+// Note [Speculative optimizer]: the placement above with optimizer.speculate
+// on. CPU Adam steps every element twice (the speculation and the commit),
+// the gradient crosses D2H twice (4 bytes x 524288, twice), the working
+// copy H2D once; a committed step waits after its backward only for block
+// 0's speculation (an eighth of the elements, one of the two passes), a
+// clipped one for the optimizer redone after the backward.
+TEST(BoundTest, TheSpeculativeOptimizerHidesBehindTheBackwardUnlessClipped) {
+  const Config cfg = config_with(
+      {"bf16.enabled=true", "run.schedule=\"layer\"", "optimizer.speculate=\"on\"",
+       "placement={\"param16\":{\"device\":1},\"grad\":{\"device\":1},\"optimizer\":{\"host\":1}}"});
+  const PlacementPlan p = make_plan(cfg, make_layout(), 0, gpu_like());
+  ASSERT_TRUE(p.speculate) << p.speculate_choice;
+  EXPECT_EQ(speculated_numel(p), kN);
+  StepWork w = predicted_work(cfg, p, train_fetches(p), NetworkBytes{});
+  EXPECT_EQ(w.adam_elems, 2 * kN);
+  EXPECT_EQ(w.speculated_elems, kN);
+  EXPECT_EQ(w.speculation_tail_elems, 65536);
+  EXPECT_EQ(w.optimizer_links.d2h, 2 * 2097152);
+  EXPECT_EQ(w.optimizer_links.h2d, 1048576);
+  Rates r;
+  r.device_flops = w.flops / 0.01;  // 0.01 s, a quarter of it the first forward
+  w.first_forward_flops = w.flops / 4;
+  r.adam = double(kN) / 0.004;      // 0.004 s a pass
+  r.h2d = 1048576 / 0.001, r.d2h = 2097152 / 0.001, r.pcie_both = 3145728 / 0.0025;
+  const StepBound b = step_bound(w, r, false);
+  EXPECT_EQ(b.binding, "dependencies");
+  // max(CPU Adam 0.008 s, PCIe 5242880 bytes at 1.2582912 GB/s = 0.0041667 s) / 2 / 8 after the compute.
+  EXPECT_NEAR(b.seconds, 0.01 + 0.008 / 16, 1e-12);
+  w.clipped = true;
+  const StepBound c = step_bound(w, r, false);
+  // The redo (one pass, 0.004 s, under the PCIe's 0.0041667 s) beside the
+  // first forward (0.0025 s), then the rest of the compute (0.0075 s).
+  EXPECT_NEAR(c.seconds, 5242880 / (3145728 / 0.0025) + 0.0075, 1e-12);
+  EXPECT_GT(c.seconds, b.seconds);
+  // Without speculation: one pass, the optimizer beside the first forward.
+  Config off = cfg;
+  off.optimizer.speculate = Speculate::kOff;
+  const PlacementPlan q = make_plan(off, make_layout(), 0, gpu_like());
+  StepWork v = predicted_work(off, q, train_fetches(q), NetworkBytes{});
+  EXPECT_EQ(v.adam_elems, kN);
+  EXPECT_EQ(v.speculated_elems, 0);
+}
+
 // The same placement as BytesPerLinkOfAnOffloadedPlacement with the swap
 // checksums (run.swap_checksums, the default): every NVMe byte is
 // checksummed, 10485760 read + 10485760 written = 20971520; the optimizer's

@@ -426,6 +426,10 @@ TEST(ConfigEnums, BadEnumListsTheChoices) {
                       "expected true, false or \"auto\"");
   EXPECT_CONFIG_ERROR(with({{"run", {{"overlap_optimizer", 1}}}}), "run.overlap_optimizer",
                       "expected true, false or \"auto\"");
+  EXPECT_CONFIG_ERROR(with({{"optimizer", {{"speculate", "maybe"}}}}), "optimizer.speculate",
+                      "expected auto, on or off, got \"maybe\"");
+  EXPECT_EQ(parse_config(with({{"optimizer", {{"speculate", "on"}}}})).optimizer.speculate, Speculate::kOn);
+  EXPECT_EQ(parse_config(with(json::object())).optimizer.speculate, Speculate::kAuto);
 }
 
 TEST(ConfigEnums, OverlapOptimizerIsABooleanOrAuto) {

@@ -570,6 +570,42 @@ TEST(PlacementTest, TheLayerSchedulesRowsAreTheActivationsItHolds) {
   EXPECT_TRUE(make_plan(with_recompute_auto("auto"), layout, 0, unlimited()).layer_major());
 }
 
+// optimizer.speculate (Note [Speculative optimizer] in
+// engine/optimizer_pass.h): auto speculates on a GPU with CPU Adam's pieces
+// and no optimizer state on NVMe; not on the CPU device, not where every
+// piece is the device's Adam, not with the optimizer inline; on forces it
+// where the optimizer has its thread and refuses, naming the key, where not.
+TEST(PlacementTest, SpeculationIsResolvedWhereItHides) {
+  const StateLayout layout = make_layout();
+  MachineCapacity gpu;
+  gpu.device_is_host = false;
+  gpu.device_addressable = false;
+  auto plan = [&](std::vector<std::string> o, const MachineCapacity& cap) {
+    o.push_back("run.schedule=\"layer\"");
+    o.push_back("gradient_accumulation_steps=2");
+    return make_plan(config_with(o), layout, 0, cap);
+  };
+  const std::string host = "placement={\"optimizer\":{\"host\":1}}";
+  const std::string nvme = "placement={\"optimizer\":{\"nvme\":1},\"nvme_path\":\"/tmp/x\"}";
+  EXPECT_TRUE(plan({host}, gpu).speculate) << plan({host}, gpu).speculate_choice;
+  EXPECT_EQ(speculated_numel(plan({host}, gpu)), kTotal);
+  EXPECT_FALSE(plan({}, gpu).speculate) << "every piece in HBM";
+  EXPECT_NE(plan({}, gpu).speculate_choice.find("device's Adam"), std::string::npos);
+  EXPECT_FALSE(plan({nvme}, gpu).speculate);
+  EXPECT_NE(plan({nvme}, gpu).speculate_choice.find("NVMe"), std::string::npos);
+  EXPECT_TRUE(plan({nvme, "optimizer.speculate=\"on\""}, gpu).speculate);
+  EXPECT_FALSE(plan({host}, unlimited()).speculate) << "the CPU device";
+  EXPECT_TRUE(plan({host, "optimizer.speculate=\"on\""}, unlimited()).speculate);
+  EXPECT_FALSE(plan({host, "optimizer.speculate=\"off\""}, gpu).speculate);
+  EXPECT_FALSE(plan({host, "run.overlap_optimizer=false"}, gpu).speculate);
+  try {
+    plan({host, "run.overlap_optimizer=false", "optimizer.speculate=\"on\""}, gpu);
+    ADD_FAILURE() << "on without the optimizer's thread was accepted";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("optimizer.speculate"), std::string::npos) << e.what();
+  }
+}
+
 // run.schedule auto with rates chooses the schedule with the lower bound,
 // on two configurations that go opposite ways: gradients homed on the host
 // of a GPU (layer lands each once: fewer D2H bytes and gradient adds), and

@@ -207,8 +207,8 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
     }
     const int64_t g_dev = on_tier(p, Category::kGrad, Tier::kDevice, at, n);
     const int64_t w_dev = on_tier(p, Category::kParam16, Tier::kDevice, at, n);
-    if (!p.device_addressable) o.d2h += 4 * g_dev, o.h2d += c * w_dev;
-    o.nvme_read += 4 * on_tier(p, Category::kGrad, Tier::kNvme, at, n);
+    if (!p.device_addressable) o.d2h += 4 * g_dev * passes, o.h2d += c * w_dev;
+    o.nvme_read += 4 * on_tier(p, Category::kGrad, Tier::kNvme, at, n) * passes;
     o.nvme_write += c * on_tier(p, Category::kParam16, Tier::kNvme, at, n);
   }
   e += o;
