@@ -581,8 +581,7 @@ TEST(PlacementTest, SpeculationIsResolvedWhereItHides) {
   gpu.device_is_host = false;
   gpu.device_addressable = false;
   auto plan = [&](std::vector<std::string> o, const MachineCapacity& cap) {
-    o.push_back("run.schedule=\"layer\"");
-    o.push_back("gradient_accumulation_steps=2");
+    o.insert(o.begin(), {"run.schedule=\"layer\"", "gradient_accumulation_steps=2"});
     return make_plan(config_with(o), layout, 0, cap);
   };
   const std::string host = "placement={\"optimizer\":{\"host\":1}}";
@@ -598,6 +597,11 @@ TEST(PlacementTest, SpeculationIsResolvedWhereItHides) {
   EXPECT_TRUE(plan({host, "optimizer.speculate=\"on\""}, unlimited()).speculate);
   EXPECT_FALSE(plan({host, "optimizer.speculate=\"off\""}, gpu).speculate);
   EXPECT_FALSE(plan({host, "run.overlap_optimizer=false"}, gpu).speculate);
+  // micro_batch with several micro-batches: a gradient is final only in the
+  // last one's backward.
+  EXPECT_FALSE(plan({host, "run.schedule=\"micro_batch\""}, gpu).speculate);
+  EXPECT_THROW(plan({host, "run.schedule=\"micro_batch\"", "optimizer.speculate=\"on\""}, gpu), ConfigError);
+  EXPECT_TRUE(plan({host, "run.schedule=\"micro_batch\"", "gradient_accumulation_steps=1"}, gpu).speculate);
   try {
     plan({host, "run.overlap_optimizer=false", "optimizer.speculate=\"on\""}, gpu);
     ADD_FAILURE() << "on without the optimizer's thread was accepted";

@@ -755,6 +755,9 @@ PlacementPlan schedule_candidates(const Config& cfg, const MachineCapacity& capa
   Config mb = cfg, ly = cfg;
   mb.run.schedule = StepSchedule::kMicroBatch;
   ly.run.schedule = StepSchedule::kLayer;
+  // micro_batch cannot speculate with several micro-batches (Note
+  // [Speculative optimizer]): its candidate does not insist.
+  if (mb.optimizer.speculate == Speculate::kOn) mb.optimizer.speculate = Speculate::kAuto;
   PlacementPlan a = make(mb);
   layer->reset();
   if (cfg.gradient_accumulation_steps <= 1) {
@@ -788,8 +791,8 @@ std::string layer_gives_up(const PlacementPlan& a, const PlacementPlan& b) {
 }
 
 // optimizer.speculate (Note [Speculative optimizer] in
-// engine/optimizer_pass.h). It needs the optimizer's thread and a piece CPU
-// Adam updates. auto leaves it off where it costs more than it hides: on the
+// engine/optimizer_pass.h). It needs the layer schedule (or one
+// micro-batch), the optimizer's thread and a piece CPU Adam updates. auto leaves it off where it costs more than it hides: on the
 // CPU device (Adam and the compute share the cores, and the commit pass
 // adds memory traffic) and with optimizer state on NVMe (the commit reads
 // it a second time).
@@ -798,6 +801,17 @@ static void resolve_speculation(const Config& cfg, PlacementPlan& plan) {
   plan.speculate = false;
   if (want == Speculate::kOff) {
     plan.speculate_choice = "off";
+    return;
+  }
+  if (!plan.layer_major() && plan.accum > 1) {
+    // A block's gradient is final only in the last micro-batch's backward:
+    // the speculation would have an A-th of the backward to hide in.
+    if (want == Speculate::kOn && cfg.run.schedule == StepSchedule::kMicroBatch) {
+      throw ConfigError("optimizer.speculate", "on needs run.schedule \"layer\" (or auto) with several "
+                                               "micro-batches: under micro_batch a block's gradient is final only "
+                                               "in the last micro-batch's backward");
+    }
+    plan.speculate_choice = "off (micro_batch with several micro-batches: gradients are final only at the last)";
     return;
   }
   if (!optimizer_overlaps(cfg, plan)) {
