@@ -602,6 +602,10 @@ TEST(PlacementTest, SpeculationIsResolvedWhereItHides) {
   EXPECT_FALSE(plan({host, "run.schedule=\"micro_batch\""}, gpu).speculate);
   EXPECT_THROW(plan({host, "run.schedule=\"micro_batch\"", "optimizer.speculate=\"on\""}, gpu), ConfigError);
   EXPECT_TRUE(plan({host, "run.schedule=\"micro_batch\"", "gradient_accumulation_steps=1"}, gpu).speculate);
+  // run.schedule auto with one micro-batch (micro_batch's order): on holds.
+  EXPECT_TRUE(make_plan(config_with({host, "gradient_accumulation_steps=1", "optimizer.speculate=\"on\""}), layout, 0,
+                        unlimited())
+                  .speculate);
   try {
     plan({host, "run.overlap_optimizer=false", "optimizer.speculate=\"on\""}, gpu);
     ADD_FAILURE() << "on without the optimizer's thread was accepted";

@@ -422,16 +422,15 @@ std::vector<at::Tensor> all_state(Training& run) {
   return out;
 }
 
-// The layer schedule trains bit for bit like micro_batch (world size 1):
-// losses, norms and every state category, on every placement of the matrix
-// above, tied and untied, fp32, bf16 and fp16 (with skipped steps), with
-// offloaded activations and kept graphs, on the CPU device and on the test
-// device (a missing wait or ordering in the new order leaves stale bytes).
-TEST_F(StepTest, LayerScheduleTrainsBitForBitAsMicroBatch) {
-  const std::string swap = dir_.path() + "/swap";
+// The placements both schedule tests train under (`swap`: the swap
+// directory): all on the device; untied bf16 A=3; host offload with
+// cpu_checkpointing; NVMe with persistent blocks; a 3-way split untied; a
+// mixed split in fp16 with the optimizer inline; fp16 whose first steps
+// overflow, gradients on the host, A=4; bf16 moments; kept graphs A=3.
+std::vector<std::vector<std::string>> schedule_matrix(const std::string& swap) {
   const std::string split = "{\"device\":0.3,\"host\":0.3,\"nvme\":0.4}";
   const std::string nvme = "{\"device\":\"nvme\",\"nvme_path\":\"" + swap + "\"";
-  const std::vector<std::vector<std::string>> cases = {
+  return {
       {},
       {"model.tie_embeddings=false", "bf16.enabled=true", "gradient_accumulation_steps=3"},
       {"zero_optimization.stage=3", "zero_optimization.offload_param.device=cpu",
@@ -445,13 +444,20 @@ TEST_F(StepTest, LayerScheduleTrainsBitForBitAsMicroBatch) {
       {"placement={\"param16\":{\"device\":0.5,\"host\":0.5},\"grad\":{\"device\":0.7,\"nvme\":0.3},"
        "\"optimizer\":{\"device\":0.6,\"host\":0.4},\"nvme_path\":\"" + swap + "\"}",
        "fp16={\"enabled\":true,\"loss_scale\":1024}", "run.overlap_optimizer=false"},
-      // fp16 whose first steps overflow and are skipped, gradients on the host.
       {"fp16={\"enabled\":true,\"initial_scale_power\":24}", "gradient_accumulation_steps=4",
        "placement={\"param16\":{\"device\":1},\"grad\":{\"host\":1},\"optimizer\":{\"host\":1}}"},
       {"bf16.enabled=true", "run.optimizer_state_dtype=\"bf16\"", "zero_optimization.sub_group_size=4096"},
-      // Kept graphs (Note [Recompute]): A graphs per block under layer.
       {"run.recompute=\"never\"", "gradient_accumulation_steps=3"},
   };
+}
+
+// The layer schedule trains bit for bit like micro_batch (world size 1):
+// losses, norms and every state category, on every placement of
+// schedule_matrix, tied and untied, fp32, bf16 and fp16 (with skipped steps), with
+// offloaded activations and kept graphs, on the CPU device and on the test
+// device (a missing wait or ordering in the new order leaves stale bytes).
+TEST_F(StepTest, LayerScheduleTrainsBitForBitAsMicroBatch) {
+  const std::vector<std::vector<std::string>> cases = schedule_matrix(dir_.path() + "/swap");
   int skipped = 0;
   for (const std::vector<std::string>& o : cases) {
     const std::string what = o.empty() ? "all on the device" : nlohmann::json(o).dump();
@@ -491,28 +497,8 @@ TEST_F(StepTest, LayerScheduleTrainsBitForBitAsMicroBatch) {
 // speculation and some redo it), without clipping, and with fp16 steps that
 // overflow (restored); on the CPU device and on the test device.
 TEST_F(StepTest, SpeculativeOptimizerTrainsBitForBitAsTheInlineOptimizer) {
-  const std::string swap = dir_.path() + "/swap";
-  const std::string split = "{\"device\":0.3,\"host\":0.3,\"nvme\":0.4}";
-  const std::string nvme = "{\"device\":\"nvme\",\"nvme_path\":\"" + swap + "\"";
-  const std::vector<std::vector<std::string>> cases = {
-      {},
-      {"model.tie_embeddings=false", "bf16.enabled=true", "gradient_accumulation_steps=3"},
-      {"zero_optimization.stage=3", "zero_optimization.offload_param.device=cpu",
-       "zero_optimization.offload_optimizer.device=cpu",
-       "zero_optimization.stage3_param_persistence_threshold=0", "activation_checkpointing.cpu_checkpointing=true"},
-      {"zero_optimization.stage=3", "zero_optimization.offload_param=" + nvme + ",\"max_in_cpu\":0}",
-       "zero_optimization.offload_optimizer=" + nvme + "}", "zero_optimization.stage3_param_persistence_threshold=5000",
-       "bf16.enabled=true"},
-      {"placement={\"param16\":" + split + ",\"grad\":" + split + ",\"optimizer\":" + split + ",\"nvme_path\":\"" +
-       swap + "\"}", "zero_optimization.stage3_param_persistence_threshold=0", "model.tie_embeddings=false"},
-      {"placement={\"param16\":{\"device\":0.5,\"host\":0.5},\"grad\":{\"device\":0.7,\"nvme\":0.3},"
-       "\"optimizer\":{\"device\":0.6,\"host\":0.4},\"nvme_path\":\"" + swap + "\"}",
-       "fp16={\"enabled\":true,\"loss_scale\":1024}"},
-      {"fp16={\"enabled\":true,\"initial_scale_power\":24}", "gradient_accumulation_steps=4",
-       "placement={\"param16\":{\"device\":1},\"grad\":{\"host\":1},\"optimizer\":{\"host\":1}}"},
-      {"bf16.enabled=true", "run.optimizer_state_dtype=\"bf16\"", "zero_optimization.sub_group_size=4096"},
-      {"run.recompute=\"never\"", "gradient_accumulation_steps=3"},
-  };
+  // The schedule tests' matrix; the speculated runs turn run.overlap_optimizer on.
+  const std::vector<std::vector<std::string>> cases = schedule_matrix(dir_.path() + "/swap");
   constexpr int kSteps = 8;  // the fp16 case overflows its first steps
   std::map<std::string, int> outcomes;
   for (const std::vector<std::string>& o : cases) {

@@ -20,6 +20,11 @@ model of docs/design.md "The step's bound" over the step's own byte counts,
 with this round's bench-io figures as the NVMe rates and this round's
 `strata plan --probe-seconds` probes for compute, CPU Adam, the CRC-32C of
 the swap checksums, memcpy and the gradient adds, the same for every share) and step / bound.
+With --speculate-ab each share is run again right after with optimizer.speculate
+on (the optimizer behind the backward: docs/design.md; run.overlap_optimizer on,
+which it needs), and the speculated step
+is reported against the share's own step and the 0% step (--speculate sets the
+sweep's own value; --clip gradient_clipping, 0 for none).
 With --plot FILE it draws step time, the bound and bytes per link against the share
 (needs matplotlib: tools/setup.sh installs it into .venv).
 
@@ -49,7 +54,7 @@ def parse_size(text):
     return int(text)
 
 
-def make_config(args, share, swap_dir, metrics, overlap=None, checksums=True, io=None):
+def make_config(args, share, swap_dir, metrics, overlap=None, checksums=True, io=None, speculate=None):
     nvme = share / 100.0
     split = {"device": 0.0, "host": round(1.0 - nvme, 6), "nvme": nvme}
     return {
@@ -59,7 +64,7 @@ def make_config(args, share, swap_dir, metrics, overlap=None, checksums=True, io
         "steps_per_print": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0},
                       # The optimizer behind the backward (docs/design.md), for the sweep only.
-                      "speculate": args.speculate if overlap is None else "off"},
+                      "speculate": speculate or (args.speculate if overlap is None else "off")},
         "zero_optimization": {"stage": 3, "sub_group_size": args.sub_group_size},
         "placement": {"param16": {"device": 1.0}, "grad": {"host": 1.0}, "optimizer": split,
                       "nvme_path": swap_dir},
@@ -115,13 +120,13 @@ def probe_rates(args, work, io):
     return {k: v for k, v in run_rates(plan["bound"]["rates"]).items() if not k.startswith("nvme_")}
 
 
-def train(args, share, work, overlap=None, checksums=True, io=None, tag=""):
+def train(args, share, work, overlap=None, checksums=True, io=None, tag="", speculate=None):
     swap = os.path.join(work, "swap")
     os.makedirs(swap, exist_ok=True)
     metrics = os.path.join(work, f"metrics-{share}.jsonl")
     cfg_path = os.path.join(work, f"config-{share}.json")
     with open(cfg_path, "w") as f:
-        json.dump(make_config(args, share, swap, metrics, overlap, checksums, io), f, indent=1)
+        json.dump(make_config(args, share, swap, metrics, overlap, checksums, io, speculate), f, indent=1)
     cmd = [args.strata, "train", cfg_path]
     if args.trace:  # a Chrome trace per run (`strata train --trace`)
         os.makedirs(args.trace, exist_ok=True)
@@ -137,7 +142,7 @@ def train(args, share, work, overlap=None, checksums=True, io=None, tag=""):
     # Note [Speculative optimizer]: seconds of the optimizer beside the
     # backward, and how the steps ended.
     out["optimizer_hidden_s"] = statistics.median(x.get("optimizer_hidden_s", 0.0) for x in timed)
-    out["speculation"] = sorted({x.get("speculation", "") for x in timed})
+    out["speculation"] = ",".join(sorted({x.get("speculation", "") for x in timed}))
     return out
 
 
@@ -167,6 +172,8 @@ def main():
     ap.add_argument("--speculate", choices=["auto", "on", "off"], default="auto",
                     help="optimizer.speculate for the sweep (the optimizer behind the backward)")
     ap.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: none)")
+    ap.add_argument("--speculate-ab", action="store_true",
+                    help="after each share's run, the same share with optimizer.speculate on (same round)")
     ap.add_argument("--json", help="write all figures to this file")
     ap.add_argument("--trace", metavar="DIR", help="write each run's Chrome trace (strata train --trace) into DIR")
     ap.add_argument("--plot", help="draw step time and bytes per link against the share into this PNG")
@@ -211,6 +218,14 @@ def main():
                       f"optimizer {m['optimizer_s']:.2f} s, "
                       f"nvme read {m['nvme_read_bytes'] / 1e9:.2f} GB, write {m['nvme_write_bytes'] / 1e9:.2f} GB",
                       flush=True)
+                if args.speculate_ab:
+                    # The same share with the optimizer behind the backward, right after.
+                    n = train(args, s, work, overlap="on", io=io, tag=f"-round{r + 1}-speculated", speculate="on")
+                    m["speculated"] = n
+                    print(f"  nvme {s:3d}% speculated: step {n['step_s']:.2f} s, bound {n['bound_s']:.2f} s, "
+                          f"optimizer {n['optimizer_s']:.2f} s (hidden {n['optimizer_hidden_s']:.2f} s; "
+                          f"{n['speculation']}), nvme read {n['nvme_read_bytes'] / 1e9:.2f} GB "
+                          f"(speculated / not: {n['step_s'] / m['step_s']:.3f})", flush=True)
                 if args.no_overlap_all:
                     n = train(args, s, work, overlap="off", io=io, tag=f"-round{r + 1}-no-overlap")
                     m["no_overlap"] = n
@@ -244,13 +259,27 @@ def main():
     for s in shares:
         med = lambda k: statistics.median(rd["shares"][s][k] for rd in rounds)
         b = statistics.median(bound(rd, s) for rd in rounds)
-        row = {k: med(k) for k in rounds[0]["shares"][s] if k != "no_overlap"}
+        row = {k: med(k) for k in rounds[0]["shares"][s] if k not in ("no_overlap", "speculated", "speculation")}
         row["io_bound_s"] = b
         summary["shares"][s] = row
         print(f"{s:6d} {row['step_s']:8.2f} {row['optimizer_s']:8.2f} {row['wait_s']:7.2f} "
               f"{row['nvme_read_bytes'] / 1e9:10.2f} {row['nvme_write_bytes'] / 1e9:10.2f} "
               f"{row['h2d_bytes'] / 1e9:7.2f} {row['d2h_bytes'] / 1e9:7.2f} {b:10.2f} {row['bound_s']:8.2f} "
               f"{row['step_over_bound']:10.3f}")
+    if args.speculate_ab:
+        print(f"\n{'nvme %':>6} {'speculated: step s':>18} {'hidden s':>9} {'speculated / not':>17} "
+              f"{'/ the 0% step':>14}   (the sweep: --speculate {args.speculate}; medians over rounds)")
+        for s in shares:
+            med = lambda f: statistics.median(f(rd) for rd in rounds)
+            row = {"step_s": med(lambda rd: rd["shares"][s]["speculated"]["step_s"]),
+                   "optimizer_hidden_s": med(lambda rd: rd["shares"][s]["speculated"]["optimizer_hidden_s"]),
+                   "speculated_over_not": med(lambda rd: rd["shares"][s]["speculated"]["step_s"] /
+                                                       rd["shares"][s]["step_s"]),
+                   "over_zero_share": (med(lambda rd: rd["shares"][s]["speculated"]["step_s"] /
+                                                      rd["shares"][shares[0]]["step_s"]))}
+            summary["shares"][s]["speculated"] = row
+            print(f"{s:6d} {row['step_s']:18.2f} {row['optimizer_hidden_s']:9.2f} {row['speculated_over_not']:17.3f} "
+                  f"{row['over_zero_share']:14.3f}")
     if args.no_overlap_all:
         print(f"\n{'nvme %':>6} {'sweep: step s':>15} {'step/bound':>10} {'no overlap: step s':>18} {'step/bound':>10} "
               f"{'sweep / not':>16}   (the sweep: --overlap {args.overlap})")

@@ -10,7 +10,7 @@
 #   for t in build/tests/*_test build/tests/bench_adam_torch build/tests/bench_train_torch build/tests/rank_worker; do strip -o .dev/bin/${t##*/} $t; done
 #   cp -L /lib/x86_64-linux-gnu/{libtbb.so.12,liburing.so.2,libspdlog.so.1.10,libfmt.so.9} .dev/lib/
 # Then run `bash tools/gpu_host_check.sh [tests|bench|ranks|gpu-a|gpu-b|gpu-c|gpu-ranks|gpu-suite|gpu-race|
-# gpu-plans|gpu-proof|gpu-b-trace|gpu-b-schedules|all]` there with carry [".dev"]; logs and
+# gpu-plans|gpu-proof|gpu-b-trace|gpu-b-schedules|gpu-b-speculate|all]` there with carry [".dev"]; logs and
 # JSON lines go to $OUT (or out/gpu-host). BENCH_THREADS and BENCH_ROUNDS set the sweep
 # (tools/bench_adam_sweep.sh; default "1 2 16" threads, 2 rounds). `ranks` runs
 # tools/bench_ranks.py at world sizes RANKS_SIZES (default 1,2,4,8) on all cores. `gpu-a`, `gpu-b`,
@@ -23,8 +23,10 @@
 # `gpu-proof` all three and one round of (a) in one call; `gpu-b-trace` (b)'s plan, then B_STEPS
 # (default 3) of its steps with the trace; `gpu-b-schedules` (b) under run.schedule micro_batch and layer
 # in one call: each schedule's plan with the rates probed once, then B_STEPS (default 4) steps of each,
-# alternating, with the metrics (docs/design.md, "The step as a schedule"). `all` includes none of the
-# GPU modes.
+# alternating, with the metrics (docs/design.md, "The step as a schedule"); `gpu-b-speculate` (b)'s
+# compute-only reference, then (b) under layer with optimizer.speculate off, on (traced) and on with every
+# step clipped, B_STEPS each (docs/design.md, "The optimizer behind the backward"). `all` includes none of
+# the GPU modes.
 set -uo pipefail
 WHAT=${1:-all}
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -243,6 +245,47 @@ for l in open('$work/m-$s.jsonl'):
     d = json.loads(l)
     print(f\"$s step {d['step']}: {d['step_s']:.3f} s, bound {d['bound_s']:.3f}, optimizer {d['optimizer_s']:.3f} (wait {d['optimizer_wait_s']:.3f}), {d['tokens_per_s']:.0f} tok/s, h2d {d['h2d_bytes'] / 1e9:.1f} GB, d2h {d['d2h_bytes'] / 1e9:.1f} GB\")
 " 2>&1 | tee -a "$DEST/gpu-b-schedules.txt"
+  done
+  cp "$work"/m-*.jsonl "$DEST/" 2>/dev/null || true
+fi
+
+if [ "$WHAT" = gpu-b-speculate ]; then
+  # (b) with the optimizer behind the backward (optimizer.speculate; docs/design.md): the compute-only
+  # reference (bench_train_torch --compute-only), then B_STEPS steps under run.schedule layer with the
+  # speculation off, on (traced), and on with every step clipped (gradient_clipping 1e-4: each
+  # speculation redone), the rates probed once and given to all; prints each step against the reference.
+  work="${TMPDIR:-/tmp}/gpu-b-speculate"
+  rm -rf "$work" && mkdir -p "$work" out/swap
+  python3 -c "import sys; sys.path.insert(0, 'tools'); import bench_gpu; bench_gpu.ensure_tokens('out/gpu-tokens.bin')"
+  echo "== compute-only reference"
+  timeout 150 "$BIN/bench_train_torch" --config configs/gpu-b-llama8b.json --compute-only --steps 3 --warmup 1 \
+    --device cuda 2>"$work/ref.err" | tail -1 | tee "$DEST/gpu-b-compute-only.json"
+  timeout 120 "$BIN/strata" plan configs/gpu-b-llama8b.json --json --probe-seconds 1 >"$work/plan.json" 2>"$work/plan.err"
+  RATES=$(python3 -c "
+import json, sys
+sys.path.insert(0, 'tools')
+from plan_rates import run_rates
+print(' '.join(f'--set run.rates.{k}={v:.6g}' for k, v in run_rates(json.load(open('$work/plan.json'))['bound']['rates']).items()))")
+  timeout 60 "$BIN/strata" plan configs/gpu-b-llama8b.json --set run.schedule=layer $RATES 2>&1 |
+    tee "$DEST/plan-b-speculate.txt" | grep -E 'schedule|behind|^bound|clipped|^  (device|cpu adam|h2d|d2h|pcie|dependencies)'
+  for v in off on clipped; do
+    sets="--set run.schedule=layer --set optimizer.speculate=on"
+    [ "$v" = off ] && sets="--set run.schedule=layer --set optimizer.speculate=off"
+    [ "$v" = clipped ] && sets="$sets --set gradient_clipping=0.0001"
+    trace=""
+    [ "$v" = on ] && trace="--trace $DEST/trace-b-speculate.json"
+    echo "== (b), layer, speculate $v, ${B_STEPS:-4} steps"
+    timeout "${B_TIMEOUT:-150}" "$BIN/strata" train configs/gpu-b-llama8b.json --steps "${B_STEPS:-4}" $sets $trace \
+      $RATES --set data.eval_interval=0 --metrics "$work/m-$v.jsonl" >"$work/log-$v.txt" 2>&1
+    echo "rc=$?"; grep -v '^train ' "$work/log-$v.txt" | cut -c1-240 | tail -3
+    python3 -c "
+import json
+ref = json.loads(open('$DEST/gpu-b-compute-only.json').read().strip() or '{}')
+for l in open('$work/m-$v.jsonl'):
+    d = json.loads(l)
+    r = d['tokens_per_s'] / ref['tokens_per_s'] if ref.get('tokens_per_s') else float('nan')
+    print(f\"$v step {d['step']}: {d['step_s']:.3f} s ({r:.3f}x compute-only), bound {d['bound_s']:.3f}, optimizer {d['optimizer_s']:.3f} (hidden {d.get('optimizer_hidden_s', 0):.3f}, wait {d['optimizer_wait_s']:.3f}), {d.get('speculation', '-')}\")
+" 2>&1 | tee -a "$DEST/gpu-b-speculate.txt"
   done
   cp "$work"/m-*.jsonl "$DEST/" 2>/dev/null || true
 fi

@@ -126,8 +126,9 @@ class SaveGate {
 //       and checkpoint loads make it), so kRestore rewrites the speculated
 //       pieces' working copy from the unchanged master weights.
 // Extra host memory traffic of a committed step: the commit pass re-reads
-// the gradient, master and moments (16 bytes per element with fp32 moments)
-// beside the inline pass's reads and writes; a swapped piece is read twice.
+// the gradient, master and moments (16 bytes per element with fp32
+// moments, 12 with bf16) beside the inline pass's reads and writes; a
+// swapped piece is read twice.
 // A checkpoint holds committed state only: a save waits for the commit job
 // of its step (wait_for_job), and a kill during speculation leaves master
 // and moments at the last committed step (the working copy is rebuilt from

@@ -118,7 +118,11 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
       // Nothing of the state was written; the working copy is put back.
       grads_->cancel_waits();
       blocks_->invalidate();
-      optimizer_->abandon_speculation(speculated);
+      try {
+        optimizer_->abandon_speculation(speculated);
+      } catch (...) {
+        // The optimizer failed too: broken() says so; the step's own error follows.
+      }
     }
     throw;
   }

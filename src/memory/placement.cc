@@ -757,7 +757,9 @@ PlacementPlan schedule_candidates(const Config& cfg, const MachineCapacity& capa
   ly.run.schedule = StepSchedule::kLayer;
   // micro_batch cannot speculate with several micro-batches (Note
   // [Speculative optimizer]): its candidate does not insist.
-  if (mb.optimizer.speculate == Speculate::kOn) mb.optimizer.speculate = Speculate::kAuto;
+  if (cfg.gradient_accumulation_steps > 1 && mb.optimizer.speculate == Speculate::kOn) {
+    mb.optimizer.speculate = Speculate::kAuto;
+  }
   PlacementPlan a = make(mb);
   layer->reset();
   if (cfg.gradient_accumulation_steps <= 1) {
