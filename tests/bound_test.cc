@@ -23,7 +23,7 @@ constexpr int64_t kN = 8 * 65536;
 // schedule's work: BoundTest.TheLayerScheduleLandsEachGradientOnce).
 Config config_with(const std::vector<std::string>& overrides) {
   nlohmann::json j = {{"data", {{"path", "unused.txt"}}}, {"zero_optimization", {{"sub_group_size", 65536}}},
-                      {"run", {{"schedule", "micro_batch"}}}};
+                      {"run", {{"schedule", "micro_batch"}}}, {"optimizer", {{"speculate", "off"}}}};
   return parse_config(j, overrides);
 }
 

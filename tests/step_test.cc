@@ -607,6 +607,29 @@ TEST_F(StepTest, EachBlocksUpdateBeginsBeforeTheNextBlocksBackwardEnds) {
   EXPECT_EQ(held, 2 * (blocks - 1));
 }
 
+// optimizer.speculate auto: after kSpeculationRedosToPause redone (clipped)
+// steps in a row the next kSpeculationPauseSteps steps run the optimizer
+// after the backward, then it speculates again; on stays on. On the test
+// device, where auto speculates (a device host code may not touch).
+TEST_F(StepTest, AutoSpeculationPausesAfterClippedStepsInARow) {
+  for (const char* mode : {"auto", "on"}) {
+    testing::DeferredDevice dev;
+    Training t(base_config(data_),
+               {"gradient_accumulation_steps=2", "run.schedule=\"layer\"", "gradient_clipping=0.0001",
+                std::string("optimizer.speculate=\"") + mode + "\"",
+                "placement={\"param16\":{\"device\":1},\"grad\":{\"host\":1},\"optimizer\":{\"host\":1}}"},
+               nullptr, &dev);
+    ASSERT_TRUE(t.trainer().plan().speculate) << mode << ": " << t.trainer().plan().speculate_choice;
+    const int64_t steps = kSpeculationRedosToPause + kSpeculationPauseSteps + 1;
+    for (int64_t s = 1; s <= steps; ++s) {
+      const std::string got = t.step().speculation;
+      const bool paused = std::string(mode) == "auto" && s > kSpeculationRedosToPause &&
+                          s <= kSpeculationRedosToPause + kSpeculationPauseSteps;
+      EXPECT_EQ(got, paused ? "" : "redone") << mode << ", step " << s;
+    }
+  }
+}
+
 // ---- bytes per link (docs/design.md, "Bytes per link") ----------------------------
 
 // The table of docs/design.md, written out for world size 1 with every
