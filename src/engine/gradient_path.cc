@@ -295,7 +295,7 @@ void GradientPath::add_on_device(size_t b, const std::vector<at::Tensor>& grads,
   written_[b] = 1;
   if (last_micro_) {
     device_norm(b, ctx_.state->resident_on_device(Category::kGrad, ctx_.shard_offset[b], ctx_.shard_numel(b)));
-    mark_final(b, ctx_.device->record(Stream::kCompute));
+    if (track_finals_) mark_final(b, ctx_.device->record(Stream::kCompute));
   }
 }
 
@@ -501,7 +501,7 @@ void GradientPath::deliver(size_t b, DevicePtr src, bool last) {
   written_[b] = 1;
   if (last) {
     device_norm(b, home);
-    mark_final(b, ctx_.device->record(Stream::kCompute));
+    if (track_finals_) mark_final(b, ctx_.device->record(Stream::kCompute));
   }
 }
 

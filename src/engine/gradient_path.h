@@ -91,6 +91,7 @@ class GradientPath final : public GradientSource {
   // thread: until block b's gradient of this step is whole in its home (its
   // last add on the device, or its last landing added by the lander).
   bool wait_final(size_t b, Completion* device) override;
+  void track_finals(bool on) override { track_finals_ = on; }
   // The step failed: wait_final() returns false until the next begin_step().
   void cancel_waits();
   // Waits for every landing of the step and returns the squared norm of this
@@ -242,8 +243,9 @@ class GradientPath final : public GradientSource {
   LinkBytes links_;                    // the lander's transfers this step
   // wait_final(): per block, the step (generation) whose gradient is final
   // in its home, and what a device-side read waits for; also guarded by mu_.
-  uint64_t generation_ = 0;
+  uint64_t generation_ = 1;            // final_generation_ starts below it: nothing final
   bool cancelled_ = false;
+  bool track_finals_ = false;          // track_finals(): a speculating optimizer asks
   std::vector<uint64_t> final_generation_;
   std::vector<Completion> final_device_;
   std::thread::id compute_thread_;

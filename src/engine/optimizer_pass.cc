@@ -484,14 +484,21 @@ void OptimizerPass::update_piece(size_t j, const OptimizerThread::Job& job, cons
 void OptimizerPass::speculate_piece(size_t j, const OptimizerThread::Job& job, const cpu_adam::AdamParams& h) {
   OptSet& sp = sets_[size_t(set_of_[j])];
   const PlacementUnit& g = pieces_[j];
+  // A device-side read of the gradient goes after the completion of the
+  // block that became final last: the piece's lowest (the backward runs
+  // down; runs are in ascending block order, so walk them in reverse). One
+  // stream records them all, so the latest covers the others.
   Completion after;
   {
     TraceSpan span(TraceTrack::kAdam, "wait for final gradients");
-    for (const AdamRun& run : piece_runs_[j]) {
+    const auto t0 = std::chrono::steady_clock::now();
+    const std::vector<AdamRun>& runs = piece_runs_[j];
+    for (auto run = runs.rbegin(); run != runs.rend(); ++run) {
       Completion c;
-      if (!gradients_->wait_final(size_t(run.block), &c)) throw Abandoned();
-      if (c.pending()) after = c;  // one stream: the latest covers the others
+      if (!gradients_->wait_final(size_t(run->block), &c)) throw Abandoned();
+      after = c;
     }
+    speculation_waited_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
   TieredState& state = *ctx_.state;
   std::byte* grad = state.resident(Category::kGrad, g.offset, g.numel);
@@ -594,15 +601,24 @@ void OptimizerPass::speculate(const OptimizerThread::Job& job) {
 
 OptimizerPass::Report OptimizerPass::settle(Verdict verdict, const OptimizerThread::Job& job) {
   finish();  // the speculation has ended (and the commit before it)
-  const Report r = thread_->take_report();
+  Report r = thread_->take_report();
+  // The speculation's seconds without its waits for gradients (the backward's).
+  r.seconds -= speculation_waited_s_;
+  r.speculated_s = std::max(0.0, r.speculated_s - speculation_waited_s_);
+  speculation_waited_s_ = 0.0;
   OptimizerThread::Job j = job;
-  switch (verdict) {
-    case Verdict::kCommit:
-      launch_device_pieces(job);
-      j.kind = OptimizerThread::Kind::kCommit;
-      break;
-    case Verdict::kRedo: j.kind = OptimizerThread::Kind::kFull; break;
-    case Verdict::kRestore: j.kind = OptimizerThread::Kind::kRestore; break;
+  try {
+    switch (verdict) {
+      case Verdict::kCommit:
+        launch_device_pieces(job);
+        j.kind = OptimizerThread::Kind::kCommit;
+        break;
+      case Verdict::kRedo: j.kind = OptimizerThread::Kind::kFull; break;
+      case Verdict::kRestore: j.kind = OptimizerThread::Kind::kRestore; break;
+    }
+  } catch (...) {
+    broken_ = true;  // some device pieces may be updated, the others not
+    throw;
   }
   thread_->start(j);
   return r;
@@ -610,6 +626,7 @@ OptimizerPass::Report OptimizerPass::settle(Verdict verdict, const OptimizerThre
 
 void OptimizerPass::abandon_speculation(const OptimizerThread::Job& job) {
   finish();  // the speculation stops at its next wait for a gradient
+  speculation_waited_s_ = 0.0;
   OptimizerThread::Job j = job;
   j.kind = OptimizerThread::Kind::kRestore;
   thread_->start(j);

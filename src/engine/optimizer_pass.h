@@ -155,7 +155,10 @@ class OptimizerPass {
   bool speculates() const { return speculates_; }
   // Where speculation learns that gradients are final. REQUIRES: set before
   // the first speculate().
-  void set_gradients(GradientSource* source) { gradients_ = source; }
+  void set_gradients(GradientSource* source) {
+    gradients_ = source;
+    if (source != nullptr) source->track_finals(speculates_);
+  }
   // Queues the step's speculation (job.kind kSpeculate) behind the previous
   // step's commit.
   void speculate(const OptimizerThread::Job& job);
@@ -249,6 +252,7 @@ class OptimizerPass {
   std::vector<int> set_of_;               // per piece: its staging set in the running job
   GradientSource* gradients_ = nullptr;
   PendingIo grad_read_;                   // a speculated piece's gradient, read once final
+  double speculation_waited_s_ = 0.0;     // the speculation's waits for gradients (its thread's; read after finish())
   // Device pieces' runs merged across pieces (one launch per stretch of a
   // block shard, not one per 2^20-element piece), launched at the piece where
   // each starts; empty for the pieces a merged run covers.

@@ -49,6 +49,8 @@ class GradientSource {
   // *device: what a device-side read of it must be ordered after (fired for
   // homes off the device). False when the step was abandoned.
   virtual bool wait_final(size_t b, Completion* device) = 0;
+  // Whether anyone will ask (the device events are recorded only then).
+  virtual void track_finals(bool on) = 0;
 };
 
 class OptimizerThread {

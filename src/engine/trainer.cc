@@ -164,8 +164,18 @@ bool Trainer::speculate_this_step() const {
 // Note [Speculative optimizer]: the verdict on a speculated step. The clip
 // coefficient and the scale are apply_optimizer's, bit for bit.
 void Trainer::settle_speculation(StepResult& r, const OptimizerThread::Job& speculated) {
-  blocks_->invalidate();  // the speculation rewrote the working copy
-  ctx_.device->synchronize(Stream::kH2D);  // as apply_optimizer: this step's fetches are done
+  try {
+    blocks_->invalidate();  // the speculation rewrote the working copy
+    ctx_.device->synchronize(Stream::kH2D);  // as apply_optimizer: this step's fetches are done
+  } catch (...) {
+    grads_->cancel_waits();
+    try {
+      optimizer_->abandon_speculation(speculated);
+    } catch (...) {
+      // broken() says so; this error follows.
+    }
+    throw;
+  }
   auto report = [&](const OptimizerPass::Report& opt) {
     r.optimizer_s = opt.seconds;
     r.optimizer_hidden_s = opt.speculated_s;
