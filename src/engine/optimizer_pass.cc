@@ -487,7 +487,8 @@ void OptimizerPass::speculate_piece(size_t j, const OptimizerThread::Job& job, c
   // A device-side read of the gradient goes after the completion of the
   // block that became final last: the piece's lowest (the backward runs
   // down; runs are in ascending block order, so walk them in reverse). One
-  // stream records them all, so the latest covers the others.
+  // stream records them all, so the latest covers the others. (The test
+  // device's compute completions fire at once: only a GPU shows this order.)
   Completion after;
   {
     TraceSpan span(TraceTrack::kAdam, "wait for final gradients");
