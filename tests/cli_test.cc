@@ -211,6 +211,16 @@ TEST(CliTest, PlanCountsTheDataPath) {
   EXPECT_EQ(p["activations"]["micro_batches_held"], 3);
   EXPECT_EQ(p["activations"]["checkpoints"], 3 * (2 * 16 * 8 + 2 * 16 * 32 * 4));
   EXPECT_EQ(p["activations"]["output_gradients_held"], 3 * 2 * 16 * 32 * 4);
+  // optimizer.speculate (Note [Speculative optimizer]): auto leaves it off
+  // on the CPU device and says why; on takes every piece (all CPU Adam's).
+  EXPECT_EQ(p["speculate"]["on"], false);
+  EXPECT_NE(std::string(p["speculate"]["choice"]).find("CPU device"), std::string::npos) << p["speculate"];
+  r = run_strata("plan --json --no-bound --set run.schedule=layer --set optimizer.speculate=on " + write_config(dir, j));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const nlohmann::json sp = nlohmann::json::parse(r.output)["speculate"];
+  EXPECT_EQ(sp["on"], true);
+  EXPECT_EQ(sp["mechanism"], "two_pass");
+  EXPECT_GE(int64_t(sp["elements"]), int64_t(nlohmann::json::parse(r.output)["parameters"]));
   r = run_strata("plan --no-bound --set run.schedule=layer " + write_config(dir, j));
   EXPECT_NE(r.output.find("saved inputs (x3)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("schedule: layer"), std::string::npos) << r.output;

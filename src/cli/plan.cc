@@ -395,9 +395,11 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   out += strprintf("  schedule: %s%s\n", schedule_name(p.schedule),
                    p.schedule_choice.empty() ? "" : (" (run.schedule auto: " + p.schedule_choice + ")").c_str());
   if (p.speculate) {
+    const int64_t n = speculated_numel(p);
     out += strprintf("  optimizer behind the backward: %s: two passes over %s elements of CPU Adam (the working copy "
-                     "beside the backward, master and moments after the verdict); pieces in HBM wait for it\n",
-                     p.speculate_choice.c_str(), strprintf("%.4g M", double(speculated_numel(p)) / 1e6).c_str());
+                     "beside the backward, master and moments after the verdict)%s\n",
+                     p.speculate_choice.c_str(), strprintf("%.4g M", double(n) / 1e6).c_str(),
+                     n < p.shard_space_numel ? "; the pieces in HBM wait for the verdict" : "");
   } else {
     out += strprintf("  optimizer behind the backward: %s\n", p.speculate_choice.c_str());
   }
