@@ -451,6 +451,19 @@ std::vector<std::vector<std::string>> schedule_matrix(const std::string& swap) {
   };
 }
 
+// Step s of run a (the reference) against b and c (c on the test device):
+// the same loss, norm bits and skipped flag.
+void expect_same_steps(const StepResult& ra, const StepResult& rb, const StepResult& rc, const std::string& what,
+                       int s) {
+  EXPECT_EQ(ra.loss, rb.loss) << what << ", step " << s;
+  EXPECT_EQ(ra.loss, rc.loss) << what << ", step " << s << " (test device)";
+  EXPECT_EQ(std::bit_cast<uint64_t>(ra.grad_norm), std::bit_cast<uint64_t>(rb.grad_norm)) << what << ", step " << s;
+  EXPECT_EQ(std::bit_cast<uint64_t>(ra.grad_norm), std::bit_cast<uint64_t>(rc.grad_norm))
+      << what << ", step " << s << " (test device)";
+  EXPECT_EQ(ra.skipped, rb.skipped) << what << ", step " << s;
+  EXPECT_EQ(ra.skipped, rc.skipped) << what << ", step " << s;
+}
+
 // The layer schedule trains bit for bit like micro_batch (world size 1):
 // losses, norms and every state category, on every placement of
 // schedule_matrix, tied and untied, fp32, bf16 and fp16 (with skipped steps), with
@@ -473,13 +486,7 @@ TEST_F(StepTest, LayerScheduleTrainsBitForBitAsMicroBatch) {
     ASSERT_TRUE(c.trainer().plan().layer_major()) << what;
     for (int s = 1; s <= 3; ++s) {
       const StepResult ra = a.step(), rb = b.step(), rc = c.step();
-      EXPECT_EQ(ra.loss, rb.loss) << what << ", step " << s;
-      EXPECT_EQ(ra.loss, rc.loss) << what << ", step " << s << " (test device)";
-      EXPECT_EQ(std::bit_cast<uint64_t>(ra.grad_norm), std::bit_cast<uint64_t>(rb.grad_norm)) << what << ", step " << s;
-      EXPECT_EQ(std::bit_cast<uint64_t>(ra.grad_norm), std::bit_cast<uint64_t>(rc.grad_norm))
-          << what << ", step " << s << " (test device)";
-      EXPECT_EQ(ra.skipped, rb.skipped) << what << ", step " << s;
-      EXPECT_EQ(ra.skipped, rc.skipped) << what << ", step " << s;
+      expect_same_steps(ra, rb, rc, what, s);
       skipped += ra.skipped;
     }
     const std::vector<at::Tensor> sa = all_state(a);
@@ -538,13 +545,7 @@ TEST_F(StepTest, SpeculativeOptimizerTrainsBitForBitAsTheInlineOptimizer) {
       }
       for (int s = 1; s <= kSteps; ++s) {
         const StepResult ra = a.step(), rb = b.step(), rc = c.step();
-        EXPECT_EQ(ra.loss, rb.loss) << what << ", step " << s;
-        EXPECT_EQ(ra.loss, rc.loss) << what << ", step " << s << " (test device)";
-        EXPECT_EQ(std::bit_cast<uint64_t>(ra.grad_norm), std::bit_cast<uint64_t>(rb.grad_norm)) << what << ", step " << s;
-        EXPECT_EQ(std::bit_cast<uint64_t>(ra.grad_norm), std::bit_cast<uint64_t>(rc.grad_norm))
-            << what << ", step " << s << " (test device)";
-        EXPECT_EQ(ra.skipped, rb.skipped) << what << ", step " << s;
-        EXPECT_EQ(ra.skipped, rc.skipped) << what << ", step " << s;
+        expect_same_steps(ra, rb, rc, what, s);
         EXPECT_EQ(ra.speculation, "") << what;
         if (c_speculates) {
           EXPECT_EQ(rb.speculation, rc.speculation) << what << ", step " << s;

@@ -114,16 +114,7 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
       comm.all_reduce(sums, 3, DType::kF64, ReduceOp::kSum).wait();
     }
   } catch (...) {
-    if (speculating) {
-      // Nothing of the state was written; the working copy is put back.
-      grads_->cancel_waits();
-      blocks_->invalidate();
-      try {
-        optimizer_->abandon_speculation(speculated);
-      } catch (...) {
-        // The optimizer failed too: broken() says so; the step's own error follows.
-      }
-    }
+    if (speculating) abandon_speculation(speculated);
     throw;
   }
   r.tokens = accum * micro * cfg_.model.seq_len * ranks;
@@ -157,6 +148,23 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
   return finish_result();
 }
 
+// A step failed before its verdict: nothing of the state was written; the
+// working copy is put back. Called while an exception is in flight.
+void Trainer::abandon_speculation(const OptimizerThread::Job& speculated) {
+  grads_->cancel_waits();
+  blocks_->invalidate();
+  try {
+    optimizer_->abandon_speculation(speculated);
+  } catch (...) {
+    // The optimizer failed too: broken() says so; the step's own error follows.
+  }
+}
+
+// torch.nn.utils.clip_grad_norm_'s coefficient for `norm` (1 without clipping).
+double Trainer::clip_coefficient(double norm) const {
+  return cfg_.gradient_clipping > 0.0 ? std::min(1.0, cfg_.gradient_clipping / (norm + 1e-6)) : 1.0;
+}
+
 bool Trainer::speculate_this_step() const {
   return optimizer_->speculates() && step_ >= speculation_paused_until_;
 }
@@ -168,12 +176,7 @@ void Trainer::settle_speculation(StepResult& r, const OptimizerThread::Job& spec
     blocks_->invalidate();  // the speculation rewrote the working copy
     ctx_.device->synchronize(Stream::kH2D);  // as apply_optimizer: this step's fetches are done
   } catch (...) {
-    grads_->cancel_waits();
-    try {
-      optimizer_->abandon_speculation(speculated);
-    } catch (...) {
-      // broken() says so; this error follows.
-    }
+    abandon_speculation(speculated);
     throw;
   }
   auto report = [&](const OptimizerPass::Report& opt) {
@@ -189,8 +192,7 @@ void Trainer::settle_speculation(StepResult& r, const OptimizerThread::Job& spec
     apply_optimizer(r, 1.0);  // throws: a non-finite norm without a loss scaler
     return;
   }
-  double coef = 1.0;
-  if (cfg_.gradient_clipping > 0.0) coef = std::min(1.0, cfg_.gradient_clipping / (r.grad_norm + 1e-6));
+  const double coef = clip_coefficient(r.grad_norm);
   const double scale = r.loss_scale > 0.0 ? r.loss_scale : 1.0;
   const OptimizerThread::Job job{float(coef / scale), r.lr, applied_steps_ + 1, ctx_.device->record(Stream::kCompute)};
   if (job.grad_scale == speculated.grad_scale) {
@@ -264,8 +266,7 @@ void Trainer::apply_optimizer(StepResult& r, double loss_scale) {
                           "state is unchanged; lower optimizer.params.lr or enable gradient_clipping",
                           r.grad_norm, (long long)(step_ + 1)));
   }
-  double coef = 1.0;
-  if (cfg_.gradient_clipping > 0.0) coef = std::min(1.0, cfg_.gradient_clipping / (r.grad_norm + 1e-6));
+  const double coef = clip_coefficient(r.grad_norm);
   blocks_->invalidate();  // the optimizer rewrites the working copy
   // CPU Adam rewrites host-tier working copies that fetches of this step
   // read: those copies are done (they are, since the norm's read waited for

@@ -229,6 +229,8 @@ class Trainer {
   // Note [Speculative optimizer]: whether this step speculates (auto pauses
   // after kSpeculationRedosToPause redone steps in a row), and the verdict.
   bool speculate_this_step() const;
+  void abandon_speculation(const OptimizerThread::Job& speculated);
+  double clip_coefficient(double norm) const;
   void settle_speculation(StepResult& r, const OptimizerThread::Job& speculated);
   at::Tensor forward_block(size_t b, int64_t m, const at::Tensor& x, bool train);
   at::Tensor head_forward_backward(const at::Tensor& x, const at::Tensor& targets, double loss_scale, int64_t m,
