@@ -285,6 +285,52 @@ TEST(BoundTest, TheSpeculativeOptimizerHidesBehindTheBackwardUnlessClipped) {
   EXPECT_EQ(v.speculated_elems, 0);
 }
 
+// Note [Alternate swap slots]: the optimizer on NVMe speculating into spare
+// slots. A committed step steps each element once (a commit flips), reads
+// master and moments once (12 bytes x kN) and writes them once, into the
+// spare slots; its step waits after the backward for block 0's share (an
+// eighth) of the one pass. A clipped step pays the pass again: Adam twice,
+// every optimizer byte twice (clipped_work).
+TEST(BoundTest, AlternateSwapSlotsMakeACommittedStepOnePass) {
+  const Config cfg = config_with(
+      {"bf16.enabled=true", "run.schedule=\"layer\"", "optimizer.speculate=\"on\"", "run.swap_checksums=false",
+       "placement={\"param16\":{\"device\":1},\"grad\":{\"device\":1},\"optimizer\":{\"nvme\":1},"
+       "\"nvme_path\":\"/tmp/x\"}"});
+  const PlacementPlan p = make_plan(cfg, make_layout(), 0, gpu_like());
+  ASSERT_TRUE(p.speculate_slots) << p.speculate_choice;
+  StepWork w = predicted_work(cfg, p, train_fetches(p), NetworkBytes{});
+  EXPECT_EQ(w.adam_elems, kN);
+  EXPECT_EQ(w.speculated_elems, kN);
+  EXPECT_EQ(w.slot_elems, kN);
+  EXPECT_EQ(w.optimizer_links.nvme_read, 12 * kN);
+  EXPECT_EQ(w.optimizer_links.nvme_write, 12 * kN);
+  EXPECT_EQ(w.optimizer_links.d2h, 4 * kN);  // the gradient, once
+  EXPECT_EQ(w.optimizer_links.h2d, 2 * kN);  // the bf16 working copy
+  const StepWork c = clipped_work(w);
+  EXPECT_TRUE(c.clipped);
+  EXPECT_EQ(c.adam_elems, 2 * kN);
+  EXPECT_EQ(c.optimizer_links.nvme_read, 24 * kN);
+  EXPECT_EQ(c.optimizer_links.nvme_write, 24 * kN);
+  EXPECT_EQ(c.links.nvme_read - w.links.nvme_read, 12 * kN);
+  EXPECT_EQ(c.optimizer_links.d2h, 8 * kN);
+  Rates r;
+  r.device_flops = w.flops / 0.01;  // 0.01 s, a quarter of it the first forward
+  r.adam = double(kN) / 0.004;      // 0.004 s a pass
+  r.nvme_read = double(12 * kN) / 0.002, r.nvme_write = double(12 * kN) / 0.002;
+  r.nvme_both = double(24 * kN) / 0.002;
+  r.h2d = double(2 * kN) / 0.001, r.d2h = double(4 * kN) / 0.001, r.pcie_both = double(6 * kN) / 0.0025;
+  StepWork wf = w, cf = c;
+  wf.first_forward_flops = cf.first_forward_flops = w.flops / 4;
+  const StepBound b = step_bound(wf, r, false);
+  EXPECT_EQ(b.binding, "dependencies");
+  EXPECT_NEAR(b.seconds, 0.01 + 0.004 / 8, 1e-12);  // one pass, not half of two
+  // Redone: one pass of Adam (0.004 s) under the optimizer's PCIe, now
+  // 12 kN bytes at 6 kN / 0.0025 s = 0.005 s, beside the first forward, then
+  // the rest of the compute (0.0075 s).
+  const StepBound cb = step_bound(cf, r, false);
+  EXPECT_NEAR(cb.seconds, 0.005 + 0.0075, 1e-12);
+}
+
 // The same placement as BytesPerLinkOfAnOffloadedPlacement with the swap
 // checksums (run.swap_checksums, the default): every NVMe byte is
 // checksummed, 10485760 read + 10485760 written = 20971520; the optimizer's

@@ -22,6 +22,7 @@
 #include <random>
 #include <sstream>
 #include <string>
+#include <tuple>
 #include <thread>
 #include <vector>
 
@@ -185,23 +186,35 @@ TEST_F(CheckpointCliTest, ACheckpointResumesUnderTheOtherSchedule) {
 // after a micro_batch step, against the optimizer behind the backward run
 // for 5 steps (checkpointed at its end), resumed and killed in step 7's job
 // of each kind (STRATA_OPTIMIZER_KILL_AT), and resumed again from step 5;
-// the final checkpoints' bytes too.
+// the final checkpoints' bytes too; with the optimizer state in RAM and on
+// NVMe (alternate swap slots).
 TEST_F(CheckpointCliTest, KilledDuringSpeculationResumesBitExact) {
-  for (const auto& [kind, clip] : std::vector<std::pair<std::string, std::string>>{
-           {"speculate", "0"}, {"commit", "0"}, {"full", "0.0001"}}) {
-    const std::string what = kind;
-    const std::string a = dir_.file("spec-" + kind + "-a"), b = dir_.file("spec-" + kind + "-b");
-    const std::string cfg_a = config("spec-" + kind + "-a.json", base_config(data_, a));
-    const std::string cfg_b = config("spec-" + kind + "-b.json", base_config(data_, b));
-    const std::string clipping = " --set gradient_clipping=" + clip;
+  // The optimizer state on NVMe: speculated into alternate swap slots
+  // (Note [Alternate swap slots]), killed while writing the spare slots and
+  // while flipping them.
+  const std::string nvme = " --set zero_optimization.offload_optimizer='{\"device\":\"nvme\",\"nvme_path\":\"" +
+                           dir_.path() + "\"}'";
+  for (const auto& [kind, clip, where] : std::vector<std::tuple<std::string, std::string, std::string>>{
+           {"speculate", "0", ""}, {"commit", "0", ""}, {"full", "0.0001", ""}, {"speculate", "0", nvme},
+           {"commit", "0", nvme}}) {
+    const std::string what = kind + (where.empty() ? "" : ", optimizer state on NVMe");
+    const std::string name = kind + (where.empty() ? "" : "-nvme");
+    const std::string a = dir_.file("spec-" + name + "-a"), b = dir_.file("spec-" + name + "-b");
+    const std::string cfg_a = config("spec-" + name + "-a.json", base_config(data_, a));
+    const std::string cfg_b = config("spec-" + name + "-b.json", base_config(data_, b));
+    const std::string clipping = " --set gradient_clipping=" + clip + where;
     Result straight = train(1, cfg_a, "--metrics " + a + ".jsonl" + clipping +
                                           " --set run.schedule='\"micro_batch\"' --set run.overlap_optimizer=false"
                                           " --set optimizer.speculate='\"off\"'");
     ASSERT_EQ(straight.code, 0) << straight.output;
     const std::string spec = clipping + " --set run.schedule='\"layer\"' --set run.overlap_optimizer=true"
                                         " --set optimizer.speculate='\"on\"'";
-    Result first = train(1, cfg_b, "--steps 5 --metrics " + b + "-1.jsonl" + spec);
+    Result first =
+        train(1, cfg_b, "--steps 5 --metrics " + b + "-1.jsonl" + spec + " --set run.log_level='\"info\"'");
     ASSERT_EQ(first.code, 0) << first.output;
+    if (!where.empty()) {
+      EXPECT_NE(first.output.find("in alternate swap slots"), std::string::npos) << what << ": " << first.output;
+    }
     ASSERT_EQ(read_bytes(b + "/latest"), "step-00000005\n") << what;
     Result killed = train(1, cfg_b, "--resume --metrics " + b + "-2.jsonl" + spec,
                           "STRATA_OPTIMIZER_KILL_AT=" + kind + ":7");

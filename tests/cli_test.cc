@@ -221,6 +221,28 @@ TEST(CliTest, PlanCountsTheDataPath) {
   EXPECT_EQ(sp["on"], true);
   EXPECT_EQ(sp["mechanism"], "two_pass");
   EXPECT_GE(int64_t(sp["elements"]), int64_t(nlohmann::json::parse(r.output)["parameters"]));
+  // The optimizer state on NVMe: alternate swap slots, a second copy of
+  // master weights and moments on disk (12 bytes per element), in the
+  // plan's NVMe total; with speculate_slots false, two passes.
+  const std::string on_nvme = " --set run.schedule=layer --set optimizer.speculate=on --set run.overlap_optimizer=true --set "
+                              "zero_optimization.offload_optimizer='{\"device\":\"nvme\",\"nvme_path\":\"" +
+                              dir.path() + "\"}' ";
+  r = run_strata("plan --json --no-bound" + on_nvme + write_config(dir, j));
+  ASSERT_EQ(r.code, 0) << r.output;
+  p = nlohmann::json::parse(r.output);
+  EXPECT_EQ(p["speculate"]["mechanism"], "alternate_slots") << p["speculate"];
+  EXPECT_EQ(p["speculate"]["alternate_slot_elements"], p["speculate"]["elements"]);
+  const int64_t opt_nvme = int64_t(p["state_bytes"]["master"]["nvme"]) + int64_t(p["state_bytes"]["exp_avg"]["nvme"]) +
+                           int64_t(p["state_bytes"]["exp_avg_sq"]["nvme"]);
+  EXPECT_EQ(int64_t(p["speculate"]["spare_nvme_bytes"]), 12 * int64_t(p["speculate"]["elements"]));
+  EXPECT_EQ(int64_t(p["total_bytes"]["nvme"]) - int64_t(p["state_total_bytes"]["nvme"]), opt_nvme);
+  r = run_strata("plan --no-bound" + on_nvme + write_config(dir, j));
+  EXPECT_NE(r.output.find("elements on NVMe (the new state written beside the backward, committed by a flip"),
+            std::string::npos)
+      << r.output;
+  r = run_strata("plan --json --no-bound --set optimizer.speculate_slots=false" + on_nvme + write_config(dir, j));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(nlohmann::json::parse(r.output)["speculate"]["mechanism"], "two_pass");
   r = run_strata("plan --no-bound --set run.schedule=layer " + write_config(dir, j));
   EXPECT_NE(r.output.find("saved inputs (x3)"), std::string::npos) << r.output;
   EXPECT_NE(r.output.find("schedule: layer"), std::string::npos) << r.output;

@@ -430,6 +430,9 @@ TEST(ConfigEnums, BadEnumListsTheChoices) {
                       "expected auto, on or off, got \"maybe\"");
   EXPECT_EQ(parse_config(with({{"optimizer", {{"speculate", "on"}}}})).optimizer.speculate, Speculate::kOn);
   EXPECT_EQ(parse_config(with(json::object())).optimizer.speculate, Speculate::kAuto);
+  EXPECT_CONFIG_ERROR(with({{"optimizer", {{"speculate_slots", "yes"}}}}), "optimizer.speculate_slots", "a boolean");
+  EXPECT_TRUE(parse_config(with(json::object())).optimizer.speculate_slots);
+  EXPECT_FALSE(parse_config(with({{"optimizer", {{"speculate_slots", false}}}})).optimizer.speculate_slots);
 }
 
 TEST(ConfigEnums, OverlapOptimizerIsABooleanOrAuto) {

@@ -590,8 +590,29 @@ TEST(PlacementTest, SpeculationIsResolvedWhereItHides) {
   EXPECT_EQ(speculated_numel(plan({host}, gpu)), kTotal);
   EXPECT_FALSE(plan({}, gpu).speculate) << "every piece in HBM";
   EXPECT_NE(plan({}, gpu).speculate_choice.find("device's Adam"), std::string::npos);
-  EXPECT_FALSE(plan({nvme}, gpu).speculate);
-  EXPECT_NE(plan({nvme}, gpu).speculate_choice.find("NVMe"), std::string::npos);
+  // Optimizer state on NVMe: alternate swap slots where the disk has room
+  // for a second copy of master weights and moments (unknown counts as
+  // room), else auto is off and on reads the state twice (two passes).
+  EXPECT_TRUE(plan({nvme}, gpu).speculate) << plan({nvme}, gpu).speculate_choice;
+  EXPECT_TRUE(plan({nvme}, gpu).speculate_slots);
+  EXPECT_EQ(plan({nvme}, gpu).nvme_spare_bytes, 12 * kTotal);
+  MachineCapacity small_disk = gpu;
+  small_disk.nvme_bytes = plan({nvme, "optimizer.speculate=\"off\""}, gpu).total()[size_t(Tier::kNvme)];
+  EXPECT_FALSE(plan({nvme}, small_disk).speculate);
+  EXPECT_NE(plan({nvme}, small_disk).speculate_choice.find("no room for its alternate slots"), std::string::npos)
+      << plan({nvme}, small_disk).speculate_choice;
+  MachineCapacity room = small_disk;
+  room.nvme_bytes += 12 * kTotal;
+  EXPECT_TRUE(plan({nvme}, room).speculate_slots) << "exactly room for the slots";
+  const PlacementPlan forced = plan({nvme, "optimizer.speculate=\"on\""}, small_disk);
+  EXPECT_TRUE(forced.speculate);
+  EXPECT_FALSE(forced.speculate_slots);
+  EXPECT_EQ(forced.nvme_spare_bytes, 0);
+  EXPECT_NE(forced.speculate_choice.find("two passes"), std::string::npos) << forced.speculate_choice;
+  EXPECT_FALSE(plan({nvme, "optimizer.speculate_slots=false"}, gpu).speculate);
+  EXPECT_NE(plan({nvme, "optimizer.speculate_slots=false"}, gpu).speculate_choice.find("speculate_slots is false"),
+            std::string::npos);
+  EXPECT_FALSE(plan({host}, gpu).speculate_slots) << "no state on NVMe, no slots";
   EXPECT_TRUE(plan({nvme, "optimizer.speculate=\"on\""}, gpu).speculate);
   EXPECT_FALSE(plan({host}, unlimited()).speculate) << "the CPU device";
   EXPECT_TRUE(plan({host, "optimizer.speculate=\"on\""}, unlimited()).speculate);

@@ -22,6 +22,7 @@
 #include <cmath>
 #include <chrono>
 #include <map>
+#include <optional>
 #include <thread>
 #include <random>
 
@@ -502,12 +503,15 @@ TEST_F(StepTest, LayerScheduleTrainsBitForBitAsMicroBatch) {
 // state category, on every placement of the matrix, with gradient clipping
 // at a threshold between the steps' norms (so some steps commit their
 // speculation and some redo it), without clipping, and with fp16 steps that
-// overflow (restored); on the CPU device and on the test device.
+// overflow (restored); on the CPU device and on the test device; where
+// optimizer state is on NVMe, by both mechanisms (alternate swap slots, and
+// two passes with optimizer.speculate_slots false).
 TEST_F(StepTest, SpeculativeOptimizerTrainsBitForBitAsTheInlineOptimizer) {
   // The schedule tests' matrix; the speculated runs turn run.overlap_optimizer on.
   const std::vector<std::vector<std::string>> cases = schedule_matrix(dir_.path() + "/swap");
   constexpr int kSteps = 8;  // the fp16 case overflows its first steps
   std::map<std::string, int> outcomes;
+  int slot_cases = 0;
   for (const std::vector<std::string>& o : cases) {
     for (bool clip : {true, false}) {
       std::string what = (o.empty() ? "all on the device" : nlohmann::json(o).dump()) + (clip ? ", clipped" : "");
@@ -543,9 +547,25 @@ TEST_F(StepTest, SpeculativeOptimizerTrainsBitForBitAsTheInlineOptimizer) {
       if (!c_speculates) {
         ASSERT_NE(c.trainer().plan().speculate_choice.find("device's Adam"), std::string::npos) << what;
       }
+      // Optimizer state on NVMe speculates into alternate swap slots (Note
+      // [Alternate swap slots]); d runs the same by two passes.
+      std::optional<Training> d;
+      if (b.trainer().plan().speculate_slots) {
+        ++slot_cases;
+        EXPECT_GT(speculated_slot_numel(b.trainer().plan()), 0) << what;
+        std::vector<std::string> two_pass = spec;
+        two_pass.push_back("optimizer.speculate_slots=false");
+        d.emplace(base_config(data_), two_pass);
+        ASSERT_TRUE(d->trainer().plan().speculate && !d->trainer().plan().speculate_slots) << what;
+      }
       for (int s = 1; s <= kSteps; ++s) {
         const StepResult ra = a.step(), rb = b.step(), rc = c.step();
         expect_same_steps(ra, rb, rc, what, s);
+        if (d) {
+          const StepResult rd = d->step();
+          expect_same_steps(ra, rd, rc, what + ", two passes", s);
+          EXPECT_EQ(rd.speculation, rb.speculation) << what << ", step " << s;
+        }
         EXPECT_EQ(ra.speculation, "") << what;
         if (c_speculates) {
           EXPECT_EQ(rb.speculation, rc.speculation) << what << ", step " << s;
@@ -561,8 +581,12 @@ TEST_F(StepTest, SpeculativeOptimizerTrainsBitForBitAsTheInlineOptimizer) {
       const std::vector<at::Tensor> sa = all_state(a);
       EXPECT_TRUE(same_state(sa, all_state(b))) << what;
       EXPECT_TRUE(same_state(sa, all_state(c))) << what << " (test device)";
+      if (d) {
+        EXPECT_TRUE(same_state(sa, all_state(*d))) << what << ", two passes";
+      }
     }
   }
+  EXPECT_GT(slot_cases, 0) << "no case speculated into alternate swap slots";
   EXPECT_GT(outcomes["committed"], 0);
   EXPECT_GT(outcomes["redone"], 0) << "no step was clipped";
   EXPECT_GT(outcomes["restored"], 0) << "no fp16 step overflowed";

@@ -565,6 +565,80 @@ TEST_F(TieredTest, SwapTransfersCompleteThroughTheEnginesCompletion) {
   EXPECT_EQ(std::memcmp(in.data(), out.data(), size_t(u.numel * 4)), 0);
 }
 
+// Note [Alternate swap slots]: with optimizer.speculate's slots every NVMe
+// unit of master weights and moments has a second home on disk (the plan
+// counts it: 12 bytes per element with fp32 moments). A spare write is not
+// seen until its piece is committed; a commit flips that piece only, so one
+// read across pieces returns each from its own current slot; a write after
+// a commit goes to the new current slot, and the next spare write to the
+// old one. A commit of part of a piece is refused.
+TEST_F(TieredTest, AlternateSwapSlotsCommitPieceByPieceByAFlip) {
+  const std::vector<std::string> o = {
+      "model.dim=256", "model.n_heads=4", "model.ffn_hidden=512", "model.n_layers=4",
+      "zero_optimization.sub_group_size=1000000000",
+      "zero_optimization.offload_optimizer={\"device\":\"nvme\",\"nvme_path\":\"" + swap_ + "\"}",
+      "run.schedule=\"layer\"", "optimizer.speculate=\"on\"", "run.overlap_optimizer=true"};
+  Config cfg = parse_config(base_config(data_), o);
+  Model model(cfg.model);
+  const PlacementPlan plan = make_plan(cfg, StateLayout(model.layout_specs(), 1), 0, MachineCapacity{});
+  ASSERT_TRUE(plan.speculate_slots) << plan.speculate_choice;
+  const int64_t n = plan.shard_space_numel;
+  EXPECT_EQ(plan.nvme_spare_bytes, 12 * n);
+  EXPECT_EQ(plan.total()[size_t(Tier::kNvme)] - plan.state_total()[size_t(Tier::kNvme)], 12 * n);
+  EXPECT_EQ(speculated_slot_numel(plan), n);
+  cfg.optimizer.speculate_slots = false;
+  const PlacementPlan two_pass = make_plan(cfg, StateLayout(model.layout_specs(), 1), 0, MachineCapacity{});
+  EXPECT_TRUE(two_pass.speculate);
+  EXPECT_FALSE(two_pass.speculate_slots);
+  EXPECT_EQ(two_pass.nvme_spare_bytes, 0);
+  EXPECT_EQ(speculated_slot_numel(two_pass), 0);
+
+  const std::vector<PlacementUnit> pieces = pipeline_pieces(plan);
+  ASSERT_GE(pieces.size(), 3u);
+  TieredState st(plan, TieredStateOptions{});
+  EXPECT_TRUE(st.has_spare(Category::kMaster, 0, n));
+  EXPECT_TRUE(st.has_spare(Category::kExpAvgSq, pieces[1].offset, pieces[1].numel));
+  EXPECT_FALSE(st.has_spare(Category::kParam16, 0, n));
+  EXPECT_GE(st.swap()->used_bytes(), plan.total()[size_t(Tier::kNvme)]);
+  auto filled = [&](float scale) {
+    HostBuffer b(size_t(n * 4), "test");
+    for (int64_t i = 0; i < n; ++i) b.as<float>()[i] = float(i) * scale;
+    return b;
+  };
+  HostBuffer a = filled(1.0f), spare = filled(-1.0f), later = filled(0.25f), in(size_t(n * 4), "test in");
+  auto read_all = [&] {
+    std::memset(in.data(), 0, size_t(n * 4));
+    st.read(Category::kMaster, 0, n, in.data());
+  };
+  // Element i as read, against the buffer it should come from.
+  auto same = [&](int64_t from, int64_t count, const HostBuffer& want) {
+    return std::memcmp(in.as<float>() + from, want.as<float>() + from, size_t(count * 4)) == 0;
+  };
+  const PlacementUnit& p1 = pieces[1];
+  st.write(Category::kMaster, 0, n, a.data());
+  PendingIo io;
+  st.write_spare_async(Category::kMaster, p1.offset, p1.numel, spare.as<float>() + p1.offset, io).wait();
+  read_all();
+  EXPECT_TRUE(same(0, n, a)) << "a spare write was seen before its commit";
+  st.commit_spare(Category::kMaster, p1.offset, p1.numel);
+  read_all();
+  EXPECT_TRUE(same(0, p1.offset, a));
+  EXPECT_TRUE(same(p1.offset, p1.numel, spare)) << "the committed piece reads its old slot";
+  EXPECT_TRUE(same(p1.offset + p1.numel, n - p1.offset - p1.numel, a)) << "the commit flipped more than its piece";
+  // In place, then into the other slot again.
+  st.write(Category::kMaster, p1.offset, p1.numel, later.as<float>() + p1.offset);
+  read_all();
+  EXPECT_TRUE(same(p1.offset, p1.numel, later));
+  st.write_spare_async(Category::kMaster, p1.offset, p1.numel, a.as<float>() + p1.offset, io).wait();
+  read_all();
+  EXPECT_TRUE(same(p1.offset, p1.numel, later));
+  st.commit_spare(Category::kMaster, p1.offset, p1.numel);
+  read_all();
+  EXPECT_TRUE(same(0, n, a));
+  EXPECT_THROW(st.commit_spare(Category::kMaster, p1.offset, p1.numel / 2), InternalError);
+  EXPECT_THROW((void)st.write_spare_async(Category::kParam16, 0, 2048, a.data(), io), InternalError);
+}
+
 // Note [Host arenas]: host-tier 16-bit parameters and gradients live in
 // memory registered with the device, the optimizer state in plain memory;
 // training is bit-identical to everything on the device either way.

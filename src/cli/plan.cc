@@ -115,9 +115,15 @@ nlohmann::json plan_json(const Computed& c) {
   j["schedule"] = schedule_name(p.schedule);
   if (!p.schedule_choice.empty()) j["schedule_choice"] = p.schedule_choice;
   // Note [Speculative optimizer] in engine/optimizer_pass.h.
+  const int64_t speculated = speculated_numel(p), in_slots = speculated_slot_numel(p);
   j["speculate"] = {{"on", p.speculate},
-                    {"mechanism", p.speculate ? "two_pass" : "none"},
-                    {"elements", speculated_numel(p)},
+                    {"mechanism", !p.speculate                ? "none"
+                                  : in_slots == 0             ? "two_pass"
+                                  : in_slots == speculated    ? "alternate_slots"
+                                                              : "two_pass+alternate_slots"},
+                    {"elements", speculated},
+                    {"alternate_slot_elements", in_slots},
+                    {"spare_nvme_bytes", p.nvme_spare_bytes},
                     {"choice", p.speculate_choice}};
   // The activations' rows (Note [Step schedules] in memory/schedule.h).
   j["activations"] = {{"micro_batches_held", p.held_micro},
@@ -290,9 +296,7 @@ int run_plan(const PlanOptions& opt) {
     }
     bound = step_bound(work, rates, cpu_compute);
     if (work.speculated_elems > 0) {
-      StepWork clipped = work;
-      clipped.clipped = true;
-      clipped_bound = step_bound(clipped, rates, cpu_compute);
+      clipped_bound = step_bound(clipped_work(work), rates, cpu_compute);
     }
   }
   const double net_s = double(c.net.world) * 8.0 / (opt.net_gbps * 1e9);
@@ -395,10 +399,20 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   out += strprintf("  schedule: %s%s\n", schedule_name(p.schedule),
                    p.schedule_choice.empty() ? "" : (" (run.schedule auto: " + p.schedule_choice + ")").c_str());
   if (p.speculate) {
-    const int64_t n = speculated_numel(p);
-    out += strprintf("  optimizer behind the backward: %s: two passes over %s elements of CPU Adam (the working copy "
-                     "beside the backward, master and moments after the verdict)%s\n",
-                     p.speculate_choice.c_str(), strprintf("%.4g M", double(n) / 1e6).c_str(),
+    const int64_t n = speculated_numel(p), slots = speculated_slot_numel(p);
+    std::string how;
+    if (n > slots) {
+      how = strprintf("two passes over %s elements of CPU Adam (the working copy beside the backward, master and "
+                      "moments after the verdict)",
+                      strprintf("%.4g M", double(n - slots) / 1e6).c_str());
+    }
+    if (slots > 0) {
+      how += strprintf("%salternate swap slots for %s elements on NVMe (the new state written beside the backward, "
+                       "committed by a flip; %s more disk)",
+                       how.empty() ? "" : "; ", strprintf("%.4g M", double(slots) / 1e6).c_str(),
+                       format_bytes(double(p.nvme_spare_bytes)).c_str());
+    }
+    out += strprintf("  optimizer behind the backward: %s: %s%s\n", p.speculate_choice.c_str(), how.c_str(),
                      n < p.shard_space_numel ? "; the pieces in HBM wait for the verdict" : "");
   } else {
     out += strprintf("  optimizer behind the backward: %s\n", p.speculate_choice.c_str());

@@ -409,6 +409,17 @@ int run_train(const TrainOptions& opt) {
   log::info("placement (%s): device %s, host %s, nvme %s (state + staging)",
             trainer.plan().source.c_str(), format_bytes(double(peak[0])).c_str(),
             format_bytes(double(peak[1])).c_str(), format_bytes(double(peak[2])).c_str());
+  {
+    const PlacementPlan& p = trainer.plan();
+    const int64_t slots = speculated_slot_numel(p);
+    log::info("schedule: %s; optimizer behind the backward: %s%s", schedule_name(p.schedule),
+              p.speculate_choice.c_str(),
+              slots > 0 ? strprintf(", %s elements in alternate swap slots (%s more disk)",
+                                    strprintf("%.4g M", double(slots) / 1e6).c_str(),
+                                    format_bytes(double(p.nvme_spare_bytes)).c_str())
+                              .c_str()
+                        : "");
+  }
   log::info("data: %lld tokens (%lld train, %lld held out); batch %lld = %lld micro x %lld "
             "accumulation x %d ranks; ZeRO stage %lld; compute %s; %d threads",
             (long long)data.num_tokens(), (long long)data.train_tokens(),

@@ -455,12 +455,13 @@ void parse_batch(const json& root, Config& c) {
 void parse_optimizer(const json& root, Config& c) {
   const std::string path = "optimizer";
   const json& o = section(root, "", path);
-  check_keys(o, path, {"type", "params", "speculate"}, kNone, c.ignored_keys);
+  check_keys(o, path, {"type", "params", "speculate", "speculate_slots"}, kNone, c.ignored_keys);
   OptimizerConfig& opt = c.optimizer;
   read_enum(o, path, "type", opt.type, {"Adam", "AdamW"});
   std::string speculate = speculate_name(opt.speculate);
   read_enum(o, path, "speculate", speculate, {"auto", "on", "off"});
   opt.speculate = speculate == "on" ? Speculate::kOn : speculate == "off" ? Speculate::kOff : Speculate::kAuto;
+  read(o, path, "speculate_slots", opt.speculate_slots);
 
   const std::string pp = "optimizer.params";
   const json& p = section(o, path, "params");

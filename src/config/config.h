@@ -149,6 +149,10 @@ const char* speculate_name(Speculate s);  // "auto", "on", "off"
 struct OptimizerConfig {
   std::string type = "AdamW";      // Adam | AdamW
   Speculate speculate = Speculate::kAuto;
+  // optimizer.speculate_slots: NVMe state speculates into alternate swap
+  // slots where the disk has room (Note [Alternate swap slots] in
+  // memory/tiered_state.h); false: by two passes, no extra disk.
+  bool speculate_slots = true;
   double lr = 1e-3;
   double beta1 = 0.9;
   double beta2 = 0.999;

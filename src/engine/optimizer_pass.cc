@@ -142,6 +142,7 @@ OptimizerPass::OptimizerPass(const StepContext& ctx, const PlacementPlan& plan, 
   device_done_.resize(pieces_.size());
   for (size_t j = 0; j < pieces_.size(); ++j) {
     piece_speculates_.push_back(plan.speculate && !piece_on_device_[j] ? 1 : 0);
+    piece_slots_.push_back(speculates_in_slots(plan, pieces_[j]) ? 1 : 0);
     speculates_ |= piece_speculates_.back() != 0;
     if (piece_speculates_.back()) speculated_numel_ += pieces_[j].numel;
     ascending_.push_back(j);
@@ -363,9 +364,18 @@ void OptimizerPass::walk(const OptimizerThread::Job& job, const std::vector<size
           break;
         case Kind::kSpeculate:
           speculate_piece(j, job, h);
-          write_back_piece(j, /*state=*/false, /*working=*/true);
+          // Note [Alternate swap slots]: the new state into the spare slots.
+          write_back_piece(j, /*state=*/piece_slots_[j] != 0, /*working=*/true, /*spare=*/piece_slots_[j] != 0);
           break;
         case Kind::kCommit:
+          if (piece_slots_[j]) {  // its new state is written: flip to it
+            TraceSpan span(TraceTrack::kAdam, commit_names_[j].c_str());
+            for (Category c : {Category::kMaster, Category::kExpAvg, Category::kExpAvgSq}) {
+              ctx_.state->commit_spare(c, g.offset, g.numel);
+            }
+            if (thread_) thread_->publish_low(g.offset);
+            break;
+          }
           update_piece(j, job, h);
           if (thread_) thread_->publish_low(g.offset);  // its gradient is read
           write_back_piece(j, /*state=*/true, /*working=*/false);
@@ -413,6 +423,7 @@ void OptimizerPass::stage_piece(size_t j, const OptimizerThread::Job& job) {
   sp.adam.numel = g.numel;
   sp.keeps_state = false;
   if (piece_on_device_[j]) return;  // updated in place on the device (launch_device_run)
+  if (job.kind == Kind::kCommit && piece_slots_[j]) return;  // a flip (Note [Alternate swap slots])
   const bool after_backward = job.kind == Kind::kFull || job.kind == Kind::kCommit;
   auto fetch = [&](Category c) -> std::byte* {
     std::byte* p = state.resident(c, g.offset, g.numel);
@@ -543,8 +554,9 @@ void OptimizerPass::restore_piece(size_t j) {
 }
 
 // Piece j's staged state (`state`) and working copy (`working`) back to
-// their homes.
-void OptimizerPass::write_back_piece(size_t j, bool state_too, bool working) {
+// their homes; with `spare`, the state into its spare slots (Note
+// [Alternate swap slots] in memory/tiered_state.h).
+void OptimizerPass::write_back_piece(size_t j, bool state_too, bool working, bool spare) {
   OptimizerStaging& st = *staging_;
   TieredState& state = *ctx_.state;
   const int k = set_of_[j];
@@ -552,7 +564,11 @@ void OptimizerPass::write_back_piece(size_t j, bool state_too, bool working) {
   const OptSet& sp = sets_[size_t(k)];
   PendingIo& w = st.writes(k);
   Completion& written = st.write_done(k);
-  if (state_too) {
+  if (state_too && spare) {
+    written = state.write_spare_async(Category::kMaster, g.offset, g.numel, sp.adam.param, w);
+    written = state.write_spare_async(Category::kExpAvg, g.offset, g.numel, sp.adam.exp_avg, w);
+    written = state.write_spare_async(Category::kExpAvgSq, g.offset, g.numel, sp.adam.exp_avg_sq, w);
+  } else if (state_too) {
     if (!state.resident(Category::kMaster, g.offset, g.numel)) {
       written = state.write_async(Category::kMaster, g.offset, g.numel, sp.adam.param, w, &kNoKernel);
     }

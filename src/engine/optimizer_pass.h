@@ -127,8 +127,18 @@ class SaveGate {
 //       pieces' working copy from the unchanged master weights.
 // Extra host memory traffic of a committed step: the commit pass re-reads
 // the gradient, master and moments (16 bytes per element with fp32
-// moments, 12 with bf16) beside the inline pass's reads and writes; a
-// swapped piece is read twice.
+// moments, 12 with bf16) beside the inline pass's reads and writes.
+// The mechanism "alternate slots", for pieces whose master weights and
+// moments all live on NVMe (PlacementPlan::speculate_slots, where the disk
+// has room for a second copy): the pre-step state is kept by writing the
+// new one elsewhere. The speculation steps the staged copies in full and
+// writes master and moments into the pieces' spare swap slots (Note
+// [Alternate swap slots] in memory/tiered_state.h) beside the working
+// copy; the commit job flips each piece's slots (after a save in flight
+// has read it) and reads nothing; a redo reads the current, pre-step slots
+// and writes them in place; a restore reads them. A committed step moves
+// exactly the bytes of the inline optimizer (0 extra bytes per element, in
+// memory and on disk); a clipped one twice its NVMe bytes and Adam.
 // A checkpoint holds committed state only: a save waits for the commit job
 // of its step (wait_for_job), and a kill during speculation leaves master
 // and moments at the last committed step (the working copy is rebuilt from
@@ -209,7 +219,7 @@ class OptimizerPass {
   void update_piece(size_t j, const OptimizerThread::Job& job, const cpu_adam::AdamParams& h);
   void speculate_piece(size_t j, const OptimizerThread::Job& job, const cpu_adam::AdamParams& h);
   void restore_piece(size_t j);
-  void write_back_piece(size_t j, bool state, bool working);
+  void write_back_piece(size_t j, bool state, bool working, bool spare = false);
   void launch_device_pieces(const OptimizerThread::Job& job);
   cpu_adam::AdamParams adam_params(const OptimizerThread::Job& job) const;
   std::shared_ptr<SaveGate> save_for(const OptimizerThread::Job& job);
@@ -245,6 +255,7 @@ class OptimizerPass {
   // Adam's pieces, with PlacementPlan::speculate); the pieces in shard
   // order, and those that speculate from the highest down.
   std::vector<char> piece_speculates_;
+  std::vector<char> piece_slots_;  // and whether into alternate swap slots (speculates_in_slots)
   bool speculates_ = false;
   int64_t speculated_numel_ = 0;
   std::atomic<int64_t> reached_block_{INT64_MAX};

@@ -191,25 +191,32 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
     if (all_device && !p.device_addressable) continue;
     // A speculated piece is stepped twice (Note [Speculative optimizer]):
     // beside the backward, and again to commit (or redo) it, reading its
-    // state twice and writing it once.
-    const int64_t passes = p.speculate ? 2 : 1;
+    // state twice and writing it once; once when it speculates into
+    // alternate swap slots (a commit flips them), twice only when redone
+    // (clipped_work).
+    const bool slots = speculates_in_slots(p, piece);
+    const int64_t passes = p.speculate && !slots ? 2 : 1;
     w.adam_elems += n * passes;
     if (p.speculate) {
       w.speculated_elems += n;
       w.speculation_tail_elems += overlap(first_block, at, n);
+      if (slots) w.slot_elems += n;
     }
     if (all_device) continue;
+    LinkBytes one;  // the piece's bytes
     for (int k = 0; k < 3; ++k) {
       const int64_t dev = on_tier(p, opt[k], Tier::kDevice, at, n), nv = on_tier(p, opt[k], Tier::kNvme, at, n);
-      if (!p.device_addressable) o.h2d += moment[k] * dev, o.d2h += moment[k] * dev * passes;
-      o.nvme_read += moment[k] * nv * passes;
-      o.nvme_write += moment[k] * nv;
+      if (!p.device_addressable) one.h2d += moment[k] * dev, one.d2h += moment[k] * dev * passes;
+      one.nvme_read += moment[k] * nv * passes;
+      one.nvme_write += moment[k] * nv;
     }
     const int64_t g_dev = on_tier(p, Category::kGrad, Tier::kDevice, at, n);
     const int64_t w_dev = on_tier(p, Category::kParam16, Tier::kDevice, at, n);
-    if (!p.device_addressable) o.d2h += 4 * g_dev * passes, o.h2d += c * w_dev;
-    o.nvme_read += 4 * on_tier(p, Category::kGrad, Tier::kNvme, at, n) * passes;
-    o.nvme_write += c * on_tier(p, Category::kParam16, Tier::kNvme, at, n);
+    if (!p.device_addressable) one.d2h += 4 * g_dev * passes, one.h2d += c * w_dev;
+    one.nvme_read += 4 * on_tier(p, Category::kGrad, Tier::kNvme, at, n) * passes;
+    one.nvme_write += c * on_tier(p, Category::kParam16, Tier::kNvme, at, n);
+    o += one;
+    if (slots) w.slot_links += one;
   }
   e += o;
   if (cfg.run.swap_checksums) {
@@ -217,6 +224,22 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
     w.optimizer_checksum_bytes = o.nvme_read + o.nvme_write;
   }
   return w;
+}
+
+StepWork clipped_work(const StepWork& w) {
+  StepWork c = w;
+  c.clipped = true;
+  // The pieces in alternate swap slots are stepped again, their state read
+  // again and written in place (Note [Alternate swap slots] in
+  // memory/tiered_state.h); two-pass pieces count their second pass already.
+  c.adam_elems += w.slot_elems;
+  c.links += w.slot_links;
+  c.optimizer_links += w.slot_links;
+  if (w.checksum_bytes > 0 || w.optimizer_checksum_bytes > 0) {
+    c.checksum_bytes += w.slot_links.nvme_read + w.slot_links.nvme_write;
+    c.optimizer_checksum_bytes += w.slot_links.nvme_read + w.slot_links.nvme_write;
+  }
+  return c;
 }
 
 namespace {
@@ -363,7 +386,10 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
   // backward: the overlapped optimizer's path, the speculation wasted.
   const bool speculated = w.speculated_elems > 0 && w.overlap_optimizer && !w.clipped;
   const double spec_share = w.speculated_elems > 0 ? double(w.speculation_tail_elems) / double(w.speculated_elems) : 0.0;
-  const double tail_s = spec_share * std::max(opt_cpu, opt_io) / 2;  // one of the two passes
+  // The speculation's pass: its share of CPU Adam's elements (half of them
+  // by two passes, all of them in alternate swap slots).
+  const double pass_share = w.adam_elems > 0 ? std::min(1.0, double(w.speculated_elems) / double(w.adam_elems)) : 0.0;
+  const double tail_s = spec_share * std::max(opt_cpu, opt_io) * pass_share;
   // A redo's optimizer is one pass of the two counted.
   const double redo_cpu = w.speculated_elems > 0 ? opt_cpu - double(w.speculated_elems) / r.adam : opt_cpu;
   if (!w.overlap_optimizer) {

@@ -85,6 +85,12 @@ struct StepWork {
   int64_t speculated_elems = 0;
   int64_t speculation_tail_elems = 0;
   bool clipped = false;
+  // Of the speculated elements, those in alternate swap slots
+  // (PlacementPlan::speculate_slots): stepped once in adam_elems (a commit
+  // flips the slots), and the optimizer's bytes of one pass over them, which
+  // a clipped step spends again (clipped_work).
+  int64_t slot_elems = 0;
+  LinkBytes slot_links;
 };
 
 // Model FLOPs of one micro-batch of `tokens` tokens: forward and backward
@@ -97,6 +103,9 @@ double step_flops(const ModelConfig& m, int64_t tokens, bool recompute);
 // `net` sent per rank (step_network_bytes).
 StepWork predicted_work(const Config& cfg, const PlacementPlan& plan, const std::vector<int64_t>& fetches,
                         const NetworkBytes& net);
+// The same step clipped (or skipped by fp16): its speculation redone after
+// the backward (StepWork::clipped), the alternate-slot pieces' pass repeated.
+StepWork clipped_work(const StepWork& w);
 
 // Per block, how often the training step fetches its working copy (a dry run
 // of the parameter window over one step's schedule; 0 for device-resident

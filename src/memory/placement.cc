@@ -324,6 +324,7 @@ std::array<int64_t, kNumTiers> PlacementPlan::total() const {
   t[size_t(Tier::kDevice)] += activation_bytes;
   t[size_t(Tier::kDevice)] += staging.device_bytes();
   t[size_t(Tier::kHost)] += staging.host_bytes();
+  t[size_t(Tier::kNvme)] += nvme_spare_bytes;
   return t;
 }
 
@@ -794,13 +795,19 @@ std::string layer_gives_up(const PlacementPlan& a, const PlacementPlan& b) {
 
 // optimizer.speculate (Note [Speculative optimizer] in
 // engine/optimizer_pass.h). It needs the layer schedule (or one
-// micro-batch), the optimizer's thread and a piece CPU Adam updates. auto leaves it off where it costs more than it hides: on the
-// CPU device (Adam and the compute share the cores, and the commit pass
-// adds memory traffic) and with optimizer state on NVMe (the commit reads
-// it a second time).
-static void resolve_speculation(const Config& cfg, PlacementPlan& plan) {
+// micro-batch), the optimizer's thread and a piece CPU Adam updates. Pieces
+// whose master weights and moments are all on NVMe speculate into alternate
+// swap slots where the disk has room for a second copy of them (`cap`;
+// unknown counts as room); otherwise by two passes, which read their state
+// twice. auto leaves it off where it costs more than it hides: on the CPU
+// device (Adam and the compute share the cores, and the commit pass adds
+// memory traffic) and with optimizer state on NVMe that has no room for its
+// slots (the commit would read it a second time).
+static void resolve_speculation(const Config& cfg, const MachineCapacity& cap, PlacementPlan& plan) {
   const Speculate want = cfg.optimizer.speculate;
   plan.speculate = false;
+  plan.speculate_slots = false;
+  plan.nvme_spare_bytes = 0;
   if (want == Speculate::kOff) {
     plan.speculate_choice = "off";
     return;
@@ -830,20 +837,39 @@ static void resolve_speculation(const Config& cfg, PlacementPlan& plan) {
     plan.speculate_choice = "off (every piece is updated by the device's Adam after the verdict)";
     return;
   }
+  // Note [Alternate swap slots]: a second home on disk for every NVMe unit
+  // of master weights and moments.
+  int64_t spare = 0;
+  for (Category c : {Category::kMaster, Category::kExpAvg, Category::kExpAvgSq}) {
+    spare += plan.bytes[size_t(c)][size_t(Tier::kNvme)];
+  }
+  const int64_t nvme_need = plan.total()[size_t(Tier::kNvme)] + spare;
+  const bool room = spare > 0 && cfg.optimizer.speculate_slots && (cap.nvme_bytes < 0 || nvme_need <= cap.nvme_bytes);
+  // Why NVMe state would be read twice, where it would.
+  const std::string no_slots =
+      !cfg.optimizer.speculate_slots
+          ? std::string("optimizer.speculate_slots is false")
+          : strprintf("no room for its alternate slots: needs %s of disk, has %s", format_bytes(double(nvme_need)).c_str(),
+                      format_bytes(double(cap.nvme_bytes)).c_str());
   if (want == Speculate::kAuto) {
     if (plan.device_addressable) {
       plan.speculate_choice = "off (the CPU device: Adam shares the cores with the compute; \"on\" to force)";
       return;
     }
-    for (Category c : {Category::kMaster, Category::kExpAvg, Category::kExpAvgSq}) {
-      if (plan.any_on_nvme(c)) {
-        plan.speculate_choice = "off (optimizer state on NVMe: the commit would read it twice; \"on\" to force)";
-        return;
-      }
+    if (spare > 0 && !room) {
+      plan.speculate_choice =
+          "off (optimizer state on NVMe, " + no_slots + ": the commit would read it twice; \"on\" to force)";
+      return;
     }
   }
   plan.speculate = true;
   plan.speculate_choice = want == Speculate::kOn ? "on" : "on (auto)";
+  if (room) {
+    plan.speculate_slots = true;
+    plan.nvme_spare_bytes = spare;
+  } else if (spare > 0) {
+    plan.speculate_choice += " (NVMe state by two passes, read twice: " + no_slots + ")";
+  }
 }
 
 int64_t speculated_numel(const PlacementPlan& plan) {
@@ -851,6 +877,22 @@ int64_t speculated_numel(const PlacementPlan& plan) {
   int64_t n = 0;
   for (const PlacementUnit& piece : pipeline_pieces(plan)) {
     if (!device_adam_piece(plan, piece)) n += piece.numel;
+  }
+  return n;
+}
+
+bool speculates_in_slots(const PlacementPlan& plan, const PlacementUnit& piece) {
+  if (!plan.speculate || !plan.speculate_slots || device_adam_piece(plan, piece)) return false;
+  for (Category c : {Category::kMaster, Category::kExpAvg, Category::kExpAvgSq}) {
+    if (range_tier(plan, c, piece.offset, piece.numel) != Tier::kNvme) return false;
+  }
+  return true;
+}
+
+int64_t speculated_slot_numel(const PlacementPlan& plan) {
+  int64_t n = 0;
+  for (const PlacementUnit& piece : pipeline_pieces(plan)) {
+    if (speculates_in_slots(plan, piece)) n += piece.numel;
   }
   return n;
 }
@@ -922,7 +964,7 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   choose_secondary_shard(cfg, capacity, plan);
   choose_kept_gathered(cfg, capacity, plan);
   choose_gradient_reduction(cfg, capacity, plan);
-  resolve_speculation(cfg, plan);
+  resolve_speculation(cfg, capacity, plan);
   return plan;
 }
 
@@ -950,7 +992,9 @@ PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, Mac
   if (rates != nullptr && cfg.run.schedule == StepSchedule::kAuto && cfg.gradient_accumulation_steps > 1) {
     return choose_schedule_by_bound(cfg, layout, rank, cap, *rates);
   }
-  if (!cfg.placement.auto_place) return first;
+  // Fixed placements too: optimizer.speculate's alternate swap slots need
+  // the disk measured (resolve_speculation).
+  if (!cfg.placement.auto_place) return first.nvme_paths.empty() ? first : make_plan(cfg, layout, rank, cap);
   if (rates != nullptr && cfg.placement.by_bound) return choose_by_bound(cfg, layout, rank, cap, *rates);
   return make_plan(cfg, layout, rank, cap);
 }

@@ -212,10 +212,16 @@ struct PlacementPlan {
   bool reduce_per_step = false;
   // optimizer.speculate resolved (Note [Speculative optimizer] in
   // engine/optimizer_pass.h): CPU Adam's pieces are updated behind the
-  // backward, speculatively, by two passes; speculate_choice says why or why
-  // not.
+  // backward, speculatively; speculate_choice says why or why not.
   bool speculate = false;
   std::string speculate_choice;
+  // With speculate, whether the pieces whose master weights and moments all
+  // live on NVMe speculate into alternate swap slots committed by a flip
+  // (Note [Alternate swap slots] in memory/tiered_state.h) rather than by two
+  // passes, and the disk the slots take: a second home for every NVMe unit
+  // of master weights and moments, counted in total()'s NVMe tier.
+  bool speculate_slots = false;
+  int64_t nvme_spare_bytes = 0;
   // Stage 3 with ranks, per block: kept gathered for the whole step once
   // gathered (comm.keep_gathered), gathered once per step instead of per use.
   std::vector<char> keep_gathered;
@@ -322,6 +328,11 @@ std::string layer_gives_up(const PlacementPlan& a, const PlacementPlan& b);
 // Elements whose update speculates (PlacementPlan::speculate: CPU Adam's
 // pieces), 0 without speculation.
 int64_t speculated_numel(const PlacementPlan& plan);
+// Whether pipeline piece `piece` speculates into alternate swap slots
+// (PlacementPlan::speculate_slots; its master weights and moments all on
+// NVMe), and the elements of the pieces that do.
+bool speculates_in_slots(const PlacementPlan& plan, const PlacementUnit& piece);
+int64_t speculated_slot_numel(const PlacementPlan& plan);
 
 // The ops of one training step under the plan's schedule (memory/schedule.h).
 std::vector<StepOp> plan_train_schedule(const PlacementPlan& plan);

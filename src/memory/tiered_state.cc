@@ -16,6 +16,11 @@ int64_t round_up(int64_t v, int64_t q) { return (v + q - 1) / q * q; }
 
 bool crosses_pcie(Category c) { return c == Category::kParam16 || c == Category::kGrad; }
 
+namespace {
+// Note [Alternate swap slots]: the categories whose NVMe homes have two.
+bool slotted(Category c) { return c == Category::kMaster || c == Category::kExpAvg || c == Category::kExpAvgSq; }
+}  // namespace
+
 TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& options)
     : plan_(plan), device_(options.device != nullptr ? options.device : &cpu_device()) {
   // Arena sizes: every resident unit, each rounded to a page.
@@ -26,7 +31,7 @@ TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& op
     for (const PlacementUnit& u : plan_.units[size_t(c)]) {
       const int64_t bytes = round_up(u.numel * plan_.elem_bytes[size_t(c)], kPageBytes);
       need[size_t(u.tier)] += bytes;
-      if (u.tier == Tier::kNvme) nvme_bytes += round_up(bytes, kSwapBlockBytes);
+      if (u.tier == Tier::kNvme) nvme_bytes += round_up(bytes, kSwapBlockBytes) * (plan_.speculate_slots && slotted(Category(c)) ? 2 : 1);
       if (u.tier == Tier::kHost && crosses_pcie(Category(c))) transfer_bytes += bytes;
     }
   }
@@ -69,6 +74,8 @@ TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& op
   }
   std::array<int64_t, kNumTiers> used{};
   int64_t transfer_used = 0;
+  int64_t flags = 0;
+  slot_chunk_ = pipeline_piece_numel(plan_);
   for (int c = 0; c < kNumCategories; ++c) {
     for (size_t i = 0; i < plan_.units[size_t(c)].size(); ++i) {
       const PlacementUnit& u = plan_.units[size_t(c)][i];
@@ -79,6 +86,11 @@ TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& op
       const int64_t bytes = u.numel * plan_.elem_bytes[size_t(c)];
       if (u.tier == Tier::kNvme) {
         h.region = swap_->add_region(strprintf("%s.%zu", category_name(Category(c)), i), bytes);
+        if (plan_.speculate_slots && slotted(Category(c))) {  // Note [Alternate swap slots]
+          h.spare = swap_->add_region(strprintf("%s.%zu.spare", category_name(Category(c)), i), bytes);
+          h.first_flag = flags;
+          flags += (u.numel + slot_chunk_ - 1) / slot_chunk_;
+        }
       } else {
         if (u.tier == Tier::kHost && crosses_pcie(Category(c))) {
           h.ptr = host_transfer_arena_.data() + transfer_used;
@@ -91,6 +103,10 @@ TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& op
       }
       homes_[size_t(c)].push_back(h);
     }
+  }
+  if (flags > 0) {
+    slot_flags_ = std::make_unique<std::atomic<uint8_t>[]>(size_t(flags));
+    for (int64_t i = 0; i < flags; ++i) slot_flags_[size_t(i)].store(0, std::memory_order_relaxed);
   }
 }
 
@@ -213,8 +229,68 @@ void wait_all_handles(std::vector<nvme::SwapHandle>& pending) {
 
 // Copies between homes and `buf` in direction `op`: resident pieces at once,
 // NVMe pieces submitted with their handles appended to `pending`.
+// Note [Alternate swap slots]: each run of chunks whose flags agree goes to
+// one slot.
+void TieredState::swap_io(nvme::IoOp op, const Home& h, int64_t eb, int64_t at, int64_t n, std::byte* mine,
+                          PendingIo& pending, bool spare) {
+  const bool reading = op == nvme::IoOp::kRead;
+  auto submit = [&](nvme::RegionId region, int64_t from, int64_t count) {
+    std::byte* p = mine + (from - at) * eb;
+    pending.handles_.push_back(reading ? swap_->read(region, from * eb, count * eb, p, pending.checksum_threads_)
+                                       : swap_->write(region, from * eb, count * eb, p, pending.checksum_threads_));
+  };
+  if (h.first_flag < 0) {
+    STRATA_CHECK(!spare, "a spare-slot write to a home without one");
+    submit(h.region, at, n);
+    return;
+  }
+  auto slot_of = [&](int64_t chunk) {
+    const bool other = slot_flags_[size_t(h.first_flag + chunk)].load(std::memory_order_acquire) != 0;
+    return other != spare ? h.spare : h.region;
+  };
+  int64_t pos = at;
+  const int64_t end = at + n;
+  while (pos < end) {
+    const int64_t chunk = pos / slot_chunk_;
+    const nvme::RegionId region = slot_of(chunk);
+    int64_t stop = std::min(end, (chunk + 1) * slot_chunk_);
+    while (stop < end && slot_of(stop / slot_chunk_).index == region.index) stop = std::min(end, stop + slot_chunk_);
+    submit(region, pos, stop - pos);
+    pos = stop;
+  }
+}
+
+bool TieredState::has_spare(Category c, int64_t offset, int64_t numel) const {
+  if (!slot_flags_) return false;
+  bool all = numel > 0;
+  for_each_piece(c, offset, numel, [&](const Home& h, int64_t, int64_t, int64_t) {
+    all &= h.tier == Tier::kNvme && h.first_flag >= 0;
+  });
+  return all;
+}
+
+Completion TieredState::write_spare_async(Category c, int64_t offset, int64_t numel, const void* buf,
+                                          PendingIo& pending) {
+  STRATA_CHECK(has_spare(c, offset, numel), "a spare-slot write outside the homes with two slots");
+  transfer(nvme::IoOp::kWrite, c, offset, numel, static_cast<std::byte*>(const_cast<void*>(buf)), pending,
+           nullptr, false, Stream::kStateD2H, /*spare=*/true);
+  return pending.completion();
+}
+
+void TieredState::commit_spare(Category c, int64_t offset, int64_t numel) {
+  STRATA_CHECK(has_spare(c, offset, numel), "a commit of spare slots outside the homes with two slots");
+  for_each_piece(c, offset, numel, [&](const Home& h, int64_t at, int64_t n, int64_t) {
+    STRATA_CHECK(at % slot_chunk_ == 0 && (n % slot_chunk_ == 0 || at + n == h.numel),
+                 "a commit of spare slots that is not whole pipeline pieces");
+    for (int64_t k = at / slot_chunk_; k * slot_chunk_ < at + n; ++k) {
+      slot_flags_[size_t(h.first_flag + k)].fetch_xor(1, std::memory_order_acq_rel);
+    }
+  });
+}
+
 void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t numel, std::byte* buf,
-                           PendingIo& pending, const Completion* device_after, bool compute_side, Stream d2h) {
+                           PendingIo& pending, const Completion* device_after, bool compute_side, Stream d2h,
+                           bool spare) {
   const bool reading = op == nvme::IoOp::kRead;
   TraceSpan span(tier_of(c, offset) == Tier::kNvme ? TraceTrack::kNvme : TraceTrack::kCopy,
                  reading ? kReadNames[int(c)] : kWriteNames[int(c)]);
@@ -227,8 +303,7 @@ void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t nu
       std::byte* mine = buf + buf_off;
       const int64_t bytes = n * eb;
       if (h.tier == Tier::kNvme) {
-        pending.handles_.push_back(reading ? swap_->read(h.region, at * eb, bytes, mine, pending.checksum_threads_)
-                                           : swap_->write(h.region, at * eb, bytes, mine, pending.checksum_threads_));
+        swap_io(op, h, eb, at, n, mine, pending, spare);
         count(reading ? 2 : 3, bytes);
         if (compute_side && reading) count(0, bytes);  // and the H2D a GPU would make from its bounce buffer
       } else if (h.tier == Tier::kDevice) {

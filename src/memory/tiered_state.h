@@ -150,6 +150,31 @@ class TieredState {
   [[nodiscard]] Completion write_async(Category c, int64_t offset, int64_t numel, const void* buf,
                                        PendingIo& pending, const Completion* device_after = nullptr);
 
+  // Note [Alternate swap slots]
+  // With PlacementPlan::speculate_slots every NVMe unit of master weights
+  // and moments has two homes on disk, its slots, and per pipeline piece
+  // (Note [Pipeline pieces] in placement.h) a flag saying which of them is
+  // current. Reads, write_async and checkpoint saves see the current slot
+  // only; the optimizer's speculation (Note [Speculative optimizer] in
+  // engine/optimizer_pass.h) writes a piece's new state into its spare slot
+  // (write_spare_async) while the current one keeps the pre-step state, and
+  // a commit makes the spare current by flipping the flag (commit_spare): no
+  // second read, no second write. A redo or a skipped step leaves the flags
+  // alone, so the pre-step state is current again at no cost. A spare slot
+  // written and never committed is overwritten by the next speculation. The
+  // disk pays for it: twice the NVMe bytes of master weights and moments.
+  //
+  // Whether [offset, offset + numel) of c lies in NVMe homes with two slots.
+  bool has_spare(Category c, int64_t offset, int64_t numel) const;
+  // write_async into the spare slots of [offset, offset + numel), which must
+  // be whole pipeline pieces of homes with two slots.
+  [[nodiscard]] Completion write_spare_async(Category c, int64_t offset, int64_t numel, const void* buf,
+                                             PendingIo& pending);
+  // Makes the spare slots of those pieces current. Any thread; REQUIRES:
+  // their spare writes have completed, and no transfer of the range is in
+  // flight.
+  void commit_spare(Category c, int64_t offset, int64_t numel);
+
   // Starts copying [offset, offset + numel) of category c from host-tier or
   // device-tier homes into device memory at `dst`, on the H2D stream after
   // the compute queued so far (which may still read `dst`'s previous
@@ -219,15 +244,24 @@ class TieredState {
     Tier tier = Tier::kDevice;
     std::byte* ptr = nullptr;  // device (a DevicePtr's raw bytes) / host
     nvme::RegionId region;     // NVMe
+    // Note [Alternate swap slots]: the second slot, and the first of the
+    // home's flags in slot_flags_ (one per slot_chunk_ elements; -1: none).
+    nvme::RegionId spare;
+    int64_t first_flag = -1;
   };
   template <typename Fn>
   void for_each_piece(Category c, int64_t offset, int64_t numel, Fn&& fn) const;
 
   // `compute_side`: `buf` is memory the compute device reads (a window slot
   // of the CPU device), so host-tier pieces count as H2D/D2H copies.
+  // `spare`: an NVMe write goes to the spare slots (Note [Alternate swap slots]).
   void transfer(nvme::IoOp op, Category c, int64_t offset, int64_t numel, std::byte* buf,
                 PendingIo& pending, const Completion* device_after = nullptr, bool compute_side = false,
-                Stream d2h = Stream::kStateD2H);
+                Stream d2h = Stream::kStateD2H, bool spare = false);
+  // The NVMe I/O of [at, at + n) of home h (elements in the home) at
+  // `mine`, split where the current slot changes.
+  void swap_io(nvme::IoOp op, const Home& h, int64_t eb, int64_t at, int64_t n, std::byte* mine,
+               PendingIo& pending, bool spare);
   void count(int link, int64_t bytes);  // 0 h2d, 1 d2h, 2 nvme_read, 3 nvme_write
   // The home range in one unit of a resident tier, or nullptr (resident()'s
   // search, any tier but NVMe).
@@ -243,6 +277,11 @@ class TieredState {
   std::unique_ptr<nvme::IoEngine> engine_;
   std::unique_ptr<nvme::SwapStore> swap_;
   std::array<std::atomic<int64_t>, 4> links_{};  // h2d, d2h, nvme_read, nvme_write
+  // Note [Alternate swap slots]: per slot chunk (a pipeline piece), 1 when
+  // the spare region is the current slot. Atomic: a save's thread reads
+  // them while the optimizer's flips others.
+  int64_t slot_chunk_ = 0;
+  std::unique_ptr<std::atomic<uint8_t>[]> slot_flags_;
 };
 
 }  // namespace strata
