@@ -54,6 +54,46 @@ std::string write_config(const TempDir& dir, const nlohmann::json& j) {
   return dir.write("config.json", j.dump(2));
 }
 
+// DeepSpeed's monitors (docs/monitors.md): a config's tensorboard and
+// csv_monitor blocks write TensorBoard event files and per-tag CSV files under
+// output_path/job_name/, read back by TensorBoard's own reader and checked
+// point by point against the metrics JSON lines (tests/monitors_check.py):
+// DeepSpeed's tags at its x values (global samples), fp16's loss scale, the
+// eval loss and Strata's figures. A monitor directory that cannot be made
+// exits non-zero naming it, before any metrics file exists.
+TEST(CliTest, DeepSpeedMonitorsWriteTensorBoardAndCsvFiles) {
+  const std::string python = std::string(STRATA_SOURCE_DIR) + "/.venv/bin/python";
+  if (testing::sh(python + " -c 'import tensorboard'").code != 0) {
+    if (testing::under_ci()) FAIL() << "no tensorboard in .venv under CI";
+    GTEST_SKIP() << "no tensorboard in .venv (tools/setup.sh installs it)";
+  }
+  TempDir dir;
+  const std::string data = dir.write("data.txt", testing::sample_text(20000));
+  nlohmann::json j = tiny_config(data, dir.file("m.jsonl"));
+  j["run"]["steps"] = 4;
+  j["fp16"] = {{"enabled", true}, {"initial_scale_power", 8}};
+  j["tensorboard"] = {{"enabled", true}, {"output_path", dir.file("tb")}, {"job_name", "run1"}};
+  j["csv_monitor"] = {{"enabled", true}, {"output_path", dir.file("csv") + "/"}, {"job_name", "run1"}};
+  Result r = run_strata("train " + write_config(dir, j));
+  ASSERT_EQ(r.code, 0) << r.output;
+  Result check = testing::sh(python + " " + STRATA_SOURCE_DIR + "/tests/monitors_check.py " + dir.file("m.jsonl") +
+                             " " + dir.file("tb/run1") + " " + dir.file("csv/run1") + " 2");
+  EXPECT_EQ(check.code, 0) << check.output;
+  EXPECT_TRUE(exists(dir.file("csv/run1/Train_Samples_loss_scale.csv"))) << "fp16's loss scale";
+  EXPECT_TRUE(exists(dir.file("csv/run1/Train_Samples_eval_loss.csv")));
+  // wandb and comet stay warnings that say what to use instead.
+  j["wandb"] = {{"enabled", true}};
+  j["run"]["log_level"] = "warn";
+  j["run"]["metrics"] = dir.file("m2.jsonl");
+  j["tensorboard"]["output_path"] = data + "/under-a-file";
+  r = run_strata("train " + write_config(dir, j));
+  EXPECT_NE(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("wandb"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("\"tensorboard\" or \"csv_monitor\""), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find(data + "/under-a-file"), std::string::npos) << r.output;
+  EXPECT_FALSE(exists(dir.file("m2.jsonl"))) << "a metrics file from a run that failed to start";
+}
+
 TEST(CliTest, MissingConfigFileExits2WithOneLine) {
   TempDir dir;
   Result r = run_strata("train " + dir.file("nope.json"));

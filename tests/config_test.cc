@@ -248,7 +248,7 @@ TEST(ConfigUnknownKeys, CommonPrefixSuggests) {
 TEST(ConfigUnknownKeys, IgnoredDeepSpeedKeysAreRecorded) {
   const Config c = parse_config(with({{"wall_clock_breakdown", false},
                                       {"flops_profiler", {{"enabled", false}}},
-                                      {"tensorboard", {{"enabled", true}}},
+                                      {"wandb", {{"enabled", true}}},
                                       {"zero_allow_untested_optimizer", true},
                                       {"zero_optimization",
                                        {{"stage", 2},
@@ -257,8 +257,8 @@ TEST(ConfigUnknownKeys, IgnoredDeepSpeedKeysAreRecorded) {
                                         {"stage3_gather_fp16_weights_on_model_save", true}}}}));
   const std::vector<std::string> expected = {
       "flops_profiler",
-      "tensorboard",
       "wall_clock_breakdown",
+      "wandb",
       "zero_allow_untested_optimizer",
       "zero_optimization.cpu_offload",
       "zero_optimization.round_robin_gradients",
@@ -431,6 +431,18 @@ TEST(ConfigEnums, BadEnumListsTheChoices) {
   EXPECT_EQ(parse_config(with({{"optimizer", {{"speculate", "on"}}}})).optimizer.speculate, Speculate::kOn);
   EXPECT_EQ(parse_config(with(json::object())).optimizer.speculate, Speculate::kAuto);
   EXPECT_CONFIG_ERROR(with({{"optimizer", {{"speculate_slots", "yes"}}}}), "optimizer.speculate_slots", "a boolean");
+  // DeepSpeed's monitors (docs/monitors.md): its keys and defaults.
+  const Config d = parse_config(with(json::object()));
+  EXPECT_FALSE(d.tensorboard.enabled);
+  EXPECT_EQ(d.tensorboard.dir(), "DeepSpeedJobName");
+  EXPECT_EQ(parse_config(with({{"csv_monitor", {{"enabled", true}, {"output_path", "runs"}, {"job_name", "j"}}}}))
+                .csv_monitor.dir(),
+            "runs/j");
+  EXPECT_EQ(parse_config(with({{"tensorboard", {{"output_path", "runs/"}}}})).tensorboard.dir(), "runs/DeepSpeedJobName");
+  EXPECT_CONFIG_ERROR(with({{"tensorboard", {{"job_name", ""}}}}), "tensorboard.job_name", "must not be empty");
+  EXPECT_CONFIG_ERROR(with({{"csv_monitor", {{"enabled", "yes"}}}}), "csv_monitor.enabled", "a boolean");
+  EXPECT_CONFIG_ERROR(with({{"tensorboard", {{"enable", true}}}}), "tensorboard.enable", "");
+  EXPECT_TRUE(parse_config(with({{"tensorboard", {{"enabled", true}}}})).ignored_keys.empty());
   EXPECT_TRUE(parse_config(with(json::object())).optimizer.speculate_slots);
   EXPECT_FALSE(parse_config(with({{"optimizer", {{"speculate_slots", false}}}})).optimizer.speculate_slots);
 }

@@ -14,6 +14,8 @@ TORCH_VERSION="2.11.0"
 TRANSFORMERS_VERSION="5.23.0"
 SAFETENSORS_VERSION="0.8.0"
 TOKENIZERS_VERSION="0.23.3"
+TENSORBOARD_VERSION="2.21.0"
+PYARROW_VERSION="26.0.1"
 
 say() { echo "[setup] $*" >&2; }
 
@@ -50,6 +52,13 @@ if [ -z "${CMAKE_PREFIX_PATH:-}" ]; then
     say "installing transformers==$TRANSFORMERS_VERSION safetensors==$SAFETENSORS_VERSION tokenizers==$TOKENIZERS_VERSION into .venv (Hugging Face checks, tools/tokenize.py)"
     .venv/bin/pip install -q --disable-pip-version-check "transformers==$TRANSFORMERS_VERSION" \
       "safetensors==$SAFETENSORS_VERSION" "tokenizers==$TOKENIZERS_VERSION"
+  fi
+  # tensorboard (pinned): monitors_test reads the event files of the
+  # `tensorboard` config block back; pyarrow (pinned): tools/tokenize.py's
+  # Parquet input.
+  if ! .venv/bin/python -c "import tensorboard, pyarrow, sys; sys.exit(0 if (tensorboard.__version__, pyarrow.__version__) == ('$TENSORBOARD_VERSION', '$PYARROW_VERSION') else 1)" 2>/dev/null; then
+    say "installing tensorboard==$TENSORBOARD_VERSION pyarrow==$PYARROW_VERSION into .venv (monitor checks, Parquet input)"
+    .venv/bin/pip install -q --disable-pip-version-check "tensorboard==$TENSORBOARD_VERSION" "pyarrow==$PYARROW_VERSION"
   fi
   TORCH_PREFIX="$(.venv/bin/python -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' 2>/dev/null)"
   export CMAKE_PREFIX_PATH="$TORCH_PREFIX"

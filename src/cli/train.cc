@@ -20,6 +20,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/checkpoint.h"
+#include "cli/monitors.h"
 #include "cli/plan.h"
 #include "engine/probes.h"
 #include "memory/bound.h"
@@ -295,7 +296,12 @@ int run_train(const TrainOptions& opt) {
   setup_logging(cfg.run.log_level, cfg.run.log_file, multi ? who.rank : -1);
   const std::string trace_path = rank_path(opt.trace, who.rank);
   for (const std::string& key : cfg.ignored_keys) {
-    log::warn("config key '%s' is a DeepSpeed key Strata does not act on; ignored", key.c_str());
+    // wandb and comet need a network service: say what writes the same figures here.
+    const bool service = key == "wandb" || key == "comet";
+    log::warn("config key '%s' is a DeepSpeed key Strata does not act on; ignored%s", key.c_str(),
+              service ? " (no network service here: \"tensorboard\" or \"csv_monitor\" write the same scalars to "
+                        "files, run.metrics every step's figures as JSON lines; docs/monitors.md)"
+                      : "");
   }
   if (cfg.run.threads > 0) at::set_num_threads(int(cfg.run.threads));
 
@@ -390,7 +396,9 @@ int run_train(const TrainOptions& opt) {
     first_step = m.step + 1;
     resume.reset();
   }
+  Monitors monitors(cfg, who.rank == 0);  // DeepSpeed's tensorboard / csv_monitor (docs/monitors.md)
   MetricsWriter metrics(cfg.run.metrics, opt.resume);
+  for (const std::string& d : monitors.dirs()) log::info("monitor %s", d.c_str());
 
   const StateBytes sb = trainer.state_bytes();
   const std::array<int64_t, kNumTiers> peak = trainer.peak_bytes();
@@ -598,6 +606,13 @@ int run_train(const TrainOptions& opt) {
       }
     }
     metrics.write(line);
+    if (monitors.any()) {
+      std::map<std::string, double> figures;
+      for (const auto& [k, v] : line.items()) {
+        if (v.is_number()) figures[k] = v.get<double>();
+      }
+      monitors.step(s, cfg.train_batch_size, figures);
+    }
     char suffix[128];
     std::snprintf(suffix, sizeof(suffix), "loss %.4f | %.0f tok/s | %.0f%% of bound | lr %.2e", r.loss, tokens_per_s,
                   100.0 * bound_s / step_s, r.lr);

@@ -369,13 +369,13 @@ const Keys kTopKnown = {
     "train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps",
     "gradient_clipping", "steps_per_print", "optimizer", "scheduler", "fp16", "bf16", "bfloat16",
     "zero_optimization", "aio", "activation_checkpointing", "model", "data", "run", "placement",
-    "comm", "communication_data_type"};
+    "comm", "communication_data_type", "tensorboard", "csv_monitor"};
 
 // DeepSpeed keys that Strata accepts but does not act on.
 const Keys kTopIgnored = {
     "wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor",
-    "zero_allow_untested_optimizer", "flops_profiler", "tensorboard",
-    "wandb", "csv_monitor", "comet", "comms_logger", "checkpoint", "data_types", "amp",
+    "zero_allow_untested_optimizer", "flops_profiler",
+    "wandb", "comet", "comms_logger", "checkpoint", "data_types", "amp",
     "dump_state", "sparse_gradients", "memory_breakdown", "elasticity",
     "zero_force_ds_cpu_optimizer", "seq_parallel_communication_data_type",
     "compression_training", "autotuning", "quantize_training", "disable_allgather",
@@ -972,6 +972,17 @@ void apply_token_sidecars(Config& c, bool format_set) {
   }
 }
 
+// tensorboard / csv_monitor (docs/monitors.md): DeepSpeed's keys and defaults.
+void parse_monitor(const json& root, Config& c, const char* key, MonitorConfig& m) {
+  const json& o = section(root, "", key);
+  check_keys(o, key, {"enabled", "output_path", "job_name"}, kNone, c.ignored_keys);
+  read(o, key, "enabled", m.enabled);
+  read(o, key, "output_path", m.output_path);
+  if (read(o, key, "job_name", m.job_name) && m.job_name.empty()) {
+    fail(std::string(key) + ".job_name", "must not be empty (it names the directory under output_path)");
+  }
+}
+
 void parse_data(const json& root, Config& c) {
   const std::string path = "data";
   const json& d = section(root, "", path);
@@ -1223,6 +1234,8 @@ Config parse_config(nlohmann::json j, const std::vector<std::string>& overrides,
   parse_run(j, c);
   parse_placement(j, c);
   parse_comm(j, c);
+  parse_monitor(j, c, "tensorboard", c.tensorboard);
+  parse_monitor(j, c, "csv_monitor", c.csv_monitor);
 
   if (c.data.format == "text" && c.model.vocab_size != 256) {
     fail("model.vocab_size", "must be 256 for data.format text (bytes), got " +
@@ -1231,6 +1244,11 @@ Config parse_config(nlohmann::json j, const std::vector<std::string>& overrides,
   c.run.compute_dtype = c.bf16 ? ComputeDtype::kBf16 : c.fp16.enabled ? ComputeDtype::kFp16 : ComputeDtype::kFp32;
   c.raw = std::move(j);
   return c;
+}
+
+std::string MonitorConfig::dir() const {
+  if (output_path.empty()) return job_name;
+  return output_path.back() == '/' ? output_path + job_name : output_path + "/" + job_name;
 }
 
 Config load_config(const std::string& path, const std::vector<std::string>& overrides, int64_t world_size) {

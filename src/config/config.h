@@ -295,6 +295,16 @@ struct CommConfig {
   std::string secondary_shard = "auto";
 };
 
+// DeepSpeed's `tensorboard` and `csv_monitor` blocks (docs/monitors.md):
+// rank 0 writes TensorBoard event files / one CSV file per tag under
+// output_path/job_name/ (relative paths from the working directory).
+struct MonitorConfig {
+  bool enabled = false;
+  std::string output_path;                  // "" = the working directory, as DeepSpeed
+  std::string job_name = "DeepSpeedJobName";  // DeepSpeed's default
+  std::string dir() const;                  // output_path/job_name
+};
+
 struct Config {
   // Batch sizes: train_batch_size = micro_batch x grad_accum x world_size.
   int64_t train_batch_size = 0;
@@ -316,6 +326,8 @@ struct Config {
   ActivationCheckpointingConfig activation_checkpointing;
   PlacementConfig placement;
   CommConfig comm;
+  MonitorConfig tensorboard;
+  MonitorConfig csv_monitor;
 
   // The JSON after defaults and overrides, as loaded (for logs and checkpoints).
   nlohmann::json raw;
