@@ -5,11 +5,13 @@
 #include <sys/wait.h>
 #include <unistd.h>
 
+#include <algorithm>
 #include <array>
 #include <cmath>
 #include <cstdio>
 #include <fstream>
 #include <map>
+#include <regex>
 #include <sstream>
 #include <string>
 
@@ -92,6 +94,98 @@ TEST(CliTest, DeepSpeedMonitorsWriteTensorBoardAndCsvFiles) {
   EXPECT_NE(r.output.find("\"tensorboard\" or \"csv_monitor\""), std::string::npos) << r.output;
   EXPECT_NE(r.output.find(data + "/under-a-file"), std::string::npos) << r.output;
   EXPECT_FALSE(exists(dir.file("m2.jsonl"))) << "a metrics file from a run that failed to start";
+}
+
+// Every `strata plan` command README.md and docs/ show runs as written on
+// this machine, which has no GPU (docs/planning.md): the commands are taken
+// from the Markdown (code spans and fenced lines, continuation lines
+// joined) wherever their config is a file of the repository (README's
+// placeholders, CONFIG and job.json, and the fine-tune walk-through's
+// finetune.json, which tokenize_test runs, are not), and run from the
+// repository's root.
+TEST(CliTest, PlanCommandsInTheDocsRunAsWritten) {
+  const std::string root = STRATA_SOURCE_DIR;
+  std::vector<std::string> docs = {root + "/README.md"};
+  for (const char* d : {"config.md", "design.md", "planning.md", "monitors.md", "checkpoint.md", "nvme-format.md"}) {
+    docs.push_back(root + "/docs/" + d);
+  }
+  std::vector<std::pair<std::string, std::string>> commands;  // (file, command)
+  for (const std::string& path : docs) {
+    std::ifstream in(path);
+    ASSERT_TRUE(in.good()) << path;
+    std::stringstream text;
+    text << in.rdbuf();
+    const std::string md = text.str();
+    std::vector<std::string> found;
+    // Code spans (which may span lines) and fenced lines (with "\" continuations).
+    const std::regex span("`((?:build/)?strata plan [^`]+)`");
+    for (auto it = std::sregex_iterator(md.begin(), md.end(), span); it != std::sregex_iterator(); ++it) {
+      found.push_back((*it)[1]);
+    }
+    std::istringstream lines(md);
+    std::string line;
+    bool fenced = false;
+    while (std::getline(lines, line)) {
+      if (line.rfind("```", 0) == 0) {
+        fenced = !fenced;
+        continue;
+      }
+      if (!fenced || line.rfind("build/strata plan ", 0) != 0) continue;
+      std::string cmd = line;
+      while (!cmd.empty() && cmd.back() == '\\' && std::getline(lines, line)) cmd = cmd.substr(0, cmd.size() - 1) + line;
+      found.push_back(cmd);
+    }
+    for (std::string cmd : found) {
+      std::replace(cmd.begin(), cmd.end(), '\n', ' ');
+      std::istringstream words(cmd);
+      std::string strata, plan, config;
+      words >> strata >> plan >> config;
+      if (!exists(root + "/" + config)) continue;
+      commands.emplace_back(path, cmd);
+    }
+  }
+  ASSERT_GE(commands.size(), 3u) << "the docs' plan commands were not found";
+  for (const auto& [file, cmd] : commands) {
+    const std::string args = cmd.substr(cmd.find("plan "));
+    Result r = testing::sh("cd " + root + " && " + std::string(STRATA_BINARY_DIR) + "/strata " + args);
+    EXPECT_EQ(r.code, 0) << file << ": " << cmd << "\n" << r.output;
+    EXPECT_NE(r.output.find("verdict:"), std::string::npos) << file << ": " << cmd << "\n" << r.output;
+  }
+}
+
+// strata plan --gpu NAME (docs/planning.md): the GPU's memory and rates
+// from its preset, each named as the source; the host's RAM and disk
+// this machine's unless given, and the output says which; an unknown
+// name is one line listing the presets.
+TEST(CliTest, PlanForAGpuThisMachineLacks) {
+  TempDir dir;
+  const std::string data = dir.write("data.txt", testing::sample_text(5000));
+  nlohmann::json j = tiny_config(data, dir.file("m.jsonl"));
+  j["bf16"] = {{"enabled", true}};
+  const std::string cfg = write_config(dir, j);
+  Result r = run_strata("plan --json --gpu a100-40g --probe-seconds 0.05 " + cfg);
+  ASSERT_EQ(r.code, 0) << r.output;
+  const nlohmann::json p = nlohmann::json::parse(r.output);
+  EXPECT_EQ(p["capacity_bytes"]["device"], int64_t(40960) << 20);
+  EXPECT_EQ(p["device_memory_source"], "--gpu a100-40g preset (40960 MiB)");
+  EXPECT_EQ(p["host_memory_source"], "this machine's available RAM");
+  const nlohmann::json& rates = p["bound"]["rates"];
+  EXPECT_DOUBLE_EQ(rates["device_flops"].get<double>(), 312e12 * 0.55);
+  EXPECT_NE(std::string(rates["device_flops_source"]).find("--gpu a100-40g preset"), std::string::npos) << rates;
+  EXPECT_DOUBLE_EQ(rates["h2d_bytes_per_s"].get<double>(), 27.5e9);
+  EXPECT_NE(std::string(rates["h2d_source"]).find("PCIe 4.0 x16"), std::string::npos) << rates;
+  // A flag overrides the preset's figure; the host described by flags says so.
+  r = run_strata("plan --gpu a100-40g --device-tflops 100 --host-memory-gb 64 --probe-seconds 0.05 " + cfg);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("device: --device-tflops"), std::string::npos) << r.output;
+  EXPECT_NE(r.output.find("(host memory: --host-memory-gb"), std::string::npos) << r.output;
+  r = run_strata("plan --no-bound " + cfg);
+  EXPECT_NE(r.output.find("(host memory: this machine's available RAM"), std::string::npos) << r.output;
+  r = run_strata("plan --gpu b200 " + cfg);
+  EXPECT_EQ(r.code, 2) << r.output;
+  EXPECT_EQ(count_lines(r.output), 1) << r.output;
+  EXPECT_NE(r.output.find("--gpu: no preset named 'b200'; presets: h100-sxm, h100-pcie, h200"), std::string::npos)
+      << r.output;
 }
 
 TEST(CliTest, MissingConfigFileExits2WithOneLine) {

@@ -8,6 +8,8 @@ usage:
         document (*.jsonl: one per line, field "text"), encoded whole, EOS
         after each; uint16
   hf_tokenizer.py model DIR VOCAB   a tiny random LlamaForCausalLM saved into DIR (beside its tokenizer)
+  hf_tokenizer.py parquet JSONL OUT ROWS [null]   the JSON lines' "id" and "text" as a Parquet file of
+        ROWS rows per row group (pyarrow); with "null", the second row's text is null
 """
 import json
 import os
@@ -58,6 +60,18 @@ def model(out, vocab):
 
 if __name__ == "__main__":
     cmd = sys.argv[1]
+    if cmd == "parquet":
+        import pyarrow as pa
+        import pyarrow.parquet as pq
+        with open(sys.argv[2]) as f:
+            rows = [json.loads(line) for line in f if line.strip()]
+        texts = [r["text"] for r in rows]
+        if len(sys.argv) > 5 and sys.argv[5] == "null":
+            texts[1] = None
+        table = pa.table({"id": [r["id"] for r in rows], "text": pa.array(texts, pa.string())})
+        pq.write_table(table, sys.argv[3], row_group_size=int(sys.argv[4]))
+        print(f"parquet {pq.ParquetFile(sys.argv[3]).num_row_groups} row groups")
+        sys.exit(0)
     if cmd == "train":
         train(sys.argv[2], sys.argv[3], sys.argv[4:])
     elif cmd == "expect":

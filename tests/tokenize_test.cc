@@ -106,6 +106,44 @@ TEST_F(TokenizeTest, TokenFileIsThePackagesEncodingWithEosAfterEveryDocument) {
   EXPECT_TRUE(same);
 }
 
+// Parquet, as Hugging Face datasets ship it: the --field column, row by
+// row, gives the token file the same rows as JSON lines give (read in
+// several row groups); a missing column, a column that is not text and a
+// null row are one line naming the file (and row), exit 2, nothing written.
+TEST_F(TokenizeTest, ParquetRowsAreDocumentsLikeJsonLines) {
+  if (sh(kPython + " -c 'import pyarrow'").code != 0) {
+    if (testing::under_ci()) FAIL() << "no pyarrow in .venv under CI";
+    GTEST_SKIP() << "no pyarrow in .venv (tools/setup.sh installs it)";
+  }
+  std::string jl;
+  for (int i = 0; i < 300; ++i) jl += nlohmann::json({{"id", i}, {"text", words(1 + i % 3, 50 + i)}}).dump() + "\n";
+  const std::string jsonl = dir_.write("rows.jsonl", jl), parquet = dir_.file("rows.parquet");
+  Result w = sh(kHelper + " parquet " + jsonl + " " + parquet + " 64");
+  ASSERT_EQ(w.code, 0) << w.output;
+  ASSERT_NE(w.output.find("parquet 5 row groups"), std::string::npos) << w.output;
+  Result a = sh(kTool + " --tokenizer " + tok_ + " --no-progress --out " + dir_.file("jl.bin") + " " + jsonl);
+  ASSERT_EQ(a.code, 0) << a.output;
+  Result b = sh(kTool + " --tokenizer " + tok_ + " --no-progress --out " + dir_.file("pq.bin") + " " + parquet);
+  ASSERT_EQ(b.code, 0) << b.output;
+  const std::string want = file_contents(dir_.file("jl.bin")), got = file_contents(dir_.file("pq.bin"));
+  EXPECT_GT(want.size(), 3000u);
+  EXPECT_TRUE(got == want) << got.size() << " vs " << want.size() << " bytes";
+  EXPECT_EQ(nlohmann::json::parse(file_contents(dir_.file("pq.bin.json")))["documents"], 300);
+  auto refused = [&](const std::string& args, const std::string& input, const std::string& says) {
+    Result r = sh(kTool + " --tokenizer " + tok_ + " --no-progress --out " + dir_.file("bad.bin") + " " + args + " " +
+                  input);
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_NE(r.output.find(input + ": " + says), std::string::npos) << r.output;
+    EXPECT_FALSE(std::ifstream(dir_.file("bad.bin")).good()) << args;
+    EXPECT_FALSE(std::ifstream(dir_.file("bad.bin.json")).good()) << args;
+  };
+  refused("--field body", parquet, "no column 'body' (--field); columns: id, text");
+  refused("--field id", parquet, "column 'id' is int64, not a string column");
+  const std::string with_null = dir_.file("null.parquet");
+  ASSERT_EQ(sh(kHelper + " parquet " + jsonl + " " + with_null + " 64 null").code, 0);
+  refused("", with_null, "row 2: 'text' is null");
+}
+
 // A text file larger than a piece is encoded in pieces cut at line ends:
 // nothing lost or repeated, and with no blank lines the same ids as whole.
 TEST_F(TokenizeTest, LargeTextFilesAreEncodedInPiecesWithTheSameIds) {

@@ -14,8 +14,13 @@ its own process:
 and prints MB of text per second and tokens per second of each, medians of
 the rounds, and the tool's throughput over each loop's (1.0 = no slower).
 
+With --parquet, instead: the corpus's first quarter, half and whole as one
+Parquet file each (row groups of 2000 documents), tokenized by the tool in
+its own process, and the peak RSS of each against the file's size: reading
+row group by row group keeps it flat.
+
 Usage:
-  .venv/bin/python tools/bench_tokenize.py --dir /tmp/bench-tok [--mb 200] [--rounds 3]
+  .venv/bin/python tools/bench_tokenize.py --dir /tmp/bench-tok [--mb 200] [--rounds 3] [--parquet]
 """
 import argparse
 import json
@@ -91,11 +96,57 @@ def corpus(d, mb):
     return written
 
 
+# Runs argv[1:] and prints its peak RSS in KiB (its stdout dropped).
+PEAK = r'''
+import os, sys
+pid = os.fork()
+if pid == 0:
+    fd = os.open(os.devnull, os.O_WRONLY)
+    os.dup2(fd, 1)
+    os.execv(sys.argv[1], sys.argv[1:])
+_, status, usage = os.wait4(pid, 0)
+if status != 0:
+    sys.exit(1)
+print(usage.ru_maxrss)
+'''
+
+
+def parquet_memory(args, py, tool, cdir):
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+    parts = sorted(os.listdir(cdir))
+    print(f"{'parquet file':>14} {'text':>9} {'rows':>7} {'peak RSS':>9} {'tool s':>7}")
+    for share in (4, 2, 1):
+        chosen = parts[:max(1, len(parts) // share)]
+        path = os.path.join(args.dir, f"corpus-1of{share}.parquet")
+        texts = []
+        for name in chosen:
+            with open(os.path.join(cdir, name)) as f:
+                texts.extend(json.loads(line)["text"] for line in f)
+        pq.write_table(pa.table({"text": texts}), path, row_group_size=2000)
+        text_mb = sum(len(t.encode()) for t in texts) / 1e6
+        del texts
+        t0 = time.monotonic()
+        # Through a small process (PEAK): a child forked (or vforked) from
+        # this one, which holds the texts just written, would start its peak
+        # RSS at this process's (Linux keeps the larger across exec).
+        p = subprocess.run([py, "-c", PEAK, py, tool, "--tokenizer", args.dir, "--out",
+                            os.path.join(args.dir, "pq.bin"), "--no-progress", path],
+                           capture_output=True, text=True)
+        if p.returncode != 0:
+            sys.exit(f"tokenize.py failed on {path}: {p.stderr[-2000:]}")
+        peak_kb = int(p.stdout.split()[-1])
+        rows = pq.ParquetFile(path).metadata.num_rows
+        print(f"{os.path.getsize(path) / 1e6:11.0f} MB {text_mb:6.0f} MB {rows:7d} {peak_kb / 1024:6.0f} MB "
+              f"{time.monotonic() - t0:7.1f}", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--dir", required=True)
     ap.add_argument("--mb", type=int, default=200, help="corpus size in MB of JSON lines")
     ap.add_argument("--rounds", type=int, default=3)
+    ap.add_argument("--parquet", action="store_true", help="peak memory of Parquet input by file size instead")
     args = ap.parse_args()
     py = sys.executable
     tool = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tokenize.py")
@@ -107,6 +158,9 @@ def main():
     if not os.path.exists(os.path.join(args.dir, "tokenizer.json")):
         print("training a 32k BPE ...", flush=True)
         subprocess.run([py, "-c", TRAIN, args.dir, os.path.join(args.dir, "sample.txt")], check=True)
+    if args.parquet:
+        parquet_memory(args, py, tool, cdir)
+        return
     mb = sum(os.path.getsize(os.path.join(cdir, f)) for f in os.listdir(cdir)) / 1e6
     out = os.path.join(args.dir, "tokens.bin")
     res = {"tool": [], "loop": [], "fast": []}

@@ -2,8 +2,10 @@
 """Text to a Strata token file, with a Hugging Face tokenizer.
 
 Reads text files (one document each), JSON lines (one document per line, the
-text in a named field) or directories of them (recursively, in sorted order;
-*.jsonl and *.json are JSON lines, anything else text; hidden files skipped),
+text in a named field), Parquet files (one document per row, the text in a
+named string column, read row group by row group with pyarrow) or
+directories of them (recursively, in sorted order; *.jsonl and *.json are JSON
+lines, *.parquet Parquet, anything else text; hidden files skipped),
 and writes
   OUT        the token ids, little-endian uint16 or uint32, an EOS id after
              every document (so between any two), nothing else;
@@ -108,10 +110,42 @@ def input_files(inputs):
     return out
 
 
+def parquet_documents(path, field):
+    """(text, True, bytes) per row of column `field` of a Parquet file, read a
+    batch of rows at a time (row group by row group): memory stays flat in the
+    file's size."""
+    try:
+        import pyarrow.parquet as pq
+        import pyarrow.types as pat
+    except ImportError:
+        raise InputProblem(f"{path}: reading Parquet needs pyarrow (tools/setup.sh installs it into .venv)")
+    try:
+        # pre_buffer off: pyarrow would otherwise keep every row group it
+        # has read (the whole file by the end; BENCHMARKS.md, "tokenize.py").
+        pf = pq.ParquetFile(path, pre_buffer=False)
+    except Exception as e:  # pyarrow's ArrowInvalid and friends
+        raise InputProblem(f"{path}: not a Parquet file ({e})")
+    schema = pf.schema_arrow
+    if field not in schema.names:
+        raise InputProblem(f"{path}: no column {field!r} (--field); columns: {', '.join(schema.names)}")
+    kind = schema.field(field).type
+    if not (pat.is_string(kind) or pat.is_large_string(kind)):
+        raise InputProblem(f"{path}: column {field!r} is {kind}, not a string column (--field)")
+    row = 0
+    for batch in pf.iter_batches(batch_size=1024, columns=[field]):
+        for text in batch.column(0).to_pylist():
+            row += 1
+            if text is None:
+                raise InputProblem(f"{path}: row {row}: {field!r} is null")
+            yield text, True, len(text.encode("utf-8"))
+
+
 def documents(files, field, piece_bytes):
     """(text, ends_document, bytes read) pieces, in order, from every file."""
     for path in files:
-        if path.endswith(".jsonl") or path.endswith(".json"):
+        if path.endswith(".parquet"):
+            yield from parquet_documents(path, field)
+        elif path.endswith(".jsonl") or path.endswith(".json"):
             with open(path, "rb") as f:
                 for n, line in enumerate(f, 1):
                     if not line.strip():
@@ -277,7 +311,8 @@ def main():
     ap = argparse.ArgumentParser(description="Text to a Strata token file with a Hugging Face tokenizer.")
     ap.add_argument("--tokenizer", required=True, help="directory holding tokenizer.json, or the file")
     ap.add_argument("--out", required=True, help="token file to write (its sidecar is OUT.json)")
-    ap.add_argument("--field", default="text", help="the text field of JSON lines (default: text)")
+    ap.add_argument("--field", default="text",
+                    help="the text field of JSON lines, the text column of Parquet files (default: text)")
     ap.add_argument("--dtype", default="auto", choices=["auto", "uint16", "uint32"],
                     help="token width; auto = uint16 when the vocabulary fits, else uint32")
     ap.add_argument("--eos-token", default=None,
@@ -286,7 +321,7 @@ def main():
     ap.add_argument("--batch-docs", type=int, default=512, help="documents encoded per batch (default 512)")
     ap.add_argument("--piece-mb", type=int, default=4, help="text files are encoded in pieces of this size")
     ap.add_argument("--no-progress", dest="progress", action="store_false", help="no progress line")
-    ap.add_argument("inputs", nargs="+", help="text files, JSON lines files or directories of them")
+    ap.add_argument("inputs", nargs="+", help="text, JSON lines or Parquet files, or directories of them")
     args = ap.parse_args()
     if args.batch_docs < 1 or args.piece_mb < 1:
         ap.error("--batch-docs and --piece-mb must be positive")

@@ -42,7 +42,46 @@ struct PlanOptions {
   double checksum_gbps = 0, grad_add_gelems = 0;
   // A machine described instead of measured (0 = measure): per node, per GPU.
   double host_memory_gb = 0, nvme_gb = 0, device_memory_gb = 0;
+  std::string gpu;  // --gpu NAME: a GpuPreset
 };
+
+// `strata plan --gpu NAME` (docs/planning.md): a GPU described by its
+// datasheet instead of measured, so that a laptop plans a cluster. Memory
+// is what nvidia-smi reports in total; compute the dense (no sparsity)
+// tensor rate of the compute dtype times kAchievableFraction; the host link
+// its generation's rates.
+struct GpuPreset {
+  const char* name;
+  int64_t memory_mib;
+  double bf16_tflops, fp32_tflops;  // dense peak: bf16/fp16 tensor cores, fp32 (LibTorch's default matmuls)
+  const char* link;
+  double h2d_gbps, d2h_gbps, both_gbps;
+};
+// The H100 host of BENCHMARKS.md ("GPU") ran Llama-3-8B's shape at 544 of
+// the H100 SXM's 989 dense bf16 TFLOP/s.
+constexpr double kAchievableFraction = 0.55;
+// PCIe 5.0 x16 as measured on that host (pinned copies); 4.0 x16 half of it;
+// NVLink-C2C at 0.8 of its nominal 450 GB/s each way.
+constexpr GpuPreset kGpuPresets[] = {
+    {"h100-sxm", 81559, 989.4, 66.9, "PCIe 5.0 x16", 55, 55, 64},
+    {"h100-pcie", 81559, 756.5, 51.2, "PCIe 5.0 x16", 55, 55, 64},
+    {"h200", 143771, 989.4, 66.9, "PCIe 5.0 x16", 55, 55, 64},
+    {"a100-80g", 81920, 312, 19.5, "PCIe 4.0 x16", 27.5, 27.5, 32},
+    {"a100-40g", 40960, 312, 19.5, "PCIe 4.0 x16", 27.5, 27.5, 32},
+    {"l40s", 46068, 362.05, 91.6, "PCIe 4.0 x16", 27.5, 27.5, 32},
+    {"rtx-4090", 24564, 165.2, 82.6, "PCIe 4.0 x16", 27.5, 27.5, 32},
+    {"gh200", 97871, 989.4, 66.9, "NVLink-C2C", 360, 360, 720},
+};
+
+const GpuPreset* gpu_preset(const std::string& name) {
+  if (name.empty()) return nullptr;
+  std::string names;
+  for (const GpuPreset& g : kGpuPresets) {
+    if (name == g.name) return &g;
+    names += std::string(names.empty() ? "" : ", ") + g.name;
+  }
+  throw ConfigError("--gpu", "no preset named '" + name + "'; presets: " + names + " (docs/planning.md)");
+}
 
 std::string cell(int64_t bytes) { return bytes == 0 ? "-" : format_bytes(double(bytes)); }
 std::string cap_cell(int64_t bytes) { return bytes < 0 ? "unlimited" : format_bytes(double(bytes)); }
@@ -155,6 +194,8 @@ nlohmann::json plan_json(const Computed& c) {
   j["nvme_paths"] = p.nvme_paths;
   j["capacity_bytes"] = {{"device", c.cap.device_bytes}, {"host", c.cap.host_bytes}, {"nvme", c.cap.nvme_bytes}};
   if (!c.cap.device_source.empty()) j["device_memory_source"] = c.cap.device_source;
+  j["host_memory_source"] = c.cap.host_source;
+  j["nvme_source"] = c.cap.nvme_source;
   j["world_size"] = p.world_size;
   j["stage"] = p.stage;
   j["ranks_per_node"] = c.ranks_per_node;
@@ -165,9 +206,20 @@ nlohmann::json plan_json(const Computed& c) {
   return j;
 }
 
-// The rates of the bound: the flags, else run.rates, else measured here.
+// The rates of the bound: the flags, else --gpu's preset, else run.rates,
+// else measured here.
 Rates bound_rates(const PlanOptions& opt, const Config& cfg) {
   Rates r = rates_from_config(cfg.run.rates);
+  if (const GpuPreset* g = gpu_preset(opt.gpu)) {
+    const bool fp32 = cfg.run.compute_dtype == ComputeDtype::kFp32;
+    const std::string tag = "--gpu " + std::string(g->name) + " preset";
+    r.device_flops = (fp32 ? g->fp32_tflops : g->bf16_tflops) * 1e12 * kAchievableFraction;
+    r.device_flops_source = strprintf("%s (%g dense %s TFLOP/s x %.2f)", tag.c_str(),
+                                      fp32 ? g->fp32_tflops : g->bf16_tflops, fp32 ? "fp32" : "bf16",
+                                      kAchievableFraction);
+    r.h2d = g->h2d_gbps * 1e9, r.d2h = g->d2h_gbps * 1e9, r.pcie_both = g->both_gbps * 1e9;
+    r.h2d_source = r.d2h_source = r.pcie_both_source = tag + " (" + g->link + ")";
+  }
   auto flag = [](double v, double scale, const char* name, double& rate, std::string& source) {
     if (v < 0 || std::isnan(v)) throw ConfigError(name, "must be a positive number");
     if (v > 0) rate = v * scale, source = name;
@@ -260,13 +312,20 @@ int run_plan(const PlanOptions& opt) {
                          {"--probe-seconds", opt.probe_s}}) {
     if (v < 0 || std::isnan(v)) throw ConfigError(name, "must be a positive number");
   }
-  Config cfg = load_config(opt.config_path, opt.overrides, opt.world_size);
+  const GpuPreset* preset = gpu_preset(opt.gpu);
+  std::vector<std::string> overrides = opt.overrides;
+  if (preset != nullptr) overrides.push_back("run.device=cuda");  // a plan for that GPU
+  Config cfg = load_config(opt.config_path, overrides, opt.world_size);
   const int per_node = opt.world_size / opt.nodes;
   GivenCapacity given;
   auto gb = [](double v) { return v > 0 ? int64_t(v * double(int64_t(1) << 30)) : int64_t(-1); };
   given.host_bytes = gb(opt.host_memory_gb);
   given.nvme_bytes = gb(opt.nvme_gb);
   given.device_bytes = gb(opt.device_memory_gb);
+  if (preset != nullptr && given.device_bytes < 0) {
+    given.device_bytes = preset->memory_mib << 20;
+    given.device_source = strprintf("--gpu %s preset (%lld MiB)", preset->name, (long long)preset->memory_mib);
+  }
   Computed c = compute(cfg, 0, per_node, given);
   const DataUse data = data_use(cfg);
   // The bound: work from the plan, rates given or measured on this machine
@@ -396,6 +455,8 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
                    cap_cell(cap.host_bytes).c_str(), cap_cell(cap.nvme_bytes).c_str());
   if (cap.device_is_host) out += "  (CPU compute: the device tier is host memory)\n";
   if (!cap.device_is_host && !cap.device_source.empty()) out += "  (device memory: " + cap.device_source + ")\n";
+  out += "  (host memory: " + cap.host_source + (p.world_size > 1 ? ", shared by the node's ranks" : "") +
+         "; nvme: " + cap.nvme_source + ")\n";
   out += strprintf("  schedule: %s%s\n", schedule_name(p.schedule),
                    p.schedule_choice.empty() ? "" : (" (run.schedule auto: " + p.schedule_choice + ")").c_str());
   if (p.speculate) {
@@ -458,6 +519,9 @@ void register_plan(CLI::App& app, int& result) {
   cmd->add_option("--host-memory-gb", opt->host_memory_gb, "Plan for a node with this much RAM (GiB), not this one");
   cmd->add_option("--nvme-gb", opt->nvme_gb, "Plan for a node with this much free NVMe (GiB) under the swap directories");
   cmd->add_option("--device-memory-gb", opt->device_memory_gb, "Plan for GPUs with this much memory each (GiB)");
+  cmd->add_option("--gpu", opt->gpu,
+                  "Plan for this GPU, described instead of measured: h100-sxm, h100-pcie, h200, a100-80g, a100-40g, "
+                  "l40s, rtx-4090, gh200 (its memory, compute and host-link rates; docs/planning.md)");
   cmd->add_flag("--no-bound", opt->no_bound, "Skip the step's bound (no probes)");
   cmd->add_option("--probe-seconds", opt->probe_s, "Time each rate probe takes (default 0.5)");
   cmd->add_option("--device-tflops", opt->device_tflops, "The device's compute rate for the bound (TFLOP/s)");

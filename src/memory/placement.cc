@@ -976,11 +976,11 @@ PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, Mac
     MachineCapacity m =
         measure_capacity(cfg, paths, local_ranks, device != nullptr && device->is_cuda() ? device->ordinal() : -1);
     if (device != nullptr) m.device_addressable = device->host_addressable();
-    if (given.host_bytes >= 0) m.host_bytes = given.host_bytes / ranks;
-    if (given.nvme_bytes >= 0) m.nvme_bytes = given.nvme_bytes / ranks;
+    if (given.host_bytes >= 0) m.host_bytes = given.host_bytes / ranks, m.host_source = "--host-memory-gb";
+    if (given.nvme_bytes >= 0) m.nvme_bytes = given.nvme_bytes / ranks, m.nvme_source = "--nvme-gb";
     if (given.device_bytes >= 0) {
       m.device_bytes = given.device_bytes;
-      m.device_source = "--device-memory-gb";
+      m.device_source = given.device_source.empty() ? "--device-memory-gb" : given.device_source;
     }
     return m;
   };

@@ -59,6 +59,10 @@ struct MachineCapacity {
   // GPU compute: where device_bytes came from ("cuda:0: 79.1 GiB free of
   // 79.6 GiB", "run.device_memory_mb", or why it could not be measured).
   std::string device_source;
+  // Where host_bytes and nvme_bytes came from: this machine's MemAvailable
+  // and free disk space, or the flags that described another.
+  std::string host_source = "this machine's available RAM";
+  std::string nvme_source = "this machine's free space under the swap directories";
   // Ranks on this node (the launcher's LOCAL_WORLD_SIZE): the world's ranks
   // are numbered node by node in groups of this many (PlacementPlan::ranks_per_node).
   int ranks_per_node = 1;
@@ -370,6 +374,7 @@ struct GivenCapacity {
   int64_t host_bytes = -1;    // RAM of the node
   int64_t nvme_bytes = -1;    // free bytes under the swap directories, per node
   int64_t device_bytes = -1;  // memory of each GPU (or the device budget)
+  std::string device_source;  // where device_bytes came from ("" = --device-memory-gb)
 };
 
 // With `rates` and placement auto, the candidate placements auto can build
