@@ -41,9 +41,20 @@ IoBench::IoBench(BenchOptions options) : options_(std::move(options)) {
     if (!is_directory(parent_dir(path_)))
       throw InputError(parent_dir(path_), "directory does not exist");
   }
+  open_path_ = path_;
   {
     File f = File::open(
         path_, OpenOptions{.write = true, .create = true, .mode = 0600, .direct = options_.direct});
+    if (temporary_) {
+      // Note [Nameless bench files]
+      // A temporary bench file is unlinked at once and reopened by its
+      // descriptor: no exit, a signal's or SIGKILL's included, can leave it
+      // behind, and the kernel frees its blocks when the process ends.
+      held_fd_ = ::dup(f.fd());
+      if (held_fd_ < 0) throw IoError(path_, errno, "cannot hold the benchmark file open");
+      ::unlink(path_.c_str());
+      open_path_ = "/proc/self/fd/" + std::to_string(held_fd_);
+    }
     if (f.size_bytes() < options_.bytes || temporary_) {
       f.preallocate(options_.bytes);
       unwritten_ = options_.lay_out;
@@ -59,7 +70,7 @@ IoBench::IoBench(BenchOptions options) : options_(std::move(options)) {
 }
 
 IoBench::~IoBench() {
-  if (temporary_) ::unlink(path_.c_str());
+  if (held_fd_ >= 0) ::close(held_fd_);
 }
 
 BenchResult IoBench::run(IoOp op, EngineOptions eo,
@@ -68,7 +79,7 @@ BenchResult IoBench::run(IoOp op, EngineOptions eo,
   eo.fixed_buffers = {{buffer_.data(), buffer_.bytes()}};
   IoEngine engine(eo);
   const FileId file =
-      engine.attach(File::open(path_, OpenOptions{.write = true, .direct = options_.direct}));
+      engine.attach(File::open(open_path_, OpenOptions{.write = true, .direct = options_.direct}));
   const File& f = engine.file(file);
   if (!f.direct()) {
     warn_once(g_warned_buffered_bench,

@@ -69,6 +69,8 @@ class IoBench {
   // (run() does it before its timed region; run_both for its writer).
   void lay_out(const EngineOptions& engine);
 
+  // The file's name (a temporary one's, which no longer exists: Note
+  // [Nameless bench files]).
   const std::string& path() const { return path_; }
   const PinnedBuffer& buffer() const { return buffer_; }
 
@@ -79,6 +81,10 @@ class IoBench {
 
   BenchOptions options_;
   std::string path_;
+  // Note [Nameless bench files]: a temporary file is unlinked as soon as it
+  // is created and reopened through /proc/self/fd/<held_fd_>.
+  std::string open_path_;
+  int held_fd_ = -1;
   bool temporary_ = false;
   bool unwritten_ = false;  // created or extended here and not yet laid out (options_.lay_out)
   PinnedBuffer buffer_;

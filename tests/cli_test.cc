@@ -188,6 +188,98 @@ TEST(CliTest, PlanForAGpuThisMachineLacks) {
       << r.output;
 }
 
+// Regular files under `dir`, recursively (what a run left behind).
+std::vector<std::string> files_under(const std::string& dir) {
+  Result r = testing::sh("find " + dir + " -type f");
+  std::vector<std::string> out;
+  std::istringstream in(r.output);
+  for (std::string line; std::getline(in, line);) {
+    if (!line.empty()) out.push_back(line);
+  }
+  return out;
+}
+
+// A small file system (a tmpfs of `mib` MiB at `dir`, mounted for the
+// test's life): a test that cannot mount one is skipped.
+struct SmallDisk {
+  std::string dir;
+  bool mounted = false;
+  SmallDisk(const std::string& d, int mib) : dir(d) {
+    ::mkdir(d.c_str(), 0700);
+    mounted = testing::sh("mount -t tmpfs -o size=" + std::to_string(mib) + "m tmpfs " + d).code == 0;
+  }
+  ~SmallDisk() {
+    if (mounted) (void)testing::sh("umount " + dir);
+  }
+};
+
+// A DeepSpeed user's small disk (issue: a DeepSpeed user's day): with the
+// swap directory on a 24 MiB file system `strata plan` gives the plan's
+// verdict ("nvme: short by") and probes nothing, `strata train` stops with
+// the same verdict; on 80 MiB, room for the state (57 MiB) but not for the
+// NVMe probe's two 476 MiB files, the probe measures over what fits and says
+// so; a run.checkpoint.dir with room for less than its checkpoints is one
+// line naming the key and both sizes, before any metrics file; and no probe
+// or bench file outlives any of them, SIGKILL included.
+TEST(CliTest, SmallDisksGetThePlansVerdictAndKeepNoFiles) {
+  TempDir tmp;
+  const std::string cfg = std::string(STRATA_SOURCE_DIR) + "/configs/cpu-nvme-offload.json";
+  auto swap_on = [](const std::string& d) {
+    return " --set zero_optimization.offload_param.nvme_path=" + d + "/swap" +
+           " --set zero_optimization.offload_optimizer.nvme_path=" + d + "/swap";
+  };
+  {
+    SmallDisk disk(tmp.file("d24"), 24);
+    if (!disk.mounted) GTEST_SKIP() << "cannot mount a tmpfs here (not root)";
+    Result r = run_strata("plan " + cfg + swap_on(disk.dir));
+    EXPECT_NE(r.output.find("nvme: short by"), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("step bound: not computed (the plan does not fit; nothing was probed)"),
+              std::string::npos)
+        << r.output;
+    EXPECT_EQ(r.output.find("preallocate"), std::string::npos) << r.output;
+    r = run_strata("train " + cfg + " --steps 1 --metrics " + tmp.file("m24.jsonl") + swap_on(disk.dir));
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_NE(r.output.find("nvme: short by"), std::string::npos) << r.output;
+    EXPECT_EQ(files_under(disk.dir), std::vector<std::string>{});
+    EXPECT_FALSE(exists(tmp.file("m24.jsonl")));
+  }
+  {
+    SmallDisk disk(tmp.file("d80"), 80);
+    ASSERT_TRUE(disk.mounted);
+    Result r = run_strata("plan --json " + cfg + swap_on(disk.dir));
+    ASSERT_EQ(r.code, 0) << r.output;
+    const nlohmann::json p = nlohmann::json::parse(r.output);
+    EXPECT_TRUE(p["fits"].get<bool>());
+    const std::string src = p["bound"]["rates"]["nvme_read_source"];
+    EXPECT_NE(src.find("a pass, less than the"), std::string::npos) << src;
+    EXPECT_EQ(files_under(disk.dir), std::vector<std::string>{});
+    // Two saves with run.checkpoint.keep 2: the first kept while the second
+    // is written, 2 x 52.5 MiB on 80 MiB.
+    const std::string ck = " --set run.checkpoint.dir=" + disk.dir + "/ck --set run.checkpoint.every=1";
+    r = run_strata("train " + cfg + " --steps 2 --metrics " + tmp.file("m80.jsonl") + swap_on(tmp.file("swap")) + ck);
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_EQ(count_lines(r.output), 1) << r.output;
+    EXPECT_NE(r.output.find("run.checkpoint.dir: '" + disk.dir + "/ck' has "), std::string::npos) << r.output;
+    EXPECT_NE(r.output.find("for 2 more checkpoint(s) of about"), std::string::npos) << r.output;
+    EXPECT_FALSE(exists(tmp.file("m80.jsonl")));
+    // One save fits.
+    r = run_strata("train " + cfg + " --steps 1 --metrics " + tmp.file("m80.jsonl") + swap_on(tmp.file("swap")) + ck);
+    EXPECT_EQ(r.code, 0) << r.output;
+    EXPECT_TRUE(exists(disk.dir + "/ck/step-00000001/manifest.json")) << r.output;
+  }
+  {
+    // SIGKILL in the middle of a benchmark: its files have no name to leave.
+    SmallDisk disk(tmp.file("d300"), 300);
+    ASSERT_TRUE(disk.mounted);
+    Result r = testing::sh(std::string(STRATA_BINARY_DIR) + "/strata bench-io --dir " + disk.dir +
+                           " --size-mb 128 --ops write,read,both --rounds 20 & p=$!; sleep 0.5; "
+                           "ls " + disk.dir + "; kill -9 $p; wait $p; echo status $?");
+    EXPECT_NE(r.output.find("status 137"), std::string::npos) << "the benchmark ended before the kill: " << r.output;
+    EXPECT_EQ(r.output.find("strata-bench-io"), std::string::npos) << "a bench file had a name: " << r.output;
+    EXPECT_EQ(files_under(disk.dir), std::vector<std::string>{});
+  }
+}
+
 TEST(CliTest, MissingConfigFileExits2WithOneLine) {
   TempDir dir;
   Result r = run_strata("train " + dir.file("nope.json"));

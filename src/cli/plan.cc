@@ -334,7 +334,11 @@ int run_plan(const PlanOptions& opt) {
   StepWork work;
   StepBound bound, clipped_bound;
   Rates rates;
-  if (!opt.no_bound) {
+  // Nothing is probed before the fit verdict: a plan that does not fit gets
+  // its shortfalls, not a probe's error (a disk too small for the state is
+  // too small for the probe's files too).
+  const bool bounded = !opt.no_bound && c.shortfalls.empty();
+  if (bounded) {
     rates = bound_rates(opt, cfg);
     work = predicted_work(cfg, c.plan, train_fetches(c.plan), c.net);
     const bool cpu_compute = cfg.run.device == DeviceKind::kCpu;
@@ -363,8 +367,9 @@ int run_plan(const PlanOptions& opt) {
   const int64_t step_tokens = cfg.train_micro_batch_size_per_gpu * cfg.model.seq_len * c.plan.accum;
   if (opt.json) {
     nlohmann::json j = plan_json(c);
-    if (!opt.no_bound) j["bound"] = bound_json(work, bound, rates);
-    if (!opt.no_bound && work.speculated_elems > 0) j["bound"]["clipped_step_seconds"] = clipped_bound.seconds;
+    if (bounded) j["bound"] = bound_json(work, bound, rates);
+    if (!opt.no_bound && !bounded) j["bound"] = nullptr;
+    if (bounded && work.speculated_elems > 0) j["bound"]["clipped_step_seconds"] = clipped_bound.seconds;
     if (!c.plan.auto_choice.empty()) j["auto_choice"] = c.plan.auto_choice;
     j["data"] = {{"files", cfg.data.paths.size()}, {"mapped_bytes", data.mapped_bytes},
                  {"token_batch_bytes", c.plan.staging.tokens}, {"missing_files", data.missing}};
@@ -383,8 +388,9 @@ int run_plan(const PlanOptions& opt) {
                 "totals); each rank's own: the token batches above%s\n",
                 cfg.data.paths.size(), format_bytes(double(data.mapped_bytes)).c_str(),
                 data.missing.empty() ? "" : strprintf(" (%zu not on this machine, not counted)", data.missing.size()).c_str());
-    if (!opt.no_bound) std::fputs(bound_text(bound, rates, work, step_tokens).c_str(), stdout);
-    if (!opt.no_bound && work.speculated_elems > 0) {
+    if (bounded) std::fputs(bound_text(bound, rates, work, step_tokens).c_str(), stdout);
+    if (!opt.no_bound && !bounded) std::printf("step bound: not computed (the plan does not fit; nothing was probed)\n");
+    if (bounded && work.speculated_elems > 0) {
       std::printf("  a clipped step (its speculation redone after the backward): %.3f s, by %s\n", clipped_bound.seconds,
                   clipped_bound.binding.c_str());
     }

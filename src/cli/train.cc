@@ -3,6 +3,7 @@
 #include <ATen/Parallel.h>
 
 #include <signal.h>
+#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -23,6 +24,7 @@
 #include "cli/monitors.h"
 #include "cli/plan.h"
 #include "engine/probes.h"
+#include "engine/state_checkpoints.h"
 #include "memory/bound.h"
 #include "comm/communicator.h"
 #include "config/config.h"
@@ -170,7 +172,12 @@ std::unique_ptr<CheckpointReader> open_resume(const TrainOptions& opt, const Con
 // run.checkpoint.dir is created (private, as checkpoints are) and written to
 // at start: a directory the run could not save into is refused now, not at
 // the first save after hours of training.
-void check_checkpoint_dir(const std::string& dir) {
+// Its free space is checked too, against the most checkpoints the run will
+// hold at once: up to run.checkpoint.keep complete ones while the next is
+// written, of the `saves` it makes (every `run.checkpoint.every` steps and
+// at the end), less those already there (they take their space already),
+// of `bytes` each (this node's ranks' files).
+void check_checkpoint_dir(const std::string& dir, int64_t bytes, int64_t keep, int64_t saves) {
   try {
     make_dirs(dir, 0700);
   } catch (const IoError& e) {
@@ -181,8 +188,44 @@ void check_checkpoint_dir(const std::string& dir) {
   if (fd < 0) {
     throw ConfigError("run.checkpoint.dir", "'" + dir + "' is not writable: " + std::strerror(errno));
   }
+  ::unlink(probe.c_str());  // at once: nothing of the probe outlives this line
   ::close(fd);
-  remove_file(probe);
+  int64_t present = 0;
+  for (const std::string& n : list_dir(dir)) {
+    const bool tmp = n.size() > 4 && n.compare(n.size() - 4, 4, ".tmp") == 0;
+    if (n.rfind("step-", 0) == 0 && !tmp) ++present;
+  }
+  present = std::min(present, keep);
+  const int64_t at_once = std::max<int64_t>(1, std::min(keep, present + saves - 1) + 1 - present);
+  struct statvfs st {};
+  if (::statvfs(dir.c_str(), &st) != 0) return;
+  const int64_t free = int64_t(st.f_bavail) * int64_t(st.f_frsize);
+  if (free < at_once * bytes) {
+    throw ConfigError("run.checkpoint.dir",
+                      strprintf("'%s' has %s free; the run needs %s for %lld more checkpoint(s) of about %s "
+                                "(run.checkpoint.keep %lld kept while the next is written, %lld there already): "
+                                "free space there, lower run.checkpoint.keep, or choose another directory",
+                                dir.c_str(), format_bytes(double(free)).c_str(),
+                                format_bytes(double(at_once * bytes)).c_str(), (long long)at_once,
+                                format_bytes(double(bytes)).c_str(), (long long)keep, (long long)present));
+  }
+}
+
+// About the bytes one checkpoint's files take (this node's `local` of
+// `world` ranks' share): master weights and moments of every parameter,
+// each chunk of kCheckpointChunkElems padded to 4 KiB, and a MiB per rank
+// of manifest and parts.
+int64_t checkpoint_bytes(const Config& cfg, int local, int world) {
+  const StateLayout layout(model_layout_specs(cfg.model), shard_count(cfg));
+  const int64_t moment = cfg.run.optimizer_state_dtype == "bf16" ? 2 : 4;
+  int64_t total = 0;
+  for (size_t b = 0; b < layout.num_blocks(); ++b) {
+    const int64_t n = layout.block(b).numel;
+    const int64_t chunks = (n + kCheckpointChunkElems - 1) / kCheckpointChunkElems * layout.world_size();
+    total += n * (4 + 2 * moment) + chunks * 3 * 4096;
+  }
+  total += int64_t(world) << 20;
+  return total / std::max(1, world) * std::max(1, local);
 }
 
 // What each step's bound_s is computed from: the plan's work (its link and
@@ -223,6 +266,9 @@ void measure_train_rates(Config& cfg, Device& device, Communicator& comm, int ra
   StateLayout layout(model_layout_specs(cfg.model), shard_count(cfg));
   MachineCapacity cap;
   const PlacementPlan plan = plan_for_machine(cfg, layout, &cap, rank, local_ranks, &device);
+  // Nothing is probed before the fit verdict (check_plan_fits, next): a
+  // disk too small for the state is too small for the probe's files too.
+  if (!plan_shortfalls(plan, cap).empty()) return;
   const StepWork work = predicted_work(cfg, plan, train_fetches(plan), step_network_bytes(plan));
   if (work.net_bytes > 0 && !(rates.net > 0)) {
     rates.net = measure_network(comm, 0.2);
@@ -345,7 +391,11 @@ int run_train(const TrainOptions& opt) {
   // output is written. First: does the placement fit this machine?
   check_plan_fits(cfg, who.rank, who.local_world_size, device);
   if (!cfg.run.checkpoint.dir.empty()) {
-    on_every_rank(*comm, "to write run.checkpoint.dir", [&] { check_checkpoint_dir(cfg.run.checkpoint.dir); });
+    const int64_t bytes = checkpoint_bytes(cfg, who.local_world_size, who.world_size);
+    const int64_t every = cfg.run.checkpoint.every;
+    const int64_t saves = every > 0 ? (cfg.run.steps + every - 1) / every : 1;  // at most: a resume makes fewer
+    on_every_rank(*comm, "to write run.checkpoint.dir",
+                  [&] { check_checkpoint_dir(cfg.run.checkpoint.dir, bytes, cfg.run.checkpoint.keep, saves); });
   }
   TokenDataset data(cfg.data.paths, parse_token_format(cfg.data.format), cfg.model.vocab_size,
                     cfg.model.seq_len, cfg.data.val_fraction);

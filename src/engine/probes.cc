@@ -1,5 +1,7 @@
 #include "engine/probes.h"
 
+#include <sys/statvfs.h>
+
 #include <ATen/ATen.h>
 
 #include <algorithm>
@@ -170,7 +172,7 @@ CopyRates probe_copies(Device& device, double budget_s) {
   return r;
 }
 
-IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s) {
+IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s, int64_t reserve_bytes) {
   if (!is_directory(dir)) {
     throw InputError(dir, "the swap directory does not exist, so the NVMe probe cannot run here; create it, or "
                           "give --nvme-read-gbps and --nvme-write-gbps (run.rates.nvme_read_gbps, nvme_write_gbps)");
@@ -179,8 +181,28 @@ IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s) {
   o.dir = dir;
   // About budget_s at 1 GB/s a pass, within [128 MiB, 1 GiB] (shorter passes
   // hit the device's write cache more than a step's gigabytes do).
-  o.bytes = std::clamp<int64_t>(int64_t(budget_s * 1e9) / (int64_t(4) << 20) * (int64_t(4) << 20),
-                                int64_t(128) << 20, int64_t(1) << 30);
+  const int64_t step = int64_t(4) << 20;
+  o.bytes = std::clamp<int64_t>(int64_t(budget_s * 1e9) / step * step, int64_t(128) << 20, int64_t(1) << 30);
+  IoRates r;
+  r.asked = o.bytes;
+  // Two files at once (both), beside the state, with 1/64 of the disk's
+  // free space (at least 4 MiB) left over.
+  struct statvfs st {};
+  if (::statvfs(dir.c_str(), &st) == 0) {
+    const int64_t free = int64_t(st.f_bavail) * int64_t(st.f_frsize);
+    const int64_t room = free - std::max<int64_t>(reserve_bytes, 0) - std::max<int64_t>(free / 64, step);
+    o.bytes = std::min(o.bytes, room / 2 / step * step);
+    if (o.bytes < kMinProbeBytes) {
+      throw ConfigError("--nvme-read-gbps",
+                        strprintf("no room to measure the disk under %s: %s free, the plan's NVMe state takes %s, "
+                                  "the probe needs 2 x %s more; give the disk's rates (--nvme-read-gbps, "
+                                  "--nvme-write-gbps, --nvme-both-gbps; run.rates.nvme_read_gbps, ...)",
+                                  dir.c_str(), format_bytes(double(free)).c_str(),
+                                  format_bytes(double(reserve_bytes)).c_str(),
+                                  format_bytes(double(kMinProbeBytes)).c_str()));
+    }
+  }
+  r.bytes = o.bytes;
   o.max_buffer_bytes = int64_t(64) << 20;
   nvme::EngineOptions e;
   e.block_size_bytes = cfg.aio.block_size;
@@ -189,7 +211,6 @@ IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s) {
   e.single_submit = cfg.aio.single_submit;
   e.overlap_events = cfg.aio.overlap_events;
   nvme::IoBench bench(o);
-  IoRates r;
   r.write = bench.run(nvme::IoOp::kWrite, e).gbps() * 1e9;
   r.read = bench.run(nvme::IoOp::kRead, e).gbps() * 1e9;
   // Both at once: read the first file back while a second is written.
@@ -392,9 +413,14 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
     while (!is_directory(dir) && dir != "/" && dir != "." && !dir.empty()) {
       dir = dir.find('/') == std::string::npos ? "." : parent_dir(dir);
     }
-    const IoRates io = probe_nvme(cfg, dir, budget_s);
+    const IoRates io = probe_nvme(cfg, dir, budget_s, plan.total()[size_t(Tier::kNvme)]);
     std::string src = "measured: I/O engine in " + dir;
     if (dir != plan.nvme_paths.front()) src += " (" + plan.nvme_paths.front() + " does not exist yet)";
+    if (io.bytes < io.asked) {
+      src += strprintf(" over %s a pass, less than the %s asked: the disk's free space beside the plan's state "
+                       "(short passes may meet the drive's write cache: a high rate)",
+                       format_bytes(double(io.bytes)).c_str(), format_bytes(double(io.asked)).c_str());
+    }
     if (rd) rates.nvme_read = io.read, rates.nvme_read_source = src;
     if (wr) rates.nvme_write = io.write, rates.nvme_write_source = src;
     if (rw) rates.nvme_both = io.both, rates.nvme_both_source = src;

@@ -33,10 +33,17 @@ CopyRates probe_copies(Device& device, double budget_s);
 // a temporary file in `dir`, and reading one file while writing another
 // (both at once, aggregate: what the optimizer's pipeline does). Throws
 // InputError naming the directory when it does not exist.
+// The two files (nameless: Note [Nameless bench files] in nvme/bench.cc)
+// take at most the free space under `dir` less `reserve_bytes` (the state
+// the plan puts there) and a margin: smaller than asked when the disk is
+// short (`bytes` < `asked`); ConfigError naming the rate flags when not even
+// kMinProbeBytes each fit.
 struct IoRates {
   double read = 0, write = 0, both = 0;
+  int64_t bytes = 0, asked = 0;  // per file: measured over, and wanted
 };
-IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s);
+inline constexpr int64_t kMinProbeBytes = int64_t(4) << 20;
+IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s, int64_t reserve_bytes = 0);
 
 // The last-level CPU caches in bytes: the highest level sysfs lists for this
 // machine's CPUs (a VM's own share), each distinct cache once (several
