@@ -1,5 +1,6 @@
 #include "nvme/bench.h"
 
+#include <fcntl.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -50,17 +51,26 @@ IoBench::IoBench(BenchOptions options) : options_(std::move(options)) {
       // A temporary bench file is unlinked at once and reopened by its
       // descriptor: no exit, a signal's or SIGKILL's included, can leave it
       // behind, and the kernel frees its blocks when the process ends.
-      held_fd_ = ::dup(f.fd());
-      if (held_fd_ < 0) throw IoError(path_, errno, "cannot hold the benchmark file open");
+      held_fd_ = ::fcntl(f.fd(), F_DUPFD_CLOEXEC, 0);
+      const int err = errno;
       ::unlink(path_.c_str());
+      if (held_fd_ < 0) throw IoError(path_, err, "cannot hold the benchmark file open");
       open_path_ = "/proc/self/fd/" + std::to_string(held_fd_);
     }
-    if (f.size_bytes() < options_.bytes || temporary_) {
-      f.preallocate(options_.bytes);
-      unwritten_ = options_.lay_out;
-    }
   }
-  buffer_ = PinnedBuffer(std::min(options_.bytes, options_.max_buffer_bytes));
+  try {
+    {
+      File f = File::open(open_path_, OpenOptions{.write = true, .direct = options_.direct});
+      if (f.size_bytes() < options_.bytes || temporary_) {
+        f.preallocate(options_.bytes);
+        unwritten_ = options_.lay_out;
+      }
+    }
+    buffer_ = PinnedBuffer(std::min(options_.bytes, options_.max_buffer_bytes));
+  } catch (...) {
+    if (held_fd_ >= 0) ::close(held_fd_);  // the destructor will not run: the file's blocks go now
+    throw;
+  }
   // Incompressible contents, in case the device compresses or deduplicates.
   std::mt19937_64 rng(12345);
   for (int64_t i = 0; i + 8 <= buffer_.bytes(); i += 8) {

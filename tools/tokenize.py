@@ -5,7 +5,8 @@ Reads text files (one document each), JSON lines (one document per line, the
 text in a named field), Parquet files (one document per row, the text in a
 named string column, read row group by row group with pyarrow) or
 directories of them (recursively, in sorted order; *.jsonl and *.json are JSON
-lines, *.parquet Parquet, anything else text; hidden files skipped),
+lines, *.parquet Parquet, anything else text; hidden and "_"-prefixed files
+skipped),
 and writes
   OUT        the token ids, little-endian uint16 or uint32, an EOS id after
              every document (so between any two), nothing else;
@@ -100,7 +101,9 @@ def input_files(inputs):
         if os.path.isdir(p):
             for root, dirs, files in os.walk(p):
                 dirs[:] = sorted(d for d in dirs if not d.startswith("."))
-                out.extend(os.path.join(root, f) for f in sorted(files) if not f.startswith("."))
+                # Hidden files, and "_"-prefixed ones (Spark's and Hugging Face's _SUCCESS markers,
+                # _metadata): not documents.
+                out.extend(os.path.join(root, f) for f in sorted(files) if not f.startswith((".", "_")))
         elif os.path.isfile(p):
             out.append(p)
         else:
@@ -132,7 +135,14 @@ def parquet_documents(path, field):
     if not (pat.is_string(kind) or pat.is_large_string(kind)):
         raise InputProblem(f"{path}: column {field!r} is {kind}, not a string column (--field)")
     row = 0
-    for batch in pf.iter_batches(batch_size=1024, columns=[field]):
+    batches = pf.iter_batches(batch_size=1024, columns=[field])
+    while True:
+        try:
+            batch = next(batches, None)
+        except Exception as e:  # a corrupt page or row group: pyarrow's ArrowInvalid, OSError
+            raise InputProblem(f"{path}: cannot read the rows after row {row} ({e})")
+        if batch is None:
+            break
         for text in batch.column(0).to_pylist():
             row += 1
             if text is None:

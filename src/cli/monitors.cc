@@ -90,8 +90,14 @@ EventFileWriter::EventFileWriter(const std::string& dir) {
   if (f_ == nullptr) throw IoError(path_, errno, "cannot create the TensorBoard event file");
   std::string first = event_header(now_seconds());
   put_bytes(first, 3, "brain.Event:2");  // Event.file_version
-  record(first);
-  if (std::fflush(f_) != 0) throw IoError(path_, errno, "cannot write the TensorBoard event file");
+  try {
+    record(first);
+    if (std::fflush(f_) != 0) throw IoError(path_, errno, "cannot write the TensorBoard event file");
+  } catch (...) {
+    std::fclose(f_);  // the destructor will not run
+    f_ = nullptr;
+    throw;
+  }
 }
 
 EventFileWriter::~EventFileWriter() {

@@ -60,6 +60,10 @@ struct GpuPreset {
 // The H100 host of BENCHMARKS.md ("GPU") ran Llama-3-8B's shape at 544 of
 // the H100 SXM's 989 dense bf16 TFLOP/s.
 constexpr double kAchievableFraction = 0.55;
+// A run plans with the memory the GPU reports free, less than its total by
+// the CUDA context and LibTorch's start-up: on the lent H100 (BENCHMARKS.md,
+// "GPU") 79.1 of 79.6 GiB.
+constexpr int64_t kCudaContextMib = 512;
 // PCIe 5.0 x16 as measured on that host (pinned copies); 4.0 x16 half of it;
 // NVLink-C2C at 0.8 of its nominal 450 GB/s each way.
 constexpr GpuPreset kGpuPresets[] = {
@@ -323,8 +327,10 @@ int run_plan(const PlanOptions& opt) {
   given.nvme_bytes = gb(opt.nvme_gb);
   given.device_bytes = gb(opt.device_memory_gb);
   if (preset != nullptr && given.device_bytes < 0) {
-    given.device_bytes = preset->memory_mib << 20;
-    given.device_source = strprintf("--gpu %s preset (%lld MiB)", preset->name, (long long)preset->memory_mib);
+    // What a run finds free: the total less the CUDA context's.
+    given.device_bytes = (preset->memory_mib - kCudaContextMib) << 20;
+    given.device_source = strprintf("--gpu %s preset (%lld MiB, less %lld MiB for the CUDA context)", preset->name,
+                                    (long long)preset->memory_mib, (long long)kCudaContextMib);
   }
   Computed c = compute(cfg, 0, per_node, given);
   const DataUse data = data_use(cfg);
@@ -352,7 +358,8 @@ int run_plan(const PlanOptions& opt) {
         dev = gpu.get();
       }
     }
-    measure_rates(cfg, c.plan, dev, work, rates, opt.probe_s);
+    // A described disk (--nvme-gb): this one only stands in for its rates.
+    measure_rates(cfg, c.plan, dev, work, rates, opt.probe_s, ProbeRoom{given.nvme_bytes < 0, 1});
     if (cfg.placement.auto_place) {
       c = compute(cfg, 0, per_node, given, &rates);
       work = predicted_work(cfg, c.plan, train_fetches(c.plan), c.net);

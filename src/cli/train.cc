@@ -211,8 +211,8 @@ void check_checkpoint_dir(const std::string& dir, int64_t bytes, int64_t keep, i
   }
 }
 
-// About the bytes one checkpoint's files take (this node's `local` of
-// `world` ranks' share): master weights and moments of every parameter,
+// About the bytes one checkpoint's files take (`local` of `world` ranks'
+// share; all of them for a directory every rank sees): master weights and moments of every parameter,
 // each chunk of kCheckpointChunkElems padded to 4 KiB, and a MiB per rank
 // of manifest and parts.
 int64_t checkpoint_bytes(const Config& cfg, int local, int world) {
@@ -268,7 +268,10 @@ void measure_train_rates(Config& cfg, Device& device, Communicator& comm, int ra
   const PlacementPlan plan = plan_for_machine(cfg, layout, &cap, rank, local_ranks, &device);
   // Nothing is probed before the fit verdict (check_plan_fits, next): a
   // disk too small for the state is too small for the probe's files too.
-  if (!plan_shortfalls(plan, cap).empty()) return;
+  // Every rank returns or none: the probes below include collectives.
+  int64_t short_somewhere = plan_shortfalls(plan, cap).empty() ? 0 : 1;
+  if (comm.world_size() > 1) comm.all_reduce(&short_somewhere, 1, DType::kI64, ReduceOp::kMax).wait();
+  if (short_somewhere != 0) return;
   const StepWork work = predicted_work(cfg, plan, train_fetches(plan), step_network_bytes(plan));
   if (work.net_bytes > 0 && !(rates.net > 0)) {
     rates.net = measure_network(comm, 0.2);
@@ -282,7 +285,7 @@ void measure_train_rates(Config& cfg, Device& device, Communicator& comm, int ra
     rates.intra_node = rates.net;
     rates.intra_node_source = "the network's (no intra-node probe; run.rates.intra_node_gbps gives it)";
   }
-  measure_rates(cfg, plan, &device, work, rates, 0.2);
+  measure_rates(cfg, plan, &device, work, rates, 0.2, ProbeRoom{true, local_ranks});
   store_rates(rates, cfg.run.rates);
   if (comm.world_size() > 1) {
     double* r = &cfg.run.rates.device_tflops;  // RateOverrides: doubles only
@@ -391,7 +394,8 @@ int run_train(const TrainOptions& opt) {
   // output is written. First: does the placement fit this machine?
   check_plan_fits(cfg, who.rank, who.local_world_size, device);
   if (!cfg.run.checkpoint.dir.empty()) {
-    const int64_t bytes = checkpoint_bytes(cfg, who.local_world_size, who.world_size);
+    // A directory every rank can see: every rank's files, whatever node checks.
+    const int64_t bytes = checkpoint_bytes(cfg, who.world_size, who.world_size);
     const int64_t every = cfg.run.checkpoint.every;
     const int64_t saves = every > 0 ? (cfg.run.steps + every - 1) / every : 1;  // at most: a resume makes fewer
     on_every_rank(*comm, "to write run.checkpoint.dir",

@@ -137,8 +137,9 @@ class SaveGate {
 // copy; the commit job flips each piece's slots (after a save in flight
 // has read it) and reads nothing; a redo reads the current, pre-step slots
 // and writes them in place; a restore reads them. A committed step moves
-// exactly the bytes of the inline optimizer (0 extra bytes per element, in
-// memory and on disk); a clipped one twice its NVMe bytes and Adam.
+// exactly the bytes of the inline optimizer (0 extra bytes moved per element,
+// in memory and on disk; the slots take 12 bytes per element of disk with
+// fp32 moments); a clipped one twice its NVMe bytes and Adam.
 // A checkpoint holds committed state only: a save waits for the commit job
 // of its step (wait_for_job), and a kill during speculation leaves master
 // and moments at the last committed step (the working copy is rebuilt from

@@ -172,7 +172,7 @@ CopyRates probe_copies(Device& device, double budget_s) {
   return r;
 }
 
-IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s, int64_t reserve_bytes) {
+IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s, int64_t reserve_bytes, int sharers) {
   if (!is_directory(dir)) {
     throw InputError(dir, "the swap directory does not exist, so the NVMe probe cannot run here; create it, or "
                           "give --nvme-read-gbps and --nvme-write-gbps (run.rates.nvme_read_gbps, nvme_write_gbps)");
@@ -191,7 +191,7 @@ IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s, i
   if (::statvfs(dir.c_str(), &st) == 0) {
     const int64_t free = int64_t(st.f_bavail) * int64_t(st.f_frsize);
     const int64_t room = free - std::max<int64_t>(reserve_bytes, 0) - std::max<int64_t>(free / 64, step);
-    o.bytes = std::min(o.bytes, room / 2 / step * step);
+    o.bytes = std::min(o.bytes, room / 2 / std::max(1, sharers) / step * step);
     if (o.bytes < kMinProbeBytes) {
       throw ConfigError("--nvme-read-gbps",
                         strprintf("no room to measure the disk under %s: %s free, the plan's NVMe state takes %s, "
@@ -352,7 +352,7 @@ double probe_grad_add(cpu_adam::GradType wire, bool first, double budget_s) {
 }
 
 void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device* device, const StepWork& work,
-                           Rates& rates, double budget_s) {
+                           Rates& rates, double budget_s, const ProbeRoom& room) {
   const bool cpu_compute = device == nullptr || !device->is_cuda();
   auto need = [&](double rate, bool has_work) { return has_work && !(rate > 0); };
   if (need(rates.device_flops, work.flops > 0)) {
@@ -413,7 +413,9 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
     while (!is_directory(dir) && dir != "/" && dir != "." && !dir.empty()) {
       dir = dir.find('/') == std::string::npos ? "." : parent_dir(dir);
     }
-    const IoRates io = probe_nvme(cfg, dir, budget_s, plan.total()[size_t(Tier::kNvme)]);
+    // The swap store splits its capacity evenly over the directories.
+    const int64_t share = plan.total()[size_t(Tier::kNvme)] / int64_t(plan.nvme_paths.size());
+    const IoRates io = probe_nvme(cfg, dir, budget_s, room.reserve_state ? share * room.sharers : 0, room.sharers);
     std::string src = "measured: I/O engine in " + dir;
     if (dir != plan.nvme_paths.front()) src += " (" + plan.nvme_paths.front() + " does not exist yet)";
     if (io.bytes < io.asked) {
@@ -449,11 +451,11 @@ StepWork union_work(const StepWork& work, const PlacementPlan& plan, bool checks
 }
 
 void measure_rates(const Config& cfg, const PlacementPlan& plan, Device* device, const StepWork& work, Rates& rates,
-                   double budget_s) {
-  measure_missing_rates(cfg, plan, device, work, rates, budget_s);
+                   double budget_s, const ProbeRoom& room) {
+  measure_missing_rates(cfg, plan, device, work, rates, budget_s, room);
   if (!cfg.placement.auto_place) return;
   try {
-    measure_missing_rates(cfg, plan, device, union_work(work, plan, cfg.run.swap_checksums), rates, budget_s);
+    measure_missing_rates(cfg, plan, device, union_work(work, plan, cfg.run.swap_checksums), rates, budget_s, room);
   } catch (const Error&) {
     // What cannot be measured here leaves those candidates unjudged.
   }

@@ -35,7 +35,8 @@ CopyRates probe_copies(Device& device, double budget_s);
 // InputError naming the directory when it does not exist.
 // The two files (nameless: Note [Nameless bench files] in nvme/bench.cc)
 // take at most the free space under `dir` less `reserve_bytes` (the state
-// the plan puts there) and a margin: smaller than asked when the disk is
+// the plan puts there) and a margin, split among `sharers` (ranks probing
+// the disk at once): smaller than asked when the disk is
 // short (`bytes` < `asked`); ConfigError naming the rate flags when not even
 // kMinProbeBytes each fit.
 struct IoRates {
@@ -43,7 +44,8 @@ struct IoRates {
   int64_t bytes = 0, asked = 0;  // per file: measured over, and wanted
 };
 inline constexpr int64_t kMinProbeBytes = int64_t(4) << 20;
-IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s, int64_t reserve_bytes = 0);
+IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s, int64_t reserve_bytes = 0,
+                   int sharers = 1);
 
 // The last-level CPU caches in bytes: the highest level sysfs lists for this
 // machine's CPUs (a VM's own share), each distinct cache once (several
@@ -89,8 +91,17 @@ double probe_grad_add(cpu_adam::GradType wire, bool first, double budget_s);
 // in plan.nvme_paths' first directory), naming the source "measured". A rate
 // that cannot be measured here (no swap directory yet, no GPU for cuda, the
 // network) throws ConfigError naming the flag or run.rates key that gives it.
+// The NVMe probe's room (probe_nvme): `reserve_state` leaves the first swap
+// directory's share of the plan's NVMe bytes free (false when the plan's
+// disk is described, --nvme-gb, and this one only stands in for it), times
+// `sharers`, the ranks of this node probing the same disk at once, who split
+// what is left.
+struct ProbeRoom {
+  bool reserve_state = true;
+  int sharers = 1;
+};
 void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device* device, const StepWork& work,
-                           Rates& rates, double budget_s);
+                           Rates& rates, double budget_s, const ProbeRoom& room = {});
 
 // `work` with every link auto's other candidates could use (copies both
 // ways, NVMe and with `checksums` (run.swap_checksums) their checksums when
@@ -101,7 +112,7 @@ StepWork union_work(const StepWork& work, const PlacementPlan& plan, bool checks
 // The rates of `work` (errors as measure_missing_rates), then, where it can
 // measure them here, those of union_work as well.
 void measure_rates(const Config& cfg, const PlacementPlan& plan, Device* device, const StepWork& work, Rates& rates,
-                   double budget_s);
+                   double budget_s, const ProbeRoom& room = {});
 
 // `rates` as run.rates (the overrides a config carries), so that a planner
 // given the config sees them.

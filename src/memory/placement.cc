@@ -839,9 +839,11 @@ static void resolve_speculation(const Config& cfg, const MachineCapacity& cap, P
   }
   // Note [Alternate swap slots]: a second home on disk for every NVMe unit
   // of master weights and moments.
-  int64_t spare = 0;
-  for (Category c : {Category::kMaster, Category::kExpAvg, Category::kExpAvgSq}) {
-    spare += plan.bytes[size_t(c)][size_t(Tier::kNvme)];
+  int64_t spare = 0;  // the sub-groups whose master weights and moments are all on NVMe
+  const int64_t state_bytes = plan.elem_bytes[size_t(Category::kMaster)] +
+                              plan.elem_bytes[size_t(Category::kExpAvg)] + plan.elem_bytes[size_t(Category::kExpAvgSq)];
+  for (const PlacementUnit& u : plan.units[size_t(Category::kMaster)]) {
+    if (optimizer_state_on_nvme(plan, u.offset, u.numel)) spare += u.numel * state_bytes;
   }
   const int64_t nvme_need = plan.total()[size_t(Tier::kNvme)] + spare;
   const bool room = spare > 0 && cfg.optimizer.speculate_slots && (cap.nvme_bytes < 0 || nvme_need <= cap.nvme_bytes);
@@ -881,12 +883,16 @@ int64_t speculated_numel(const PlacementPlan& plan) {
   return n;
 }
 
-bool speculates_in_slots(const PlacementPlan& plan, const PlacementUnit& piece) {
-  if (!plan.speculate || !plan.speculate_slots || device_adam_piece(plan, piece)) return false;
+bool optimizer_state_on_nvme(const PlacementPlan& plan, int64_t offset, int64_t numel) {
   for (Category c : {Category::kMaster, Category::kExpAvg, Category::kExpAvgSq}) {
-    if (range_tier(plan, c, piece.offset, piece.numel) != Tier::kNvme) return false;
+    if (range_tier(plan, c, offset, numel) != Tier::kNvme) return false;
   }
   return true;
+}
+
+bool speculates_in_slots(const PlacementPlan& plan, const PlacementUnit& piece) {
+  if (!plan.speculate || !plan.speculate_slots || device_adam_piece(plan, piece)) return false;
+  return optimizer_state_on_nvme(plan, piece.offset, piece.numel);
 }
 
 int64_t speculated_slot_numel(const PlacementPlan& plan) {

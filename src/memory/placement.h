@@ -336,6 +336,10 @@ int64_t speculated_numel(const PlacementPlan& plan);
 // (PlacementPlan::speculate_slots; its master weights and moments all on
 // NVMe), and the elements of the pieces that do.
 bool speculates_in_slots(const PlacementPlan& plan, const PlacementUnit& piece);
+// Whether master weights and moments of [offset, offset + numel) all live
+// on NVMe: the ranges that get alternate swap slots with
+// PlacementPlan::speculate_slots (and only those).
+bool optimizer_state_on_nvme(const PlacementPlan& plan, int64_t offset, int64_t numel);
 int64_t speculated_slot_numel(const PlacementPlan& plan);
 
 // The ops of one training step under the plan's schedule (memory/schedule.h).

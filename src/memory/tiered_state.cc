@@ -21,6 +21,10 @@ namespace {
 bool slotted(Category c) { return c == Category::kMaster || c == Category::kExpAvg || c == Category::kExpAvgSq; }
 }  // namespace
 
+bool TieredState::has_slots(Category c, const PlacementUnit& u) const {
+  return plan_.speculate_slots && slotted(c) && optimizer_state_on_nvme(plan_, u.offset, u.numel);
+}
+
 TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& options)
     : plan_(plan), device_(options.device != nullptr ? options.device : &cpu_device()) {
   // Arena sizes: every resident unit, each rounded to a page.
@@ -31,7 +35,7 @@ TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& op
     for (const PlacementUnit& u : plan_.units[size_t(c)]) {
       const int64_t bytes = round_up(u.numel * plan_.elem_bytes[size_t(c)], kPageBytes);
       need[size_t(u.tier)] += bytes;
-      if (u.tier == Tier::kNvme) nvme_bytes += round_up(bytes, kSwapBlockBytes) * (plan_.speculate_slots && slotted(Category(c)) ? 2 : 1);
+      if (u.tier == Tier::kNvme) nvme_bytes += round_up(bytes, kSwapBlockBytes) * (has_slots(Category(c), u) ? 2 : 1);
       if (u.tier == Tier::kHost && crosses_pcie(Category(c))) transfer_bytes += bytes;
     }
   }
@@ -86,7 +90,7 @@ TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& op
       const int64_t bytes = u.numel * plan_.elem_bytes[size_t(c)];
       if (u.tier == Tier::kNvme) {
         h.region = swap_->add_region(strprintf("%s.%zu", category_name(Category(c)), i), bytes);
-        if (plan_.speculate_slots && slotted(Category(c))) {  // Note [Alternate swap slots]
+        if (has_slots(Category(c), u)) {  // Note [Alternate swap slots]
           h.spare = swap_->add_region(strprintf("%s.%zu.spare", category_name(Category(c)), i), bytes);
           h.first_flag = flags;
           flags += (u.numel + slot_chunk_ - 1) / slot_chunk_;

@@ -152,7 +152,8 @@ class TieredState {
 
   // Note [Alternate swap slots]
   // With PlacementPlan::speculate_slots every NVMe unit of master weights
-  // and moments has two homes on disk, its slots, and per pipeline piece
+  // and moments whose three categories are all on NVMe
+  // (optimizer_state_on_nvme) has two homes on disk, its slots, and per pipeline piece
   // (Note [Pipeline pieces] in placement.h) a flag saying which of them is
   // current. Reads, write_async and checkpoint saves see the current slot
   // only; the optimizer's speculation (Note [Speculative optimizer] in
@@ -251,6 +252,8 @@ class TieredState {
   };
   template <typename Fn>
   void for_each_piece(Category c, int64_t offset, int64_t numel, Fn&& fn) const;
+  // Note [Alternate swap slots]: whether unit u of c gets a second slot.
+  bool has_slots(Category c, const PlacementUnit& u) const;
 
   // `compute_side`: `buf` is memory the compute device reads (a window slot
   // of the CPU device), so host-tier pieces count as H2D/D2H copies.
