@@ -83,6 +83,16 @@ TEST(CliTest, DeepSpeedMonitorsWriteTensorBoardAndCsvFiles) {
   EXPECT_EQ(check.code, 0) << check.output;
   EXPECT_TRUE(exists(dir.file("csv/run1/Train_Samples_loss_scale.csv"))) << "fp16's loss scale";
   EXPECT_TRUE(exists(dir.file("csv/run1/Train_Samples_eval_loss.csv")));
+  // run.deterministic is named in the start line (docs/config.md).
+  nlohmann::json d = tiny_config(data, dir.file("det.jsonl"));
+  d["run"]["deterministic"] = true;
+  d["run"]["log_level"] = "info";
+  r = run_strata("train " + write_config(dir, d));
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_NE(r.output.find("run.deterministic: deterministic algorithms on (warn where none exists), "
+                          "CUBLAS_WORKSPACE_CONFIG=:4096:8"),
+            std::string::npos)
+      << r.output;
   // wandb and comet stay warnings that say what to use instead.
   j["wandb"] = {{"enabled", true}};
   j["run"]["log_level"] = "warn";

@@ -443,6 +443,9 @@ TEST(ConfigEnums, BadEnumListsTheChoices) {
   EXPECT_CONFIG_ERROR(with({{"csv_monitor", {{"enabled", "yes"}}}}), "csv_monitor.enabled", "a boolean");
   EXPECT_CONFIG_ERROR(with({{"tensorboard", {{"enable", true}}}}), "tensorboard.enable", "");
   EXPECT_TRUE(parse_config(with({{"tensorboard", {{"enabled", true}}}})).ignored_keys.empty());
+  EXPECT_FALSE(parse_config(with(json::object())).run.deterministic);
+  EXPECT_TRUE(parse_config(with({{"run", {{"deterministic", true}}}})).run.deterministic);
+  EXPECT_CONFIG_ERROR(with({{"run", {{"deterministic", 1}}}}), "run.deterministic", "a boolean");
   EXPECT_TRUE(parse_config(with(json::object())).optimizer.speculate_slots);
   EXPECT_FALSE(parse_config(with({{"optimizer", {{"speculate_slots", false}}}})).optimizer.speculate_slots);
 }

@@ -10,7 +10,7 @@
 #   for t in build/tests/*_test build/tests/bench_adam_torch build/tests/bench_train_torch build/tests/rank_worker; do strip -o .dev/bin/${t##*/} $t; done
 #   cp -L /lib/x86_64-linux-gnu/{libtbb.so.12,liburing.so.2,libspdlog.so.1.10,libfmt.so.9} .dev/lib/
 # Then run `bash tools/gpu_host_check.sh [tests|bench|ranks|gpu-a|gpu-b|gpu-c|gpu-ranks|gpu-suite|gpu-race|
-# gpu-plans|gpu-proof|gpu-b-trace|gpu-b-schedules|gpu-b-speculate|all]` there with carry [".dev"]; logs and
+# gpu-plans|gpu-proof|gpu-b-trace|gpu-b-schedules|gpu-b-speculate|gpu-b-determinism|all]` there with carry [".dev"]; logs and
 # JSON lines go to $OUT (or out/gpu-host). BENCH_THREADS and BENCH_ROUNDS set the sweep
 # (tools/bench_adam_sweep.sh; default "1 2 16" threads, 2 rounds). `ranks` runs
 # tools/bench_ranks.py at world sizes RANKS_SIZES (default 1,2,4,8) on all cores. `gpu-a`, `gpu-b`,
@@ -25,8 +25,9 @@
 # in one call: each schedule's plan with the rates probed once, then B_STEPS (default 4) steps of each,
 # alternating, with the metrics (docs/design.md, "The step as a schedule"); `gpu-b-speculate` (b)'s
 # compute-only reference, then (b) under layer with optimizer.speculate off, on (traced) and on with every
-# step clipped, B_STEPS each (docs/design.md, "The optimizer behind the backward"). `all` includes none of
-# the GPU modes.
+# step clipped, B_STEPS each (docs/design.md, "The optimizer behind the backward"); `gpu-b-determinism`
+# (b)'s first steps twice with run.deterministic on (they must agree bit for bit) and once off (its cost).
+# `all` includes none of the GPU modes.
 set -uo pipefail
 WHAT=${1:-all}
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -287,6 +288,39 @@ for l in open('$work/m-$v.jsonl'):
     print(f\"$v step {d['step']}: {d['step_s']:.3f} s ({r:.3f}x compute-only), bound {d['bound_s']:.3f}, optimizer {d['optimizer_s']:.3f} (hidden {d.get('optimizer_hidden_s', 0):.3f}, wait {d['optimizer_wait_s']:.3f}), {d.get('speculation', '-')}\")
 " 2>&1 | tee -a "$DEST/gpu-b-speculate.txt"
   done
+  cp "$work"/m-*.jsonl "$DEST/" 2>/dev/null || true
+fi
+
+if [ "$WHAT" = gpu-b-determinism ]; then
+  # run.deterministic (docs/config.md): (b)'s first B_STEPS (default 2) steps twice with it on, which must
+  # agree bit for bit (losses and gradient norms), then once with it off: the ratio of tokens/s is its cost.
+  # B_CONFIG (default configs/gpu-b-llama8b.json) lets the dev machine dry-run the mode on a CPU config.
+  work="${TMPDIR:-/tmp}/gpu-b-determinism"
+  cfg=${B_CONFIG:-configs/gpu-b-llama8b.json}
+  rm -rf "$work" && mkdir -p "$work" out/swap
+  python3 -c "import sys; sys.path.insert(0, 'tools'); import bench_gpu; bench_gpu.ensure_tokens('out/gpu-tokens.bin')"
+  for v in on-1 on-2 off; do
+    det=true
+    [ "$v" = off ] && det=false
+    echo "== (b), run.deterministic $det ($v), ${B_STEPS:-2} steps"
+    timeout "${B_TIMEOUT:-150}" "$BIN/strata" train "$cfg" --steps "${B_STEPS:-2}" --set run.deterministic=$det \
+      --set data.eval_interval=0 --metrics "$work/m-$v.jsonl" >"$work/log-$v.txt" 2>&1
+    echo "rc=$?"; grep -E 'deterministic|error' "$work/log-$v.txt" | cut -c1-240 | tail -3
+  done
+  python3 - "$work" <<'PY' 2>&1 | tee "$DEST/gpu-b-determinism.txt"
+import json, struct, sys
+w = sys.argv[1]
+runs = {v: [json.loads(l) for l in open(f"{w}/m-{v}.jsonl") if l.strip()] for v in ("on-1", "on-2", "off")}
+bits = lambda x: "null" if x is None else struct.pack("<d", x).hex()
+for v, steps in runs.items():
+    for d in steps:
+        print(f"{v} step {d['step']}: loss {d['loss']!r} norm {d['grad_norm']!r} ({bits(d['grad_norm'])}), "
+              f"{d['step_s']:.3f} s, {d['tokens_per_s']:.0f} tok/s")
+same = [(a["loss"], bits(a["grad_norm"])) for a in runs["on-1"]] == [(b["loss"], bits(b["grad_norm"])) for b in runs["on-2"]]
+print("deterministic runs agree bit for bit:", same and len(runs["on-1"]) > 0)
+last = lambda v: runs[v][-1]["tokens_per_s"] if runs[v] else float("nan")
+print(f"cost: tokens/s on / off (last step) = {last('on-2') / last('off'):.3f}")
+PY
   cp "$work"/m-*.jsonl "$DEST/" 2>/dev/null || true
 fi
 

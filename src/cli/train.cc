@@ -343,6 +343,9 @@ int run_train(const TrainOptions& opt) {
   cfg.run.metrics = rank_path(cfg.run.metrics, who.rank);
   if (!cfg.run.log_file.empty()) cfg.run.log_file = with_rank(cfg.run.log_file, who.rank);
   setup_logging(cfg.run.log_level, cfg.run.log_file, multi ? who.rank : -1);
+  // Before any CUDA work (the rate probes included): docs/config.md, run.deterministic.
+  const std::string determinism = apply_determinism(cfg.run.deterministic);
+  if (!determinism.empty()) log::info("run.deterministic: %s", determinism.c_str());
   const std::string trace_path = rank_path(opt.trace, who.rank);
   for (const std::string& key : cfg.ignored_keys) {
     // wandb and comet need a network service: say what writes the same figures here.

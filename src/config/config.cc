@@ -1010,7 +1010,8 @@ void parse_run(const json& root, Config& c) {
   check_keys(r, path,
              {"steps", "seed", "metrics", "log_file", "log_level", "device", "threads",
               "device_memory_mb", "cpu_adam_isa", "overlap_optimizer",
-              "swap_checksums", "optimizer_state_dtype", "checkpoint", "recompute", "schedule", "rates"},
+              "swap_checksums", "optimizer_state_dtype", "checkpoint", "recompute", "schedule", "rates",
+              "deterministic"},
              kNone, c.ignored_keys);
   RunConfig& rc = c.run;
   if (read(r, path, "steps", rc.steps)) positive("run.steps", rc.steps);
@@ -1055,6 +1056,7 @@ void parse_run(const json& root, Config& c) {
     }
   }
   read(r, path, "swap_checksums", rc.swap_checksums);
+  read(r, path, "deterministic", rc.deterministic);
   read_enum(r, path, "optimizer_state_dtype", rc.optimizer_state_dtype, {"fp32", "bf16"});
   std::string recompute = recompute_name(rc.recompute);
   read_enum(r, path, "recompute", recompute, {"auto", "always", "never"});

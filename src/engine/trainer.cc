@@ -11,6 +11,7 @@
 
 #include <algorithm>
 #include <cmath>
+#include <cstdlib>
 #include <cstring>
 #include <optional>
 
@@ -492,10 +493,21 @@ void Trainer::load_checkpoint(CheckpointReader& reader) {
 
 // ---- start-up ---------------------------------------------------------------------
 
+std::string apply_determinism(bool on) {
+  if (!on) return "";
+  ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
+  at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
+  at::globalContext().setDeterministicCuDNN(true);
+  at::globalContext().setBenchmarkCuDNN(false);
+  return std::string("deterministic algorithms on (warn where none exists), CUBLAS_WORKSPACE_CONFIG=") +
+         std::getenv("CUBLAS_WORKSPACE_CONFIG");
+}
+
 Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::FaultPlan> faults,
                  Communicator* comm, int local_ranks, Device* device, StreamCollectives* stream,
                  StreamCollectives* node_stream)
     : cfg_(cfg), model_(model), layout_(model.layout_specs(), shard_count(cfg)) {
+  apply_determinism(cfg.run.deterministic);  // strata train has, before its probes; a library user may not have
   make_context(comm, device, stream);
   const cpu_adam::Isa isa = cpu_adam::parse_isa(cfg.run.cpu_adam_isa);
   if (!cpu_adam::isa_supported(isa)) {
