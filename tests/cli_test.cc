@@ -273,7 +273,11 @@ TEST(CliTest, SmallDisksGetThePlansVerdictAndKeepNoFiles) {
     EXPECT_NE(r.output.find("run.checkpoint.dir: '" + disk.dir + "/ck' has "), std::string::npos) << r.output;
     EXPECT_NE(r.output.find("for 2 more checkpoint(s) of about"), std::string::npos) << r.output;
     EXPECT_FALSE(exists(tmp.file("m80.jsonl")));
-    // One save fits.
+    // One save fits, but not beside the run's 57 MiB of swap files on the same disk.
+    r = run_strata("train " + cfg + " --steps 1 --metrics " + tmp.file("m80.jsonl") + swap_on(disk.dir) + ck);
+    EXPECT_EQ(r.code, 2) << r.output;
+    EXPECT_NE(r.output.find("of swap files on the same file system"), std::string::npos) << r.output;
+    EXPECT_EQ(files_under(disk.dir), std::vector<std::string>{});
     r = run_strata("train " + cfg + " --steps 1 --metrics " + tmp.file("m80.jsonl") + swap_on(tmp.file("swap")) + ck);
     EXPECT_EQ(r.code, 0) << r.output;
     EXPECT_TRUE(exists(disk.dir + "/ck/step-00000001/manifest.json")) << r.output;

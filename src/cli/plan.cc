@@ -505,10 +505,10 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
 }
 
 
-void check_plan_fits(const Config& cfg, int rank, int local_ranks, const Device* device) {
+PlacementPlan check_plan_fits(const Config& cfg, int rank, int local_ranks, const Device* device) {
   const Rates rates = rates_from_config(cfg.run.rates);
   Computed c = compute(cfg, rank, local_ranks, GivenCapacity{}, &rates, device);
-  if (c.shortfalls.empty()) return;
+  if (c.shortfalls.empty()) return c.plan;
   std::string msg = "the placement plan does not fit this machine (see `strata plan`): ";
   for (size_t i = 0; i < c.shortfalls.size(); ++i) msg += (i ? "; " : "") + c.shortfalls[i];
   throw ConfigError("", msg);

@@ -23,7 +23,9 @@ std::string format_plan(const PlacementPlan& plan, const MachineCapacity& cap,
 // ranks sharing it); throws ConfigError with the shortfall lines when it does
 // not fit (what `strata train` runs first).
 // `device`: the rank's (its GPU's free memory is the budget; nullptr: the first GPU's).
-void check_plan_fits(const Config& cfg, int rank = 0, int local_ranks = 1, const Device* device = nullptr);
+// Returns the plan (for the disk checks that follow: its swap directories
+// and NVMe bytes).
+PlacementPlan check_plan_fits(const Config& cfg, int rank = 0, int local_ranks = 1, const Device* device = nullptr);
 
 
 }  // namespace strata

@@ -176,8 +176,9 @@ std::unique_ptr<CheckpointReader> open_resume(const TrainOptions& opt, const Con
 // hold at once: up to run.checkpoint.keep complete ones while the next is
 // written, of the `saves` it makes (every `run.checkpoint.every` steps and
 // at the end), less those already there (they take their space already),
-// of `bytes` each (this node's ranks' files).
-void check_checkpoint_dir(const std::string& dir, int64_t bytes, int64_t keep, int64_t saves) {
+// of `bytes` each, beside `swap` bytes of swap files the run is about to
+// create on the same file system.
+void check_checkpoint_dir(const std::string& dir, int64_t bytes, int64_t keep, int64_t saves, int64_t swap) {
   try {
     make_dirs(dir, 0700);
   } catch (const IoError& e) {
@@ -200,14 +201,18 @@ void check_checkpoint_dir(const std::string& dir, int64_t bytes, int64_t keep, i
   struct statvfs st {};
   if (::statvfs(dir.c_str(), &st) != 0) return;
   const int64_t free = int64_t(st.f_bavail) * int64_t(st.f_frsize);
-  if (free < at_once * bytes) {
+  if (free < at_once * bytes + swap) {
     throw ConfigError("run.checkpoint.dir",
                       strprintf("'%s' has %s free; the run needs %s for %lld more checkpoint(s) of about %s "
-                                "(run.checkpoint.keep %lld kept while the next is written, %lld there already): "
+                                "(run.checkpoint.keep %lld kept while the next is written, %lld there already)%s: "
                                 "free space there, lower run.checkpoint.keep, or choose another directory",
                                 dir.c_str(), format_bytes(double(free)).c_str(),
                                 format_bytes(double(at_once * bytes)).c_str(), (long long)at_once,
-                                format_bytes(double(bytes)).c_str(), (long long)keep, (long long)present));
+                                format_bytes(double(bytes)).c_str(), (long long)keep, (long long)present,
+                                swap > 0 ? strprintf(" beside %s of swap files on the same file system",
+                                                     format_bytes(double(swap)).c_str())
+                                               .c_str()
+                                         : ""));
   }
 }
 
@@ -395,14 +400,20 @@ int run_train(const TrainOptions& opt) {
 
   // Everything that can fail on bad input happens before the first byte of
   // output is written. First: does the placement fit this machine?
-  check_plan_fits(cfg, who.rank, who.local_world_size, device);
+  const PlacementPlan fitted = check_plan_fits(cfg, who.rank, who.local_world_size, device);
   if (!cfg.run.checkpoint.dir.empty()) {
     // A directory every rank can see: every rank's files, whatever node checks.
     const int64_t bytes = checkpoint_bytes(cfg, who.world_size, who.world_size);
     const int64_t every = cfg.run.checkpoint.every;
     const int64_t saves = every > 0 ? (cfg.run.steps + every - 1) / every : 1;  // at most: a resume makes fewer
-    on_every_rank(*comm, "to write run.checkpoint.dir",
-                  [&] { check_checkpoint_dir(cfg.run.checkpoint.dir, bytes, cfg.run.checkpoint.keep, saves); });
+    // The node's swap files, created next, on the same file system come first.
+    int64_t swap = 0;
+    if (!fitted.nvme_paths.empty() && device_of(fitted.nvme_paths.front()) == device_of(cfg.run.checkpoint.dir)) {
+      swap = fitted.total()[size_t(Tier::kNvme)] * who.local_world_size;
+    }
+    on_every_rank(*comm, "to write run.checkpoint.dir", [&] {
+      check_checkpoint_dir(cfg.run.checkpoint.dir, bytes, cfg.run.checkpoint.keep, saves, swap);
+    });
   }
   TokenDataset data(cfg.data.paths, parse_token_format(cfg.data.format), cfg.model.vocab_size,
                     cfg.model.seq_len, cfg.data.val_fraction);

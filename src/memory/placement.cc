@@ -40,6 +40,14 @@ const char* category_name(Category c) {
   return "?";
 }
 
+int64_t device_of(const std::string& path) {
+  std::string p = path;
+  while (!path_exists(p) && p != "/" && p != ".") p = parent_dir(p);
+  struct stat st;
+  if (::stat(p.c_str(), &st) != 0) return -1;
+  return int64_t(st.st_dev);
+}
+
 namespace {
 
 // Free bytes on the file system holding `path` (or its nearest existing ancestor).
@@ -48,14 +56,6 @@ int64_t free_bytes_under(std::string path) {
   struct statvfs st;
   if (::statvfs(path.c_str(), &st) != 0) return -1;
   return int64_t(st.f_bavail) * int64_t(st.f_frsize);
-}
-
-int64_t device_of(const std::string& path) {
-  std::string p = path;
-  while (!path_exists(p) && p != "/" && p != ".") p = parent_dir(p);
-  struct stat st;
-  if (::stat(p.c_str(), &st) != 0) return -1;
-  return int64_t(st.st_dev);
 }
 
 TierSplit on(Tier t) {

@@ -298,6 +298,10 @@ inline int pipeline_depth(int64_t buffer_count) {
 int64_t pipeline_piece_numel(const PlacementPlan& plan);
 std::vector<PlacementUnit> pipeline_pieces(const PlacementPlan& plan);
 
+// The file system (st_dev) holding `path`, or its nearest existing
+// ancestor; -1 when none can be read.
+int64_t device_of(const std::string& path);
+
 // Whether the optimizer runs on its own thread, overlapped with the next
 // step's forward (run.overlap_optimizer; Note [Optimizer overlap] in
 // engine/optimizer_thread.h). "auto": yes on a device host code may not touch
