@@ -61,8 +61,8 @@ struct GpuPreset {
 // the H100 SXM's 989 dense bf16 TFLOP/s.
 constexpr double kAchievableFraction = 0.55;
 // A run plans with the memory the GPU reports free, less than its total by
-// the CUDA context and LibTorch's start-up: on the lent H100 (BENCHMARKS.md,
-// "GPU") 79.1 of 79.6 GiB.
+// the CUDA context and LibTorch's start-up: an allowance (docs/planning.md),
+// not a measured figure.
 constexpr int64_t kCudaContextMib = 512;
 // PCIe 5.0 x16 as measured on that host (pinned copies); 4.0 x16 half of it;
 // NVLink-C2C at 0.8 of its nominal 450 GB/s each way.
