@@ -21,7 +21,7 @@ It prints medians over rounds and the same-run ratios to bench-io.
 
 Usage:
   .venv/bin/python tools/bench_checkpoint.py --strata build/strata --dir /tmp/bench-ckpt \\
-      [--dim 1024] [--layers 8] [--rounds 3] [--json out.json]
+      [--dim 1024] [--layers 8] [--rounds 3] [--device cpu|cuda] [--json out.json]
 """
 import argparse
 import json
@@ -73,6 +73,8 @@ def main():
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--block-size", type=int, default=4 << 20)
     ap.add_argument("--queue-depth", type=int, default=32)
+    ap.add_argument("--device", default="cpu", help="run.device of the training (cuda: the state in HBM, "
+                    "a save copies it to the host first)")
     ap.add_argument("--json")
     args = ap.parse_args()
 
@@ -88,7 +90,7 @@ def main():
         "aio": {"block_size": args.block_size, "queue_depth": args.queue_depth},
         "model": {"dim": args.dim, "n_layers": args.layers, "n_heads": 8, "seq_len": args.seq_len},
         "data": {"path": data, "eval_interval": 0, "val_fraction": 0.0},
-        "run": {"steps": args.steps, "threads": args.threads, "log_level": "info",
+        "run": {"steps": args.steps, "threads": args.threads, "log_level": "info", "device": args.device,
                 "checkpoint": {"dir": ck, "every": args.every, "keep": 1}},
     }
     cfg_path = os.path.join(args.dir, "c.json")

@@ -10,14 +10,14 @@
 #   for t in build/tests/*_test build/tests/bench_adam_torch build/tests/bench_train_torch build/tests/rank_worker; do strip -o .dev/bin/${t##*/} $t; done
 #   cp -L /lib/x86_64-linux-gnu/{libtbb.so.12,liburing.so.2,libspdlog.so.1.10,libfmt.so.9} .dev/lib/
 # Then run `bash tools/gpu_host_check.sh [tests|bench|ranks|gpu-a|gpu-b|gpu-c|gpu-ranks|gpu-suite|gpu-race|
-# gpu-plans|gpu-proof|gpu-b-trace|gpu-b-schedules|gpu-b-speculate|gpu-b-determinism|all]` there with carry [".dev"]; logs and
+# gpu-plans|gpu-proof|gpu-proof-2|gpu-b-trace|gpu-b-schedules|gpu-b-speculate|gpu-b-determinism|all]` there with carry [".dev"]; logs and
 # JSON lines go to $OUT (or out/gpu-host). BENCH_THREADS and BENCH_ROUNDS set the sweep
 # (tools/bench_adam_sweep.sh; default "1 2 16" threads, 2 rounds). `ranks` runs
 # tools/bench_ranks.py at world sizes RANKS_SIZES (default 1,2,4,8) on all cores. `gpu-a`, `gpu-b`,
 # `gpu-c` run GPU benchmarks (a)-(c) (tools/bench_gpu.py a|b|c: (a) strata against a plain LibTorch
 # loop, GPU_ROUNDS rounds, default 2); `gpu-ranks` trains configs/tiny-cpu.json on the GPU at stage 3
-# with one rank, then two ranks sharing it over Gloo (staged collectives: docs/design.md, "Ranks on a
-# device"), and prints both runs' losses and per-rank bytes side by side; `gpu-suite` runs the test
+# with one rank, then two ranks sharing it over Gloo with the same global batch (staged collectives:
+# docs/design.md, "Ranks on a device"), and prints both runs' losses and per-rank bytes side by side; `gpu-suite` runs the test
 # binaries that have GPU cases; `gpu-race` the race probe (tools/gpu_race.json: three GPU runs that must
 # agree bit for bit); `gpu-plans` `strata plan` of configs/gpu-*.json with every rate probed on the host;
 # `gpu-proof` all three and one round of (a) in one call; `gpu-b-trace` (b)'s plan, then B_STEPS
@@ -27,16 +27,22 @@
 # compute-only reference, then (b) under layer with optimizer.speculate off, on (traced) and on with every
 # step clipped, B_STEPS each (docs/design.md, "The optimizer behind the backward"); `gpu-b-determinism`
 # (b)'s first steps twice with run.deterministic on (they must agree bit for bit) and once off (its cost).
+# `gpu-proof-2` runs tools/gpu_proof.py: every part of the GPU proof's second round in one call of about
+# 9 minutes, a time budget per part (PROOF_BUDGET, PROOF_BUDGET_<PART>; PROOF_PARTS picks parts, e.g.
+# "c,d" for a second call), one line per part and $OUT/gpu-proof-2.json. DRY_RUN=1 runs that mode on this
+# machine's CPU with tiny configs and the build folder's binaries (BIN=build PYTHON=.venv/bin/python: what
+# the test GpuProofDryRun does); it copies nothing into the build folder.
 # `all` includes none of the GPU modes.
 set -uo pipefail
 WHAT=${1:-all}
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 cd "$ROOT"
-BIN=$ROOT/.dev/bin
+BIN=${BIN:-$ROOT/.dev/bin}
+PY=${PYTHON:-python3}
 DEST=${OUT:-$ROOT/out/gpu-host}
 mkdir -p "$DEST"
 
-SITE=$(python3 -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
+SITE=$("$PY" -c 'import os, torch; print(os.path.dirname(os.path.dirname(torch.__file__)))')
 LD=$ROOT/.dev/lib:$SITE/torch/lib
 for d in "$SITE"/nvidia/*/lib; do LD=$LD:$d; done
 export LD_LIBRARY_PATH=$LD${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
@@ -44,16 +50,26 @@ export LD_LIBRARY_PATH=$LD${LD_LIBRARY_PATH:+:$LD_LIBRARY_PATH}
 # cli_test runs the strata binary from the build folder it was compiled for;
 # ranks_test starts its worker from there too. Always the carried ones: a warm
 # host keeps an earlier call's copies.
-install -D -m755 "$BIN/strata" /work/main/build/strata
-if [ -x "$BIN/rank_worker" ]; then install -D -m755 "$BIN/rank_worker" /work/main/build/tests/rank_worker; fi
+if [ -z "${DRY_RUN:-}" ]; then
+  install -D -m755 "$BIN/strata" /work/main/build/strata
+  if [ -x "$BIN/rank_worker" ]; then install -D -m755 "$BIN/rank_worker" /work/main/build/tests/rank_worker; fi
+fi
 
 {
   echo "== host"; date -u; uname -r; nproc; free -g | head -2
   lscpu | grep -E 'Model name|Socket|Thread|Core|NUMA node\(s\)|L3'
   echo "avx512 flags: $(grep -o 'avx512[a-z_0-9]*' /proc/cpuinfo | sort -u | tr '\n' ' ')"
-  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader
-  python3 -c 'import torch; print("torch", torch.__version__)'
+  nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader || echo "no nvidia-smi"
+  "$PY" -c 'import sys, torch; print("torch", torch.__version__, "python", sys.version.split()[0])'
+  df -h "${TMPDIR:-/tmp}" "$ROOT" | tail -n +2
 } 2>&1 | tee "$DEST/host.txt"
+
+if [ "$WHAT" = gpu-proof-2 ]; then
+  echo "== gpu-proof-2 (tools/gpu_proof.py)"
+  PYTHONUNBUFFERED=1 "$PY" "$ROOT/tools/gpu_proof.py" --bin "$BIN" --out "$DEST" ${DRY_RUN:+--dry-run} \
+    ${PROOF_PARTS:+--parts "$PROOF_PARTS"} ${PROOF_BUDGET:+--budget "$PROOF_BUDGET"}
+  exit $?
+fi
 
 if [ "$WHAT" = tests ] || [ "$WHAT" = all ]; then
   echo "== tests"
@@ -87,29 +103,9 @@ if [ "$WHAT" = ranks ] || [ "$WHAT" = all ]; then
 fi
 
 if [ "$WHAT" = gpu-ranks ]; then
-  echo "== two ranks sharing the GPU over Gloo against one rank (stage 3, tiny-cpu on cuda)"
-  work="${TMPDIR:-/tmp}/gpu-ranks"
-  rm -rf "$work" && mkdir -p "$work"
-  sets=(--set run.device=cuda --set zero_optimization.stage=3 --set run.steps=30 --set data.eval_interval=0
-        --set comm.timeout_s=120 --set train_micro_batch_size_per_gpu=8 --set gradient_accumulation_steps=2)
-  for n in 1 2; do
-    ( cd "$work" && timeout 300 "$BIN/strata" launch --nproc $n -- "$BIN/strata" train "$ROOT/configs/tiny-cpu.json" \
-        "${sets[@]}" --set comm.backend=gloo --metrics "$work/r$n.m{rank}.jsonl" --trace "$work/r$n.t{rank}.json" \
-        > "$work/r$n.log" 2>&1; echo "ranks $n rc=$?" )
-  done
-  python3 - "$work" <<'PY'
-import json, sys
-w = sys.argv[1]
-one = [json.loads(l) for l in open(f"{w}/r1.m0.jsonl")]
-two = [[json.loads(l) for l in open(f"{w}/r2.m{r}.jsonl")] for r in (0, 1)]
-print("step  loss(1 rank)  loss(2 ranks)  rel.diff  h2d/d2h/net per rank: 1 rank | 2 ranks (rank 0, rank 1)")
-for a, b0, b1 in zip(one, two[0], two[1]):
-    d = abs(a["loss"] - b0["loss"]) / abs(a["loss"])
-    print(f'{a["step"]:4d}  {a["loss"]:.6f}  {b0["loss"]:.6f}  {d:.2e}  '
-          f'{a["h2d_bytes"]}/{a["d2h_bytes"]}/{a["net_bytes"]} | '
-          f'{b0["h2d_bytes"]}/{b0["d2h_bytes"]}/{b0["net_bytes"]}, {b1["h2d_bytes"]}/{b1["d2h_bytes"]}/{b1["net_bytes"]}')
-PY
-  tar czf "$DEST/gpu-ranks.tgz" -C "$work" . 2>/dev/null || true
+  # Part "ranks" of tools/gpu_proof.py: tiny-cpu on the GPU at stage 3, one rank, then two sharing it over
+  # Gloo, the same global batch; losses side by side and bytes per rank.
+  PYTHONUNBUFFERED=1 "$PY" "$ROOT/tools/gpu_proof.py" --bin "$BIN" --out "$DEST" --parts ranks ${DRY_RUN:+--dry-run}
 fi
 
 if [ "$WHAT" = gpu-suite ] || [ "$WHAT" = gpu-proof ]; then
@@ -270,8 +266,9 @@ print(' '.join(f'--set run.rates.{k}={v:.6g}' for k, v in run_rates(json.load(op
   timeout 60 "$BIN/strata" plan configs/gpu-b-llama8b.json --set run.schedule=layer $RATES 2>&1 |
     tee "$DEST/plan-b-speculate.txt" | grep -E 'schedule|behind|^bound|clipped|^  (device|cpu adam|h2d|d2h|pcie|dependencies)'
   for v in off on clipped; do
-    sets="--set run.schedule=layer --set optimizer.speculate=on"
-    [ "$v" = off ] && sets="--set run.schedule=layer --set optimizer.speculate=off"
+    # (b)'s gradient norm is about 23: its config's clipping at 1.0 would redo every speculation.
+    sets="--set run.schedule=layer --set optimizer.speculate=on --set gradient_clipping=10000"
+    [ "$v" = off ] && sets="--set run.schedule=layer --set optimizer.speculate=off --set gradient_clipping=10000"
     [ "$v" = clipped ] && sets="$sets --set gradient_clipping=0.0001"
     trace=""
     [ "$v" = on ] && trace="--trace $DEST/trace-b-speculate.json"

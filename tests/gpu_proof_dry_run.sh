@@ -1,0 +1,56 @@
+#!/usr/bin/env bash
+# GpuProofDryRun: `tools/gpu_host_check.sh gpu-proof-2` end to end on this machine's CPU with tiny configs
+# (DRY_RUN=1), so that a broken proof script is found here and not in a GPU host's short device time; then
+# checks what each part reported. Usage: tests/gpu_proof_dry_run.sh BUILD_DIR
+set -euo pipefail
+ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
+BUILD="$(cd "$1" && pwd)"
+OUT="$(mktemp -d)"
+WORK="$(mktemp -d)"
+trap 'rm -rf "$OUT" "$WORK"' EXIT
+PY="$ROOT/.venv/bin/python"
+rc=0
+DRY_RUN=1 BIN="$BUILD" PYTHON="$PY" OUT="$OUT" TMPDIR="$WORK" bash "$ROOT/tools/gpu_host_check.sh" gpu-proof-2 || rc=$?
+"$PY" - "$OUT" "$rc" <<'PY'
+import json, os, sys
+out, rc = sys.argv[1], int(sys.argv[2])
+r = json.load(open(os.path.join(out, "gpu-proof-2.json")))
+p = r["parts"]
+bad = []
+def check(ok, what):
+    if not ok:
+        bad.append(what)
+check(r["dry_run"], "the report does not say it was a dry run")
+check(sorted(p) == sorted(["b", "det", "c", "d", "e", "ranks"]), f"parts reported: {sorted(p)}")
+for name, part in p.items():
+    check(part.get("status") == "ok", f"part {name}: {part.get('status')}: {part.get('line')}")
+    check(part.get("line") and f"part {name}: " + part["line"] in r["log"][-200:] or
+          any(l.startswith(f"part {name}: ") for l in r["log"]), f"part {name}: no line printed")
+b = p.get("b", {}).get("runs", {})
+check(set(b) == {"micro_batch", "layer+speculate", "clipped"}, f"part b's runs: {sorted(b)}")
+if b:
+    check(all(s == "committed" for s in b["layer+speculate"]["speculation"]), "unclipped speculation not committed: "
+          + str(b["layer+speculate"]["speculation"]))
+    check(all(s == "redone" for s in b["clipped"]["speculation"]), "clipped speculation not redone: "
+          + str(b["clipped"]["speculation"]))
+    check(all(x["tokens_per_s"] > 0 and x["bound_s"] > 0 for x in b.values()), "a run without tokens/s or bound")
+    check(p["b"]["compute_only"]["tokens_per_s"] > 0, "no compute-only reference")
+check(p.get("det", {}).get("bit_for_bit") is True, "deterministic runs differ")
+c = p.get("c", {})
+check(c.get("state_bytes", {}).get("nvme", 0) > 0, "part c placed nothing on NVMe")
+check(c.get("run", {}).get("nvme_read_bytes", 0) > 0, "part c's training read nothing from NVMe")
+check(0 < c.get("layers", 0) <= c.get("largest_trainable_layers", 0), "part c's layers past the largest trainable")
+d = p.get("d", {})
+check(d.get("deepspeed") is not None, "part d: no DeepSpeed report")
+check(d.get("strata", {}).get("tokens_per_s", 0) > 0, "part d: Strata did not train DeepSpeed's model")
+check(p.get("e", {}).get("checkpoint_bytes", 0) > 0, "part e: no checkpoint")
+rk = p.get("ranks", {})
+check(rk.get("max_rel_loss_diff", 1) < 1e-4 and len(rk.get("losses_two", [])) > 0, "part ranks: losses differ")
+for f in ("gpu-proof-2.json", "gpu-proof-2.txt", "gpu-proof-2-logs.tgz"):
+    check(os.path.getsize(os.path.join(out, f)) > 0, f"no {f}")
+check(rc == 0, f"gpu_host_check.sh gpu-proof-2 exited {rc}")
+for x in bad:
+    print("FAILED:", x)
+print("gpu-proof-2 dry run:", "every part ran and reported" if not bad else f"{len(bad)} check(s) failed")
+sys.exit(1 if bad else 0)
+PY

@@ -1,0 +1,539 @@
+#!/usr/bin/env python3
+"""GPU proof, part 2, in one device call (`bash tools/gpu_host_check.sh gpu-proof-2` runs it).
+
+Parts, in this order, each with a time budget (seconds; PROOF_BUDGET_<PART> overrides one, a part's unused
+time goes to the next ones; --parts picks some), each ending in one line "part NAME: ..." even when it fails
+or runs out of time, with its figure beside its target and the plan's prediction:
+
+  b      (b) (configs/gpu-b-llama8b.json: Llama-3-8B's shape, 1.76x HBM of state) against its compute-only
+         step (bench_train_torch --compute-only): the old schedule (run.schedule micro_batch: the optimizer
+         after the backward), the new one (layer, optimizer.speculate on, traced) and the new one with every
+         step clipped (gradient_clipping 1e-4: each speculation redone); the rates probed once by
+         `strata plan` and given to every run; target >= 0.9x the compute-only step (docs/design.md,
+         "The optimizer behind the backward").
+  det    run.deterministic: (b)'s first two steps twice with it on (must agree bit for bit: losses and
+         gradient norms) and its cost against the new schedule's run of part b (or a run with it off).
+  c      a model past HBM + RAM: the (b) shape with the fewest layers whose plan puts at least
+         --c-nvme-gb GB of state on NVMe (state larger than HBM + RAM; capped at the largest that fits),
+         trained --c-steps steps: tokens/s, MFU, bytes per link, step_s against bound_s; beside it the
+         plan's largest trainable layer count and the capacity bound (HBM + RAM + disk - non-state bytes)
+         / bytes per parameter.
+  d      DeepSpeed ZeRO-Infinity (tools/bench_deepspeed.py, offload nvme, the carried prebuilt ops) on the
+         (b) shape with the most layers whose state fits the disk, descending, and the same global batch;
+         then Strata on exactly the model and batch DeepSpeed started (or the smallest it tried); then, if
+         time is left, DeepSpeed on part c's model (how it fails).
+  e      a checkpoint save's overhead while training (tools/bench_checkpoint.py, one round, on the device):
+         target < 10% of the save's write time.
+  ranks  two ranks sharing the device over Gloo at ZeRO stage 3 against one rank (configs/tiny-cpu.json):
+         losses side by side (target: equal within fp32 rounding, 1e-4 relative), bytes per rank.
+
+Everything goes under --out: gpu-proof-2.json (a key per part, rewritten after each), gpu-proof-2.txt (what
+was printed) and gpu-proof-2-logs.tgz (each command's log, metrics and trace).
+
+--dry-run runs every part on the CPU device with tiny configs (about a minute on 2 cores), so that a broken
+script is found on the dev machine, not on the GPU host: tests/gpu_proof_dry_run.sh runs it in the suite.
+Its figures mean nothing and it asserts nothing about speed.
+
+Usage:
+  python3 tools/gpu_proof.py --bin .dev/bin --out $OUT [--parts b,det,c,d,e,ranks] [--budget 540]
+  python3 tools/gpu_proof.py --dry-run --bin build --out /tmp/proof-dry
+"""
+import argparse
+import copy
+import json
+import os
+import re
+import shutil
+import signal
+import statistics
+import struct
+import subprocess
+import sys
+import tarfile
+import time
+
+NOMINAL_TFLOPS = 989.0  # H100 SXM, dense bf16 (BENCHMARKS.md, "GPU")
+BUDGETS = {"b": 170, "det": 60, "c": 130, "d": 120, "e": 35, "ranks": 25}  # 540 s: a 600 s device call
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, os.path.join(ROOT, "tools"))
+from plan_rates import run_rates  # noqa: E402
+
+LOG = []
+
+
+def say(msg):
+    print(msg, flush=True)
+    LOG.append(msg)
+
+
+class PartStop(Exception):
+    """A command failed or the part's time ran out."""
+
+
+class Proof:
+    def __init__(self, args):
+        self.args = args
+        self.work = args.work
+        self.result = {"dry_run": args.dry_run, "started": time.strftime("%Y-%m-%d %H:%M:%S UTC", time.gmtime()),
+                       "parts": {}}
+        self.deadline = None     # the current part's
+        self.n = 0
+
+    # ---- commands --------------------------------------------------------------------------------------
+    def left(self):
+        return self.deadline - time.monotonic()
+
+    def run(self, cmd, tag, limit=None, env=None, capture=False, ok=(0,)):
+        """Runs cmd with its output in work/tag.log; stops the part when it fails (an exit status not in ok)
+        or outlives the part."""
+        self.n += 1
+        log = os.path.join(self.work, f"{self.n:02d}-{tag}.log")
+        limit = min(limit or 1e9, self.left())
+        if limit < 5:
+            raise PartStop(f"no time left for {tag}")
+        t0 = time.monotonic()
+        with open(log, "w") as f:
+            f.write("$ " + " ".join(cmd) + "\n")
+            f.flush()
+            p = subprocess.Popen(cmd, stdout=subprocess.PIPE if capture else f, stderr=f, text=True, env=env,
+                                 cwd=self.work, start_new_session=True)
+            try:
+                out, _ = p.communicate(timeout=limit)
+            except subprocess.TimeoutExpired:
+                os.killpg(p.pid, signal.SIGKILL)  # the command and what it started (ranks, DeepSpeed's child)
+                p.communicate()
+                raise PartStop(f"{tag} ran past its {limit:.0f} s (log {os.path.basename(log)})")
+        if p.returncode not in ok:
+            with open(log, errors="replace") as f:
+                tail = [l for l in f.read().splitlines() if l.strip()][-3:]
+            raise PartStop(f"{tag} failed (rc {p.returncode}) after {time.monotonic() - t0:.0f} s: "
+                           + " | ".join(t[:200] for t in tail))
+        return out if capture else None
+
+    def strata(self, *a, **kw):
+        return self.run([self.args.strata, *a], **kw)
+
+    def plan(self, cfg, tag, *extra, bound=True):
+        out = self.strata("plan", cfg, "--json", *(["--probe-seconds", str(self.args.probe_seconds)] if bound
+                                                    else ["--no-bound"]), *self.args.plan_flags, *extra,
+                          tag=tag, capture=True, ok=(0, 2))  # 2: the plan does not fit
+        return json.loads(out)
+
+    def train(self, cfg, tag, steps, sets=(), trace=False):
+        m = os.path.join(self.work, f"m-{tag}.jsonl")
+        if os.path.exists(m):
+            os.remove(m)
+        extra = ["--trace", os.path.join(self.work, f"trace-{tag}.json")] if trace else []
+        self.strata("train", cfg, "--steps", str(steps), "--set", "data.eval_interval=0", *sets, "--metrics", m,
+                    *extra, tag=tag)
+        lines = [json.loads(l) for l in open(m) if l.strip()]
+        return [l for l in lines if "step_s" in l]
+
+    def save(self):
+        with open(os.path.join(self.args.out, "gpu-proof-2.json"), "w") as f:
+            json.dump(self.result, f, indent=1)
+
+
+# ---- figures ---------------------------------------------------------------------------------------------
+
+def summary(steps, warmup):
+    """Medians over the steps after the warm-up (all of them when there are no more)."""
+    timed = steps[warmup:] or steps
+    med = lambda k: statistics.median(s.get(k, 0) or 0 for s in timed)
+    return {"steps": len(steps), "timed_steps": len(timed), "tokens_per_s": med("tokens_per_s"),
+            "step_s": med("step_s"), "bound_s": med("bound_s"), "optimizer_s": med("optimizer_s"),
+            "optimizer_hidden_s": med("optimizer_hidden_s"), "optimizer_wait_s": med("optimizer_wait_s"),
+            "mfu_nominal": med("flops_per_s") / (NOMINAL_TFLOPS * 1e12),
+            "h2d_bytes": med("h2d_bytes"), "d2h_bytes": med("d2h_bytes"),
+            "nvme_read_bytes": med("nvme_read_bytes"), "nvme_write_bytes": med("nvme_write_bytes"),
+            "speculation": [s.get("speculation") for s in steps], "loss": [s["loss"] for s in steps],
+            "grad_norm": [s.get("grad_norm") for s in steps], "peak_nvme_bytes": max(s.get("peak_nvme_bytes", 0) for s in steps)}
+
+
+def gb(x):
+    x = (x or 0) / 1e9
+    return f"{x:.1f}" if abs(x) >= 0.1 else f"{x:.4f}"
+
+
+def bits(x):
+    return "null" if x is None else struct.pack("<d", x).hex()
+
+
+# ---- configs ---------------------------------------------------------------------------------------------
+
+def ensure_tokens(path, count=8_000_000, vocab=32000):
+    import bench_gpu
+    bench_gpu.ensure_tokens(path, count, vocab)
+
+
+def b_config(p):
+    """(b)'s config; in a dry run a tiny CPU model with the optimizer half in RAM, half on NVMe."""
+    if not p.args.dry_run:
+        ensure_tokens(os.path.join(ROOT, "out/gpu-tokens.bin"))
+        cfg = json.load(open(os.path.join(ROOT, "configs/gpu-b-llama8b.json")))
+        cfg["data"]["path"] = os.path.join(ROOT, cfg["data"]["path"])
+        cfg["placement"]["nvme_path"] = os.path.join(p.work, "swap")
+        cfg["run"].pop("metrics", None)
+    else:
+        cfg = json.load(open(os.path.join(ROOT, "configs/tiny-cpu.json")))
+        cfg.update(train_micro_batch_size_per_gpu=4, gradient_accumulation_steps=2)
+        cfg["model"]["n_layers"] = 2
+        cfg["zero_optimization"] = {"stage": 3, "sub_group_size": 20000}
+        cfg["placement"] = {"optimizer": {"host": 0.5, "nvme": 0.5}, "nvme_path": os.path.join(p.work, "swap")}
+        cfg["run"] = {"seed": 1234, "device": "cpu", "threads": 1, "recompute": "always", "overlap_optimizer": True}
+        cfg.pop("scheduler", None)
+    return cfg
+
+
+def write(p, name, cfg):
+    path = os.path.join(p.work, name)
+    with open(path, "w") as f:
+        json.dump(cfg, f, indent=1)
+    return path
+
+
+# ---- the parts -------------------------------------------------------------------------------------------
+
+# (b)'s gradient norm is about 23 at its first steps: clipping at its config's 1.0 would clip every step, and
+# every speculation would be redone. The unclipped runs clip at 1e4 (never, here); part b's "clipped" run
+# clips every step on purpose (1e-4), for the cost of a redo.
+OLD = ["run.schedule=micro_batch", "optimizer.speculate=off", "gradient_clipping=10000"]
+NEW = ["run.schedule=layer", "optimizer.speculate=on", "gradient_clipping=10000"]
+
+def part_b(p, res):
+    cfg = write(p, "b.json", b_config(p))
+    steps = p.args.b_steps
+    dev = "cpu" if p.args.dry_run else "cuda"
+    ref = json.loads(p.run([p.args.torch_ref, "--config", cfg, "--compute-only", "--steps", "2", "--warmup", "1",
+                            "--device", dev] + (["--gemm-n", "256"] if p.args.dry_run else []),
+                           tag="b-compute-only", capture=True).strip().splitlines()[-1])
+    res["compute_only"] = ref
+    say(f"  compute-only reference: {ref['tokens_per_s']:.0f} tok/s, step {ref['step_s']:.2f} s")
+    plan = p.plan(cfg, "b-plan")
+    rates = run_rates(plan["bound"]["rates"])
+    res["rates"] = rates
+    rate_sets = [x for k, v in rates.items() for x in ("--set", f"run.rates.{k}={v:.6g}")]
+    runs = [("micro_batch", OLD, False), ("layer+speculate", NEW, True),
+            ("clipped", NEW + ["gradient_clipping=0.0001"], False)]
+    res["runs"] = {}
+    for name, sets, trace in runs:
+        flags = [x for s in sets for x in ("--set", s)] + rate_sets
+        pl = p.plan(cfg, f"b-plan-{name}", *flags)["bound"]
+        s = summary(p.train(cfg, f"b-{name}", steps, flags, trace=trace), 1)
+        s["ratio_to_compute_only"] = s["tokens_per_s"] / ref["tokens_per_s"]
+        s["plan_bound_s"] = pl["seconds"]
+        s["plan_clipped_step_s"] = pl.get("clipped_step_seconds")
+        res["runs"][name] = s
+        p.save()
+        say(f"  {name}: {s['tokens_per_s']:.0f} tok/s = {s['ratio_to_compute_only']:.3f}x compute-only; step "
+            f"{s['step_s']:.2f} s, bound {s['bound_s']:.2f} (plan {pl['seconds']:.2f}, clipped "
+            f"{pl.get('clipped_step_seconds') or 0:.2f}); optimizer {s['optimizer_s']:.2f} s, hidden "
+            f"{s['optimizer_hidden_s']:.2f}, wait {s['optimizer_wait_s']:.2f}; {s['speculation']}")
+    r = res["runs"]
+    return (f"old schedule {r['micro_batch']['ratio_to_compute_only']:.3f}x, new "
+            f"{r['layer+speculate']['ratio_to_compute_only']:.3f}x the compute-only step (target >= 0.9; plan "
+            f"{ref['step_s'] / r['layer+speculate']['plan_bound_s']:.3f}x), a clipped step "
+            f"{r['clipped']['step_s']:.2f} s (plan {r['clipped']['plan_clipped_step_s'] or 0:.2f})")
+
+
+def part_det(p, res):
+    cfg = os.path.join(p.work, "b.json")
+    if not os.path.exists(cfg):
+        cfg = write(p, "b.json", b_config(p))
+    flags = [x for s in NEW for x in ("--set", s)]
+    runs = {}
+    for v in ("on-1", "on-2"):
+        runs[v] = p.train(cfg, f"det-{v}", 2, flags + ["--set", "run.deterministic=true"])
+    off = p.result["parts"].get("b", {}).get("runs", {}).get("layer+speculate")
+    if off and off.get("tokens_per_s"):
+        off_tps, off_src = off["tokens_per_s"], "part b's layer+speculate run, median after its warm-up"
+    else:
+        off_tps, off_src = p.train(cfg, "det-off", 2, flags)[-1]["tokens_per_s"], "a run with it off, step 2"
+    a, b = runs["on-1"], runs["on-2"]
+    same = len(a) == len(b) == 2 and all(x["loss"] == y["loss"] and bits(x.get("grad_norm")) == bits(y.get("grad_norm"))
+                                         for x, y in zip(a, b))
+    res.update({"bit_for_bit": same, "on_1": [(x["loss"], bits(x.get("grad_norm"))) for x in a],
+                "on_2": [(x["loss"], bits(x.get("grad_norm"))) for x in b],
+                "on_tokens_per_s": b[-1]["tokens_per_s"], "off_tokens_per_s": off_tps, "off_from": off_src,
+                "cost": b[-1]["tokens_per_s"] / off_tps if off_tps else None})
+    for v, st in runs.items():
+        for x in st:
+            say(f"  {v} step {x['step']}: loss {x['loss']!r} norm {x.get('grad_norm')!r} ({bits(x.get('grad_norm'))})")
+    return (f"two runs with run.deterministic {'AGREE' if same else 'DIFFER'} bit for bit (target: agree); "
+            f"tokens/s on / off = {res['cost'] or float('nan'):.3f} (off: {off_src})")
+
+
+def part_c(p, res):
+    base = b_config(p)
+    if p.args.dry_run:
+        base["model"].update(dim=128, n_heads=4, n_kv_heads=2)
+        base["placement"] = {"auto": True, "nvme_path": os.path.join(p.work, "swap")}
+    path = os.path.join(p.work, "c.json")
+    want = p.args.c_nvme_gb * 1e9
+
+    def plan_for(layers, bound=False):
+        cfg = copy.deepcopy(base)
+        cfg["model"]["n_layers"] = layers
+        write(p, "c.json", cfg)
+        return p.plan(path, f"c-plan-L{layers}", bound=bound)
+
+    # The largest layer count that fits: from the config's count, doubling (or halving) to a bracket, then
+    # bisection; without the bound (no probes: a plan is a few seconds on a GPU host, CUDA's start).
+    tried = {}
+
+    def fits(n):
+        if n not in tried:
+            tried[n] = plan_for(n)
+        return tried[n]["fits"]
+    n = base["model"]["n_layers"]
+    if fits(n):
+        lo, hi = n, 2 * n
+        while fits(hi):
+            lo, hi = hi, 2 * hi
+            if hi > 4096:
+                raise PartStop("the plan fits any model: is the capacity measured?")
+    else:
+        lo, hi = n // 2, n
+        while lo > 0 and not fits(lo):
+            lo, hi = lo // 2, lo
+        if lo == 0:
+            raise PartStop("not even one layer fits: " + "; ".join(tried[1].get("shortfalls", [])))
+    while hi - lo > 1:
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    largest = lo
+    # The fewest layers whose plan puts `want` bytes of state on NVMe (the state past HBM + RAM).
+    nvme = lambda n: (fits(n), tried[n]["state_total_bytes"]["nvme"])[1]
+    a, b = 0, largest
+    while b - a > 1:
+        mid = (a + b) // 2
+        a, b = (a, mid) if nvme(mid) >= want else (mid, b)
+    pick = b
+    top = tried[largest]
+    cap = top["capacity_bytes"]
+    state = sum(top["state_total_bytes"].values())
+    non_state = sum(top["total_bytes"].values()) - state
+    per_param = state / top["parameters"]
+    bound_params = (max(cap["device"], 0) + cap["host"] + cap["nvme"] - non_state) / per_param
+    plan_for(pick)  # c.json: the picked model
+    plan = tried[pick]
+    cfg = json.load(open(path))
+    if p.args.dry_run:  # train has no capacity flags: the plan's split, as fixed shares
+        sb = plan["state_bytes"]
+        share = lambda c: {t: sb[c][t] / max(1, sum(sb[c].values())) for t in ("device", "host", "nvme")}
+        cfg["placement"] = dict({c: share(c) for c in sb}, nvme_path=os.path.join(p.work, "swap"))
+        write(p, "c.json", cfg)
+    st = plan["state_total_bytes"]
+    res.update({"layers": pick, "parameters": plan["parameters"], "state_bytes": st,
+                "capacity_bytes": plan["capacity_bytes"], "largest_trainable_layers": largest,
+                "largest_trainable_parameters": top["parameters"], "capacity_bound_parameters": bound_params,
+                "speculate": plan.get("speculate"),
+                "schedule": plan.get("schedule")})
+    p.save()
+    say(f"  {pick} layers, {plan['parameters'] / 1e9:.2f}B parameters: state HBM {gb(st['device'])} + RAM "
+        f"{gb(st['host'])} + NVMe {gb(st['nvme'])} GB; capacity {gb(plan['capacity_bytes']['device'])} / "
+        f"{gb(plan['capacity_bytes']['host'])} / {gb(plan['capacity_bytes']['nvme'])} GB; largest trainable "
+        f"{largest} layers ({top['parameters'] / 1e9:.2f}B; capacity bound {bound_params / 1e9:.2f}B)")
+    s = summary(p.train(path, "c", p.args.c_steps), 1)
+    res["run"] = s
+    return (f"{pick} layers ({plan['parameters'] / 1e9:.2f}B, {gb(st['nvme'])} GB of state on NVMe): "
+            f"{s['tokens_per_s']:.0f} tok/s, MFU {100 * s['mfu_nominal']:.1f}% of {NOMINAL_TFLOPS:.0f}, step "
+            f"{s['step_s']:.2f} s against bound_s {s['bound_s']:.2f} ({s['step_s'] / max(s['bound_s'], 1e-9):.2f}x); "
+            f"per step H2D {gb(s['h2d_bytes'])} D2H {gb(s['d2h_bytes'])} NVMe read {gb(s['nvme_read_bytes'])} "
+            f"write {gb(s['nvme_write_bytes'])} GB; the plan's largest: {largest} layers, "
+            f"{top['parameters'] / 1e9:.2f}B (capacity bound {bound_params / 1e9:.2f}B)")
+
+
+def part_d(p, res):
+    base = b_config(p)
+    cfg_path = write(p, "d.json", base)
+    m = base["model"]
+    dim, ffn = m["dim"], m.get("ffn_hidden") or 4 * m["dim"]
+    kv = m["dim"] // m["n_heads"] * m.get("n_kv_heads", m["n_heads"])
+    per_layer = 2 * dim * dim + 2 * dim * kv + 3 * dim * ffn
+    fixed = m["vocab_size"] * dim * (1 if m.get("tie_embeddings", True) else 2)
+    swap = os.path.join(p.work, "ds-swap")
+    os.makedirs(swap, exist_ok=True)
+    free = shutil.disk_usage(swap).free
+    # DeepSpeed's ZeRO-Infinity keeps 14 bytes per parameter on NVMe (bf16 weights, fp32 master and moments).
+    fit = max(1, int((0.8 * free / 14 - fixed) // per_layer))
+    top = min(fit, m["n_layers"]) if not p.args.dry_run else 2
+    counts = sorted({top, max(1, top // 2), max(1, top // 4)}, reverse=True)
+    ds_json = os.path.join(p.work, "ds-d.json")
+    ds_cmd = [sys.executable, os.path.join(ROOT, "tools/bench_deepspeed.py"), "--install", "--strata-config", cfg_path,
+              "--offload", "nvme", "--nvme-path", swap, "--steps", str(p.args.d_steps), "--warmup", "1",
+              "--out-dir", os.path.join(p.work, "ds"), "--json", ds_json]
+    say(f"  disk free {free / 1e9:.0f} GB: DeepSpeed tries {counts} layers (14 B/parameter on NVMe)")
+    ds = None
+    try:
+        p.run(ds_cmd + ["--search-layers", ",".join(map(str, counts)), "--timeout", str(p.args.d_attempt_s),
+                        "--budget", str(max(30, p.left() - p.args.d_strata_s))], tag="d-deepspeed")
+    except PartStop as e:
+        say(f"  DeepSpeed: {e}")
+    if os.path.exists(ds_json):
+        ds = json.load(open(ds_json))
+    res["deepspeed"] = ds
+    p.save()
+    started = ds and ds.get("ok")
+    layers = ds["layers"] if started else counts[-1]
+    why = "" if started else (f" (DeepSpeed failed at {ds.get('failed_at')}: {(ds.get('error') or '').splitlines()[:1]})"
+                              if ds else " (DeepSpeed reported nothing)")
+    say(f"  DeepSpeed: " + (f"{layers} layers, {ds['tokens_per_s']:.0f} tok/s, steps {ds['step_s']}" if started
+                             else "did not train" + why))
+    cfg = copy.deepcopy(base)
+    cfg["model"]["n_layers"] = layers
+    path = write(p, "d-strata.json", cfg)
+    s = summary(p.train(path, f"d-strata-L{layers}", p.args.d_steps), 1)
+    res["strata"] = dict(s, layers=layers)
+    p.save()
+    line = (f"{layers} layers, global batch {base['train_micro_batch_size_per_gpu'] * base['gradient_accumulation_steps']}"
+            f" x {m['seq_len']} tokens: Strata {s['tokens_per_s']:.0f} tok/s (bound {s['bound_s']:.2f} s, step "
+            f"{s['step_s']:.2f}), DeepSpeed " + (f"{ds['tokens_per_s']:.0f} tok/s: Strata "
+                                                   f"{s['tokens_per_s'] / ds['tokens_per_s']:.2f}x" if started else
+                                                   "did not train" + why))
+    c = p.result["parts"].get("c", {}).get("layers")
+    if c and not p.args.dry_run and p.left() > 40:
+        try:
+            p.run(ds_cmd[:-1] + [os.path.join(p.work, "ds-c.json"), "--layers", str(c), "--timeout",
+                                 str(max(10, p.left() - 10))], tag="d-deepspeed-on-c")
+        except PartStop as e:
+            say(f"  DeepSpeed on part c's model: {e}")
+        if os.path.exists(os.path.join(p.work, "ds-c.json")):
+            dc = json.load(open(os.path.join(p.work, "ds-c.json")))
+            res["deepspeed_on_c"] = dc
+            line += (f"; on part c's {c} layers DeepSpeed " + (f"trained {dc['tokens_per_s']:.0f} tok/s" if dc.get("ok")
+                     else f"failed at {dc.get('failed_at')}: {(dc.get('error') or '').splitlines()[:1]}"))
+    return line
+
+
+def part_e(p, res):
+    j = os.path.join(p.work, "ckpt.json")
+    cmd = [sys.executable, os.path.join(ROOT, "tools/bench_checkpoint.py"), "--strata", p.args.strata,
+           "--dir", os.path.join(p.work, "ckpt"), "--rounds", "1", "--json", j,
+           "--device", "cpu" if p.args.dry_run else "cuda"]
+    if p.args.dry_run:
+        cmd += ["--dim", "128", "--layers", "2", "--threads", "1", "--steps", "9", "--every", "3"]
+    p.run(cmd, tag="e-checkpoint")
+    med = json.load(open(j))["median"]
+    res.update(med)
+    return (f"a save while training adds {med['added_s']:.2f} s = {100 * med['added_over_save']:.1f}% of its write "
+            f"time {med['save_while_training_s']:.2f} s (target < 10%); checkpoint {gb(med['checkpoint_bytes'])} GB, "
+            f"written {med['write_gbps']:.2f} GB/s against bench-io --fsync {med['bench_io_write_fsync_gbps']:.2f}")
+
+
+def part_ranks(p, res):
+    dev = "cpu" if p.args.dry_run else "cuda"
+    # The same global batch at both world sizes: 16 sequences = 8 x 2 accumulation x 1 rank = 8 x 1 x 2 ranks.
+    tiny = json.load(open(os.path.join(ROOT, "configs/tiny-cpu.json")))
+    tiny.pop("gradient_accumulation_steps", None)
+    tiny.update(train_batch_size=16, train_micro_batch_size_per_gpu=8)
+    cfg = write(p, "ranks.json", tiny)
+    sets = ["run.device=" + dev, "zero_optimization.stage=3", "run.steps=" + str(p.args.ranks_steps),
+            "data.eval_interval=0", "comm.timeout_s=120", "comm.backend=gloo", "run.threads=1"]
+    flags = [x for s in sets for x in ("--set", s)]
+    runs = {}
+    for n in (1, 2):
+        pat = os.path.join(p.work, f"ranks{n}.m{{rank}}.jsonl")
+        p.strata("launch", "--nproc", str(n), "--", p.args.strata, "train", cfg, *flags, "--metrics", pat,
+                 tag=f"ranks-{n}", limit=90)
+        runs[n] = [[json.loads(l) for l in open(pat.replace("{rank}", str(r))) if l.strip()] for r in range(n)]
+    one, two = runs[1][0], runs[2]
+    diffs = [abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(one, two[0])]
+    per_rank = lambda st, k: statistics.median(x[k] for x in st)
+    res.update({"steps": len(one), "max_rel_loss_diff": max(diffs), "losses_one": [x["loss"] for x in one],
+                "losses_two": [x["loss"] for x in two[0]],
+                "bytes": {f"{n} rank(s), rank {r}": {k: per_rank(runs[n][r], k) for k in ("h2d_bytes", "d2h_bytes", "net_bytes")}
+                          for n in (1, 2) for r in range(n)}})
+    ok = len(one) == len(two[0]) == p.args.ranks_steps and max(diffs) < 1e-4
+    b2 = res["bytes"]["2 rank(s), rank 0"]
+    return (f"{len(one)} steps, losses of 2 ranks against 1 {'agree' if ok else 'DIFFER'}: largest relative difference "
+            f"{max(diffs):.2e} (target < 1e-4); per rank with 2: H2D {b2['h2d_bytes']:.0f} D2H {b2['d2h_bytes']:.0f} "
+            f"network {b2['net_bytes']:.0f} bytes a step")
+
+
+PARTS = {"b": part_b, "det": part_det, "c": part_c, "d": part_d, "e": part_e, "ranks": part_ranks}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bin", default=os.path.join(ROOT, ".dev/bin"), help="strata and bench_train_torch (or tests/)")
+    ap.add_argument("--out", default=os.environ.get("OUT") or os.path.join(ROOT, "out/gpu-host"))
+    ap.add_argument("--work", default=os.path.join(os.environ.get("TMPDIR", "/tmp"), "gpu-proof-2"))
+    ap.add_argument("--parts", default=",".join(PARTS))
+    ap.add_argument("--budget", type=float, default=float(os.environ.get("PROOF_BUDGET", sum(BUDGETS.values()))),
+                    help="seconds for every part together (the parts' budgets are scaled to it)")
+    ap.add_argument("--dry-run", action="store_true", help="tiny configs on the CPU device")
+    ap.add_argument("--b-steps", type=int, default=3)
+    ap.add_argument("--c-steps", type=int, default=3)
+    ap.add_argument("--c-nvme-gb", type=float, default=12.0, help="(c): at least this much state on NVMe")
+    ap.add_argument("--d-steps", type=int, default=2)
+    ap.add_argument("--d-attempt-s", type=int, default=75, help="(d): seconds per DeepSpeed attempt at most")
+    ap.add_argument("--d-strata-s", type=int, default=40, help="(d): seconds kept for Strata's run")
+    ap.add_argument("--ranks-steps", type=int, default=20)
+    ap.add_argument("--probe-seconds", type=float, default=1.0)
+    args = ap.parse_args()
+    args.plan_flags = []
+    if args.dry_run:
+        args.probe_seconds = 0.1
+        args.c_nvme_gb = 0.002
+        args.ranks_steps = 4
+        args.d_attempt_s, args.d_strata_s = 30, 15
+        # The CPU device's memory is the host's: a small node, so that part c's state spills to NVMe.
+        args.plan_flags = ["--host-memory-gb", "0.05", "--nvme-gb", "0.2"]
+        args.c_steps = 2
+    find = lambda name: next((c for c in (os.path.join(args.bin, name), os.path.join(args.bin, "tests", name))
+                              if os.access(c, os.X_OK)), None)
+    args.strata, args.torch_ref = find("strata"), find("bench_train_torch")
+    if not args.strata or not args.torch_ref:
+        sys.exit(f"gpu_proof.py: {args.bin} has no strata or bench_train_torch (nor under tests/)")
+    args.strata, args.torch_ref = os.path.abspath(args.strata), os.path.abspath(args.torch_ref)
+    os.makedirs(args.out, exist_ok=True)
+    shutil.rmtree(args.work, ignore_errors=True)
+    os.makedirs(os.path.join(args.work, "swap"))
+    parts = [x for x in args.parts.split(",") if x]
+    bad = [x for x in parts if x not in PARTS]
+    if bad:
+        sys.exit(f"gpu_proof.py: --parts: unknown part(s) {bad}; the parts: {','.join(PARTS)}")
+    scale = args.budget / sum(BUDGETS[x] for x in parts)
+    budget = {x: float(os.environ.get(f"PROOF_BUDGET_{x.upper()}", BUDGETS[x] * scale)) for x in parts}
+    p = Proof(args)
+    t_start, spare = time.monotonic(), 0.0
+    say(f"gpu-proof-2{' (dry run: CPU device, tiny configs)' if args.dry_run else ''}: parts {parts}, budgets "
+        + ", ".join(f"{x} {budget[x]:.0f} s" for x in parts))
+    for name in parts:
+        t0 = time.monotonic()
+        p.deadline = t0 + budget[name] + spare
+        res = p.result["parts"].setdefault(name, {})
+        say(f"== part {name} ({budget[name] + spare:.0f} s)")
+        try:
+            line = PARTS[name](p, res)
+            res["status"] = "ok"
+        except PartStop as e:
+            res["status"], line = "stopped", f"STOPPED: {e}"
+        except Exception as e:  # a bug in this script: the other parts still run
+            res["status"], line = "error", f"ERROR in the script: {type(e).__name__}: {e}"
+        res["seconds"] = time.monotonic() - t0
+        res["line"] = line
+        spare = max(0.0, p.deadline - time.monotonic())
+        say(f"part {name}: {line} [{res['seconds']:.0f} s]")
+        p.save()
+    say(f"gpu-proof-2 done in {time.monotonic() - t_start:.0f} s: " +
+        ", ".join(f"{x} {p.result['parts'][x]['status']}" for x in parts))
+    p.result["log"] = LOG
+    p.save()
+    with open(os.path.join(args.out, "gpu-proof-2.txt"), "w") as f:
+        f.write("\n".join(LOG) + "\n")
+    with tarfile.open(os.path.join(args.out, "gpu-proof-2-logs.tgz"), "w:gz") as t:
+        for name in sorted(os.listdir(args.work)):
+            full = os.path.join(args.work, name)
+            if os.path.isfile(full) and re.search(r"\.(log|jsonl|json)$", name):
+                t.add(full, arcname=name)
+        for sub in ("ds", "ckpt"):
+            d = os.path.join(args.work, sub)
+            if os.path.isdir(d):
+                t.add(d, arcname=sub, filter=lambda ti: ti if ti.isdir() or re.search(r"\.(log|json|jsonl|txt)$", ti.name) else None)
+    sys.exit(0 if all(p.result["parts"][x]["status"] == "ok" for x in parts) else 1)
+
+
+if __name__ == "__main__":
+    main()
