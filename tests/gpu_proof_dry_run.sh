@@ -46,6 +46,8 @@ check(d.get("strata", {}).get("tokens_per_s", 0) > 0, "part d: Strata did not tr
 check(p.get("e", {}).get("checkpoint_bytes", 0) > 0, "part e: no checkpoint")
 rk = p.get("ranks", {})
 check(rk.get("max_rel_loss_diff", 1) < 1e-4 and len(rk.get("losses_two", [])) > 0, "part ranks: losses differ")
+check(rk.get("plan_net_bytes_per_rank") == rk.get("bytes", {}).get("2 rank(s), rank 0", {}).get("net_bytes"),
+      "part ranks: network bytes per rank are not the plan's")
 for f in ("gpu-proof-2.json", "gpu-proof-2.txt", "gpu-proof-2-logs.tgz"):
     check(os.path.getsize(os.path.join(out, f)) > 0, f"no {f}")
 check(rc == 0, f"gpu_host_check.sh gpu-proof-2 exited {rc}")

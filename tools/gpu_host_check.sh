@@ -4,7 +4,8 @@
 # benchmarks. The host has LibTorch 2.11.0+cu130 in its python3 (the same
 # build the binaries link) but none of the Debian libraries, so those travel.
 #
-# Here, before the call (the folder .dev/ is git-ignored):
+# Here, before the call (the folder .dev/ is git-ignored): `bash tools/gpu_prepare.sh [--tests]` does all
+# of the following, fetches DeepSpeed's carried set and dry-runs gpu-proof-2 with the copies; by hand:
 #   rm -rf .dev/bin && mkdir -p .dev/bin .dev/lib   (no test binary left from an earlier build)
 #   strip -o .dev/bin/strata build/strata
 #   for t in build/tests/*_test build/tests/bench_adam_torch build/tests/bench_train_torch build/tests/rank_worker; do strip -o .dev/bin/${t##*/} $t; done

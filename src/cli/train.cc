@@ -3,7 +3,6 @@
 #include <ATen/Parallel.h>
 
 #include <signal.h>
-#include <sys/statvfs.h>
 #include <unistd.h>
 
 #include <algorithm>
@@ -26,6 +25,7 @@
 #include "engine/probes.h"
 #include "engine/state_checkpoints.h"
 #include "memory/bound.h"
+#include "memory/placement.h"
 #include "comm/communicator.h"
 #include "config/config.h"
 #include "data/dataset.h"
@@ -198,9 +198,8 @@ void check_checkpoint_dir(const std::string& dir, int64_t bytes, int64_t keep, i
   }
   present = std::min(present, keep);
   const int64_t at_once = std::max<int64_t>(1, std::min(keep, present + saves - 1) + 1 - present);
-  struct statvfs st {};
-  if (::statvfs(dir.c_str(), &st) != 0) return;
-  const int64_t free = int64_t(st.f_bavail) * int64_t(st.f_frsize);
+  const int64_t free = free_bytes_under(dir);
+  if (free < 0) return;
   if (free < at_once * bytes + swap) {
     throw ConfigError("run.checkpoint.dir",
                       strprintf("'%s' has %s free; the run needs %s for %lld more checkpoint(s) of about %s "

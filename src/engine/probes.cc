@@ -1,6 +1,5 @@
 #include "engine/probes.h"
 
-#include <sys/statvfs.h>
 
 #include <ATen/ATen.h>
 
@@ -19,6 +18,7 @@
 #include "cpu_adam/grad_ops.h"
 #include "engine/compute_stream.h"
 #include "engine/optimizer_pass.h"
+#include "memory/placement.h"
 #include "model/model.h"
 #include "nvme/bench.h"
 #include "nvme/crc32c.h"
@@ -187,9 +187,7 @@ IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s, i
   r.asked = o.bytes;
   // Two files at once (both), beside the state, with 1/64 of the disk's
   // free space (at least 4 MiB) left over.
-  struct statvfs st {};
-  if (::statvfs(dir.c_str(), &st) == 0) {
-    const int64_t free = int64_t(st.f_bavail) * int64_t(st.f_frsize);
+  if (const int64_t free = free_bytes_under(dir); free >= 0) {
     const int64_t room = free - std::max<int64_t>(reserve_bytes, 0) - std::max<int64_t>(free / 64, step);
     o.bytes = std::min(o.bytes, room / 2 / std::max(1, sharers) / step * step);
     if (o.bytes < kMinProbeBytes) {

@@ -48,15 +48,14 @@ int64_t device_of(const std::string& path) {
   return int64_t(st.st_dev);
 }
 
-namespace {
-
-// Free bytes on the file system holding `path` (or its nearest existing ancestor).
 int64_t free_bytes_under(std::string path) {
   while (!path_exists(path) && path != "/" && path != ".") path = parent_dir(path);
   struct statvfs st;
   if (::statvfs(path.c_str(), &st) != 0) return -1;
   return int64_t(st.f_bavail) * int64_t(st.f_frsize);
 }
+
+namespace {
 
 TierSplit on(Tier t) {
   TierSplit s{0.0, 0.0, 0.0};

@@ -302,6 +302,10 @@ std::vector<PlacementUnit> pipeline_pieces(const PlacementPlan& plan);
 // ancestor; -1 when none can be read.
 int64_t device_of(const std::string& path);
 
+// Free bytes (for an unprivileged writer) on the file system holding `path`,
+// or its nearest existing ancestor; -1 when none can be read.
+int64_t free_bytes_under(std::string path);
+
 // Whether the optimizer runs on its own thread, overlapped with the next
 // step's forward (run.overlap_optimizer; Note [Optimizer overlap] in
 // engine/optimizer_thread.h). "auto": yes on a device host code may not touch
