@@ -14,11 +14,16 @@ construction, engine init, first step, step k) and how (the exception, the signa
 (OOM killer) or --timeout). "started": an optimizer step completed. --search tries layer counts descending
 from --layers, a fresh child each, and stops at the first that trains all its steps.
 
---install installs the carried packages offline into /tmp/ds-site (DS_BUILD_OPS=0: ops JIT-built into
-/tmp/ds-ext on first use), unpacks the libaio .debs into /tmp/aio and points CPATH, LIBRARY_PATH,
-LD_LIBRARY_PATH, CFLAGS and LDFLAGS there. Without a CUDA toolkit, CUDA_HOME is a stand-in in /tmp/aio/cuda
-made of torch's pip CUDA packages (cpu_adam and async_io include CUDA headers, link cudart and read
-`nvcc -V`; they compile no CUDA source).
+--install unpacks the carried wheels offline into a fresh /tmp/ds-site (no pip needed): DeepSpeed's own
+wheel has cpu_adam, async_io and pin_memory compiled (tools/fetch_deepspeed.sh builds it against torch
+2.11.0 for Python 3.12, the host's), so nothing is JIT-built on the host (a JIT build would land in
+/tmp/ds-ext: the report's "jit_built" lists what did); it unpacks the libaio .debs into /tmp/aio and points
+LD_LIBRARY_PATH (and CPATH, LIBRARY_PATH, CFLAGS, LDFLAGS, should a build happen) there. Without a CUDA
+toolkit, CUDA_HOME is a stand-in in /tmp/aio/cuda made of torch's pip CUDA packages.
+--check-carried installs the carried set and, with every compiler and ninja replaced by a stand-in that
+fails, imports DeepSpeed and transformers, loads the ops, steps DeepSpeedCPUAdam and round-trips a file
+through async_io, and checks nothing was built (tools/fetch_deepspeed.sh runs it here in a Python 3.12
+environment holding torch only; part d of tools/gpu_proof.py runs attempts with the same install).
 
 Usage (on the GPU host, from the repository root, carry [".dev"]):
   python3 tools/bench_deepspeed.py --install --strata-config configs/gpu-b-llama8b.json --offload nvme \\
@@ -45,7 +50,7 @@ import traceback
 SITE = "/tmp/ds-site"                   # DeepSpeed and the carried wheels (PYTHONPATH)
 AIO = "/tmp/aio"                        # the libaio .debs, unpacked (never into /)
 LIBDIR = AIO + "/usr/lib/x86_64-linux-gnu"
-EXT = "/tmp/ds-ext"                     # TORCH_EXTENSIONS_DIR: the JIT-built ops, shared by the attempts
+EXT = "/tmp/ds-ext"                     # TORCH_EXTENSIONS_DIR: JIT-built ops (none, with the carried wheel)
 CARRIED = ".dev/deepspeed"
 STOP = []                               # SIGTERM to the parent: stop the child, report what there is
 
@@ -128,7 +133,7 @@ def make_ds_config(cfg, shape, args):
     }
 
 
-# ---- the host: offline install, libaio, a CUDA_HOME for the JIT builds ---------------------------------------
+# ---- the host: offline install, libaio, a CUDA_HOME should anything be built ---------------------------------------
 
 def aio_lib_dirs():
     return sorted({os.path.dirname(p) for p in glob.glob(AIO + "/**/libaio.so*", recursive=True)})
@@ -222,26 +227,131 @@ def host_env(host):
     return env
 
 
+def unpack_wheel(path, site):
+    """A wheel is a zip of its files as they lie in site-packages; its .data/purelib|platlib go there too
+    (scripts and headers are not needed). No pip: the host's Python may have none."""
+    import zipfile
+    with zipfile.ZipFile(path) as z:
+        for info in z.infolist():
+            parts = info.filename.split("/")
+            if parts[0].endswith(".data"):
+                if len(parts) < 3 or parts[1] not in ("purelib", "platlib"):
+                    continue
+                parts = parts[2:]
+            dest = os.path.join(site, *parts)
+            if info.is_dir():
+                os.makedirs(dest, exist_ok=True)
+                continue
+            os.makedirs(os.path.dirname(dest), exist_ok=True)
+            with z.open(info) as src, open(dest, "wb") as out:
+                shutil.copyfileobj(src, out)
+            mode = (info.external_attr >> 16) & 0o777
+            if mode:
+                os.chmod(dest, mode)
+
+
 def install(host):
-    """Offline: the carried wheels and DeepSpeed's sdist into SITE (on the children's PYTHONPATH), the .debs
-    unpacked into AIO (the .deb's own paths under it)."""
-    sdists = sorted(glob.glob(CARRIED + "/whl/*.tar.gz"))
+    """Offline: the carried wheels (DeepSpeed's with its ops compiled, by tools/fetch_deepspeed.sh) unpacked
+    into a fresh SITE (on the children's PYTHONPATH), the .debs unpacked into AIO (their own paths under it)."""
     wheels = sorted(glob.glob(CARRIED + "/whl/*.whl"))
-    if not sdists:
-        raise RuntimeError(f"no DeepSpeed sdist in {CARRIED}/whl: run tools/fetch_deepspeed.sh, carry .dev")
-    os.makedirs(SITE, exist_ok=True)
+    if not any(os.path.basename(w).startswith("deepspeed-") for w in wheels):
+        raise RuntimeError(f"no DeepSpeed wheel in {CARRIED}/whl: run tools/fetch_deepspeed.sh, carry .dev")
+    shutil.rmtree(SITE, ignore_errors=True)
+    os.makedirs(SITE)
     os.makedirs(AIO, exist_ok=True)
     for deb in sorted(glob.glob(CARRIED + "/deb/*.deb")):
         run_checked(["dpkg", "-x", deb, AIO])
     fix_libaio_links()
     ensure_libcuda()
-    env = host_env(host)
-    pip = [sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-build-isolation",
-           "--upgrade", "--target", SITE]
-    for batch in (wheels, sdists):  # the wheels first: the sdist's build finds them (and a carried setuptools)
-        if batch:
-            run_checked(pip + batch, env)
-    host["installed"] = [os.path.basename(p) for p in wheels + sdists]
+    for w in wheels:
+        unpack_wheel(w, SITE)
+    host["installed"] = [os.path.basename(p) for p in wheels]
+
+
+def jit_built():
+    """What DeepSpeed JIT-compiled into TORCH_EXTENSIONS_DIR (nothing, with the carried prebuilt ops)."""
+    found = []
+    for d, _, files in os.walk(EXT):
+        found += [os.path.relpath(os.path.join(d, f), EXT) for f in files if f.endswith(".so")]
+    return sorted(found)
+
+
+CHECK = r"""
+import json, os, sys, tempfile, time
+t0 = time.time()
+import torch, deepspeed, transformers
+from transformers import LlamaConfig, LlamaForCausalLM
+from deepspeed.ops.op_builder import CPUAdamBuilder, AsyncIOBuilder
+from deepspeed.ops.adam import DeepSpeedCPUAdam
+out = {"python": sys.version.split()[0], "torch": torch.__version__, "deepspeed": deepspeed.__version__,
+       "transformers": transformers.__version__, "deepspeed_file": deepspeed.__file__}
+cpu_adam = CPUAdamBuilder().load()
+aio = AsyncIOBuilder().load()
+out["ops"] = {"cpu_adam": cpu_adam.__file__, "async_io": aio.__file__}
+w = torch.nn.Parameter(torch.ones(4096))
+opt = DeepSpeedCPUAdam([w], lr=0.1)
+w.grad = torch.ones(4096)
+opt.step()
+out["cpu_adam_step_ok"] = bool(torch.all(w < 1).item())
+h = aio.aio_handle(1 << 20, 8, False, True, 1)
+x = torch.arange(1 << 18, dtype=torch.float32)
+y = torch.zeros_like(x)
+with tempfile.TemporaryDirectory() as d:
+    f = os.path.join(d, "x.bin")
+    h.sync_pwrite(x, f)
+    h.sync_pread(y, f)
+out["async_io_roundtrip_ok"] = bool(torch.equal(x, y))
+m = LlamaForCausalLM(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                 num_attention_heads=2, num_key_value_heads=1))
+out["llama_parameters"] = sum(p.numel() for p in m.parameters())
+out["seconds"] = time.time() - t0
+print(json.dumps(out))
+"""
+
+
+def check_carried(args):
+    """Installs the carried set and, in a child whose compilers and ninja are stand-ins that fail (and
+    say so), imports DeepSpeed and transformers, loads cpu_adam and async_io, steps DeepSpeedCPUAdam and
+    round-trips a file through async_io; then checks that nothing was JIT-built."""
+    host, report = {}, {"check": "carried"}
+    try:
+        install(host)
+        if not os.path.exists("/dev/nvidiactl"):  # no driver here: async_io's libcuda.so.1 is the toolkit's stub
+            stub = "/usr/local/cuda/lib64/stubs/libcuda.so"
+            if os.path.exists(stub):
+                os.makedirs(LIBDIR, exist_ok=True)
+                link(stub, os.path.join(LIBDIR, "libcuda.so.1"))
+                report["libcuda"] = "the CUDA toolkit's stub (no driver on this machine)"
+        env = host_env(host)
+        stubs = os.path.join(AIO, "no-compilers")
+        os.makedirs(stubs, exist_ok=True)
+        for tool in ("c++", "g++", "gcc", "cc", "nvcc", "ninja"):
+            with open(os.path.join(stubs, tool), "w") as f:
+                f.write(f'#!/bin/sh\necho "{tool} called: a JIT build" >&2\nexit 1\n')
+            os.chmod(os.path.join(stubs, tool), 0o755)
+        env["PATH"] = stubs + ":" + env.get("PATH", "")
+        shutil.rmtree(EXT, ignore_errors=True)
+        p = subprocess.run([sys.executable, "-c", CHECK], env=env, capture_output=True, text=True, timeout=600)
+        report.update(host=host, rc=p.returncode)
+        lines = [l for l in p.stdout.splitlines() if l.startswith("{")]
+        if lines:
+            report.update(json.loads(lines[-1]))
+        if p.returncode != 0:
+            report["error"] = clip(p.stderr)
+        report["jit_built"] = jit_built()
+        report["ok"] = (p.returncode == 0 and not report["jit_built"] and report.get("cpu_adam_step_ok") is True
+                        and report.get("async_io_roundtrip_ok") is True
+                        and all(o.startswith(SITE) for o in report.get("ops", {}).values()))
+    except Exception as e:
+        report.update(ok=False, error=clip(e))
+    line = json.dumps(report)
+    if args.json:
+        with open(args.json, "w") as f:
+            f.write(line + "\n")
+    print(line, flush=True)
+    print("carried DeepSpeed: " + ("imports, loads its prebuilt ops from " + SITE + " and builds nothing"
+                                   if report["ok"] else "NOT usable as carried (see the line above)"), flush=True)
+    sys.exit(0 if report["ok"] else 2)
 
 
 # ---- one attempt, in a child process -------------------------------------------------------------------------
@@ -414,6 +524,8 @@ def main():
     ap.add_argument("--seed", type=int, default=1234)
     ap.add_argument("--reentrant", action="store_true", help="reentrant gradient checkpointing")
     ap.add_argument("--install", action="store_true", help="install the carried DeepSpeed and libaio first")
+    ap.add_argument("--check-carried", action="store_true",
+                    help="install the carried set and check that it imports, loads its ops and builds nothing")
     ap.add_argument("--search", action="store_true", help="layer counts descending from --layers")
     ap.add_argument("--search-layers", help="the counts to try, e.g. 32,24,16,12,8,4")
     ap.add_argument("--timeout", type=float, default=540, help="seconds per attempt (child)")
@@ -426,6 +538,8 @@ def main():
     args = ap.parse_args()
     if args.child:
         return child(args)
+    if args.check_carried:
+        return check_carried(args)
 
     signal.signal(signal.SIGTERM, lambda *_: STOP.append(1))
     deadline = time.monotonic() + args.budget if args.budget else float("inf")
@@ -466,7 +580,7 @@ def main():
     report = {k: None for k in ("layers", "parameters", "offload", "global_batch_tokens", "tokens_per_s",
                                  "step_s", "started", "failed_at", "error", "peak_gpu_bytes",
                                  "peak_host_rss_bytes", "ds_config")}
-    report.update(final, host=host)
+    report.update(final, host=host, jit_built=jit_built())
     if len(attempts) > 1:  # the search: every attempt, without its (repeated) DeepSpeed config
         report["attempts"] = [{k: v for k, v in a.items() if k not in ("ds_config", "log_tail")} for a in attempts]
     line = json.dumps(report)
