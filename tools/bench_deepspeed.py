@@ -51,7 +51,7 @@ SITE = "/tmp/ds-site"                   # DeepSpeed and the carried wheels (PYTH
 AIO = "/tmp/aio"                        # the libaio .debs, unpacked (never into /)
 LIBDIR = AIO + "/usr/lib/x86_64-linux-gnu"
 EXT = "/tmp/ds-ext"                     # TORCH_EXTENSIONS_DIR: JIT-built ops (none, with the carried wheel)
-CARRIED = ".dev/deepspeed"
+CARRIED = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), ".dev", "deepspeed")
 STOP = []                               # SIGTERM to the parent: stop the child, report what there is
 
 

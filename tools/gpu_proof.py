@@ -364,7 +364,7 @@ def part_d(p, res):
     top = min(fit, m["n_layers"]) if not p.args.dry_run else 2
     counts = sorted({top, max(1, top // 2), max(1, top // 4)}, reverse=True)
     ds_json = os.path.join(p.work, "ds-d.json")
-    ds_cmd = [sys.executable, os.path.join(ROOT, "tools/bench_deepspeed.py"), "--install", "--strata-config", cfg_path,
+    ds_cmd = [p.args.ds_python, os.path.join(ROOT, "tools/bench_deepspeed.py"), "--install", "--strata-config", cfg_path,
               "--offload", "nvme", "--nvme-path", swap, "--steps", str(p.args.d_steps), "--warmup", "1",
               "--out-dir", os.path.join(p.work, "ds"), "--json", ds_json]
     say(f"  disk free {free / 1e9:.0f} GB: DeepSpeed tries {counts} layers (14 B/parameter on NVMe)")
@@ -476,6 +476,9 @@ def main():
     ap.add_argument("--d-steps", type=int, default=2)
     ap.add_argument("--d-attempt-s", type=int, default=120, help="(d): seconds per DeepSpeed attempt at most")
     ap.add_argument("--d-strata-s", type=int, default=40, help="(d): seconds kept for Strata's run")
+    ap.add_argument("--ds-python", default=sys.executable,
+                    help="(d): the Python that runs DeepSpeed (the host's: the one with torch; the carried set is "
+                         "built for Python 3.12)")
     ap.add_argument("--ranks-steps", type=int, default=20)
     ap.add_argument("--probe-seconds", type=float, default=1.0)
     args = ap.parse_args()
