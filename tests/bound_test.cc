@@ -331,6 +331,61 @@ TEST(BoundTest, AlternateSwapSlotsMakeACommittedStepOnePass) {
   EXPECT_NEAR(cb.seconds, 0.005 + 0.0075, 1e-12);
 }
 
+// Note [Speculating NVMe state]: optimizer.speculate auto keeps the
+// alternate swap slots of NVMe state only where the bound with speculation
+// is lower than without by more than kAutoMargin. CPU Adam the longest
+// resource: the slots hide it behind the backward (kept). The disk far the
+// longest: they hide only the compute beside it, a few percent (off, the
+// spare disk given back). `on`, and a rate missing, leave the plan as it is.
+TEST(BoundTest, AutoSpeculatesNvmeStateOnlyWhereTheBoundGains) {
+  const std::string nvme =
+      "placement={\"param16\":{\"device\":1},\"grad\":{\"device\":1},\"optimizer\":{\"nvme\":1},"
+      "\"nvme_path\":\"/tmp/x\"}";
+  const Config cfg = config_with({"bf16.enabled=true", "run.schedule=\"layer\"", "run.swap_checksums=false", nvme,
+                                  "optimizer.speculate=\"auto\""});
+  const PlacementPlan p = make_plan(cfg, make_layout(), 0, gpu_like());
+  ASSERT_TRUE(p.speculate_slots) << "auto without rates: " << p.speculate_choice;
+  ASSERT_EQ(p.nvme_spare_bytes, 12 * kN);
+  const StepWork w = predicted_work(cfg, p, train_fetches(p), NetworkBytes{});
+  Rates adam_bound;
+  adam_bound.device_flops = w.flops / 0.04;  // 0.04 s of compute
+  adam_bound.adam = double(kN) / 0.03;       // 0.03 s a pass
+  adam_bound.nvme_read = adam_bound.nvme_write = double(12 * kN) / 0.001;
+  adam_bound.nvme_both = double(24 * kN) / 0.001;
+  adam_bound.h2d = adam_bound.d2h = double(4 * kN) / 0.0001;
+  adam_bound.pcie_both = double(8 * kN) / 0.0001;
+  PlacementPlan kept = p;
+  judge_speculation_by_bound(cfg, adam_bound, false, kept);
+  EXPECT_TRUE(kept.speculate_slots) << kept.speculate_choice;
+  EXPECT_EQ(kept.nvme_spare_bytes, 12 * kN);
+  EXPECT_NE(kept.speculate_choice.find("the bound:"), std::string::npos) << kept.speculate_choice;
+  Rates disk_bound = adam_bound;
+  disk_bound.adam = double(kN) / 0.001;
+  disk_bound.nvme_read = disk_bound.nvme_write = double(12 * kN) / 1.0;  // 1 s each way: 25x the compute
+  disk_bound.nvme_both = double(24 * kN) / 2.0;
+  PlacementPlan off = p;
+  judge_speculation_by_bound(cfg, disk_bound, false, off);
+  EXPECT_FALSE(off.speculate) << off.speculate_choice;
+  EXPECT_FALSE(off.speculate_slots);
+  EXPECT_EQ(off.nvme_spare_bytes, 0);
+  EXPECT_EQ(off.total()[size_t(Tier::kNvme)], p.total()[size_t(Tier::kNvme)] - 12 * kN);
+  EXPECT_NE(off.speculate_choice.find("not 10% lower"), std::string::npos) << off.speculate_choice;
+  // The choice is the bound's: speculation's bound on that disk is not 10% lower.
+  const StepWork woff = predicted_work(cfg, off, train_fetches(off), NetworkBytes{});
+  EXPECT_GE(step_bound(w, disk_bound, false).seconds, 0.9 * step_bound(woff, disk_bound, false).seconds);
+  EXPECT_LT(step_bound(w, adam_bound, false).seconds, 0.9 * step_bound(woff, adam_bound, false).seconds);
+  const Config on = config_with({"bf16.enabled=true", "run.schedule=\"layer\"", "run.swap_checksums=false", nvme,
+                                 "optimizer.speculate=\"on\""});
+  PlacementPlan forced = make_plan(on, make_layout(), 0, gpu_like());
+  judge_speculation_by_bound(on, disk_bound, false, forced);
+  EXPECT_TRUE(forced.speculate_slots) << "on is the user's";
+  Rates missing = disk_bound;
+  missing.adam = 0;
+  PlacementPlan unjudged = p;
+  judge_speculation_by_bound(cfg, missing, false, unjudged);
+  EXPECT_TRUE(unjudged.speculate_slots) << "no CPU Adam rate: not judged";
+}
+
 // The same placement as BytesPerLinkOfAnOffloadedPlacement with the swap
 // checksums (run.swap_checksums, the default): every NVMe byte is
 // checksummed, 10485760 read + 10485760 written = 20971520; the optimizer's

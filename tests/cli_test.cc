@@ -199,6 +199,44 @@ TEST(CliTest, PlanForAGpuThisMachineLacks) {
       << r.output;
 }
 
+// optimizer.speculate auto with the optimizer state on NVMe (Note
+// [Speculating NVMe state] in memory/bound.h): `strata plan` decides again
+// once it has the rates, as strata train does. A disk that bounds the step:
+// no alternate slots (off, both bounds named, no spare disk in the total).
+// CPU Adam as long as the compute beside a fast disk: the slots kept. Without
+// rates: the slots, as before.
+TEST(CliTest, PlanSpeculatesNvmeStateOnlyWhereTheBoundGains) {
+  TempDir dir;
+  const std::string data = dir.write("data.txt", testing::sample_text(5000));
+  nlohmann::json j = tiny_config(data, dir.file("m.jsonl"));
+  j["bf16"] = {{"enabled", true}};
+  j["train_micro_batch_size_per_gpu"] = 16;
+  j["gradient_accumulation_steps"] = 2;
+  j["model"] = {{"dim", 128}, {"n_layers", 4}, {"n_heads", 4}, {"n_kv_heads", 2}, {"seq_len", 128}};
+  j["run"]["device"] = "cuda";
+  j["run"]["schedule"] = "layer";
+  j["placement"] = {{"param16", {{"device", 1}}}, {"grad", {{"device", 1}}}, {"optimizer", {{"nvme", 1}}},
+                    {"nvme_path", dir.file("swap")}};
+  const std::string cfg = write_config(dir, j);
+  const std::string rates = " --gpu h100-sxm --device-tflops 0.5 --checksum-gbps 100 --grad-add-gelems 10 ";
+  Result r = run_strata("plan --json" + rates + "--nvme-gbps 0.001 --adam-gelems 1 " + cfg);
+  ASSERT_EQ(r.code, 0) << r.output;
+  nlohmann::json p = nlohmann::json::parse(r.output);
+  EXPECT_EQ(p["speculate"]["on"], false) << p["speculate"];
+  EXPECT_EQ(p["speculate"]["spare_nvme_bytes"], 0);
+  EXPECT_NE(std::string(p["speculate"]["choice"]).find("not 10% lower"), std::string::npos) << p["speculate"];
+  EXPECT_EQ(p["total_bytes"]["nvme"], p["state_total_bytes"]["nvme"]);
+  r = run_strata("plan --json" + rates + "--nvme-gbps 100 --adam-gelems 0.02 " + cfg);
+  ASSERT_EQ(r.code, 0) << r.output;
+  p = nlohmann::json::parse(r.output);
+  EXPECT_EQ(p["speculate"]["mechanism"], "alternate_slots") << p["speculate"];
+  EXPECT_EQ(int64_t(p["speculate"]["spare_nvme_bytes"]), 12 * int64_t(p["speculate"]["elements"]));
+  EXPECT_NE(std::string(p["speculate"]["choice"]).find("the bound:"), std::string::npos) << p["speculate"];
+  r = run_strata("plan --json --no-bound --gpu h100-sxm " + cfg);
+  ASSERT_EQ(r.code, 0) << r.output;
+  EXPECT_EQ(nlohmann::json::parse(r.output)["speculate"]["mechanism"], "alternate_slots") << r.output;
+}
+
 // Regular files under `dir`, recursively (what a run left behind).
 std::vector<std::string> files_under(const std::string& dir) {
   Result r = testing::sh("find " + dir + " -type f");

@@ -360,7 +360,11 @@ int run_plan(const PlanOptions& opt) {
     }
     // A described disk (--nvme-gb): this one only stands in for its rates.
     measure_rates(cfg, c.plan, dev, work, rates, opt.probe_s, ProbeRoom{given.nvme_bytes < 0, 1});
-    if (cfg.placement.auto_place) {
+    // Auto placements, and NVMe state speculated into alternate slots (which
+    // optimizer.speculate auto keeps only where the bound gains: Note
+    // [Speculating NVMe state]), are decided again with the rates, as
+    // strata train decides them.
+    if (cfg.placement.auto_place || c.plan.speculate_slots) {
       c = compute(cfg, 0, per_node, given, &rates);
       work = predicted_work(cfg, c.plan, train_fetches(c.plan), c.net);
     }

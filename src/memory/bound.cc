@@ -495,6 +495,30 @@ PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int6
   return best;
 }
 
+void judge_speculation_by_bound(const Config& cfg, const Rates& rates, bool cpu_compute, PlacementPlan& plan) {
+  if (cfg.optimizer.speculate != Speculate::kAuto || !plan.speculate || !plan.speculate_slots) return;
+  PlacementPlan off = plan;
+  off.speculate = false;
+  off.speculate_slots = false;
+  off.nvme_spare_bytes = 0;
+  const StepWork won = predicted_work(cfg, plan, train_fetches(plan), step_network_bytes(plan));
+  const StepWork woff = predicted_work(cfg, off, train_fetches(off), step_network_bytes(off));
+  if (!missing_rates(won, rates, cpu_compute).empty() || !missing_rates(woff, rates, cpu_compute).empty()) return;
+  const double on_s = step_bound(won, rates, cpu_compute).seconds;
+  const double off_s = step_bound(woff, rates, cpu_compute).seconds;
+  const double clipped_s = step_bound(clipped_work(won), rates, cpu_compute).seconds;
+  if (on_s < off_s * (1 - kAutoMargin)) {
+    plan.speculate_choice +=
+        strprintf(" (the bound: %.3f s a step, %.3f s without; a clipped step %.3f s)", on_s, off_s, clipped_s);
+    return;
+  }
+  off.speculate_choice = strprintf(
+      "off (optimizer state on NVMe: its alternate slots would take %s more disk for a bound of %.3f s a step "
+      "against %.3f s without, not %.0f%% lower, and a clipped step %.3f s; \"on\" to force)",
+      format_bytes(double(plan.nvme_spare_bytes)).c_str(), on_s, off_s, kAutoMargin * 100, clipped_s);
+  plan = std::move(off);
+}
+
 PlacementPlan choose_schedule_by_bound(const Config& cfg, const StateLayout& layout, int64_t rank,
                                        const MachineCapacity& capacity, const Rates& rates) {
   std::optional<PlacementPlan> b;

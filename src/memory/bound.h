@@ -169,6 +169,24 @@ inline constexpr double kAutoMargin = 0.10;
 PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int64_t rank,
                               const MachineCapacity& capacity, const Rates& rates);
 
+// optimizer.speculate auto with rates, for a plan that speculates optimizer
+// state on NVMe into alternate swap slots (Note [Speculating NVMe state]):
+// keeps it where the step's bound with speculation is lower than without by
+// more than kAutoMargin, else turns the plan's speculation off, its
+// speculate_choice giving both bounds and a clipped step's. Leaves `on`,
+// `off`, plans without slots and work lacking a rate as they are.
+//
+// Note [Speculating NVMe state]
+// Alternate swap slots take a second copy of the NVMe optimizer state on
+// disk (12 bytes per element with fp32 moments), and a clipped step pays the
+// disk's pass twice. They hide CPU Adam behind the backward, not a disk that
+// bounds the step: with the state wholly on one 2 GB/s drive the bound is
+// 96.36 s a step with them against 99.40 s without, and 195.76 s when
+// clipped (BENCHMARKS.md, "The optimizer behind the backward"). So auto
+// takes the disk only where the bound says speculation gains more than what
+// the bound leaves out (Note [Auto's margin]).
+void judge_speculation_by_bound(const Config& cfg, const Rates& rates, bool cpu_compute, PlacementPlan& plan);
+
 // run.schedule auto with rates (Note [Step schedules] in memory/schedule.h):
 // the plan under each schedule (placement auto by the bound within each), and
 // the layer schedule when it fits and its bound is lower; with one

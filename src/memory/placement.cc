@@ -994,14 +994,20 @@ PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, Mac
   PlacementPlan first = make_plan(cfg, layout, rank, measure({}));
   MachineCapacity cap = measure(first.nvme_paths);
   if (capacity != nullptr) *capacity = cap;
+  // With rates, optimizer.speculate auto takes NVMe state's alternate slots
+  // only where the bound says they gain (Note [Speculating NVMe state]).
+  auto judged = [&](PlacementPlan p) {
+    if (rates != nullptr) judge_speculation_by_bound(cfg, *rates, cap.device_is_host, p);
+    return p;
+  };
   if (rates != nullptr && cfg.run.schedule == StepSchedule::kAuto && cfg.gradient_accumulation_steps > 1) {
-    return choose_schedule_by_bound(cfg, layout, rank, cap, *rates);
+    return judged(choose_schedule_by_bound(cfg, layout, rank, cap, *rates));
   }
   // Fixed placements too: optimizer.speculate's alternate swap slots need
   // the disk measured (resolve_speculation).
-  if (!cfg.placement.auto_place) return first.nvme_paths.empty() ? first : make_plan(cfg, layout, rank, cap);
-  if (rates != nullptr && cfg.placement.by_bound) return choose_by_bound(cfg, layout, rank, cap, *rates);
-  return make_plan(cfg, layout, rank, cap);
+  if (!cfg.placement.auto_place) return judged(first.nvme_paths.empty() ? first : make_plan(cfg, layout, rank, cap));
+  if (rates != nullptr && cfg.placement.by_bound) return judged(choose_by_bound(cfg, layout, rank, cap, *rates));
+  return judged(make_plan(cfg, layout, rank, cap));
 }
 
 std::vector<std::string> plan_shortfalls(const PlacementPlan& plan, const MachineCapacity& cap) {
