@@ -17,6 +17,7 @@
 #include "nvme/crc32c.h"
 #include "nvme/file.h"
 #include "util/errors.h"
+#include "util/kill_hook.h"
 #include "util/fs.h"
 #include "util/logging.h"
 
@@ -113,15 +114,11 @@ struct KillSpec {
 const KillSpec& kill_spec() {
   static const KillSpec spec = [] {
     KillSpec s;
-    const char* v = std::getenv("STRATA_CHECKPOINT_KILL_AT");
-    if (v == nullptr) return s;
-    const std::string t = v;
-    const size_t a = t.find(':');
-    if (a == std::string::npos) return s;
-    s.event = t.substr(0, a);
-    s.k = std::atoll(t.c_str() + a + 1);
-    const size_t b = t.find(':', a + 1);
-    if (b != std::string::npos) s.save = std::atoll(t.c_str() + b + 1);
+    const KillAt at = kill_at_from_env("STRATA_CHECKPOINT_KILL_AT");
+    if (at.event.empty()) return s;
+    s.event = at.event;
+    s.k = at.numbers.at(0);
+    if (at.numbers.size() > 1) s.save = at.numbers[1];
     return s;
   }();
   return spec;

@@ -10,6 +10,7 @@
 #include <thread>
 
 #include "util/errors.h"
+#include "util/kill_hook.h"
 #include "util/trace.h"
 
 #ifdef STRATA_WITH_CUDA
@@ -38,17 +39,13 @@ struct OptimizerKill {
 const OptimizerKill& optimizer_kill() {
   static const OptimizerKill k = [] {
     OptimizerKill o;
-    const char* v = std::getenv("STRATA_OPTIMIZER_KILL_AT");
-    if (v == nullptr) return o;
-    const std::string t = v;
-    const size_t a = t.find(':');
-    if (a == std::string::npos) return o;
-    const std::string kind = t.substr(0, a);
+    const KillAt at = kill_at_from_env("STRATA_OPTIMIZER_KILL_AT");
+    if (at.event.empty()) return o;
     const char* names[] = {"full", "speculate", "commit", "restore"};  // OptimizerThread::Kind's order
     for (int i = 0; i < 4; ++i) {
-      if (kind == names[i]) o.kind = i;
+      if (at.event == names[i]) o.kind = i;
     }
-    o.step = std::atoll(t.c_str() + a + 1);
+    o.step = at.numbers.at(0);
     return o;
   }();
   return k;
@@ -144,9 +141,9 @@ OptimizerPass::OptimizerPass(const StepContext& ctx, const PlacementPlan& plan, 
     piece_speculates_.push_back(plan.speculate && !piece_on_device_[j] ? 1 : 0);
     piece_slots_.push_back(speculates_in_slots(plan, pieces_[j]) ? 1 : 0);
     speculates_ |= piece_speculates_.back() != 0;
-    if (piece_speculates_.back()) speculated_numel_ += pieces_[j].numel;
     ascending_.push_back(j);
   }
+  speculated_numel_ = ::strata::speculated_numel(plan);  // the pieces flagged above
   for (size_t j = pieces_.size(); j-- > 0;) {
     if (piece_speculates_[j]) descending_.push_back(j);
   }
