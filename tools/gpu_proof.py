@@ -296,6 +296,32 @@ def part_det(p, res):
             f"tokens/s on / off = {res['cost'] or float('nan'):.3f} (off: {off_src})")
 
 
+def largest_true(ok, guess, limit=4096):
+    """The largest n >= 1 with ok(n), for ok true up to some n and false past it (0 when ok(1) is false):
+    from the guess, steps of 1, 2, 4, ... outward to a bracket, then bisection; ok is asked O(log error)."""
+    g = min(max(1, guess), limit)
+    if ok(g):
+        lo, step = g, 1
+        while lo + step <= limit and ok(lo + step):
+            lo, step = lo + step, step * 2
+        hi = lo + step
+        if hi > limit:
+            raise PartStop(f"past {limit}: is the capacity measured?")
+    else:
+        hi, step = g, 1
+        while hi - step >= 1 and not ok(hi - step):
+            hi, step = hi - step, step * 2
+        lo = hi - step
+        if lo < 1:
+            if hi == 1 or not ok(1):
+                return 0
+            lo = 1
+    while hi - lo > 1:  # ok(lo), not ok(hi)
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
+    return lo
+
+
 def clear_leftovers(p):
     """Swap files of a run killed past its budget (strata removes its own only when it exits) and part e's
     checkpoints: disk the next parts measure as free."""
@@ -319,38 +345,37 @@ def part_c(p, res):
         write(p, "c.json", cfg)
         return p.plan(path, f"c-plan-L{layers}", bound=bound)
 
-    # The largest layer count that fits: from the config's count, doubling (or halving) to a bracket, then
-    # bisection; without the bound (no probes: a plan is a few seconds on a GPU host, CUDA's start).
+    # Plans without the bound (no probes; still a few seconds each on a GPU host: LibTorch's and CUDA's
+    # start), so as few as can be: the state's bytes are linear in the layer count, so two plans give a
+    # guess of each boundary, then a search outward from the guess and a bisection confirm it exactly.
     tried = {}
 
-    def fits(n):
+    def plan_of(n):
         if n not in tried:
             tried[n] = plan_for(n)
-        return tried[n]["fits"]
-    n = base["model"]["n_layers"]
-    if fits(n):
-        lo, hi = n, 2 * n
-        while fits(hi):
-            lo, hi = hi, 2 * hi
-            if hi > 4096:
-                raise PartStop("the plan fits any model: is the capacity measured?")
-    else:
-        lo, hi = n // 2, n
-        while lo > 0 and not fits(lo):
-            lo, hi = lo // 2, lo
-        if lo == 0:
-            raise PartStop("not even one layer fits: " + "; ".join(tried[1].get("shortfalls", [])))
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
-    largest = lo
-    # The fewest layers whose plan puts `want` bytes of state on NVMe (the state past HBM + RAM).
-    nvme = lambda n: (fits(n), tried[n]["state_total_bytes"]["nvme"])[1]
-    a, b = 0, largest
-    while b - a > 1:
-        mid = (a + b) // 2
-        a, b = (a, mid) if nvme(mid) >= want else (mid, b)
-    pick = b
+        return tried[n]
+
+    fits = lambda n: plan_of(n)["fits"]
+    n0 = base["model"]["n_layers"]
+    n1 = max(1, n0 // 2)
+    if n1 == n0:
+        n0 = n1 + 1
+    s0, s1 = (sum(plan_of(n)["state_total_bytes"].values()) for n in (n0, n1))
+    all0 = sum(plan_of(n0)["total_bytes"].values())
+    per_layer = max(1.0, (s0 - s1) / (n0 - n1))  # state bytes a layer adds
+    cap = plan_of(n0)["capacity_bytes"]
+    room = max(cap["device"], 0) + cap["host"] + cap["nvme"]
+    guess_fit = n0 + int((room - all0) // per_layer)
+    largest = largest_true(fits, guess_fit)
+    if largest == 0:
+        raise PartStop("not even one layer fits: " + "; ".join(plan_of(1).get("shortfalls", [])))
+    # The fewest layers whose plan puts `want` bytes of state on NVMe (the state past HBM + RAM): one past
+    # the most whose NVMe share is below it.
+    nvme = lambda n: plan_of(n)["state_total_bytes"]["nvme"]
+    spill = nvme(largest)
+    guess_pick = largest - int((spill - want) // per_layer) if spill >= want else largest
+    pick = min(largest, largest_true(lambda n: n <= largest and nvme(n) < want, guess_pick - 1) + 1)
+    res["plans"] = len(tried)
     top = tried[largest]
     cap = top["capacity_bytes"]
     state = sum(top["state_total_bytes"].values())
