@@ -5,6 +5,9 @@ Parts, in this order, each with a time budget (seconds; PROOF_BUDGET_<PART> over
 time goes to the next ones; --parts picks some), each ending in one line "part NAME: ..." even when it fails
 or runs out of time, with its figure beside its target and the plan's prediction:
 
+  suite  the GPU test cases since the last GPU run (step_test's OnAGpu*: every placement against the CPU,
+         the optimizer behind the backward bit for bit against the inline one; kernels_test): every case
+         passes, none skipped.
   b      (b) (configs/gpu-b-llama8b.json: Llama-3-8B's shape, 1.76x HBM of state) against its compute-only
          step (bench_train_torch --compute-only): the old schedule (run.schedule micro_batch: the optimizer
          after the backward), the new one (layer, optimizer.speculate on, traced) and the new one with every
@@ -40,7 +43,7 @@ script is found on the dev machine, not on the GPU host: tests/gpu_proof_dry_run
 Its figures mean nothing and it asserts nothing about speed.
 
 Usage:
-  python3 tools/gpu_proof.py --bin .dev/bin --out $OUT [--parts b,det,e,ranks,c,d] [--budget 510]
+  python3 tools/gpu_proof.py --bin .dev/bin --out $OUT [--parts suite,b,det,e,ranks,c,d] [--budget 510]
   python3 tools/gpu_proof.py --dry-run --bin build --out /tmp/proof-dry
 """
 import argparse
@@ -62,7 +65,7 @@ NOMINAL_TFLOPS = 989.0  # H100 SXM, dense bf16 (BENCHMARKS.md, "GPU")
 # det are its longest; what a budget cuts is reported, and a second call runs the rest (--parts).
 # DeepSpeed's part comes last: it takes what the others leave (its attempts start slowly and may not finish).
 # 510 s leaves the call's 600 s room for the script's start, killed commands' exits and the archive.
-BUDGETS = {"b": 170, "det": 75, "e": 40, "ranks": 35, "c": 100, "d": 90}
+BUDGETS = {"suite": 40, "b": 160, "det": 70, "e": 35, "ranks": 30, "c": 95, "d": 80}
 GRACE_S = 10  # a command past its time gets SIGTERM, then SIGKILL this much later
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -218,6 +221,33 @@ def write(p, name, cfg):
 # clips every step on purpose (1e-4), for the cost of a redo.
 OLD = ["run.schedule=micro_batch", "optimizer.speculate=off", "gradient_clipping=10000"]
 NEW = ["run.schedule=layer", "optimizer.speculate=on", "gradient_clipping=10000"]
+
+# The test cases that need a GPU and have not run on one since the code they test changed: every placement on
+# the GPU against the CPU, and the optimizer behind the backward bit for bit against the inline optimizer.
+SUITE = [("step_test", "*OnAGpu*"), ("kernels_test", "*")]
+
+
+def part_suite(p, res):
+    env = dict(os.environ, OMP_NUM_THREADS="2")
+    counts = {}
+    for name, pattern in SUITE:
+        binary = p.args.find(name)
+        if binary is None:
+            raise PartStop(f"no {name} in {p.args.bin} (tools/gpu_prepare.sh copies it)")
+        out = p.run([binary, f"--gtest_filter={pattern}"], tag=f"suite-{name}", env=env, capture=True, ok=(0, 1))
+        # One line per test as it ends: "[       OK ] Suite.Name (12 ms)" (the summary repeats names, no time).
+        ended = re.findall(r"^\[ +(OK|SKIPPED|FAILED) +\] (\S+)(?:, where .*)? \(\d+ ms\)$", out, re.M)
+        c = {k: sum(1 for v, _ in ended if v == k.upper()) for k in ("ok", "skipped", "failed")}
+        c["failed_names"] = [n for v, n in ended if v == "FAILED"]
+        counts[name] = c
+        say(f"  {name} {pattern}: {c['ok']} passed, {c['failed']} failed, {c['skipped']} skipped "
+            + (str(c["failed_names"]) if c["failed_names"] else ""))
+    res["tests"] = counts
+    ran = sum(c["ok"] + c["failed"] for c in counts.values())
+    res["target_met"] = ran > 0 and all(c["failed"] == 0 and c["skipped"] == 0 for c in counts.values())
+    return ("; ".join(f"{n}: {c['ok']} passed, {c['failed']} failed, {c['skipped']} skipped" for n, c in counts.items())
+            + f" (target: every GPU case passes, none skipped: {'met' if res['target_met'] else 'NOT MET'})")
+
 
 def part_b(p, res):
     cfg = write(p, "b.json", b_config(p))
@@ -538,7 +568,8 @@ def part_ranks(p, res):
             f"network {b2['net_bytes']:.0f} bytes a step (plan: {res['plan_net_bytes_per_rank']})")
 
 
-PARTS = {"b": part_b, "det": part_det, "e": part_e, "ranks": part_ranks, "c": part_c, "d": part_d}
+PARTS = {"suite": part_suite, "b": part_b, "det": part_det, "e": part_e, "ranks": part_ranks, "c": part_c,
+         "d": part_d}
 
 
 def main():
@@ -574,8 +605,11 @@ def main():
         # The CPU device's memory is the host's: a small node, so that part c's state spills to NVMe.
         args.plan_flags = ["--host-memory-gb", "0.05", "--nvme-gb", "0.2"]
         args.c_steps = 2
-    find = lambda name: next((c for c in (os.path.join(args.bin, name), os.path.join(args.bin, "tests", name))
-                              if os.access(c, os.X_OK)), None)
+    def find(name):
+        c = next((c for c in (os.path.join(args.bin, name), os.path.join(args.bin, "tests", name))
+                  if os.access(c, os.X_OK)), None)
+        return os.path.abspath(c) if c else None
+    args.find = find
     args.strata, args.torch_ref = find("strata"), find("bench_train_torch")
     if not args.strata or not args.torch_ref:
         sys.exit(f"gpu_proof.py: {args.bin} has no strata or bench_train_torch (nor under tests/)")
