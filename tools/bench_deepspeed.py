@@ -23,7 +23,7 @@ toolkit, CUDA_HOME is a stand-in in /tmp/aio/cuda made of torch's pip CUDA packa
 --check-carried installs the carried set and, with every compiler and ninja replaced by a stand-in that
 fails, imports DeepSpeed and transformers, loads the ops, steps DeepSpeedCPUAdam and round-trips a file
 through async_io, and checks nothing was built (tools/fetch_deepspeed.sh runs it here in a Python 3.12
-environment holding torch only; part d of tools/gpu_proof.py runs attempts with the same install).
+environment holding torch and the GPU host image's other packages; part d of tools/gpu_proof.py runs attempts with the same install).
 
 Usage (on the GPU host, from the repository root, carry [".dev"]):
   python3 tools/bench_deepspeed.py --install --strata-config configs/gpu-b-llama8b.json --offload nvme \\
