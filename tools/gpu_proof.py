@@ -644,6 +644,10 @@ def main():
         spare = max(0.0, p.deadline - time.monotonic())
         say(f"part {name}: {line} [{res['seconds']:.0f} s]")
         p.save()
+    # The device tool's reply carries the end of the output: every part's line again, last.
+    say("== summary")
+    for x in parts:
+        say(f"part {x}: {p.result['parts'][x]['line']}")
     target = lambda r: "" if "target_met" not in r else (", target met" if r["target_met"] else ", TARGET NOT MET")
     say(f"gpu-proof-2 done in {time.monotonic() - t_start:.0f} s: " +
         "; ".join(f"{x} {p.result['parts'][x]['status']}{target(p.result['parts'][x])}" for x in parts))
