@@ -17,8 +17,8 @@
 #include "nvme/crc32c.h"
 #include "nvme/file.h"
 #include "util/errors.h"
-#include "util/kill_hook.h"
 #include "util/fs.h"
+#include "util/kill_hook.h"
 #include "util/logging.h"
 
 namespace strata {

@@ -1,6 +1,5 @@
 #include "engine/probes.h"
 
-
 #include <ATen/ATen.h>
 
 #include <algorithm>
