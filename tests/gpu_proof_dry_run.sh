@@ -28,8 +28,7 @@ check(set(st) == {"step_test", "kernels_test"}, f"suite: binaries {sorted(st)}")
 check(all(c["failed"] == 0 and c["ok"] + c["skipped"] > 0 for c in st.values()), f"suite: {st}")
 for name, part in p.items():
     check(part.get("status") == "ok", f"part {name}: {part.get('status')}: {part.get('line')}")
-    check(part.get("line") and f"part {name}: " + part["line"] in r["log"][-200:] or
-          any(l.startswith(f"part {name}: ") for l in r["log"]), f"part {name}: no line printed")
+    check(any(l.startswith(f"part {name}: ") for l in r["log"]), f"part {name}: no line printed")
 b = p.get("b", {}).get("runs", {})
 check(set(b) == {"micro_batch", "layer+speculate", "clipped"}, f"part b's runs: {sorted(b)}")
 if b:

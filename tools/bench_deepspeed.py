@@ -18,8 +18,7 @@ from --layers, a fresh child each, and stops at the first that trains all its st
 wheel has cpu_adam, async_io and pin_memory compiled (tools/fetch_deepspeed.sh builds it against torch
 2.11.0 for Python 3.12, the host's), so nothing is JIT-built on the host (a JIT build would land in
 /tmp/ds-ext: the report's "jit_built" lists what did); it unpacks the libaio .debs into /tmp/aio and points
-LD_LIBRARY_PATH (and CPATH, LIBRARY_PATH, CFLAGS, LDFLAGS, should a build happen) there. Without a CUDA
-toolkit, CUDA_HOME is a stand-in in /tmp/aio/cuda made of torch's pip CUDA packages.
+LD_LIBRARY_PATH (and CPATH, LIBRARY_PATH, CFLAGS, LDFLAGS, should a build happen) there.
 --check-carried installs the carried set and, with every compiler and ninja replaced by a stand-in that
 fails, imports DeepSpeed and transformers, loads the ops, steps DeepSpeedCPUAdam and round-trips a file
 through async_io, and checks nothing was built (tools/fetch_deepspeed.sh runs it here in a Python 3.12
@@ -67,17 +66,6 @@ def clip(text, n=40):
 def link(src, dst):
     if not os.path.lexists(dst):
         os.symlink(src, dst)
-
-
-def merge_tree(src, dst):
-    """Links src's files under dst; a directory several packages have (include/crt) becomes a real one."""
-    os.makedirs(dst, exist_ok=True)
-    for name in os.listdir(src):
-        s, d = os.path.join(src, name), os.path.join(dst, name)
-        if os.path.isdir(s):
-            merge_tree(s, d)
-        else:
-            link(s, d)
 
 
 def run_checked(cmd, env=None):
@@ -133,7 +121,7 @@ def make_ds_config(cfg, shape, args):
     }
 
 
-# ---- the host: offline install, libaio, a CUDA_HOME should anything be built ---------------------------------------
+# ---- the host: offline install, libaio ---------------------------------------
 
 def aio_lib_dirs():
     return sorted({os.path.dirname(p) for p in glob.glob(AIO + "/**/libaio.so*", recursive=True)})
@@ -166,41 +154,6 @@ def ensure_libcuda():
         link(m.group(1), os.path.join(LIBDIR, "libcuda.so"))
 
 
-def cuda_home_standin():
-    """torch's cpp_extension and DeepSpeed's op builder want CUDA_HOME (include/, lib64/, bin/nvcc for its
-    version). Without a toolkit (torch found none), one made of torch's pip CUDA packages (nvidia/*)."""
-    if os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH") or shutil.which("nvcc") \
-            or os.path.isdir("/usr/local/cuda"):
-        return None
-    home = os.path.join(AIO, "cuda")
-    nvcc = os.path.join(home, "bin", "nvcc")
-    if os.path.exists(nvcc):
-        return home
-    import importlib.util
-    spec = importlib.util.find_spec("nvidia")
-    if spec is None or not spec.submodule_search_locations:
-        return None
-    ver = subprocess.run([sys.executable, "-c", "import torch; print(torch.version.cuda)"],
-                         capture_output=True, text=True).stdout.strip()
-    if not re.fullmatch(r"\d+\.\d+", ver):
-        return None
-    for sub in ("include", "lib64", "bin"):
-        os.makedirs(os.path.join(home, sub), exist_ok=True)
-    for base in spec.submodule_search_locations:
-        for inc in sorted(glob.glob(os.path.join(base, "*", "include"))):
-            merge_tree(inc, os.path.join(home, "include"))
-        for so in sorted(glob.glob(os.path.join(base, "*", "lib", "lib*.so*"))):
-            name = os.path.basename(so)
-            link(so, os.path.join(home, "lib64", name))
-            link(so, os.path.join(home, "lib64", name.split(".so")[0] + ".so"))  # what -lNAME looks for
-    with open(nvcc + ".tmp", "w") as f:
-        f.write(f'#!/bin/sh\ncase "$*" in *-V*|*--version*) echo "Cuda compilation tools, release {ver}, '
-                f'V{ver}.0"; exit 0;; esac\necho "nvcc stand-in: no CUDA toolkit on this host" >&2; exit 1\n')
-    os.chmod(nvcc + ".tmp", 0o755)
-    os.replace(nvcc + ".tmp", nvcc)
-    return home
-
-
 def host_env(host):
     """The children's environment: DeepSpeed on PYTHONPATH, libaio for the compiler and the loader."""
     env = dict(os.environ, DS_ACCELERATOR="cuda", DS_BUILD_OPS="0", DS_SKIP_CUDA_CHECK="1",
@@ -217,12 +170,8 @@ def host_env(host):
     prepend("LD_LIBRARY_PATH", libs)
     prepend("CFLAGS", [f"-I{d}" for d in inc], " ")   # what DeepSpeed's libaio probe (has_function) reads
     prepend("LDFLAGS", [f"-L{d}" for d in libs], " ")
-    standin = cuda_home_standin()
-    if standin:
-        env["CUDA_HOME"] = standin
     libaio = [p for d in libs for p in [os.path.join(d, "libaio.so")] if os.path.exists(p)]
     host.update(cxx=shutil.which("c++") or shutil.which("g++"), nvcc=shutil.which("nvcc"),
-                cuda_home=env.get("CUDA_HOME") or "(torch's own search)", cuda_home_standin=bool(standin),
                 libaio_carried=libaio[0] if libaio else None)
     return env
 

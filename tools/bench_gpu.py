@@ -196,6 +196,17 @@ def plan_of(args, cfg_path, bound=True):
     return json.loads(p.stdout)
 
 
+def capacity_bound(plan):
+    """The most parameters a machine could hold by `strata plan --json`'s figures: (HBM + RAM + free disk
+    - the plan's non-state bytes) / its state bytes per parameter. Returns (that, bytes per parameter,
+    non-state bytes); a capacity not measured (-1: the CPU device's own tier) counts 0."""
+    cap = plan["capacity_bytes"]
+    state = sum(plan["state_total_bytes"].values())
+    non_state = sum(plan["total_bytes"].values()) - state
+    per_param = state / plan["parameters"]
+    return (max(cap["device"], 0) + cap["host"] + cap["nvme"] - non_state) / per_param, per_param, non_state
+
+
 def bench_c(args):
     os.makedirs(args.dir, exist_ok=True)
     ensure_tokens("out/gpu-tokens.bin")
@@ -210,25 +221,18 @@ def bench_c(args):
             json.dump(cfg, f, indent=1)
         return plan_of(args, path, bound)
 
-    lo, hi = 1, 8
-    while config(hi)["fits"]:
-        lo, hi = hi, hi * 2
-        if hi > 4096:
-            sys.exit("the plan fits any model: is the capacity measured?")
-    if not config(lo)["fits"]:
+    from gpu_proof import PartStop, largest_true  # gpu-proof-2's part c searches the same way
+    try:
+        lo = largest_true(lambda n: config(n)["fits"], 8)
+    except PartStop as e:
+        sys.exit(f"the plan fits any model: is the capacity measured? ({e})")
+    if lo == 0:
         sys.exit("not even one layer fits")
-    while hi - lo > 1:
-        mid = (lo + hi) // 2
-        if config(mid)["fits"]:
-            lo = mid
-        else:
-            hi = mid
-    plan = config(lo, bound=True)
+    # Without the bound: the largest model leaves the disk no room for the NVMe probe's files (the training's
+    # metrics carry bound_s, from its own rates).
+    plan = config(lo)
     cap = plan["capacity_bytes"]
-    state = sum(plan["state_total_bytes"].values())
-    non_state = sum(plan["total_bytes"].values()) - state
-    per_param = state / plan["parameters"]
-    bound = (cap["device"] + cap["host"] + cap["nvme"] - non_state) / per_param
+    bound, per_param, non_state = capacity_bound(plan)
     print(f"(c) largest that fits: {lo} layers, {plan['parameters'] / 1e9:.2f}B parameters; bound (HBM {cap['device'] / 1e9:.1f}"
           f" + RAM {cap['host'] / 1e9:.1f} + disk {cap['nvme'] / 1e9:.1f} - non-state {non_state / 1e9:.1f} GB) / "
           f"{per_param:.1f} B/param = {bound / 1e9:.2f}B: {100 * plan['parameters'] / bound:.1f}%", flush=True)

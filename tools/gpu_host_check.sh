@@ -22,12 +22,10 @@
 # binaries that have GPU cases; `gpu-race` the race probe (tools/gpu_race.json: three GPU runs that must
 # agree bit for bit); `gpu-plans` `strata plan` of configs/gpu-*.json with every rate probed on the host;
 # `gpu-proof` all three and one round of (a) in one call; `gpu-b-trace` (b)'s plan, then B_STEPS
-# (default 3) of its steps with the trace; `gpu-b-schedules` (b) under run.schedule micro_batch and layer
-# in one call: each schedule's plan with the rates probed once, then B_STEPS (default 4) steps of each,
-# alternating, with the metrics (docs/design.md, "The step as a schedule"); `gpu-b-speculate` (b)'s
-# compute-only reference, then (b) under layer with optimizer.speculate off, on (traced) and on with every
-# step clipped, B_STEPS each (docs/design.md, "The optimizer behind the backward"); `gpu-b-determinism`
-# (b)'s first steps twice with run.deterministic on (they must agree bit for bit) and once off (its cost).
+# (default 3) of its steps with the trace; `gpu-b-schedules` and `gpu-b-speculate` part b of
+# gpu-proof-2 alone ((b) under layer with the optimizer behind the backward, under micro_batch, and clipped,
+# against its compute-only step), `gpu-b-determinism` its part det (run.deterministic: two runs bit for bit,
+# and the cost).
 # `gpu-proof-2` runs tools/gpu_proof.py: every part of the GPU proof's second round in one call of about
 # 9 minutes, a time budget per part (PROOF_BUDGET, PROOF_BUDGET_<PART>; PROOF_PARTS picks parts, e.g.
 # "c,d" for a second call), one line per part and $OUT/gpu-proof-2.json. DRY_RUN=1 runs that mode on this
@@ -215,111 +213,15 @@ for l in open('$work/m.jsonl'):
   tar czf "$DEST/gpu-b-trace.tgz" -C "$work" . 2>/dev/null || true
 fi
 
-if [ "$WHAT" = gpu-b-schedules ]; then
-  # (b) under both schedules: the plans (rates probed once, then given to both and to the runs), then
-  # B_STEPS steps of each schedule; prints step, bound, the optimizer and the compute's wait for it.
-  work="${TMPDIR:-/tmp}/gpu-b-schedules"
-  rm -rf "$work" && mkdir -p "$work" out/swap
-  python3 -c "import sys; sys.path.insert(0, 'tools'); import bench_gpu; bench_gpu.ensure_tokens('out/gpu-tokens.bin')"
-  timeout 120 "$BIN/strata" plan configs/gpu-b-llama8b.json --json --probe-seconds 1 >"$work/plan.json" 2>"$work/plan.err"
-  RATES=$(python3 -c "
-import json, sys
-sys.path.insert(0, 'tools')
-from plan_rates import run_rates
-print(' '.join(f'--set run.rates.{k}={v:.6g}' for k, v in run_rates(json.load(open('$work/plan.json'))['bound']['rates']).items()))")
-  for s in micro_batch layer; do
-    echo "== strata plan, run.schedule=$s"
-    timeout 60 "$BIN/strata" plan configs/gpu-b-llama8b.json --set run.schedule=$s $RATES 2>&1 | tee "$DEST/plan-b-$s.txt" |
-      grep -E 'schedule|^bound|^  (device|cpu adam|h2d|d2h|pcie|dependencies)|activations|saved|output'
-  done
-  for s in micro_batch layer; do
-    echo "== (b), run.schedule=$s, ${B_STEPS:-4} steps"
-    timeout "${B_TIMEOUT:-150}" "$BIN/strata" train configs/gpu-b-llama8b.json --steps "${B_STEPS:-4}" \
-      --set run.schedule=$s $RATES --set data.eval_interval=0 --metrics "$work/m-$s.jsonl" >"$work/log-$s.txt" 2>&1
-    echo "rc=$?"; grep -v '^train ' "$work/log-$s.txt" | cut -c1-240 | tail -4
-    python3 -c "
-import json
-for l in open('$work/m-$s.jsonl'):
-    d = json.loads(l)
-    print(f\"$s step {d['step']}: {d['step_s']:.3f} s, bound {d['bound_s']:.3f}, optimizer {d['optimizer_s']:.3f} (wait {d['optimizer_wait_s']:.3f}), {d['tokens_per_s']:.0f} tok/s, h2d {d['h2d_bytes'] / 1e9:.1f} GB, d2h {d['d2h_bytes'] / 1e9:.1f} GB\")
-" 2>&1 | tee -a "$DEST/gpu-b-schedules.txt"
-  done
-  cp "$work"/m-*.jsonl "$DEST/" 2>/dev/null || true
-fi
-
-if [ "$WHAT" = gpu-b-speculate ]; then
-  # (b) with the optimizer behind the backward (optimizer.speculate; docs/design.md): the compute-only
-  # reference (bench_train_torch --compute-only), then B_STEPS steps under run.schedule layer with the
-  # speculation off, on (traced), and on with every step clipped (gradient_clipping 1e-4: each
-  # speculation redone), the rates probed once and given to all; prints each step against the reference.
-  work="${TMPDIR:-/tmp}/gpu-b-speculate"
-  rm -rf "$work" && mkdir -p "$work" out/swap
-  python3 -c "import sys; sys.path.insert(0, 'tools'); import bench_gpu; bench_gpu.ensure_tokens('out/gpu-tokens.bin')"
-  echo "== compute-only reference"
-  timeout 150 "$BIN/bench_train_torch" --config configs/gpu-b-llama8b.json --compute-only --steps 3 --warmup 1 \
-    --device cuda 2>"$work/ref.err" | tail -1 | tee "$DEST/gpu-b-compute-only.json"
-  timeout 120 "$BIN/strata" plan configs/gpu-b-llama8b.json --json --probe-seconds 1 >"$work/plan.json" 2>"$work/plan.err"
-  RATES=$(python3 -c "
-import json, sys
-sys.path.insert(0, 'tools')
-from plan_rates import run_rates
-print(' '.join(f'--set run.rates.{k}={v:.6g}' for k, v in run_rates(json.load(open('$work/plan.json'))['bound']['rates']).items()))")
-  timeout 60 "$BIN/strata" plan configs/gpu-b-llama8b.json --set run.schedule=layer $RATES 2>&1 |
-    tee "$DEST/plan-b-speculate.txt" | grep -E 'schedule|behind|^bound|clipped|^  (device|cpu adam|h2d|d2h|pcie|dependencies)'
-  for v in off on clipped; do
-    # (b)'s gradient norm is about 23: its config's clipping at 1.0 would redo every speculation.
-    sets="--set run.schedule=layer --set optimizer.speculate=on --set gradient_clipping=10000"
-    [ "$v" = off ] && sets="--set run.schedule=layer --set optimizer.speculate=off --set gradient_clipping=10000"
-    [ "$v" = clipped ] && sets="$sets --set gradient_clipping=0.0001"
-    trace=""
-    [ "$v" = on ] && trace="--trace $DEST/trace-b-speculate.json"
-    echo "== (b), layer, speculate $v, ${B_STEPS:-4} steps"
-    timeout "${B_TIMEOUT:-150}" "$BIN/strata" train configs/gpu-b-llama8b.json --steps "${B_STEPS:-4}" $sets $trace \
-      $RATES --set data.eval_interval=0 --metrics "$work/m-$v.jsonl" >"$work/log-$v.txt" 2>&1
-    echo "rc=$?"; grep -v '^train ' "$work/log-$v.txt" | cut -c1-240 | tail -3
-    python3 -c "
-import json
-ref = json.loads(open('$DEST/gpu-b-compute-only.json').read().strip() or '{}')
-for l in open('$work/m-$v.jsonl'):
-    d = json.loads(l)
-    r = d['tokens_per_s'] / ref['tokens_per_s'] if ref.get('tokens_per_s') else float('nan')
-    print(f\"$v step {d['step']}: {d['step_s']:.3f} s ({r:.3f}x compute-only), bound {d['bound_s']:.3f}, optimizer {d['optimizer_s']:.3f} (hidden {d.get('optimizer_hidden_s', 0):.3f}, wait {d['optimizer_wait_s']:.3f}), {d.get('speculation', '-')}\")
-" 2>&1 | tee -a "$DEST/gpu-b-speculate.txt"
-  done
-  cp "$work"/m-*.jsonl "$DEST/" 2>/dev/null || true
-fi
-
-if [ "$WHAT" = gpu-b-determinism ]; then
-  # run.deterministic (docs/config.md): (b)'s first B_STEPS (default 2) steps twice with it on, which must
-  # agree bit for bit (losses and gradient norms), then once with it off: the ratio of tokens/s is its cost.
-  # B_CONFIG (default configs/gpu-b-llama8b.json) lets the dev machine dry-run the mode on a CPU config.
-  work="${TMPDIR:-/tmp}/gpu-b-determinism"
-  cfg=${B_CONFIG:-configs/gpu-b-llama8b.json}
-  rm -rf "$work" && mkdir -p "$work" out/swap
-  python3 -c "import sys; sys.path.insert(0, 'tools'); import bench_gpu; bench_gpu.ensure_tokens('out/gpu-tokens.bin')"
-  for v in on-1 on-2 off; do
-    det=true
-    [ "$v" = off ] && det=false
-    echo "== (b), run.deterministic $det ($v), ${B_STEPS:-2} steps"
-    timeout "${B_TIMEOUT:-150}" "$BIN/strata" train "$cfg" --steps "${B_STEPS:-2}" --set run.deterministic=$det \
-      --set data.eval_interval=0 --metrics "$work/m-$v.jsonl" >"$work/log-$v.txt" 2>&1
-    echo "rc=$?"; grep -E 'deterministic|error' "$work/log-$v.txt" | cut -c1-240 | tail -3
-  done
-  python3 - "$work" <<'PY' 2>&1 | tee "$DEST/gpu-b-determinism.txt"
-import json, struct, sys
-w = sys.argv[1]
-runs = {v: [json.loads(l) for l in open(f"{w}/m-{v}.jsonl") if l.strip()] for v in ("on-1", "on-2", "off")}
-bits = lambda x: "null" if x is None else struct.pack("<d", x).hex()
-for v, steps in runs.items():
-    for d in steps:
-        print(f"{v} step {d['step']}: loss {d['loss']!r} norm {d['grad_norm']!r} ({bits(d['grad_norm'])}), "
-              f"{d['step_s']:.3f} s, {d['tokens_per_s']:.0f} tok/s")
-same = [(a["loss"], bits(a["grad_norm"])) for a in runs["on-1"]] == [(b["loss"], bits(b["grad_norm"])) for b in runs["on-2"]]
-print("deterministic runs agree bit for bit:", same and len(runs["on-1"]) > 0)
-last = lambda v: runs[v][-1]["tokens_per_s"] if runs[v] else float("nan")
-print(f"cost: tokens/s on / off (last step) = {last('on-2') / last('off'):.3f}")
-PY
-  cp "$work"/m-*.jsonl "$DEST/" 2>/dev/null || true
+# (b) under both schedules with the optimizer behind the backward, and run.deterministic: parts b and det
+# of tools/gpu_proof.py (gpu-proof-2 runs them with the rest).
+case "$WHAT" in
+  gpu-b-schedules|gpu-b-speculate) part=b ;;
+  gpu-b-determinism) part=det ;;
+  *) part= ;;
+esac
+if [ -n "$part" ]; then
+  PYTHONUNBUFFERED=1 "$PY" "$ROOT/tools/gpu_proof.py" --bin "$BIN" --out "$DEST" --parts "$part" ${DRY_RUN:+--dry-run}
 fi
 
 case "$WHAT" in

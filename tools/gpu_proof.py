@@ -69,6 +69,7 @@ BUDGETS = {"suite": 40, "b": 160, "det": 70, "e": 35, "ranks": 30, "c": 95, "d":
 GRACE_S = 10  # a command past its time gets SIGTERM, then SIGKILL this much later
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
+import bench_gpu  # noqa: E402  (its token file, its capacity bound)
 from plan_rates import run_rates  # noqa: E402
 
 LOG = []
@@ -183,15 +184,10 @@ def bits(x):
 
 # ---- configs ---------------------------------------------------------------------------------------------
 
-def ensure_tokens(path, count=8_000_000, vocab=32000):
-    import bench_gpu
-    bench_gpu.ensure_tokens(path, count, vocab)
-
-
 def b_config(p):
     """(b)'s config; in a dry run a tiny CPU model with the optimizer half in RAM, half on NVMe."""
     if not p.args.dry_run:
-        ensure_tokens(os.path.join(ROOT, "out/gpu-tokens.bin"))
+        bench_gpu.ensure_tokens(os.path.join(ROOT, "out/gpu-tokens.bin"))
         cfg = json.load(open(os.path.join(ROOT, "configs/gpu-b-llama8b.json")))
         cfg["data"]["path"] = os.path.join(ROOT, cfg["data"]["path"])
         cfg["placement"]["nvme_path"] = os.path.join(p.work, "swap")
@@ -407,11 +403,7 @@ def part_c(p, res):
     pick = min(largest, largest_true(lambda n: n <= largest and nvme(n) < want, guess_pick - 1) + 1)
     res["plans"] = len(tried)
     top = tried[largest]
-    cap = top["capacity_bytes"]
-    state = sum(top["state_total_bytes"].values())
-    non_state = sum(top["total_bytes"].values()) - state
-    per_param = state / top["parameters"]
-    bound_params = (max(cap["device"], 0) + cap["host"] + cap["nvme"] - non_state) / per_param
+    bound_params = bench_gpu.capacity_bound(top)[0]
     plan_for(pick)  # c.json: the picked model
     plan = tried[pick]
     cfg = json.load(open(path))

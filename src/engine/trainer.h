@@ -78,6 +78,14 @@ struct StateBytes {
   int64_t total() const { return param16 + master + grad + optimizer; }
 };
 
+// run.deterministic (docs/config.md): LibTorch's deterministic algorithms
+// (warn_only: an op without one warns once instead of failing the run) and
+// CUBLAS_WORKSPACE_CONFIG=:4096:8, which they need on CUDA 10.2 and later
+// (unless the environment sets it). Call before the first CUDA work of the
+// process: cuBLAS reads the variable when it makes its handle. Off leaves
+// LibTorch's defaults alone. Returns what it set, for the start line.
+std::string apply_determinism(bool on);
+
 // Note [Recompute]
 // run.recompute decides how backward gets a layer's autograd graph. always:
 // the forward runs without autograd and keeps only each layer's input
@@ -116,14 +124,6 @@ struct StateBytes {
 // gradient path, the optimizer pass, checkpoints), whose buffers are all
 // sized at construction: nothing on the step's path allocates except
 // LibTorch's own activations and c10d's work handles. Not thread-safe.
-// run.deterministic (docs/config.md): LibTorch's deterministic algorithms
-// (warn_only: an op without one warns once instead of failing the run) and
-// CUBLAS_WORKSPACE_CONFIG=:4096:8, which they need on CUDA 10.2 and later
-// (unless the environment sets it). Call before the first CUDA work of the
-// process: cuBLAS reads the variable when it makes its handle. Off leaves
-// LibTorch's defaults alone. Returns what it set, for the start line.
-std::string apply_determinism(bool on);
-
 class Trainer {
  public:
   // Plans the placement for this machine, allocates and initialises all state
