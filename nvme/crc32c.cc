@@ -70,6 +70,17 @@ uint32_t x8n_mod_p(size_t bytes) {
   return p;
 }
 
+// x^n mod p, for the folding constants.
+uint32_t xn_mod_p(uint64_t n) {
+  uint32_t p = 1u << 31;   // x^0
+  uint32_t sq = 1u << 30;  // x^(2^k), from x^1
+  for (; n != 0; n >>= 1) {
+    if (n & 1) p = mult_mod_p(sq, p);
+    sq = mult_mod_p(sq, sq);
+  }
+  return p;
+}
+
 #if defined(__x86_64__)
 __attribute__((target("sse4.2"))) uint32_t hw_stream(uint32_t c, const unsigned char* p, size_t n) {
   uint64_t c64 = c;
@@ -156,21 +167,171 @@ __attribute__((target("sse4.2"))) void hw_blocks3(const unsigned char* p, size_t
   out[1] = ~hw_stream(uint32_t(c1), p1 + i, blk - i);
   out[2] = ~hw_stream(uint32_t(c2), p2 + i, blk - i);
 }
+
+// Note [Folding CRC]
+// A block's CRC by carry-less multiplication (VPCLMULQDQ), its bytes taken
+// as a polynomial over GF(2) as the CRC takes them: the CRC is the block's
+// polynomial D times x^32 mod P, and only D mod P matters. In a 128-bit lane
+// loaded from memory the CRC's bit order is reflected: bit i is the
+// coefficient of x^(127 - i). Splitting a lane into H (its low quadword,
+// the high-degree half) and L, H x^64 + L moved d bits further on is
+//   H x^(d + 64) + L x^d  =  H (x^(d + 63) mod P) x + L (x^(d - 1) mod P) x (mod P)
+// and the carry-less product of two reflected quadwords is their product
+// times x, so each lane folds over the next data lane d bits on with two
+// multiplications by 32-bit constants (placed in the quadword's high half,
+// their reflected degree 0 at bit 63) and an XOR, staying within 96 bits.
+// Several accumulators (vectors of lanes) fold by their combined width d, so
+// the multiplications of one do not wait for another's; at the end they fold
+// into one vector F by its width, and as D mod P = F mod P, the CRC of the
+// block is the crc32 instruction's CRC of F's bytes (from 0), with the CRC's
+// initial ~0 XORed into the block's first four bytes beforehand (what
+// starting the register at ~0 does) and the final inversion after. Reading
+// the block front to back as one stream keeps the hardware prefetcher ahead:
+// on this repository's EPYC dev VM (2026-11-27) 23-24 GB/s from memory
+// against 12-14 for three crc32 chains over three blocks, 52 against 28 in
+// cache (tests/nvme_test.cc's Crc32cTest checks every path on random data).
+
+struct FoldConstants {
+  uint64_t by256[2], by512[2], by1024[2];  // {H's, L's} constants for d bits
+  FoldConstants() {
+    auto make = [](uint64_t d, uint64_t* k) {
+      k[0] = uint64_t(xn_mod_p(d + 63)) << 32;
+      k[1] = uint64_t(xn_mod_p(d - 1)) << 32;
+    };
+    make(256, by256);
+    make(512, by512);
+    make(1024, by1024);
+  }
+};
+const FoldConstants& fold_constants() {
+  static const FoldConstants k;
+  return k;
+}
+
+// One block, 512-bit vectors: two accumulators 128 bytes apart.
+// REQUIRES: blk a multiple of 128, blk > 0.
+__attribute__((target("avx512f,avx512bw,avx512vl,vpclmulqdq,sse4.2"))) uint32_t fold512_block(
+    const unsigned char* p, size_t blk) {
+  const FoldConstants& c = fold_constants();
+  auto lanes = [](const uint64_t* k) {  // {H's, L's} in every lane
+    const auto h = static_cast<long long>(k[0]), l = static_cast<long long>(k[1]);
+    return std::array<long long, 2>{h, l};
+  };
+  const auto d2 = lanes(c.by1024), d1 = lanes(c.by512);
+  const __m512i k2 = _mm512_set_epi64(d2[1], d2[0], d2[1], d2[0], d2[1], d2[0], d2[1], d2[0]);
+  const __m512i k1 = _mm512_set_epi64(d1[1], d1[0], d1[1], d1[0], d1[1], d1[0], d1[1], d1[0]);
+  __m512i a0 = _mm512_xor_si512(_mm512_loadu_si512(p), _mm512_set_epi64(0, 0, 0, 0, 0, 0, 0, 0xFFFFFFFFu));
+  __m512i a1 = _mm512_loadu_si512(p + 64);
+  for (size_t off = 128; off < blk; off += 128) {
+    a0 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(a0, k2, 0x00), _mm512_clmulepi64_epi128(a0, k2, 0x11),
+                                   _mm512_loadu_si512(p + off), 0x96);  // XOR of the three
+    a1 = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(a1, k2, 0x00), _mm512_clmulepi64_epi128(a1, k2, 0x11),
+                                   _mm512_loadu_si512(p + off + 64), 0x96);
+  }
+  const __m512i f = _mm512_ternarylogic_epi64(_mm512_clmulepi64_epi128(a0, k1, 0x00),
+                                              _mm512_clmulepi64_epi128(a0, k1, 0x11), a1, 0x96);
+  alignas(64) uint64_t w[8];
+  _mm512_store_si512(reinterpret_cast<__m512i*>(w), f);
+  uint64_t crc = 0;
+  for (uint64_t v : w) crc = _mm_crc32_u64(crc, v);
+  return ~uint32_t(crc);
+}
+
+#define STRATA_FOLD256 __attribute__((target("avx2,vpclmulqdq,sse4.2")))
+STRATA_FOLD256 inline __m256i load256(const unsigned char* q) {
+  return _mm256_loadu_si256(reinterpret_cast<const __m256i*>(q));
+}
+// a's lanes folded d bits on (k: the constants for d) onto `next`.
+STRATA_FOLD256 inline __m256i fold256(__m256i a, __m256i k, __m256i next) {
+  return _mm256_xor_si256(_mm256_xor_si256(_mm256_clmulepi64_epi128(a, k, 0x00), _mm256_clmulepi64_epi128(a, k, 0x11)),
+                          next);
+}
+
+// One block, 256-bit vectors (AVX2 CPUs with VPCLMULQDQ): four accumulators
+// 128 bytes apart. REQUIRES: blk a multiple of 128, blk > 0.
+STRATA_FOLD256 uint32_t fold256_block(const unsigned char* p, size_t blk) {
+  const FoldConstants& c = fold_constants();
+  const __m256i k4 = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c.by1024)));
+  const __m256i k1 = _mm256_broadcastsi128_si256(_mm_loadu_si128(reinterpret_cast<const __m128i*>(c.by256)));
+  __m256i a[4];
+  for (int i = 0; i < 4; ++i) a[i] = load256(p + 32 * i);
+  a[0] = _mm256_xor_si256(a[0], _mm256_set_epi64x(0, 0, 0, 0xFFFFFFFFu));
+  for (size_t off = 128; off < blk; off += 128) {
+    for (int i = 0; i < 4; ++i) a[i] = fold256(a[i], k4, load256(p + off + 32 * i));
+  }
+  __m256i f = a[0];
+  for (int i = 1; i < 4; ++i) f = fold256(f, k1, a[i]);
+  alignas(32) uint64_t w[4];
+  _mm256_store_si256(reinterpret_cast<__m256i*>(w), f);
+  uint64_t crc = 0;
+  for (uint64_t v : w) crc = _mm_crc32_u64(crc, v);
+  return ~uint32_t(crc);
+}
+#undef STRATA_FOLD256
 #endif
 
 }  // namespace
 
-void crc32c_blocks(const void* data, size_t bytes, size_t block_bytes, uint32_t* out) {
+BlockCrc block_crc_best() {
+  for (BlockCrc impl : {BlockCrc::kFold512, BlockCrc::kFold256, BlockCrc::kThreeChains}) {
+    if (block_crc_available(impl)) return impl;
+  }
+  return BlockCrc::kSoftware;
+}
+
+bool block_crc_available(BlockCrc impl) {
+#if defined(__x86_64__)
+  // __builtin_cpu_supports also checks that the OS saves the vector state.
+  static const bool clmul = __builtin_cpu_supports("vpclmulqdq") && __builtin_cpu_supports("sse4.2");
+  static const bool avx512 = clmul && __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw") &&
+                             __builtin_cpu_supports("avx512vl");
+  static const bool avx2 = clmul && __builtin_cpu_supports("avx2");
+  switch (impl) {
+    case BlockCrc::kFold512: return avx512;
+    case BlockCrc::kFold256: return avx2;
+    case BlockCrc::kThreeChains: return crc32c_hardware_available();
+    case BlockCrc::kSoftware: return true;
+  }
+  return false;
+#else
+  return impl == BlockCrc::kSoftware;
+#endif
+}
+
+const char* block_crc_name(BlockCrc impl) {
+  switch (impl) {
+    case BlockCrc::kFold512: return "fold512";
+    case BlockCrc::kFold256: return "fold256";
+    case BlockCrc::kThreeChains: return "three-chains";
+    case BlockCrc::kSoftware: return "software";
+  }
+  return "?";
+}
+
+void crc32c_blocks_with(BlockCrc impl, const void* data, size_t bytes, size_t block_bytes, uint32_t* out) {
   const auto* p = static_cast<const unsigned char*>(data);
   const size_t full = bytes / block_bytes;
   size_t k = 0;
 #if defined(__x86_64__)
-  if (crc32c_hardware_available()) {
+  const bool folds = block_bytes % 128 == 0;
+  if (impl == BlockCrc::kFold512 && folds) {
+    for (; k < full; ++k) out[k] = fold512_block(p + k * block_bytes, block_bytes);
+  } else if (impl == BlockCrc::kFold256 && folds) {
+    for (; k < full; ++k) out[k] = fold256_block(p + k * block_bytes, block_bytes);
+  } else if (impl != BlockCrc::kSoftware && crc32c_hardware_available()) {
     for (; k + 3 <= full; k += 3) hw_blocks3(p + k * block_bytes, block_bytes, out + k);
   }
 #endif
-  for (; k < full; ++k) out[k] = crc32c(p + k * block_bytes, block_bytes);
-  if (bytes % block_bytes != 0) out[full] = crc32c(p + full * block_bytes, bytes % block_bytes);
+  auto one = [impl](const unsigned char* q, size_t n) {
+    return impl == BlockCrc::kSoftware ? crc32c_software(q, n) : crc32c(q, n);
+  };
+  for (; k < full; ++k) out[k] = one(p + k * block_bytes, block_bytes);
+  if (bytes % block_bytes != 0) out[full] = one(p + full * block_bytes, bytes % block_bytes);
+}
+
+void crc32c_blocks(const void* data, size_t bytes, size_t block_bytes, uint32_t* out) {
+  static const BlockCrc best = block_crc_best();
+  crc32c_blocks_with(best, data, bytes, block_bytes, out);
 }
 
 uint32_t crc32c_software(const void* data, size_t bytes, uint32_t crc) {

@@ -452,7 +452,7 @@ void SwapStore::check_range(const Region& r, int64_t offset, int64_t bytes,
 namespace {
 
 // Blocks per checksum chunk: what one thread checksums at a time (192 KiB of
-// 4 KiB blocks; three blocks side by side, crc32c_blocks).
+// 4 KiB blocks; crc32c_blocks, Note [Folding CRC] in crc32c.cc).
 constexpr int64_t kChecksumChunkBlocks = 48;
 
 // The CRC-32C of blocks [0, blocks) of `data` (the last one `last_len`

@@ -333,6 +333,28 @@ TEST(CliTest, SmallDisksGetThePlansVerdictAndKeepNoFiles) {
   }
 }
 
+// `strata bench-crc --json`: a roof and every implementation the CPU has,
+// the one in use among them; a buffer not in whole blocks is one line, exit 2.
+TEST(CliTest, BenchCrcTimesEachImplementationAgainstTheRoof) {
+  Result r = run_strata("bench-crc --bytes 1048576 --cache-bytes 65536 --reps 1 --json");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const auto j = nlohmann::json::parse(r.output);
+  std::vector<std::string> names;
+  for (const auto& v : j.at("variants")) {
+    names.push_back(v.at("name").get<std::string>());
+    EXPECT_GT(v.at("memory_gbps").get<double>(), 0.0) << v.dump();
+    EXPECT_GT(v.at("cache_gbps").get<double>(), 0.0) << v.dump();
+  }
+  ASSERT_GE(names.size(), 3u) << r.output;  // roof, a table, and the used one
+  EXPECT_EQ(names.front(), "roof");
+  EXPECT_EQ(names.back(), "software");
+  EXPECT_NE(std::find(names.begin(), names.end(), j.at("used").get<std::string>()), names.end()) << r.output;
+  r = run_strata("bench-crc --bytes 10000 --reps 1");
+  EXPECT_EQ(r.code, 2);
+  EXPECT_EQ(count_lines(r.output), 1) << r.output;
+  EXPECT_NE(r.output.find("--bytes"), std::string::npos) << r.output;
+}
+
 TEST(CliTest, MissingConfigFileExits2WithOneLine) {
   TempDir dir;
   Result r = run_strata("train " + dir.file("nope.json"));

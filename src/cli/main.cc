@@ -6,6 +6,7 @@
 #include <exception>
 
 #include "cli/bench_adam.h"
+#include "cli/bench_crc.h"
 #include "cli/bench_io.h"
 #include "cli/export.h"
 #include "cli/launch.h"
@@ -34,6 +35,7 @@ int main(int argc, char** argv) {
   strata::register_export(app, result);
   strata::register_bench_io(app, result);
   strata::register_bench_adam(app);
+  strata::register_bench_crc(app);
   try {
     app.parse(argc, argv);
   } catch (const CLI::ParseError& e) {
