@@ -76,6 +76,15 @@ TEST(PlacementTest, DeepSpeedOptimizerOffloadToCpuAndNvmeWithRatio) {
   // buffer_count 4 -> a pipeline of 8 staging sets, the least above 1 (Note [Optimizer pipeline]).
   EXPECT_EQ(nvme.staging.opt_sets, 8);
   EXPECT_EQ(nvme.staging.opt_state, 8 * 65536 * 12);
+  // More sets read further ahead, up to 128.
+  for (auto [count, sets] : {std::pair<int, int>{40, 40}, {1000, 128}}) {
+    PlacementPlan deep = make_plan(
+        config_with({"zero_optimization.offload_optimizer={\"device\":\"nvme\",\"nvme_path\":\"/tmp/x\","
+                     "\"ratio\":0.25,\"buffer_count\":" + std::to_string(count) + "}"}),
+        layout, 0, unlimited());
+    EXPECT_EQ(deep.staging.opt_sets, sets) << count;
+    EXPECT_EQ(deep.staging.opt_state, int64_t(sets) * 65536 * 12) << count;
+  }
   EXPECT_EQ(nvme.staging.opt_grad + nvme.staging.opt_emit, 0);
   EXPECT_EQ(nvme.nvme_paths, std::vector<std::string>{"/tmp/x"});
   // Different directories for parameters and optimizer state: all of them are used.

@@ -65,7 +65,10 @@ def make_config(args, share, swap_dir, metrics, overlap=None, checksums=True, io
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.0},
                       # The optimizer behind the backward (docs/design.md), for the sweep only.
                       "speculate": speculate or (args.speculate if overlap is None else "off")},
-        "zero_optimization": {"stage": 3, "sub_group_size": args.sub_group_size},
+        "zero_optimization": {"stage": 3, "sub_group_size": args.sub_group_size,
+                              # The optimizer pipeline's staging sets (docs/config.md).
+                              "offload_optimizer": {"device": "nvme", "nvme_path": swap_dir,
+                                                    "buffer_count": args.buffer_count}},
         "placement": {"param16": {"device": 1.0}, "grad": {"host": 1.0}, "optimizer": split,
                       "nvme_path": swap_dir},
         "aio": {"block_size": parse_size(args.block_size), "queue_depth": args.queue_depth,
@@ -159,6 +162,9 @@ def main():
     ap.add_argument("--seq-len", type=int, default=128)
     ap.add_argument("--micro-batch", type=int, default=1)
     ap.add_argument("--sub-group-size", type=int, default=10_000_000)
+    ap.add_argument("--buffer-count", type=int, default=4,
+                    help="zero_optimization.offload_optimizer.buffer_count: the optimizer pipeline's staging "
+                         "sets, max(N, 8) up to 128 (the placement block still decides each share)")
     ap.add_argument("--block-size", default="4M")
     ap.add_argument("--queue-depth", type=int, default=32)
     ap.add_argument("--rings", type=int, default=2)

@@ -293,7 +293,7 @@ inline constexpr int64_t kPipelineChunkElems = int64_t(1) << 20;
 // MB in flight: on the dev VM's disk the optimizer at 100% NVMe took 2.6-2.9x
 // longer with 3 sets than with 8 (BENCHMARKS.md, "Tiered placement").
 inline int pipeline_depth(int64_t buffer_count) {
-  return buffer_count <= 1 ? 1 : int(std::clamp<int64_t>(buffer_count, 8, 16));
+  return buffer_count <= 1 ? 1 : int(std::clamp<int64_t>(buffer_count, 8, 128));
 }
 int64_t pipeline_piece_numel(const PlacementPlan& plan);
 std::vector<PlacementUnit> pipeline_pieces(const PlacementPlan& plan);
