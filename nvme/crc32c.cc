@@ -187,9 +187,10 @@ __attribute__((target("sse4.2"))) void hw_blocks3(const unsigned char* p, size_t
 // initial ~0 XORed into the block's first four bytes beforehand (what
 // starting the register at ~0 does) and the final inversion after. Reading
 // the block front to back as one stream keeps the hardware prefetcher ahead:
-// on this repository's EPYC dev VM (2026-11-27) 23-24 GB/s from memory
-// against 12-14 for three crc32 chains over three blocks, 52 against 28 in
-// cache (tests/nvme_test.cc's Crc32cTest checks every path on random data).
+// with 512-bit vectors, at the memory read roof on the dev VM, twice the
+// three crc32 chains over three blocks, and 1.9x them in cache
+// (BENCHMARKS.md, "Swap checksums"; `strata bench-crc`). Crc32cTest in
+// tests/nvme_test.cc checks every implementation against the table.
 
 struct FoldConstants {
   uint64_t by256[2], by512[2], by1024[2];  // {H's, L's} constants for d bits
