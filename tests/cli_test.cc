@@ -349,6 +349,9 @@ TEST(CliTest, BenchCrcTimesEachImplementationAgainstTheRoof) {
   EXPECT_EQ(names.front(), "roof");
   EXPECT_EQ(names.back(), "software");
   EXPECT_NE(std::find(names.begin(), names.end(), j.at("used").get<std::string>()), names.end()) << r.output;
+  // A cache buffer larger than the memory one (its CRCs outnumber the other's).
+  r = run_strata("bench-crc --bytes 65536 --cache-bytes 262144 --reps 1");
+  EXPECT_EQ(r.code, 0) << r.output;
   r = run_strata("bench-crc --bytes 10000 --reps 1");
   EXPECT_EQ(r.code, 2);
   EXPECT_EQ(count_lines(r.output), 1) << r.output;

@@ -78,9 +78,12 @@ void run_bench_crc(const BenchCrcOptions& o) {
   };
   auto big = alloc(o.bytes), small = alloc(o.cache_bytes);
   uint64_t x = 0x9E3779B97F4A7C15ull;  // any bytes; not zeros, which a CPU may treat specially
-  for (int64_t i = 0; i < o.bytes; ++i) big.get()[i] = static_cast<unsigned char>((x = x * 6364136223846793005ull + 1) >> 56);
-  std::copy(big.get(), big.get() + o.cache_bytes, small.get());
-  std::vector<uint32_t> out(size_t(o.bytes / o.block + 1));
+  auto fill = [&x](unsigned char* p, int64_t bytes) {
+    for (int64_t i = 0; i < bytes; ++i) p[i] = static_cast<unsigned char>((x = x * 6364136223846793005ull + 1) >> 56);
+  };
+  fill(big.get(), o.bytes);
+  fill(small.get(), o.cache_bytes);
+  std::vector<uint32_t> out(size_t(std::max(o.bytes, o.cache_bytes) / o.block + 1));
 
   std::vector<BlockCrc> impls;
   for (BlockCrc i : {BlockCrc::kFold512, BlockCrc::kFold256, BlockCrc::kThreeChains, BlockCrc::kSoftware}) {
