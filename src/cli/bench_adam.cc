@@ -26,6 +26,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/bench_stats.h"
 #include "cpu_adam/adam.h"
 #include "util/errors.h"
 #include "util/logging.h"
@@ -126,12 +127,6 @@ void roof_range_sse2(float* p, const float* g, float* m, float* v, int64_t begin
     m[i] += g[i];
     v[i] += g[i];
   }
-}
-
-double median(std::vector<double> xs) {
-  std::sort(xs.begin(), xs.end());
-  const size_t n = xs.size();
-  return n % 2 == 1 ? xs[n / 2] : 0.5 * (xs[n / 2 - 1] + xs[n / 2]);
 }
 
 template <class Fn>

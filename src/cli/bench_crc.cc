@@ -23,6 +23,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/bench_stats.h"
 #include "nvme/crc32c.h"
 #include "util/errors.h"
 #include "util/logging.h"
@@ -39,12 +40,6 @@ struct BenchCrcOptions {
   int reps = 9;
   bool json = false;
 };
-
-double median(std::vector<double> xs) {
-  std::sort(xs.begin(), xs.end());
-  const size_t n = xs.size();
-  return n % 2 == 1 ? xs[n / 2] : 0.5 * (xs[n / 2 - 1] + xs[n / 2]);
-}
 
 // Defeats dead-code elimination of the roof's sum and the CRCs.
 volatile uint64_t g_sink = 0;

@@ -7,6 +7,7 @@
 #include <string>
 #include <vector>
 
+#include "cli/bench_stats.h"
 #include "nvme/bench.h"
 #include "util/errors.h"
 #include "util/logging.h"
@@ -65,12 +66,6 @@ std::string size_label(int64_t bytes) {
   if (bytes % (int64_t(1) << 20) == 0) return std::to_string(bytes >> 20) + "M";
   if (bytes % 1024 == 0) return std::to_string(bytes >> 10) + "K";
   return std::to_string(bytes);
-}
-
-double median(std::vector<double> v) {
-  std::sort(v.begin(), v.end());
-  const size_t n = v.size();
-  return n == 0 ? 0.0 : n % 2 ? v[n / 2] : 0.5 * (v[n / 2 - 1] + v[n / 2]);
 }
 
 struct Config {
