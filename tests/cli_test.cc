@@ -89,7 +89,7 @@ TEST(CliTest, DeepSpeedMonitorsWriteTensorBoardAndCsvFiles) {
   d["run"]["log_level"] = "info";
   r = run_strata("train " + write_config(dir, d));
   ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_NE(r.output.find("run.deterministic: deterministic algorithms on (warn where none exists), "
+  EXPECT_NE(r.output.find("run.deterministic: deterministic algorithms on (an op without one is an error), "
                           "CUBLAS_WORKSPACE_CONFIG=:4096:8"),
             std::string::npos)
       << r.output;

@@ -146,8 +146,7 @@ TEST(ModelTest, LayerForwardAndGradientsMatchTorchNn) {
   const BlockLayout& bl = layout.block(1);  // layer.0
   ASSERT_EQ(bl.name, "layer.0");
   torch::Tensor flat = torch::zeros({bl.padded_numel});
-  at::Generator gen = at::detail::createCPUGenerator(42);
-  init_block(bl, flat, gen);
+  init_block(bl, flat, 42, 1);
   // Norm weights are ones at init; perturb them so their gradient path is tested.
   std::vector<torch::Tensor> views = param_views(bl, flat);
   views[0].add_(torch::randn_like(views[0]) * 0.1);
@@ -248,6 +247,64 @@ TEST(ModelTest, FamiliesAddTheirParametersAfterLlamas) {
   EXPECT_EQ(qwen3[9].name, "q_norm");
   EXPECT_EQ(qwen3[9].shape, (std::vector<int64_t>{32}));
   for (size_t i = 0; i < 9; ++i) EXPECT_EQ(qwen2[i].name, llama[i].name);
+}
+
+// Note [Initial weights]: chunked draws, the same whatever the thread count,
+// each chunk from its own seed, with the distribution each parameter asks for.
+TEST(ModelTest, InitialWeightsDependOnSeedAndShapeNotThreads) {
+  ModelConfig c = small_model(false, 0);
+  c.dim = 1024;
+  c.ffn_hidden = 1536;  // w1, w3, w2: 1.5 Mi elements, two chunks each
+  Model model(c);
+  StateLayout layout(model.layout_specs(), 1);
+  const BlockLayout& l0 = layout.block(1);
+  const BlockLayout& l1 = layout.block(2);
+  ASSERT_EQ(l0.name, "layer.0");
+  const int threads = at::get_num_threads();
+  auto draw = [&](const BlockLayout& bl, size_t index, int n_threads) {
+    at::set_num_threads(n_threads);
+    torch::Tensor flat = torch::full({bl.padded_numel}, -7.0f);
+    init_block(bl, flat, 1234, index);
+    at::set_num_threads(threads);
+    return flat;
+  };
+  const torch::Tensor one = draw(l0, 1, 1), two = draw(l0, 1, 2);
+  EXPECT_TRUE(torch::equal(one, two)) << "the weights depend on the thread count";
+  ASSERT_EQ(l1.padded_numel, l0.padded_numel);
+  EXPECT_FALSE(torch::equal(one, draw(l1, 2, 2))) << "layer.1 drew layer.0's values";
+  const torch::Tensor other_seed = torch::zeros({l0.padded_numel});
+  init_block(l0, other_seed, 1235, 1);
+  EXPECT_FALSE(torch::equal(one.narrow(0, 0, l0.numel), other_seed.narrow(0, 0, l0.numel)));
+  // Padding is left alone.
+  if (l0.padded_numel > l0.numel) {
+    EXPECT_TRUE(torch::all(one.narrow(0, l0.numel, l0.padded_numel - l0.numel) == -7.0f).item<bool>());
+  }
+  std::vector<torch::Tensor> views = param_views(l0, one);
+  int multi_chunk = 0;
+  for (size_t i = 0; i < l0.params.size(); ++i) {
+    const ParamSpec& s = l0.params[i].spec;
+    const torch::Tensor v = views[i].reshape({-1});
+    if (s.init == Init::kOnes) {
+      EXPECT_TRUE(torch::all(v == 1.0f).item<bool>()) << s.name;
+      continue;
+    }
+    ASSERT_EQ(s.init, Init::kNormal) << s.name;
+    EXPECT_NEAR(v.std().item<double>(), s.std, 0.02 * s.std) << s.name;
+    EXPECT_NEAR(v.mean().item<double>(), 0.0, 0.05 * s.std) << s.name;
+    // Chunk k is the first draws of its own generator.
+    for (int64_t k = 0; k * kInitChunk < v.numel(); ++k) {
+      const int64_t count = std::min(kInitChunk, v.numel() - k * kInitChunk);
+      at::Generator gen = at::detail::createCPUGenerator(init_chunk_seed(1234, 1, i, k));
+      const torch::Tensor expect = torch::empty({count}).normal_(0.0, s.std, gen);
+      EXPECT_TRUE(torch::equal(v.narrow(0, k * kInitChunk, count), expect)) << s.name << " chunk " << k;
+    }
+    if (v.numel() > kInitChunk) {
+      ++multi_chunk;
+      const int64_t n = std::min(kInitChunk, v.numel() - kInitChunk);
+      EXPECT_FALSE(torch::equal(v.narrow(0, 0, n), v.narrow(0, kInitChunk, n))) << s.name << ": chunks repeat";
+    }
+  }
+  EXPECT_EQ(multi_chunk, 3) << "w1, w3 and w2 span two chunks";
 }
 
 TEST(ModelTest, ParamViewsShareTheFlatBufferAndLayoutIsAligned) {

@@ -94,13 +94,12 @@ int main(int argc, char** argv) {
     const bool recompute = cfg.run.recompute == strata::Recompute::kAlways;
     // Weights: fp32 master per parameter (initialised as Strata does, seed
     // run.seed), a working copy in the compute dtype whose views are leaves.
-    at::Generator gen = at::detail::createCPUGenerator(cfg.run.seed);
     std::vector<std::vector<at::Tensor>> work(layout.num_blocks());
     std::vector<at::Tensor> p_master, p_work, m1, m2, steps_t;
     for (size_t b = 0; b < layout.num_blocks(); ++b) {
       const strata::BlockLayout& bl = layout.block(b);
       at::Tensor flat = at::zeros({bl.padded_numel}, at::kFloat);
-      strata::init_block(bl, flat, gen);
+      strata::init_block(bl, flat, cfg.run.seed, b);
       for (const at::Tensor& v : strata::param_views(bl, flat)) {
         at::Tensor w = v.to(dev, dt).contiguous().detach().requires_grad_(true);
         work[b].push_back(w);
@@ -115,6 +114,7 @@ int main(int argc, char** argv) {
     }
     const int64_t B = cfg.train_micro_batch_size_per_gpu, T = cfg.model.seq_len;
     const int64_t accum = cfg.gradient_accumulation_steps;
+    at::Generator gen = at::detail::createCPUGenerator(cfg.run.seed);
     at::Tensor tokens = at::randint(cfg.model.vocab_size, {accum, B, T + 1}, gen, at::TensorOptions().dtype(at::kLong))
                             .to(dev);  // drawn from the seeded generator: two runs see the same tokens
     const double max_norm = cfg.gradient_clipping;

@@ -26,9 +26,9 @@
 # gpu-proof-2 alone ((b) under layer with the optimizer behind the backward, under micro_batch, and clipped,
 # against its compute-only step), `gpu-b-determinism` its part det (run.deterministic: two runs bit for bit,
 # and the cost).
-# `gpu-proof-2` runs tools/gpu_proof.py: every part of the GPU proof's second round in one call of about
-# 9 minutes, a time budget per part (PROOF_BUDGET, PROOF_BUDGET_<PART>; PROOF_PARTS picks parts, e.g.
-# "c,d" for a second call), one line per part and $OUT/gpu-proof-2.json. DRY_RUN=1 runs that mode on this
+# `gpu-proof-2` runs tools/gpu_proof.py: the parts of the GPU proof's second round in a call of about
+# 9 minutes, a time budget per part (PROOF_BUDGET, PROOF_BUDGET_<PART>; PROOF_PARTS picks parts: on a lent
+# host every part takes two calls, "suite,b,det,e,ranks" then "c,d"), one line per part and $OUT/gpu-proof-2.json. DRY_RUN=1 runs that mode on this
 # machine's CPU with tiny configs and the build folder's binaries (BIN=build PYTHON=.venv/bin/python: what
 # the test GpuProofDryRun does); it copies nothing into the build folder.
 # `all` includes none of the GPU modes.

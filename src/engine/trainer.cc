@@ -10,6 +10,7 @@
 #include <torch/csrc/autograd/autograd.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cmath>
 #include <cstdlib>
 #include <cstring>
@@ -22,6 +23,7 @@
 #include "util/errors.h"
 #include "util/fs.h"
 #include "util/logging.h"
+#include "util/progress.h"
 #include "util/trace.h"
 
 namespace strata {
@@ -496,10 +498,14 @@ void Trainer::load_checkpoint(CheckpointReader& reader) {
 std::string apply_determinism(bool on) {
   if (!on) return "";
   ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
-  at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/true);
+  // Not warn_only: LibTorch's cuDNN and flash attention backwards pick their
+  // deterministic algorithm only when a non-deterministic op is an error
+  // (warn_only left them atomic: BENCHMARKS.md, "GPU, round 2"); an op with no
+  // deterministic implementation then stops the run naming itself.
+  at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
   at::globalContext().setDeterministicCuDNN(true);
   at::globalContext().setBenchmarkCuDNN(false);
-  return std::string("deterministic algorithms on (warn where none exists), CUBLAS_WORKSPACE_CONFIG=") +
+  return std::string("deterministic algorithms on (an op without one is an error), CUBLAS_WORKSPACE_CONFIG=") +
          std::getenv("CUBLAS_WORKSPACE_CONFIG");
 }
 
@@ -698,23 +704,32 @@ Trainer::~Trainer() {
   }
 }
 
-// One generator, blocks initialised in model order: every rank draws every
-// block (the draws follow the unpadded parameters in model order) and keeps
-// its shard, so the same seed gives the same weights whatever the placement
-// or world size.
+// Every rank draws every block and keeps its shard; the draws depend on the
+// seed and the model's shape alone (Note [Initial weights] in model/model.cc),
+// so the same seed gives the same weights whatever the placement, threads or
+// world size.
 // With model.init_from, the weights come from Hugging Face safetensors
 // instead, one block at a time.
+constexpr int64_t kInitProgressNumel = int64_t(1) << 30;
+
 void Trainer::initialise_state(const PlacementPlan& plan) {
-  at::Generator gen = at::detail::createCPUGenerator(cfg_.run.seed);
   std::unique_ptr<SafetensorsSet> hf;
   if (!cfg_.model.init_from.empty()) hf = std::make_unique<SafetensorsSet>(cfg_.model.init_from);
   // Start-up only: host memory for a block's fp32 weights and its working copy
   // (4 KiB-aligned for NVMe).
   HostBuffer master_mem(size_t(plan.largest_block_numel * 4), "initial weights");
   HostBuffer working_mem(size_t(plan.largest_block_numel * ctx_.compute_bytes), "initial working copy");
+  // A model of a billion elements or more takes seconds to tens of seconds here.
+  std::unique_ptr<ProgressBar> bar;
+  if (ctx_.shard_rank == 0 && layout_.total_numel() >= kInitProgressNumel) {
+    bar = std::make_unique<ProgressBar>(hf ? "load weights" : "init weights", int64_t(layout_.num_blocks()));
+  }
+  double draw_s = 0.0;  // for the start line: drawing (or reading) against the rest
+  const auto start = std::chrono::steady_clock::now();
   for (size_t b = 0; b < layout_.num_blocks(); ++b) {
     const BlockLayout& bl = layout_.block(b);
     const int64_t n = bl.shard_numel();
+    const auto t0 = std::chrono::steady_clock::now();
     at::Tensor master = at::from_blob(master_mem.data(), {bl.padded_numel}, at::TensorOptions().dtype(at::kFloat));
     master.zero_();
     if (hf) {
@@ -730,15 +745,22 @@ void Trainer::initialise_state(const PlacementPlan& plan) {
         hf->read_f32(name, master.data_ptr<float>() + p.offset);
       }
     } else {
-      init_block(bl, master, gen);
+      init_block(bl, master, cfg_.run.seed, b);
     }
+    const auto drawn = std::chrono::steady_clock::now();
+    draw_s += std::chrono::duration<double>(drawn - t0).count();
     state_->write(Category::kMaster, ctx_.shard_offset[b], n, master.data_ptr<float>() + ctx_.shard_rank * n);
     at::Tensor working =
         at::from_blob(working_mem.data(), {bl.padded_numel}, at::TensorOptions().dtype(ctx_.compute_dtype));
     working.copy_(master);
     state_->write(Category::kParam16, ctx_.shard_offset[b], n,
                   working_mem.as<std::byte>() + ctx_.shard_rank * n * ctx_.compute_bytes);
+    if (bar) bar->update(int64_t(b) + 1, bl.name);
   }
+  bar.reset();
+  log::info("initial weights: %s in %.1f s on %d threads, written to their tiers in %.1f s",
+            hf ? "read" : "drawn", draw_s, at::get_num_threads(),
+            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() - draw_s);
   // Adam moments start at zero; resident homes are zero already, swapped ones
   // are written once so that reading them is valid. The zeros come from the
   // optimizer's exp_avg staging (zero-initialised, `sets` pieces long): a

@@ -79,7 +79,7 @@ struct StateBytes {
 };
 
 // run.deterministic (docs/config.md): LibTorch's deterministic algorithms
-// (warn_only: an op without one warns once instead of failing the run) and
+// (strict: an op without one fails the step naming itself) and
 // CUBLAS_WORKSPACE_CONFIG=:4096:8, which they need on CUDA 10.2 and later
 // (unless the environment sets it). Call before the first CUDA work of the
 // process: cuBLAS reads the variable when it makes its handle. Off leaves

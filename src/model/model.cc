@@ -1,6 +1,15 @@
 #include "model/model.h"
 
+#include <ATen/CPUGeneratorImpl.h>
+#include <ATen/Parallel.h>
+#include <ATen/core/Generator.h>
+#include <oneapi/tbb/blocked_range.h>
+#include <oneapi/tbb/parallel_for.h>
+#include <oneapi/tbb/task_arena.h>
+
+#include <algorithm>
 #include <cmath>
+#include <vector>
 
 #include "util/errors.h"
 
@@ -206,17 +215,67 @@ std::vector<at::Tensor> param_views(const BlockLayout& layout, const at::Tensor&
   return views;
 }
 
-void init_block(const BlockLayout& layout, const at::Tensor& flat_block, at::Generator& gen) {
-  STRATA_CHECK(flat_block.scalar_type() == at::kFloat, "init writes fp32 master weights");
-  std::vector<at::Tensor> views = param_views(layout, flat_block);
-  for (size_t i = 0; i < views.size(); ++i) {
-    const ParamSpec& s = layout.params[i].spec;
-    switch (s.init) {
-      case Init::kNormal: views[i].normal_(0.0, s.std, gen); break;
-      case Init::kOnes: views[i].fill_(1.0); break;
-      case Init::kZeros: views[i].zero_(); break;
+namespace {
+
+// splitmix64's finaliser: a 64-bit mix whose every output bit depends on every
+// input bit, so neighbouring keys give unrelated generator seeds.
+uint64_t mix64(uint64_t x) {
+  x += 0x9E3779B97F4A7C15ull;
+  x = (x ^ (x >> 30)) * 0xBF58476D1CE4E5B9ull;
+  x = (x ^ (x >> 27)) * 0x94D049BB133111EBull;
+  return x ^ (x >> 31);
+}
+
+}  // namespace
+
+uint64_t init_chunk_seed(uint64_t seed, size_t block_index, size_t param_index, int64_t chunk) {
+  uint64_t h = mix64(seed);
+  h = mix64(h ^ uint64_t(block_index));
+  h = mix64(h ^ uint64_t(param_index));
+  return mix64(h ^ uint64_t(chunk));
+}
+
+// Note [Initial weights]
+// A parameter's normal draws come in chunks of kInitChunk elements, chunk c of
+// parameter p of block b from its own generator seeded by
+// init_chunk_seed(run.seed, b, p, c). The chunks are independent, so they are
+// drawn on every intra-op thread (one generator drew 8 B parameters in about
+// 50 s on the H200 host, the start-up's largest part: BENCHMARKS.md, "GPU,
+// round 2"), and the values depend on the seed and the model's shape alone:
+// not on threads, placement, world size or the order blocks are drawn in.
+void init_block(const BlockLayout& layout, const at::Tensor& flat_block, uint64_t seed, size_t block_index) {
+  STRATA_CHECK(flat_block.scalar_type() == at::kFloat && flat_block.is_contiguous(), "init writes fp32 master weights");
+  STRATA_CHECK(flat_block.numel() >= layout.padded_numel, "init's buffer is smaller than its block");
+  struct Chunk {
+    size_t param;
+    int64_t index, start, count;
+  };
+  std::vector<Chunk> chunks;
+  for (size_t i = 0; i < layout.params.size(); ++i) {
+    const ParamLayout& p = layout.params[i];
+    const int64_t n = p.spec.numel();
+    switch (p.spec.init) {
+      case Init::kNormal:
+        for (int64_t c = 0; c * kInitChunk < n; ++c) {
+          chunks.push_back({i, c, p.offset + c * kInitChunk, std::min(kInitChunk, n - c * kInitChunk)});
+        }
+        break;
+      case Init::kOnes: flat_block.narrow(0, p.offset, n).fill_(1.0); break;
+      case Init::kZeros: flat_block.narrow(0, p.offset, n).zero_(); break;
     }
   }
+  // oneTBB, not at::parallel_for: this library is built without OpenMP, which
+  // would make LibTorch's inline parallel_for run serially here.
+  tbb::task_arena arena(std::max(1, at::get_num_threads()));
+  arena.execute([&] {
+    tbb::parallel_for(tbb::blocked_range<size_t>(0, chunks.size(), 1), [&](const tbb::blocked_range<size_t>& r) {
+      for (size_t k = r.begin(); k < r.end(); ++k) {
+        const Chunk& c = chunks[k];
+        at::Generator gen = at::detail::createCPUGenerator(init_chunk_seed(seed, block_index, c.param, c.index));
+        flat_block.narrow(0, c.start, c.count).normal_(0.0, layout.params[c.param].spec.std, gen);
+      }
+    });
+  });
 }
 
 }  // namespace strata

@@ -82,8 +82,13 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps);
 // Rotary embedding, "rotate half" form, over x [B, H, T, head_dim].
 at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin);
 
-// Fills `flat_block` (fp32) with the initial values of block `b`'s parameters
-// drawn from `gen`; padding stays zero.
-void init_block(const BlockLayout& layout, const at::Tensor& flat_block, at::Generator& gen);
+// Fills `flat_block` (fp32, at least the block's padded length) with the
+// initial values of the parameters of block `block_index`, from `seed` (Note
+// [Initial weights] in model.cc: chunks of kInitChunk elements, each from its
+// own generator, drawn on LibTorch's intra-op threads); padding is left as it is.
+inline constexpr int64_t kInitChunk = int64_t(1) << 20;
+void init_block(const BlockLayout& layout, const at::Tensor& flat_block, uint64_t seed, size_t block_index);
+// The generator seed of chunk `chunk` of parameter `param_index` of a block.
+uint64_t init_chunk_seed(uint64_t seed, size_t block_index, size_t param_index, int64_t chunk);
 
 }  // namespace strata
