@@ -67,7 +67,7 @@ NOMINAL_TFLOPS = 989.0  # H100 SXM, dense bf16 (BENCHMARKS.md, "GPU")
 # 530 s leaves the call's 600 s room for the script's start, killed commands' exits and the archive. Round 2
 # (BENCHMARKS.md, "GPU, round 2") showed that every part does not fit one call on a lent host: run
 # PROOF_PARTS in two calls (e.g. "suite,b,det,e,ranks" then "c,d"); a subset gets the whole budget.
-BUDGETS = {"suite": 25, "b": 150, "det": 85, "e": 55, "ranks": 20, "c": 110, "d": 85}
+BUDGETS = {"suite": 25, "b": 150, "det": 85, "e": 70, "ranks": 20, "c": 100, "d": 80}
 GRACE_S = 10  # a command past its time gets SIGTERM, then SIGKILL this much later
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
