@@ -33,6 +33,7 @@
 #include "memory/tiered_state.h"
 #include "model/model.h"
 #include "test_util.h"
+#include "util/errors.h"
 
 namespace strata {
 namespace {
@@ -270,6 +271,32 @@ TEST(ProbeTest, CpuProbeBuffersAreFourTimesTheLargestCache) {
   EXPECT_EQ(parse_cache_size("1G"), 1024 * mi);
   EXPECT_EQ(parse_cache_size("512"), 512);
   EXPECT_EQ(parse_cache_size("none"), 0);
+}
+
+// A plan that fills the disk leaves no room beside its state for the NVMe
+// probe: a lone prober measures in the room the swap files will take (made
+// after the probe), ranks probing together still stop with the flags to give.
+TEST(ProbeTest, NvmeProbeOfAPlanThatFillsTheDiskMeasuresInTheStatesRoomWhenAlone) {
+  testing::TempDir dir;
+  const int64_t free = free_bytes_under(dir.path());
+  ASSERT_GT(free, int64_t(1) << 30) << "the test needs 1 GiB free under " << dir.path();
+  Config cfg;
+  const int64_t reserve = free - (int64_t(16) << 20);  // the state's share: all but 16 MiB
+  const IoRates lone = probe_nvme(cfg, dir.path(), 0.01, reserve, 1);
+  EXPECT_TRUE(lone.in_state_room);
+  EXPECT_GE(lone.bytes, kMinProbeBytes);
+  EXPECT_GT(lone.read, 0.0);
+  EXPECT_GT(lone.write, 0.0);
+  EXPECT_GT(lone.both, 0.0);
+  try {
+    probe_nvme(cfg, dir.path(), 0.01, reserve, 2);
+    ADD_FAILURE() << "two ranks probed beside a state that fills the disk";
+  } catch (const ConfigError& e) {
+    EXPECT_NE(std::string(e.what()).find("no room to measure the disk"), std::string::npos) << e.what();
+  }
+  const IoRates beside = probe_nvme(cfg, dir.path(), 0.01, 0, 1);
+  EXPECT_FALSE(beside.in_state_room);
+  EXPECT_EQ(beside.bytes, lone.bytes);  // the same 128 MiB pass either way: the disk has room for it
 }
 
 }  // namespace

@@ -185,10 +185,23 @@ IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s, i
   IoRates r;
   r.asked = o.bytes;
   // Two files at once (both), beside the state, with 1/64 of the disk's
-  // free space (at least 4 MiB) left over.
+  // free space (at least 4 MiB) left over. A plan that fills the disk leaves
+  // no room beside its state; a lone prober then measures in the room the
+  // state will take, since its swap files are made after the probe has
+  // removed its own (ranks of a node probing together may not: one may make
+  // its swap files while another still probes).
   if (const int64_t free = free_bytes_under(dir); free >= 0) {
-    const int64_t room = free - std::max<int64_t>(reserve_bytes, 0) - std::max<int64_t>(free / 64, step);
-    o.bytes = std::min(o.bytes, room / 2 / std::max(1, sharers) / step * step);
+    auto fits = [&](int64_t reserve) {
+      const int64_t room = free - std::max<int64_t>(reserve, 0) - std::max<int64_t>(free / 64, step);
+      return std::min(o.bytes, room / 2 / std::max(1, sharers) / step * step);
+    };
+    const int64_t beside = fits(reserve_bytes);
+    if (beside < kMinProbeBytes && sharers == 1 && fits(0) >= kMinProbeBytes) {
+      o.bytes = fits(0);
+      r.in_state_room = true;
+    } else {
+      o.bytes = beside;
+    }
     if (o.bytes < kMinProbeBytes) {
       throw ConfigError("--nvme-read-gbps",
                         strprintf("no room to measure the disk under %s: %s free, the plan's NVMe state takes %s, "
@@ -415,6 +428,7 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
     const IoRates io = probe_nvme(cfg, dir, budget_s, room.reserve_state ? share * room.sharers : 0, room.sharers);
     std::string src = "measured: I/O engine in " + dir;
     if (dir != plan.nvme_paths.front()) src += " (" + plan.nvme_paths.front() + " does not exist yet)";
+    if (io.in_state_room) src += " (before the swap files exist, in the room they will take)";
     if (io.bytes < io.asked) {
       src += strprintf(" over %s a pass, less than the %s asked: the disk's free space beside the plan's state "
                        "(short passes may meet the drive's write cache: a high rate)",

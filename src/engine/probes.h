@@ -42,6 +42,7 @@ CopyRates probe_copies(Device& device, double budget_s);
 struct IoRates {
   double read = 0, write = 0, both = 0;
   int64_t bytes = 0, asked = 0;  // per file: measured over, and wanted
+  bool in_state_room = false;    // no room beside the reserved state: measured in its room (probe_nvme)
 };
 inline constexpr int64_t kMinProbeBytes = int64_t(4) << 20;
 IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s, int64_t reserve_bytes = 0,
