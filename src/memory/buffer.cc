@@ -5,6 +5,7 @@
 #include <sys/mman.h>
 
 #include <algorithm>
+#include <chrono>
 #include <cstddef>
 
 #include <cstdlib>
@@ -52,12 +53,17 @@ void* allocate_host_pages(size_t bytes) {
 HostBuffer::HostBuffer(size_t bytes, const std::string& what) : bytes_(bytes) {
   if (bytes == 0) return;
   const size_t rounded = host_rounded(bytes);
+  const auto start = std::chrono::steady_clock::now();
   data_ = allocate_host_pages(bytes);
+  const double took = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
   if (data_ == nullptr) {
     throw OutOfMemoryError("cannot allocate " + format_bytes(double(rounded)) + " of host memory for " +
                            what);
   }
-  if (rounded >= (size_t(64) << 20)) {
+  if (took >= 0.5) {  // the start-up's larger parts say what they cost
+    log::info("allocated %s for %s (faulted in and zeroed in %.1f s)", format_bytes(double(rounded)).c_str(),
+              what.c_str(), took);
+  } else if (rounded >= (size_t(64) << 20)) {
     log::info("allocated %s for %s", format_bytes(double(rounded)).c_str(), what.c_str());
   } else {
     log::debug("allocated %s for %s", format_bytes(double(rounded)).c_str(), what.c_str());
