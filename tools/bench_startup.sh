@@ -4,7 +4,7 @@
 # weights drawn and written to their tiers). The model: configs/tiny-cpu.json widened to 0.62 B parameters
 # (dim 2048, 12 layers), one step, state in RAM (about 10 GiB). BENCHMARKS.md, "GPU, round 2".
 #
-# Usage: bash tools/bench_startup.sh [ROUNDS (3)] STRATA [STRATA ...]
+# Usage: bash tools/bench_startup.sh [ROUNDS (3)] STRATA [STRATA ...]   (STRATA paths from the repository root)
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 ROUNDS=3
@@ -17,16 +17,21 @@ for r in $(seq 1 "$ROUNDS"); do
       --set model.n_heads=16 --set model.n_kv_heads=16 --set model.ffn_hidden=5632 --set model.seq_len=64 \
       --set train_micro_batch_size_per_gpu=1 --set data.eval_interval=0 --set 'run.log_level="info"' 2>&1) ||
       { echo "$out" | tail -3 >&2; exit 1; }
-    python3 - "$b" "$r" "$s" "$out" <<'PY'
+    printf '%s' "$out" | python3 -c '
 import datetime as dt, re, sys
-b, r, s, out = sys.argv[1], sys.argv[2], float(sys.argv[3]), sys.argv[4]
-def at(pat):
+b, r, s = sys.argv[1], sys.argv[2], float(sys.argv[3])
+out = sys.stdin.read()
+def at(pat):  # the log line times are local (spdlog), as is the start below
     m = re.search(r"^\[(\d\d:\d\d:\d\d\.\d+)\][^\n]*" + pat, out, re.M)
-    return dt.datetime.strptime(m.group(1), "%H:%M:%S.%f") if m else None
-start = dt.datetime.fromtimestamp(s, tz=dt.timezone.utc).replace(tzinfo=None, year=1900, month=1, day=1)
+    if not m:
+        sys.exit(f"{b}: no line matching {pat!r} in its output")
+    return dt.datetime.strptime(m.group(1), "%H:%M:%S.%f")
+start = dt.datetime.fromtimestamp(s).replace(year=1900, month=1, day=1)
 model, init = at("model: "), at("initial working copy")
-print(f"{b} round {r}: command to model line {(model - start).total_seconds():.2f} s, "
-      f"initial weights {(model - init).total_seconds():.2f} s")
-PY
+day = dt.timedelta(days=1)
+since = lambda a, z: ((z - a) % day).total_seconds()  # across midnight too
+print(f"{b} round {r}: command to model line {since(start, model):.2f} s, "
+      f"initial weights {since(init, model):.2f} s")
+' "$b" "$r" "$s"
   done
 done

@@ -121,8 +121,8 @@ struct RunConfig {
   OptimizerOverlap overlap_optimizer = OptimizerOverlap::kAuto;
   // CRC-32C per 4 KiB swap block, computed on write and verified on read.
   bool swap_checksums = true;
-  // run.deterministic: LibTorch's deterministic algorithms where they exist
-  // (warning where one does not) and cuBLAS's fixed workspace, so a GPU run
+  // run.deterministic: LibTorch's deterministic algorithms (strict: an op
+  // that has none is an error) and cuBLAS's fixed workspace, so a GPU run
   // repeats itself bit for bit (apply_determinism in engine/trainer.h).
   bool deterministic = false;
   std::string cpu_adam_isa = "auto";  // auto | scalar | avx2 | avx512 | avx512_bf16 (force a lower one)

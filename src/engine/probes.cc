@@ -430,9 +430,10 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
     if (dir != plan.nvme_paths.front()) src += " (" + plan.nvme_paths.front() + " does not exist yet)";
     if (io.in_state_room) src += " (before the swap files exist, in the room they will take)";
     if (io.bytes < io.asked) {
-      src += strprintf(" over %s a pass, less than the %s asked: the disk's free space beside the plan's state "
+      src += strprintf(" over %s a pass, less than the %s asked: the disk's free space%s "
                        "(short passes may meet the drive's write cache: a high rate)",
-                       format_bytes(double(io.bytes)).c_str(), format_bytes(double(io.asked)).c_str());
+                       format_bytes(double(io.bytes)).c_str(), format_bytes(double(io.asked)).c_str(),
+                       io.in_state_room ? "" : " beside the plan's state");
     }
     if (rd) rates.nvme_read = io.read, rates.nvme_read_source = src;
     if (wr) rates.nvme_write = io.write, rates.nvme_write_source = src;

@@ -758,9 +758,13 @@ void Trainer::initialise_state(const PlacementPlan& plan) {
     if (bar) bar->update(int64_t(b) + 1, bl.name);
   }
   bar.reset();
-  log::info("initial weights: %s in %.1f s on %d threads, written to their tiers in %.1f s",
-            hf ? "read" : "drawn", draw_s, at::get_num_threads(),
-            std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() - draw_s);
+  const double rest_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count() - draw_s;
+  if (hf) {
+    log::info("initial weights: read in %.1f s, written to their tiers in %.1f s", draw_s, rest_s);
+  } else {
+    log::info("initial weights: drawn in %.1f s on %d threads, written to their tiers in %.1f s", draw_s,
+              at::get_num_threads(), rest_s);
+  }
   // Adam moments start at zero; resident homes are zero already, swapped ones
   // are written once so that reading them is valid. The zeros come from the
   // optimizer's exp_avg staging (zero-initialised, `sets` pieces long): a

@@ -241,10 +241,12 @@ uint64_t init_chunk_seed(uint64_t seed, size_t block_index, size_t param_index, 
 // init_chunk_seed(run.seed, b, p, c). The chunks are independent, so they are
 // drawn on every intra-op thread (one generator drew 8 B parameters in about
 // 50 s on the H200 host, the start-up's largest part: BENCHMARKS.md, "GPU,
-// round 2"), and the values depend on the seed and the model's shape alone:
-// not on threads, placement, world size or the order blocks are drawn in.
+// round 2"), and the values depend on the seed and the model's shape alone
+// (on one kind of CPU: LibTorch's normal_ has vectorised variants): not on
+// threads, placement, world size or the order blocks are drawn in.
 void init_block(const BlockLayout& layout, const at::Tensor& flat_block, uint64_t seed, size_t block_index) {
-  STRATA_CHECK(flat_block.scalar_type() == at::kFloat && flat_block.is_contiguous(), "init writes fp32 master weights");
+  STRATA_CHECK(flat_block.scalar_type() == at::kFloat && flat_block.dim() == 1 && flat_block.is_contiguous(),
+               "init writes a flat fp32 block");
   STRATA_CHECK(flat_block.numel() >= layout.padded_numel, "init's buffer is smaller than its block");
   struct Chunk {
     size_t param;
