@@ -69,6 +69,7 @@ def main():
     ap.add_argument("--steps", type=int, default=12)
     ap.add_argument("--every", type=int, default=4)
     ap.add_argument("--micro-batch", type=int, default=1)
+    ap.add_argument("--accumulation", type=int, default=1, help="gradient_accumulation_steps (micro-batches a step)")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--threads", type=int, default=os.cpu_count())
     ap.add_argument("--block-size", type=int, default=4 << 20)
@@ -76,6 +77,8 @@ def main():
     ap.add_argument("--device", default="cpu", help="run.device of the training (cuda: the state in HBM, "
                     "a save copies it to the host first)")
     ap.add_argument("--json")
+    ap.add_argument("--set", action="append", default=[], metavar="KEY=VALUE",
+                    help="a config override for every training run (strata train --set), repeatable")
     args = ap.parse_args()
 
     os.makedirs(args.dir, exist_ok=True)
@@ -85,7 +88,7 @@ def main():
     ck = os.path.join(args.dir, "ckpt")
     cfg = {
         "train_micro_batch_size_per_gpu": args.micro_batch,
-        "gradient_accumulation_steps": 1,
+        "gradient_accumulation_steps": args.accumulation,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "aio": {"block_size": args.block_size, "queue_depth": args.queue_depth},
         "model": {"dim": args.dim, "n_layers": args.layers, "n_heads": 8, "seq_len": args.seq_len},
@@ -97,15 +100,16 @@ def main():
     with open(cfg_path, "w") as f:
         json.dump(cfg, f)
 
+    sets = [x for kv in args.set for x in ("--set", kv)]
     rows = []
     for rnd in range(args.rounds):
         shutil.rmtree(ck, ignore_errors=True)
         metrics = os.path.join(args.dir, f"m{rnd}.jsonl")
         # The same run without checkpoints: the CPU time the hypervisor steals from training alone.
         s0 = steal_ticks()
-        run([args.strata, "train", cfg_path, "--set", "run.checkpoint.every=0", "--set", 'run.checkpoint.dir=""'])
+        run([args.strata, "train", cfg_path, "--set", "run.checkpoint.every=0", "--set", 'run.checkpoint.dir=""', *sets])
         s1 = steal_ticks()
-        log = run([args.strata, "train", cfg_path, "--metrics", metrics, "--set", "run.log_level=debug"])
+        log = run([args.strata, "train", cfg_path, "--metrics", metrics, "--set", "run.log_level=debug", *sets])
         s2 = steal_ticks()
         hz = os.sysconf("SC_CLK_TCK")
         thread_cpu = [float(u) + float(y) for u, y in
@@ -144,7 +148,7 @@ def main():
         added = [el[e] - el[b] - (e - b) * step_s for b, e in windows if e in el]
         added_s = statistics.median(added)
         save_write_s = statistics.median(x["checkpoint_write_s"] for x in saves if x["checkpoint_step"] in begun)
-        out = run([args.strata, "train", cfg_path, "--resume", "--steps", str(args.steps)])
+        out = run([args.strata, "train", cfg_path, "--resume", "--steps", str(args.steps), *sets])
         m = re.search(r"resumed from \S+ \(step \d+, saved by \d+ rank\(s\)\) in ([0-9.]+) s", out)
         if not m:
             sys.exit("no 'resumed ... in X s' line in:\n" + out)
