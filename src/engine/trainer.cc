@@ -716,9 +716,13 @@ void Trainer::initialise_state(const PlacementPlan& plan) {
   std::unique_ptr<SafetensorsSet> hf;
   if (!cfg_.model.init_from.empty()) hf = std::make_unique<SafetensorsSet>(cfg_.model.init_from);
   // Start-up only: host memory for a block's fp32 weights and its working copy
-  // (4 KiB-aligned for NVMe).
-  HostBuffer master_mem(size_t(plan.largest_block_numel * 4), "initial weights");
-  HostBuffer working_mem(size_t(plan.largest_block_numel * ctx_.compute_bytes), "initial working copy");
+  // (page-aligned for NVMe), registered with the device: copies into HBM from
+  // pageable memory are staged by the driver (on the H200 host the weights'
+  // writes took about 23 s of (b)'s 50 s start: BENCHMARKS.md, "GPU, round 2").
+  const PinnedHostBuffer master_mem =
+      ctx_.device->allocate_pinned(plan.largest_block_numel * 4, "initial weights");
+  const PinnedHostBuffer working_mem =
+      ctx_.device->allocate_pinned(plan.largest_block_numel * ctx_.compute_bytes, "initial working copy");
   // A model of a billion elements or more takes seconds to tens of seconds here.
   std::unique_ptr<ProgressBar> bar;
   if (ctx_.shard_rank == 0 && layout_.total_numel() >= kInitProgressNumel) {
@@ -754,7 +758,7 @@ void Trainer::initialise_state(const PlacementPlan& plan) {
         at::from_blob(working_mem.data(), {bl.padded_numel}, at::TensorOptions().dtype(ctx_.compute_dtype));
     working.copy_(master);
     state_->write(Category::kParam16, ctx_.shard_offset[b], n,
-                  working_mem.as<std::byte>() + ctx_.shard_rank * n * ctx_.compute_bytes);
+                  working_mem.data() + ctx_.shard_rank * n * ctx_.compute_bytes);
     if (bar) bar->update(int64_t(b) + 1, bl.name);
   }
   bar.reset();
