@@ -51,6 +51,12 @@ rk = p.get("ranks", {})
 check(rk.get("max_rel_loss_diff", 1) < 1e-4 and len(rk.get("losses_two", [])) > 0, "part ranks: losses differ")
 check(rk.get("plan_net_bytes_per_rank") == rk.get("bytes", {}).get("2 rank(s), rank 0", {}).get("net_bytes"),
       "part ranks: network bytes per rank are not the plan's")
+# Every training run's start-up is accounted for, with the weights' line of the start (round 2's budgets
+# went to start-ups).
+su = r.get("startup", {})
+check({"b-layer+speculate", "det-on-1", "c"} <= set(su), f"start-ups recorded: {sorted(su)}")
+check(all(0 <= x["startup_s"] <= x["wall_s"] and "weights_drawn_s" in x for x in su.values()),
+      f"a start-up without its weights' line: {su}")
 for f in ("gpu-proof-2.json", "gpu-proof-2.txt", "gpu-proof-2-logs.tgz"):
     check(os.path.getsize(os.path.join(out, f)) > 0, f"no {f}")
 check(rc == 0, f"gpu_host_check.sh gpu-proof-2 exited {rc}")

@@ -32,7 +32,8 @@ or runs out of time, with its figure beside its target and the plan's prediction
          time is left, DeepSpeed on part c's model (how it fails). Last: it takes the time the others leave.
 
 Everything goes under --out: gpu-proof-2.json (a key per part, rewritten after each; "target_met" where a
-part has a target), gpu-proof-2.txt (what was printed) and gpu-proof-2-logs.tgz (each command's log,
+part has a target; "startup": each training run's wall time less its steps', and its start's own account of
+the initial weights and slow host allocations, a line each as it ends), gpu-proof-2.txt (what was printed) and gpu-proof-2-logs.tgz (each command's log,
 metrics and trace, files under 64 MiB). A command past its part's time gets SIGTERM (strata stops after its
 step and removes its swap files; bench_deepspeed reports), then SIGKILL 10 s later; parts c and d first
 remove what a killed run left in the scratch folder. The exit status is 0 when every part ran (a missed
@@ -130,6 +131,7 @@ class Proof:
                 tail = [l for l in f.read().splitlines() if l.strip()][-3:]
             raise PartStop(f"{tag} failed (rc {p.returncode}) after {time.monotonic() - t0:.0f} s: "
                            + " | ".join(t[:200] for t in tail))
+        self.last_log, self.last_wall_s = log, time.monotonic() - t0
         return out if capture else None
 
     def strata(self, *a, **kw):
@@ -149,7 +151,25 @@ class Proof:
         self.strata("train", cfg, "--steps", str(steps), "--set", "data.eval_interval=0", *sets, "--metrics", m,
                     *extra, tag=tag)
         lines = [json.loads(l) for l in open(m) if l.strip()]
-        return [l for l in lines if "step_s" in l]
+        steps = [l for l in lines if "step_s" in l]
+        self.startup(tag, steps)
+        return steps
+
+    def startup(self, tag, steps):
+        """Where a training run's start went (round 2's budgets were spent there): the command's wall time
+        less its steps', and the start's own lines (the initial weights, slow host allocations)."""
+        with open(self.last_log, errors="replace") as f:
+            text = f.read()
+        su = {"wall_s": self.last_wall_s, "steps_s": sum(x.get("step_s", 0) or 0 for x in steps)}
+        su["startup_s"] = su["wall_s"] - su["steps_s"]
+        w = re.search(r"initial weights: (?:drawn|read) in ([0-9.]+) s.*written to their tiers in ([0-9.]+) s", text)
+        if w:
+            su["weights_drawn_s"], su["weights_written_s"] = float(w.group(1)), float(w.group(2))
+        su["slow_allocations"] = re.findall(r"allocated ([0-9.]+ \w+) for ([^(\n]+) \(faulted in and zeroed in "
+                                            r"([0-9.]+) s\)", text)
+        self.result.setdefault("startup", {})[tag] = su
+        say(f"  {tag}: start-up {su['startup_s']:.1f} s of {su['wall_s']:.1f} s"
+            + (f" (weights drawn {su['weights_drawn_s']:.1f} s, written {su['weights_written_s']:.1f} s)" if w else ""))
 
     def save(self):
         with open(os.path.join(self.args.out, "gpu-proof-2.json"), "w") as f:
