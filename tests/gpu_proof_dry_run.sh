@@ -57,6 +57,9 @@ su = r.get("startup", {})
 check({"b-layer+speculate", "det-on-1", "c"} <= set(su), f"start-ups recorded: {sorted(su)}")
 check(all(0 <= x["startup_s"] <= x["wall_s"] and "weights_drawn_s" in x for x in su.values()),
       f"a start-up without its weights' line: {su}")
+check(all(x["to_first_log_line_s"] is not None and x["to_model_line_s"] is not None
+          and x["to_first_log_line_s"] <= x["to_model_line_s"] <= x["wall_s"] + 1 for x in su.values()),
+      f"a start-up's log times do not fit its wall time: {su}")
 for f in ("gpu-proof-2.json", "gpu-proof-2.txt", "gpu-proof-2-logs.tgz"):
     check(os.path.getsize(os.path.join(out, f)) > 0, f"no {f}")
 check(rc == 0, f"gpu_host_check.sh gpu-proof-2 exited {rc}")

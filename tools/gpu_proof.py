@@ -109,6 +109,7 @@ class Proof:
         if limit < 5:
             raise PartStop(f"no time left for {tag}")
         t0 = time.monotonic()
+        self.last_start = time.time()  # wall clock, for the log lines' local times (startup())
         with open(log, "w") as f:
             f.write("$ " + " ".join(cmd) + "\n")
             f.flush()
@@ -167,8 +168,21 @@ class Proof:
             su["weights_drawn_s"], su["weights_written_s"] = float(w.group(1)), float(w.group(2))
         su["slow_allocations"] = re.findall(r"allocated ([0-9.]+ \w+) for ([^(\n]+) \(faulted in and zeroed in "
                                             r"([0-9.]+) s\)", text)
+        # Seconds from the launch to the first log line (the probes and the plan come before it) and to
+        # the model line (training starts after it); the log's times are local, to the millisecond.
+        start = time.localtime(self.last_start)
+        base = start.tm_hour * 3600 + start.tm_min * 60 + start.tm_sec + (self.last_start % 1)
+
+        def since(line_re):
+            m = re.search(r"^\[(\d\d):(\d\d):(\d\d\.\d+)\][^\n]*" + line_re, text, re.M)
+            if not m:
+                return None
+            t = int(m.group(1)) * 3600 + int(m.group(2)) * 60 + float(m.group(3))
+            return (t - base) % 86400
+        su["to_first_log_line_s"], su["to_model_line_s"] = since(""), since("model: ")
         self.result.setdefault("startup", {})[tag] = su
-        say(f"  {tag}: start-up {su['startup_s']:.1f} s of {su['wall_s']:.1f} s"
+        say(f"  {tag}: start-up {su['startup_s']:.1f} s of {su['wall_s']:.1f} s; first log line after "
+            f"{su['to_first_log_line_s'] or 0:.1f} s, model line after {su['to_model_line_s'] or 0:.1f} s"
             + (f" (weights drawn {su['weights_drawn_s']:.1f} s, written {su['weights_written_s']:.1f} s)" if w else ""))
 
     def save(self):
