@@ -498,10 +498,11 @@ void Trainer::load_checkpoint(CheckpointReader& reader) {
 std::string apply_determinism(bool on) {
   if (!on) return "";
   ::setenv("CUBLAS_WORKSPACE_CONFIG", ":4096:8", /*overwrite=*/0);
-  // Not warn_only: LibTorch's cuDNN and flash attention backwards pick their
-  // deterministic algorithm only when a non-deterministic op is an error
-  // (warn_only left them atomic: BENCHMARKS.md, "GPU, round 2"); an op with no
-  // deterministic implementation then stops the run naming itself.
+  // Not warn_only: LibTorch's attention backwards (cuDNN, flash, memory-
+  // efficient) pick their deterministic algorithm only when a
+  // non-deterministic op is an error (warn_only left them atomic:
+  // BENCHMARKS.md, "GPU, round 2"); an op with no deterministic
+  // implementation then stops the run naming itself.
   at::globalContext().setDeterministicAlgorithms(true, /*warn_only=*/false);
   at::globalContext().setDeterministicCuDNN(true);
   at::globalContext().setBenchmarkCuDNN(false);
