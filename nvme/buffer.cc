@@ -10,6 +10,7 @@
 #include "nvme/io_error.h"
 #include "util/errors.h"
 #include "util/logging.h"
+#include "util/zero_fill.h"
 
 namespace strata::nvme {
 
@@ -70,7 +71,7 @@ PinnedBuffer::PinnedBuffer(int64_t bytes, const BufferOptions& options) : bytes_
                           format_bytes(double(mapped_bytes_)).c_str(), std::strerror(errno)));
     }
   }
-  if (!locked_) std::memset(p, 0, size_t(mapped_bytes_));  // fault in now, not during I/O
+  if (!locked_) zero_fill(p, size_t(mapped_bytes_));  // fault in now, not during I/O
   log::debug("I/O buffer: %s (%s, huge pages: %s)", format_bytes(double(mapped_bytes_)).c_str(),
              locked_ ? "locked" : "pageable", huge_kind_);
 }

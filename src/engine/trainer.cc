@@ -752,8 +752,7 @@ void Trainer::initialise_state(const PlacementPlan& plan) {
     } else {
       init_block(bl, master, cfg_.run.seed, b);
     }
-    const auto drawn = std::chrono::steady_clock::now();
-    draw_s += std::chrono::duration<double>(drawn - t0).count();
+    draw_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     state_->write(Category::kMaster, ctx_.shard_offset[b], n, master.data_ptr<float>() + ctx_.shard_rank * n);
     at::Tensor working =
         at::from_blob(working_mem.data(), {bl.padded_numel}, at::TensorOptions().dtype(ctx_.compute_dtype));

@@ -1,19 +1,15 @@
 #include "memory/buffer.h"
 
-#include <oneapi/tbb/blocked_range.h>
-#include <oneapi/tbb/parallel_for.h>
 #include <sys/mman.h>
 
-#include <algorithm>
 #include <chrono>
-#include <cstddef>
-
 #include <cstdlib>
 #include <cstring>
 #include <utility>
 
 #include "util/errors.h"
 #include "util/logging.h"
+#include "util/zero_fill.h"
 
 namespace strata {
 
@@ -32,21 +28,7 @@ void* allocate_host_pages(size_t bytes) {
   void* p = std::aligned_alloc(align, rounded);
   if (p == nullptr) return nullptr;
   if (align == kHugePageBytes) ::madvise(p, rounded, MADV_HUGEPAGE);  // a hint only
-  // Zeroing faults every page in. One thread did it at about 5 GB/s on the
-  // H200 host (110 GiB of host tier: 22 s of start-up, BENCHMARKS.md "GPU,
-  // round 2"); large buffers are zeroed on every core, in runs of whole huge pages.
-  constexpr size_t kRun = size_t(64) << 20;
-  if (rounded < 4 * kRun) {
-    std::memset(p, 0, rounded);
-  } else {
-    std::byte* base = static_cast<std::byte*>(p);
-    tbb::parallel_for(tbb::blocked_range<size_t>(0, (rounded + kRun - 1) / kRun, 1),
-                      [&](const tbb::blocked_range<size_t>& r) {
-                        for (size_t i = r.begin(); i < r.end(); ++i) {
-                          std::memset(base + i * kRun, 0, std::min(kRun, rounded - i * kRun));
-                        }
-                      });
-  }
+  zero_fill(p, rounded);
   return p;
 }
 
