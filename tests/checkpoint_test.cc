@@ -149,10 +149,63 @@ TEST_F(CheckpointTest, SaveWhileTrainingHoldsTheStateOfItsStep) {
     const auto done = s.trainer().poll_checkpoint(true);
     ASSERT_TRUE(done.has_value());
     EXPECT_EQ(done->step, 3);
+    EXPECT_EQ(done->snapshot_bytes, 0) << what << ": no snapshot pool";
     EXPECT_EQ(rest, ref) << what;
     Session loaded(base_config(data_), overrides);
     loaded.load(ck);
     expect_equal_state(loaded.state(), at3, what);
+  }
+}
+
+// The same with a snapshot pool (Note [Save snapshots]): the optimizer passes
+// that overtake the save copy what they overwrite into the pool and the save
+// writes it from there. With room for the whole save, ranges come from the
+// pool; with room for about one range, some do and the rest are waited for;
+// either way the checkpoint holds exactly the state of its step. With the
+// state in RAM, the optimizer on NVMe, and on a device host code may not
+// touch with state on all three tiers (the copies come D2H).
+TEST_F(CheckpointTest, SaveWhileTrainingWithSnapshotsHoldsTheStateOfItsStep) {
+  const std::string split = "placement={\"param16\":{\"device\":0.5,\"host\":0.5},\"grad\":{\"device\":0.5,"
+                            "\"host\":0.5},\"optimizer\":{\"device\":0.5,\"nvme\":0.5},\"nvme_path\":\"" + swap_ + "\"}";
+  struct Case {
+    std::string what;
+    std::vector<std::string> overrides;
+    bool deferred;
+  };
+  const std::vector<Case> cases = {{"state in RAM", {}, false},
+                                   {"optimizer on NVMe", {nvme_optimizer()}, false},
+                                   {"device, host and NVMe", {split}, true}};
+  int n = 0;
+  for (const Case& c : cases) {
+    for (const double gb : {1.0, 0.00015}) {
+      const std::string what = c.what + (gb >= 1 ? ", room for the whole save" : ", room for about a range");
+      const std::string ck = dir_.file("ck-snapshots-" + std::to_string(++n));
+      std::vector<std::string> overrides = c.overrides;
+      overrides.push_back("run.checkpoint.dir=\"" + ck + "\"");
+      overrides.push_back("run.checkpoint.snapshot_gb=" + std::to_string(gb));
+      testing::DeferredDevice d1, d2, d3;
+      Session straight(base_config(data_), overrides, nullptr, c.deferred ? &d1 : nullptr);
+      straight.train(3);
+      const std::vector<at::Tensor> at3 = straight.state();
+      const std::vector<double> ref = straight.train(3);
+      Session s(base_config(data_), overrides, nullptr, c.deferred ? &d2 : nullptr);
+      s.train(3);
+      s.begin_save(ck, /*delay_ms=*/30);
+      const std::vector<double> rest = s.train(3);
+      ASSERT_TRUE(s.trainer().checkpoint_in_flight()) << what << ": the save should still be running";
+      const auto done = s.trainer().poll_checkpoint(true);
+      ASSERT_TRUE(done.has_value());
+      EXPECT_EQ(done->step, 3);
+      EXPECT_GT(done->snapshot_bytes, 0) << what;
+      if (gb < 1) {
+        EXPECT_LE(done->snapshot_bytes, 151552) << what;  // 150,000 bytes in whole pages
+        EXPECT_LT(done->snapshot_bytes, done->bytes) << what;
+      }
+      EXPECT_EQ(rest, ref) << what;
+      Session loaded(base_config(data_), c.overrides, nullptr, c.deferred ? &d3 : nullptr);
+      loaded.load(ck);
+      expect_equal_state(loaded.state(), at3, what);
+    }
   }
 }
 

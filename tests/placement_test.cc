@@ -53,6 +53,29 @@ TEST(PlacementTest, DefaultIsEverythingOnDevice) {
   EXPECT_EQ(p.staging.host_bytes(), token_bytes(cfg));
 }
 
+// run.checkpoint.snapshot_gb (Note [Save snapshots] in checkpoint/checkpoint.h):
+// host memory the plan counts, 4 KiB pages, only with a checkpoint dir, and
+// never more than this rank's saves hold (master fp32 + two moments: 12
+// bytes a parameter, each of the 8 blocks' three ranges padded to 4 KiB).
+TEST(PlacementTest, CheckpointSnapshotPoolIsCountedAndCapped) {
+  StateLayout layout = make_layout();
+  const PlacementPlan none = make_plan(config_with({}), layout, 0, unlimited());
+  EXPECT_EQ(none.staging.save_snapshot, 0);
+  const PlacementPlan no_dir = make_plan(config_with({"run.checkpoint.snapshot_gb=1"}), layout, 0, unlimited());
+  EXPECT_EQ(no_dir.staging.save_snapshot, 0);
+  const std::string dir = "run.checkpoint.dir=\"/tmp/unused-ck\"";
+  const PlacementPlan small = make_plan(config_with({dir, "run.checkpoint.snapshot_gb=0.00001"}), layout, 0,
+                                        unlimited());
+  EXPECT_EQ(small.staging.save_snapshot, 12288);  // 10,000 bytes in whole pages
+  EXPECT_EQ(small.staging.host_bytes(), none.staging.host_bytes() + 12288);
+  const PlacementPlan big = make_plan(config_with({dir, "run.checkpoint.snapshot_gb=1000"}), layout, 0, unlimited());
+  const int64_t saved = kTotal * 12;
+  EXPECT_GE(big.staging.save_snapshot, saved);
+  EXPECT_LE(big.staging.save_snapshot, saved + 2 * 3 * 9 * 4096);
+  EXPECT_EQ(big.staging.save_snapshot % 4096, 0);
+  EXPECT_THROW(config_with({dir, "run.checkpoint.snapshot_gb=-1"}), ConfigError);
+}
+
 TEST(PlacementTest, DeepSpeedOptimizerOffloadToCpuAndNvmeWithRatio) {
   StateLayout layout = make_layout();
   PlacementPlan cpu = make_plan(config_with({"zero_optimization.offload_optimizer.device=cpu"}),

@@ -148,6 +148,10 @@ def main():
         added = [el[e] - el[b] - (e - b) * step_s for b, e in windows if e in el]
         added_s = statistics.median(added)
         save_write_s = statistics.median(x["checkpoint_write_s"] for x in saves if x["checkpoint_step"] in begun)
+        # What the optimizer waited for saves in flight (each step line's checkpoint_wait_s), per save
+        # while training, and the bytes those saves wrote from the snapshot pool (run.checkpoint.snapshot_gb).
+        gate_wait_s = sum(x.get("checkpoint_wait_s", 0.0) for x in lines) / len(overlapped)
+        snapshot_bytes = statistics.median(x.get("checkpoint_snapshot_bytes", 0) for x in overlapped)
         out = run([args.strata, "train", cfg_path, "--resume", "--steps", str(args.steps), *sets])
         m = re.search(r"resumed from \S+ \(step \d+, saved by \d+ rank\(s\)\) in ([0-9.]+) s", out)
         if not m:
@@ -170,6 +174,7 @@ def main():
                "read_s": read_s, "read_gbps": ck_bytes / read_s / 1e9, "bench_io_write_gbps": io["write"],
                "bench_io_read_gbps": io["read"], "bench_io_write_fsync_gbps": io_sync["write"], "step_s": step_s,
                "added_s": added_s, "save_while_training_s": save_write_s, "export_s": export_s,
+               "optimizer_waited_s": gate_wait_s, "snapshot_bytes": snapshot_bytes,
                "export_read_gbps": ck_bytes / 3 / export_s / 1e9, "export_write_gbps": export_out / export_s / 1e9}
         row["write_ratio"] = row["write_gbps"] / row["bench_io_write_fsync_gbps"]
         row["write_nosync_ratio"] = row["write_nosync_gbps"] / row["bench_io_write_gbps"]
@@ -193,7 +198,8 @@ def main():
     print(f"  a save while training adds {med['added_s']:.2f} s to the steps it overlaps: "
           f"{100 * med['added_over_save']:.0f}% of its write time {med['save_while_training_s']:.2f} s; its thread used "
           f"{med['save_thread_cpu_s']:.2f} s of CPU, the hypervisor stole {med['steal_per_save_s']:.2f} CPU-s more per "
-          f"save than in the same run without saves (/proc/stat steal)")
+          f"save than in the same run without saves (/proc/stat steal); the optimizer waited "
+          f"{med['optimizer_waited_s']:.2f} s for it, {med['snapshot_bytes'] / 1e9:.2f} GB went through the snapshot pool")
     if args.json:
         with open(args.json, "w") as f:
             json.dump({"rounds": rows, "median": med}, f, indent=1)

@@ -694,10 +694,22 @@ std::string error_text(const std::exception_ptr& e) {
 void wait_for_checkpoint_pruning() { background_pruner().wait(); }
 
 CheckpointSave::CheckpointSave(const CheckpointOptions& options, Communicator& comm, Manifest header,
-                               std::vector<ShardRange> ranges, RangeSource source, std::function<bool(size_t)> ready)
+                               std::vector<ShardRange> ranges, RangeSource source, std::function<bool(size_t)> ready,
+                               SnapshotPool pool)
     : options_(options), comm_(comm), header_(std::move(header)), ranges_(std::move(ranges)),
-      source_(std::move(source)), ready_(std::move(ready)), t0_(std::chrono::steady_clock::now()) {
+      source_(std::move(source)), ready_(std::move(ready)), pool_(source_.snapshot ? pool : SnapshotPool()),
+      t0_(std::chrono::steady_clock::now()) {
   const int rank = comm.rank();
+  STRATA_CHECK(reinterpret_cast<uintptr_t>(pool_.data) % kAlign == 0, "a snapshot pool not 4 KiB aligned");
+  snap_state_.assign(ranges_.size(), Snap::kNone);
+  snap_.assign(ranges_.size(), nullptr);
+  // A range taken into the pool is written from there: in place (the pool
+  // is aligned), or its pieces copied.
+  from_pool_.resident = [this](size_t i) -> const std::byte* { return snap_[i]; };
+  from_pool_.fill = [this](size_t i, int64_t at, int64_t numel, std::byte* buf) {
+    const int eb = header_.elem_bytes.at(ranges_[i].category);
+    std::memcpy(buf, snap_[i] + at * eb, size_t(numel * eb));
+  };
   step_ = header_.step;
   const std::string name = step_name(step_);
   tmp_ = options_.dir + "/" + name + ".tmp";
@@ -755,7 +767,16 @@ void CheckpointSave::run() {
         if (!ready_(i)) throw Error("the optimizer step being saved failed");
         ready_s += seconds_since(t1);
       }
-      w.write(i, source_);
+      bool pooled;
+      {
+        // A snapshot being taken finishes first (Note [Save snapshots]);
+        // once begun, the range is this thread's.
+        std::unique_lock<std::mutex> lock(mu_);
+        cv_.wait(lock, [&] { return snap_state_[i] != Snap::kCopying; });
+        begun_ = i + 1;
+        pooled = snap_state_[i] == Snap::kTaken;
+      }
+      w.write(i, pooled ? from_pool_ : source_);
       publish(w.written_ranges());
     }
     for (size_t i = 0; i < ranges_.size(); ++i) {
@@ -767,11 +788,11 @@ void CheckpointSave::run() {
     ::getrusage(RUSAGE_THREAD, &cpu);
     auto tv = [](const timeval& t) { return double(t.tv_sec) + 1e-6 * double(t.tv_usec); };
     log::debug("checkpoint: rank %d wrote %s in %.3f s: set-up %.3f s, waiting for the optimizer %.3f s, tier "
-               "reads %.3f s, checksums %.3f s, waiting for writes %.3f s, fsync %.3f s (%s written from the "
-               "state's homes in place; the thread used %.3f s user, %.3f s system CPU)",
+               "reads %.3f s, checksums %.3f s, waiting for writes %.3f s, fsync %.3f s (%s written in place, "
+               "%s of it from the snapshot pool; the thread used %.3f s user, %.3f s system CPU)",
                rank, file_name_for_log(tmp_, rank).c_str(), seconds_since(t0), setup_s, ready_s, w.fill_s(),
-               w.crc_s(), w.wait_s(), w.sync_s(), format_bytes(double(w.in_place_bytes())).c_str(), tv(cpu.ru_utime),
-               tv(cpu.ru_stime));
+               w.crc_s(), w.wait_s(), w.sync_s(), format_bytes(double(w.in_place_bytes())).c_str(),
+               format_bytes(double(snapshot_bytes())).c_str(), tv(cpu.ru_utime), tv(cpu.ru_stime));
     json part = {{"bytes", int64_t(0)}, {"ranges", json::array()}};
     int64_t bytes = 0;
     for (const SavedRange& s : saved) {
@@ -797,6 +818,48 @@ void CheckpointSave::run() {
 void CheckpointSave::wait_written(size_t n) {
   std::unique_lock<std::mutex> lock(mu_);
   cv_.wait(lock, [&] { return written_ >= n || done_; });
+}
+
+double CheckpointSave::make_writable(size_t lo, size_t hi) {
+  hi = std::min(hi, ranges_.size());
+  double waited = 0.0;
+  std::unique_lock<std::mutex> lock(mu_);
+  for (size_t i = lo; i < hi; ++i) {
+    if (i < written_ || done_ || snap_state_[i] == Snap::kTaken) continue;
+    const int64_t bytes = round_up(ranges_[i].shard_numel * header_.elem_bytes.at(ranges_[i].category), kAlign);
+    if (i >= begun_ && snap_state_[i] == Snap::kNone && pool_used_ + bytes <= pool_.bytes) {
+      // Note [Save snapshots]: ours to copy; the save's thread waits for it.
+      std::byte* dst = pool_.data + pool_used_;
+      pool_used_ += bytes;
+      snap_state_[i] = Snap::kCopying;
+      lock.unlock();
+      try {
+        std::lock_guard<std::mutex> copying(copy_mu_);
+        source_.snapshot(i, dst);
+      } catch (...) {
+        lock.lock();
+        snap_state_[i] = Snap::kNone;  // the home is unchanged: the save reads it there
+        cv_.notify_all();
+        throw;
+      }
+      lock.lock();
+      snap_[i] = dst;
+      snap_state_[i] = Snap::kTaken;
+      snapshot_bytes_ += ranges_[i].numel * header_.elem_bytes.at(ranges_[i].category);
+      cv_.notify_all();
+      continue;
+    }
+    // Begun by the save, being copied by another thread, or no room left.
+    const auto t0 = std::chrono::steady_clock::now();
+    cv_.wait(lock, [&] { return written_ > i || done_ || snap_state_[i] == Snap::kTaken; });
+    waited += seconds_since(t0);
+  }
+  return waited;
+}
+
+int64_t CheckpointSave::snapshot_bytes() const {
+  std::lock_guard<std::mutex> lock(mu_);
+  return snapshot_bytes_;
 }
 
 bool CheckpointSave::done_everywhere() {

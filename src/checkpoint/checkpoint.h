@@ -108,6 +108,11 @@ struct RangeSource {
   // shard_offset) into buf. `at` and `numel` are multiples of
   // kShardAlignElems, or numel reaches shard_numel.
   std::function<void(size_t i, int64_t at, int64_t numel, std::byte* buf)> fill;
+  // Optional (Note [Save snapshots]): copies range i's shard_numel elements
+  // into `dst` on the calling thread, ahead of the save, which then writes
+  // them from there. Called by CheckpointSave::make_writable's caller's
+  // thread, one call at a time; must not share I/O with fill().
+  std::function<void(size_t i, std::byte* dst)> snapshot;
 };
 
 // Writes one rank's ranges to <dir>/<file>, preallocated, through its own
@@ -234,6 +239,14 @@ struct CheckpointOptions {
   int test_delay_per_range_ms = 0;
 };
 
+// Host memory a save may copy ranges into before training overwrites them
+// (Note [Save snapshots]): 4 KiB aligned, owned by the caller, used by one
+// save at a time. Empty: none.
+struct SnapshotPool {
+  std::byte* data = nullptr;
+  int64_t bytes = 0;
+};
+
 // A save of one step in flight (Note [Checkpoint protocol]): this rank's
 // ranges are written by a thread of its own while training goes on, and the
 // save is published by a collective finish() at a later step boundary.
@@ -244,17 +257,34 @@ struct CheckpointOptions {
 // is final there (with run.overlap_optimizer the step's optimizer may still
 // be running), from the range's home in place where it is resident, else
 // through staging. Whatever would overwrite a range before it is written -
-// the next optimizer pass - first calls wait_written() for the ranges it is
+// the next optimizer pass - first calls make_writable() for the ranges it is
 // about to change, so it waits per piece, and only when it overtakes the
-// save. The fsync and the rank's part of the manifest follow on the same
-// thread; finish() then agrees across ranks and publishes.
+// save (and, with a snapshot pool, only once the pool is full: Note [Save
+// snapshots]). The fsync and the rank's part of the manifest follow on the
+// same thread; finish() then agrees across ranks and publishes.
+//
+// Note [Save snapshots]
+// A save longer than the forward and backward after it is overtaken by the
+// next optimizer pass, which would wait for the disk range by range. With a
+// snapshot pool (run.checkpoint.snapshot_gb), the pass instead copies each
+// range it is about to overwrite, and the save has not begun, into the pool
+// (RangeSource::snapshot: the same read the save would make, done earlier on
+// the pass's thread), and goes on; the save writes that range from the pool.
+// A range the save has begun is waited for, as is every range once the pool
+// is full (it is not reused within a save: ranges are overtaken in the
+// optimizer's order, which a speculating step's commit walks downwards,
+// while the save writes upwards). The bytes read and written are the same
+// either way; what the pool buys is that the disk's time stops being the
+// step's.
 class CheckpointSave {
  public:
   // Collective: rank 0 creates the .tmp directory (every rank fails when it
   // cannot), then this rank's thread starts. `ready(i)` runs on that thread
   // before range i is read; false abandons the save (it then fails).
+  // `pool` (with source.snapshot): Note [Save snapshots].
   CheckpointSave(const CheckpointOptions& options, Communicator& comm, Manifest header,
-                 std::vector<ShardRange> ranges, RangeSource source, std::function<bool(size_t)> ready = {});
+                 std::vector<ShardRange> ranges, RangeSource source, std::function<bool(size_t)> ready = {},
+                 SnapshotPool pool = {});
   // Waits for the thread; an unfinished save leaves its .tmp directory,
   // which the next save removes.
   ~CheckpointSave();
@@ -265,6 +295,13 @@ class CheckpointSave {
   // Any thread: until ranges [0, n) of the list are written (their homes
   // may change), or the save has failed.
   void wait_written(size_t n);
+  // Any thread: until the homes of ranges [lo, hi) may change: each is
+  // written, or copied into the snapshot pool by this call (Note [Save
+  // snapshots]), or the save has failed. Returns the seconds it waited for
+  // the save (not those it spent copying).
+  double make_writable(size_t lo, size_t hi);
+  // Bytes of ranges written from the pool so far.
+  int64_t snapshot_bytes() const;
   // Collective, cheap (one all-reduce): whether every rank's thread is done.
   bool done_everywhere();
   // Collective: waits for this rank's thread, agrees, and rank 0 publishes.
@@ -286,14 +323,23 @@ class CheckpointSave {
   std::vector<ShardRange> ranges_;
   RangeSource source_;
   std::function<bool(size_t)> ready_;
+  SnapshotPool pool_;
+  RangeSource from_pool_;  // range i's bytes from snap_[i]
   std::string tmp_, final_dir_;
   int64_t step_ = 0;
   int64_t bytes_ = 0;
   double write_s_ = 0.0;
   std::chrono::steady_clock::time_point t0_;
-  std::mutex mu_;
+  mutable std::mutex mu_;
   std::condition_variable cv_;
-  size_t written_ = 0;  // guarded by mu_, as are done_ and error_
+  size_t written_ = 0;  // guarded by mu_, as are the rest up to error_
+  size_t begun_ = 0;    // ranges the thread has begun (read from their homes or the pool)
+  enum class Snap : uint8_t { kNone, kCopying, kTaken };
+  std::vector<Snap> snap_state_;   // per range
+  std::vector<std::byte*> snap_;   // per range: its copy in the pool (set once kTaken)
+  int64_t pool_used_ = 0;
+  int64_t snapshot_bytes_ = 0;
+  std::mutex copy_mu_;             // one snapshot copy at a time (source_.snapshot's I/O)
   bool done_ = false;
   std::string error_;
   bool finished_ = false;

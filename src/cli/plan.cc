@@ -182,6 +182,7 @@ nlohmann::json plan_json(const Computed& c) {
                         {"opt_state", p.staging.opt_state}, {"opt_emit", p.staging.opt_emit},
                         {"grad_host", p.staging.grad_host}, {"window_bounce", p.staging.window_bounce},
                         {"tokens", p.staging.tokens}, {"save_bounce", p.staging.save_bounce},
+                        {"save_snapshot", p.staging.save_snapshot},
                         {"comm_host", p.staging.comm_host}, {"grad_accum", p.staging.grad_accum},
                         {"secondary", p.staging.secondary}};
   int64_t kept = 0;
@@ -466,6 +467,7 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   row("optimizer staging", 0, p.staging.opt_grad + p.staging.opt_state + p.staging.opt_emit, 0);
   row("token batches", p.staging.tokens, p.staging.tokens, 0);
   if (p.staging.save_bounce > 0) row("checkpoint save buffer", 0, p.staging.save_bounce, 0);
+  if (p.staging.save_snapshot > 0) row("checkpoint snapshots", 0, p.staging.save_snapshot, 0);
   const auto tot = p.total();
   row("total", tot[0], tot[1], tot[2]);
   out += strprintf("  %-22s %12s %12s %12s\n", "this machine has", cap_cell(cap.device_bytes).c_str(),

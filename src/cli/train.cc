@@ -547,16 +547,21 @@ int run_train(const TrainOptions& opt) {
       line["checkpoint_earlier"] = {{"checkpoint_step", line["checkpoint_step"]},
                                     {"checkpoint_s", line["checkpoint_s"]},
                                     {"checkpoint_write_s", line["checkpoint_write_s"]},
-                                    {"checkpoint_bytes", line["checkpoint_bytes"]}};
+                                    {"checkpoint_bytes", line["checkpoint_bytes"]},
+                                    {"checkpoint_snapshot_bytes", line["checkpoint_snapshot_bytes"]}};
     }
     line["checkpoint_step"] = f.step;
     line["checkpoint_s"] = f.seconds;
     line["checkpoint_write_s"] = f.write_seconds;
     line["checkpoint_bytes"] = f.bytes;
-    log::info("checkpoint: step %lld saved to %s in %.3f s%s (%s from this rank, written at %s/s)",
+    line["checkpoint_snapshot_bytes"] = f.snapshot_bytes;
+    log::info("checkpoint: step %lld saved to %s in %.3f s%s (%s from this rank, written at %s/s%s)",
               (long long)f.step, f.dir.c_str(), f.seconds, in_background ? " while training" : "",
               format_bytes(double(f.bytes)).c_str(),
-              format_bytes(double(f.bytes) / std::max(f.write_seconds, 1e-9)).c_str());
+              format_bytes(double(f.bytes) / std::max(f.write_seconds, 1e-9)).c_str(),
+              f.snapshot_bytes > 0
+                  ? (", " + format_bytes(double(f.snapshot_bytes)) + " of it from snapshots").c_str()
+                  : "");
   };
   // Periodic saves ride on training (Note [Saving while training]); the last
   // one, and one on a stop signal, are waited for.
@@ -623,6 +628,7 @@ int run_train(const TrainOptions& opt) {
         {"wait_s", r.wait_s},
         {"optimizer_s", r.optimizer_s},
         {"optimizer_wait_s", r.optimizer_wait_s},
+        {"checkpoint_wait_s", r.checkpoint_wait_s},
         {"peak_device_bytes", peak[0]},
         {"peak_host_bytes", peak[1]},
         {"peak_nvme_bytes", peak[2]},

@@ -1067,10 +1067,13 @@ void parse_run(const json& root, Config& c) {
                 : schedule == "layer"     ? StepSchedule::kLayer
                                           : StepSchedule::kAuto;
   const json& ck = section(r, path, "checkpoint");
-  check_keys(ck, "run.checkpoint", {"dir", "every", "keep"}, kNone, c.ignored_keys);
+  check_keys(ck, "run.checkpoint", {"dir", "every", "keep", "snapshot_gb"}, kNone, c.ignored_keys);
   read(ck, "run.checkpoint", "dir", rc.checkpoint.dir);
   if (read(ck, "run.checkpoint", "every", rc.checkpoint.every)) non_negative("run.checkpoint.every", rc.checkpoint.every);
   if (read(ck, "run.checkpoint", "keep", rc.checkpoint.keep)) positive("run.checkpoint.keep", rc.checkpoint.keep);
+  if (read(ck, "run.checkpoint", "snapshot_gb", rc.checkpoint.snapshot_gb)) {
+    non_negative("run.checkpoint.snapshot_gb", rc.checkpoint.snapshot_gb);
+  }
   if (rc.checkpoint.every > 0 && rc.checkpoint.dir.empty()) {
     fail("run.checkpoint.dir", "required when run.checkpoint.every is set");
   }

@@ -77,6 +77,10 @@ struct CheckpointConfig {
   std::string dir;                 // "" = no checkpoints
   int64_t every = 0;               // steps between saves; 0 = only on a stop and at the end
   int64_t keep = 2;                // complete checkpoints kept (the newest)
+  // Host memory a save copies ranges into before training overwrites them
+  // (Note [Save snapshots] in checkpoint/checkpoint.h); 0 = none: training
+  // waits for the disk where it overtakes a save.
+  double snapshot_gb = 0.0;
 };
 
 // Strings of the config parsed once, at its edge (config.cc); *_name gives

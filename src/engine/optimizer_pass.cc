@@ -249,6 +249,14 @@ bool OptimizerPass::wait_for_job(int64_t step, int64_t offset) {
   return thread_ ? thread_->wait_for_job(step, offset) : true;
 }
 
+void OptimizerPass::add_checkpoint_wait(double seconds) {
+  if (seconds > 0) checkpoint_wait_ns_.fetch_add(int64_t(seconds * 1e9), std::memory_order_relaxed);
+}
+
+double OptimizerPass::take_checkpoint_wait() {
+  return double(checkpoint_wait_ns_.exchange(0, std::memory_order_relaxed)) * 1e-9;
+}
+
 void OptimizerPass::set_save(std::shared_ptr<SaveGate> save) {
   std::lock_guard<std::mutex> lock(save_mu_);
   save_ = std::move(save);
@@ -342,8 +350,8 @@ void OptimizerPass::walk(const OptimizerThread::Job& job, const std::vector<size
       int64_t end = g.offset + g.numel;  // what this piece's update overwrites
       for (const DeviceRun& r : device_launch_[j]) end = std::max(end, r.offset + r.numel);
       if (save) {
-        TraceSpan span(TraceTrack::kAdam, "wait for checkpoint");
-        save->wait_written_below(end);
+        TraceSpan span(TraceTrack::kAdam, "wait for checkpoint (or snapshot)");
+        add_checkpoint_wait(save->make_writable(g.offset, end));
       }
       switch (job.kind) {
         case Kind::kFull:
@@ -598,7 +606,10 @@ void OptimizerPass::launch_device_pieces(const OptimizerThread::Job& job) {
     }
     int64_t end = pieces_[j].offset + pieces_[j].numel;
     for (const DeviceRun& r : device_launch_[j]) end = std::max(end, r.offset + r.numel);
-    if (save) save->wait_written_below(end);
+    if (save) {
+      TraceSpan span(TraceTrack::kCompute, "wait for checkpoint (or snapshot)");
+      add_checkpoint_wait(save->make_writable(pieces_[j].offset, end));
+    }
     for (const DeviceRun& r : device_launch_[j]) launch_device_run(h, job, r);
     last_launch_ = ctx_.device->record(Stream::kCompute);
     device_done_[j] = last_launch_;

@@ -67,8 +67,10 @@ class SaveGate {
   virtual ~SaveGate() = default;
   // The optimizer step whose state it saves: passes of later steps wait.
   virtual int64_t applied() const = 0;
-  // Until everything it saves below shard offset `end` has been written.
-  virtual void wait_written_below(int64_t end) = 0;
+  // Until what it saves of shard offsets [begin, end) may be overwritten:
+  // written, or copied into its snapshot pool (Note [Save snapshots] in
+  // checkpoint/checkpoint.h). Returns the seconds it waited for the save.
+  virtual double make_writable(int64_t begin, int64_t end) = 0;
 };
 
 // Note [Optimizer pipeline]
@@ -202,6 +204,9 @@ class OptimizerPass {
   // A save in flight (nullptr: none); passes of steps after its applied()
   // wait for it per piece.
   void set_save(std::shared_ptr<SaveGate> save);
+  // Seconds passes waited for a save in flight (SaveGate::make_writable) since
+  // the last call, on any thread.
+  double take_checkpoint_wait();
   const OptimizerStaging& staging() const { return *staging_; }
   // Orders stream `s` after the device-side updates of [offset, offset +
   // numel) of optimizer state by the last job that reached it (the device's
@@ -291,6 +296,8 @@ class OptimizerPass {
   std::unique_ptr<OptimizerThread> thread_;  // run.overlap_optimizer
   double wait_s_ = 0.0;
   bool broken_ = false;
+  void add_checkpoint_wait(double seconds);
+  std::atomic<int64_t> checkpoint_wait_ns_{0};
   std::mutex save_mu_;
   std::shared_ptr<SaveGate> save_;        // guarded by save_mu_
 };

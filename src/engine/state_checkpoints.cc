@@ -26,13 +26,15 @@ class StateCheckpoints::InFlight final : public SaveGate {
   std::unique_ptr<CheckpointSave> save;
   std::vector<ShardRange> ranges;
   std::vector<int64_t> offsets;    // their shard offsets
+  std::vector<int64_t> ends;       // and ends (non-decreasing: every category is cut alike)
   int64_t applied_step = 0;        // the optimizer step saved
   std::chrono::steady_clock::time_point t0;
 
   int64_t applied() const override { return applied_step; }
-  void wait_written_below(int64_t end) override {
-    const size_t n = size_t(std::lower_bound(offsets.begin(), offsets.end(), end) - offsets.begin());
-    save->wait_written(n);
+  double make_writable(int64_t begin, int64_t end) override {
+    const size_t lo = size_t(std::upper_bound(ends.begin(), ends.end(), begin) - ends.begin());
+    const size_t hi = size_t(std::lower_bound(offsets.begin(), offsets.end(), end) - offsets.begin());
+    return lo < hi ? save->make_writable(lo, hi) : 0.0;
   }
 };
 
@@ -41,6 +43,10 @@ StateCheckpoints::StateCheckpoints(const StepContext& ctx, OptimizerPass& optimi
   static_assert(kSaveBounceBytes >= RankFileWriter::kWriterSlotBytes, "a save fills one writer slot at a time");
   const int64_t bytes = ctx.state->plan().staging.save_bounce;
   if (bytes > 0) bounce_ = ctx.device->allocate_pinned(bytes, "checkpoint save: device state bounce");
+  // Note [Save snapshots] (checkpoint/checkpoint.h): registered with the
+  // device, so that device-tier ranges come D2H straight into it.
+  const int64_t pool = ctx.state->plan().staging.save_snapshot;
+  if (pool > 0) snapshot_pool_ = ctx.device->allocate_pinned(pool, "checkpoint save: snapshot pool");
 }
 
 StateCheckpoints::~StateCheckpoints() {
@@ -103,7 +109,12 @@ void StateCheckpoints::begin(const CheckpointOptions& options, Manifest header, 
   f->ranges = ranges(true);
   std::stable_sort(f->ranges.begin(), f->ranges.end(),
                    [](const ShardRange& a, const ShardRange& b) { return a.shard_offset < b.shard_offset; });
-  for (const ShardRange& r : f->ranges) f->offsets.push_back(r.shard_offset);
+  for (const ShardRange& r : f->ranges) {
+    f->offsets.push_back(r.shard_offset);
+    f->ends.push_back(r.shard_offset + r.shard_numel);
+    STRATA_CHECK(f->ends.size() < 2 || f->ends.back() >= f->ends[f->ends.size() - 2],
+                 "checkpoint ranges of categories cut differently");
+  }
   f->applied_step = counters.optimizer_step;
   InFlight* raw = f.get();
   RangeSource source;
@@ -127,6 +138,20 @@ void StateCheckpoints::begin(const CheckpointOptions& options, Manifest header, 
       ctx_.state->read_async(r.category, offset, numel, buf, save_io_, &none, Stream::kSaveD2H).wait();
     }
   };
+  // Note [Save snapshots]: a range the next optimizer pass is about to
+  // overwrite, read now by that pass's thread (or, for device-resident
+  // state, the compute thread that launches its update) into the pool. The
+  // state there is still the saved step's: whatever overwrites it comes
+  // through make_writable() first.
+  if (snapshot_pool_.bytes() > 0) {
+    source.snapshot = [this, raw](size_t i, std::byte* dst) {
+      const ShardRange& r = raw->ranges[i];
+      optimizer_.order_after_updates(Stream::kSaveD2H, r.shard_offset, r.shard_numel);
+      const Completion none;
+      ctx_.state->read_async(r.category, r.shard_offset, r.shard_numel, dst, snapshot_io_, &none, Stream::kSaveD2H)
+          .wait();
+    };
+  }
   // The step being saved may still be updating (run.overlap_optimizer):
   // each range waits until the update is final there.
   std::function<bool(size_t)> ready;
@@ -138,7 +163,8 @@ void StateCheckpoints::begin(const CheckpointOptions& options, Manifest header, 
   }
   TraceSpan span(TraceTrack::kNvme, "checkpoint begin");
   f->save = std::make_unique<CheckpointSave>(options, *ctx_.comm, std::move(header), f->ranges, std::move(source),
-                                             std::move(ready));
+                                             std::move(ready),
+                                             SnapshotPool{snapshot_pool_.data(), snapshot_pool_.bytes()});
   save_ = f;
   optimizer_.set_save(std::move(f));
 }
@@ -167,6 +193,7 @@ std::optional<FinishedSave> StateCheckpoints::poll(bool wait) {
   done.seconds = seconds_since(f->t0);
   done.write_seconds = f->save->write_seconds();
   done.bytes = f->save->bytes();
+  done.snapshot_bytes = f->save->snapshot_bytes();
   return done;
 }
 

@@ -26,6 +26,7 @@ struct FinishedSave {
   double seconds = 0.0;        // from begin to published
   double write_seconds = 0.0;  // from begin to this rank's file synced
   int64_t bytes = 0;           // saved by this rank
+  int64_t snapshot_bytes = 0;  // of which written from the snapshot pool (Note [Save snapshots])
 };
 
 // The step counters a checkpoint carries (manifest "trainer").
@@ -54,7 +55,8 @@ class StateCheckpoints {
   void begin(const CheckpointOptions& options, Manifest header, const TrainerCounters& counters,
              const LossScaler* scaler);
   bool in_flight() const { return save_ != nullptr; }
-  int64_t host_bytes() const { return bounce_.bytes(); }  // the save's registered bounce
+  // The save's registered bounce and snapshot pool.
+  int64_t host_bytes() const { return bounce_.bytes() + snapshot_pool_.bytes(); }
   // Collective: finishes the save in flight once every rank has written its
   // part (wait: waits for that); nullopt when none finished. Throws Error on
   // every rank when the save failed (training state untouched).
@@ -77,6 +79,10 @@ class StateCheckpoints {
   // A GPU's device-tier state comes D2H into this registered buffer (one
   // writer slot's bytes), then into the writer's staging.
   PinnedHostBuffer bounce_;
+  // Note [Save snapshots] (checkpoint/checkpoint.h): run.checkpoint.snapshot_gb
+  // of host memory registered with the device, and the I/O its copies use.
+  PinnedHostBuffer snapshot_pool_;
+  PendingIo snapshot_io_;
 };
 
 }  // namespace strata

@@ -128,6 +128,7 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
     ++step_;
     r.optimizer_wait_s = optimizer_->wait_seconds() - opt_wait0;
     r.wait_s = param_wait + r.optimizer_wait_s;
+    r.checkpoint_wait_s = optimizer_->take_checkpoint_wait();
     r.links += moved;
     r.net_bytes = comm.bytes_sent() + data_sent() - net0;
     r.intra_node_bytes = node_sent() - node0;

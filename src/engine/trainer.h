@@ -53,6 +53,10 @@ struct StepResult {
   double optimizer_s = 0.0;  // seconds in the optimizer (including its swapping); with
                              // run.overlap_optimizer: the last optimizer step that finished
   double optimizer_wait_s = 0.0;  // seconds this step's compute waited for the optimizer
+  // Seconds the optimizer (its thread, or the launches of device pieces)
+  // waited for a checkpoint save in flight since the last step's result
+  // (Note [Save snapshots] in checkpoint/checkpoint.h).
+  double checkpoint_wait_s = 0.0;
   int64_t net_bytes = 0;     // bytes this rank sent over the network in the step (the world's groups)
   int64_t intra_node_bytes = 0;  // besides those, bytes sent over its node's group (comm.secondary_shard)
   double comm_wait_s = 0.0;  // seconds compute waited for collectives

@@ -182,6 +182,7 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
     saved_on_device |= plan.bytes[size_t(c)][size_t(Tier::kDevice)] > 0;
   }
   if (!plan.device_addressable && saved_on_device) n.save_bounce = kSaveBounceBytes;
+  n.save_snapshot = plan.save_snapshot_bytes;
   if (plan.shards > 1 && plan.stage == 3) {
     n.gather = (2 * (plan.tied ? 2 : 1) * largest + plan.kept_gathered_numel) * plan.compute_bytes;
   } else if (plan.shards > 1) {
@@ -948,6 +949,14 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   // plans of all ranks are the same.
   std::array<std::vector<PlacementUnit>, kNumCategories> units;
   cut_units(cfg, layout, plan, units);
+  if (!cfg.run.checkpoint.dir.empty() && cfg.run.checkpoint.snapshot_gb > 0) {
+    // No more than this rank's saves hold: its saved categories' elements,
+    // each range (a block's chunk of at most 2^24 elements) 4 KiB aligned.
+    const int64_t ranges = 3 * (int64_t(layout.num_blocks()) + plan.shard_space_numel / (int64_t(1) << 24) + 1);
+    const double most = double(plan.shard_space_numel) * (4 + 2 * moment_bytes) + double(ranges) * 4096;
+    const double want = std::min(cfg.run.checkpoint.snapshot_gb * 1e9, most);
+    plan.save_snapshot_bytes = (int64_t(want) + 4095) / 4096 * 4096;
+  }
   std::array<TierSplit, kNumCategories> split = requested_splits(cfg, plan);
   estimate_transients(cfg, layout, plan);
   if (!cfg.placement.auto_place) {

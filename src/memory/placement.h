@@ -128,6 +128,9 @@ struct StagingNeeds {
   // Host, on a device host code may not touch with saved state (master,
   // moments) on it: a checkpoint save's registered bounce buffer.
   int64_t save_bounce = 0;
+  // Host, registered with the device: a save's snapshot pool
+  // (PlacementPlan::save_snapshot_bytes).
+  int64_t save_snapshot = 0;
   // Host, with PlacementPlan::comm_staged: the staged collectives' input and
   // output buffers, registered with the device (2 x world size x
   // kStagedPieceBytes).
@@ -146,7 +149,7 @@ struct StagingNeeds {
   }
   int64_t host_bytes() const {
     return opt_grad + opt_state + opt_emit + ckpt_host + grad_host + grad_rmw + window_bounce + tokens + save_bounce +
-           comm_host;
+           save_snapshot + comm_host;
   }
 };
 
@@ -193,6 +196,9 @@ struct PlacementPlan {
   bool layer_major() const { return schedule == StepSchedule::kLayer; }
   std::string schedule_choice;       // run.schedule auto: what was chosen and why
   int64_t token_bytes = 0;           // a step's token windows: accum x micro x (seq_len + 1) x 8
+  // run.checkpoint.snapshot_gb with a run.checkpoint.dir, at most what this
+  // rank's saves hold (Note [Save snapshots] in checkpoint/checkpoint.h).
+  int64_t save_snapshot_bytes = 0;
   std::vector<int64_t> block_numel;  // padded elements per block
   WindowKnobs window_knobs;          // from the stage3_* keys
   int64_t window_cap_bytes = -1;     // device memory the window may use (< 0: no limit)
