@@ -184,14 +184,31 @@ TEST_F(CheckpointTest, SaveWhileTrainingWithSnapshotsHoldsTheStateOfItsStep) {
       overrides.push_back("run.checkpoint.dir=\"" + ck + "\"");
       overrides.push_back("run.checkpoint.snapshot_gb=" + std::to_string(gb));
       testing::DeferredDevice d1, d2, d3;
+      // Losses and each step's bytes per link: a save's copies are not the step's traffic (the
+      // step's bound is computed from it).
+      auto steps = [](Session& session, std::vector<double>& losses, std::vector<LinkBytes>& links) {
+        for (int k = 0; k < 3; ++k) {
+          const StepResult r = session.step();
+          losses.push_back(r.loss);
+          links.push_back(r.links);
+        }
+      };
       Session straight(base_config(data_), overrides, nullptr, c.deferred ? &d1 : nullptr);
       straight.train(3);
       const std::vector<at::Tensor> at3 = straight.state();
-      const std::vector<double> ref = straight.train(3);
+      std::vector<double> ref, rest;
+      std::vector<LinkBytes> ref_links, rest_links;
+      steps(straight, ref, ref_links);
       Session s(base_config(data_), overrides, nullptr, c.deferred ? &d2 : nullptr);
       s.train(3);
       s.begin_save(ck, /*delay_ms=*/30);
-      const std::vector<double> rest = s.train(3);
+      steps(s, rest, rest_links);
+      for (size_t k = 0; k < 3; ++k) {
+        EXPECT_EQ(rest_links[k].h2d, ref_links[k].h2d) << what << ": step " << k + 4;
+        EXPECT_EQ(rest_links[k].d2h, ref_links[k].d2h) << what << ": step " << k + 4;
+        EXPECT_EQ(rest_links[k].nvme_read, ref_links[k].nvme_read) << what << ": step " << k + 4;
+        EXPECT_EQ(rest_links[k].nvme_write, ref_links[k].nvme_write) << what << ": step " << k + 4;
+      }
       ASSERT_TRUE(s.trainer().checkpoint_in_flight()) << what << ": the save should still be running";
       const auto done = s.trainer().poll_checkpoint(true);
       ASSERT_TRUE(done.has_value());

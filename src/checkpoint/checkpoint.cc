@@ -702,6 +702,7 @@ CheckpointSave::CheckpointSave(const CheckpointOptions& options, Communicator& c
   const int rank = comm.rank();
   STRATA_CHECK(reinterpret_cast<uintptr_t>(pool_.data) % kAlign == 0, "a snapshot pool not 4 KiB aligned");
   snap_state_.assign(ranges_.size(), Snap::kNone);
+  reserved_.reserve(ranges_.size());
   snap_.assign(ranges_.size(), nullptr);
   // A range taken into the pool is written from there: in place (the pool
   // is aligned), or its pieces copied.
@@ -820,34 +821,63 @@ void CheckpointSave::wait_written(size_t n) {
   cv_.wait(lock, [&] { return written_ >= n || done_; });
 }
 
+bool CheckpointSave::reserve_locked(size_t i, std::vector<std::pair<size_t, std::byte*>>& out) {
+  const int64_t bytes = round_up(ranges_[i].shard_numel * header_.elem_bytes.at(ranges_[i].category), kAlign);
+  if (i < begun_ || done_ || snap_state_[i] != Snap::kNone || pool_used_ + bytes > pool_.bytes) return false;
+  out.push_back({i, pool_.data + pool_used_});
+  pool_used_ += bytes;
+  snap_state_[i] = Snap::kCopying;  // the save's thread waits for it
+  return true;
+}
+
+void CheckpointSave::copy_reserved(std::unique_lock<std::mutex>& lock,
+                                   const std::vector<std::pair<size_t, std::byte*>>& reserved) {
+  lock.unlock();
+  size_t k = 0;
+  try {
+    for (; k < reserved.size(); ++k) {
+      source_.snapshot(reserved[k].first, reserved[k].second);
+      {
+        std::lock_guard<std::mutex> state(mu_);
+        const size_t i = reserved[k].first;
+        snap_[i] = reserved[k].second;
+        snap_state_[i] = Snap::kTaken;
+        snapshot_bytes_ += ranges_[i].numel * header_.elem_bytes.at(ranges_[i].category);
+      }
+      cv_.notify_all();  // in order: the save's thread goes on with each
+    }
+  } catch (...) {
+    lock.lock();
+    // Homes not yet overwritten: the save reads those ranges there.
+    for (; k < reserved.size(); ++k) snap_state_[reserved[k].first] = Snap::kNone;
+    cv_.notify_all();
+    throw;
+  }
+  lock.lock();
+}
+
 double CheckpointSave::make_writable(size_t lo, size_t hi) {
   hi = std::min(hi, ranges_.size());
   double waited = 0.0;
+  std::lock_guard<std::mutex> one_caller(callers_mu_);
+  std::vector<std::pair<size_t, std::byte*>>& reserved = reserved_;
   std::unique_lock<std::mutex> lock(mu_);
   for (size_t i = lo; i < hi; ++i) {
     if (i < written_ || done_ || snap_state_[i] == Snap::kTaken) continue;
-    const int64_t bytes = round_up(ranges_[i].shard_numel * header_.elem_bytes.at(ranges_[i].category), kAlign);
-    if (i >= begun_ && snap_state_[i] == Snap::kNone && pool_used_ + bytes <= pool_.bytes) {
-      // Note [Save snapshots]: ours to copy; the save's thread waits for it.
-      std::byte* dst = pool_.data + pool_used_;
-      pool_used_ += bytes;
-      snap_state_[i] = Snap::kCopying;
-      lock.unlock();
-      try {
-        std::lock_guard<std::mutex> copying(copy_mu_);
-        source_.snapshot(i, dst);
-      } catch (...) {
-        lock.lock();
-        snap_state_[i] = Snap::kNone;  // the home is unchanged: the save reads it there
-        cv_.notify_all();
-        throw;
-      }
-      lock.lock();
-      snap_[i] = dst;
-      snap_state_[i] = Snap::kTaken;
-      snapshot_bytes_ += ranges_[i].numel * header_.elem_bytes.at(ranges_[i].category);
-      cv_.notify_all();
+    reserved.clear();
+    if (reserve_locked(i, reserved)) {
+      copy_reserved(lock, reserved);  // Note [Save snapshots]: ours to copy
       continue;
+    }
+    if (snap_state_[i] == Snap::kNone && i < begun_) {
+      // The save is at this range: this pass has caught up with it. Rather
+      // than follow it at the disk's pace range by range, take the ranges
+      // past this piece that it has not begun, while the pool has room, in
+      // its order (it writes each as soon as it is copied), then wait for
+      // the ones it has.
+      for (size_t k = std::max(hi, begun_); k < ranges_.size() && reserve_locked(k, reserved); ++k) {
+      }
+      if (!reserved.empty()) copy_reserved(lock, reserved);
     }
     // Begun by the save, being copied by another thread, or no room left.
     const auto t0 = std::chrono::steady_clock::now();

@@ -273,9 +273,15 @@ struct SnapshotPool {
 // A range the save has begun is waited for, as is every range once the pool
 // is full (it is not reused within a save: ranges are overtaken in the
 // optimizer's order, which a speculating step's commit walks downwards,
-// while the save writes upwards). The bytes read and written are the same
+// while the save writes upwards). A pass walking upwards that catches up
+// with the save would then follow it range by range (the save begins the
+// next range before the pass gets there): so when it meets a begun range it
+// first copies every later range the save has not begun, as far as the pool
+// allows, in the save's order (the save writes each as soon as it is
+// copied), and only then waits. The bytes read and written are the same
 // either way; what the pool buys is that the disk's time stops being the
-// step's.
+// step's (the copies are at memory or PCIe speed, or for NVMe-resident state
+// the reads the save would have made).
 class CheckpointSave {
  public:
   // Collective: rank 0 creates the .tmp directory (every rank fails when it
@@ -339,7 +345,13 @@ class CheckpointSave {
   std::vector<std::byte*> snap_;   // per range: its copy in the pool (set once kTaken)
   int64_t pool_used_ = 0;
   int64_t snapshot_bytes_ = 0;
-  std::mutex copy_mu_;             // one snapshot copy at a time (source_.snapshot's I/O)
+  // make_writable's callers one at a time (source_.snapshot's I/O is one), before mu_.
+  std::mutex callers_mu_;
+  // Note [Save snapshots]: takes range i's place in the pool (false: begun,
+  // not kNone, or no room); copies what was reserved, in order.
+  bool reserve_locked(size_t i, std::vector<std::pair<size_t, std::byte*>>& out);
+  void copy_reserved(std::unique_lock<std::mutex>& lock, const std::vector<std::pair<size_t, std::byte*>>& reserved);
+  std::vector<std::pair<size_t, std::byte*>> reserved_;  // make_writable's (callers_mu_), sized once
   bool done_ = false;
   std::string error_;
   bool finished_ = false;

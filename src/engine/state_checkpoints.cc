@@ -146,6 +146,9 @@ void StateCheckpoints::begin(const CheckpointOptions& options, Manifest header, 
   if (snapshot_pool_.bytes() > 0) {
     source.snapshot = [this, raw](size_t i, std::byte* dst) {
       const ShardRange& r = raw->ranges[i];
+      // The save's traffic, as its own thread's reads: not the step's links
+      // (which the step's bound is computed from).
+      TieredState::TallyScope not_the_steps(nullptr);
       optimizer_.order_after_updates(Stream::kSaveD2H, r.shard_offset, r.shard_numel);
       const Completion none;
       ctx_.state->read_async(r.category, r.shard_offset, r.shard_numel, dst, snapshot_io_, &none, Stream::kSaveD2H)
