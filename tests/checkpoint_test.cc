@@ -9,7 +9,11 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <condition_variable>
 #include <fstream>
+#include <functional>
+#include <future>
+#include <mutex>
 #include <random>
 #include <sstream>
 
@@ -394,6 +398,111 @@ TEST_F(DamagedCheckpointTest, MissingRangeIsRefused) {
 
 TEST_F(DamagedCheckpointTest, AnotherModelShapeIsRefused) {
   expect_refused({ck_ + "/manifest.json", "another model shape"}, {"model.ffn_hidden=128"});
+}
+
+// Note [Save snapshots] at the API level, made deterministic by a fill that
+// holds range 3 (the save has begun it, not written it): a caller that must
+// overwrite range 3 first copies the later ranges the save has not begun
+// (4 and 5), while it still waits for 3; those homes may then change, and
+// the file still holds every range as it was. With room for one range, the
+// copy stops there and range 5 is waited for.
+TEST(CheckpointIoTest, SnapshotsLetTheOverwriterGoAheadOfTheSave) {
+  for (const int pool_ranges : {6, 1}) {
+    SCOPED_TRACE("pool of " + std::to_string(pool_ranges) + " range(s)");
+    TempDir dir;
+    constexpr int64_t kN = 4096;  // elements a range (fp32: 16 KiB)
+    const std::map<Category, int> eb = {{Category::kMaster, 4}, {Category::kExpAvg, 4}, {Category::kExpAvgSq, 4}};
+    std::vector<ShardRange> ranges;
+    for (Category c : kSavedCategories) {
+      for (int64_t half = 0; half < 2; ++half) {
+        ShardRange r;
+        r.category = c;
+        r.start = half * kN;
+        r.numel = kN;
+        r.shard_offset = int64_t(ranges.size()) * kN;
+        r.shard_numel = kN;
+        ranges.push_back(r);
+      }
+    }
+    HostBuffer home(size_t(6 * kN * 4), "test homes");
+    float* h = home.as<float>();
+    for (int64_t k = 0; k < 6 * kN; ++k) h[k] = float(k) * 0.5f;
+    const std::vector<float> original(h, h + 6 * kN);
+    HostBuffer pool(size_t(pool_ranges * kN * 4), "test snapshot pool");
+
+    std::mutex mu;
+    std::condition_variable cv;
+    bool in_fill3 = false, release3 = false;
+    std::vector<size_t> copied;
+    RangeSource source;
+    source.fill = [&](size_t i, int64_t at, int64_t numel, std::byte* buf) {
+      if (i == 3) {
+        std::unique_lock<std::mutex> lock(mu);
+        in_fill3 = true;
+        cv.notify_all();
+        cv.wait(lock, [&] { return release3; });
+      }
+      std::memcpy(buf, h + ranges[i].shard_offset + at, size_t(numel * 4));
+    };
+    source.snapshot = [&](size_t i, std::byte* dst) {
+      std::memcpy(dst, h + ranges[i].shard_offset, size_t(kN * 4));
+      std::lock_guard<std::mutex> lock(mu);
+      copied.push_back(i);
+      cv.notify_all();
+    };
+    Manifest header;
+    header.step = 1;
+    header.parameters = 2 * kN;
+    header.tensors = {{"w", {2 * kN}, 0}};
+    header.elem_bytes = eb;
+    CheckpointOptions opt;
+    opt.dir = dir.file("ck");
+    std::unique_ptr<Communicator> comm = make_local_communicator();
+    CheckpointSave save(opt, *comm, header, ranges, source, {}, SnapshotPool{pool.as<std::byte>(), int64_t(pool.bytes())});
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(20), [&] { return in_fill3; }));
+    }
+    auto overwrite = [&](size_t i) { std::fill(h + ranges[i].shard_offset, h + ranges[i].shard_offset + kN, -1.0f); };
+    // Whatever fails below, the save's thread is let go (else the test hangs instead of failing):
+    // `release` goes before the future, which waits for the save.
+    std::future<double> w3;
+    struct Release {
+      std::function<void()> f;
+      ~Release() { f(); }
+    } release{[&] {
+      {
+        std::lock_guard<std::mutex> lock(mu);
+        release3 = true;
+      }
+      cv.notify_all();
+    }};
+    w3 = std::async(std::launch::async, [&] { return save.make_writable(3, 4); });
+    const std::vector<size_t> ahead = pool_ranges >= 2 ? std::vector<size_t>{4, 5} : std::vector<size_t>{4};
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(20), [&] { return copied.size() >= ahead.size(); }));
+      EXPECT_EQ(copied, ahead);
+    }
+    // Still waiting for range 3, which the save holds.
+    EXPECT_EQ(w3.wait_for(std::chrono::milliseconds(50)), std::future_status::timeout);
+    for (size_t i : ahead) overwrite(i);
+    release.f();
+    w3.get();
+    for (size_t i = 0; i <= 3; ++i) overwrite(i);  // written
+    save.make_writable(4, 6);  // taken, or (5, with a pool of one) waited for
+    overwrite(4);
+    overwrite(5);
+    const std::string ck = save.finish();
+    EXPECT_EQ(save.snapshot_bytes(), int64_t(ahead.size()) * kN * 4);
+    EXPECT_EQ(copied, ahead);
+    CheckpointReader reader(ck, opt.engine);
+    std::vector<float> out(size_t(2 * kN));
+    for (size_t c = 0; c < 3; ++c) {
+      reader.read(kSavedCategories[c], 0, 2 * kN, reinterpret_cast<std::byte*>(out.data()));
+      EXPECT_EQ(std::memcmp(out.data(), original.data() + c * 2 * kN, size_t(2 * kN * 4)), 0) << "category " << c;
+    }
+  }
 }
 
 // The write and read paths at the API level, with ranges larger than a
