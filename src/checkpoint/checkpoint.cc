@@ -367,6 +367,7 @@ void RankFileWriter::write(size_t i, const RangeSource& source) {
       const int64_t real = std::min(piece, r.numel - at) * eb;  // what the file keeps
       const int64_t padded = round_up(real, kAlign);
       const int k = acquire_slot();
+      if (progress_) progress_(std::min(written_ranges(), i));  // (range i itself is not)
       auto t0 = std::chrono::steady_clock::now();
       source.fill(i, at, n, slot(k));
       fill_s_ += seconds_since(t0);
@@ -759,6 +760,7 @@ void CheckpointSave::run() {
       }
       cv_.notify_all();
     };
+    w.set_progress(publish);
     for (size_t i = 0; i < ranges_.size(); ++i) {
       if (options_.test_delay_per_range_ms > 0) {
         std::this_thread::sleep_for(std::chrono::milliseconds(options_.test_delay_per_range_ms));

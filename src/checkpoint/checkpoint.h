@@ -141,6 +141,10 @@ class RankFileWriter {
   void wait_through(size_t i);
   // Without blocking: how many ranges, a prefix of the list, are written.
   size_t written_ranges();
+  // Called with the ranges written before the one being written, before each
+  // of its tier reads (fill), which may be slow: whoever waits for a range
+  // learns it is written then, not after.
+  void set_progress(std::function<void(size_t)> progress) { progress_ = std::move(progress); }
   // Waits for every write, fsyncs and closes the file; the ranges written.
   std::vector<SavedRange> finish();
   // Seconds spent in tier reads (fill), checksumming, waiting for writes
@@ -176,6 +180,7 @@ class RankFileWriter {
   int64_t at_ = 0;  // bytes written so far (4 KiB multiples)
   double fill_s_ = 0.0, crc_s_ = 0.0, wait_s_ = 0.0, sync_s_ = 0.0;
   int64_t in_place_bytes_ = 0;
+  std::function<void(size_t)> progress_;
 };
 
 // A complete checkpoint directory, opened for reading: the manifest checked,
