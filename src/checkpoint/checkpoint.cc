@@ -703,6 +703,10 @@ CheckpointSave::CheckpointSave(const CheckpointOptions& options, Communicator& c
   const int rank = comm.rank();
   STRATA_CHECK(reinterpret_cast<uintptr_t>(pool_.data) % kAlign == 0, "a snapshot pool not 4 KiB aligned");
   snap_state_.assign(ranges_.size(), Snap::kNone);
+  snap_ok_.assign(ranges_.size(), 0);
+  if (pool_.bytes > 0) {
+    for (size_t i = 0; i < ranges_.size(); ++i) snap_ok_[i] = !source_.snapshot_ok || source_.snapshot_ok(i);
+  }
   reserved_.reserve(ranges_.size());
   snap_.assign(ranges_.size(), nullptr);
   // A range taken into the pool is written from there: in place (the pool
@@ -825,7 +829,9 @@ void CheckpointSave::wait_written(size_t n) {
 
 bool CheckpointSave::reserve_locked(size_t i, std::vector<std::pair<size_t, std::byte*>>& out) {
   const int64_t bytes = round_up(ranges_[i].shard_numel * header_.elem_bytes.at(ranges_[i].category), kAlign);
-  if (i < begun_ || done_ || snap_state_[i] != Snap::kNone || pool_used_ + bytes > pool_.bytes) return false;
+  if (!snap_ok_[i] || i < begun_ || done_ || snap_state_[i] != Snap::kNone || pool_used_ + bytes > pool_.bytes) {
+    return false;
+  }
   out.push_back({i, pool_.data + pool_used_});
   pool_used_ += bytes;
   snap_state_[i] = Snap::kCopying;  // the save's thread waits for it

@@ -111,8 +111,11 @@ struct RangeSource {
   // Optional (Note [Save snapshots]): copies range i's shard_numel elements
   // into `dst` on the calling thread, ahead of the save, which then writes
   // them from there. Called by CheckpointSave::make_writable's caller's
-  // thread, one call at a time; must not share I/O with fill().
+  // thread, one call at a time; must not share I/O with fill(). Only for
+  // the ranges `snapshot_ok` (asked once per range, when the save starts)
+  // allows: those in memory, whose copy is not the disk's time.
   std::function<void(size_t i, std::byte* dst)> snapshot;
+  std::function<bool(size_t i)> snapshot_ok;
 };
 
 // Writes one rank's ranges to <dir>/<file>, preallocated, through its own
@@ -278,15 +281,17 @@ struct SnapshotPool {
 // A range the save has begun is waited for, as is every range once the pool
 // is full (it is not reused within a save: ranges are overtaken in the
 // optimizer's order, which a speculating step's commit walks downwards,
-// while the save writes upwards). A pass walking upwards that catches up
-// with the save would then follow it range by range (the save begins the
-// next range before the pass gets there): so when it meets a begun range it
-// first copies every later range the save has not begun, as far as the pool
-// allows, in the save's order (the save writes each as soon as it is
-// copied), and only then waits. The bytes read and written are the same
-// either way; what the pool buys is that the disk's time stops being the
-// step's (the copies are at memory or PCIe speed, or for NVMe-resident state
-// the reads the save would have made).
+// while the save writes upwards), and every range on NVMe (its copy would
+// be the read the save makes, on the disk the save writes to: measured, that
+// cost the step more than waiting; BENCHMARKS.md, "Checkpoints"). A pass
+// walking upwards that catches up with the save would then follow it range
+// by range (the save begins the next range before the pass gets there): so
+// when it meets a begun range it first copies every later range the save
+// has not begun, as far as the pool allows, in the save's order (the save
+// writes each as soon as it is copied), and only then waits. The bytes read
+// and written are the same either way; what the pool buys is that the
+// disk's time stops being the step's: the copies run at memory or PCIe
+// speed.
 class CheckpointSave {
  public:
   // Collective: rank 0 creates the .tmp directory (every rank fails when it
@@ -347,6 +352,7 @@ class CheckpointSave {
   size_t begun_ = 0;    // ranges the thread has begun (read from their homes or the pool)
   enum class Snap : uint8_t { kNone, kCopying, kTaken };
   std::vector<Snap> snap_state_;   // per range
+  std::vector<char> snap_ok_;      // per range: RangeSource::snapshot_ok
   std::vector<std::byte*> snap_;   // per range: its copy in the pool (set once kTaken)
   int64_t pool_used_ = 0;
   int64_t snapshot_bytes_ = 0;

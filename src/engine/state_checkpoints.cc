@@ -144,6 +144,11 @@ void StateCheckpoints::begin(const CheckpointOptions& options, Manifest header, 
   // state there is still the saved step's: whatever overwrites it comes
   // through make_writable() first.
   if (snapshot_pool_.bytes() > 0) {
+    source.snapshot_ok = [this, raw](size_t i) {  // in memory: host or device, not NVMe
+      const ShardRange& r = raw->ranges[i];
+      const std::optional<Tier> t = range_tier(ctx_.state->plan(), r.category, r.shard_offset, r.shard_numel);
+      return t.has_value() && *t != Tier::kNvme;
+    };
     source.snapshot = [this, raw](size_t i, std::byte* dst) {
       const ShardRange& r = raw->ranges[i];
       // The save's traffic, as its own thread's reads: not the step's links
