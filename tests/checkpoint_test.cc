@@ -147,11 +147,18 @@ TEST_F(CheckpointTest, SaveWhileTrainingHoldsTheStateOfItsStep) {
     const std::string ck = dir_.file("ck-riding-" + std::to_string(nvme));
     Session s(base_config(data_), overrides);
     s.train(3);
-    s.begin_save(ck, /*delay_ms=*/15);
-    const std::vector<double> rest = s.train(3);
-    ASSERT_TRUE(s.trainer().checkpoint_in_flight()) << what << ": the save should still be running";
+    s.begin_save(ck, /*delay_ms=*/40);
+    std::vector<double> rest;
+    double waited = 0.0;  // the optimizer's waits for the save (StepResult::checkpoint_wait_s)
+    for (int k = 0; k < 3; ++k) {
+      const StepResult r = s.step();
+      rest.push_back(r.loss);
+      waited += r.checkpoint_wait_s;
+    }
     const auto done = s.trainer().poll_checkpoint(true);
     ASSERT_TRUE(done.has_value());
+    waited += s.step().checkpoint_wait_s;  // the last of those steps' optimizer ran after its result
+    EXPECT_GT(waited, 0.0) << what << ": the save was not overtaken";
     EXPECT_EQ(done->step, 3);
     EXPECT_EQ(done->snapshot_bytes, 0) << what << ": no snapshot pool";
     EXPECT_EQ(rest, ref) << what;
@@ -187,16 +194,18 @@ TEST_F(CheckpointTest, SaveWhileTrainingWithSnapshotsHoldsTheStateOfItsStep) {
       const std::string what = c.what + (gb >= 1 ? ", room for the whole save" : ", room for about a range");
       const std::string ck = dir_.file("ck-snapshots-" + std::to_string(++n));
       std::vector<std::string> overrides = c.overrides;
-      overrides.push_back("run.checkpoint.dir=\"" + ck + "\"");
+      overrides.push_back("run.checkpoint={\"dir\":\"" + ck + "\",\"every\":100}");
       overrides.push_back("run.checkpoint.snapshot_gb=" + std::to_string(gb));
       testing::DeferredDevice d1, d2, d3;
       // Losses and each step's bytes per link: a save's copies are not the step's traffic (the
       // step's bound is computed from it).
-      auto steps = [](Session& session, std::vector<double>& losses, std::vector<LinkBytes>& links) {
+      double waited = 0.0;  // the optimizer's waits for the save (StepResult::checkpoint_wait_s)
+      auto steps = [&](Session& session, std::vector<double>& losses, std::vector<LinkBytes>& links) {
         for (int k = 0; k < 3; ++k) {
           const StepResult r = session.step();
           losses.push_back(r.loss);
           links.push_back(r.links);
+          waited += r.checkpoint_wait_s;
         }
       };
       Session straight(base_config(data_), overrides, nullptr, c.deferred ? &d1 : nullptr);
@@ -207,7 +216,8 @@ TEST_F(CheckpointTest, SaveWhileTrainingWithSnapshotsHoldsTheStateOfItsStep) {
       steps(straight, ref, ref_links);
       Session s(base_config(data_), overrides, nullptr, c.deferred ? &d2 : nullptr);
       s.train(3);
-      s.begin_save(ck, /*delay_ms=*/30);
+      s.begin_save(ck, /*delay_ms=*/60);
+      waited = 0.0;  // (the straight run's are 0)
       steps(s, rest, rest_links);
       for (size_t k = 0; k < 3; ++k) {
         EXPECT_EQ(rest_links[k].h2d, ref_links[k].h2d) << what << ": step " << k + 4;
@@ -215,12 +225,13 @@ TEST_F(CheckpointTest, SaveWhileTrainingWithSnapshotsHoldsTheStateOfItsStep) {
         EXPECT_EQ(rest_links[k].nvme_read, ref_links[k].nvme_read) << what << ": step " << k + 4;
         EXPECT_EQ(rest_links[k].nvme_write, ref_links[k].nvme_write) << what << ": step " << k + 4;
       }
-      ASSERT_TRUE(s.trainer().checkpoint_in_flight()) << what << ": the save should still be running";
       const auto done = s.trainer().poll_checkpoint(true);
       ASSERT_TRUE(done.has_value());
+      waited += s.step().checkpoint_wait_s;  // the last of those steps' optimizer ran after its result
       EXPECT_EQ(done->step, 3);
       if (c.nvme_only) {
         EXPECT_EQ(done->snapshot_bytes, 0) << what;
+        EXPECT_GT(waited, 0.0) << what << ": the save was not overtaken";
       } else {
         EXPECT_GT(done->snapshot_bytes, 0) << what;
       }
@@ -467,11 +478,6 @@ TEST(CheckpointIoTest, SnapshotsLetTheOverwriterGoAheadOfTheSave) {
     opt.dir = dir.file("ck");
     std::unique_ptr<Communicator> comm = make_local_communicator();
     CheckpointSave save(opt, *comm, header, ranges, source, {}, SnapshotPool{pool.as<std::byte>(), int64_t(pool.bytes())});
-    {
-      std::unique_lock<std::mutex> lock(mu);
-      ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(20), [&] { return in_fill3; }));
-    }
-    auto overwrite = [&](size_t i) { std::fill(h + ranges[i].shard_offset, h + ranges[i].shard_offset + kN, -1.0f); };
     // Whatever fails below, the save's thread is let go (else the test hangs instead of failing):
     // `release` goes before the future, which waits for the save.
     std::future<double> w3;
@@ -485,6 +491,11 @@ TEST(CheckpointIoTest, SnapshotsLetTheOverwriterGoAheadOfTheSave) {
       }
       cv.notify_all();
     }};
+    {
+      std::unique_lock<std::mutex> lock(mu);
+      ASSERT_TRUE(cv.wait_for(lock, std::chrono::seconds(20), [&] { return in_fill3; }));
+    }
+    auto overwrite = [&](size_t i) { std::fill(h + ranges[i].shard_offset, h + ranges[i].shard_offset + kN, -1.0f); };
     w3 = std::async(std::launch::async, [&] { return save.make_writable(3, 4); });
     const std::vector<size_t> ahead =
         pool_ranges >= 2 && !refuse5 ? std::vector<size_t>{4, 5} : std::vector<size_t>{4};

@@ -63,7 +63,11 @@ TEST(PlacementTest, CheckpointSnapshotPoolIsCountedAndCapped) {
   EXPECT_EQ(none.staging.save_snapshot, 0);
   const PlacementPlan no_dir = make_plan(config_with({"run.checkpoint.snapshot_gb=1"}), layout, 0, unlimited());
   EXPECT_EQ(no_dir.staging.save_snapshot, 0);
-  const std::string dir = "run.checkpoint.dir=\"/tmp/unused-ck\"";
+  // Without periodic saves (only the save at the end, which is waited for).
+  const PlacementPlan not_periodic = make_plan(
+      config_with({"run.checkpoint.dir=\"/tmp/unused-ck\"", "run.checkpoint.snapshot_gb=1"}), layout, 0, unlimited());
+  EXPECT_EQ(not_periodic.staging.save_snapshot, 0);
+  const std::string dir = "run.checkpoint={\"dir\":\"/tmp/unused-ck\",\"every\":10}";
   const PlacementPlan small = make_plan(config_with({dir, "run.checkpoint.snapshot_gb=0.00001"}), layout, 0,
                                         unlimited());
   EXPECT_EQ(small.staging.save_snapshot, 12288);  // 10,000 bytes in whole pages

@@ -844,6 +844,10 @@ void CheckpointSave::copy_reserved(std::unique_lock<std::mutex>& lock,
   size_t k = 0;
   try {
     for (; k < reserved.size(); ++k) {
+      {
+        std::lock_guard<std::mutex> state(mu_);
+        if (done_) break;  // failed: nothing waits for these (and the pool may soon be the next save's)
+      }
       source_.snapshot(reserved[k].first, reserved[k].second);
       {
         std::lock_guard<std::mutex> state(mu_);
@@ -862,6 +866,8 @@ void CheckpointSave::copy_reserved(std::unique_lock<std::mutex>& lock,
     throw;
   }
   lock.lock();
+  for (; k < reserved.size(); ++k) snap_state_[reserved[k].first] = Snap::kNone;  // after a failed save
+  cv_.notify_all();
 }
 
 double CheckpointSave::make_writable(size_t lo, size_t hi) {
@@ -883,7 +889,9 @@ double CheckpointSave::make_writable(size_t lo, size_t hi) {
       // past this piece that it has not begun, while the pool has room, in
       // its order (it writes each as soon as it is copied), then wait for
       // the ones it has.
-      for (size_t k = std::max(hi, begun_); k < ranges_.size() && reserve_locked(k, reserved); ++k) {
+      // (From the next range: the rest of this piece's ranges too.)
+      for (size_t k = std::max(i + 1, begun_); k < ranges_.size() && pool_used_ < pool_.bytes; ++k) {
+        reserve_locked(k, reserved);  // not those taken, on NVMe, or too large for what is left
       }
       if (!reserved.empty()) copy_reserved(lock, reserved);
     }

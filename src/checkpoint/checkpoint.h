@@ -316,7 +316,7 @@ class CheckpointSave {
   // snapshots]), or the save has failed. Returns the seconds it waited for
   // the save (not those it spent copying).
   double make_writable(size_t lo, size_t hi);
-  // Bytes of ranges written from the pool so far.
+  // Bytes of ranges copied into the pool so far (the save writes them from there).
   int64_t snapshot_bytes() const;
   // Collective, cheap (one all-reduce): whether every rank's thread is done.
   bool done_everywhere();

@@ -29,6 +29,9 @@ class StateCheckpoints::InFlight final : public SaveGate {
   std::vector<int64_t> ends;       // and ends (non-decreasing: every category is cut alike)
   int64_t applied_step = 0;        // the optimizer step saved
   std::chrono::steady_clock::time_point t0;
+  std::shared_ptr<Resources> res;
+  // The save's thread (joined here) uses `ranges` and `res` through the callbacks: it ends first.
+  ~InFlight() override { save.reset(); }
 
   int64_t applied() const override { return applied_step; }
   double make_writable(int64_t begin, int64_t end) override {
@@ -39,14 +42,14 @@ class StateCheckpoints::InFlight final : public SaveGate {
 };
 
 StateCheckpoints::StateCheckpoints(const StepContext& ctx, OptimizerPass& optimizer)
-    : ctx_(ctx), optimizer_(optimizer) {
+    : ctx_(ctx), optimizer_(optimizer), res_(std::make_shared<Resources>()) {
   static_assert(kSaveBounceBytes >= RankFileWriter::kWriterSlotBytes, "a save fills one writer slot at a time");
   const int64_t bytes = ctx.state->plan().staging.save_bounce;
-  if (bytes > 0) bounce_ = ctx.device->allocate_pinned(bytes, "checkpoint save: device state bounce");
+  if (bytes > 0) res_->bounce = ctx.device->allocate_pinned(bytes, "checkpoint save: device state bounce");
   // Note [Save snapshots] (checkpoint/checkpoint.h): registered with the
   // device, so that device-tier ranges come D2H straight into it.
   const int64_t pool = ctx.state->plan().staging.save_snapshot;
-  if (pool > 0) snapshot_pool_ = ctx.device->allocate_pinned(pool, "checkpoint save: snapshot pool");
+  if (pool > 0) res_->snapshot_pool = ctx.device->allocate_pinned(pool, "checkpoint save: snapshot pool");
 }
 
 StateCheckpoints::~StateCheckpoints() {
@@ -116,26 +119,33 @@ void StateCheckpoints::begin(const CheckpointOptions& options, Manifest header, 
                  "checkpoint ranges of categories cut differently");
   }
   f->applied_step = counters.optimizer_step;
+  f->res = res_;
+  // The callbacks run on the save's thread and on the passes that overtake
+  // it, which may outlive this object (Resources): they hold the save, the
+  // context and the optimizer (the trainer's, which outlive both), not this.
   InFlight* raw = f.get();
+  const StepContext* ctx = &ctx_;
+  OptimizerPass* opt = &optimizer_;
   RangeSource source;
-  source.resident = [this, raw](size_t i) -> const std::byte* {
+  source.resident = [ctx, raw](size_t i) -> const std::byte* {
     const ShardRange& r = raw->ranges[i];
-    return ctx_.state->resident(r.category, r.shard_offset, r.shard_numel);
+    return ctx->state->resident(r.category, r.shard_offset, r.shard_numel);
   };
-  source.fill = [this, raw](size_t i, int64_t at, int64_t numel, std::byte* buf) {
+  source.fill = [ctx, opt, raw](size_t i, int64_t at, int64_t numel, std::byte* buf) {
     const ShardRange& r = raw->ranges[i];
     const int64_t offset = r.shard_offset + at;
-    const int64_t bytes = numel * ctx_.state->elem_bytes(r.category);
+    const int64_t bytes = numel * ctx->state->elem_bytes(r.category);
+    Resources& res = *raw->res;
     // Device-tier parts after the saved step's update of them, not after
     // the compute queued since (the next steps' forward and backward).
-    optimizer_.order_after_updates(Stream::kSaveD2H, offset, numel);
+    opt->order_after_updates(Stream::kSaveD2H, offset, numel);
     const Completion none;
-    if (bounce_.data() != nullptr && bytes <= bounce_.bytes() &&
-        ctx_.state->resident_on_device(r.category, offset, numel)) {
-      ctx_.state->read_async(r.category, offset, numel, bounce_.data(), save_io_, &none, Stream::kSaveD2H).wait();
-      std::memcpy(buf, bounce_.data(), size_t(bytes));
+    if (res.bounce.data() != nullptr && bytes <= res.bounce.bytes() &&
+        ctx->state->resident_on_device(r.category, offset, numel)) {
+      ctx->state->read_async(r.category, offset, numel, res.bounce.data(), res.save_io, &none, Stream::kSaveD2H).wait();
+      std::memcpy(buf, res.bounce.data(), size_t(bytes));
     } else {
-      ctx_.state->read_async(r.category, offset, numel, buf, save_io_, &none, Stream::kSaveD2H).wait();
+      ctx->state->read_async(r.category, offset, numel, buf, res.save_io, &none, Stream::kSaveD2H).wait();
     }
   };
   // Note [Save snapshots]: a range the next optimizer pass is about to
@@ -143,20 +153,21 @@ void StateCheckpoints::begin(const CheckpointOptions& options, Manifest header, 
   // state, the compute thread that launches its update) into the pool. The
   // state there is still the saved step's: whatever overwrites it comes
   // through make_writable() first.
-  if (snapshot_pool_.bytes() > 0) {
-    source.snapshot_ok = [this, raw](size_t i) {  // in memory: host or device, not NVMe
+  if (res_->snapshot_pool.bytes() > 0) {
+    source.snapshot_ok = [ctx, raw](size_t i) {  // in memory: host or device, not NVMe
       const ShardRange& r = raw->ranges[i];
-      const std::optional<Tier> t = range_tier(ctx_.state->plan(), r.category, r.shard_offset, r.shard_numel);
+      const std::optional<Tier> t = range_tier(ctx->state->plan(), r.category, r.shard_offset, r.shard_numel);
       return t.has_value() && *t != Tier::kNvme;
     };
-    source.snapshot = [this, raw](size_t i, std::byte* dst) {
+    source.snapshot = [ctx, opt, raw](size_t i, std::byte* dst) {
       const ShardRange& r = raw->ranges[i];
       // The save's traffic, as its own thread's reads: not the step's links
       // (which the step's bound is computed from).
       TieredState::TallyScope not_the_steps(nullptr);
-      optimizer_.order_after_updates(Stream::kSaveD2H, r.shard_offset, r.shard_numel);
+      opt->order_after_updates(Stream::kSaveD2H, r.shard_offset, r.shard_numel);
       const Completion none;
-      ctx_.state->read_async(r.category, r.shard_offset, r.shard_numel, dst, snapshot_io_, &none, Stream::kSaveD2H)
+      ctx->state->read_async(r.category, r.shard_offset, r.shard_numel, dst, raw->res->snapshot_io, &none,
+                             Stream::kSaveD2H)
           .wait();
     };
   }
@@ -164,15 +175,15 @@ void StateCheckpoints::begin(const CheckpointOptions& options, Manifest header, 
   // each range waits until the update is final there.
   std::function<bool(size_t)> ready;
   if (optimizer_.threaded()) {
-    ready = [this, raw](size_t i) {
+    ready = [opt, raw](size_t i) {
       const ShardRange& r = raw->ranges[i];
-      return optimizer_.wait_for_job(raw->applied_step, r.shard_offset + r.shard_numel);
+      return opt->wait_for_job(raw->applied_step, r.shard_offset + r.shard_numel);
     };
   }
   TraceSpan span(TraceTrack::kNvme, "checkpoint begin");
   f->save = std::make_unique<CheckpointSave>(options, *ctx_.comm, std::move(header), f->ranges, std::move(source),
                                              std::move(ready),
-                                             SnapshotPool{snapshot_pool_.data(), snapshot_pool_.bytes()});
+                                             SnapshotPool{res_->snapshot_pool.data(), res_->snapshot_pool.bytes()});
   save_ = f;
   optimizer_.set_save(std::move(f));
 }

@@ -56,7 +56,7 @@ class StateCheckpoints {
              const LossScaler* scaler);
   bool in_flight() const { return save_ != nullptr; }
   // The save's registered bounce and snapshot pool.
-  int64_t host_bytes() const { return bounce_.bytes() + snapshot_pool_.bytes(); }
+  int64_t host_bytes() const { return res_->bounce.bytes() + res_->snapshot_pool.bytes(); }
   // Collective: finishes the save in flight once every rank has written its
   // part (wait: waits for that); nullopt when none finished. Throws Error on
   // every rank when the save failed (training state untouched).
@@ -75,14 +75,20 @@ class StateCheckpoints {
   const StepContext& ctx_;
   OptimizerPass& optimizer_;
   std::shared_ptr<InFlight> save_;
-  PendingIo save_io_;  // the save's thread reads homes and NVMe through it
-  // A GPU's device-tier state comes D2H into this registered buffer (one
-  // writer slot's bytes), then into the writer's staging.
-  PinnedHostBuffer bounce_;
-  // Note [Save snapshots] (checkpoint/checkpoint.h): run.checkpoint.snapshot_gb
-  // of host memory registered with the device, and the I/O its copies use.
-  PinnedHostBuffer snapshot_pool_;
-  PendingIo snapshot_io_;
+  // What a save's thread and the passes that overtake it use, allocated at
+  // start-up and shared with the save in flight: an optimizer pass may hold
+  // that save (and its thread run) after this object is gone.
+  struct Resources {
+    PendingIo save_io;  // the save's thread reads homes and NVMe through it
+    // A GPU's device-tier state comes D2H into this registered buffer (one
+    // writer slot's bytes), then into the writer's staging.
+    PinnedHostBuffer bounce;
+    // Note [Save snapshots] (checkpoint/checkpoint.h): run.checkpoint.snapshot_gb
+    // of host memory registered with the device, and the I/O its copies use.
+    PinnedHostBuffer snapshot_pool;
+    PendingIo snapshot_io;
+  };
+  std::shared_ptr<Resources> res_;
 };
 
 }  // namespace strata

@@ -949,11 +949,17 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   // plans of all ranks are the same.
   std::array<std::vector<PlacementUnit>, kNumCategories> units;
   cut_units(cfg, layout, plan, units);
-  if (!cfg.run.checkpoint.dir.empty() && cfg.run.checkpoint.snapshot_gb > 0) {
-    // No more than this rank's saves hold: its saved categories' elements,
+  if (!cfg.run.checkpoint.dir.empty() && cfg.run.checkpoint.every > 0 && cfg.run.checkpoint.snapshot_gb > 0) {
+    // Only periodic saves ride on training. No more than this rank's saves
+    // hold: its saved categories' elements (replicated state: its share of
+    // the chunks, a world-th, rounded up by one chunk of each category),
     // each range (a block's chunk of at most 2^24 elements) 4 KiB aligned.
-    const int64_t ranges = 3 * (int64_t(layout.num_blocks()) + plan.shard_space_numel / (int64_t(1) << 24) + 1);
-    const double most = double(plan.shard_space_numel) * (4 + 2 * moment_bytes) + double(ranges) * 4096;
+    const int64_t chunk = int64_t(1) << 24;
+    const int64_t ranges = 3 * (int64_t(layout.num_blocks()) + plan.shard_space_numel / chunk + 1);
+    const int64_t world = plan.shards == 1 ? std::max<int64_t>(1, cfg.world_size) : 1;
+    const double elems = std::min(double(plan.shard_space_numel),
+                                  double(plan.shard_space_numel) / double(world) + double(chunk));
+    const double most = elems * (4 + 2 * moment_bytes) + double(ranges) * 4096;
     const double want = std::min(cfg.run.checkpoint.snapshot_gb * 1e9, most);
     plan.save_snapshot_bytes = (int64_t(want) + 4095) / 4096 * 4096;
   }
