@@ -885,11 +885,10 @@ double CheckpointSave::make_writable(size_t lo, size_t hi) {
     }
     if (snap_state_[i] == Snap::kNone && i < begun_) {
       // The save is at this range: this pass has caught up with it. Rather
-      // than follow it at the disk's pace range by range, take the ranges
-      // past this piece that it has not begun, while the pool has room, in
-      // its order (it writes each as soon as it is copied), then wait for
-      // the ones it has.
-      // (From the next range: the rest of this piece's ranges too.)
+      // than follow it at the disk's pace range by range, take every later
+      // range it has not begun (the rest of this piece's too), while the
+      // pool has room, in its order (it writes each as soon as it is
+      // copied), then wait for the ones it has.
       for (size_t k = std::max(i + 1, begun_); k < ranges_.size() && pool_used_ < pool_.bytes; ++k) {
         reserve_locked(k, reserved);  // not those taken, on NVMe, or too large for what is left
       }
