@@ -822,11 +822,6 @@ void CheckpointSave::run() {
   cv_.notify_all();
 }
 
-void CheckpointSave::wait_written(size_t n) {
-  std::unique_lock<std::mutex> lock(mu_);
-  cv_.wait(lock, [&] { return written_ >= n || done_; });
-}
-
 bool CheckpointSave::reserve_locked(size_t i, std::vector<std::pair<size_t, std::byte*>>& out) {
   const int64_t bytes = round_up(ranges_[i].shard_numel * header_.elem_bytes.at(ranges_[i].category), kAlign);
   if (!snap_ok_[i] || i < begun_ || done_ || snap_state_[i] != Snap::kNone || pool_used_ + bytes > pool_.bytes) {

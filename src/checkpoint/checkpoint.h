@@ -308,9 +308,6 @@ class CheckpointSave {
   CheckpointSave& operator=(const CheckpointSave&) = delete;
 
   int64_t step() const { return step_; }
-  // Any thread: until ranges [0, n) of the list are written (their homes
-  // may change), or the save has failed.
-  void wait_written(size_t n);
   // Any thread: until the homes of ranges [lo, hi) may change: each is
   // written, or copied into the snapshot pool by this call (Note [Save
   // snapshots]), or the save has failed. Returns the seconds it waited for
