@@ -13,6 +13,7 @@
 //   shard space does, bit for bit.
 #include <ATen/ATen.h>
 #include <gtest/gtest.h>
+#include <nlohmann/json.hpp>
 
 #include <sys/stat.h>
 
@@ -34,6 +35,7 @@
 #include "model/model.h"
 #include "test_util.h"
 #include "util/errors.h"
+#include "util/fs.h"
 
 namespace strata {
 namespace {
@@ -266,6 +268,23 @@ TEST(ProbeTest, CpuProbeBuffersAreFourTimesTheLargestCache) {
   EXPECT_EQ(grad_add_probe_numel(1.0, 300 * mi, 2), 200 * mi);  // 4 x 300 MiB / 6 B
   EXPECT_EQ(grad_add_probe_numel(1.0, 300 * mi, 4), 150 * mi);
   EXPECT_EQ(grad_add_probe_numel(1.0, 2048 * mi, 2), 256 * mi);  // capped
+  // Note [Probes sized to the work]: never more than a step touches (the
+  // rank's shard space: 0.8 M elements here, rounded up to 1 Mi), whatever
+  // the caches; a larger state keeps the cache rule.
+  EXPECT_EQ(adam_probe_numel(1.0, 300 * mi, 800'000), 1 * mi);
+  EXPECT_EQ(adam_probe_numel(1.0, 300 * mi, 200 * mi), 67 * mi);
+  EXPECT_EQ(adam_probe_numel(0.25, 0, 3 * mi + 1), 4 * mi);
+  EXPECT_EQ(checksum_probe_bytes(1.0, 300 * mi, 800'000), 13 * mi);  // 16 B x 0.8 M = 12.2 MiB
+  EXPECT_EQ(checksum_probe_bytes(1.0, 300 * mi, 100 * mi), 1200 * mi);
+  EXPECT_EQ(grad_add_probe_numel(1.0, 300 * mi, 2, 3 * mi + 1), 4 * mi);
+  EXPECT_EQ(grad_add_probe_numel(1.0, 300 * mi, 2, 0), 200 * mi);
+  // The disk's: 0.2 s at 1 GB/s in whole 4 MiB steps (47), at least 128 MiB, at
+  // most 16 B an element in 4 MiB steps, at least kMinProbeBytes.
+  EXPECT_EQ(nvme_probe_bytes(0.2, 0), 188 * mi);
+  EXPECT_EQ(nvme_probe_bytes(0.01, 0), 128 * mi);
+  EXPECT_EQ(nvme_probe_bytes(0.2, 800'000), 16 * mi);
+  EXPECT_EQ(nvme_probe_bytes(0.2, 1000), kMinProbeBytes);
+  EXPECT_EQ(nvme_probe_bytes(0.2, 100 * mi), 188 * mi);
   EXPECT_EQ(parse_cache_size("32768K"), 32 * mi);
   EXPECT_EQ(parse_cache_size("300M"), 300 * mi);
   EXPECT_EQ(parse_cache_size("1G"), 1024 * mi);
@@ -297,6 +316,66 @@ TEST(ProbeTest, NvmeProbeOfAPlanThatFillsTheDiskMeasuresInTheStatesRoomWhenAlone
   const IoRates beside = probe_nvme(cfg, dir.path(), 0.01, 0, 1);
   EXPECT_FALSE(beside.in_state_room);
   EXPECT_EQ(beside.bytes, lone.bytes);  // the same 128 MiB pass either way: the disk has room for it
+}
+
+// Note [Kept rates]: a second measure takes what the first kept (the same
+// figures, its source says so); a changed setting, --reprobe, an entry over a
+// week old or a file that is not JSON measure again; "off" keeps nothing.
+TEST(ProbeTest, RatesAreKeptPerSettingAndMeasuredAgainWhenAskedOrOld) {
+  testing::TempDir dir;
+  const std::string file = dir.path() + "/cache/rates.json";
+  struct Reset {
+    ~Reset() { set_rates_cache("off", false); }
+  } reset;
+  Config cfg;
+  PlacementPlan plan;
+  plan.shard_space_numel = int64_t(1) << 20;  // 1 Mi-element probes (Note [Probes sized to the work])
+  StepWork work;
+  work.adam_elems = 1;
+  work.grad_add_elems = 1;
+  auto measure = [&] {
+    Rates r;
+    measure_missing_rates(cfg, plan, &cpu_device(), work, r, 0.01);
+    return r;
+  };
+  auto entries = [&] { return nlohmann::json::parse(file_contents(file)).size(); };
+  set_rates_cache(file, false);
+  const Rates first = measure();
+  EXPECT_EQ(first.adam_source.rfind("measured: CPU Adam over 1 Mi elements", 0), 0u) << first.adam_source;
+  EXPECT_EQ(first.grad_add_source.rfind("measured:", 0), 0u) << first.grad_add_source;
+  ASSERT_EQ(entries(), 2u);
+  const Rates second = measure();
+  EXPECT_EQ(second.adam, first.adam);
+  EXPECT_EQ(second.grad_add, first.grad_add);
+  EXPECT_NE(second.adam_source.find("(kept from "), std::string::npos) << second.adam_source;
+  EXPECT_NE(second.adam_source.find(file), std::string::npos) << second.adam_source;
+  // Another instruction set is another CPU Adam: measured, kept beside.
+  cfg.run.cpu_adam_isa = "scalar";
+  EXPECT_EQ(measure().adam_source.find("kept"), std::string::npos);
+  EXPECT_EQ(entries(), 3u);
+  EXPECT_NE(measure().adam_source.find("kept"), std::string::npos);
+  // --reprobe: measured again and kept.
+  set_rates_cache(file, true);
+  EXPECT_EQ(measure().adam_source.find("kept"), std::string::npos);
+  set_rates_cache(file, false);
+  // Over a week old: measured again.
+  nlohmann::json j = nlohmann::json::parse(file_contents(file));
+  for (auto& [key, e] : j.items()) e["at"] = e["at"].get<double>() - kKeptRatesMaxAgeS - 60;
+  write_file_atomic(file, j.dump());
+  const Rates old = measure();
+  EXPECT_EQ(old.adam_source.find("kept"), std::string::npos);
+  EXPECT_EQ(old.grad_add_source.find("kept"), std::string::npos);
+  EXPECT_NE(measure().grad_add_source.find("kept"), std::string::npos);
+  // Not JSON: measured, the file rewritten.
+  write_file_atomic(file, "not json");
+  EXPECT_EQ(measure().adam_source.find("kept"), std::string::npos);
+  EXPECT_EQ(entries(), 2u);
+  // Off: nothing read or written.
+  set_rates_cache("off", false);
+  EXPECT_EQ(rates_cache_path(), "");
+  remove_file(file);
+  EXPECT_EQ(measure().adam_source.find("kept"), std::string::npos);
+  EXPECT_FALSE(path_exists(file));
 }
 
 }  // namespace

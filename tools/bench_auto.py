@@ -87,7 +87,7 @@ def main():
     try:
         for rnd in range(args.rounds):
             os.makedirs(swap, exist_ok=True)
-            probed = json.loads(run([args.strata, "plan", "--json", "--probe-seconds", str(args.probe_seconds),
+            probed = json.loads(run([args.strata, "plan", "--json", "--probe-seconds", str(args.probe_seconds), "--reprobe",
                                      cfg_path]))["bound"]["rates"]
             rates = run_rates(probed)
             sets = [f"--set=run.rates.{k}={v:.6g}" for k, v in rates.items()]

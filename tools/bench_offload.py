@@ -116,7 +116,7 @@ def probe_rates(args, work, io):
     """The rest of the bound's rates, once per round for every share: `strata
     plan --probe-seconds` (longer than strata train's 0.2 s at start) on the
     100% configuration with the disk's rates given."""
-    plan = json.loads(run([args.strata, "plan", "--json", "--probe-seconds", str(args.probe_seconds),
+    plan = json.loads(run([args.strata, "plan", "--json", "--probe-seconds", str(args.probe_seconds), "--reprobe",
                            _write(work, "probe.json", make_config(args, 100, os.path.join(work, "swap"),
                                                                   "/dev/null", io=io))]))
     # The disk's are this round's bench-io figures (given to the plan).

@@ -82,7 +82,7 @@ def probe_rates(args, ws, tier, tag, sets=()):
     cfg_path = write_config(args, tier, tag + "-probe")
     threads = max(1, args.cores // ws)
     env = dict(os.environ, OMP_NUM_THREADS=str(threads))
-    cmd = [args.strata, "plan", "--json", "--probe-seconds", str(args.probe_seconds), cfg_path,
+    cmd = [args.strata, "plan", "--json", "--probe-seconds", str(args.probe_seconds), "--reprobe", cfg_path,
            "--world-size", str(ws), "--set", f"run.threads={threads}"]
     for kv in sets:
         cmd += ["--set", kv]

@@ -139,7 +139,7 @@ class Proof:
         return self.run([self.args.strata, *a], **kw)
 
     def plan(self, cfg, tag, *extra, bound=True):
-        out = self.strata("plan", cfg, "--json", *(["--probe-seconds", str(self.args.probe_seconds)] if bound
+        out = self.strata("plan", cfg, "--json", *(["--probe-seconds", str(self.args.probe_seconds), "--reprobe"] if bound
                                                     else ["--no-bound"]), *self.args.plan_flags, *extra,
                           tag=tag, capture=True, ok=(0, 2))  # 2: the plan does not fit
         return json.loads(out)

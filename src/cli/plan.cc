@@ -37,6 +37,7 @@ struct PlanOptions {
   // (0 = run.rates' figure, else measured here), the probes' time, or none.
   bool no_bound = false;
   double probe_s = 0.5;
+  bool reprobe = false;  // Note [Kept rates] in engine/probes.h
   double device_tflops = 0, h2d_gbps = 0, d2h_gbps = 0, pcie_both_gbps = 0;
   double nvme_gbps = 0, nvme_read_gbps = 0, nvme_write_gbps = 0, nvme_both_gbps = 0, adam_gelems = 0;
   double checksum_gbps = 0, grad_add_gelems = 0;
@@ -359,6 +360,7 @@ int run_plan(const PlanOptions& opt) {
         dev = gpu.get();
       }
     }
+    set_rates_cache("", opt.reprobe);
     // A described disk (--nvme-gb): this one only stands in for its rates.
     measure_rates(cfg, c.plan, dev, work, rates, opt.probe_s, ProbeRoom{given.nvme_bytes < 0, 1});
     // Auto placements, and NVMe state speculated into alternate slots (which
@@ -543,6 +545,8 @@ void register_plan(CLI::App& app, int& result) {
                   "l40s, rtx-4090, gh200 (its memory, compute and host-link rates; docs/planning.md)");
   cmd->add_flag("--no-bound", opt->no_bound, "Skip the step's bound (no probes)");
   cmd->add_option("--probe-seconds", opt->probe_s, "Time each rate probe takes (default 0.5)");
+  cmd->add_flag("--reprobe", opt->reprobe,
+                "Measure the rates again instead of taking those an earlier run on this machine kept");
   cmd->add_option("--device-tflops", opt->device_tflops, "The device's compute rate for the bound (TFLOP/s)");
   cmd->add_option("--h2d-gbps", opt->h2d_gbps, "Host-to-device copy rate (GB/s)");
   cmd->add_option("--d2h-gbps", opt->d2h_gbps, "Device-to-host copy rate (GB/s)");

@@ -50,6 +50,7 @@ struct TrainOptions {
   std::string trace;        // Chrome trace file; empty = no trace
   bool resume = false;      // --resume [DIR]
   std::string resume_dir;   // empty = run.checkpoint.dir
+  bool reprobe = false;     // measure the bound's rates again (Note [Kept rates] in engine/probes.h)
 };
 
 // The metrics file is opened only once start-up has succeeded, so that a run
@@ -395,6 +396,7 @@ int run_train(const TrainOptions& opt) {
     own_device = make_device(name);
     device = own_device.get();
   }
+  set_rates_cache("", opt.reprobe);
   measure_train_rates(cfg, *device, *comm, who.rank, who.local_world_size);
 
   // Everything that can fail on bad input happens before the first byte of
@@ -727,6 +729,8 @@ void register_train(CLI::App& app, int& result) {
           ->type_name("[DIR]");
   cmd->add_option("--trace", opt->trace,
                   "Write a Chrome trace (compute, copies, NVMe I/O, CPU Adam tracks) to FILE at the end");
+  cmd->add_flag("--reprobe", opt->reprobe,
+                "Measure the step bound's rates again instead of taking those an earlier run on this machine kept");
   cmd->callback([opt, resume, &result]() {
     opt->resume = resume->count() > 0;
     result = run_train(*opt);

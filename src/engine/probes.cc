@@ -1,16 +1,20 @@
 #include "engine/probes.h"
 
 #include <ATen/ATen.h>
+#include <ATen/Parallel.h>
 
 #include <algorithm>
 #include <chrono>
 #include <cmath>
 #include <cstring>
+#include <ctime>
 #include <fstream>
+#include <functional>
 #include <set>
 #include <thread>
 #include <vector>
 
+#include <nlohmann/json.hpp>
 #include <unistd.h>
 
 #include "cpu_adam/adam.h"
@@ -52,6 +56,13 @@ double fastest_seconds(double budget_s, F once) {
     ++calls;
   }
   return best;
+}
+
+// Note [Probes sized to the work]: at most `touched` (> 0) rounded up to
+// `unit`, at least one unit.
+int64_t at_most_touched(int64_t size, int64_t touched, int64_t unit) {
+  if (touched <= 0) return size;
+  return std::min(size, std::max(unit, (touched + unit - 1) / unit * unit));
 }
 
 at::ScalarType compute_scalar_type(const Config& cfg) {
@@ -171,17 +182,26 @@ CopyRates probe_copies(Device& device, double budget_s) {
   return r;
 }
 
-IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s, int64_t reserve_bytes, int sharers) {
+int64_t nvme_probe_bytes(double budget_s, int64_t state_numel) {
+  // About budget_s at 1 GB/s a pass, within [128 MiB, 1 GiB] (shorter passes
+  // hit the device's write cache more than a step's gigabytes do), at most
+  // what a step moves (Note [Probes sized to the work]).
+  const int64_t step = int64_t(4) << 20;
+  static_assert(kMinProbeBytes % (int64_t(4) << 20) == 0, "probe files are whole 4 MiB steps");
+  const int64_t bytes = std::clamp<int64_t>(int64_t(budget_s * 1e9) / step * step, int64_t(128) << 20, int64_t(1) << 30);
+  return std::max(kMinProbeBytes, at_most_touched(bytes, 16 * state_numel, step));
+}
+
+IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s, int64_t reserve_bytes, int sharers,
+                   int64_t state_numel) {
   if (!is_directory(dir)) {
     throw InputError(dir, "the swap directory does not exist, so the NVMe probe cannot run here; create it, or "
                           "give --nvme-read-gbps and --nvme-write-gbps (run.rates.nvme_read_gbps, nvme_write_gbps)");
   }
   nvme::BenchOptions o;
   o.dir = dir;
-  // About budget_s at 1 GB/s a pass, within [128 MiB, 1 GiB] (shorter passes
-  // hit the device's write cache more than a step's gigabytes do).
   const int64_t step = int64_t(4) << 20;
-  o.bytes = std::clamp<int64_t>(int64_t(budget_s * 1e9) / step * step, int64_t(128) << 20, int64_t(1) << 30);
+  o.bytes = nvme_probe_bytes(budget_s, state_numel);
   IoRates r;
   r.asked = o.bytes;
   // Two files at once (both), beside the state, with 1/64 of the disk's
@@ -285,22 +305,25 @@ int64_t past_the_caches(int64_t base, int bytes_each, int64_t cap, int64_t cache
   const int64_t want = (4 * std::max<int64_t>(0, cache_bytes) / bytes_each + mi - 1) / mi * mi;
   return std::max(base, std::min(want, cap));
 }
+
 }  // namespace
 
-int64_t adam_probe_numel(double budget_s, int64_t cache_bytes) {
-  return past_the_caches(budget_s >= 0.5 ? int64_t(8) << 20 : int64_t(4) << 20, 18, int64_t(256) << 20,
-                         cache_bytes);
+int64_t adam_probe_numel(double budget_s, int64_t cache_bytes, int64_t state_numel) {
+  return at_most_touched(past_the_caches(budget_s >= 0.5 ? int64_t(8) << 20 : int64_t(4) << 20, 18,
+                                         int64_t(256) << 20, cache_bytes),
+                         state_numel, int64_t(1) << 20);
 }
 
-int64_t checksum_probe_bytes(double budget_s, int64_t cache_bytes) {
-  return past_the_caches(budget_s >= 0.5 ? int64_t(512) << 20 : int64_t(128) << 20, 1, int64_t(4) << 30,
-                         cache_bytes);
+int64_t checksum_probe_bytes(double budget_s, int64_t cache_bytes, int64_t state_numel) {
+  return at_most_touched(past_the_caches(budget_s >= 0.5 ? int64_t(512) << 20 : int64_t(128) << 20, 1,
+                                         int64_t(4) << 30, cache_bytes),
+                         16 * state_numel, int64_t(1) << 20);
 }
 
-double probe_adam(const Config& cfg, const Device& device, double budget_s) {
+double probe_adam(const Config& cfg, const Device& device, double budget_s, int64_t state_numel) {
   const cpu_adam::Isa isa = cpu_adam::parse_isa(cfg.run.cpu_adam_isa);
   cpu_adam::CpuAdam adam(adam_threads(cfg, device), isa);
-  const int64_t n = adam_probe_numel(budget_s, last_level_cache_bytes());
+  const int64_t n = adam_probe_numel(budget_s, last_level_cache_bytes(), state_numel);
   const bool bf16_state = cfg.run.optimizer_state_dtype == "bf16";
   std::vector<float> param(size_t(n), 0.5f), grad(size_t(n), 1e-3f);
   std::vector<uint32_t> m(size_t(n), 0), v(size_t(n), 0);  // zero in fp32 and in bf16 pairs
@@ -328,10 +351,11 @@ double probe_adam(const Config& cfg, const Device& device, double budget_s) {
          });
 }
 
-double probe_checksum(const Config& cfg, const Device& device, double budget_s) {
+double probe_checksum(const Config& cfg, const Device& device, double budget_s, int64_t state_numel) {
   cpu_adam::CpuAdam adam(adam_threads(cfg, device), cpu_adam::parse_isa(cfg.run.cpu_adam_isa));
   constexpr int64_t kBlock = 4096, kChunk = 48 * kBlock;  // as the swap store checksums
-  const int64_t bytes = checksum_probe_bytes(budget_s, last_level_cache_bytes()) / kChunk * kChunk;
+  const int64_t bytes =
+      std::max(kChunk, checksum_probe_bytes(budget_s, last_level_cache_bytes(), state_numel) / kChunk * kChunk);
   std::vector<std::byte> buf(size_t(bytes), std::byte{0x5a});
   std::vector<uint32_t> crc(size_t(bytes / kBlock));
   struct Job {
@@ -347,42 +371,188 @@ double probe_checksum(const Config& cfg, const Device& device, double budget_s) 
   return double(bytes) / fastest_seconds(budget_s, [&] { adam.parallel_for(bytes / kChunk, &Job::chunk, &job); });
 }
 
-int64_t grad_add_probe_numel(double budget_s, int64_t cache_bytes, int wire_bytes) {
-  return past_the_caches(budget_s >= 0.5 ? int64_t(16) << 20 : int64_t(4) << 20, 4 + wire_bytes, int64_t(256) << 20,
-                         cache_bytes);
+int64_t grad_add_probe_numel(double budget_s, int64_t cache_bytes, int wire_bytes, int64_t state_numel) {
+  return at_most_touched(past_the_caches(budget_s >= 0.5 ? int64_t(16) << 20 : int64_t(4) << 20, 4 + wire_bytes,
+                                         int64_t(256) << 20, cache_bytes),
+                         state_numel, int64_t(1) << 20);
 }
 
-double probe_grad_add(cpu_adam::GradType wire, bool first, double budget_s) {
+double probe_grad_add(cpu_adam::GradType wire, bool first, double budget_s, int64_t state_numel) {
   const int wire_bytes = wire == cpu_adam::GradType::kF32 ? 4 : 2;
-  const int64_t n = grad_add_probe_numel(budget_s, last_level_cache_bytes(), wire_bytes);
+  const int64_t n = grad_add_probe_numel(budget_s, last_level_cache_bytes(), wire_bytes, state_numel);
   std::vector<float> home(size_t(n), 0.25f);
   std::vector<std::byte> landed(size_t(n) * size_t(wire_bytes), std::byte{0x3c});  // finite in every dtype
   return double(n) /
          fastest_seconds(budget_s, [&] { cpu_adam::accumulate_grad(home.data(), landed.data(), wire, n, first); });
 }
 
+namespace {
+
+// ---- Note [Kept rates] ----
+
+struct KeptRatesOptions {
+  std::string path;  // "" until configured: the default
+  bool reprobe = false;
+};
+KeptRatesOptions& kept_options() {
+  static KeptRatesOptions o;
+  return o;
+}
+
+std::string default_rates_cache() {
+  if (const char* e = std::getenv("STRATA_RATES_CACHE"); e != nullptr && *e != '\0') return e;
+  if (const char* x = std::getenv("XDG_CACHE_HOME"); x != nullptr && *x != '\0') return std::string(x) + "/strata/rates.json";
+  if (const char* h = std::getenv("HOME"); h != nullptr && *h != '\0') return std::string(h) + "/.cache/strata/rates.json";
+  return "off";
+}
+
+// The CPU's model name and count: the first part of every key.
+const std::string& cpu_identity() {
+  static const std::string id = [] {
+    std::ifstream f("/proc/cpuinfo");
+    std::string line, name = "unknown cpu";
+    while (std::getline(f, line)) {
+      if (line.rfind("model name", 0) == 0 && line.find(':') != std::string::npos) {
+        name = line.substr(line.find(':') + 2);
+        break;
+      }
+    }
+    return strprintf("%s x%u", name.c_str(), std::thread::hardware_concurrency());
+  }();
+  return id;
+}
+
+double unix_now() {
+  return std::chrono::duration<double>(std::chrono::system_clock::now().time_since_epoch()).count();
+}
+
+nlohmann::json read_kept(const std::string& path, bool warn) {
+  if (path.empty() || !path_exists(path)) return nlohmann::json::object();
+  try {
+    nlohmann::json j = nlohmann::json::parse(file_contents(path));
+    if (j.is_object()) return j;
+  } catch (const std::exception&) {
+  }
+  if (warn) log::warn("%s: not a file of kept rates; measuring again and rewriting it (Note [Kept rates] in "
+            "src/engine/probes.h)", path.c_str());
+  return nlohmann::json::object();
+}
+
+// The rates kept in `j` (the file `path`) under `key` when fresh: their
+// values and source.
+bool lookup_kept(const nlohmann::json& j, const std::string& path, const std::string& key, size_t count,
+                 std::vector<double>* values, std::string* source) {
+  const auto it = j.find(key);
+  if (it == j.end() || !it->is_object()) return false;
+  try {
+    const double at = it->at("at").get<double>();
+    const auto v = it->at("v").get<std::vector<double>>();
+    if (v.size() != count || !(unix_now() - at < kKeptRatesMaxAgeS) || at > unix_now() + 60) return false;
+    for (double x : v) {
+      if (!(x > 0) || !std::isfinite(x)) return false;
+    }
+    *values = v;
+    char when[32];
+    const std::time_t t = std::time_t(at);
+    std::tm tm{};
+    localtime_r(&t, &tm);
+    std::strftime(when, sizeof when, "%Y-%m-%d %H:%M", &tm);
+    *source = it->at("source").get<std::string>() + " (kept from " + when + ": " + path + ")";
+    return true;
+  } catch (const std::exception&) {
+    return false;
+  }
+}
+
+void keep(const std::string& key, const std::vector<double>& values, const std::string& source) {
+  const std::string path = rates_cache_path();
+  if (path.empty()) return;
+  try {
+    nlohmann::json j = read_kept(path, /*warn=*/false);
+    j[key] = {{"v", values}, {"source", source}, {"at", unix_now()}};
+    make_dirs(parent_dir(path), 0700);
+    write_file_atomic(path, j.dump(1) + "\n");
+  } catch (const std::exception& e) {
+    log::warn("cannot keep the measured rates in %s (%s): the next run measures them again", path.c_str(), e.what());
+  }
+}
+
+// One rate probe: its key, what it reads, about how long it takes and how to
+// run it; `run` fills `values` and `source`.
+struct Probe {
+  std::string key;
+  std::string what;
+  double about_s = 0;
+  std::function<void(std::vector<double>*, std::string*)> run;
+  size_t count = 1;
+  std::vector<double> values;
+  std::string source;
+};
+
+}  // namespace
+
+void set_rates_cache(const std::string& path, bool reprobe) {
+  kept_options().path = path.empty() ? default_rates_cache() : path;
+  kept_options().reprobe = reprobe;
+}
+
+std::string rates_cache_path() {
+  if (kept_options().path.empty()) kept_options().path = default_rates_cache();
+  return kept_options().path == "off" ? std::string() : kept_options().path;
+}
+
 void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device* device, const StepWork& work,
                            Rates& rates, double budget_s, const ProbeRoom& room) {
   const bool cpu_compute = device == nullptr || !device->is_cuda();
   auto need = [&](double rate, bool has_work) { return has_work && !(rate > 0); };
+  const int64_t state = plan.shard_space_numel;  // Note [Probes sized to the work]
+  const int64_t llc = last_level_cache_bytes();
+  const std::string cpu = cpu_identity();
+  const Device& host = device ? *device : cpu_device();
+  const double kMemBytesPerS = 4e9;  // for the time a line says a probe takes: about
+  std::vector<Probe> probes;
+  auto add = [&](std::string key, std::string what, double touched_bytes, size_t count,
+                 std::function<void(std::vector<double>*, std::string*)> run) {
+    // A warm-up and at least 5 timed calls, at least budget_s; buffers filled once.
+    const double about = std::max(budget_s, 6 * touched_bytes / kMemBytesPerS) + touched_bytes / kMemBytesPerS;
+    probes.push_back(Probe{std::move(key), std::move(what), about, std::move(run), count, {}, {}});
+  };
   if (need(rates.device_flops, work.flops > 0)) {
     if (device == nullptr) {
       throw ConfigError("--device-tflops", "run.device is cuda and this machine has no GPU to measure: give the "
                                            "device's rate (run.rates.device_tflops)");
     }
-    rates.device_flops = probe_compute(cfg, *device, budget_s, &rates.device_flops_source);
+    const ModelConfig& m = cfg.model;
+    add(strprintf("compute|%s|%s|%s|dim %lld heads %lld/%lld of %lld ffn %lld seq %lld micro %lld|threads %d",
+                  cpu.c_str(), device->name().c_str(), compute_dtype_name(cfg.run.compute_dtype), (long long)m.dim,
+                  (long long)m.n_heads, (long long)m.kv_heads(), (long long)m.head_dim(), (long long)m.ffn_dim(),
+                  (long long)m.seq_len, (long long)cfg.train_micro_batch_size_per_gpu, at::get_num_threads()),
+        "one layer's compute", 0, 1, [&](std::vector<double>* v, std::string* src) {
+          v->assign(1, probe_compute(cfg, *device, budget_s, src));
+        });
+    probes.back().about_s = 2 * budget_s;
   }
   if (need(rates.adam, work.adam_elems > 0)) {
-    rates.adam = probe_adam(cfg, device ? *device : cpu_device(), budget_s);
-    rates.adam_source = strprintf("measured: CPU Adam over %lld Mi elements", (long long)(adam_probe_numel(budget_s, last_level_cache_bytes()) >> 20));
+    const int64_t n = adam_probe_numel(budget_s, llc, state);
+    add(strprintf("adam|%s|threads %d|isa %s|state %s|emit %s|%lld", cpu.c_str(), adam_threads(cfg, host),
+                  cfg.run.cpu_adam_isa.c_str(), cfg.run.optimizer_state_dtype.c_str(),
+                  compute_dtype_name(cfg.run.compute_dtype), (long long)n),
+        strprintf("CPU Adam over %s elements", n >= (int64_t(1) << 20) ? strprintf("%lld Mi", (long long)(n >> 20)).c_str()
+                                                                       : std::to_string(n).c_str()),
+        double(n) * 28, 1, [&, n](std::vector<double>* v, std::string* src) {
+          v->assign(1, probe_adam(cfg, host, budget_s, state));
+          *src = strprintf("measured: CPU Adam over %lld Mi elements", (long long)(n >> 20));
+        });
   }
   if (need(rates.checksum, work.checksum_bytes > 0)) {
-    const Device& d = device ? *device : cpu_device();
-    rates.checksum = probe_checksum(cfg, d, budget_s);
-    rates.checksum_source = strprintf("measured: CRC-32C over %lld MiB on %d thread(s)",
-                                      (long long)(checksum_probe_bytes(budget_s, last_level_cache_bytes()) >> 20),
-                                      adam_threads(cfg, d) > 0 ? adam_threads(cfg, d)
-                                                               : int(std::thread::hardware_concurrency()));
+    const int64_t bytes = checksum_probe_bytes(budget_s, llc, state);
+    const int threads = adam_threads(cfg, host) > 0 ? adam_threads(cfg, host) : int(std::thread::hardware_concurrency());
+    add(strprintf("crc32c|%s|threads %d|%lld", cpu.c_str(), threads, (long long)bytes),
+        strprintf("CRC-32C over %lld MiB", (long long)(bytes >> 20)), double(bytes), 1,
+        [&, bytes, threads](std::vector<double>* v, std::string* src) {
+          v->assign(1, probe_checksum(cfg, host, budget_s, state));
+          *src = strprintf("measured: CRC-32C over %lld MiB on %d thread(s)", (long long)(bytes >> 20), threads);
+        });
   }
   if (need(rates.grad_add, work.grad_add_elems > 0)) {
     // What most blocks' landings do (memory/bound.cc, predicted_work): add
@@ -393,12 +563,15 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
     const cpu_adam::GradType wire = plan.compute_bytes == 4 || plan.world_size > 1 || summed ? cpu_adam::GradType::kF32
                                     : cfg.run.compute_dtype == ComputeDtype::kFp16 ? cpu_adam::GradType::kF16
                                                                                    : cpu_adam::GradType::kBF16;
-    rates.grad_add = probe_grad_add(wire, summed, budget_s);
-    rates.grad_add_source =
-        strprintf("measured: %s gradients %s fp32 on 1 thread, %lld Mi elements", cpu_adam::grad_type_name(wire),
-                  summed ? "written as" : "added into",
-                  (long long)(grad_add_probe_numel(budget_s, last_level_cache_bytes(),
-                                                   wire == cpu_adam::GradType::kF32 ? 4 : 2) >> 20));
+    const int wire_bytes = wire == cpu_adam::GradType::kF32 ? 4 : 2;
+    const int64_t n = grad_add_probe_numel(budget_s, llc, wire_bytes, state);
+    add(strprintf("grad_add|%s|%s|first %d|%lld", cpu.c_str(), cpu_adam::grad_type_name(wire), int(summed), (long long)n),
+        strprintf("gradient adds over %lld Mi elements", (long long)(n >> 20)), double(n) * (8 + wire_bytes), 1,
+        [&, wire, summed, n](std::vector<double>* v, std::string* src) {
+          v->assign(1, probe_grad_add(wire, summed, budget_s, state));
+          *src = strprintf("measured: %s gradients %s fp32 on 1 thread, %lld Mi elements",
+                           cpu_adam::grad_type_name(wire), summed ? "written as" : "added into", (long long)(n >> 20));
+        });
   }
   const bool h2d = need(rates.h2d, work.links.h2d > 0), d2h = need(rates.d2h, work.links.d2h > 0);
   const bool both = !cpu_compute && need(rates.pcie_both, work.links.h2d > 0 && work.links.d2h > 0);
@@ -407,37 +580,47 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
       throw ConfigError(h2d ? "--h2d-gbps" : d2h ? "--d2h-gbps" : "--pcie-both-gbps",
                         "run.device is cuda and this machine has no GPU to measure copies with");
     }
-    const CopyRates c = probe_copies(*device, budget_s);
-    const std::string src = cpu_compute ? "measured: memcpy (CPU device)" : "measured: registered memory";
-    if (h2d) rates.h2d = c.h2d, rates.h2d_source = src;
-    if (d2h) rates.d2h = c.d2h, rates.d2h_source = src;
-    if (both) rates.pcie_both = c.both, rates.pcie_both_source = src;
+    add(strprintf("copies|%s|%s|%.2f", cpu.c_str(), device->name().c_str(), budget_s), "host-device copies",
+        double(int64_t(16) << 20) * 6, 3, [&](std::vector<double>* v, std::string* src) {
+          const CopyRates c = probe_copies(*device, budget_s);
+          *v = {c.h2d, c.d2h, c.both};
+          *src = cpu_compute ? "measured: memcpy (CPU device)" : "measured: registered memory";
+        });
   }
   const bool rd = need(rates.nvme_read, work.links.nvme_read > 0), wr = need(rates.nvme_write, work.links.nvme_write > 0);
   const bool rw = need(rates.nvme_both, work.links.nvme_read > 0 && work.links.nvme_write > 0);
+  std::string nvme_dir;
   if (rd || wr || rw) {
     STRATA_CHECK(!plan.nvme_paths.empty(), "NVMe work without a swap directory");
     // A swap directory training has not created yet is measured in its
     // nearest existing parent (the same file system, as a rule).
-    std::string dir = plan.nvme_paths.front();
-    while (!is_directory(dir) && dir != "/" && dir != "." && !dir.empty()) {
-      dir = dir.find('/') == std::string::npos ? "." : parent_dir(dir);
+    nvme_dir = plan.nvme_paths.front();
+    while (!is_directory(nvme_dir) && nvme_dir != "/" && nvme_dir != "." && !nvme_dir.empty()) {
+      nvme_dir = nvme_dir.find('/') == std::string::npos ? "." : parent_dir(nvme_dir);
     }
     // The swap store splits its capacity evenly over the directories.
     const int64_t share = plan.total()[size_t(Tier::kNvme)] / int64_t(plan.nvme_paths.size());
-    const IoRates io = probe_nvme(cfg, dir, budget_s, room.reserve_state ? share * room.sharers : 0, room.sharers);
-    std::string src = "measured: I/O engine in " + dir;
-    if (dir != plan.nvme_paths.front()) src += " (" + plan.nvme_paths.front() + " does not exist yet)";
-    if (io.in_state_room) src += " (before the swap files exist, in the room they will take)";
-    if (io.bytes < io.asked) {
-      src += strprintf(" over %s a pass, less than the %s asked: the disk's free space%s "
-                       "(short passes may meet the drive's write cache: a high rate)",
-                       format_bytes(double(io.bytes)).c_str(), format_bytes(double(io.asked)).c_str(),
-                       io.in_state_room ? "" : " beside the plan's state");
-    }
-    if (rd) rates.nvme_read = io.read, rates.nvme_read_source = src;
-    if (wr) rates.nvme_write = io.write, rates.nvme_write_source = src;
-    if (rw) rates.nvme_both = io.both, rates.nvme_both_source = src;
+    const int64_t bytes = nvme_probe_bytes(budget_s, state);
+    add(strprintf("nvme|%lld|block %lld qd %lld rings %lld single %d overlap %d|%lld|sharers %d", (long long)device_of(nvme_dir),
+                  (long long)cfg.aio.block_size, (long long)cfg.aio.queue_depth, (long long)cfg.aio.intra_op_parallelism,
+                  int(cfg.aio.single_submit), int(cfg.aio.overlap_events), (long long)bytes, room.sharers),
+        strprintf("the disk under %s over 2 x %s", nvme_dir.c_str(), format_bytes(double(bytes)).c_str()), 0, 3,
+        [&, share, nvme_dir](std::vector<double>* v, std::string* src) {
+          const IoRates io = probe_nvme(cfg, nvme_dir, budget_s, room.reserve_state ? share * room.sharers : 0,
+                                        room.sharers, state);
+          *src = "measured: I/O engine in " + nvme_dir;
+          if (nvme_dir != plan.nvme_paths.front()) *src += " (" + plan.nvme_paths.front() + " does not exist yet)";
+          if (io.in_state_room) *src += " (before the swap files exist, in the room they will take)";
+          if (io.bytes < io.asked) {
+            *src += strprintf(" over %s a pass, less than the %s asked: the disk's free space%s "
+                              "(short passes may meet the drive's write cache: a high rate)",
+                              format_bytes(double(io.bytes)).c_str(), format_bytes(double(io.asked)).c_str(),
+                              io.in_state_room ? "" : " beside the plan's state");
+          }
+          *v = {io.read, io.write, io.both};
+        });
+    // Written, read, then both at once; the files laid out first (at about 1 GB/s).
+    probes.back().about_s = 5 * double(bytes) / 1e9;
   }
   if (need(rates.net, work.net_bytes > 0)) {
     throw ConfigError("--net-gbps", "ranks send bytes each step and no network rate was given (run.rates.net_gbps)");
@@ -446,6 +629,61 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
     throw ConfigError("--intra-node-gbps", "ranks send bytes within their node each step and no intra-node rate "
                                            "was given (run.rates.intra_node_gbps)");
   }
+
+  // Kept rates first (Note [Kept rates]); one line on what is measured and for how long.
+  std::vector<Probe*> todo;
+  const std::string path = rates_cache_path();
+  const nlohmann::json kept = path.empty() || kept_options().reprobe || probes.empty()
+                                  ? nlohmann::json::object() : read_kept(path, /*warn=*/true);
+  for (Probe& p : probes) {
+    if (!lookup_kept(kept, path, p.key, p.count, &p.values, &p.source)) todo.push_back(&p);
+  }
+  if (!todo.empty()) {
+    std::string what;
+    double about = 0;
+    for (const Probe* p : todo) what += (what.empty() ? "" : ", ") + p->what, about += p->about_s;
+    log::info("measuring this machine's rates for the step's bound: %s; about %.1f s%s", what.c_str(), about,
+              path.empty() ? "" : strprintf(" (kept in %s for later runs; --reprobe measures again)", path.c_str()).c_str());
+    const auto t0 = Clock::now();
+    for (Probe* p : todo) {
+      p->run(&p->values, &p->source);
+      keep(p->key, p->values, p->source);
+    }
+    log::info("rates measured in %.1f s", since(t0));
+  } else if (!probes.empty()) {
+    log::info("rates for the step's bound kept from an earlier run (%s; --reprobe measures again)", path.c_str());
+  }
+  size_t i = 0;
+  auto next = [&]() -> Probe& { return probes[i++]; };
+  if (need(rates.device_flops, work.flops > 0)) {
+    Probe& p = next();
+    rates.device_flops = p.values[0], rates.device_flops_source = p.source;
+  }
+  if (need(rates.adam, work.adam_elems > 0)) {
+    Probe& p = next();
+    rates.adam = p.values[0], rates.adam_source = p.source;
+  }
+  if (need(rates.checksum, work.checksum_bytes > 0)) {
+    Probe& p = next();
+    rates.checksum = p.values[0], rates.checksum_source = p.source;
+  }
+  if (need(rates.grad_add, work.grad_add_elems > 0)) {
+    Probe& p = next();
+    rates.grad_add = p.values[0], rates.grad_add_source = p.source;
+  }
+  if (h2d || d2h || both) {
+    Probe& p = next();
+    if (h2d) rates.h2d = p.values[0], rates.h2d_source = p.source;
+    if (d2h) rates.d2h = p.values[1], rates.d2h_source = p.source;
+    if (both) rates.pcie_both = p.values[2], rates.pcie_both_source = p.source;
+  }
+  if (rd || wr || rw) {
+    Probe& p = next();
+    if (rd) rates.nvme_read = p.values[0], rates.nvme_read_source = p.source;
+    if (wr) rates.nvme_write = p.values[1], rates.nvme_write_source = p.source;
+    if (rw) rates.nvme_both = p.values[2], rates.nvme_both_source = p.source;
+  }
+  STRATA_CHECK(i == probes.size(), "a probe's rates were not taken");
 }
 
 StepWork union_work(const StepWork& work, const PlacementPlan& plan, bool checksums) {

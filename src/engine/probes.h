@@ -44,9 +44,12 @@ struct IoRates {
   int64_t bytes = 0, asked = 0;  // per file: measured over, and wanted
   bool in_state_room = false;    // no room beside the reserved state: measured in its room (probe_nvme)
 };
+// `state_numel` > 0 caps each file at 16 bytes an element (Note [Probes
+// sized to the work]), at least kMinProbeBytes.
 inline constexpr int64_t kMinProbeBytes = int64_t(4) << 20;
+int64_t nvme_probe_bytes(double budget_s, int64_t state_numel = 0);
 IoRates probe_nvme(const Config& cfg, const std::string& dir, double budget_s, int64_t reserve_bytes = 0,
-                   int sharers = 1);
+                   int sharers = 1, int64_t state_numel = 0);
 
 // The last-level CPU caches in bytes: the highest level sysfs lists for this
 // machine's CPUs (a VM's own share), each distinct cache once (several
@@ -64,19 +67,23 @@ int64_t parse_cache_size(const std::string& text);
 // up to 1 Mi where that is more, at most 256 Mi (4.5 GiB of buffers at
 // start). The checksums' bytes: 512 MiB (128 MiB), or 4x the cache, at most
 // 4 GiB.
-int64_t adam_probe_numel(double budget_s, int64_t cache_bytes);
-int64_t checksum_probe_bytes(double budget_s, int64_t cache_bytes);
+// `state_numel` (> 0: the rank's shard space, PlacementPlan::shard_space_numel)
+// caps each at what a step can touch (Note [Probes sized to the work]): CPU
+// Adam's elements at state_numel rounded up to 1 Mi, the checksums' bytes at
+// 16 bytes an element rounded up to 1 MiB.
+int64_t adam_probe_numel(double budget_s, int64_t cache_bytes, int64_t state_numel = 0);
+int64_t checksum_probe_bytes(double budget_s, int64_t cache_bytes, int64_t state_numel = 0);
 
 // CPU Adam's elements/s with the optimizer's threads, ISA and state dtype,
 // emitting the compute dtype's working copy (fp32: copying it after the step,
 // as the optimizer does), over adam_probe_numel elements.
-double probe_adam(const Config& cfg, const Device& device, double budget_s);
+double probe_adam(const Config& cfg, const Device& device, double budget_s, int64_t state_numel = 0);
 
 // Bytes/s of the swap checksums (CRC-32C of 4 KiB blocks) on CPU Adam's
 // threads, as the optimizer's pipeline runs them (Note [Parallel checksums]
 // in nvme/swap_store.h), over a buffer past the caches: a read's blocks
 // arrive from the disk by DMA, not through the cache.
-double probe_checksum(const Config& cfg, const Device& device, double budget_s);
+double probe_checksum(const Config& cfg, const Device& device, double budget_s, int64_t state_numel = 0);
 
 // Elements/s of one thread adding landed gradients of `wire` into fp32 homes
 // (cpu_adam::accumulate_grad, what the gradient path's lander does for homes
@@ -85,8 +92,41 @@ double probe_checksum(const Config& cfg, const Device& device, double budget_s);
 // wire bytes where that is more, at most 256 Mi. With `first` the landing is
 // the home's first write (a converting copy), as a block's fp32 sum lands
 // under the layer schedule.
-int64_t grad_add_probe_numel(double budget_s, int64_t cache_bytes, int wire_bytes);
-double probe_grad_add(cpu_adam::GradType wire, bool first, double budget_s);
+int64_t grad_add_probe_numel(double budget_s, int64_t cache_bytes, int wire_bytes, int64_t state_numel = 0);
+double probe_grad_add(cpu_adam::GradType wire, bool first, double budget_s, int64_t state_numel = 0);
+
+// Note [Probes sized to the work]
+// The probes' buffers are sized to measure memory, not the caches (4x the
+// last-level cache, up to 4.5 GiB for CPU Adam). A model whose whole state
+// is smaller than that runs its step over no more than its state, so its
+// probes need no more: each is capped at what a step can touch (the rank's
+// shard space in elements; 16 bytes an element for checksums and swap
+// files). Before this, the 0.8 M-parameter configs/tiny-cpu.json with its
+// optimizer on NVMe was silent for 8-10 s at start (CPU Adam probed over
+// 107 Mi elements, CRC-32C over 1920 MiB, gradient adds over 240 Mi) for
+// steps of 0.14 s.
+//
+// Note [Kept rates]
+// A machine's rates change with its hardware, not between runs. What a
+// probe measured is kept in a JSON file (rates_cache_path) under a key of
+// everything that would change it: the CPU's model and count, the device,
+// the threads, the instruction set and dtypes, the probe's size, the swap
+// directory's block device and the aio settings, the model's layer shape
+// for the compute probe. A later run on the machine takes a kept rate that
+// is under a week old instead of measuring it (its source says "kept from"
+// and when); `--reprobe` (strata train, strata plan) measures again and
+// replaces them. A file that cannot be read or written costs a warning and
+// the probes, never the run.
+//
+// Where measured rates are kept (Note [Kept rates]): `path` "" is the
+// default (the environment's STRATA_RATES_CACHE, else
+// $XDG_CACHE_HOME/strata/rates.json, else $HOME/.cache/strata/rates.json),
+// "off" keeps none; `reprobe` measures every rate again (and keeps the new
+// figures). Process-wide; call before measure_rates.
+void set_rates_cache(const std::string& path, bool reprobe);
+// The file in use; "" when kept rates are off.
+std::string rates_cache_path();
+inline constexpr double kKeptRatesMaxAgeS = 7 * 24 * 3600.0;
 
 // Fills each rate `work` needs and `rates` lacks by measuring it here (NVMe
 // in plan.nvme_paths' first directory), naming the source "measured". A rate
