@@ -46,6 +46,9 @@ import sys
 import time
 import traceback
 
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import ds_translate  # noqa: E402
+
 SITE = "/tmp/ds-site"                   # DeepSpeed and the carried wheels (PYTHONPATH)
 AIO = "/tmp/aio"                        # the libaio .debs, unpacked (never into /)
 LIBDIR = AIO + "/usr/lib/x86_64-linux-gnu"
@@ -75,50 +78,20 @@ def run_checked(cmd, env=None):
 
 
 def strata_shape(cfg, layers):
-    """LlamaConfig keywords from a Strata config's "model" section (Strata's defaults for absent keys)."""
-    m = cfg.get("model", {})
-    dim, heads, mult = m.get("dim", 128), m.get("n_heads", 4), m.get("multiple_of", 32)
-    ffn = m.get("ffn_hidden", 0) or (8 * dim // 3 + mult - 1) // mult * mult  # SwiGLU default, as Strata's
-    return {"vocab_size": m.get("vocab_size", 256), "hidden_size": dim, "intermediate_size": ffn,
-            "num_hidden_layers": layers or m.get("n_layers", 4), "num_attention_heads": heads,
-            "num_key_value_heads": m.get("n_kv_heads", 0) or heads, "head_dim": dim // heads,
-            "max_position_embeddings": m.get("seq_len", 128), "rope_theta": float(m.get("rope_theta", 10000.0)),
-            "rms_norm_eps": m.get("norm_eps", 1e-5), "tie_word_embeddings": m.get("tie_embeddings", True),
-            "attention_bias": False, "mlp_bias": False}
+    """LlamaConfig keywords for the model of a Strata config (tools/ds_translate.py)."""
+    return ds_translate.hf_llama_config(cfg, layers)
 
 
 def make_ds_config(cfg, shape, args):
-    """DeepSpeed's config: the Strata config's batch, clipping and optimizer; ZeRO-3 offloaded per --offload."""
-    micro = cfg.get("train_micro_batch_size_per_gpu", 1)
-    accum = cfg.get("gradient_accumulation_steps") or max(1, cfg.get("train_batch_size", micro) // micro)
-    opt = cfg.get("optimizer", {})
-    p = opt.get("params", {})
-    opt_dev, param_dev = {"cpu": ("cpu", "cpu"), "nvme": ("nvme", "nvme"),
-                          "optimizer-nvme": ("nvme", "cpu")}[args.offload]
+    """The GPU path's DeepSpeed config (tools/ds_translate.py): ZeRO-3 offloaded per --offload, bf16, its
+    parameter buffers (--param-buffers), 1e8-element sub-groups, AIO 1 MiB blocks at queue depth 32."""
+    cfg = dict(cfg, bf16={"enabled": True}, fp16={"enabled": False},
+               run=dict(cfg.get("run", {}), recompute="always"))
     swap = os.path.join(os.path.abspath(args.nvme_path), "bench-ds")
-    off_opt = {"device": opt_dev, "pin_memory": True}
-    if opt_dev == "nvme":
-        off_opt.update(nvme_path=swap, buffer_count=4, fast_init=False)
-    off_param = {"device": param_dev, "pin_memory": True}
-    if param_dev == "nvme":
-        # A parameter being fetched takes one swap buffer, which must hold the largest one: the embedding
-        # (and the untied head), vocab x hidden elements. Small ones (norms) stay on the GPU (persistence).
-        largest = shape["vocab_size"] * shape["hidden_size"]
-        off_param.update(nvme_path=swap, buffer_count=args.param_buffers, buffer_size=max(largest, 100_000_000))
-    return {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": accum,
-        "gradient_clipping": cfg.get("gradient_clipping", 0.0),
-        "steps_per_print": 1_000_000,
-        "bf16": {"enabled": True},
-        "optimizer": {"type": opt.get("type", "AdamW"),
-                      "params": {"lr": p.get("lr", 1e-3), "betas": list(p.get("betas", [0.9, 0.999])),
-                                 "eps": p.get("eps", 1e-8), "weight_decay": p.get("weight_decay", 0.01)}},
-        # stage3_max_live_parameters, stage3_prefetch_bucket_size, persistence threshold: DeepSpeed's defaults.
-        "zero_optimization": {"stage": 3, "offload_optimizer": off_opt, "offload_param": off_param,
-                              "sub_group_size": 100_000_000, "overlap_comm": True, "contiguous_gradients": True},
-        "aio": {"block_size": 1 << 20, "queue_depth": 32, "single_submit": False, "overlap_events": True},
-    }
+    tuning = {"param_buffer_count": args.param_buffers, "param_buffer_size": 100_000_000,
+              "sub_group_size": 100_000_000,
+              "aio": {"block_size": 1 << 20, "queue_depth": 32, "single_submit": False, "overlap_events": True}}
+    return ds_translate.ds_config(cfg, args.offload, swap, device="cuda", tuning=tuning)
 
 
 # ---- the host: offline install, libaio ---------------------------------------
@@ -303,6 +276,23 @@ def check_carried(args):
     sys.exit(0 if report["ok"] else 2)
 
 
+def llama_config(shape):
+    """transformers' LlamaConfig from ds_translate's keywords (SDPA attention, no KV cache)."""
+    from transformers import LlamaConfig
+    kw = dict(shape, use_cache=False)
+    theta = kw.pop("rope_theta")
+    try:
+        hf = LlamaConfig(attn_implementation="sdpa", **kw)
+    except Exception:  # a config class that takes no attn_implementation keyword
+        hf = LlamaConfig(**kw)
+        hf._attn_implementation = "sdpa"
+    if hasattr(hf, "rope_parameters"):  # transformers 5: RoPE settings in one dict
+        hf.rope_parameters = dict(hf.rope_parameters or {"rope_type": "default"}, rope_theta=theta)
+    else:
+        hf.rope_theta = theta
+    return hf
+
+
 # ---- one attempt, in a child process -------------------------------------------------------------------------
 
 def child(args):
@@ -327,7 +317,7 @@ def child(args):
         import torch
         import deepspeed
         import transformers
-        from transformers import LlamaConfig, LlamaForCausalLM
+        from transformers import LlamaForCausalLM
         res["versions"] = {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
                            "transformers": transformers.__version__}
         with open(args.strata_config) as f:
@@ -342,17 +332,7 @@ def child(args):
         deepspeed.init_distributed(dist_backend="nccl")
 
         save("model construction")
-        kw = dict(shape, use_cache=False)
-        theta = kw.pop("rope_theta")
-        try:
-            hf = LlamaConfig(attn_implementation="sdpa", **kw)
-        except Exception:  # a config class that takes no attn_implementation keyword
-            hf = LlamaConfig(**kw)
-            hf._attn_implementation = "sdpa"
-        if hasattr(hf, "rope_parameters"):  # transformers 5: RoPE settings in one dict
-            hf.rope_parameters = dict(hf.rope_parameters or {"rope_type": "default"}, rope_theta=theta)
-        else:
-            hf.rope_theta = theta
+        hf = llama_config(shape)
         with deepspeed.zero.Init(config_dict_or_path=ds, dtype=torch.bfloat16):
             model = LlamaForCausalLM(hf)  # each module partitioned (and offloaded) as it is built
         model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": args.reentrant})
@@ -461,6 +441,514 @@ def attempt(args, cfg, layers, env, limit):
     return out
 
 
+# ---- on this machine's CPU: both engines side by side (--device cpu) ---------------------------------------
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+DS_CPU = os.path.join(ROOT, ".deps", "deepspeed-cpu")  # tools/setup_deepspeed.sh: venv, ext (built ops), build.json
+M64 = (1 << 64) - 1
+
+
+class MT19937_64:
+    """std::mt19937_64, the generator Strata draws its batch windows with (src/data/dataset.cc): the same seed
+    gives DeepSpeed the same windows in the same order."""
+
+    def __init__(self, seed):
+        self.mt = [seed & M64]
+        for i in range(1, 312):
+            prev = self.mt[-1]
+            self.mt.append((6364136223846793005 * (prev ^ (prev >> 62)) + i) & M64)
+        self.index = 312
+
+    def _twist(self):
+        mt = self.mt
+        for i in range(312):
+            x = (mt[i] & 0xFFFFFFFF80000000) | (mt[(i + 1) % 312] & 0x7FFFFFFF)
+            mt[i] = mt[(i + 156) % 312] ^ (x >> 1) ^ (0xB5026F5AA96619E9 if x & 1 else 0)
+        self.index = 0
+
+    def __call__(self):
+        if self.index >= 312:
+            self._twist()
+        y = self.mt[self.index]
+        self.index += 1
+        y ^= (y >> 29) & 0x5555555555555555
+        y ^= (y << 17) & 0x71D67FFFEDA60000
+        y ^= (y << 37) & 0xFFF7EEE000000000
+        y ^= y >> 43
+        return y & M64
+
+
+def window_starts(rng, num_tokens, val_fraction, seq_len, rows):
+    """Start offsets of one step's `rows` windows (seq_len + 1 tokens each) in the training part, as
+    TokenDataset::sample_train draws them."""
+    train_end = num_tokens - int(float(num_tokens) * val_fraction)
+    choices = train_end - (seq_len + 1) + 1
+    return [rng() % choices for _ in range(rows)]
+
+
+def read_json(path):
+    with open(path) as f:
+        return json.load(f)
+
+
+def cpu_child(args):
+    """DeepSpeed trains in this process on the CPU accelerator: the model of the comparison config, its
+    initial weights (--init-dir, Hugging Face safetensors) loaded into the ZeRO-3 partitions, Strata's windows
+    of its token file in Strata's order; each optimizer step's mean loss (over micro-batches and ranks), lr
+    and own seconds are rewritten to --result as they come (the parent polls it)."""
+    rank, world = int(os.environ.get("RANK", 0)), int(os.environ.get("WORLD_SIZE", 1))
+    res = {"stage": "init", "step_s": [], "loss": [], "lr": [], "grad_norm": [], "rank": rank}
+
+    def save(stage=None):
+        res["stage"] = stage
+        if rank == 0:
+            with open(args.result + ".tmp", "w") as f:
+                json.dump(res, f)
+            os.replace(args.result + ".tmp", args.result)
+
+    ok = False
+    try:
+        save("init")
+        import numpy as np
+        import torch
+        import torch.nn.functional as F
+        torch.set_num_threads(args.threads)
+        import deepspeed
+        import transformers
+        from transformers import LlamaForCausalLM
+        res["versions"] = {"deepspeed": deepspeed.__version__, "torch": torch.__version__,
+                           "transformers": transformers.__version__}
+        cfg = read_json(args.strata_config)
+        ds = read_json(args.ds_config)
+        shape = ds_translate.hf_llama_config(cfg, args.layers)
+        deepspeed.init_distributed(dist_backend="gloo")
+
+        save("model construction")
+        dtype = torch.bfloat16 if ds.get("bf16", {}).get("enabled") else torch.float32
+        with deepspeed.zero.Init(config_dict_or_path=ds, dtype=dtype):
+            model = LlamaForCausalLM(llama_config(shape))  # each module partitioned (and offloaded) as built
+        if args.init_dir:  # the same initial weights as Strata's (model.init_from): into the partitions
+            from safetensors import safe_open
+            with safe_open(os.path.join(args.init_dir, "model.safetensors"), "pt") as f:
+                names = set(f.keys())
+                for name, p in model.named_parameters():
+                    if name not in names:
+                        raise RuntimeError(f"{args.init_dir}: no tensor {name}")
+                    with deepspeed.zero.GatheredParameters([p], modifier_rank=0):
+                        if rank == 0:
+                            p.data.copy_(f.get_tensor(name).to(p.dtype))
+        if cfg.get("run", {}).get("recompute") == "always":
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+        res["parameters"] = sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters())
+
+        save("engine init")
+        engine, *_ = deepspeed.initialize(model=model, config=ds,
+                                          model_parameters=[p for p in model.parameters() if p.requires_grad])
+        engine.train()
+        micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+        seq = shape["max_position_embeddings"]
+        data = cfg["data"]
+        tokens = np.memmap(data["path"] if isinstance(data["path"], str) else data["path"][0],
+                           dtype={"uint16": np.uint16, "uint32": np.uint32}[data["format"]], mode="r")
+        rng = MT19937_64(int(cfg.get("run", {}).get("seed", 1234)))
+        rows = micro * accum * world
+        vocab = shape["vocab_size"]
+        for step in range(args.steps):
+            save("first step" if step == 0 else f"step {step + 1}")
+            starts = window_starts(rng, len(tokens), data.get("val_fraction", 0.1), seq, rows)
+            mine = starts[rank * micro * accum:(rank + 1) * micro * accum]  # rank r's rows, as Strata's
+            lr = engine.get_lr()[0]  # the rate this step applies (Strata's metrics say the same)
+            t0 = time.perf_counter()
+            losses = []
+            for m in range(accum):
+                win = torch.from_numpy(np.stack([tokens[s:s + seq + 1].astype(np.int64)
+                                                 for s in mine[m * micro:(m + 1) * micro]]))
+                logits = engine(input_ids=win[:, :seq]).logits
+                loss = F.cross_entropy(logits.float().reshape(-1, vocab), win[:, 1:].reshape(-1))
+                engine.backward(loss)
+                engine.step()  # the optimizer steps at the accumulation boundary only
+                losses.append(loss.detach().float())
+            mean = torch.stack(losses).mean()
+            if world > 1:
+                torch.distributed.all_reduce(mean)
+                mean /= world
+            res["step_s"].append(time.perf_counter() - t0)
+            res["loss"].append(mean.item())
+            res["lr"].append(lr)
+            gn = engine.get_global_grad_norm()
+            res["grad_norm"].append(float(gn) if gn is not None else None)
+        ok = True
+    except BaseException as e:  # reported, not raised
+        traceback.print_exc()
+        res["error"] = clip("".join(traceback.format_exception_only(type(e), e)))
+        res["where"] = [f"{fr.filename}:{fr.lineno} in {fr.name}" for fr in traceback.extract_tb(e.__traceback__)[-4:]]
+    save(None)
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0 if ok else 1)  # no teardown (gloo, AIO threads) to hang on
+
+
+def proc_io(pid):
+    """(read_bytes, write_bytes) of /proc/PID/io: bytes the process (all its threads) made the block layer
+    read and write, O_DIRECT included; None when gone."""
+    try:
+        with open(f"/proc/{pid}/io") as f:
+            kv = dict(line.split(": ") for line in f.read().splitlines())
+        return int(kv["read_bytes"]), int(kv["write_bytes"])
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def proc_mem(pid):
+    """(VmHWM, VmLck) in bytes from /proc/PID/status: peak resident and locked memory; None when gone."""
+    try:
+        with open(f"/proc/{pid}/status") as f:
+            kv = dict(line.split(":", 1) for line in f.read().splitlines() if ":" in line)
+        return int(kv["VmHWM"].split()[0]) * 1024, int(kv["VmLck"].split()[0]) * 1024
+    except (OSError, KeyError, ValueError):
+        return None
+
+
+def steps_done(kind, progress):
+    """Optimizer steps an engine reports done: lines of Strata's metrics file, DeepSpeed's result file."""
+    try:
+        if kind == "strata":
+            with open(progress) as f:
+                return sum(1 for line in f if line.startswith('{"') and '"step"' in line and '"loss"' in line)
+        return len(read_json(progress).get("step_s", []))
+    except (OSError, ValueError):
+        return 0
+
+
+def run_engine(kind, cmds, envs, progress, log, limit):
+    """Starts one process per rank, polls every 20 ms: the wall time at which rank 0's progress shows each
+    step's end, the ranks' /proc/PID/io at that moment, their peak RSS and locked memory; kills them all at
+    `limit` seconds. Returns the figures, the same way for both engines."""
+    t0 = time.monotonic()
+    procs, logs = [], []
+    for r, (cmd, env) in enumerate(zip(cmds, envs)):
+        lf = open(log if r == 0 else f"{log}.rank{r}", "w")
+        logs.append(lf)
+        procs.append(subprocess.Popen(cmd, env=env, stdout=lf, stderr=subprocess.STDOUT, start_new_session=True,
+                                      preexec_fn=die_with_parent))
+    ends, io_at, peak_rss, peak_lck, last_io = [], [], [0] * len(procs), [0] * len(procs), [None] * len(procs)
+    why = None
+    while True:
+        alive = [p.poll() is None for p in procs]
+        for i, p in enumerate(procs):
+            io = proc_io(p.pid)
+            if io:
+                last_io[i] = io
+            mem = proc_mem(p.pid)
+            if mem:
+                peak_rss[i], peak_lck[i] = max(peak_rss[i], mem[0]), max(peak_lck[i], mem[1])
+        n = steps_done(kind, progress)
+        while len(ends) < n:
+            ends.append(time.monotonic() - t0)
+            io_at.append([list(x) if x else None for x in last_io])
+        if not any(alive):
+            break
+        if STOP or time.monotonic() - t0 > limit:
+            why = "interrupted (SIGTERM)" if STOP else f"timed out after {limit:.0f} s"
+            for p in procs:
+                if p.poll() is None:
+                    os.killpg(p.pid, signal.SIGKILL)
+            break
+        time.sleep(0.02)
+    codes = [p.wait() for p in procs]
+    for lf in logs:
+        lf.close()
+    return {"step_end_s": ends, "io_at_step_end": io_at, "exit": codes, "why": why,
+            "peak_rss_bytes": peak_rss, "peak_locked_bytes": peak_lck, "seconds": time.monotonic() - t0}
+
+
+def free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def rank_envs(world, threads, extra=None):
+    port = free_port()
+    base = dict(os.environ, OMP_NUM_THREADS=str(threads), MKL_NUM_THREADS=str(threads), **(extra or {}))
+    return [dict(base, RANK=str(r), LOCAL_RANK=str(r), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
+                 MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port)) for r in range(world)]
+
+
+def summarise(kind, run, losses, lrs, tokens_per_step, warmup, own_step_s):
+    """Tokens/s from the step ends the parent saw (median after `warmup` steps), start-up = command to the
+    first step's end, NVMe bytes per step (sum over ranks, mean over the steps after warm-up)."""
+    ends = run["step_end_s"]
+    gaps = [b - a for a, b in zip(ends, ends[1:])][max(0, warmup - 1):]
+    out = {"engine": kind, "steps": len(ends), "startup_s": ends[0] if ends else None,
+           "tokens_per_s": tokens_per_step / statistics.median(gaps) if gaps else None,
+           "step_s": [round(g, 3) for g in gaps], "own_step_s": own_step_s, "loss": losses, "lr": lrs,
+           "peak_rss_bytes": max(run["peak_rss_bytes"]), "peak_rss_bytes_sum": sum(run["peak_rss_bytes"]),
+           "peak_locked_bytes": max(run["peak_locked_bytes"]), "exit": run["exit"], "error": run["why"],
+           "seconds": run["seconds"]}
+    io = run["io_at_step_end"]
+    if len(io) > warmup and all(x is not None for x in io[warmup - 1 if warmup else 0]) and all(x is not None for x in io[-1]):
+        first = io[warmup - 1] if warmup else io[0]
+        n = len(io) - 1 - (warmup - 1 if warmup else 0)
+        if n > 0:
+            out["nvme_read_bytes_per_step"] = sum(b[0] - a[0] for a, b in zip(first, io[-1])) / n
+            out["nvme_write_bytes_per_step"] = sum(b[1] - a[1] for a, b in zip(first, io[-1])) / n
+    return out
+
+
+def make_tokens(path, vocab, count):
+    """A uint16 token file of real text: the bytes of the licence texts Debian ships (ids < 256 within a
+    larger vocabulary), repeated to `count` tokens. Written once."""
+    if os.path.exists(path) and os.path.getsize(path) == 2 * count:
+        return
+    text = b""
+    for f in sorted(glob.glob("/usr/share/common-licenses/*")):
+        if os.path.isfile(f):
+            with open(f, "rb") as fh:
+                text += fh.read()
+    if not text:
+        raise RuntimeError("no text under /usr/share/common-licenses for the token file")
+    import array
+    ids = array.array("H", list((text * (count // len(text) + 1))[:count]))
+    assert max(ids) < vocab
+    with open(path + ".tmp", "wb") as f:
+        ids.tofile(f)
+    os.replace(path + ".tmp", path)
+
+
+def make_init_weights(cfg, out_dir, seed):
+    """Hugging Face safetensors + config.json of a freshly initialised LlamaForCausalLM of the config's model,
+    in bf16: both engines start from them (Strata: model.init_from; DeepSpeed: loaded into its partitions)."""
+    if os.path.exists(os.path.join(out_dir, "model.safetensors")):
+        return
+    import torch
+    from transformers import LlamaForCausalLM
+    torch.manual_seed(seed)
+    model = LlamaForCausalLM(llama_config(ds_translate.hf_llama_config(cfg)))
+    tmp = out_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+    os.replace(tmp, out_dir)
+
+
+def ds_env(threads, world):
+    return rank_envs(world, threads, {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": os.path.join(DS_CPU, "ext"),
+                                      "PYTHONUNBUFFERED": "1"})
+
+
+def check_cpu_setup(args):
+    py = os.path.join(DS_CPU, "venv", "bin", "python")
+    if not os.path.exists(py) or not os.path.exists(os.path.join(DS_CPU, "build.json")):
+        raise SystemExit("bench_deepspeed.py --device cpu: no DeepSpeed in .deps/deepspeed-cpu: run "
+                         "tools/setup_deepspeed.sh first")
+    if not os.access(args.strata, os.X_OK):
+        raise SystemExit(f"bench_deepspeed.py: no strata binary at {args.strata} (tools/setup.sh builds it)")
+    return py
+
+
+def run_deepspeed_cpu(args, cfg_path, cfg, placement, world, tag, layers=0, tuning=None, init_dir=None):
+    threads = max(1, (os.cpu_count() or 2) // world)
+    swap = os.path.join(os.path.abspath(args.nvme_path), "ds")
+    shutil.rmtree(swap, ignore_errors=True)
+    os.makedirs(swap)
+    ds = ds_translate.ds_config(cfg, placement, swap, world, "cpu", tuning if tuning is not None else args.tuning)
+    ds_path = os.path.join(args.out_dir, f"ds-{tag}.json")
+    with open(ds_path, "w") as f:
+        json.dump(ds, f, indent=1)
+    result = os.path.join(args.out_dir, f"ds-{tag}.result.json")
+    if os.path.exists(result):
+        os.remove(result)
+    cmd = [args.ds_python, os.path.abspath(__file__), "--device", "cpu", "--child", "--result", result,
+           "--ds-config", ds_path, "--strata-config", cfg_path, "--steps", str(args.steps),
+           "--threads", str(threads), "--layers", str(layers)] + (["--init-dir", init_dir] if init_dir else [])
+    ops = lambda: set(glob.glob(os.path.join(DS_CPU, "ext", "*", "*.so")))  # noqa: E731
+    before = ops()
+    run = run_engine("deepspeed", [cmd] * world, ds_env(threads, world), result,
+                     os.path.join(args.out_dir, f"ds-{tag}.log"), args.timeout)
+    built = sorted(os.path.basename(p) for p in ops() - before)
+    if built:  # a JIT build inside this run's start-up: tools/setup_deepspeed.sh should have made it
+        print(f"  WARNING: DeepSpeed built {built} during this run: its start-up includes the build", flush=True)
+    shutil.rmtree(swap, ignore_errors=True)
+    r = read_json(result) if os.path.exists(result) else {}
+    micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
+    tokens = micro * accum * world * ds_translate.hf_llama_config(cfg)["max_position_embeddings"]
+    out = summarise("deepspeed", run, r.get("loss", []), r.get("lr", []), tokens, args.warmup, r.get("step_s"))
+    out.update(parameters=r.get("parameters"), grad_norm=r.get("grad_norm"), ds_config=ds, jit_built=built,
+               failed_at=r.get("stage"), log=os.path.join(args.out_dir, f"ds-{tag}.log"))
+    if r.get("error") or not out["steps"]:
+        out["error"] = out["error"] or r.get("error") or f"exit {run['exit']}"
+    return out
+
+
+def strata_run_config(args, cfg, placement, world, tag, layers=0, init_dir=None):
+    swap = os.path.join(os.path.abspath(args.nvme_path), "strata")
+    shutil.rmtree(swap, ignore_errors=True)
+    os.makedirs(swap)
+    sc = ds_translate.strata_config(cfg, placement, swap)
+    sc["model"] = dict(sc.get("model", {}))
+    if layers:
+        sc["model"]["n_layers"] = layers
+    if init_dir:
+        sc["model"]["init_from"] = os.path.abspath(init_dir)
+    metrics = os.path.join(args.out_dir, f"strata-{tag}.metrics.jsonl")
+    if os.path.exists(metrics):
+        os.remove(metrics)
+    sc["run"] = dict(sc.get("run", {}), steps=args.steps, metrics=metrics,
+                     threads=max(1, (os.cpu_count() or 2) // world))
+    path = os.path.join(args.out_dir, f"strata-{tag}.json")
+    with open(path, "w") as f:
+        json.dump(sc, f, indent=1)
+    return path, metrics, swap
+
+
+def run_strata_cpu(args, cfg, placement, world, tag, layers=0, init_dir=None):
+    path, metrics, swap = strata_run_config(args, cfg, placement, world, tag, layers, init_dir)
+    threads = max(1, (os.cpu_count() or 2) // world)
+    run = run_engine("strata", [[args.strata, "train", path]] * world, rank_envs(world, threads), metrics,
+                     os.path.join(args.out_dir, f"strata-{tag}.log"), args.timeout)
+    shutil.rmtree(swap, ignore_errors=True)
+    lines = []
+    if os.path.exists(metrics):
+        with open(metrics) as f:
+            lines = [json.loads(l) for l in f if l.startswith("{")]
+    steps = [l for l in lines if "loss" in l and "step" in l]
+    micro, accum = ds_translate.batch(cfg, world)
+    tokens = micro * accum * world * ds_translate.hf_llama_config(cfg)["max_position_embeddings"]
+    out = summarise("strata", run, [l["loss"] for l in steps], [l["lr"] for l in steps], tokens, args.warmup,
+                    [l["step_s"] for l in steps])
+    out.update(grad_norm=[l.get("grad_norm") for l in steps], log=os.path.join(args.out_dir, f"strata-{tag}.log"),
+               strata_nvme_read_bytes=[l.get("nvme_read_bytes") for l in steps],
+               strata_nvme_write_bytes=[l.get("nvme_write_bytes") for l in steps],
+               bound_s=[l.get("bound_s") for l in steps])
+    if not out["steps"] or any(run["exit"]):
+        with open(out["log"], errors="replace") as f:
+            out["error"] = out["error"] or clip("\n".join(f.read().splitlines()[-15:]))
+    return out
+
+
+PLACEMENT_NAMES = {"1": ("nvme", 1), "2": ("optimizer-nvme", 1), "3": ("cpu", 1), "4": ("nvme", 2)}
+
+
+def loss_agreement(a, b):
+    """The largest relative difference of two engines' per-step losses."""
+    pairs = list(zip(a or [], b or []))
+    return max((abs(x - y) / max(abs(y), 1e-12) for x, y in pairs), default=None)
+
+
+def compare_cpu(args):
+    """--device cpu: for each placement, --rounds rounds with both engines, the order alternating; medians and
+    same-round ratios (Strata's tokens/s / DeepSpeed's)."""
+    args.ds_python = check_cpu_setup(args)
+    os.makedirs(args.out_dir, exist_ok=True)
+    cfg = read_json(args.strata_config)
+    ds_translate.check_run(cfg)
+    seq = ds_translate.hf_llama_config(cfg)["max_position_embeddings"]
+    tokens_path = os.path.abspath(os.path.join(args.out_dir, "tokens.u16"))
+    make_tokens(tokens_path, ds_translate.hf_llama_config(cfg)["vocab_size"], max(1 << 21, 64 * (seq + 1)))
+    cfg["data"] = {"path": tokens_path, "format": "uint16", "val_fraction": 0.0, "eval_interval": 0}
+    cmp_path = os.path.join(args.out_dir, "compare-config.json")
+    with open(cmp_path, "w") as f:
+        json.dump(cfg, f, indent=1)
+    init_dir = os.path.abspath(os.path.join(args.out_dir, "init-weights"))
+    make_init_weights(cfg, init_dir, int(cfg.get("run", {}).get("seed", 1234)))
+    build = read_json(os.path.join(DS_CPU, "build.json"))
+    report = {"device": "cpu", "config": args.strata_config, "rounds": args.rounds, "steps": args.steps,
+              "warmup": args.warmup, "deepspeed_ops_build": build, "tuning": args.tuning, "placements": {}}
+    for key in args.placements.split(","):
+        placement, world = PLACEMENT_NAMES[key]
+        rounds = []
+        for r in range(args.rounds):
+            order = ["deepspeed", "strata"] if r % 2 == 0 else ["strata", "deepspeed"]
+            got = {}
+            for eng in order:
+                tag = f"p{key}-r{r}"
+                print(f"[bench_deepspeed] placement ({key}) {placement} x{world}, round {r + 1}: {eng}", flush=True)
+                if eng == "deepspeed":
+                    got[eng] = run_deepspeed_cpu(args, cmp_path, cfg, placement, world, tag, init_dir=init_dir)
+                else:
+                    got[eng] = run_strata_cpu(args, cfg, placement, world, tag, init_dir=init_dir)
+                g = got[eng]
+                print(f"  {eng}: " + (f"{g['tokens_per_s']:.1f} tokens/s, start-up {g['startup_s']:.1f} s, "
+                                      f"losses {[round(x, 4) for x in g['loss']]}" if g.get("tokens_per_s")
+                                      else f"failed: {g.get('error')}"), flush=True)
+            a, b = got["strata"].get("tokens_per_s"), got["deepspeed"].get("tokens_per_s")
+            got["ratio"] = a / b if a and b else None
+            got["loss_rel_diff"] = loss_agreement(got["strata"]["loss"], got["deepspeed"]["loss"])
+            rounds.append(got)
+        med = lambda xs: statistics.median(xs) if xs else None  # noqa: E731
+        summary = {"placement": placement, "world_size": world, "rounds": rounds,
+                   "ratio_median": med([g["ratio"] for g in rounds if g["ratio"]])}
+        for eng in ("strata", "deepspeed"):
+            rs = [g[eng] for g in rounds]
+            summary[eng] = {k: med([x[k] for x in rs if x.get(k) is not None]) for k in
+                            ("tokens_per_s", "startup_s", "peak_rss_bytes", "peak_locked_bytes",
+                             "nvme_read_bytes_per_step", "nvme_write_bytes_per_step")}
+        summary["startup_ratio_median"] = med([g["deepspeed"]["startup_s"] / g["strata"]["startup_s"] for g in rounds
+                                               if g["deepspeed"].get("startup_s") and g["strata"].get("startup_s")])
+        summary["loss_rel_diff_max"] = max((g["loss_rel_diff"] for g in rounds if g["loss_rel_diff"] is not None),
+                                           default=None)
+        report["placements"][key] = summary
+        print(f"[bench_deepspeed] ({key}) {placement} x{world}: Strata / DeepSpeed tokens/s {summary['ratio_median']}, "
+              f"start-up DeepSpeed / Strata {summary['startup_ratio_median']}, losses within "
+              f"{summary['loss_rel_diff_max']}", flush=True)
+        write_report(args, report)
+    return report
+
+
+def write_report(args, report):
+    line = json.dumps(report)
+    if args.json:
+        with open(args.json + ".tmp", "w") as f:
+            f.write(line + "\n")
+        os.replace(args.json + ".tmp", args.json)
+
+
+def search_largest_cpu(args):
+    """--search-largest: each engine's largest layer count (of the config's model) that trains --steps steps
+    with ZeRO-Infinity's placement (1), by doubling then bisecting, one fresh process per attempt."""
+    args.ds_python = check_cpu_setup(args)
+    os.makedirs(args.out_dir, exist_ok=True)
+    cfg = read_json(args.strata_config)
+    seq = ds_translate.hf_llama_config(cfg)["max_position_embeddings"]
+    tokens_path = os.path.abspath(os.path.join(args.out_dir, "tokens.u16"))
+    make_tokens(tokens_path, ds_translate.hf_llama_config(cfg)["vocab_size"], max(1 << 21, 64 * (seq + 1)))
+    cfg["data"] = {"path": tokens_path, "format": "uint16", "val_fraction": 0.0, "eval_interval": 0}
+    cmp_path = os.path.join(args.out_dir, "search-config.json")
+    with open(cmp_path, "w") as f:
+        json.dump(cfg, f, indent=1)
+    report = {"device": "cpu", "search": True, "config": args.strata_config, "engines": {}}
+    for eng in args.engines.split(","):
+        tried = {}
+
+        def trains(layers):
+            if layers not in tried:
+                tag = f"search-{eng}-L{layers}"
+                print(f"[bench_deepspeed] {eng}: {layers} layers", flush=True)
+                r = (run_deepspeed_cpu(args, cmp_path, cfg, "nvme", 1, tag, layers=layers) if eng == "deepspeed"
+                     else run_strata_cpu(args, dict(cfg, model=dict(cfg["model"], n_layers=layers)), "nvme", 1, tag))
+                r["layers"] = layers
+                tried[layers] = r
+                print(f"  {'trained' if r['steps'] >= args.steps else 'failed'}: {r['steps']} steps, "
+                      f"{r.get('tokens_per_s')} tokens/s, peak RSS {r['peak_rss_bytes'] / 2**30:.1f} GiB"
+                      + ("" if r["steps"] >= args.steps else f", {str(r.get('error')).splitlines()[:1]}"), flush=True)
+            return tried[layers]["steps"] >= args.steps
+        lo, hi = 0, args.search_from
+        while trains(hi):  # double until one fails
+            lo, hi = hi, hi * 2
+        while hi - lo > max(1, lo // 8):  # bisect to within an eighth
+            mid = (lo + hi) // 2
+            if trains(mid):
+                lo = mid
+            else:
+                hi = mid
+        best = tried.get(lo)
+        report["engines"][eng] = {"largest_layers": lo, "largest_parameters": best and best.get("parameters"),
+                                  "attempts": [{k: v for k, v in t.items() if k not in ("ds_config",)}
+                                               for t in tried.values()]}
+        write_report(args, report)
+    return report
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--strata-config", default="configs/gpu-b-llama8b.json")
@@ -481,12 +969,31 @@ def main():
     ap.add_argument("--budget", type=float, default=0, help="seconds for all attempts (0: no limit)")
     ap.add_argument("--out-dir", default="out/ds-bench")
     ap.add_argument("--json")
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda",
+                    help="cpu: both engines side by side on this machine's CPU (tools/setup_deepspeed.sh first)")
+    ap.add_argument("--strata", default="build/strata", help="(cpu) the strata binary")
+    ap.add_argument("--placements", default="1,2,3,4",
+                    help="(cpu) 1 ZeRO-Infinity (all on NVMe), 2 optimizer on NVMe, 3 all in RAM, 4 = 1 on two ranks")
+    ap.add_argument("--rounds", type=int, default=3, help="(cpu) rounds per placement, engines alternating")
+    ap.add_argument("--tuning", type=json.loads, default={},
+                    help="(cpu) DeepSpeed's knobs as JSON (tools/ds_translate.py ds_config's tuning keys)")
+    ap.add_argument("--search-largest", action="store_true",
+                    help="(cpu) each engine's largest layer count with placement 1, doubling from --search-from")
+    ap.add_argument("--search-from", type=int, default=8)
+    ap.add_argument("--engines", default="strata,deepspeed", help="(cpu, --search-largest) engines searched")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--ds-config", help=argparse.SUPPRESS)
+    ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
+    ap.add_argument("--init-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.child:
-        return child(args)
+        return cpu_child(args) if args.device == "cpu" else child(args)
+    if args.device == "cpu":
+        signal.signal(signal.SIGTERM, lambda *_: STOP.append(1))
+        report = search_largest_cpu(args) if args.search_largest else compare_cpu(args)
+        print(json.dumps(report), flush=True)
+        return
     if args.check_carried:
         return check_carried(args)
 

@@ -1,0 +1,9 @@
+# Benchmark tools' own logic that needs no benchmark: the DeepSpeed side-by-side's config translation
+# (tools/ds_translate.py) against transformers and `strata plan`, and its token order.
+set(STRATA_TOOLS_PYTHON ${PROJECT_SOURCE_DIR}/.venv/bin/python)
+if(NOT EXISTS ${STRATA_TOOLS_PYTHON})
+  set(STRATA_TOOLS_PYTHON python3)
+endif()
+add_test(NAME DsTranslateTest
+         COMMAND ${STRATA_TOOLS_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ds_translate_test.py $<TARGET_FILE:strata>)
+set_tests_properties(DsTranslateTest PROPERTIES TIMEOUT 300 SKIP_RETURN_CODE 77 ENVIRONMENT "OMP_NUM_THREADS=1;STRATA_RATES_CACHE=off")
