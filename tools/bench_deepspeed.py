@@ -446,6 +446,15 @@ def attempt(args, cfg, layers, env, limit):
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DS_CPU = os.path.join(ROOT, ".deps", "deepspeed-cpu")  # tools/setup_deepspeed.sh: venv, ext (built ops), build.json
 M64 = (1 << 64) - 1
+# DeepSpeed's knobs for the CPU comparison (tools/ds_translate.py ds_config's tuning; BENCHMARKS.md, "Strata
+# against DeepSpeed on the CPU", says what was tried): the best that trained the 185 M model on the dev VM.
+# Its defaults fail there: 5 (and 16) parameter buffers run out ("Not enough buffers 0 for swapping 1": the
+# first step keeps every fetched parameter while stage3_max_reuse_distance is 1e9), and NVMe parameter
+# prefetch trips "param already assigned swap buffer"; the pipelined optimizer swapper over 2e7-element
+# sub-groups with 16 buffers was 11% faster than 4 buffers and one sub-group; the aio settings changed nothing.
+DS_CPU_TUNING = {"param_buffer_count": 32, "max_reuse_distance": 0, "max_live_parameters": 30_000_000,
+                 "prefetch_bucket_size": 0, "optimizer_buffer_count": 16, "optimizer_pipeline": True,
+                 "sub_group_size": 20_000_000}
 
 
 class MT19937_64:
@@ -545,6 +554,13 @@ def cpu_child(args):
         engine, *_ = deepspeed.initialize(model=model, config=ds,
                                           model_parameters=[p for p in model.parameters() if p.requires_grad])
         engine.train()
+        # DeepSpeed's schedulers start at iteration -1, whose rate is 0: its first optimizer step does
+        # nothing, and step s applies the schedule's rate of iteration s - 2. Strata's step s applies that
+        # of iteration s - 1 (docs/config.md, "scheduler"). One step of the scheduler before training puts
+        # DeepSpeed on Strata's rates (the report's "lr" shows both).
+        sched = engine.lr_scheduler
+        if sched is not None and getattr(sched, "last_batch_iteration", None) == -1:
+            sched.step(0)
         micro, accum = ds["train_micro_batch_size_per_gpu"], ds["gradient_accumulation_steps"]
         seq = shape["max_position_embeddings"]
         data = cfg["data"]
@@ -582,7 +598,7 @@ def cpu_child(args):
         traceback.print_exc()
         res["error"] = clip("".join(traceback.format_exception_only(type(e), e)))
         res["where"] = [f"{fr.filename}:{fr.lineno} in {fr.name}" for fr in traceback.extract_tb(e.__traceback__)[-4:]]
-    save(None)
+    save(None if ok else res["stage"])
     sys.stdout.flush()
     sys.stderr.flush()
     os._exit(0 if ok else 1)  # no teardown (gloo, AIO threads) to hang on
@@ -859,8 +875,8 @@ def compare_cpu(args):
         rounds = []
         for r in range(args.rounds):
             order = ["deepspeed", "strata"] if r % 2 == 0 else ["strata", "deepspeed"]
-            got = {}
-            for eng in order:
+            got = {"strata": {"loss": []}, "deepspeed": {"loss": []}}
+            for eng in [e for e in order if e in args.engines.split(",")]:
                 tag = f"p{key}-r{r}"
                 print(f"[bench_deepspeed] placement ({key}) {placement} x{world}, round {r + 1}: {eng}", flush=True)
                 if eng == "deepspeed":
@@ -975,12 +991,12 @@ def main():
     ap.add_argument("--placements", default="1,2,3,4",
                     help="(cpu) 1 ZeRO-Infinity (all on NVMe), 2 optimizer on NVMe, 3 all in RAM, 4 = 1 on two ranks")
     ap.add_argument("--rounds", type=int, default=3, help="(cpu) rounds per placement, engines alternating")
-    ap.add_argument("--tuning", type=json.loads, default={},
+    ap.add_argument("--tuning", type=json.loads, default=DS_CPU_TUNING,
                     help="(cpu) DeepSpeed's knobs as JSON (tools/ds_translate.py ds_config's tuning keys)")
     ap.add_argument("--search-largest", action="store_true",
                     help="(cpu) each engine's largest layer count with placement 1, doubling from --search-from")
     ap.add_argument("--search-from", type=int, default=8)
-    ap.add_argument("--engines", default="strata,deepspeed", help="(cpu, --search-largest) engines searched")
+    ap.add_argument("--engines", default="strata,deepspeed", help="(cpu) the engines run (e.g. deepspeed alone to tune it)")
     ap.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     ap.add_argument("--result", help=argparse.SUPPRESS)
     ap.add_argument("--ds-config", help=argparse.SUPPRESS)

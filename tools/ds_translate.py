@@ -103,7 +103,7 @@ def check_run(cfg):
 def ds_config(cfg, placement, nvme_path, world_size=1, device="cpu", tuning=None):
     """DeepSpeed's JSON config for the Strata config's work at `placement` (a PLACEMENTS key) with swap files
     under `nvme_path`; `tuning` (dict) adds DeepSpeed's own knobs: "param_buffer_count", "param_buffer_size",
-    "optimizer_buffer_count", "aio" (a dict), "sub_group_size", "prefetch_bucket_size", "max_live_parameters",
+    "optimizer_buffer_count", "optimizer_pipeline" (bool), "aio" (a dict), "sub_group_size", "prefetch_bucket_size", "max_live_parameters",
     "max_reuse_distance", "persistence_threshold"."""
     tuning = dict(tuning or {})
     micro, accum = batch(cfg, world_size)
@@ -128,6 +128,8 @@ def ds_config(cfg, placement, nvme_path, world_size=1, device="cpu", tuning=None
     off_opt = {"device": opt_dev, "pin_memory": True}
     if opt_dev == "nvme":
         off_opt.update(nvme_path=nvme_path, buffer_count=int(tuning.get("optimizer_buffer_count", 4)))
+        if tuning.get("optimizer_pipeline"):  # read sub-group j+1 and write j-1 while j is updated
+            off_opt.update(pipeline_read=True, pipeline_write=True)
     off_param = {"device": param_dev, "pin_memory": True}
     if param_dev == "nvme":
         # Every swapped parameter holds one buffer while in use, each at least as large as the largest
