@@ -547,7 +547,7 @@ def cpu_child(args):
                         if rank == 0:
                             p.data.copy_(f.get_tensor(name).to(p.dtype))
         if cfg.get("run", {}).get("recompute") == "always":
-            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": False})
+            model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": args.reentrant})
         res["parameters"] = sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters())
 
         save("engine init")
@@ -776,7 +776,8 @@ def run_deepspeed_cpu(args, cfg_path, cfg, placement, world, tag, layers=0, tuni
         os.remove(result)
     cmd = [args.ds_python, os.path.abspath(__file__), "--device", "cpu", "--child", "--result", result,
            "--ds-config", ds_path, "--strata-config", cfg_path, "--steps", str(args.steps),
-           "--threads", str(threads), "--layers", str(layers)] + (["--init-dir", init_dir] if init_dir else [])
+           "--threads", str(threads), "--layers", str(layers)] + (["--init-dir", init_dir] if init_dir else []) + \
+        (["--reentrant"] if args.reentrant else [])
     ops = lambda: set(glob.glob(os.path.join(DS_CPU, "ext", "*", "*.so")))  # noqa: E731
     before = ops()
     run = run_engine("deepspeed", [cmd] * world, ds_env(threads, world), result,
@@ -948,17 +949,24 @@ def search_largest_cpu(args):
                       f"{r.get('tokens_per_s')} tokens/s, peak RSS {r['peak_rss_bytes'] / 2**30:.1f} GiB"
                       + ("" if r["steps"] >= args.steps else f", {str(r.get('error')).splitlines()[:1]}"), flush=True)
             return tried[layers]["steps"] >= args.steps
-        lo, hi = 0, args.search_from
-        while trains(hi):  # double until one fails
-            lo, hi = hi, hi * 2
-        while hi - lo > max(1, lo // 8):  # bisect to within an eighth
-            mid = (lo + hi) // 2
-            if trains(mid):
-                lo = mid
-            else:
-                hi = mid
+        lo = 0
+        if args.search_layers:  # the given counts, largest first, until one trains
+            for n in sorted({int(x) for x in args.search_layers.split(",")}, reverse=True):
+                if trains(n):
+                    lo = n
+                    break
+        else:
+            hi = args.search_from
+            while trains(hi):  # double until one fails
+                lo, hi = hi, hi * 2
+            while hi - lo > max(1, lo // 8):  # bisect to within an eighth
+                mid = (lo + hi) // 2
+                if trains(mid):
+                    lo = mid
+                else:
+                    hi = mid
         best = tried.get(lo)
-        report["engines"][eng] = {"largest_layers": lo, "largest_parameters": best and best.get("parameters"),
+        report["engines"][eng] = {"largest_layers": lo, "largest_parameters": ds_translate.parameters(cfg, lo) if lo else None,
                                   "attempts": [{k: v for k, v in t.items() if k not in ("ds_config",)}
                                                for t in tried.values()]}
         write_report(args, report)
@@ -980,7 +988,8 @@ def main():
     ap.add_argument("--check-carried", action="store_true",
                     help="install the carried set and check that it imports, loads its ops and builds nothing")
     ap.add_argument("--search", action="store_true", help="layer counts descending from --layers")
-    ap.add_argument("--search-layers", help="the counts to try, e.g. 32,24,16,12,8,4")
+    ap.add_argument("--search-layers", help="the counts to try, e.g. 32,24,16,12,8,4 (largest first; the first that trains "
+                    "is the engine's largest)")
     ap.add_argument("--timeout", type=float, default=540, help="seconds per attempt (child)")
     ap.add_argument("--budget", type=float, default=0, help="seconds for all attempts (0: no limit)")
     ap.add_argument("--out-dir", default="out/ds-bench")

@@ -174,9 +174,23 @@ def strata_config(cfg, placement, nvme_path):
     if opt_dev == "nvme":
         zero["offload_optimizer"]["nvme_path"] = nvme_path
     if param_dev == "nvme":
-        zero["offload_param"].update(nvme_path=nvme_path, max_in_cpu=0)
+        # Strata's staging buffers must hold the largest block's shard (checked at start): a DeepSpeed
+        # user sizes buffer_size the same way for DeepSpeed's largest tensor.
+        zero["offload_param"].update(nvme_path=nvme_path, max_in_cpu=0,
+                                     buffer_size=max(100_000_000, largest_block(cfg)))
     out["zero_optimization"] = zero
     return out
+
+
+def largest_block(cfg, layers=0):
+    """Elements of the model's largest block (a layer, or the embedding / head with the final norm), rounded
+    up to 1 Mi (above any shard padding)."""
+    h = hf_llama_config(cfg, layers)
+    dim, hd = h["hidden_size"], h["head_dim"]
+    layer = dim * hd * (2 * h["num_attention_heads"] + 2 * h["num_key_value_heads"]) + \
+        3 * dim * h["intermediate_size"] + 2 * dim
+    largest = max(layer, h["vocab_size"] * dim + dim)
+    return (largest + (1 << 20) - 1) >> 20 << 20
 
 
 def parameters(cfg, layers=0):
