@@ -354,8 +354,15 @@ TEST(ProbeTest, RatesAreKeptPerSettingAndMeasuredAgainWhenAskedOrOld) {
   EXPECT_EQ(measure().adam_source.find("kept"), std::string::npos);
   EXPECT_EQ(entries(), 3u);
   EXPECT_NE(measure().adam_source.find("kept"), std::string::npos);
-  // --reprobe: measured again and kept.
+  // A rank that is not the one keeping (ProbeRoom::keep false) measures and writes nothing; ranks
+  // probing together (sharers) are another key.
   set_rates_cache(file, true);
+  const std::string before = file_contents(file);
+  Rates r2;
+  measure_missing_rates(cfg, plan, &cpu_device(), work, r2, 0.01, ProbeRoom{true, 2, /*keep=*/false});
+  EXPECT_EQ(r2.adam_source.find("kept"), std::string::npos);
+  EXPECT_EQ(file_contents(file), before);
+  // --reprobe: measured again and kept.
   EXPECT_EQ(measure().adam_source.find("kept"), std::string::npos);
   set_rates_cache(file, false);
   // Over a week old: measured again.

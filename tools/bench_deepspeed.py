@@ -777,7 +777,7 @@ def run_deepspeed_cpu(args, cfg_path, cfg, placement, world, tag, layers=0, tuni
     cmd = [args.ds_python, os.path.abspath(__file__), "--device", "cpu", "--child", "--result", result,
            "--ds-config", ds_path, "--strata-config", cfg_path, "--steps", str(args.steps),
            "--threads", str(threads), "--layers", str(layers)] + (["--init-dir", init_dir] if init_dir else []) + \
-        (["--reentrant"] if args.reentrant else [])
+        ["--reentrant" if args.reentrant else "--no-reentrant"]
     ops = lambda: set(glob.glob(os.path.join(DS_CPU, "ext", "*", "*.so")))  # noqa: E731
     before = ops()
     run = run_engine("deepspeed", [cmd] * world, ds_env(threads, world), result,
@@ -827,7 +827,11 @@ def run_strata_cpu(args, cfg, placement, world, tag, layers=0, init_dir=None):
     lines = []
     if os.path.exists(metrics):
         with open(metrics) as f:
-            lines = [json.loads(l) for l in f if l.startswith("{")]
+            for l in f:
+                try:  # a line cut short by a kill at the time limit is not one
+                    lines.append(json.loads(l))
+                except ValueError:
+                    pass
     steps = [l for l in lines if "loss" in l and "step" in l]
     micro, accum = ds_translate.batch(cfg, world)
     tokens = micro * accum * world * ds_translate.hf_llama_config(cfg)["max_position_embeddings"]
@@ -875,6 +879,8 @@ def compare_cpu(args):
         placement, world = PLACEMENT_NAMES[key]
         rounds = []
         for r in range(args.rounds):
+            if STOP:
+                break
             order = ["deepspeed", "strata"] if r % 2 == 0 else ["strata", "deepspeed"]
             got = {"strata": {"loss": []}, "deepspeed": {"loss": []}}
             for eng in [e for e in order if e in args.engines.split(",")]:
@@ -933,11 +939,13 @@ def search_largest_cpu(args):
     cmp_path = os.path.join(args.out_dir, "search-config.json")
     with open(cmp_path, "w") as f:
         json.dump(cfg, f, indent=1)
-    report = {"device": "cpu", "search": True, "config": args.strata_config, "engines": {}}
+    report = {"device": "cpu", "search": True, "config": args.strata_config, "tuning": args.tuning, "engines": {}}
     for eng in args.engines.split(","):
         tried = {}
 
         def trains(layers):
+            if STOP:
+                return False
             if layers not in tried:
                 tag = f"search-{eng}-L{layers}"
                 print(f"[bench_deepspeed] {eng}: {layers} layers", flush=True)
@@ -983,7 +991,10 @@ def main():
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--warmup", type=int, default=1)
     ap.add_argument("--seed", type=int, default=1234)
-    ap.add_argument("--reentrant", action="store_true", help="reentrant gradient checkpointing")
+    ap.add_argument("--reentrant", action=argparse.BooleanOptionalAction, default=None,
+                    help="reentrant gradient checkpointing (default: on with --device cpu, where DeepSpeed's ZeRO-3 "
+                         "with parameters on NVMe at one rank computes wrong gradients under the non-reentrant "
+                         "kind: BENCHMARKS.md; off with cuda)")
     ap.add_argument("--install", action="store_true", help="install the carried DeepSpeed and libaio first")
     ap.add_argument("--check-carried", action="store_true",
                     help="install the carried set and check that it imports, loads its ops and builds nothing")
@@ -1012,6 +1023,8 @@ def main():
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--init-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
+    if args.reentrant is None:
+        args.reentrant = args.device == "cpu" and not args.child
     if args.child:
         return cpu_child(args) if args.device == "cpu" else child(args)
     if args.device == "cpu":

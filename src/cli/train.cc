@@ -290,7 +290,7 @@ void measure_train_rates(Config& cfg, Device& device, Communicator& comm, int ra
     rates.intra_node = rates.net;
     rates.intra_node_source = "the network's (no intra-node probe; run.rates.intra_node_gbps gives it)";
   }
-  measure_rates(cfg, plan, &device, work, rates, 0.2, ProbeRoom{true, local_ranks});
+  measure_rates(cfg, plan, &device, work, rates, 0.2, ProbeRoom{true, local_ranks, /*keep=*/rank == 0});
   store_rates(rates, cfg.run.rates);
   if (comm.world_size() > 1) {
     double* r = &cfg.run.rates.device_tflops;  // RateOverrides: doubles only

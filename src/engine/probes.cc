@@ -487,6 +487,8 @@ struct Probe {
   size_t count = 1;
   std::vector<double> values;
   std::string source;
+  std::function<void(const Probe&)> apply;  // its figures into the Rates
+  bool keep = true;                         // false: measured in a way later runs must not take
 };
 
 }  // namespace
@@ -507,7 +509,8 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
   auto need = [&](double rate, bool has_work) { return has_work && !(rate > 0); };
   const int64_t state = plan.shard_space_numel;  // Note [Probes sized to the work]
   const int64_t llc = last_level_cache_bytes();
-  const std::string cpu = cpu_identity();
+  // Ranks probing at once share the cores and the disk: their figures are not a lone run's.
+  const std::string cpu = cpu_identity() + strprintf("|sharers %d", room.sharers);
   const Device& host = device ? *device : cpu_device();
   const double kMemBytesPerS = 4e9;  // for the time a line says a probe takes: about
   std::vector<Probe> probes;
@@ -515,7 +518,7 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
                  std::function<void(std::vector<double>*, std::string*)> run) {
     // A warm-up and at least 5 timed calls, at least budget_s; buffers filled once.
     const double about = std::max(budget_s, 6 * touched_bytes / kMemBytesPerS) + touched_bytes / kMemBytesPerS;
-    probes.push_back(Probe{std::move(key), std::move(what), about, std::move(run), count, {}, {}});
+    probes.push_back(Probe{std::move(key), std::move(what), about, std::move(run), count, {}, {}, {}, true});
   };
   if (need(rates.device_flops, work.flops > 0)) {
     if (device == nullptr) {
@@ -523,14 +526,17 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
                                            "device's rate (run.rates.device_tflops)");
     }
     const ModelConfig& m = cfg.model;
-    add(strprintf("compute|%s|%s|%s|dim %lld heads %lld/%lld of %lld ffn %lld seq %lld micro %lld|threads %d",
-                  cpu.c_str(), device->name().c_str(), compute_dtype_name(cfg.run.compute_dtype), (long long)m.dim,
-                  (long long)m.n_heads, (long long)m.kv_heads(), (long long)m.head_dim(), (long long)m.ffn_dim(),
-                  (long long)m.seq_len, (long long)cfg.train_micro_batch_size_per_gpu, at::get_num_threads()),
+    add(strprintf("compute|%s|%s|%s|%s dim %lld heads %lld/%lld of %lld ffn %lld seq %lld window %lld micro %lld|"
+                  "threads %d|deterministic %d",
+                  cpu.c_str(), device->name().c_str(), compute_dtype_name(cfg.run.compute_dtype),
+                  model_family_name(m.family), (long long)m.dim, (long long)m.n_heads, (long long)m.kv_heads(),
+                  (long long)m.head_dim(), (long long)m.ffn_dim(), (long long)m.seq_len, (long long)m.sliding_window,
+                  (long long)cfg.train_micro_batch_size_per_gpu, at::get_num_threads(), int(cfg.run.deterministic)),
         "one layer's compute", 0, 1, [&](std::vector<double>* v, std::string* src) {
           v->assign(1, probe_compute(cfg, *device, budget_s, src));
         });
     probes.back().about_s = 2 * budget_s;
+    probes.back().apply = [&](const Probe& p) { rates.device_flops = p.values[0], rates.device_flops_source = p.source; };
   }
   if (need(rates.adam, work.adam_elems > 0)) {
     const int64_t n = adam_probe_numel(budget_s, llc, state);
@@ -543,6 +549,7 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
           v->assign(1, probe_adam(cfg, host, budget_s, state));
           *src = strprintf("measured: CPU Adam over %lld Mi elements", (long long)(n >> 20));
         });
+    probes.back().apply = [&](const Probe& p) { rates.adam = p.values[0], rates.adam_source = p.source; };
   }
   if (need(rates.checksum, work.checksum_bytes > 0)) {
     const int64_t bytes = checksum_probe_bytes(budget_s, llc, state);
@@ -553,6 +560,7 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
           v->assign(1, probe_checksum(cfg, host, budget_s, state));
           *src = strprintf("measured: CRC-32C over %lld MiB on %d thread(s)", (long long)(bytes >> 20), threads);
         });
+    probes.back().apply = [&](const Probe& p) { rates.checksum = p.values[0], rates.checksum_source = p.source; };
   }
   if (need(rates.grad_add, work.grad_add_elems > 0)) {
     // What most blocks' landings do (memory/bound.cc, predicted_work): add
@@ -572,6 +580,7 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
           *src = strprintf("measured: %s gradients %s fp32 on 1 thread, %lld Mi elements",
                            cpu_adam::grad_type_name(wire), summed ? "written as" : "added into", (long long)(n >> 20));
         });
+    probes.back().apply = [&](const Probe& p) { rates.grad_add = p.values[0], rates.grad_add_source = p.source; };
   }
   const bool h2d = need(rates.h2d, work.links.h2d > 0), d2h = need(rates.d2h, work.links.d2h > 0);
   const bool both = !cpu_compute && need(rates.pcie_both, work.links.h2d > 0 && work.links.d2h > 0);
@@ -586,6 +595,11 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
           *v = {c.h2d, c.d2h, c.both};
           *src = cpu_compute ? "measured: memcpy (CPU device)" : "measured: registered memory";
         });
+    probes.back().apply = [&, h2d, d2h, both](const Probe& p) {
+      if (h2d) rates.h2d = p.values[0], rates.h2d_source = p.source;
+      if (d2h) rates.d2h = p.values[1], rates.d2h_source = p.source;
+      if (both) rates.pcie_both = p.values[2], rates.pcie_both_source = p.source;
+    };
   }
   const bool rd = need(rates.nvme_read, work.links.nvme_read > 0), wr = need(rates.nvme_write, work.links.nvme_write > 0);
   const bool rw = need(rates.nvme_both, work.links.nvme_read > 0 && work.links.nvme_write > 0);
@@ -601,11 +615,12 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
     // The swap store splits its capacity evenly over the directories.
     const int64_t share = plan.total()[size_t(Tier::kNvme)] / int64_t(plan.nvme_paths.size());
     const int64_t bytes = nvme_probe_bytes(budget_s, state);
+    const size_t nvme_index = probes.size();
     add(strprintf("nvme|%lld|block %lld qd %lld rings %lld single %d overlap %d|%lld|sharers %d", (long long)device_of(nvme_dir),
                   (long long)cfg.aio.block_size, (long long)cfg.aio.queue_depth, (long long)cfg.aio.intra_op_parallelism,
                   int(cfg.aio.single_submit), int(cfg.aio.overlap_events), (long long)bytes, room.sharers),
         strprintf("the disk under %s over 2 x %s", nvme_dir.c_str(), format_bytes(double(bytes)).c_str()), 0, 3,
-        [&, share, nvme_dir](std::vector<double>* v, std::string* src) {
+        [&, share, nvme_dir, nvme_index](std::vector<double>* v, std::string* src) {
           const IoRates io = probe_nvme(cfg, nvme_dir, budget_s, room.reserve_state ? share * room.sharers : 0,
                                         room.sharers, state);
           *src = "measured: I/O engine in " + nvme_dir;
@@ -618,9 +633,17 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
                               io.in_state_room ? "" : " beside the plan's state");
           }
           *v = {io.read, io.write, io.both};
+          // A pass cut short by the free space, or made in the state's room, is not what a later run with
+          // its swap files in place would measure: used, not kept.
+          if (io.bytes < io.asked || io.in_state_room) probes[nvme_index].keep = false;
         });
     // Written, read, then both at once; the files laid out first (at about 1 GB/s).
     probes.back().about_s = 5 * double(bytes) / 1e9;
+    probes.back().apply = [&, rd, wr, rw](const Probe& p) {
+      if (rd) rates.nvme_read = p.values[0], rates.nvme_read_source = p.source;
+      if (wr) rates.nvme_write = p.values[1], rates.nvme_write_source = p.source;
+      if (rw) rates.nvme_both = p.values[2], rates.nvme_both_source = p.source;
+    };
   }
   if (need(rates.net, work.net_bytes > 0)) {
     throw ConfigError("--net-gbps", "ranks send bytes each step and no network rate was given (run.rates.net_gbps)");
@@ -644,46 +667,22 @@ void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device*
     for (const Probe* p : todo) what += (what.empty() ? "" : ", ") + p->what, about += p->about_s;
     log::info("measuring this machine's rates for the step's bound: %s; about %.1f s%s", what.c_str(), about,
               path.empty() ? "" : strprintf(" (kept in %s for later runs; --reprobe measures again)", path.c_str()).c_str());
+    // Each rate is taken and kept as soon as it is measured: a later probe that throws (auto's other
+    // candidates are measured where they can be) leaves the earlier ones in place.
+    for (Probe& p : probes) {
+      if (std::find(todo.begin(), todo.end(), &p) == todo.end()) p.apply(p);
+    }
     const auto t0 = Clock::now();
     for (Probe* p : todo) {
       p->run(&p->values, &p->source);
-      keep(p->key, p->values, p->source);
+      p->apply(*p);
+      if (room.keep && p->keep) keep(p->key, p->values, p->source);
     }
     log::info("rates measured in %.1f s", since(t0));
   } else if (!probes.empty()) {
+    for (Probe& p : probes) p.apply(p);
     log::info("rates for the step's bound kept from an earlier run (%s; --reprobe measures again)", path.c_str());
   }
-  size_t i = 0;
-  auto next = [&]() -> Probe& { return probes[i++]; };
-  if (need(rates.device_flops, work.flops > 0)) {
-    Probe& p = next();
-    rates.device_flops = p.values[0], rates.device_flops_source = p.source;
-  }
-  if (need(rates.adam, work.adam_elems > 0)) {
-    Probe& p = next();
-    rates.adam = p.values[0], rates.adam_source = p.source;
-  }
-  if (need(rates.checksum, work.checksum_bytes > 0)) {
-    Probe& p = next();
-    rates.checksum = p.values[0], rates.checksum_source = p.source;
-  }
-  if (need(rates.grad_add, work.grad_add_elems > 0)) {
-    Probe& p = next();
-    rates.grad_add = p.values[0], rates.grad_add_source = p.source;
-  }
-  if (h2d || d2h || both) {
-    Probe& p = next();
-    if (h2d) rates.h2d = p.values[0], rates.h2d_source = p.source;
-    if (d2h) rates.d2h = p.values[1], rates.d2h_source = p.source;
-    if (both) rates.pcie_both = p.values[2], rates.pcie_both_source = p.source;
-  }
-  if (rd || wr || rw) {
-    Probe& p = next();
-    if (rd) rates.nvme_read = p.values[0], rates.nvme_read_source = p.source;
-    if (wr) rates.nvme_write = p.values[1], rates.nvme_write_source = p.source;
-    if (rw) rates.nvme_both = p.values[2], rates.nvme_both_source = p.source;
-  }
-  STRATA_CHECK(i == probes.size(), "a probe's rates were not taken");
 }
 
 StepWork union_work(const StepWork& work, const PlacementPlan& plan, bool checksums) {

@@ -109,10 +109,12 @@ double probe_grad_add(cpu_adam::GradType wire, bool first, double budget_s, int6
 // Note [Kept rates]
 // A machine's rates change with its hardware, not between runs. What a
 // probe measured is kept in a JSON file (rates_cache_path) under a key of
-// everything that would change it: the CPU's model and count, the device,
-// the threads, the instruction set and dtypes, the probe's size, the swap
-// directory's block device and the aio settings, the model's layer shape
-// for the compute probe. A later run on the machine takes a kept rate that
+// everything that would change it: the CPU's model and count, the ranks
+// probing at once, the device, the threads, the instruction set and dtypes,
+// the probe's size, the swap directory's file system and the aio settings,
+// the model's layer shape, family and determinism for the compute probe.
+// One rank keeps (ProbeRoom::keep); a disk pass cut short by the free space
+// is used but not kept. A later run on the machine takes a kept rate that
 // is under a week old instead of measuring it (its source says "kept from"
 // and when); `--reprobe` (strata train, strata plan) measures again and
 // replaces them. A file that cannot be read or written costs a warning and
@@ -140,6 +142,7 @@ inline constexpr double kKeptRatesMaxAgeS = 7 * 24 * 3600.0;
 struct ProbeRoom {
   bool reserve_state = true;
   int sharers = 1;
+  bool keep = true;  // keep what is measured (Note [Kept rates]): one rank of those probing at once
 };
 void measure_missing_rates(const Config& cfg, const PlacementPlan& plan, Device* device, const StepWork& work,
                            Rates& rates, double budget_s, const ProbeRoom& room = {});
