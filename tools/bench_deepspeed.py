@@ -856,20 +856,27 @@ def loss_agreement(a, b):
     return max((abs(x - y) / max(abs(y), 1e-12) for x, y in pairs), default=None)
 
 
-def compare_cpu(args):
-    """--device cpu: for each placement, --rounds rounds with both engines, the order alternating; medians and
-    same-round ratios (Strata's tokens/s / DeepSpeed's)."""
+def prepare_cpu(args, name):
+    """The comparison's config with the token file both engines read (written once under --out-dir), refused
+    by key when it does not translate; written to --out-dir/NAME. Returns (config, its path)."""
     args.ds_python = check_cpu_setup(args)
     os.makedirs(args.out_dir, exist_ok=True)
     cfg = read_json(args.strata_config)
     ds_translate.check_run(cfg)
-    seq = ds_translate.hf_llama_config(cfg)["max_position_embeddings"]
+    shape = ds_translate.hf_llama_config(cfg)
     tokens_path = os.path.abspath(os.path.join(args.out_dir, "tokens.u16"))
-    make_tokens(tokens_path, ds_translate.hf_llama_config(cfg)["vocab_size"], max(1 << 21, 64 * (seq + 1)))
+    make_tokens(tokens_path, shape["vocab_size"], max(1 << 21, 64 * (shape["max_position_embeddings"] + 1)))
     cfg["data"] = {"path": tokens_path, "format": "uint16", "val_fraction": 0.0, "eval_interval": 0}
-    cmp_path = os.path.join(args.out_dir, "compare-config.json")
-    with open(cmp_path, "w") as f:
+    path = os.path.join(args.out_dir, name)
+    with open(path, "w") as f:
         json.dump(cfg, f, indent=1)
+    return cfg, path
+
+
+def compare_cpu(args):
+    """--device cpu: for each placement, --rounds rounds with both engines, the order alternating; medians and
+    same-round ratios (Strata's tokens/s / DeepSpeed's)."""
+    cfg, cmp_path = prepare_cpu(args, "compare-config.json")
     init_dir = os.path.abspath(os.path.join(args.out_dir, "init-weights"))
     make_init_weights(cfg, init_dir, int(cfg.get("run", {}).get("seed", 1234)))
     build = read_json(os.path.join(DS_CPU, "build.json"))
@@ -929,16 +936,7 @@ def write_report(args, report):
 def search_largest_cpu(args):
     """--search-largest: each engine's largest layer count (of the config's model) that trains --steps steps
     with ZeRO-Infinity's placement (1), by doubling then bisecting, one fresh process per attempt."""
-    args.ds_python = check_cpu_setup(args)
-    os.makedirs(args.out_dir, exist_ok=True)
-    cfg = read_json(args.strata_config)
-    seq = ds_translate.hf_llama_config(cfg)["max_position_embeddings"]
-    tokens_path = os.path.abspath(os.path.join(args.out_dir, "tokens.u16"))
-    make_tokens(tokens_path, ds_translate.hf_llama_config(cfg)["vocab_size"], max(1 << 21, 64 * (seq + 1)))
-    cfg["data"] = {"path": tokens_path, "format": "uint16", "val_fraction": 0.0, "eval_interval": 0}
-    cmp_path = os.path.join(args.out_dir, "search-config.json")
-    with open(cmp_path, "w") as f:
-        json.dump(cfg, f, indent=1)
+    cfg, cmp_path = prepare_cpu(args, "search-config.json")
     report = {"device": "cpu", "search": True, "config": args.strata_config, "tuning": args.tuning, "engines": {}}
     for eng in args.engines.split(","):
         tried = {}
