@@ -342,17 +342,30 @@ TEST_F(CheckpointCliTest, RandomKillsDuringSavesNeverLoseTheLatestCheckpoint) {
     std::vector<std::string> args = {kStrata, "train", cfg, "--metrics", m};
     if (resume) args.push_back("--resume");
     const pid_t pid = spawn(args, dir_.file("log" + std::to_string(i)));
-    // Once it trains (a metrics line), kill it somewhere in the next steps' saves.
+    // Kill it somewhere in a step and its save, at any machine's speed: wait for
+    // two saves this run commits (latest changes twice) and draw the kill from
+    // the time between them. (A fixed window after the first metrics line
+    // missed every save in a slower build: nothing was ever resumed.)
     const auto t0 = std::chrono::steady_clock::now();
+    std::string seen = read_bytes(ck + "/latest");
+    std::vector<std::chrono::steady_clock::time_point> commits;
     int st = 0;
     bool exited = false;
-    while (read_bytes(m).find('\n') == std::string::npos && !exited) {
+    while (commits.size() < 2 && !exited) {
       exited = waitpid(pid, &st, WNOHANG) == pid;
-      ASSERT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 60.0);
-      std::this_thread::sleep_for(std::chrono::milliseconds(5));
+      ASSERT_LT(std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count(), 120.0)
+          << read_bytes(dir_.file("log" + std::to_string(i)));
+      const std::string now = read_bytes(ck + "/latest");
+      if (!now.empty() && now != seen) {
+        seen = now;
+        commits.push_back(std::chrono::steady_clock::now());
+      }
+      std::this_thread::sleep_for(std::chrono::milliseconds(1));
     }
     if (!exited) {
-      std::this_thread::sleep_for(std::chrono::microseconds(std::uniform_int_distribution<int>(0, 150000)(rng)));
+      const double period = std::chrono::duration<double>(commits[1] - commits[0]).count();
+      std::this_thread::sleep_for(
+          std::chrono::duration<double>(std::uniform_real_distribution<double>(0.0, period)(rng)));
       kill(pid, SIGKILL);
       waitpid(pid, &st, 0);
       ++kills;

@@ -1,8 +1,6 @@
 # cpu_adam: the kernels against a double reference (no LibTorch), and against
 # torch::optim::AdamW in a separate target, so that only it pays for LibTorch.
 strata_test(cpu_adam_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/cpu_adam_test.cc LIBS strata_cpu_adam)
-strata_test(cpu_adam_torch_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/cpu_adam_torch_test.cc
-            LIBS strata_cpu_adam ${TORCH_LIBRARIES})
 
 # The AVX-512 kernel code on any CPU, over scalar stand-ins for its intrinsics
 # (CI machines have no AVX-512).
@@ -14,6 +12,12 @@ target_include_directories(cpu_adam_avx512_emulated_test PRIVATE ${CMAKE_CURRENT
 # -Wno-psabi: the stand-ins pass 64-byte vectors without AVX-512 enabled, all
 # inside this one file, so the ABI note does not apply.
 target_compile_options(cpu_adam_avx512_emulated_test PRIVATE -ffp-contract=off -Wno-psabi)
+
+if(STRATA_LEAF_ONLY)
+  return()
+endif()
+strata_test(cpu_adam_torch_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/cpu_adam_torch_test.cc
+            LIBS strata_cpu_adam ${TORCH_LIBRARIES})
 
 # Not a test: LibTorch's CPU AdamW against CpuAdam (the LibTorch half of
 # `strata bench-adam`); lives here because cpu_adam itself must not see LibTorch.

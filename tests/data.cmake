@@ -1,4 +1,6 @@
 strata_test(data_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/data_test.cc LIBS strata_data)
 # Runs tools/tokenize.py (and build/strata for the sidecar check).
-strata_test(tokenize_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/tokenize_test.cc LIBS strata_config)
-add_dependencies(tokenize_test strata)
+if(NOT STRATA_LEAF_ONLY)
+  strata_test(tokenize_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/tokenize_test.cc LIBS strata_config)
+  add_dependencies(tokenize_test strata)
+endif()

@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # GpuProofDryRun: `tools/gpu_host_check.sh gpu-proof-2` end to end on this machine's CPU with tiny configs
 # (DRY_RUN=1), so that a broken proof script is found here and not in a GPU host's short device time; then
-# checks what each part reported. Usage: tests/gpu_proof_dry_run.sh BUILD_DIR
+# checks what each part reported. Usage: tests/gpu_proof_dry_run.sh BUILD_DIR [WITH_CUDA: ON (default) or OFF]
 set -euo pipefail
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
 BUILD="$(cd "$1" && pwd)"
@@ -11,9 +11,10 @@ trap 'rm -rf "$OUT" "$WORK"' EXIT
 PY="$ROOT/.venv/bin/python"
 rc=0
 DRY_RUN=1 BIN="$BUILD" PYTHON="$PY" OUT="$OUT" TMPDIR="$WORK" bash "$ROOT/tools/gpu_host_check.sh" gpu-proof-2 || rc=$?
-"$PY" - "$OUT" "$rc" <<'PY'
+"$PY" - "$OUT" "$rc" "${2:-ON}" <<'PY'
 import json, os, sys
 out, rc = sys.argv[1], int(sys.argv[2])
+with_cuda = sys.argv[3].upper() in ("ON", "TRUE", "1", "YES")
 r = json.load(open(os.path.join(out, "gpu-proof-2.json")))
 p = r["parts"]
 bad = []
@@ -22,10 +23,14 @@ def check(ok, what):
         bad.append(what)
 check(r["dry_run"], "the report does not say it was a dry run")
 check(sorted(p) == sorted(["suite", "b", "det", "c", "d", "e", "ranks"]), f"parts reported: {sorted(p)}")
-# On a machine without a GPU the suite's GPU cases run and skip; none may fail.
+# On a machine without a GPU the suite's GPU cases run and skip; none may fail. A build without the CUDA path
+# has no kernels_test: the dry run must say it skipped it, and only there.
 st = p.get("suite", {}).get("tests", {})
 check(set(st) == {"step_test", "kernels_test"}, f"suite: binaries {sorted(st)}")
-check(all(c["failed"] == 0 and c["ok"] + c["skipped"] > 0 for c in st.values()), f"suite: {st}")
+ran = {n: c for n, c in st.items() if not c.get("missing")}
+want_ran = {"step_test", "kernels_test"} if with_cuda else {"step_test"}
+check(set(ran) == want_ran, f"suite: binaries run {sorted(ran)}, wanted {sorted(want_ran)} (CUDA path: {with_cuda})")
+check(all(c["failed"] == 0 and c["ok"] + c["skipped"] > 0 for c in ran.values()), f"suite: {st}")
 for name, part in p.items():
     check(part.get("status") == "ok", f"part {name}: {part.get('status')}: {part.get('line')}")
     check(any(l.startswith(f"part {name}: ") for l in r["log"]), f"part {name}: no line printed")
