@@ -1,5 +1,5 @@
 // The NCCL seam on the test device (Note [Device collectives] in
-// engine/device_collectives.h): each collective queued on the deferred
+// comm/device_collectives.h): each collective queued on the deferred
 // device's comm stream and run, over a Gloo group on the device's memory in
 // place, only when that stream is waited for or synchronized — as NCCL's
 // kernels run when the GPU gets there. A reader that forgets to order itself
@@ -7,7 +7,7 @@
 #pragma once
 
 #include "deferred_device.h"
-#include "engine/device_collectives.h"
+#include "comm/device_collectives.h"
 
 namespace strata::testing {
 

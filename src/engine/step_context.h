@@ -11,7 +11,7 @@
 
 #include "comm/communicator.h"
 #include "config/config.h"
-#include "engine/device_collectives.h"
+#include "comm/device_collectives.h"
 #include "memory/device.h"
 #include "memory/layout.h"
 #include "memory/tiered_state.h"

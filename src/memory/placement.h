@@ -158,7 +158,7 @@ struct StagingNeeds {
 inline constexpr int64_t kSaveBounceBytes = int64_t(8) << 20;
 
 // Bytes per rank of one piece of a staged collective (Note [Device
-// collectives] in engine/device_collectives.h).
+// collectives] in comm/device_collectives.h).
 inline constexpr int64_t kStagedPieceBytes = int64_t(4) << 20;
 
 // Shards per block: the world size, except at ZeRO stage 0 where every rank
@@ -211,7 +211,7 @@ struct PlacementPlan {
   bool device_addressable = true;
   // Several ranks on a device host code may not touch with the Gloo data
   // group: collectives staged through host buffers (StagingNeeds::comm_host;
-  // Note [Device collectives] in engine/device_collectives.h).
+  // Note [Device collectives] in comm/device_collectives.h).
   bool comm_staged = false;
   // Bytes per element of the gradient reductions between ranks
   // (communication_data_type: 4 for fp32, 2 for bf16/fp16).

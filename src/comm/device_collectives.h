@@ -13,7 +13,7 @@
 
 #include "comm/communicator.h"
 #include "memory/device.h"
-#include "memory/placement.h"
+#include "memory/placement.h"  // kStagedPieceBytes: the plan sizes the staging buffers from it
 
 namespace strata {
 

@@ -1,6 +1,6 @@
 // Collectives on device memory (Note [Device collectives] in
 // device_collectives.h).
-#include "engine/device_collectives.h"
+#include "comm/device_collectives.h"
 
 #include <algorithm>
 #include <chrono>
