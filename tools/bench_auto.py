@@ -26,10 +26,8 @@ import statistics
 import subprocess
 import sys
 
+from benchlib import LICENSES, read_metrics
 from plan_rates import run_rates
-
-LICENSES = ["/usr/share/common-licenses/" + n for n in
-            ("GPL-3", "GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "GFDL-1.3", "Artistic")]
 
 
 def make_config(args, swap):
@@ -107,7 +105,7 @@ def main():
                 metrics = os.path.join(args.dir, f"metrics-{name.replace(' ', '-')}.jsonl")
                 run([args.strata, "train", cfg_path, "--metrics", metrics, *sets,
                      f"--set=placement.by_bound={str(by_bound).lower()}"])
-                steps = [json.loads(l) for l in open(metrics) if l.strip()][2:]
+                steps = read_metrics(metrics)[2:]
                 r = rd["runs"][name]
                 r["step_s"] = statistics.median(s["step_s"] for s in steps)
                 r["bound_s"] = statistics.median(s["bound_s"] for s in steps)

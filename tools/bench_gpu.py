@@ -34,31 +34,19 @@ Usage (on the GPU host, from the repository root):
 import argparse
 import json
 import os
-import random
 import statistics
 import subprocess
 import sys
 import time
 
-NOMINAL_TFLOPS = 989.0  # H100 SXM, dense bf16
+from benchlib import NOMINAL_TFLOPS, PartStop, capacity_bound, ensure_tokens, largest_true, read_metrics
+
 DEADLINE = None          # time.time() by which everything must have ended (--deadline)
 RESULT = {}              # what is known so far: written to --json even when a step fails or times out
 
 
 class Stop(Exception):
     """A step failed or ran out of time: report what is known and stop."""
-
-
-def ensure_tokens(path, count=8_000_000, vocab=32000):
-    if os.path.exists(path) and os.path.getsize(path) >= 2 * count:
-        return
-    os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
-    rng = random.Random(0)
-    import array
-    a = array.array("H", (rng.randrange(vocab) for _ in range(count)))
-    with open(path + ".tmp", "wb") as f:
-        a.tofile(f)
-    os.replace(path + ".tmp", path)
 
 
 def run(cmd, log, timeout):
@@ -85,7 +73,7 @@ def strata_tokens_per_s(args, config, tag):
     run([args.strata, "train", config, "--steps", str(args.steps), "--metrics", metrics,
          "--set", "run.log_level=\"warn\"", "--set", "data.eval_interval=0"],
         os.path.join(args.dir, f"{tag}.log"), args.timeout)
-    lines = [json.loads(l) for l in open(metrics) if l.strip()]
+    lines = read_metrics(metrics)
     steps = [l for l in lines if "tokens_per_s" in l][args.warmup:]
     if not steps:
         raise Stop(f"{metrics}: no steps after the warm-up")
@@ -163,7 +151,7 @@ def bench_b(args):
           flush=True)
     metrics = os.path.join(args.dir, "strata-b.jsonl")
     tps, last = strata_tokens_per_s(args, args.config, "strata-b")
-    steps = [json.loads(l) for l in open(metrics) if l.strip()]
+    steps = read_metrics(metrics)
     steps = [l for l in steps if "tokens_per_s" in l][args.warmup:]
     nvme = statistics.median(l["nvme_read_bytes"] + l["nvme_write_bytes"] for l in steps)
     fpt = ref["flops_per_token"]
@@ -196,17 +184,6 @@ def plan_of(args, cfg_path, bound=True):
     return json.loads(p.stdout)
 
 
-def capacity_bound(plan):
-    """The most parameters a machine could hold by `strata plan --json`'s figures: (HBM + RAM + free disk
-    - the plan's non-state bytes) / its state bytes per parameter. Returns (that, bytes per parameter,
-    non-state bytes); a capacity not measured (-1: the CPU device's own tier) counts 0."""
-    cap = plan["capacity_bytes"]
-    state = sum(plan["state_total_bytes"].values())
-    non_state = sum(plan["total_bytes"].values()) - state
-    per_param = state / plan["parameters"]
-    return (max(cap["device"], 0) + cap["host"] + cap["nvme"] - non_state) / per_param, per_param, non_state
-
-
 def bench_c(args):
     os.makedirs(args.dir, exist_ok=True)
     ensure_tokens("out/gpu-tokens.bin")
@@ -221,7 +198,7 @@ def bench_c(args):
             json.dump(cfg, f, indent=1)
         return plan_of(args, path, bound)
 
-    from gpu_proof import PartStop, largest_true  # gpu-proof-2's part c searches the same way
+    # gpu-proof-2's part c searches the same way (benchlib.largest_true).
     try:
         lo = largest_true(lambda n: config(n)["fits"], 8)
     except PartStop as e:

@@ -41,10 +41,8 @@ import subprocess
 import sys
 import tempfile
 
+from benchlib import LICENSES, read_metrics
 from plan_rates import run_rates
-
-LICENSES = ["/usr/share/common-licenses/" + n for n in
-            ("GPL-3", "GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "GFDL-1.3", "Artistic")]
 
 
 def parse_size(text):
@@ -135,7 +133,7 @@ def train(args, share, work, overlap=None, checksums=True, io=None, tag="", spec
         os.makedirs(args.trace, exist_ok=True)
         cmd += ["--trace", os.path.join(args.trace, f"trace-{share}{tag}.json")]
     run(cmd)
-    steps = [json.loads(l) for l in open(metrics) if l.strip()]
+    steps = read_metrics(metrics)
     timed = steps[args.warmup:]
     shutil.rmtree(swap, ignore_errors=True)
     med = lambda k: statistics.median(s[k] for s in timed)

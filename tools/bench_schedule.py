@@ -28,8 +28,7 @@ import statistics
 import subprocess
 import sys
 
-LICENSES = ["/usr/share/common-licenses/" + n for n in
-            ("GPL-3", "GPL-2", "LGPL-2.1", "Apache-2.0", "MPL-2.0", "GFDL-1.3", "Artistic")]
+from benchlib import LICENSES
 
 
 def layer_numel(dim):

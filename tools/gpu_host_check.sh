@@ -197,7 +197,7 @@ if [ "$WHAT" = gpu-b-trace ]; then
   timeout 120 "$BIN/kernels_test" 2>&1 | grep -E '^\[  (PASSED|FAILED|SKIPPED) |Failure|Which is' | tee "$DEST/kernels.txt"
   work="${TMPDIR:-/tmp}/gpu-b-trace"
   rm -rf "$work" && mkdir -p "$work" out/swap
-  python3 -c "import sys; sys.path.insert(0, 'tools'); import bench_gpu; bench_gpu.ensure_tokens('out/gpu-tokens.bin')"
+  python3 -c "import sys; sys.path.insert(0, 'tools'); import benchlib; benchlib.ensure_tokens('out/gpu-tokens.bin')"
   echo "== strata plan configs/gpu-b-llama8b.json"
   timeout 120 "$BIN/strata" plan configs/gpu-b-llama8b.json --probe-seconds 1 2>&1 | tee "$DEST/plan-b.txt" | tail -14
   echo "== (b), ${B_STEPS:-3} steps with the trace"

@@ -61,7 +61,6 @@ import sys
 import tarfile
 import time
 
-NOMINAL_TFLOPS = 989.0  # H100 SXM, dense bf16 (BENCHMARKS.md, "GPU")
 # 540 s: a 600 s device call. (b) starts in tens of seconds (84 GB of pinned optimizer state), so b and
 # det are its longest; what a budget cuts is reported, and a second call runs the rest (--parts).
 # DeepSpeed's part comes last: it takes what the others leave (its attempts start slowly and may not finish).
@@ -72,7 +71,8 @@ BUDGETS = {"suite": 25, "b": 140, "det": 85, "e": 100, "ranks": 20, "c": 90, "d"
 GRACE_S = 10  # a command past its time gets SIGTERM, then SIGKILL this much later
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
-import bench_gpu  # noqa: E402  (its token file, its capacity bound)
+from benchlib import (NOMINAL_TFLOPS, PartStop, capacity_bound, ensure_tokens,  # noqa: E402
+                      largest_true, read_metrics)
 from plan_rates import run_rates  # noqa: E402
 
 LOG = []
@@ -81,10 +81,6 @@ LOG = []
 def say(msg):
     print(msg, flush=True)
     LOG.append(msg)
-
-
-class PartStop(Exception):
-    """A command failed or the part's time ran out."""
 
 
 class Proof:
@@ -151,7 +147,7 @@ class Proof:
         extra = ["--trace", os.path.join(self.work, f"trace-{tag}.json")] if trace else []
         self.strata("train", cfg, "--steps", str(steps), "--set", "data.eval_interval=0", *sets, "--metrics", m,
                     *extra, tag=tag)
-        lines = [json.loads(l) for l in open(m) if l.strip()]
+        lines = read_metrics(m)
         steps = [l for l in lines if "step_s" in l]
         self.startup(tag, steps)
         return steps
@@ -223,7 +219,7 @@ def bits(x):
 def b_config(p):
     """(b)'s config; in a dry run a tiny CPU model with the optimizer half in RAM, half on NVMe."""
     if not p.args.dry_run:
-        bench_gpu.ensure_tokens(os.path.join(ROOT, "out/gpu-tokens.bin"))
+        ensure_tokens(os.path.join(ROOT, "out/gpu-tokens.bin"))
         cfg = json.load(open(os.path.join(ROOT, "configs/gpu-b-llama8b.json")))
         cfg["data"]["path"] = os.path.join(ROOT, cfg["data"]["path"])
         cfg["placement"]["nvme_path"] = os.path.join(p.work, "swap")
@@ -264,6 +260,11 @@ def part_suite(p, res):
     counts = {}
     for name, pattern in SUITE:
         binary = p.args.find(name)
+        if binary is None and p.args.dry_run:
+            # A build without the CUDA path has no kernels_test: a dry run says what it skips.
+            counts[name] = {"ok": 0, "skipped": 0, "failed": 0, "failed_names": [], "missing": True}
+            say(f"  {name} {pattern}: skipped, not in {p.args.bin} (a build without the CUDA path has none)")
+            continue
         if binary is None:
             raise PartStop(f"no {name} in {p.args.bin} (tools/gpu_prepare.sh copies it)")
         out = p.run([binary, f"--gtest_filter={pattern}"], tag=f"suite-{name}", env=env, capture=True, ok=(0, 1))
@@ -277,7 +278,8 @@ def part_suite(p, res):
     res["tests"] = counts
     ran = sum(c["ok"] + c["failed"] for c in counts.values())
     res["target_met"] = ran > 0 and all(c["failed"] == 0 and c["skipped"] == 0 for c in counts.values())
-    return ("; ".join(f"{n}: {c['ok']} passed, {c['failed']} failed, {c['skipped']} skipped" for n, c in counts.items())
+    return ("; ".join(f"{n}: not in this build" if c.get("missing") else
+                      f"{n}: {c['ok']} passed, {c['failed']} failed, {c['skipped']} skipped" for n, c in counts.items())
             + f" (target: every GPU case passes, none skipped: {'met' if res['target_met'] else 'NOT MET'})")
 
 
@@ -362,32 +364,6 @@ def part_det(p, res):
             f"tokens/s on / off = {res['cost'] or float('nan'):.3f} (off: {off_src})")
 
 
-def largest_true(ok, guess, limit=4096):
-    """The largest n >= 1 with ok(n), for ok true up to some n and false past it (0 when ok(1) is false):
-    from the guess, steps of 1, 2, 4, ... outward to a bracket, then bisection; ok is asked O(log error)."""
-    g = min(max(1, guess), limit)
-    if ok(g):
-        lo, step = g, 1
-        while lo + step <= limit and ok(lo + step):
-            lo, step = lo + step, step * 2
-        hi = lo + step
-        if hi > limit:
-            raise PartStop(f"past {limit}: is the capacity measured?")
-    else:
-        hi, step = g, 1
-        while hi - step >= 1 and not ok(hi - step):
-            hi, step = hi - step, step * 2
-        lo = hi - step
-        if lo < 1:
-            if hi == 1 or not ok(1):
-                return 0
-            lo = 1
-    while hi - lo > 1:  # ok(lo), not ok(hi)
-        mid = (lo + hi) // 2
-        lo, hi = (mid, hi) if ok(mid) else (lo, mid)
-    return lo
-
-
 def clear_leftovers(p):
     """Swap files of a run killed past its budget (strata removes its own only when it exits) and part e's
     checkpoints: disk the next parts measure as free."""
@@ -443,7 +419,7 @@ def part_c(p, res):
     pick = min(largest, largest_true(lambda n: n <= largest and nvme(n) < want, guess_pick - 1) + 1)
     res["plans"] = len(tried)
     top = tried[largest]
-    bound_params = bench_gpu.capacity_bound(top)[0]
+    bound_params = capacity_bound(top)[0]
     plan_for(pick)  # c.json: the picked model
     plan = tried[pick]
     cfg = json.load(open(path))
@@ -594,7 +570,7 @@ def part_ranks(p, res):
         pat = os.path.join(p.work, f"ranks{n}.m{{rank}}.jsonl")
         p.strata("launch", "--nproc", str(n), "--", p.args.strata, "train", cfg, *flags, "--metrics", pat,
                  tag=f"ranks-{n}", limit=90)
-        runs[n] = [[json.loads(l) for l in open(pat.replace("{rank}", str(r))) if l.strip()] for r in range(n)]
+        runs[n] = [read_metrics(pat.replace("{rank}", str(r))) for r in range(n)]
     one, two = runs[1][0], runs[2]
     diffs = [abs(a["loss"] - b["loss"]) / abs(a["loss"]) for a, b in zip(one, two[0])]
     per_rank = lambda st, k: statistics.median(x[k] for x in st)
