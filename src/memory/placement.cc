@@ -269,7 +269,7 @@ MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::strin
   }
   if (!m.device_is_host) {
     // Each local rank has a GPU of its own: no division; more local ranks
-    // than GPUs (Gloo shares them round-robin, cli/train.cc: local rank r
+    // than GPUs (Gloo shares them round-robin, cli/train/session.cc: local rank r
     // takes GPU r mod gpus) divide a GPU's free memory among the ranks on it.
     DeviceMemoryInfo info;
     std::string name = device;

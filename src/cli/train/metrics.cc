@@ -1,0 +1,75 @@
+#include "cli/train/metrics.h"
+
+#include <cerrno>
+#include <cstring>
+
+#include "util/errors.h"
+#include "util/fs.h"
+
+namespace strata {
+
+MetricsWriter::MetricsWriter(const std::string& path, bool append) : path_(path) {
+  if (path.empty()) return;
+  make_dirs(parent_dir(path));
+  out_.open(path, std::ios::out | (append ? std::ios::app : std::ios::trunc));
+  if (!out_) throw InputError(path, std::string("cannot open metrics file for writing: ") + std::strerror(errno));
+}
+
+void MetricsWriter::write(const nlohmann::json& j) {
+  if (!out_.is_open()) return;
+  out_ << j.dump() << '\n';
+  out_.flush();
+  if (!out_) throw IoError(path_, errno, "cannot write metrics");
+}
+
+nlohmann::json step_line(const StepResult& r, const StepTiming& t) {
+  const double tokens_per_s = double(r.tokens) / t.step_s;
+  nlohmann::json line = {
+      {"step", t.step},
+      {"loss", r.loss},
+      {"lr", r.lr},
+      {"grad_norm", r.grad_norm},
+      {"tokens", r.tokens},
+      {"tokens_per_s", tokens_per_s},
+      {"flops_per_s", tokens_per_s * t.flops_per_token},
+      {"step_s", t.step_s},
+      {"bound_s", t.bound_s},
+      {"elapsed_s", t.elapsed_s},
+      {"h2d_bytes", r.links.h2d},
+      {"d2h_bytes", r.links.d2h},
+      {"nvme_read_bytes", r.links.nvme_read},
+      {"nvme_write_bytes", r.links.nvme_write},
+      {"wait_s", r.wait_s},
+      {"optimizer_s", r.optimizer_s},
+      {"optimizer_wait_s", r.optimizer_wait_s},
+      {"checkpoint_wait_s", r.checkpoint_wait_s},
+      {"peak_device_bytes", t.peak[0]},
+      {"peak_host_bytes", t.peak[1]},
+      {"peak_nvme_bytes", t.peak[2]},
+      {"world_size", t.world_size},
+      {"net_bytes", r.net_bytes},
+      {"intra_node_bytes", r.intra_node_bytes},
+      {"comm_wait_s", r.comm_wait_s},
+  };
+  if (!r.speculation.empty()) {
+    // Note [Speculative optimizer] in engine/optimizer_pass.h.
+    line["speculation"] = r.speculation;
+    line["optimizer_hidden_s"] = r.optimizer_hidden_s;
+    line["redone_elements"] = r.redone_elements;
+  }
+  if (t.loss_scaled) {
+    line["loss_scale"] = r.loss_scale;
+    line["skipped"] = r.skipped;
+  }
+  return line;
+}
+
+std::map<std::string, double> numeric_fields(const nlohmann::json& line) {
+  std::map<std::string, double> figures;
+  for (const auto& [k, v] : line.items()) {
+    if (v.is_number()) figures[k] = v.get<double>();
+  }
+  return figures;
+}
+
+}  // namespace strata
