@@ -122,7 +122,7 @@ int run_train(const TrainOptions& opt) {
     timing.bound_s = step_bound(done, s.bound.rates, s.bound.cpu_compute).seconds;
     timing.elapsed_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - start).count();
     nlohmann::json line = step_line(r, timing);
-    if (r.skipped) {
+    if (timing.loss_scaled && r.skipped) {
       log::warn("step %lld: fp16 gradients overflowed at loss scale %g: step skipped, scale now %g", (long long)step,
                 r.loss_scale, trainer.loss_scaler()->scale());
     }

@@ -1,6 +1,7 @@
 #include "cli/train/metrics.h"
 
 #include <cerrno>
+#include <cmath>
 #include <cstring>
 
 #include "util/errors.h"
@@ -67,7 +68,8 @@ nlohmann::json step_line(const StepResult& r, const StepTiming& t) {
 std::map<std::string, double> numeric_fields(const nlohmann::json& line) {
   std::map<std::string, double> figures;
   for (const auto& [k, v] : line.items()) {
-    if (v.is_number()) figures[k] = v.get<double>();
+    // A NaN or infinity (a skipped fp16 step's grad_norm) is null in the line: no point (docs/monitors.md).
+    if (v.is_number() && std::isfinite(v.get<double>())) figures[k] = v.get<double>();
   }
   return figures;
 }

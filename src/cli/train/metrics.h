@@ -45,7 +45,8 @@ struct StepTiming {
 // (eval_loss, checkpoint_*).
 nlohmann::json step_line(const StepResult& r, const StepTiming& t);
 
-// The numeric fields of a line, for the monitors.
+// The numeric fields of a line, for the monitors; those the line writes as
+// null (NaN, infinities) are left out.
 std::map<std::string, double> numeric_fields(const nlohmann::json& line);
 
 }  // namespace strata

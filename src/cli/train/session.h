@@ -55,7 +55,8 @@ struct TracerUninstall {
 
 // One training run's objects. The members are made in this order and
 // destroyed in the reverse one: the trainer goes before what it refers to.
-// Lives on the heap (open_session): the trainer keeps references into it.
+// Lives on the heap (open_session) and is never moved: the trainer and the
+// loop hold references to its members.
 struct TrainSession {
   RankInfo who;
   Config cfg;
