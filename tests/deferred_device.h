@@ -30,16 +30,16 @@ class DeferredDevice final : public Device {
   bool host_addressable() const override { return false; }
   DeviceMemoryInfo memory_info() const override { return {int64_t(1) << 34, int64_t(1) << 33}; }
   void copy_to_device(DevicePtr dst, const void* src, int64_t bytes, Stream s) override {
-    queue(s, [=] { std::memcpy(dst.raw(), src, size_t(bytes)); });
+    queue(s, [=] { if (bytes > 0) std::memcpy(dst.raw(), src, size_t(bytes)); });
   }
   void copy_to_host(void* dst, DevicePtr src, int64_t bytes, Stream s) override {
-    queue(s, [=] { std::memcpy(dst, src.raw(), size_t(bytes)); });
+    queue(s, [=] { if (bytes > 0) std::memcpy(dst, src.raw(), size_t(bytes)); });
   }
   void copy_on_device(DevicePtr dst, DevicePtr src, int64_t bytes, Stream s) override {
-    queue(s, [=] { std::memmove(dst.raw(), src.raw(), size_t(bytes)); });
+    queue(s, [=] { if (bytes > 0) std::memmove(dst.raw(), src.raw(), size_t(bytes)); });
   }
   void fill_on_device(DevicePtr dst, uint8_t value, int64_t bytes, Stream s) override {
-    queue(s, [=] { std::memset(dst.raw(), value, size_t(bytes)); });
+    queue(s, [=] { if (bytes > 0) std::memset(dst.raw(), value, size_t(bytes)); });
   }
   Completion record(Stream s) override {
     std::lock_guard<std::mutex> lock(mu_);
