@@ -5,7 +5,7 @@
 #                                               config, data, memory) and their suites, in build-asan-leaf: what
 #                                               every CI run does after the main suite (tools/test.sh), minutes
 #   tools/test_sanitize.sh --full [CTEST ARGS]  the whole project in build-asan (CUDA path off): about 20 minutes
-#                                               to build and 25 to test on 2 cores
+#                                               to build and 15 to test on 2 cores
 # A UBSan finding ends its process (-fno-sanitize-recover), so it fails its test. Leak checks run in the leaf
 # build; the full build turns them off (LibTorch's own start-up allocations are reported as leaks).
 set -euo pipefail
