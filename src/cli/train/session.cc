@@ -394,8 +394,12 @@ std::unique_ptr<TrainSession> open_session(const TrainOptions& opt) {
       check_checkpoint_dir(cfg.run.checkpoint.dir, bytes, cfg.run.checkpoint.keep, saves, swap);
     });
   }
-  s.data = std::make_unique<TokenDataset>(cfg.data.paths, parse_token_format(cfg.data.format), cfg.model.vocab_size,
-                                          cfg.model.seq_len, cfg.data.val_fraction);
+  // Every rank reads the data files: one that cannot (a file missing on its node) stops them all here, not
+  // in the next collective.
+  on_every_rank(comm, "to read data.path", [&] {
+    s.data = std::make_unique<TokenDataset>(cfg.data.paths, parse_token_format(cfg.data.format),
+                                            cfg.model.vocab_size, cfg.model.seq_len, cfg.data.val_fraction);
+  });
   s.model = std::make_unique<Model>(cfg.model);
   // Events of about 400 steps of a small model; later ones are dropped (and
   // said so). Made before the trainer, whose optimizer thread records into it
