@@ -6,7 +6,10 @@
 #include <unistd.h>
 
 #include <filesystem>
+#include <algorithm>
 #include <fstream>
+#include <set>
+#include <sstream>
 #include <string>
 
 #include "util/errors.h"
@@ -899,6 +902,140 @@ TEST_F(ConfigFile, ValidationErrorsNameTheKey) {
     FAIL() << "expected ConfigError";
   } catch (const ConfigError& e) {
     EXPECT_EQ(e.key(), "optimzer");
+  }
+}
+
+
+// ---- docs/config.md against the parser's key tables ----------------------------
+
+// What docs/config.md says about keys: the keys its tables' first cells name
+// (resolved against the section heading above them), each table row's text
+// with the keys and section it belongs to, the headings' paths, and the keys
+// of its "accepted with a warning" table.
+struct ConfigDocs {
+  struct Row {
+    std::string section;              // the heading's path ("" for none)
+    std::vector<std::string> names;   // full keys its first cell names
+    std::string text;
+  };
+  std::vector<Row> rows;
+  std::set<std::string> named, headings, ignored;
+};
+
+std::vector<std::string> backticked(const std::string& s) {
+  std::vector<std::string> out;
+  for (size_t i = s.find('`'); i != std::string::npos; i = s.find('`', i + 1)) {
+    const size_t j = s.find('`', i + 1);
+    if (j == std::string::npos) break;
+    out.push_back(s.substr(i + 1, j - i - 1));
+    i = j;
+  }
+  return out;
+}
+
+bool plain_name(const std::string& s) {
+  return !s.empty() && s.find_first_not_of("abcdefghijklmnopqrstuvwxyz0123456789_.") == std::string::npos;
+}
+
+ConfigDocs read_config_docs(const std::set<std::string>& sections, const std::set<std::string>& top_level) {
+  std::ifstream in(std::string(STRATA_SOURCE_DIR) + "/docs/config.md");
+  EXPECT_TRUE(in.good()) << "docs/config.md";
+  ConfigDocs docs;
+  std::string line, section;
+  bool ignored_table = false;
+  while (std::getline(in, line)) {
+    if (line.rfind("#", 0) == 0) {
+      std::istringstream words(line.substr(line.find_first_not_of("# ")));
+      std::string first;
+      words >> first;
+      while (!first.empty() && (first.back() == ',' || first.back() == ':')) first.pop_back();
+      section = sections.count(first) ? first : "";
+      if (!section.empty()) docs.headings.insert(section);
+      ignored_table = line.find("accepted with a warning") != std::string::npos;
+      continue;
+    }
+    if (line.rfind("|", 0) != 0) continue;
+    const size_t end = line.find('|', 1);
+    const std::string first = line.substr(1, end == std::string::npos ? std::string::npos : end - 1);
+    if (ignored_table) {  // | where | keys |
+      const std::vector<std::string> where = backticked(first);
+      if (first.find("top level") == std::string::npos && where.size() != 1) continue;
+      const std::string prefix = where.empty() ? "" : where[0];
+      for (const std::string& k : backticked(line.substr(end + 1))) {
+        if (plain_name(k)) docs.ignored.insert(prefix.empty() ? k : prefix + "." + k);
+      }
+      continue;
+    }
+    ConfigDocs::Row row{section, {}, line};
+    std::string previous;
+    for (const std::string& n : backticked(first)) {
+      std::string full;
+      if (!n.empty() && n[0] == '.' && plain_name(n.substr(1)) && !previous.empty()) {
+        full = previous.substr(0, previous.rfind('.')) + n;  // `csv_monitor.enabled`, `.output_path`
+      } else if (plain_name(n)) {
+        const std::string head = n.substr(0, n.find('.'));
+        full = section.empty() || top_level.count(head) ? n : section + "." + n;
+      } else {
+        continue;
+      }
+      row.names.push_back(full);
+      docs.named.insert(full);
+      previous = full;
+    }
+    docs.rows.push_back(row);
+  }
+  return docs;
+}
+
+// A key is documented when a table row names it or a key inside it, a heading is it, or a row
+// of one of its enclosing keys (or under its enclosing section's heading)
+// names its last part in backticks or quotes (run.rates' rates, a
+// placement category's tiers).
+bool documented(const ConfigDocs& docs, const std::string& key) {
+  if (docs.named.count(key) || docs.headings.count(key)) return true;
+  for (const std::string& n : docs.named) {
+    if (n.rfind(key + ".", 0) == 0) return true;  // a section whose keys are documented
+  }
+  const std::string leaf = key.substr(key.rfind('.') + 1);
+  for (size_t dot = key.rfind('.'); dot != std::string::npos && dot > 0; dot = key.rfind('.', dot - 1)) {
+    const std::string outer = key.substr(0, dot);
+    for (const ConfigDocs::Row& row : docs.rows) {
+      const bool of_outer = row.section == outer ||
+                            std::find(row.names.begin(), row.names.end(), outer) != row.names.end();
+      if (of_outer && (row.text.find("`" + leaf + "`") != std::string::npos ||
+                       row.text.find("\"" + leaf + "\"") != std::string::npos)) {
+        return true;
+      }
+    }
+    if (dot == 0) break;
+  }
+  return false;
+}
+
+TEST(ConfigTest, DocsListEveryKeyTheParserReads) {
+  std::set<std::string> read, ignored, sections, top_level;
+  for (const ConfigKey& k : config_key_table()) {
+    (k.ignored ? ignored : read).insert(k.key);
+    for (size_t dot = k.key.find('.'); dot != std::string::npos; dot = k.key.find('.', dot + 1)) {
+      sections.insert(k.key.substr(0, dot));
+    }
+    if (k.key.find('.') == std::string::npos) top_level.insert(k.key);
+  }
+  ASSERT_GT(read.size(), 100u);
+  const ConfigDocs docs = read_config_docs(sections, top_level);
+  ASSERT_GT(docs.named.size(), 100u);
+  for (const std::string& k : read) {
+    EXPECT_TRUE(documented(docs, k)) << k << " is read by the parser but not documented in docs/config.md";
+  }
+  for (const std::string& k : docs.named) {
+    EXPECT_TRUE(read.count(k) || ignored.count(k)) << k << " is documented in docs/config.md but not read";
+  }
+  for (const std::string& k : ignored) {
+    EXPECT_TRUE(docs.ignored.count(k))
+        << k << " is accepted with a warning but missing from docs/config.md's table of such keys";
+  }
+  for (const std::string& k : docs.ignored) {
+    EXPECT_TRUE(ignored.count(k) || read.count(k)) << k << " is in docs/config.md's accepted keys but not known";
   }
 }
 

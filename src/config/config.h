@@ -96,7 +96,7 @@ const char* recompute_name(Recompute r);         // "auto", "always", "never"
 const char* schedule_name(StepSchedule s);       // "auto", "micro_batch", "layer"
 inline int compute_dtype_bytes(ComputeDtype d) { return d == ComputeDtype::kFp32 ? 4 : 2; }
 
-// run.rates: the rates of the step's bound (memory/bound.h) given instead of
+// run.rates: the rates of the step's bound (plan/bound.h) given instead of
 // measured at start; 0 = measure. Units as the keys say.
 struct RateOverrides {
   double device_tflops = 0;
@@ -267,7 +267,7 @@ struct PlacementConfig {
   std::vector<std::string> nvme_path;  // swap directories; default: the offload sections' nvme_path
   double headroom = 0.1;               // fraction of each tier kept free by "auto"
   bool by_bound = true;                // auto compares its candidates by the step's bound (false: greedy fill)
-  // Set by the planner for its candidates (memory/bound.h), not config keys:
+  // Set by the planner for its candidates (plan/bound.h), not config keys:
   // the order auto fills categories in (empty: param16, grad, master,
   // exp_avg, exp_avg_sq) and, on a GPU, how many optimizer sub-groups may
   // stay on the device for its Adam (-1: as many as fit).
@@ -368,5 +368,16 @@ nlohmann::json rank_invariant_config(const Config& c);
 nlohmann::json model_invariants(const ModelConfig& m);
 nlohmann::json resume_invariants(const Config& c);
 std::string first_difference(const nlohmann::json& a, const nlohmann::json& b, const std::string& path = "");
+
+// Every key the parser knows, as a full dotted path ("zero_optimization.stage";
+// a placement category's split under each category's name): those it reads,
+// and DeepSpeed's that it accepts with a warning (`ignored`). Read from the
+// same key tables that check each section's keys (config/reader.h); a test
+// holds docs/config.md to it.
+struct ConfigKey {
+  std::string key;
+  bool ignored = false;
+};
+std::vector<ConfigKey> config_key_table();
 
 }  // namespace strata

@@ -1,0 +1,154 @@
+// model.init_from: the Hugging Face config.json next to the weights fills the
+// model keys the config leaves out and must agree with those it sets; families
+// and features Strata's model lacks are refused by the config.json field that
+// names them, never trained with wrong logits (docs/config.md, model.init_from).
+#include <fstream>
+#include <utility>
+#include <vector>
+
+#include "config/sections.h"
+#include "util/fs.h"
+
+namespace strata::config {
+namespace {
+
+// One Hugging Face config.json and where it came from, for messages.
+struct HfConfig {
+  json j;
+  std::string path;   // DIR/config.json
+  std::string where;  // "model.init_from (DIR/config.json)"
+
+  std::string str(const char* key, const std::string& dflt) const {
+    if (!j.contains(key) || j[key].is_null()) return dflt;
+    if (!j[key].is_string()) fail(where, std::string(key) + " is not a string");
+    return j[key].get<std::string>();
+  }
+  bool flag(const char* key) const { return j.contains(key) && j[key].is_boolean() && j[key].get<bool>(); }
+};
+
+// Rotary embeddings: transformers 5 writes rope_parameters (with rope_theta
+// inside), older versions rope_scaling (null for plain RoPE) and rope_theta.
+// Returns Strata's model.rope_scaling and sets `theta`.
+json rope_scaling_of(const HfConfig& hf, json& theta) {
+  const char* rope_key = "rope_scaling";
+  json rope = json::object();
+  if (hf.j.contains("rope_parameters") && hf.j["rope_parameters"].is_object()) {
+    rope_key = "rope_parameters";
+    rope = hf.j["rope_parameters"];
+  } else if (hf.j.contains("rope_scaling") && hf.j["rope_scaling"].is_object()) {
+    rope = hf.j["rope_scaling"];
+  }
+  const std::string rope_type = rope.value("rope_type", rope.value("type", std::string("default")));
+  json scaling = {{"type", "none"}};
+  auto rope_number = [&](const char* key) {
+    if (!rope.contains(key) || !rope[key].is_number()) {
+      fail(hf.where, std::string(rope_key) + "." + key + " is missing (rope_type '" + rope_type + "' needs it)");
+    }
+    return rope[key];
+  };
+  if (rope_type == "linear") {
+    scaling = {{"type", "linear"}, {"factor", rope_number("factor")}};
+  } else if (rope_type == "llama3") {
+    scaling = {{"type", "llama3"},
+               {"factor", rope_number("factor")},
+               {"low_freq_factor", rope_number("low_freq_factor")},
+               {"high_freq_factor", rope_number("high_freq_factor")},
+               {"original_max_position_embeddings", rope_number("original_max_position_embeddings")}};
+  } else if (rope_type != "default") {
+    fail(hf.where, std::string(rope_key) + ".rope_type '" + rope_type +
+                       "' is not supported (default, linear and llama3 are)");
+  }
+  for (const json* j : {static_cast<const json*>(&hf.j), static_cast<const json*>(&rope)}) {
+    if (j->contains("partial_rotary_factor") && (*j)["partial_rotary_factor"].is_number() &&
+        (*j)["partial_rotary_factor"].get<double>() != 1.0) {
+      fail(hf.where, "partial_rotary_factor " + (*j)["partial_rotary_factor"].dump() + " is not supported (1.0 is)");
+    }
+  }
+  theta = hf.j.contains("rope_theta") ? hf.j["rope_theta"] : json();
+  if (rope.contains("rope_theta")) theta = rope["rope_theta"];
+  return scaling;
+}
+
+// Biases, activation and attention windows Strata's layers lack are refused.
+// Returns Mistral's sliding window (kept, and checked against seq_len by
+// parse_model), else null.
+json refuse_unsupported(const HfConfig& hf, const std::string& type) {
+  // Qwen2's q/k/v biases are part of its family; anywhere else a bias flag
+  // would also put one on o_proj or the MLP, which Strata lacks.
+  if (type != "qwen2" && hf.flag("attention_bias")) {
+    fail(hf.where, "attention_bias true is not supported for model_type '" + type +
+                       "' (it adds an o_proj bias; only qwen2's q/k/v biases are)");
+  }
+  if (hf.flag("mlp_bias")) fail(hf.where, "mlp_bias true is not supported (Strata's MLP has no biases)");
+  if (hf.str("hidden_act", "silu") != "silu") {
+    fail(hf.where, "hidden_act '" + hf.j["hidden_act"].get<std::string>() + "' is not supported (SwiGLU uses silu)");
+  }
+  // Sliding-window attention: Mistral's window is kept; Qwen's per-layer windows are refused.
+  json window;
+  if (type == "mistral") {
+    window = hf.j.contains("sliding_window") && !hf.j["sliding_window"].is_null() ? hf.j["sliding_window"] : json(0);
+  }
+  if (hf.flag("use_sliding_window")) fail(hf.where, "use_sliding_window true is not supported (sliding-window attention)");
+  if (hf.j.contains("layer_types") && hf.j["layer_types"].is_array()) {
+    for (const json& t : hf.j["layer_types"]) {
+      if (t != "full_attention") fail(hf.where, "layer_types entry " + t.dump() + " is not supported (full_attention is)");
+    }
+  }
+  return window;
+}
+
+}  // namespace
+
+json model_with_hf_config(const json& m, const std::string& from) {
+  std::string dir = from;
+  if (!is_directory(from)) {
+    if (!path_exists(from)) fail("model.init_from", "'" + from + "' does not exist");
+    dir = from.find('/') == std::string::npos ? "." : from.substr(0, from.find_last_of('/'));
+  }
+  HfConfig hf;
+  hf.path = dir + "/config.json";
+  if (!path_exists(hf.path)) {
+    if (is_directory(from)) fail("model.init_from", "no config.json in " + from);
+    return m;  // one file without a config: the model section says it all
+  }
+  std::ifstream in(hf.path);
+  hf.j = json::parse(in, nullptr, /*allow_exceptions=*/false);
+  if (hf.j.is_discarded() || !hf.j.is_object()) fail("model.init_from", hf.path + " is not a JSON object");
+  hf.where = "model.init_from (" + hf.path + ")";
+  const std::string type = hf.str("model_type", "llama");
+  if (type != "llama" && type != "mistral" && type != "qwen2" && type != "qwen3") {
+    fail(hf.where, "model_type '" + type + "' is not supported (llama, mistral, qwen2 or qwen3)");
+  }
+  json theta;
+  const json scaling = rope_scaling_of(hf, theta);
+  const json window = refuse_unsupported(hf, type);
+
+  const json& h = hf.j;
+  const std::vector<std::pair<const char*, json>> fields = {
+      {"family", json(type)},
+      {"dim", h.value("hidden_size", json())},
+      {"n_layers", h.value("num_hidden_layers", json())},
+      {"n_heads", h.value("num_attention_heads", json())},
+      {"n_kv_heads", h.value("num_key_value_heads", h.value("num_attention_heads", json()))},
+      {"head_dim", h.value("head_dim", json())},
+      {"ffn_hidden", h.value("intermediate_size", json())},
+      {"vocab_size", h.value("vocab_size", json())},
+      {"norm_eps", h.value("rms_norm_eps", json())},
+      {"rope_theta", theta},
+      {"rope_scaling", scaling},
+      {"sliding_window", window},
+      {"tie_embeddings", h.value("tie_word_embeddings", json(true))}};
+  json out = m;
+  for (const auto& [key, v] : fields) {
+    if (v.is_null()) continue;
+    if (!m.contains(key)) {
+      out[key] = v;
+      continue;
+    }
+    const bool same = v.is_number() && m[key].is_number() ? v.get<double>() == m[key].get<double>() : v == m[key];
+    if (!same) fail(std::string("model.") + key, m[key].dump() + " here, but " + hf.path + " says " + v.dump());
+  }
+  return out;
+}
+
+}  // namespace strata::config
