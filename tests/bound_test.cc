@@ -1,7 +1,7 @@
-// The step's bound (memory/bound.h) against work computed by hand: model
+// The step's bound (plan/bound.h) against work computed by hand: model
 // FLOPs of small configs, bytes per link of small placements (each figure
 // written out below from docs/design.md's table), seconds from given rates.
-#include "memory/bound.h"
+#include "plan/planner.h"
 
 #include <gtest/gtest.h>
 

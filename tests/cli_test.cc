@@ -212,7 +212,7 @@ TEST(CliTest, PlanForAGpuThisMachineLacks) {
 }
 
 // optimizer.speculate auto with the optimizer state on NVMe (Note
-// [Speculating NVMe state] in memory/bound.h): `strata plan` decides again
+// [Speculating NVMe state] in plan/planner.h): `strata plan` decides again
 // once it has the rates, as strata train does. A disk that bounds the step:
 // no alternate slots (off, both bounds named, no spare disk in the total).
 // CPU Adam as long as the compute beside a fast disk: the slots kept. Without

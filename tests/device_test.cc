@@ -13,6 +13,7 @@
 #include "config/config.h"
 #include "memory/device.h"
 #include "memory/tiered_state.h"
+#include "plan/make_plan.h"
 #include "deferred_device.h"
 #include "util/errors.h"
 

@@ -6,7 +6,7 @@
 
 #include <map>
 
-#include "memory/bound.h"
+#include "plan/planner.h"
 #include "memory/device.h"
 #include "util/errors.h"
 
@@ -255,7 +255,7 @@ TEST(PlacementTest, AutoFillsTheDeviceFirstWithParametersThenGradients) {
   EXPECT_TRUE(plan_shortfalls(p, cap).empty());
 }
 
-// Note [Auto's margin] (memory/bound.h): on the capacity above, auto's other
+// Note [Auto's margin] (plan/planner.h): on the capacity above, auto's other
 // candidate on a GPU, gradients before parameters, moves half of param16 to
 // the host (fetched over H2D each step) where the greedy fill has half of
 // the gradients there (landed over D2H and added by the host's lander

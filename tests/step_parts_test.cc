@@ -31,6 +31,7 @@
 #include "engine/step_context.h"
 #include "memory/buffer.h"
 #include "memory/placement.h"
+#include "plan/planner.h"
 #include "memory/tiered_state.h"
 #include "model/model.h"
 #include "test_util.h"

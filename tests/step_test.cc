@@ -35,6 +35,7 @@
 #include "memory/device.h"
 #include "memory/placement.h"
 #include "memory/tiered_state.h"
+#include "plan/make_plan.h"
 #include "model/model.h"
 #include "deferred_device.h"
 #include "test_util.h"

@@ -18,6 +18,7 @@
 #include "data/dataset.h"
 #include "engine/trainer.h"
 #include "model/model.h"
+#include "plan/make_plan.h"
 #include "test_util.h"
 #include "nvme/fault_backend.h"
 #include "util/errors.h"

@@ -7,3 +7,6 @@ endif()
 add_test(NAME DsTranslateTest
          COMMAND ${STRATA_TOOLS_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/ds_translate_test.py $<TARGET_FILE:strata>)
 set_tests_properties(DsTranslateTest PROPERTIES TIMEOUT 300 SKIP_RETURN_CODE 77 ENVIRONMENT "OMP_NUM_THREADS=1;STRATA_RATES_CACHE=off")
+# The module layering of docs/design.md: includes point down the layers, no include or import circle.
+add_test(NAME LayersTest COMMAND ${STRATA_TOOLS_PYTHON} ${PROJECT_SOURCE_DIR}/tools/check_layers.py ${PROJECT_SOURCE_DIR})
+set_tests_properties(LayersTest PROPERTIES TIMEOUT 60)

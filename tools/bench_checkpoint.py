@@ -33,6 +33,8 @@ import subprocess
 import sys
 import time
 
+from benchlib import read_metrics
+
 
 def run(cmd, env=None):
     p = subprocess.run(cmd, capture_output=True, text=True, env=env)
@@ -115,7 +117,7 @@ def main():
         thread_cpu = [float(u) + float(y) for u, y in
                       re.findall(r"the thread used ([0-9.]+) s user, ([0-9.]+) s system CPU", log)]
         fsyncs = [float(x) for x in re.findall(r"rank 0 wrote .* fsync ([0-9.]+) s", log)]
-        lines = [json.loads(x) for x in open(metrics)]
+        lines = read_metrics(metrics)
         saves = [x for x in lines if "checkpoint_s" in x]
         ck_bytes = saves[0]["checkpoint_bytes"]
         # Durable write bandwidth of the save at the end, which has the machine to itself as bench-io

@@ -25,6 +25,10 @@ on (the optimizer behind the backward: docs/design.md; run.overlap_optimizer on,
 which it needs), and the speculated step
 is reported against the share's own step and the 0% step (--speculate sets the
 sweep's own value; --clip gradient_clipping, 0 for none).
+With --ab-strata OTHER each share is run again right after with the build OTHER
+(e.g. the commit before a change; before it in every second round), the same
+config and data: the step time of
+--strata over OTHER's, medians of the rounds (a same-run A/B of a change's speed).
 With --plot FILE it draws step time, the bound and bytes per link against the share
 (needs matplotlib: tools/setup.sh installs it into .venv).
 
@@ -121,14 +125,14 @@ def probe_rates(args, work, io):
     return {k: v for k, v in run_rates(plan["bound"]["rates"]).items() if not k.startswith("nvme_")}
 
 
-def train(args, share, work, overlap=None, checksums=True, io=None, tag="", speculate=None):
+def train(args, share, work, overlap=None, checksums=True, io=None, tag="", speculate=None, strata=None):
     swap = os.path.join(work, "swap")
     os.makedirs(swap, exist_ok=True)
     metrics = os.path.join(work, f"metrics-{share}.jsonl")
     cfg_path = os.path.join(work, f"config-{share}.json")
     with open(cfg_path, "w") as f:
         json.dump(make_config(args, share, swap, metrics, overlap, checksums, io, speculate), f, indent=1)
-    cmd = [args.strata, "train", cfg_path]
+    cmd = [strata or args.strata, "train", cfg_path]
     if args.trace:  # a Chrome trace per run (`strata train --trace`)
         os.makedirs(args.trace, exist_ok=True)
         cmd += ["--trace", os.path.join(args.trace, f"trace-{share}{tag}.json")]
@@ -178,6 +182,7 @@ def main():
     ap.add_argument("--clip", type=float, default=1.0, help="gradient_clipping (0: none)")
     ap.add_argument("--speculate-ab", action="store_true",
                     help="after each share's run, the same share with optimizer.speculate on (same round)")
+    ap.add_argument("--ab-strata", metavar="OTHER", help="run each share again with this strata build (A/B)")
     ap.add_argument("--json", help="write all figures to this file")
     ap.add_argument("--trace", metavar="DIR", help="write each run's Chrome trace (strata train --trace) into DIR")
     ap.add_argument("--plot", help="draw step time and bytes per link against the share into this PNG")
@@ -216,6 +221,10 @@ def main():
                   f"memcpy {p['d2h_gbps']:.1f} GB/s", flush=True)
             per_share = {}
             for s in shares:
+                # --ab-strata: the other build first in every second round (no order favoured).
+                other_first = bool(args.ab_strata) and r % 2 == 1
+                if other_first:
+                    n_ab = train(args, s, work, io=io, tag=f"-round{r + 1}-ab", strata=args.ab_strata)
                 m = train(args, s, work, io=io, tag=f"-round{r + 1}")
                 per_share[s] = m
                 print(f"  nvme {s:3d}%: step {m['step_s']:.2f} s, bound {m['bound_s']:.2f} s, "
@@ -230,6 +239,13 @@ def main():
                           f"optimizer {n['optimizer_s']:.2f} s (hidden {n['optimizer_hidden_s']:.2f} s; "
                           f"{n['speculation']}), nvme read {n['nvme_read_bytes'] / 1e9:.2f} GB "
                           f"(speculated / not: {n['step_s'] / m['step_s']:.3f})", flush=True)
+                if args.ab_strata:
+                    # The same share with the other build, right before or after.
+                    n = n_ab if other_first else train(args, s, work, io=io, tag=f"-round{r + 1}-ab",
+                                                        strata=args.ab_strata)
+                    m["ab"] = n
+                    print(f"  nvme {s:3d}% with {args.ab_strata}: step {n['step_s']:.2f} s "
+                          f"(--strata / it: {m['step_s'] / n['step_s']:.3f})", flush=True)
                 if args.no_overlap_all:
                     n = train(args, s, work, overlap="off", io=io, tag=f"-round{r + 1}-no-overlap")
                     m["no_overlap"] = n
@@ -263,7 +279,7 @@ def main():
     for s in shares:
         med = lambda k: statistics.median(rd["shares"][s][k] for rd in rounds)
         b = statistics.median(bound(rd, s) for rd in rounds)
-        row = {k: med(k) for k in rounds[0]["shares"][s] if k not in ("no_overlap", "speculated", "speculation")}
+        row = {k: med(k) for k in rounds[0]["shares"][s] if k not in ("no_overlap", "speculated", "speculation", "ab")}
         row["io_bound_s"] = b
         summary["shares"][s] = row
         print(f"{s:6d} {row['step_s']:8.2f} {row['optimizer_s']:8.2f} {row['wait_s']:7.2f} "
@@ -284,6 +300,15 @@ def main():
             summary["shares"][s]["speculated"] = row
             print(f"{s:6d} {row['step_s']:18.2f} {row['optimizer_hidden_s']:9.2f} {row['speculated_over_not']:17.3f} "
                   f"{row['over_zero_share']:14.3f}")
+    if args.ab_strata:
+        print(f"\n{'nvme %':>6} {'step s':>8} {'other: step s':>14} {'step / other':>13}   "
+              f"(--ab-strata {args.ab_strata}; medians over rounds of the same-round ratio)")
+        for s in shares:
+            med = lambda f: statistics.median(f(rd["shares"][s]) for rd in rounds)
+            row = {"step_s": med(lambda m: m["ab"]["step_s"]),
+                   "step_over_other": med(lambda m: m["step_s"] / m["ab"]["step_s"])}
+            summary["shares"][s]["ab"] = row
+            print(f"{s:6d} {summary['shares'][s]['step_s']:8.2f} {row['step_s']:14.2f} {row['step_over_other']:13.3f}")
     if args.no_overlap_all:
         print(f"\n{'nvme %':>6} {'sweep: step s':>15} {'step/bound':>10} {'no overlap: step s':>18} {'step/bound':>10} "
               f"{'sweep / not':>16}   (the sweep: --overlap {args.overlap})")

@@ -36,9 +36,9 @@ import statistics
 import subprocess
 import sys
 
+from benchlib import LICENSES, read_metrics
 from plan_rates import run_rates
 
-LICENSES = ["/usr/share/common-licenses/" + n for n in ("GPL-3", "GPL-2", "LGPL-2.1", "Apache-2.0")]
 
 
 def make_config(args, tier, swap_dir):
@@ -51,7 +51,7 @@ def make_config(args, tier, swap_dir):
         "zero_optimization": {"stage": 3, "sub_group_size": 1 << 20},
         "model": {"vocab_size": 256, "dim": args.dim, "n_layers": args.layers, "n_heads": max(1, args.dim // 64),
                   "seq_len": args.seq_len},
-        "data": {"path": [p for p in LICENSES if os.path.exists(p)], "eval_interval": 0},
+        "data": {"path": [p for p in LICENSES[:4] if os.path.exists(p)], "eval_interval": 0},
         "run": {"steps": args.steps, "log_level": "warn"},
         "comm": {"timeout_s": 120},
     }
@@ -110,7 +110,7 @@ def run_once(args, ws, tier, tag, sets=(), rates=None):
     p = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit(f"bench_ranks: {' '.join(cmd)} failed ({p.returncode}):\n{p.stdout[-3000:]}{p.stderr[-3000:]}")
-    lines = [json.loads(l) for l in open(metrics)]
+    lines = read_metrics(metrics)
     steps = [l["step_s"] for l in lines[1:]]  # the first step warms up
     comm = [collective_seconds(trace.replace("{rank}", str(r))) / len(lines) for r in range(ws)]
     return {"step_s": statistics.median(steps), "collectives_s": statistics.mean(comm),

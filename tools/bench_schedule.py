@@ -28,7 +28,7 @@ import statistics
 import subprocess
 import sys
 
-from benchlib import LICENSES
+from benchlib import LICENSES, read_metrics
 
 
 def layer_numel(dim):
@@ -71,7 +71,7 @@ def run_once(args, schedule, tag):
     p = subprocess.run([args.strata, "train", cfg_path], capture_output=True, text=True)
     if p.returncode != 0:
         sys.exit(f"bench_schedule: strata train {cfg_path} failed ({p.returncode}):\n{p.stderr[-3000:]}")
-    lines = [json.loads(l) for l in open(metrics)][args.warmup:]
+    lines = read_metrics(metrics)[args.warmup:]
     med = lambda k: statistics.median(l[k] for l in lines)
     return {"step_s": med("step_s"), "bound_s": med("bound_s"), "nvme_read_bytes": med("nvme_read_bytes"),
             "nvme_write_bytes": med("nvme_write_bytes"), "h2d_bytes": med("h2d_bytes"), "d2h_bytes": med("d2h_bytes"),

@@ -1,7 +1,7 @@
 """What the benchmark scripts of tools/ share: bench_gpu.py and gpu_proof.py (the token file of the GPU
 configs, the capacity bound of `strata plan --json`, the search for the largest layer count that fits),
-and with bench_auto.py, bench_schedule.py and bench_offload.py (the text files their configs train on, a
-metrics file's lines). A module of plain functions: it runs nothing when imported, and imports none of
+and with bench_auto.py, bench_schedule.py, bench_offload.py, bench_ranks.py and bench_checkpoint.py (the
+text files their configs train on, a metrics file's lines). A module of plain functions: it runs nothing when imported, and imports none of
 the scripts, so that none of them imports another for these.
 
 The scripts import it as a sibling module, as they import plan_rates.py (tools/ on sys.path: the

@@ -2,7 +2,7 @@
 # The test suites under AddressSanitizer + UndefinedBehaviorSanitizer (README, "Tests"). Run after
 # tools/setup.sh (it installs the Debian packages both builds need).
 #   tools/test_sanitize.sh [CTEST ARGS]         the libraries that never include LibTorch (util, nvme, cpu_adam,
-#                                               config, data, memory) and their suites, in build-asan-leaf: what
+#                                               config, data, memory, plan) and their suites, in build-asan-leaf: what
 #                                               every CI run does after the main suite (tools/test.sh), minutes
 #   tools/test_sanitize.sh --full [CTEST ARGS]  the whole project in build-asan (CUDA path off): about 20 minutes
 #                                               to build and 15 to test on 2 cores

@@ -135,6 +135,104 @@ void write_all(int fd, const void* p, size_t n, const std::string& path) {
   }
 }
 
+// One tensor of the export: its entry, Hugging Face name, size, offset in
+// its file's data section and file.
+struct ExportItem {
+  const TensorEntry* t;
+  std::string name;
+  int64_t numel, begin;
+  size_t shard;
+};
+
+// The export's files: tensors in model order, a new file when the next would
+// pass the limit (a tensor larger than the limit gets a file of its own).
+struct ExportLayout {
+  std::vector<ExportItem> items;
+  std::vector<int64_t> shard_bytes;
+  int64_t largest = 0, total = 0;  // largest tensor's elements, all bytes
+
+  std::string file_name(size_t s) const {
+    return shard_bytes.size() == 1 ? std::string("model.safetensors")
+                                   : strprintf("model-%05zu-of-%05zu.safetensors", s + 1, shard_bytes.size());
+  }
+};
+
+ExportLayout plan_export(const Manifest& m, int eb, int64_t max_shard) {
+  ExportLayout l;
+  for (const TensorEntry& t : m.tensors) {
+    int64_t numel = 1;
+    for (int64_t d : t.shape) numel *= d;
+    const int64_t bytes = numel * eb;
+    if (l.shard_bytes.empty() || (l.shard_bytes.back() > 0 && l.shard_bytes.back() + bytes > max_shard)) {
+      l.shard_bytes.push_back(0);
+    }
+    l.items.push_back({&t, hf_tensor_name(t.name), numel, l.shard_bytes.back(), l.shard_bytes.size() - 1});
+    l.shard_bytes.back() += bytes;
+    l.largest = std::max(l.largest, numel);
+    l.total += bytes;
+  }
+  return l;
+}
+
+// The chunks tensors stream through, and the progress over all files.
+struct ExportStream {
+  CheckpointReader& reader;
+  HostBuffer& f32;
+  HostBuffer& out;
+  int64_t chunk;
+  ProgressBar& bar;
+  size_t done = 0;
+};
+
+// Writes file s of `l` (atomically: a temporary file renamed into place)
+// and its entries of `weight_map`.
+void write_export_file(const ExportOptions& opt, const ExportLayout& l, size_t s, ExportStream& io, json& weight_map) {
+  const int eb = opt.dtype == "bf16" ? 2 : 4;
+  json header = json::object();
+  header["__metadata__"] = {{"format", "pt"}};
+  for (const ExportItem& it : l.items) {
+    if (it.shard != s) continue;
+    header[it.name] = {{"dtype", opt.dtype == "bf16" ? "BF16" : "F32"},
+                       {"shape", it.t->shape},
+                       {"data_offsets", {it.begin, it.begin + it.numel * eb}}};
+    weight_map[it.name] = l.file_name(s);
+  }
+  std::string h = header.dump();
+  while ((h.size() + 8) % 8 != 0) h.push_back(' ');  // the data section starts 8-aligned
+  const std::string path = opt.out + "/" + l.file_name(s);
+  const std::string tmp = opt.out + "/." + l.file_name(s) + ".tmp";
+  const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
+  if (fd < 0) throw IoError(tmp, errno, "cannot create");
+  try {
+    const uint64_t hlen = h.size();
+    write_all(fd, &hlen, 8, tmp);  // little-endian on every machine Strata runs on
+    write_all(fd, h.data(), h.size(), tmp);
+    for (const ExportItem& it : l.items) {
+      if (it.shard != s) continue;
+      for (int64_t o = 0; o < it.numel; o += io.chunk) {
+        const int64_t n = std::min(io.chunk, it.numel - o);
+        io.reader.read(Category::kMaster, it.t->start + o, n, io.f32.as<std::byte>());
+        const void* src = io.f32.data();
+        if (eb == 2) {
+          const float* x = io.f32.as<float>();
+          uint16_t* y = io.out.as<uint16_t>();
+          for (int64_t i = 0; i < n; ++i) y[i] = cpu_adam::float_to_bf16(x[i]);  // as torch converts
+          src = io.out.data();
+        }
+        write_all(fd, src, size_t(n * eb), tmp);
+      }
+      io.bar.update(int64_t(++io.done), it.name);
+    }
+    if (::fsync(fd) != 0) throw IoError(tmp, errno, "cannot sync");
+  } catch (...) {
+    ::close(fd);
+    ::unlink(tmp.c_str());
+    throw;
+  }
+  if (::close(fd) != 0) throw IoError(tmp, errno, "cannot close");
+  rename_path(tmp, path);
+}
+
 int run_export(const ExportOptions& opt) {
   if (opt.dtype != "bf16" && opt.dtype != "fp32") {
     throw ConfigError("--dtype", "expected bf16 or fp32, got '" + opt.dtype + "'");
@@ -153,97 +251,26 @@ int run_export(const ExportOptions& opt) {
   }
   make_dirs(opt.out, 0755);
 
-  // Plan the shards: tensors in model order, a new file when the next would
-  // pass the limit (a tensor larger than the limit gets a file of its own).
   const int eb = opt.dtype == "bf16" ? 2 : 4;
-  struct Item {
-    const TensorEntry* t;
-    std::string name;
-    int64_t numel, begin;  // begin: offset in its file's data section
-    size_t shard;
-  };
-  std::vector<Item> items;
-  std::vector<int64_t> shard_bytes;
-  int64_t largest = 0, total = 0;
-  for (const TensorEntry& t : m.tensors) {
-    int64_t numel = 1;
-    for (int64_t d : t.shape) numel *= d;
-    const int64_t bytes = numel * eb;
-    if (shard_bytes.empty() || (shard_bytes.back() > 0 && shard_bytes.back() + bytes > max_shard)) {
-      shard_bytes.push_back(0);
-    }
-    items.push_back({&t, hf_tensor_name(t.name), numel, shard_bytes.back(), shard_bytes.size() - 1});
-    shard_bytes.back() += bytes;
-    largest = std::max(largest, numel);
-    total += bytes;
-  }
-  const size_t shards = shard_bytes.size();
-  auto file_name = [&](size_t s) {
-    return shards == 1 ? std::string("model.safetensors")
-                       : strprintf("model-%05zu-of-%05zu.safetensors", s + 1, shards);
-  };
-
+  const ExportLayout l = plan_export(m, eb, max_shard);
+  const size_t shards = l.shard_bytes.size();
   // Tensors stream through in chunks: host memory is one chunk, whatever the
   // size of the largest tensor (Llama-3's 128256 x 4096 embedding is 2 GiB in fp32).
-  const int64_t chunk = std::min<int64_t>(largest, buffer_elems);
+  const int64_t chunk = std::min<int64_t>(l.largest, buffer_elems);
   HostBuffer f32(size_t(chunk * 4), "export: one chunk (fp32)");
   HostBuffer out(size_t(chunk * eb), "export: one chunk (output dtype)");
-  ProgressBar bar("export", int64_t(items.size()));
+  ProgressBar bar("export", int64_t(l.items.size()));
+  ExportStream io{reader, f32, out, chunk, bar};
   json weight_map = json::object();
-  size_t done = 0;
-  for (size_t s = 0; s < shards; ++s) {
-    json header = json::object();
-    header["__metadata__"] = {{"format", "pt"}};
-    for (const Item& it : items) {
-      if (it.shard != s) continue;
-      header[it.name] = {{"dtype", opt.dtype == "bf16" ? "BF16" : "F32"},
-                         {"shape", it.t->shape},
-                         {"data_offsets", {it.begin, it.begin + it.numel * eb}}};
-      weight_map[it.name] = file_name(s);
-    }
-    std::string h = header.dump();
-    while ((h.size() + 8) % 8 != 0) h.push_back(' ');  // the data section starts 8-aligned
-    const std::string path = opt.out + "/" + file_name(s);
-    const std::string tmp = opt.out + "/." + file_name(s) + ".tmp";
-    const int fd = ::open(tmp.c_str(), O_WRONLY | O_CREAT | O_TRUNC | O_CLOEXEC, 0644);
-    if (fd < 0) throw IoError(tmp, errno, "cannot create");
-    try {
-      const uint64_t hlen = h.size();
-      write_all(fd, &hlen, 8, tmp);  // little-endian on every machine Strata runs on
-      write_all(fd, h.data(), h.size(), tmp);
-      for (const Item& it : items) {
-        if (it.shard != s) continue;
-        for (int64_t o = 0; o < it.numel; o += chunk) {
-          const int64_t n = std::min(chunk, it.numel - o);
-          reader.read(Category::kMaster, it.t->start + o, n, f32.as<std::byte>());
-          const void* src = f32.data();
-          if (eb == 2) {
-            const float* x = f32.as<float>();
-            uint16_t* y = out.as<uint16_t>();
-            for (int64_t i = 0; i < n; ++i) y[i] = cpu_adam::float_to_bf16(x[i]);  // as torch converts
-            src = out.data();
-          }
-          write_all(fd, src, size_t(n * eb), tmp);
-        }
-        bar.update(int64_t(++done), it.name);
-      }
-      if (::fsync(fd) != 0) throw IoError(tmp, errno, "cannot sync");
-    } catch (...) {
-      ::close(fd);
-      ::unlink(tmp.c_str());
-      throw;
-    }
-    if (::close(fd) != 0) throw IoError(tmp, errno, "cannot close");
-    rename_path(tmp, path);
-  }
+  for (size_t s = 0; s < shards; ++s) write_export_file(opt, l, s, io, weight_map);
   bar.finish();
   if (shards > 1) {
     write_file_atomic(opt.out + "/model.safetensors.index.json",
-                      json({{"metadata", {{"total_size", total}}}, {"weight_map", weight_map}}).dump(2) + "\n");
+                      json({{"metadata", {{"total_size", l.total}}}, {"weight_map", weight_map}}).dump(2) + "\n");
   }
   write_file_atomic(opt.out + "/config.json", hf_config(model, opt.dtype).dump(2) + "\n");
   log::info("exported step %lld of %s: %zu tensors, %s in %zu file(s) to %s", (long long)m.step,
-            reader.dir().c_str(), items.size(), format_bytes(double(total)).c_str(), shards, opt.out.c_str());
+            reader.dir().c_str(), l.items.size(), format_bytes(double(l.total)).c_str(), shards, opt.out.c_str());
   return kExitOk;
 }
 

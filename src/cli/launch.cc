@@ -107,7 +107,7 @@ bool drain(int r, Rank& k) {
   return true;
 }
 
-int run_launch(const LaunchOptions& opt) {
+void check_launch_options(const LaunchOptions& opt) {
   if (opt.command.empty()) throw ConfigError("command", "give the command after --, e.g. -- strata train CONFIG");
   if (opt.nproc < 1) throw ConfigError("--nproc", "must be at least 1");
   if (opt.nnodes < 1) throw ConfigError("--nnodes", "must be at least 1");
@@ -121,79 +121,80 @@ int run_launch(const LaunchOptions& opt) {
   if (opt.nnodes > 1 && !opt.master_addr_given) {
     throw ConfigError("--master-addr", "needed with --nnodes > 1: node 0's address, the same on every node");
   }
-  const int port = opt.master_port > 0 ? opt.master_port : free_port();
-  g_first_rank = opt.node_rank * opt.nproc;
-  std::vector<std::string> cmd = opt.command;
-  // `strata` names this executable, wherever it was built.
-  if (cmd[0] == "strata") cmd[0] = self_exe();
+}
 
-  struct sigaction sa {};
-  sa.sa_handler = on_signal;
-  sigemptyset(&sa.sa_mask);
-  ::sigaction(SIGINT, &sa, nullptr);
-  ::sigaction(SIGTERM, &sa, nullptr);
-
-  std::vector<Rank> ranks(size_t(opt.nproc));
-  for (int r = 0; r < opt.nproc; ++r) {
-    int fds[2];
-    if (::pipe(fds) != 0) throw IoError("pipe", errno, "cannot create the output pipe of a rank");
-    const pid_t pid = ::fork();
-    if (pid < 0) throw IoError("fork", errno, "cannot start rank " + std::to_string(r));
-    if (pid == 0) {
-      // Its own process group, so that stopping a rank stops what it started.
-      ::setpgid(0, 0);
-      ::close(fds[0]);
-      ::dup2(fds[1], STDOUT_FILENO);
-      ::dup2(fds[1], STDERR_FILENO);
-      ::close(fds[1]);
-      ::signal(SIGINT, SIG_DFL);
-      ::signal(SIGTERM, SIG_DFL);
-      const std::string vars[][2] = {{"RANK", std::to_string(opt.node_rank * opt.nproc + r)},
-                                     {"WORLD_SIZE", std::to_string(opt.nnodes * opt.nproc)},
-                                     {"LOCAL_RANK", std::to_string(r)},
-                                     {"LOCAL_WORLD_SIZE", std::to_string(opt.nproc)},
-                                     {"MASTER_ADDR", opt.master_addr},
-                                     {"MASTER_PORT", std::to_string(port)}};
-      for (const auto& v : vars) ::setenv(v[0].c_str(), v[1].c_str(), 1);
-      // torchrun's agent store is not there: every rank but 0 is a client of rank 0's.
-      ::unsetenv("TORCHELASTIC_USE_AGENT_STORE");
-      std::vector<char*> argv;
-      for (std::string& a : cmd) argv.push_back(a.data());
-      argv.push_back(nullptr);
-      ::execvp(argv[0], argv.data());
-      std::fprintf(stderr, "strata launch: cannot run %s: %s\n", argv[0], std::strerror(errno));
-      ::_exit(127);
-    }
+// Starts local rank r running `cmd` with the launcher's environment, its
+// output into a pipe that the launcher reads.
+Rank start_rank(const LaunchOptions& opt, int r, int port, std::vector<std::string>& cmd) {
+  int fds[2];
+  if (::pipe(fds) != 0) throw IoError("pipe", errno, "cannot create the output pipe of a rank");
+  const pid_t pid = ::fork();
+  if (pid < 0) throw IoError("fork", errno, "cannot start rank " + std::to_string(r));
+  if (pid == 0) {
+    // Its own process group, so that stopping a rank stops what it started.
+    ::setpgid(0, 0);
+    ::close(fds[0]);
+    ::dup2(fds[1], STDOUT_FILENO);
+    ::dup2(fds[1], STDERR_FILENO);
     ::close(fds[1]);
-    ::setpgid(pid, pid);  // also here: no race with the child's own call
-    ranks[size_t(r)].pid = pid;
-    ranks[size_t(r)].out = fds[0];
+    ::signal(SIGINT, SIG_DFL);
+    ::signal(SIGTERM, SIG_DFL);
+    const std::string vars[][2] = {{"RANK", std::to_string(opt.node_rank * opt.nproc + r)},
+                                   {"WORLD_SIZE", std::to_string(opt.nnodes * opt.nproc)},
+                                   {"LOCAL_RANK", std::to_string(r)},
+                                   {"LOCAL_WORLD_SIZE", std::to_string(opt.nproc)},
+                                   {"MASTER_ADDR", opt.master_addr},
+                                   {"MASTER_PORT", std::to_string(port)}};
+    for (const auto& v : vars) ::setenv(v[0].c_str(), v[1].c_str(), 1);
+    // torchrun's agent store is not there: every rank but 0 is a client of rank 0's.
+    ::unsetenv("TORCHELASTIC_USE_AGENT_STORE");
+    std::vector<char*> argv;
+    for (std::string& a : cmd) argv.push_back(a.data());
+    argv.push_back(nullptr);
+    ::execvp(argv[0], argv.data());
+    std::fprintf(stderr, "strata launch: cannot run %s: %s\n", argv[0], std::strerror(errno));
+    ::_exit(127);
   }
+  ::close(fds[1]);
+  ::setpgid(pid, pid);  // also here: no race with the child's own call
+  Rank k;
+  k.pid = pid;
+  k.out = fds[0];
+  return k;
+}
 
-  int failed = -1;  // the first rank that failed
+// Reads the running ranks' output for up to 100 ms.
+void drain_ready(std::vector<Rank>& ranks) {
+  std::vector<pollfd> pfds;
+  std::vector<int> who;
+  for (size_t r = 0; r < ranks.size(); ++r) {
+    if (ranks[r].out >= 0) {
+      pfds.push_back({ranks[r].out, POLLIN, 0});
+      who.push_back(int(r));
+    }
+  }
+  if (pfds.empty()) {
+    ::usleep(100 * 1000);
+    return;
+  }
+  if (::poll(pfds.data(), pfds.size(), 100) > 0) {
+    for (size_t i = 0; i < pfds.size(); ++i) {
+      if (pfds[i].revents & (POLLIN | POLLHUP | POLLERR)) drain(who[i], ranks[size_t(who[i])]);
+    }
+  }
+}
+
+// Runs until every rank has exited: their output forwarded, signals passed
+// on (a second one as SIGKILL), and the others stopped when one fails
+// (SIGTERM, then SIGKILL after --grace-s). Returns the first failed rank, or -1.
+int supervise(const LaunchOptions& opt, std::vector<Rank>& ranks) {
+  int failed = -1;
   auto stop_at = std::chrono::steady_clock::time_point::max();
   bool killed = false;
   int alive = opt.nproc;
   int forwarded = 0;
   while (alive > 0) {
-    std::vector<pollfd> pfds;
-    std::vector<int> who;
-    for (int r = 0; r < opt.nproc; ++r) {
-      if (ranks[size_t(r)].out >= 0) {
-        pfds.push_back({ranks[size_t(r)].out, POLLIN, 0});
-        who.push_back(r);
-      }
-    }
-    if (!pfds.empty()) {
-      const int n = ::poll(pfds.data(), pfds.size(), 100);
-      if (n > 0) {
-        for (size_t i = 0; i < pfds.size(); ++i) {
-          if (pfds[i].revents & (POLLIN | POLLHUP | POLLERR)) drain(who[i], ranks[size_t(who[i])]);
-        }
-      }
-    } else {
-      ::usleep(100 * 1000);
-    }
+    drain_ready(ranks);
     // Forward a signal to every rank (once per signal received).
     const int sig = g_forward_signal.exchange(0);
     if (sig != 0) {
@@ -222,6 +223,26 @@ int run_launch(const LaunchOptions& opt) {
       for (Rank& o : ranks) if (o.running) ::kill(-o.pid, SIGKILL);
     }
   }
+  return failed;
+}
+
+int run_launch(const LaunchOptions& opt) {
+  check_launch_options(opt);
+  const int port = opt.master_port > 0 ? opt.master_port : free_port();
+  g_first_rank = opt.node_rank * opt.nproc;
+  std::vector<std::string> cmd = opt.command;
+  // `strata` names this executable, wherever it was built.
+  if (cmd[0] == "strata") cmd[0] = self_exe();
+
+  struct sigaction sa {};
+  sa.sa_handler = on_signal;
+  sigemptyset(&sa.sa_mask);
+  ::sigaction(SIGINT, &sa, nullptr);
+  ::sigaction(SIGTERM, &sa, nullptr);
+
+  std::vector<Rank> ranks(size_t(opt.nproc));
+  for (int r = 0; r < opt.nproc; ++r) ranks[size_t(r)] = start_rank(opt, r, port, cmd);
+  const int failed = supervise(opt, ranks);
   // What the ranks wrote last; whatever they started is stopped with them.
   for (int r = 0; r < opt.nproc; ++r) {
     if (failed >= 0) ::kill(-ranks[size_t(r)].pid, SIGKILL);

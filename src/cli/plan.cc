@@ -11,7 +11,7 @@
 
 #include "comm/communicator.h"
 #include "engine/probes.h"
-#include "memory/bound.h"
+#include "plan/planner.h"
 #include "memory/layout.h"
 #include "memory/param_window.h"
 #include "model/model.h"
@@ -33,7 +33,7 @@ struct PlanOptions {
   // The node group's (comm.secondary_shard): H100 SXM's NVLink, 450 GB/s each way.
   double intra_node_gbps = 3600.0;
   bool intra_node_given = false;
-  // The step's bound (memory/bound.h): rates given instead of measured
+  // The step's bound (plan/bound.h): rates given instead of measured
   // (0 = run.rates' figure, else measured here), the probes' time, or none.
   bool no_bound = false;
   double probe_s = 0.5;
@@ -304,8 +304,7 @@ std::string bound_text(const StepBound& b, const Rates& r, const StepWork& w, in
   return out + "  rates: " + src + "\n";
 }
 
-int run_plan(const PlanOptions& opt) {
-  setup_logging("warn", "");  // stderr: stdout carries the plan or its JSON
+void check_plan_options(const PlanOptions& opt) {
   if (opt.world_size < 1) throw ConfigError("--world-size", "must be at least 1");
   if (opt.nodes < 1 || opt.world_size % opt.nodes != 0) {
     throw ConfigError("--nodes", strprintf("%d nodes do not divide --world-size %d into equal nodes", opt.nodes,
@@ -318,11 +317,11 @@ int run_plan(const PlanOptions& opt) {
                          {"--probe-seconds", opt.probe_s}}) {
     if (v < 0 || std::isnan(v)) throw ConfigError(name, "must be a positive number");
   }
-  const GpuPreset* preset = gpu_preset(opt.gpu);
-  std::vector<std::string> overrides = opt.overrides;
-  if (preset != nullptr) overrides.push_back("run.device=cuda");  // a plan for that GPU
-  Config cfg = load_config(opt.config_path, overrides, opt.world_size);
-  const int per_node = opt.world_size / opt.nodes;
+}
+
+// The machine the flags describe (--host-memory-gb, --nvme-gb,
+// --device-memory-gb, --gpu); what they leave out is measured.
+GivenCapacity given_capacity(const PlanOptions& opt, const GpuPreset* preset) {
   GivenCapacity given;
   auto gb = [](double v) { return v > 0 ? int64_t(v * double(int64_t(1) << 30)) : int64_t(-1); };
   given.host_bytes = gb(opt.host_memory_gb);
@@ -334,100 +333,138 @@ int run_plan(const PlanOptions& opt) {
     given.device_source = strprintf("--gpu %s preset (%lld MiB, less %lld MiB for the CUDA context)", preset->name,
                                     (long long)preset->memory_mib, (long long)kCudaContextMib);
   }
-  Computed c = compute(cfg, 0, per_node, given);
-  const DataUse data = data_use(cfg);
-  // The bound: work from the plan, rates given or measured on this machine
-  // (a GPU only when run.device is cuda and one is here). With placement
-  // auto the rates come first: auto compares its candidates by the bound.
+  return given;
+}
+
+// The plan's step bound: its work, the rates (given or measured here) and
+// the bound, a clipped step's too when the plan speculates.
+struct PlanBound {
+  bool bounded = false;
   StepWork work;
-  StepBound bound, clipped_bound;
+  StepBound bound, clipped;
   Rates rates;
-  // Nothing is probed before the fit verdict: a plan that does not fit gets
-  // its shortfalls, not a probe's error (a disk too small for the state is
-  // too small for the probe's files too).
-  const bool bounded = !opt.no_bound && c.shortfalls.empty();
-  if (bounded) {
-    rates = bound_rates(opt, cfg);
-    work = predicted_work(cfg, c.plan, train_fetches(c.plan), c.net);
-    const bool cpu_compute = cfg.run.device == DeviceKind::kCpu;
-    std::unique_ptr<Device> gpu;
-    Device* dev = &cpu_device();
-    if (!cpu_compute) {
-      DeviceMemoryInfo info;
-      dev = nullptr;
-      if (!missing_rates(union_work(work, c.plan, cfg.run.swap_checksums), rates, false).empty() && query_device_memory("cuda", &info)) {
-        gpu = make_device("cuda");
-        dev = gpu.get();
-      }
-    }
-    set_rates_cache("", opt.reprobe);
-    // A described disk (--nvme-gb): this one only stands in for its rates.
-    measure_rates(cfg, c.plan, dev, work, rates, opt.probe_s, ProbeRoom{given.nvme_bytes < 0, 1});
-    // Auto placements, and NVMe state speculated into alternate slots (which
-    // optimizer.speculate auto keeps only where the bound gains: Note
-    // [Speculating NVMe state]), are decided again with the rates, as
-    // strata train decides them.
-    if (cfg.placement.auto_place || c.plan.speculate_slots) {
-      c = compute(cfg, 0, per_node, given, &rates);
-      work = predicted_work(cfg, c.plan, train_fetches(c.plan), c.net);
-    }
-    bound = step_bound(work, rates, cpu_compute);
-    if (work.speculated_elems > 0) {
-      clipped_bound = step_bound(clipped_work(work), rates, cpu_compute);
+};
+
+// Work from the plan, rates given or measured on this machine (a GPU only
+// when run.device is cuda and one is here). With placement auto the rates
+// come first: auto compares its candidates by the bound, so `c` is computed
+// again with them. Nothing is probed before the fit verdict: a plan that
+// does not fit gets its shortfalls, not a probe's error (a disk too small for
+// the state is too small for the probe's files too).
+PlanBound bound_plan(const PlanOptions& opt, const Config& cfg, const GivenCapacity& given, int per_node,
+                     Computed& c) {
+  PlanBound b;
+  b.bounded = !opt.no_bound && c.shortfalls.empty();
+  if (!b.bounded) return b;
+  b.rates = bound_rates(opt, cfg);
+  b.work = predicted_work(cfg, c.plan, train_fetches(c.plan), c.net);
+  const bool cpu_compute = cfg.run.device == DeviceKind::kCpu;
+  std::unique_ptr<Device> gpu;
+  Device* dev = &cpu_device();
+  if (!cpu_compute) {
+    DeviceMemoryInfo info;
+    dev = nullptr;
+    if (!missing_rates(union_work(b.work, c.plan, cfg.run.swap_checksums), b.rates, false).empty() &&
+        query_device_memory("cuda", &info)) {
+      gpu = make_device("cuda");
+      dev = gpu.get();
     }
   }
+  set_rates_cache("", opt.reprobe);
+  // A described disk (--nvme-gb): this one only stands in for its rates.
+  measure_rates(cfg, c.plan, dev, b.work, b.rates, opt.probe_s, ProbeRoom{given.nvme_bytes < 0, 1});
+  // Auto placements, and NVMe state speculated into alternate slots (which
+  // optimizer.speculate auto keeps only where the bound gains: Note
+  // [Speculating NVMe state]), are decided again with the rates, as
+  // strata train decides them.
+  if (cfg.placement.auto_place || c.plan.speculate_slots) {
+    c = compute(cfg, 0, per_node, given, &b.rates);
+    b.work = predicted_work(cfg, c.plan, train_fetches(c.plan), c.net);
+  }
+  b.bound = step_bound(b.work, b.rates, cpu_compute);
+  if (b.work.speculated_elems > 0) b.clipped = step_bound(clipped_work(b.work), b.rates, cpu_compute);
+  return b;
+}
+
+void print_plan_json(const PlanOptions& opt, const Config& cfg, const Computed& c, const PlanBound& b,
+                     const DataUse& data) {
+  nlohmann::json j = plan_json(c);
+  if (b.bounded) j["bound"] = bound_json(b.work, b.bound, b.rates);
+  if (!opt.no_bound && !b.bounded) j["bound"] = nullptr;
+  if (b.bounded && b.work.speculated_elems > 0) j["bound"]["clipped_step_seconds"] = b.clipped.seconds;
+  if (!c.plan.auto_choice.empty()) j["auto_choice"] = c.plan.auto_choice;
+  j["data"] = {{"files", cfg.data.paths.size()}, {"mapped_bytes", data.mapped_bytes},
+               {"token_batch_bytes", c.plan.staging.tokens}, {"missing_files", data.missing}};
+  j["nodes"] = opt.nodes;
+  j["network"]["net_gbps"] = opt.net_gbps;
+  j["network"]["seconds_per_step"] = double(c.net.world) * 8.0 / (opt.net_gbps * 1e9);
+  j["network"]["intra_node_gbps"] = opt.intra_node_gbps;
+  j["network"]["intra_node_seconds_per_step"] = double(c.net.node) * 8.0 / (opt.intra_node_gbps * 1e9);
+  std::printf("%s\n", j.dump(2).c_str());
+}
+
+// The node's totals and the network's share of a step with ranks.
+void print_ranks_text(const PlanOptions& opt, const Config& cfg, const Computed& c) {
+  const int per_node = opt.world_size / opt.nodes;
   const double net_s = double(c.net.world) * 8.0 / (opt.net_gbps * 1e9);
   const double intra_s = double(c.net.node) * 8.0 / (opt.intra_node_gbps * 1e9);
+  const auto tot = c.plan.total();
+  std::printf("node total (%d ranks): device %s, host %s, nvme %s\n", per_node,
+              cell(tot[0] * per_node).c_str(), cell(tot[1] * per_node).c_str(), cell(tot[2] * per_node).c_str());
+  std::printf("network: each rank sends %s per step: %.3f s at %g Gbit/s%s; gradients reduced %s in %s\n",
+              format_bytes(double(c.net.world)).c_str(), net_s, opt.net_gbps,
+              opt.nodes > 1 ? "" : " (one node: loopback or NVLink in practice)",
+              c.plan.layer_major()     ? "once per step (the layer schedule)"
+              : c.plan.reduce_per_step ? "once per step (comm.gradient_reduction)"
+                                       : "once per micro-batch (comm.gradient_reduction)",
+              c.plan.comm_grad_bytes == 4 ? "fp32" : "16 bits (communication_data_type)");
+  if (c.plan.secondary_shard) {
+    std::printf("secondary shard (comm.secondary_shard): the step's later gathers stay inside the node: "
+                "each rank sends %s per step to its node's ranks: %.3f s at %g Gbit/s (--intra-node-gbps)\n",
+                format_bytes(double(c.net.node)).c_str(), intra_s, opt.intra_node_gbps);
+  } else if (opt.nodes > 1 && c.plan.stage == 3 && per_node > 1) {
+    std::printf("secondary shard (comm.secondary_shard): off%s\n",
+                cfg.comm.secondary_shard == "off" ? "" : " (does not fit)");
+  }
+}
+
+void print_plan_text(const PlanOptions& opt, const Config& cfg, const Computed& c, const PlanBound& b,
+                     const DataUse& data) {
+  const int per_node = opt.world_size / opt.nodes;
+  std::printf("Placement plan for %s (from %s keys), rank 0 of %d (%d per node, ZeRO stage %d)\n",
+              opt.config_path.c_str(), c.plan.source.c_str(), opt.world_size, per_node, c.plan.stage);
+  std::fputs(format_plan(c.plan, c.cap, c.shortfalls).c_str(), stdout);
+  if (!c.plan.auto_choice.empty()) std::printf("auto placement: %s\n", c.plan.auto_choice.c_str());
+  std::printf("data: %zu token file(s), %s mapped read-only (page cache, shared by a node's ranks; not in the "
+              "totals); each rank's own: the token batches above%s\n",
+              cfg.data.paths.size(), format_bytes(double(data.mapped_bytes)).c_str(),
+              data.missing.empty() ? "" : strprintf(" (%zu not on this machine, not counted)", data.missing.size()).c_str());
   const int64_t step_tokens = cfg.train_micro_batch_size_per_gpu * cfg.model.seq_len * c.plan.accum;
+  if (b.bounded) std::fputs(bound_text(b.bound, b.rates, b.work, step_tokens).c_str(), stdout);
+  if (!opt.no_bound && !b.bounded) std::printf("step bound: not computed (the plan does not fit; nothing was probed)\n");
+  if (b.bounded && b.work.speculated_elems > 0) {
+    std::printf("  a clipped step (its speculation redone after the backward): %.3f s, by %s\n", b.clipped.seconds,
+                b.clipped.binding.c_str());
+  }
+  if (opt.world_size > 1) print_ranks_text(opt, cfg, c);
+}
+
+int run_plan(const PlanOptions& opt) {
+  setup_logging("warn", "");  // stderr: stdout carries the plan or its JSON
+  check_plan_options(opt);
+  const GpuPreset* preset = gpu_preset(opt.gpu);
+  std::vector<std::string> overrides = opt.overrides;
+  if (preset != nullptr) overrides.push_back("run.device=cuda");  // a plan for that GPU
+  Config cfg = load_config(opt.config_path, overrides, opt.world_size);
+  const int per_node = opt.world_size / opt.nodes;
+  const GivenCapacity given = given_capacity(opt, preset);
+  Computed c = compute(cfg, 0, per_node, given);
+  const DataUse data = data_use(cfg);
+  const PlanBound b = bound_plan(opt, cfg, given, per_node, c);
   if (opt.json) {
-    nlohmann::json j = plan_json(c);
-    if (bounded) j["bound"] = bound_json(work, bound, rates);
-    if (!opt.no_bound && !bounded) j["bound"] = nullptr;
-    if (bounded && work.speculated_elems > 0) j["bound"]["clipped_step_seconds"] = clipped_bound.seconds;
-    if (!c.plan.auto_choice.empty()) j["auto_choice"] = c.plan.auto_choice;
-    j["data"] = {{"files", cfg.data.paths.size()}, {"mapped_bytes", data.mapped_bytes},
-                 {"token_batch_bytes", c.plan.staging.tokens}, {"missing_files", data.missing}};
-    j["nodes"] = opt.nodes;
-    j["network"]["net_gbps"] = opt.net_gbps;
-    j["network"]["seconds_per_step"] = net_s;
-    j["network"]["intra_node_gbps"] = opt.intra_node_gbps;
-    j["network"]["intra_node_seconds_per_step"] = intra_s;
-    std::printf("%s\n", j.dump(2).c_str());
+    print_plan_json(opt, cfg, c, b, data);
   } else {
-    std::printf("Placement plan for %s (from %s keys), rank 0 of %d (%d per node, ZeRO stage %d)\n",
-                opt.config_path.c_str(), c.plan.source.c_str(), opt.world_size, per_node, c.plan.stage);
-    std::fputs(format_plan(c.plan, c.cap, c.shortfalls).c_str(), stdout);
-    if (!c.plan.auto_choice.empty()) std::printf("auto placement: %s\n", c.plan.auto_choice.c_str());
-    std::printf("data: %zu token file(s), %s mapped read-only (page cache, shared by a node's ranks; not in the "
-                "totals); each rank's own: the token batches above%s\n",
-                cfg.data.paths.size(), format_bytes(double(data.mapped_bytes)).c_str(),
-                data.missing.empty() ? "" : strprintf(" (%zu not on this machine, not counted)", data.missing.size()).c_str());
-    if (bounded) std::fputs(bound_text(bound, rates, work, step_tokens).c_str(), stdout);
-    if (!opt.no_bound && !bounded) std::printf("step bound: not computed (the plan does not fit; nothing was probed)\n");
-    if (bounded && work.speculated_elems > 0) {
-      std::printf("  a clipped step (its speculation redone after the backward): %.3f s, by %s\n", clipped_bound.seconds,
-                  clipped_bound.binding.c_str());
-    }
-    if (opt.world_size > 1) {
-      const auto tot = c.plan.total();
-      std::printf("node total (%d ranks): device %s, host %s, nvme %s\n", per_node,
-                  cell(tot[0] * per_node).c_str(), cell(tot[1] * per_node).c_str(), cell(tot[2] * per_node).c_str());
-      std::printf("network: each rank sends %s per step: %.3f s at %g Gbit/s%s; gradients reduced %s in %s\n",
-                  format_bytes(double(c.net.world)).c_str(), net_s, opt.net_gbps,
-                  opt.nodes > 1 ? "" : " (one node: loopback or NVLink in practice)",
-                  c.plan.layer_major()   ? "once per step (the layer schedule)"
-                  : c.plan.reduce_per_step ? "once per step (comm.gradient_reduction)"
-                                           : "once per micro-batch (comm.gradient_reduction)",
-                  c.plan.comm_grad_bytes == 4 ? "fp32" : "16 bits (communication_data_type)");
-      if (c.plan.secondary_shard) {
-        std::printf("secondary shard (comm.secondary_shard): the step's later gathers stay inside the node: "
-                    "each rank sends %s per step to its node's ranks: %.3f s at %g Gbit/s (--intra-node-gbps)\n",
-                    format_bytes(double(c.net.node)).c_str(), intra_s, opt.intra_node_gbps);
-      } else if (opt.nodes > 1 && c.plan.stage == 3 && per_node > 1) {
-        std::printf("secondary shard (comm.secondary_shard): off%s\n",
-                    cfg.comm.secondary_shard == "off" ? "" : " (does not fit)");
-      }
-    }
+    print_plan_text(opt, cfg, c, b, data);
   }
   return c.shortfalls.empty() ? kExitOk : kExitBadInput;
 }

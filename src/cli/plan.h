@@ -8,8 +8,9 @@
 #include <vector>
 
 #include "config/config.h"
-#include "memory/bound.h"
+#include "plan/bound.h"
 #include "memory/placement.h"
+#include "plan/capacity.h"
 
 namespace strata {
 

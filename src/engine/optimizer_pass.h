@@ -152,6 +152,13 @@ class SaveGate {
 // CPU Adam's threads for `cfg` on `device` (0 = all cores).
 int adam_threads(const Config& cfg, const Device& device);
 
+// The part [start, start + numel) of a piece's spans (moments of
+// `moment_bytes`, the emitted working copy of `working_bytes` per element):
+// one CPU Adam call over a run inside a block shard (optimizer_pass.cc and
+// optimizer_speculation.cc).
+cpu_adam::AdamSpans run_part(const cpu_adam::AdamSpans& whole, int64_t start, int64_t numel, int64_t moment_bytes,
+                             int64_t working_bytes);
+
 class OptimizerPass {
  public:
   // Cuts the plan's pieces and their runs, allocates the staging, and with

@@ -1,5 +1,5 @@
 // Short measurements of the rates the step's bound divides work by
-// (memory/bound.h; docs/design.md, "The step's bound"), on the machine and
+// (plan/bound.h; docs/design.md, "The step's bound"), on the machine and
 // device the run uses: the device's compute at this model's shapes, host <->
 // device copies, the I/O engine in a swap directory, CPU Adam. Each takes
 // about `budget_s` seconds after a warm-up.
@@ -9,7 +9,7 @@
 
 #include "config/config.h"
 #include "cpu_adam/types.h"
-#include "memory/bound.h"
+#include "plan/bound.h"
 #include "memory/device.h"
 #include "memory/placement.h"
 

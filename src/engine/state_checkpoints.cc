@@ -94,38 +94,20 @@ std::vector<TensorEntry> StateCheckpoints::tensor_entries() const {
   return out;
 }
 
-void StateCheckpoints::begin(const CheckpointOptions& options, Manifest header, const TrainerCounters& counters,
-                             const LossScaler* scaler) {
-  STRATA_CHECK(!save_, "a checkpoint save is already in flight");
-  TieredState& state = *ctx_.state;
-  auto f = std::make_shared<InFlight>();
-  f->t0 = std::chrono::steady_clock::now();
+void StateCheckpoints::fill_header(Manifest& header, const TrainerCounters& counters, const LossScaler* scaler) const {
   header.step = counters.step;
   header.trainer["step"] = counters.step;
   header.trainer["optimizer_step"] = counters.optimizer_step;
   header.trainer["loss_scale"] = scaler ? scaler->to_json() : nlohmann::json();
   header.parameters = ctx_.layout->parameter_count();
   header.tensors = tensor_entries();
-  for (Category c : kSavedCategories) header.elem_bytes[c] = state.elem_bytes(c);
-  // In the order the optimizer walks the shard space (all categories of a
-  // piece together): it waits for a prefix of them.
-  f->ranges = ranges(true);
-  std::stable_sort(f->ranges.begin(), f->ranges.end(),
-                   [](const ShardRange& a, const ShardRange& b) { return a.shard_offset < b.shard_offset; });
-  for (const ShardRange& r : f->ranges) {
-    f->offsets.push_back(r.shard_offset);
-    f->ends.push_back(r.shard_offset + r.shard_numel);
-    STRATA_CHECK(f->ends.size() < 2 || f->ends.back() >= f->ends[f->ends.size() - 2],
-                 "checkpoint ranges of categories cut differently");
-  }
-  f->applied_step = counters.optimizer_step;
-  f->res = res_;
-  // The callbacks run on the save's thread and on the passes that overtake
-  // it, which may outlive this object (Resources): they hold the save, the
-  // context and the optimizer (the trainer's, which outlive both), not this.
-  InFlight* raw = f.get();
-  const StepContext* ctx = &ctx_;
-  OptimizerPass* opt = &optimizer_;
+  for (Category c : kSavedCategories) header.elem_bytes[c] = ctx_.state->elem_bytes(c);
+}
+
+// The callbacks run on the save's thread and on the passes that overtake
+// it, which may outlive the StateCheckpoints (Resources): they hold the save,
+// the context and the optimizer (the trainer's, which outlive both).
+RangeSource StateCheckpoints::range_source(const StepContext* ctx, OptimizerPass* opt, InFlight* raw) {
   RangeSource source;
   source.resident = [ctx, raw](size_t i) -> const std::byte* {
     const ShardRange& r = raw->ranges[i];
@@ -153,7 +135,7 @@ void StateCheckpoints::begin(const CheckpointOptions& options, Manifest header, 
   // state, the compute thread that launches its update) into the pool. The
   // state there is still the saved step's: whatever overwrites it comes
   // through make_writable() first.
-  if (res_->snapshot_pool.bytes() > 0) {
+  if (raw->res->snapshot_pool.bytes() > 0) {
     source.snapshot_ok = [ctx, raw](size_t i) {  // in memory: host or device, not NVMe
       const ShardRange& r = raw->ranges[i];
       const std::optional<Tier> t = range_tier(ctx->state->plan(), r.category, r.shard_offset, r.shard_numel);
@@ -171,6 +153,31 @@ void StateCheckpoints::begin(const CheckpointOptions& options, Manifest header, 
           .wait();
     };
   }
+  return source;
+}
+
+void StateCheckpoints::begin(const CheckpointOptions& options, Manifest header, const TrainerCounters& counters,
+                             const LossScaler* scaler) {
+  STRATA_CHECK(!save_, "a checkpoint save is already in flight");
+  auto f = std::make_shared<InFlight>();
+  f->t0 = std::chrono::steady_clock::now();
+  fill_header(header, counters, scaler);
+  // In the order the optimizer walks the shard space (all categories of a
+  // piece together): it waits for a prefix of them.
+  f->ranges = ranges(true);
+  std::stable_sort(f->ranges.begin(), f->ranges.end(),
+                   [](const ShardRange& a, const ShardRange& b) { return a.shard_offset < b.shard_offset; });
+  for (const ShardRange& r : f->ranges) {
+    f->offsets.push_back(r.shard_offset);
+    f->ends.push_back(r.shard_offset + r.shard_numel);
+    STRATA_CHECK(f->ends.size() < 2 || f->ends.back() >= f->ends[f->ends.size() - 2],
+                 "checkpoint ranges of categories cut differently");
+  }
+  f->applied_step = counters.optimizer_step;
+  f->res = res_;
+  InFlight* raw = f.get();
+  OptimizerPass* opt = &optimizer_;
+  RangeSource source = range_source(&ctx_, opt, raw);
   // The step being saved may still be updating (run.overlap_optimizer):
   // each range waits until the update is final there.
   std::function<bool(size_t)> ready;
@@ -239,6 +246,46 @@ void StateCheckpoints::check_shape(const Manifest& m, const std::string& mpath) 
   }
 }
 
+namespace {
+
+// The trainer's counters a checkpoint records (trainer.optimizer_step: at
+// most its step; absent in checkpoints older than it: the step).
+TrainerCounters counters_of(const Manifest& m, const std::string& mpath) {
+  TrainerCounters counters{m.step, m.step};
+  if (m.trainer.contains("optimizer_step")) {
+    const nlohmann::json& o = m.trainer["optimizer_step"];
+    if (!o.is_number_integer() || o.get<int64_t>() < 0 || o.get<int64_t>() > m.step) {
+      throw InputError(mpath, "manifest trainer.optimizer_step: must be an integer in [0, step]");
+    }
+    counters.optimizer_step = o.get<int64_t>();
+  }
+  return counters;
+}
+
+// A chunk read from a checkpoint (`data`: in its home when `resident`, else
+// staged) placed: its padding zeroed, written through the state when not
+// resident, and for master weights the working copy derived from it, in
+// `working_home` where resident, else through `working`.
+void place_chunk(TieredState& state, at::ScalarType compute_dtype, const ShardRange& r, std::byte* data,
+                 bool resident, std::byte* working_home, HostBuffer& working) {
+  const int eb = state.elem_bytes(r.category);
+  std::memset(data + r.numel * eb, 0, size_t((r.shard_numel - r.numel) * eb));  // padding
+  if (!resident) state.write(r.category, r.shard_offset, r.shard_numel, data);
+  if (r.category != Category::kMaster) return;
+  // The working copy is the master weights in the compute dtype, as the
+  // optimizer emits it: converted straight into its home where resident.
+  std::byte* dst = working_home != nullptr ? working_home : working.as<std::byte>();
+  if (compute_dtype == at::kFloat) {
+    std::memcpy(dst, data, size_t(r.shard_numel * 4));
+  } else {
+    at::from_blob(dst, {r.shard_numel}, at::TensorOptions().dtype(compute_dtype))
+        .copy_(at::from_blob(data, {r.shard_numel}, at::TensorOptions().dtype(at::kFloat)));
+  }
+  if (working_home == nullptr) state.write(Category::kParam16, r.shard_offset, r.shard_numel, dst);
+}
+
+}  // namespace
+
 TrainerCounters StateCheckpoints::load(CheckpointReader& reader, LossScaler* scaler) {
   TieredState& state = *ctx_.state;
   const Manifest& m = reader.manifest();
@@ -251,14 +298,7 @@ TrainerCounters StateCheckpoints::load(CheckpointReader& reader, LossScaler* sca
     }
   }
   // The counters first: nothing is written before every check has passed.
-  TrainerCounters counters{m.step, m.step};
-  if (m.trainer.contains("optimizer_step")) {
-    const nlohmann::json& o = m.trainer["optimizer_step"];
-    if (!o.is_number_integer() || o.get<int64_t>() < 0 || o.get<int64_t>() > m.step) {
-      throw InputError(mpath, "manifest trainer.optimizer_step: must be an integer in [0, step]");
-    }
-    counters.optimizer_step = o.get<int64_t>();
-  }
+  const TrainerCounters counters = counters_of(m, mpath);
   std::optional<LossScaler> loaded;
   if (scaler) {
     loaded = *scaler;
@@ -300,23 +340,7 @@ TrainerCounters StateCheckpoints::load(CheckpointReader& reader, LossScaler* sca
   }
   // The reader reads ahead while each chunk is placed.
   reader.read_all(targets, [&](size_t k) {
-    const ShardRange& r = rs[k];
-    const int eb = state.elem_bytes(r.category);
-    std::byte* data = targets[k].out;
-    std::memset(data + r.numel * eb, 0, size_t((r.shard_numel - r.numel) * eb));  // padding
-    if (homes[k] == nullptr) state.write(r.category, r.shard_offset, r.shard_numel, data);
-    if (r.category == Category::kMaster) {
-      // The working copy is the master weights in the compute dtype, as the
-      // optimizer emits it: converted straight into its home where resident.
-      std::byte* dst = working_homes[k] != nullptr ? working_homes[k] : working.as<std::byte>();
-      if (ctx_.compute_dtype == at::kFloat) {
-        std::memcpy(dst, data, size_t(r.shard_numel * 4));
-      } else {
-        at::from_blob(dst, {r.shard_numel}, at::TensorOptions().dtype(ctx_.compute_dtype))
-            .copy_(at::from_blob(data, {r.shard_numel}, at::TensorOptions().dtype(at::kFloat)));
-      }
-      if (working_homes[k] == nullptr) state.write(Category::kParam16, r.shard_offset, r.shard_numel, dst);
-    }
+    place_chunk(state, ctx_.compute_dtype, rs[k], targets[k].out, homes[k] != nullptr, working_homes[k], working);
   });
   if (scaler) *scaler = *loaded;
   return counters;

@@ -70,6 +70,8 @@ class StateCheckpoints {
 
  private:
   class InFlight;
+  void fill_header(Manifest& header, const TrainerCounters& counters, const LossScaler* scaler) const;
+  static RangeSource range_source(const StepContext* ctx, OptimizerPass* opt, InFlight* raw);
   void check_shape(const Manifest& m, const std::string& mpath) const;
 
   const StepContext& ctx_;

@@ -36,6 +36,8 @@
 
 namespace strata {
 
+class StepCounters;  // trainer.cc: what a step reports as differences
+
 // optimizer.speculate auto (Note [Speculative optimizer] in optimizer_pass.h):
 // after this many redone (clipped) steps in a row, the next
 // kSpeculationPauseSteps steps run the optimizer after the backward.
@@ -230,11 +232,15 @@ class Trainer {
   std::array<int64_t, kNumTiers> peak_bytes() const;
 
  private:
-  // The step (trainer.cc, in this order): the schedule's ops, one op, the
-  // optimizer, then the three kinds of op (Note [Step schedules] in
+  // The step (trainer.cc, in this order): its forward and backward, the
+  // schedule's ops, one op, the optimizer; then (block_ops.cc) the three kinds of op (Note [Step schedules] in
   // memory/schedule.h): a block's forward, the head's forward and backward
   // (returning the micro-batch's loss, a 0-dim tensor on the device), a
   // block's backward (returning the gradient of its input).
+  void begin_step();
+  void skip_on_overflow(StepResult& r, double loss_scale);  // fp16: r.skipped on a non-finite norm
+  void forward_backward(const int64_t* tokens, double loss_scale, bool stop_requested, StepResult& r,
+                        LinkBytes& moved, const StepCounters& counters, double& param_wait);
   double run_schedule(const int64_t* tokens, double loss_scale);
   void run_op(const StepOp& op, const at::Tensor& tokens, double loss_scale);
   void apply_optimizer(StepResult& r, double loss_scale);
@@ -254,7 +260,7 @@ class Trainer {
   at::Tensor stage_tokens(const int64_t* tokens, int64_t rows);
   [[noreturn]] void out_of_memory(const c10::OutOfMemoryError& e) const;
 
-  // Start-up (trainer.cc, at the end).
+  // Start-up (trainer_setup.cc).
   void make_context(Communicator* comm, Device* device, StreamCollectives* stream);
   // Every rank planned the same collectives (the plan's choices by memory
   // could differ between ranks with different free memory): else a

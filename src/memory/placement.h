@@ -46,40 +46,6 @@ struct PlacementUnit {
   Tier tier = Tier::kDevice;
 };
 
-// What the machine offers, measured or given (bytes; < 0 = unknown/unlimited).
-struct MachineCapacity {
-  int64_t device_bytes = -1;    // device-tier budget
-  int64_t host_bytes = -1;      // available RAM
-  int64_t nvme_bytes = -1;      // free space under the swap directories (sum)
-  bool device_is_host = true;   // CPU compute: the device tier lives in host RAM
-  // Whether host code may use device memory in place (the CPU device); false
-  // on a GPU, and on a test device that models one with host memory
-  // (PlacementPlan::device_addressable).
-  bool device_addressable = true;
-  // GPU compute: where device_bytes came from ("cuda:0: 79.1 GiB free of
-  // 79.6 GiB", "run.device_memory_mb", or why it could not be measured).
-  std::string device_source;
-  // Where host_bytes and nvme_bytes came from: this machine's MemAvailable
-  // and free disk space, or the flags that described another.
-  std::string host_source = "this machine's available RAM";
-  std::string nvme_source = "this machine's free space under the swap directories";
-  // Ranks on this node (the launcher's LOCAL_WORLD_SIZE): the world's ranks
-  // are numbered node by node in groups of this many (PlacementPlan::ranks_per_node).
-  int ranks_per_node = 1;
-};
-
-// Measures the capacity: device budget from run.device_memory_mb (CPU: else
-// unlimited; a GPU: the free memory it reports now, and at most that with a
-// budget; unknown where this machine has no such GPU), MemAvailable from /proc/meminfo, statvfs free space under each
-// of `nvme_paths` (the nearest existing ancestor of each). With
-// `local_ranks` > 1 ranks share the node: each gets its share of RAM and disk
-// (the device budget is per rank already). `gpu`: the rank's GPU (its
-// ordinal, whose free memory is measured, divided among the local ranks
-// that share it when there are more than GPUs); -1: the first GPU
-// (`strata plan`).
-MachineCapacity measure_capacity(const Config& cfg, const std::vector<std::string>& nvme_paths,
-                                 int local_ranks = 1, int gpu = -1);
-
 // The transient and staging buffers the trainer allocates for a plan (bytes),
 // computed here so that `strata plan` reports exactly what a run will use.
 struct StagingNeeds {
@@ -178,7 +144,7 @@ struct PlacementPlan {
   std::vector<std::string> nvme_paths;
   std::string source;            // "deepspeed", "placement", "auto", "default"
   // With auto and rates to judge by: which candidate was chosen and the
-  // bound of each (memory/bound.h, choose_by_bound); empty otherwise.
+  // bound of each (plan/planner.h, choose_by_bound); empty otherwise.
   std::string auto_choice;
 
   int64_t sub_group_numel = 0;   // elements per optimizer sub-group (aligned)
@@ -329,20 +295,6 @@ bool optimizer_overlaps(const Config& cfg, const PlacementPlan& plan);
 // moments, gradient and working copy all on the device tier.
 bool device_adam_piece(const PlacementPlan& plan, const PlacementUnit& piece);
 
-// run.schedule auto (Note [Step schedules] in memory/schedule.h): the plan
-// `make` gives under micro_batch, returned, and under layer, in *layer when
-// there is more than one micro-batch and its plan is made and fits
-// `capacity` (else nullopt, and the returned plan's schedule_choice says why).
-PlacementPlan schedule_candidates(const Config& cfg, const MachineCapacity& capacity,
-                                  const std::function<PlacementPlan(const Config&)>& make,
-                                  std::optional<PlacementPlan>* layer);
-
-// What the layer schedule's plan `b` gives up against micro_batch's plan `a`
-// of the same config: empty when it places every byte of state on the same
-// tier and keeps every device-memory choice `a` made (kept graphs, blocks kept
-// gathered, the secondary shard); else a phrase saying what.
-std::string layer_gives_up(const PlacementPlan& a, const PlacementPlan& b);
-
 // Elements whose update speculates (PlacementPlan::speculate: CPU Adam's
 // pieces), 0 without speculation.
 int64_t speculated_numel(const PlacementPlan& plan);
@@ -369,43 +321,5 @@ std::unique_ptr<ParamWindow> make_param_window(const PlacementPlan& plan);
 // the step has a real fp32 sum (several ranks' reduction, the tied
 // embedding) or computes in fp32.
 int grad_wire_bytes(const PlacementPlan& plan, size_t b);
-
-// The trainer's buffers for `plan` (uses units, block_numel, window_knobs,
-// window_cap_bytes, tied, accum, compute_bytes, sub_group_numel).
-StagingNeeds staging_needs(const PlacementPlan& plan);
-
-// Computes the plan for `rank` (0 .. world_size-1). Throws ConfigError when
-// the config asks for something the layout cannot give (e.g. NVMe with no
-// path). `capacity` is used only by "auto".
-PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t rank,
-                        const MachineCapacity& capacity);
-
-// measure_capacity + make_plan for `rank`, measuring NVMe space under the
-// directories the plan itself names (what `strata plan` and `strata train`
-// use), each of `local_ranks` ranks of the node taking its share. `device`:
-// the device the run computes on when it is not run.device's (tests), whose
-// addressability the plan takes.
-// A machine described instead of measured (`strata plan --host-memory-gb`,
-// `--nvme-gb`, `--device-memory-gb`: planning a node you are not on). Node
-// figures are divided among the node's ranks like measured ones; < 0 = measure.
-struct GivenCapacity {
-  int64_t host_bytes = -1;    // RAM of the node
-  int64_t nvme_bytes = -1;    // free bytes under the swap directories, per node
-  int64_t device_bytes = -1;  // memory of each GPU (or the device budget)
-  std::string device_source;  // where device_bytes came from ("" = --device-memory-gb)
-};
-
-// With `rates` and placement auto, the candidate placements auto can build
-// are compared by the step's bound and the lowest chosen (memory/bound.h,
-// choose_by_bound; the greedy fill unless another is more than 10% lower).
-struct Rates;
-PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, MachineCapacity* capacity,
-                               int64_t rank = 0, int local_ranks = 1, const Device* device = nullptr,
-                               const GivenCapacity& given = {}, const Rates* rates = nullptr);
-
-// The verdict: empty when the plan fits `capacity`; otherwise one line per
-// short tier ("host: short by 3.2 GiB (needs 35.2 GiB, has 32.0 GiB); move
-// optimizer state to nvme ...").
-std::vector<std::string> plan_shortfalls(const PlacementPlan& plan, const MachineCapacity& capacity);
 
 }  // namespace strata

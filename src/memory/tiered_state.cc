@@ -19,6 +19,51 @@ bool crosses_pcie(Category c) { return c == Category::kParam16 || c == Category:
 namespace {
 // Note [Alternate swap slots]: the categories whose NVMe homes have two.
 bool slotted(Category c) { return c == Category::kMaster || c == Category::kExpAvg || c == Category::kExpAvgSq; }
+
+// The arenas' sizes: every resident unit, each rounded to a page; the host
+// units of the categories that cross PCIe apart; NVMe's in swap blocks (two
+// homes where a unit has alternate slots).
+struct ArenaSizes {
+  std::array<int64_t, kNumTiers> tier{};
+  int64_t transfer = 0;
+  int64_t nvme = 0;
+};
+
+ArenaSizes arena_sizes(const PlacementPlan& plan) {
+  ArenaSizes a;
+  for (int c = 0; c < kNumCategories; ++c) {
+    for (const PlacementUnit& u : plan.units[size_t(c)]) {
+      const int64_t bytes = round_up(u.numel * plan.elem_bytes[size_t(c)], kPageBytes);
+      a.tier[size_t(u.tier)] += bytes;
+      const bool slots = plan.speculate_slots && slotted(Category(c)) && optimizer_state_on_nvme(plan, u.offset, u.numel);
+      if (u.tier == Tier::kNvme) a.nvme += round_up(bytes, kSwapBlockBytes) * (slots ? 2 : 1);
+      if (u.tier == Tier::kHost && crosses_pcie(Category(c))) a.transfer += bytes;
+    }
+  }
+  return a;
+}
+
+// The swap store of `nvme_bytes` under the plan's directories, after
+// removing what killed runs left there (Note [Swap directory layout]).
+std::unique_ptr<nvme::SwapStore> open_swap(const PlacementPlan& plan, const TieredStateOptions& options,
+                                           nvme::IoEngine& engine, int64_t nvme_bytes) {
+  for (const std::string& dir : plan.nvme_paths) {
+    for (const nvme::ReclaimedSwap& r : nvme::reclaim_abandoned_swap(dir)) {
+      log::warn("removed %s (%s), the swap directory of a run that is gone", r.path.c_str(),
+                format_bytes(double(r.bytes)).c_str());
+    }
+  }
+  nvme::SwapOptions so;
+  so.rank = plan.rank;
+  so.dirs = plan.nvme_paths;
+  so.capacity_bytes = nvme_bytes;
+  so.block_bytes = kSwapBlockBytes;
+  so.stripe_bytes = std::max<int64_t>(kSwapBlockBytes, int64_t(16) << 20);
+  so.checksums = options.checksums;
+  so.keep_files = options.keep_swap_files;
+  return std::make_unique<nvme::SwapStore>(engine, so);
+}
+
 }  // namespace
 
 bool TieredState::has_slots(Category c, const PlacementUnit& u) const {
@@ -27,18 +72,9 @@ bool TieredState::has_slots(Category c, const PlacementUnit& u) const {
 
 TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& options)
     : plan_(plan), device_(options.device != nullptr ? options.device : &cpu_device()) {
-  // Arena sizes: every resident unit, each rounded to a page.
-  std::array<int64_t, kNumTiers> need{};
-  int64_t nvme_bytes = 0;
-  int64_t transfer_bytes = 0;  // host units of the categories that cross PCIe
-  for (int c = 0; c < kNumCategories; ++c) {
-    for (const PlacementUnit& u : plan_.units[size_t(c)]) {
-      const int64_t bytes = round_up(u.numel * plan_.elem_bytes[size_t(c)], kPageBytes);
-      need[size_t(u.tier)] += bytes;
-      if (u.tier == Tier::kNvme) nvme_bytes += round_up(bytes, kSwapBlockBytes) * (has_slots(Category(c), u) ? 2 : 1);
-      if (u.tier == Tier::kHost && crosses_pcie(Category(c))) transfer_bytes += bytes;
-    }
-  }
+  const ArenaSizes sizes = arena_sizes(plan_);
+  const std::array<int64_t, kNumTiers>& need = sizes.tier;
+  const int64_t transfer_bytes = sizes.transfer;
   if (options.device_budget_bytes >= 0 &&
       need[0] + options.device_transient_bytes > options.device_budget_bytes) {
     throw OutOfMemoryError(strprintf(
@@ -57,24 +93,9 @@ TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& op
   // Note [Host arenas].
   host_transfer_arena_ = device_->allocate_pinned(transfer_bytes, "host tier: 16-bit parameters and gradients");
   host_arena_ = HostBuffer(size_t(need[1] - transfer_bytes), "host tier: optimizer state");
-  if (nvme_bytes > 0) {
+  if (sizes.nvme > 0) {
     engine_ = std::make_unique<nvme::IoEngine>(options.engine);
-    // Note [Swap directory layout]: what killed runs left behind goes first.
-    for (const std::string& dir : plan_.nvme_paths) {
-      for (const nvme::ReclaimedSwap& r : nvme::reclaim_abandoned_swap(dir)) {
-        log::warn("removed %s (%s), the swap directory of a run that is gone", r.path.c_str(),
-                  format_bytes(double(r.bytes)).c_str());
-      }
-    }
-    nvme::SwapOptions so;
-    so.rank = plan_.rank;
-    so.dirs = plan_.nvme_paths;
-    so.capacity_bytes = nvme_bytes;
-    so.block_bytes = kSwapBlockBytes;
-    so.stripe_bytes = std::max<int64_t>(kSwapBlockBytes, int64_t(16) << 20);
-    so.checksums = options.checksums;
-    so.keep_files = options.keep_swap_files;
-    swap_ = std::make_unique<nvme::SwapStore>(*engine_, so);
+    swap_ = open_swap(plan_, options, *engine_, sizes.nvme);
   }
   std::array<int64_t, kNumTiers> used{};
   int64_t transfer_used = 0;

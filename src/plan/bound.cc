@@ -1,6 +1,7 @@
-#include "memory/bound.h"
+#include "plan/bound.h"
 
 #include <algorithm>
+#include <functional>
 #include <thread>
 
 #include "memory/param_window.h"
@@ -134,49 +135,13 @@ int64_t on_tier(const PlacementPlan& p, Category c, Tier t, int64_t begin, int64
   return s;
 }
 
-}  // namespace
-
-// Docs/design.md "Bytes per link" is the table this follows, row by row; on
-// the CPU device (host-addressable) the optimizer's device-tier state is used
-// in place, so its rows move nothing.
-StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::vector<int64_t>& fetches,
-                        const NetworkBytes& net) {
-  StepWork w;
-  const int64_t A = std::max<int64_t>(p.accum, 1);
-  const int64_t tokens = cfg.train_micro_batch_size_per_gpu * cfg.model.seq_len;
-  w.flops = double(A) * step_flops(cfg.model, tokens, !p.keep_graphs);
-  // The forward the optimizer of the step before overlaps (Note [Optimizer
-  // overlap]): until the last block's forward, the first micro-batch's under
-  // micro_batch, every micro-batch's under layer (Note [Step schedules]).
-  // The forward is a third of forward + backward.
-  w.first_forward_flops = double(p.held_micro) * step_flops(cfg.model, tokens, false) / 3;
-  w.overlap_optimizer = optimizer_overlaps(cfg, p);
-  w.cpu_threads = cfg.run.threads > 0 ? int(cfg.run.threads) : std::max(1, int(std::thread::hardware_concurrency()));
-  w.net_bytes = net.world;
-  w.intra_node_bytes = net.node;
-  LinkBytes& e = w.links;
+// The optimizer's part of one step under `p`: CPU Adam's elements (and what
+// it speculates) and the bytes its pieces move, into w.optimizer_links.
+void optimizer_work(const PlacementPlan& p, StepWork& w) {
+  LinkBytes& o = w.optimizer_links;
   const int64_t c = p.compute_bytes;
   const int64_t m = p.elem_bytes[size_t(Category::kExpAvg)];
   const std::vector<PlacementUnit>& p16 = p.units[size_t(Category::kParam16)];
-  const std::vector<PlacementUnit>& grad = p.units[size_t(Category::kGrad)];
-  STRATA_CHECK(fetches.size() == p16.size(), "one fetch count per block");
-  for (size_t b = 0; b < p16.size(); ++b) {
-    const int64_t n = p16[b].numel, F = fetches[b];
-    if (p16[b].tier == Tier::kHost) e.h2d += c * n * F;
-    if (p16[b].tier == Tier::kNvme) e.nvme_read += c * n * F, e.h2d += c * n * F;
-    const int64_t wire = grad_wire_bytes(p, b);
-    // Gradients land in their home once per micro-batch, or once per step
-    // when ranks reduce once per step (PlacementPlan::reduce_per_step) and
-    // under the layer schedule (summed on the device first).
-    const int64_t G = p.reduce_per_step || p.layer_major() ? 1 : A;
-    if (grad[b].tier != Tier::kDevice) e.d2h += wire * grad[b].numel * G, w.grad_add_elems += grad[b].numel * G;
-    if (grad[b].tier == Tier::kNvme) e.nvme_write += 4 * grad[b].numel * G, e.nvme_read += 4 * grad[b].numel * (G - 1);
-  }
-  if (p.cpu_checkpointing) {
-    e.d2h += p.checkpoint_layers * p.checkpoint_bytes * A;
-    e.h2d += p.checkpoint_layers * p.checkpoint_bytes * A;
-  }
-  LinkBytes& o = w.optimizer_links;  // added to e at the end
   const int64_t moment[3] = {4, m, m};
   const Category opt[3] = {Category::kMaster, Category::kExpAvg, Category::kExpAvgSq};
   // Block 0's range of the shard space: its pieces' speculation ends last.
@@ -218,6 +183,51 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
     o += one;
     if (slots) w.slot_links += one;
   }
+}
+
+}  // namespace
+
+// Docs/design.md "Bytes per link" is the table this follows, row by row; on
+// the CPU device (host-addressable) the optimizer's device-tier state is used
+// in place, so its rows move nothing.
+StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::vector<int64_t>& fetches,
+                        const NetworkBytes& net) {
+  StepWork w;
+  const int64_t A = std::max<int64_t>(p.accum, 1);
+  const int64_t tokens = cfg.train_micro_batch_size_per_gpu * cfg.model.seq_len;
+  w.flops = double(A) * step_flops(cfg.model, tokens, !p.keep_graphs);
+  // The forward the optimizer of the step before overlaps (Note [Optimizer
+  // overlap]): until the last block's forward, the first micro-batch's under
+  // micro_batch, every micro-batch's under layer (Note [Step schedules]).
+  // The forward is a third of forward + backward.
+  w.first_forward_flops = double(p.held_micro) * step_flops(cfg.model, tokens, false) / 3;
+  w.overlap_optimizer = optimizer_overlaps(cfg, p);
+  w.cpu_threads = cfg.run.threads > 0 ? int(cfg.run.threads) : std::max(1, int(std::thread::hardware_concurrency()));
+  w.net_bytes = net.world;
+  w.intra_node_bytes = net.node;
+  LinkBytes& e = w.links;
+  const int64_t c = p.compute_bytes;
+  const std::vector<PlacementUnit>& p16 = p.units[size_t(Category::kParam16)];
+  const std::vector<PlacementUnit>& grad = p.units[size_t(Category::kGrad)];
+  STRATA_CHECK(fetches.size() == p16.size(), "one fetch count per block");
+  for (size_t b = 0; b < p16.size(); ++b) {
+    const int64_t n = p16[b].numel, F = fetches[b];
+    if (p16[b].tier == Tier::kHost) e.h2d += c * n * F;
+    if (p16[b].tier == Tier::kNvme) e.nvme_read += c * n * F, e.h2d += c * n * F;
+    const int64_t wire = grad_wire_bytes(p, b);
+    // Gradients land in their home once per micro-batch, or once per step
+    // when ranks reduce once per step (PlacementPlan::reduce_per_step) and
+    // under the layer schedule (summed on the device first).
+    const int64_t G = p.reduce_per_step || p.layer_major() ? 1 : A;
+    if (grad[b].tier != Tier::kDevice) e.d2h += wire * grad[b].numel * G, w.grad_add_elems += grad[b].numel * G;
+    if (grad[b].tier == Tier::kNvme) e.nvme_write += 4 * grad[b].numel * G, e.nvme_read += 4 * grad[b].numel * (G - 1);
+  }
+  if (p.cpu_checkpointing) {
+    e.d2h += p.checkpoint_layers * p.checkpoint_bytes * A;
+    e.h2d += p.checkpoint_layers * p.checkpoint_bytes * A;
+  }
+  optimizer_work(p, w);  // into w.optimizer_links, added to the links below
+  const LinkBytes& o = w.optimizer_links;
   e += o;
   if (cfg.run.swap_checksums) {
     w.checksum_bytes = e.nvme_read + e.nvme_write;
@@ -284,21 +294,24 @@ std::vector<std::string> missing_rates(const StepWork& w, const Rates& r, bool c
   return out;
 }
 
-StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
-  const std::vector<std::string> missing = missing_rates(w, r, cpu_compute);
-  STRATA_CHECK(missing.empty(), "step_bound without a rate for " + missing.front());
-  StepBound b;
-  auto add = [&](std::string name, std::string work, std::string rate, double s) {
-    b.resources.push_back({std::move(name), std::move(work), std::move(rate), s});
-  };
-  const double compute_s = w.flops > 0 ? w.flops / r.device_flops : 0.0;
-  const double adam_s = w.adam_elems > 0 ? double(w.adam_elems) / r.adam : 0.0;
-  const double checksum_s = w.checksum_bytes > 0 ? double(w.checksum_bytes) / r.checksum : 0.0;
-  const double opt_checksum_s = w.optimizer_checksum_bytes > 0 ? double(w.optimizer_checksum_bytes) / r.checksum : 0.0;
-  const bool checksums = w.checksum_bytes > 0;
-  const std::string checksum_work = checksums ? " + " + bytes_text(double(w.checksum_bytes)) + " checksummed" : "";
-  const std::string checksum_rate = checksums ? " + " + gbps_text(r.checksum) + " CRC-32C" : "";
-  // On CPU compute, H2D and D2H are memcpy by the cores.
+namespace {
+
+// The seconds each kind of work takes at its rate, shared by the rows of the
+// bound and its dependencies.
+struct WorkSeconds {
+  double compute = 0, adam = 0, checksum = 0, optimizer_checksum = 0;
+  // On CPU compute: the copies (memcpy on the compute's thread) and the
+  // lander's gradient adds as the cores' time; 0 on a GPU.
+  double landing = 0;
+  double grad_add = 0;  // the lander's one thread
+};
+
+WorkSeconds work_seconds(const StepWork& w, const Rates& r, bool cpu_compute) {
+  WorkSeconds t;
+  t.compute = w.flops > 0 ? w.flops / r.device_flops : 0.0;
+  t.adam = w.adam_elems > 0 ? double(w.adam_elems) / r.adam : 0.0;
+  t.checksum = w.checksum_bytes > 0 ? double(w.checksum_bytes) / r.checksum : 0.0;
+  t.optimizer_checksum = w.optimizer_checksum_bytes > 0 ? double(w.optimizer_checksum_bytes) / r.checksum : 0.0;
   // On CPU compute, H2D and D2H are memcpy on the compute's thread (the
   // CPU device copies in the calling thread: the window's fetches, the
   // gradients' landing), between its parallel regions: their whole seconds.
@@ -307,11 +320,22 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
                                              (w.links.d2h > 0 ? double(w.links.d2h) / r.d2h : 0.0);
   // The lander's adds of landed gradients into their host homes: one thread,
   // beside the backward.
-  const double grad_add_s = w.grad_add_elems > 0 ? double(w.grad_add_elems) / r.grad_add : 0.0;
+  t.grad_add = w.grad_add_elems > 0 ? double(w.grad_add_elems) / r.grad_add : 0.0;
   // With CPU compute the adds are the lander's work beside the compute's
   // threads: their share of the cores' time is their CPU time over the
   // pool's threads.
-  const double landing_s = cpu_compute ? copies_s + grad_add_s / std::max(1, w.cpu_threads) : 0.0;
+  t.landing = cpu_compute ? copies_s + t.grad_add / std::max(1, w.cpu_threads) : 0.0;
+  return t;
+}
+
+using AddRow = std::function<void(std::string, std::string, std::string, double)>;
+
+// The rows of the resources with work: one pool of cores on CPU compute, the
+// device and the host's apart on a GPU; the links, the disk, the network.
+void add_resources(const StepWork& w, const Rates& r, bool cpu_compute, const WorkSeconds& t, const AddRow& add) {
+  const bool checksums = w.checksum_bytes > 0;
+  const std::string checksum_work = checksums ? " + " + bytes_text(double(w.checksum_bytes)) + " checksummed" : "";
+  const std::string checksum_rate = checksums ? " + " + gbps_text(r.checksum) + " CRC-32C" : "";
   const std::string grad_add_rate = w.grad_add_elems > 0 ? strprintf("%.3g G elements/s", r.grad_add / 1e9) : "";
   if (cpu_compute) {
     // One pool of cores and memory bandwidth does all of it.
@@ -332,17 +356,17 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
     if (w.grad_add_elems > 0) rate += strprintf(" (adds: 1 of %d threads)", std::max(1, w.cpu_threads));
     if (checksums) name += " + checksums";
     add(name + ")", work + checksum_work, rate + checksum_rate,
-        compute_s + adam_s + landing_s + checksum_s);
+        t.compute + t.adam + t.landing + t.checksum);
   } else {
-    if (w.flops > 0) add("device", flops_text(w.flops), strprintf("%.3g TFLOP/s", r.device_flops / 1e12), compute_s);
+    if (w.flops > 0) add("device", flops_text(w.flops), strprintf("%.3g TFLOP/s", r.device_flops / 1e12), t.compute);
     if (w.adam_elems > 0 || checksums) {
       add(checksums ? "cpu (Adam + checksums)" : "cpu adam", elems_text(double(w.adam_elems)) + checksum_work,
-          strprintf("%.3g G elements/s", r.adam / 1e9) + checksum_rate, adam_s + checksum_s);
+          strprintf("%.3g G elements/s", r.adam / 1e9) + checksum_rate, t.adam + t.checksum);
     }
     // Its own thread on the host; the compute does not wait for it until the
     // step's last landing, so it is a resource, not a step of the dependencies.
     if (w.grad_add_elems > 0) {
-      add("host gradient adds", elems_text(double(w.grad_add_elems)) + " added", grad_add_rate, grad_add_s);
+      add("host gradient adds", elems_text(double(w.grad_add_elems)) + " added", grad_add_rate, t.grad_add);
     }
   }
   if (!cpu_compute && w.links.h2d > 0) add("h2d", bytes_text(double(w.links.h2d)), gbps_text(r.h2d), double(w.links.h2d) / r.h2d);
@@ -363,6 +387,12 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
     add("intra-node", bytes_text(double(w.intra_node_bytes)), gbps_text(r.intra_node),
         double(w.intra_node_bytes) / r.intra_node);
   }
+}
+
+// The step's dependencies (see the header): the optimizer of step s between
+// its backward and step s+1's forward; 0 when there is no work.
+void add_dependencies(const StepWork& w, const Rates& r, bool cpu_compute, const WorkSeconds& t, const AddRow& add) {
+  const double compute_s = t.compute, adam_s = t.adam, landing_s = t.landing;
   // The dependencies (see the header): the optimizer's own time is the
   // longest of its resources (its pipeline overlaps reads, Adam and writes).
   const LinkBytes& o = w.optimizer_links;
@@ -375,7 +405,7 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
   const double fwd = w.first_forward_flops > 0 ? std::min(w.first_forward_flops / r.device_flops, compute_s) : 0.0;
   double path = 0;
   // The optimizer's thread checksums its pieces between their updates.
-  const double opt_cpu = adam_s + opt_checksum_s;
+  const double opt_cpu = adam_s + t.optimizer_checksum;
   // On CPU compute the cores make the step's copies and gradient adds too
   // (the fetches in the forward, the gradients' landing in the backward):
   // landing_s, 0 on a GPU.
@@ -416,149 +446,26 @@ StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
           path);
     }
   }
+}
+
+}  // namespace
+
+StepBound step_bound(const StepWork& w, const Rates& r, bool cpu_compute) {
+  const std::vector<std::string> missing = missing_rates(w, r, cpu_compute);
+  STRATA_CHECK(missing.empty(), "step_bound without a rate for " + missing.front());
+  StepBound b;
+  const AddRow add = [&](std::string name, std::string work, std::string rate, double s) {
+    b.resources.push_back({std::move(name), std::move(work), std::move(rate), s});
+  };
+  const WorkSeconds t = work_seconds(w, r, cpu_compute);
+  add_resources(w, r, cpu_compute, t, add);
+  add_dependencies(w, r, cpu_compute, t, add);
   // The first of equal times binds (the dependencies equal the cores' time
   // when nothing overlaps, up to rounding).
   for (const ResourceTime& t : b.resources) {
     if (t.seconds > b.seconds * (1 + 1e-9)) b.seconds = t.seconds, b.binding = t.resource;
   }
   return b;
-}
-
-PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int64_t rank,
-                              const MachineCapacity& capacity, const Rates& rates) {
-  struct Candidate {
-    std::string name;
-    std::vector<int> order;
-    int64_t device_groups;
-  };
-  std::vector<Candidate> candidates = {{"greedy (param16, grad, optimizer state)", {}, -1}};
-  PlacementPlan greedy = make_plan(cfg, layout, rank, capacity);
-  if (capacity.device_is_host) {
-    candidates.push_back({"optimizer state before gradients", {0, 2, 3, 4, 1}, -1});
-    candidates.push_back({"gradients before parameters", {1, 0, 2, 3, 4}, -1});
-    candidates.push_back({"optimizer state first", {2, 3, 4, 0, 1}, -1});
-  } else {
-    int64_t groups = 0;
-    for (const PlacementUnit& u : greedy.units[size_t(Category::kMaster)]) groups += u.tier == Tier::kDevice;
-    if (groups > 0) {
-      candidates.push_back({"no optimizer sub-group in HBM", {}, 0});
-      if (groups > 1) candidates.push_back({strprintf("%lld of %lld sub-groups in HBM", (long long)(groups / 2),
-                                                      (long long)groups), {}, groups / 2});
-    }
-    candidates.push_back({"gradients before parameters", {1, 0, 2, 3, 4}, -1});
-  }
-  const bool cpu_compute = capacity.device_is_host;
-  PlacementPlan best;
-  double best_s = -1, runner_s = -1, greedy_s = -1;
-  std::string best_name, runner_name, unjudged;
-  for (size_t i = 0; i < candidates.size(); ++i) {
-    const Candidate& k = candidates[i];
-    Config c = cfg;
-    c.placement.auto_order = k.order;
-    c.placement.auto_device_groups = k.device_groups;
-    PlacementPlan p = i == 0 ? greedy : make_plan(c, layout, rank, capacity);
-    if (i > 0 && !plan_shortfalls(p, capacity).empty()) continue;
-    const StepWork w = predicted_work(c, p, train_fetches(p), step_network_bytes(p));
-    if (!missing_rates(w, rates, cpu_compute).empty()) {
-      if (i == 0) {  // nothing to compare with: the greedy fill, said why
-        greedy.auto_choice = "greedy fill (not judged by the bound: no rate for " +
-                             missing_rates(w, rates, cpu_compute).front() + ")";
-        return greedy;
-      }
-      unjudged += (unjudged.empty() ? "" : ", ") + k.name;
-      continue;
-    }
-    const double s = step_bound(w, rates, cpu_compute).seconds;
-    if (i == 0) greedy_s = s;
-    if (best_s < 0 || s < best_s * (1 - 1e-6)) {
-      if (best_s >= 0) runner_s = best_s, runner_name = best_name;
-      best_s = s, best_name = k.name, best = std::move(p);
-    } else if (runner_s < 0 || s < runner_s) {
-      runner_s = s, runner_name = k.name;
-    }
-  }
-  // Note [Auto's margin]: another candidate replaces the greedy fill only
-  // when its bound is lower by more than kAutoMargin.
-  if (best_name != candidates[0].name && best_s > greedy_s * (1 - kAutoMargin)) {
-    greedy.auto_choice = strprintf(
-        "%s: bound %.3f s (%s: %.3f s, not %.0f%% lower: within what the bound leaves out)", candidates[0].name.c_str(),
-        greedy_s, best_name.c_str(), best_s, kAutoMargin * 100);
-    if (!unjudged.empty()) greedy.auto_choice += "; not judged (no rate): " + unjudged;
-    return greedy;
-  }
-  best.auto_choice = strprintf("%s: bound %.3f s", best_name.c_str(), best_s);
-  if (runner_s >= 0) best.auto_choice += strprintf("; runner-up %s: %.3f s", runner_name.c_str(), runner_s);
-  if (best_name != candidates[0].name && runner_name != candidates[0].name) {
-    best.auto_choice += strprintf("; greedy fill: %.3f s", greedy_s);
-  }
-  if (!unjudged.empty()) best.auto_choice += "; not judged (no rate): " + unjudged;
-  return best;
-}
-
-void judge_speculation_by_bound(const Config& cfg, const Rates& rates, bool cpu_compute, PlacementPlan& plan) {
-  if (cfg.optimizer.speculate != Speculate::kAuto || !plan.speculate || !plan.speculate_slots) return;
-  PlacementPlan off = plan;
-  off.speculate = false;
-  off.speculate_slots = false;
-  off.nvme_spare_bytes = 0;
-  const StepWork won = predicted_work(cfg, plan, train_fetches(plan), step_network_bytes(plan));
-  const StepWork woff = predicted_work(cfg, off, train_fetches(off), step_network_bytes(off));
-  if (!missing_rates(won, rates, cpu_compute).empty() || !missing_rates(woff, rates, cpu_compute).empty()) return;
-  const double on_s = step_bound(won, rates, cpu_compute).seconds;
-  const double off_s = step_bound(woff, rates, cpu_compute).seconds;
-  const double clipped_s = step_bound(clipped_work(won), rates, cpu_compute).seconds;
-  if (on_s < off_s * (1 - kAutoMargin)) {
-    plan.speculate_choice +=
-        strprintf(" (the bound: %.3f s a step, %.3f s without; a clipped step %.3f s)", on_s, off_s, clipped_s);
-    return;
-  }
-  off.speculate_choice = strprintf(
-      "off (optimizer state on NVMe: its alternate slots would take %s more disk for a bound of %.3f s a step "
-      "against %.3f s without, not %.0f%% lower, and a clipped step %.3f s; \"on\" to force)",
-      format_bytes(double(plan.nvme_spare_bytes)).c_str(), on_s, off_s, kAutoMargin * 100, clipped_s);
-  plan = std::move(off);
-}
-
-PlacementPlan choose_schedule_by_bound(const Config& cfg, const StateLayout& layout, int64_t rank,
-                                       const MachineCapacity& capacity, const Rates& rates) {
-  std::optional<PlacementPlan> b;
-  PlacementPlan a = schedule_candidates(
-      cfg, capacity,
-      [&](const Config& c) {
-        return c.placement.auto_place && c.placement.by_bound ? choose_by_bound(c, layout, rank, capacity, rates)
-                                                              : make_plan(c, layout, rank, capacity);
-      },
-      &b);
-  if (!b) return a;
-  Config mb = cfg, ly = cfg;
-  mb.run.schedule = StepSchedule::kMicroBatch;
-  ly.run.schedule = StepSchedule::kLayer;
-  const bool cpu_compute = capacity.device_is_host;
-  const StepWork wa = predicted_work(mb, a, train_fetches(a), step_network_bytes(a));
-  const StepWork wb = predicted_work(ly, *b, train_fetches(*b), step_network_bytes(*b));
-  if (!missing_rates(wa, rates, cpu_compute).empty() || !missing_rates(wb, rates, cpu_compute).empty()) {
-    return make_plan(cfg, layout, rank, capacity);  // without the bound
-  }
-  const double sa = step_bound(wa, rates, cpu_compute).seconds, sb = step_bound(wb, rates, cpu_compute).seconds;
-  // The bound overrides the choice made without rates (resolve_schedule in
-  // placement.cc) only when it is lower by more than kAutoMargin (Note
-  // [Auto's margin]): what the bound leaves out is of that order.
-  const std::string gives_up = layer_gives_up(a, *b);
-  const bool layer_default = gives_up.empty();
-  const double def_s = layer_default ? sb : sa, other_s = layer_default ? sa : sb;
-  const bool take_layer = other_s < def_s * (1 - kAutoMargin) ? !layer_default : layer_default;
-  std::string note;
-  if (other_s < def_s && take_layer == layer_default) {
-    note = strprintf("; %s is lower by less than %.0f%%, the choice without rates stands: %s",
-                     layer_default ? "micro_batch" : "layer", kAutoMargin * 100,
-                     layer_default ? "layer fits with the same placement" : gives_up.c_str());
-  }
-  if (take_layer) {
-    b->schedule_choice = strprintf("layer: bound %.3f s (micro_batch: %.3f s%s)", sb, sa, note.c_str());
-    return *b;
-  }
-  a.schedule_choice = strprintf("micro_batch: bound %.3f s (layer: %.3f s%s)", sa, sb, note.c_str());
-  return a;
 }
 
 }  // namespace strata

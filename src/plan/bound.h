@@ -148,53 +148,6 @@ struct StepBound {
 // InternalError for work without a rate (missing_rates first).
 StepBound step_bound(const StepWork& work, const Rates& rates, bool cpu_compute);
 
-// placement auto judged by the bound: the candidates auto can build (the
-// greedy fill; with CPU compute, other orders in which categories go down a
-// tier; on a GPU, fewer optimizer sub-groups kept in HBM for its Adam, and
-// gradients before parameters), each that fits costed with predicted_work
-// and step_bound at `rates`, the lowest chosen where it beats the greedy
-// fill's by more than kAutoMargin (Note [Auto's margin]), else the greedy fill.
-// plan.auto_choice says which and the runner-up's bound. A candidate whose
-// work needs a rate `rates` lacks is not judged.
-//
-// Note [Auto's margin]
-// The bound is a lower bound, and what it leaves out differs between
-// placements: on the dev VM a candidate 4% below the greedy fill by the
-// bound (parameters and gradients on NVMe, their fetches and gradient
-// writes partly on the compute's thread) ran 10-28% slower (BENCHMARKS.md,
-// "The step's bound"). So another candidate wins only when its bound is
-// lower than the greedy fill's by more than kAutoMargin; plan.auto_choice
-// then names the candidate that was not taken.
-inline constexpr double kAutoMargin = 0.10;
-PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int64_t rank,
-                              const MachineCapacity& capacity, const Rates& rates);
-
-// optimizer.speculate auto with rates, for a plan that speculates optimizer
-// state on NVMe into alternate swap slots (Note [Speculating NVMe state]):
-// keeps it where the step's bound with speculation is lower than without by
-// more than kAutoMargin, else turns the plan's speculation off, its
-// speculate_choice giving both bounds and a clipped step's. Leaves `on`,
-// `off`, plans without slots and work lacking a rate as they are.
-//
-// Note [Speculating NVMe state]
-// Alternate swap slots take a second copy of the NVMe optimizer state on
-// disk (12 bytes per element with fp32 moments), and a clipped step pays the
-// disk's pass twice. They hide CPU Adam behind the backward, not a disk that
-// bounds the step: with the state wholly on one 2 GB/s drive the bound is
-// 96.36 s a step with them against 99.40 s without, and 195.76 s when
-// clipped (BENCHMARKS.md, "The optimizer behind the backward"). So auto
-// takes the disk only where the bound says speculation gains more than what
-// the bound leaves out (Note [Auto's margin]).
-void judge_speculation_by_bound(const Config& cfg, const Rates& rates, bool cpu_compute, PlacementPlan& plan);
-
-// run.schedule auto with rates (Note [Step schedules] in memory/schedule.h):
-// the plan under each schedule (placement auto by the bound within each), and
-// the layer schedule when it fits and its bound is lower; with one
-// micro-batch, or a rate missing, as make_plan decides without rates.
-// plan.schedule_choice says which and why.
-PlacementPlan choose_schedule_by_bound(const Config& cfg, const StateLayout& layout, int64_t rank,
-                                       const MachineCapacity& capacity, const Rates& rates);
-
 // The rates `work` needs and `rates` lacks, by the flag that gives each
 // ("--device-tflops", "--nvme-read-gbps", ...). Empty when the bound can be
 // computed.

@@ -310,23 +310,19 @@ void report_start(const TrainSession& s) {
             compute_dtype_name(cfg.run.compute_dtype), at::get_num_threads());
 }
 
-}  // namespace
-
-std::unique_ptr<TrainSession> open_session(const TrainOptions& opt) {
-  auto session = std::make_unique<TrainSession>();
-  TrainSession& s = *session;
-  s.who = rank_info_from_environment();
+// The config with the command line's overrides, logging, determinism (before
+// any CUDA work, the rate probes included: docs/config.md, run.deterministic)
+// and threads.
+void load_run_config(const TrainOptions& opt, TrainSession& s) {
   const RankInfo& who = s.who;
   std::vector<std::string> overrides = opt.overrides;
   if (opt.steps > 0) overrides.push_back("run.steps=" + std::to_string(opt.steps));
   if (!opt.metrics.empty()) overrides.push_back("run.metrics=" + nlohmann::json(opt.metrics).dump());
   s.cfg = load_config(opt.config_path, overrides, who.world_size);
   Config& cfg = s.cfg;
-  const bool multi = who.world_size > 1;
   cfg.run.metrics = rank_path(cfg.run.metrics, who.rank);
   if (!cfg.run.log_file.empty()) cfg.run.log_file = with_rank(cfg.run.log_file, who.rank);
-  setup_logging(cfg.run.log_level, cfg.run.log_file, multi ? who.rank : -1);
-  // Before any CUDA work (the rate probes included): docs/config.md, run.deterministic.
+  setup_logging(cfg.run.log_level, cfg.run.log_file, who.world_size > 1 ? who.rank : -1);
   const std::string determinism = apply_determinism(cfg.run.deterministic);
   if (!determinism.empty()) log::info("run.deterministic: %s", determinism.c_str());
   s.trace_path = rank_path(opt.trace, who.rank);
@@ -339,22 +335,26 @@ std::unique_ptr<TrainSession> open_session(const TrainOptions& opt) {
                       : "");
   }
   if (cfg.run.threads > 0) at::set_num_threads(int(cfg.run.threads));
+}
 
-  // The ranks meet first: a rank whose config differs, or a world size that
-  // does not divide the batch (load_config), stops every rank at start.
+// The ranks meet first: a rank whose config differs, or a world size that
+// does not divide the batch (load_config), stops every rank at start.
+// Returns the backend of the device group.
+std::string meet_ranks(TrainSession& s) {
+  const Config& cfg = s.cfg;
+  const RankInfo& who = s.who;
   CommOptions co;
   co.backend = cfg.comm.backend == "auto" ? (cfg.run.device == DeviceKind::kCuda ? "nccl" : "gloo") : cfg.comm.backend;
   co.timeout_s = cfg.comm.timeout_s;
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) co.socket_ifname = ifname;
   s.comm = make_communicator(who, co);
-  Communicator& comm = *s.comm;
-  if (multi) {
+  if (who.world_size > 1) {
     log::info("rank %d of %d (local %d of %d) via %s, %s for device data and gloo for host values, store %s:%d",
               who.rank, who.world_size, who.local_rank, who.local_world_size, who.source.c_str(),
               cfg.run.device == DeviceKind::kCpu ? "gloo" : co.backend.c_str(), who.master_addr.c_str(),
               who.master_port);
   }
-  check_configs_agree(cfg, comm);
+  check_configs_agree(cfg, *s.comm);
   if (cfg.zero.hpz_partition_size > 1 && cfg.zero.hpz_partition_size != who.local_world_size &&
       cfg.zero.stage == 3 && cfg.comm.secondary_shard != "off" && who.world_size > who.local_world_size) {
     throw ConfigError("zero_optimization.zero_hpz_partition_size",
@@ -362,23 +362,32 @@ std::unique_ptr<TrainSession> open_session(const TrainOptions& opt) {
                                 "node (docs/config.md, comm.secondary_shard)",
                                 (long long)cfg.zero.hpz_partition_size, who.local_world_size));
   }
+  return co.backend;
+}
 
-  // The device the step computes on, and the rates of the step's bound
-  // (auto placement chooses by them): a second or so.
+// The device the step computes on, and the rates of the step's bound (auto
+// placement chooses by them): a second or so.
+void open_device(const TrainOptions& opt, TrainSession& s, const std::string& backend) {
+  Config& cfg = s.cfg;  // the measured rates go into run.rates
   s.device = &cpu_device();
   if (cfg.run.device != DeviceKind::kCpu) {
     std::string name = device_kind_name(cfg.run.device);
-    if (multi && cfg.run.device == DeviceKind::kCuda) {
-      on_every_rank(comm, "to take its GPU", [&] { name = gpu_of_rank(who, co.backend); });
+    if (s.who.world_size > 1 && cfg.run.device == DeviceKind::kCuda) {
+      on_every_rank(*s.comm, "to take its GPU", [&] { name = gpu_of_rank(s.who, backend); });
     }
     s.own_device = make_device(name);
     s.device = s.own_device.get();
   }
   set_rates_cache("", opt.reprobe);
-  measure_train_rates(cfg, *s.device, comm, who.rank, who.local_world_size);
+  measure_train_rates(cfg, *s.device, *s.comm, s.who.rank, s.who.local_world_size);
+}
 
-  // Everything that can fail on bad input happens before the first byte of
-  // output is written. First: does the placement fit this machine?
+// Everything that can fail on bad input happens before the first byte of
+// output is written: the plan's fit on this machine, the checkpoint
+// directory and the data, on every rank.
+void check_inputs(TrainSession& s) {
+  const Config& cfg = s.cfg;
+  const RankInfo& who = s.who;
   const PlacementPlan fitted = check_plan_fits(cfg, who.rank, who.local_world_size, s.device);
   if (!cfg.run.checkpoint.dir.empty()) {
     // A directory every rank can see: every rank's files, whatever node checks.
@@ -390,23 +399,60 @@ std::unique_ptr<TrainSession> open_session(const TrainOptions& opt) {
     if (!fitted.nvme_paths.empty() && device_of(fitted.nvme_paths.front()) == device_of(cfg.run.checkpoint.dir)) {
       swap = fitted.total()[size_t(Tier::kNvme)] * who.local_world_size;
     }
-    on_every_rank(comm, "to write run.checkpoint.dir", [&] {
+    on_every_rank(*s.comm, "to write run.checkpoint.dir", [&] {
       check_checkpoint_dir(cfg.run.checkpoint.dir, bytes, cfg.run.checkpoint.keep, saves, swap);
     });
   }
   // Every rank reads the data files: one that cannot (a file missing on its node) stops them all here, not
   // in the next collective.
-  on_every_rank(comm, "to read data.path", [&] {
+  on_every_rank(*s.comm, "to read data.path", [&] {
     s.data = std::make_unique<TokenDataset>(cfg.data.paths, parse_token_format(cfg.data.format),
                                             cfg.model.vocab_size, cfg.model.seq_len, cfg.data.val_fraction);
   });
+}
+
+// The trainer's state, the data order and the first step from the
+// checkpoint `resume` (every rank).
+void resume_from(TrainSession& s, std::unique_ptr<CheckpointReader> resume) {
+  const Manifest& m = resume->manifest();
+  on_every_rank(*s.comm, "to load the checkpoint", [&] {
+    const std::string mpath = resume->dir() + "/manifest.json";
+    if (m.data.value("tokens", int64_t(-1)) != s.data->num_tokens()) {
+      throw ConfigError("data.path", strprintf("the checkpoint %s was trained on data of %lld tokens, this "
+                                               "run's data has %lld", resume->dir().c_str(),
+                                               (long long)m.data.value("tokens", int64_t(-1)),
+                                               (long long)s.data->num_tokens()));
+    }
+    std::istringstream state(m.data.value("rng", std::string()));
+    state >> s.rng;
+    if (state.fail()) throw InputError(mpath, "manifest data.rng: not a generator state");
+    const auto t0 = std::chrono::steady_clock::now();
+    s.trainer->load_checkpoint(*resume);
+    log::info("resumed from %s (step %lld, saved by %lld rank(s)) in %.3f s", resume->dir().c_str(),
+              (long long)m.step, (long long)m.saved_world_size,
+              std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
+  });
+  s.first_step = m.step + 1;
+}
+
+}  // namespace
+
+std::unique_ptr<TrainSession> open_session(const TrainOptions& opt) {
+  auto session = std::make_unique<TrainSession>();
+  TrainSession& s = *session;
+  s.who = rank_info_from_environment();
+  load_run_config(opt, s);
+  const std::string backend = meet_ranks(s);
+  open_device(opt, s, backend);
+  check_inputs(s);
+  const Config& cfg = s.cfg;
   s.model = std::make_unique<Model>(cfg.model);
   // Events of about 400 steps of a small model; later ones are dropped (and
   // said so). Made before the trainer, whose optimizer thread records into it
   // until the trainer is gone (TracerUninstall).
   if (!s.trace_path.empty()) {
     s.tracer = std::make_unique<Tracer>(size_t(1) << 18);
-    if (multi) s.tracer->set_rank(who.rank);
+    if (s.who.world_size > 1) s.tracer->set_rank(s.who.rank);
     Tracer::install(s.tracer.get());
   }
   // Checkpoint files are long sequential streams: at least 4 MiB requests,
@@ -415,44 +461,23 @@ std::unique_ptr<TrainSession> open_session(const TrainOptions& opt) {
   s.ckpt_engine.queue_depth = int(std::max<int64_t>(cfg.aio.queue_depth, 32));
   s.ckpt_engine.rings = int(cfg.aio.intra_op_parallelism);
   std::unique_ptr<CheckpointReader> resume;
-  if (opt.resume) on_every_rank(comm, "to open the checkpoint", [&] { resume = open_resume(opt, cfg, s.ckpt_engine); });
-
-  s.trainer = std::make_unique<Trainer>(cfg, *s.model, nullptr, s.comm.get(), who.local_world_size, s.device);
-  Trainer& trainer = *s.trainer;
-  s.rng = std::mt19937_64(cfg.run.seed);
-  if (resume) {
-    const Manifest& m = resume->manifest();
-    on_every_rank(comm, "to load the checkpoint", [&] {
-      const std::string mpath = resume->dir() + "/manifest.json";
-      if (m.data.value("tokens", int64_t(-1)) != s.data->num_tokens()) {
-        throw ConfigError("data.path", strprintf("the checkpoint %s was trained on data of %lld tokens, this "
-                                                 "run's data has %lld", resume->dir().c_str(),
-                                                 (long long)m.data.value("tokens", int64_t(-1)),
-                                                 (long long)s.data->num_tokens()));
-      }
-      std::istringstream state(m.data.value("rng", std::string()));
-      state >> s.rng;
-      if (state.fail()) throw InputError(mpath, "manifest data.rng: not a generator state");
-      const auto t0 = std::chrono::steady_clock::now();
-      trainer.load_checkpoint(*resume);
-      log::info("resumed from %s (step %lld, saved by %lld rank(s)) in %.3f s", resume->dir().c_str(),
-                (long long)m.step, (long long)m.saved_world_size,
-                std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count());
-    });
-    s.first_step = m.step + 1;
-    resume.reset();
+  if (opt.resume) {
+    on_every_rank(*s.comm, "to open the checkpoint", [&] { resume = open_resume(opt, cfg, s.ckpt_engine); });
   }
-  s.monitors = std::make_unique<Monitors>(cfg, who.rank == 0);  // DeepSpeed's tensorboard / csv_monitor (docs/monitors.md)
+  s.trainer = std::make_unique<Trainer>(cfg, *s.model, nullptr, s.comm.get(), s.who.local_world_size, s.device);
+  s.rng = std::mt19937_64(cfg.run.seed);
+  if (resume) resume_from(s, std::move(resume));
+  s.monitors = std::make_unique<Monitors>(cfg, s.who.rank == 0);  // DeepSpeed's tensorboard / csv_monitor (docs/monitors.md)
   s.metrics = std::make_unique<MetricsWriter>(cfg.run.metrics, opt.resume);
   for (const std::string& d : s.monitors->dirs()) log::info("monitor %s", d.c_str());
 
-  s.peak = trainer.peak_bytes();
+  s.peak = s.trainer->peak_bytes();
   report_start(s);
 
   // The step's bound (docs/design.md, "The step's bound"): each step's own
   // byte counts over rates given in run.rates or measured here now, in a
   // second or so (every rank measures its own; the network by all-reduces).
-  s.bound = train_bound(cfg, trainer);
+  s.bound = train_bound(cfg, *s.trainer);
   return session;
 }
 

@@ -19,7 +19,7 @@
 #include "config/config.h"
 #include "data/dataset.h"
 #include "engine/trainer.h"
-#include "memory/bound.h"
+#include "plan/planner.h"
 #include "memory/device.h"
 #include "model/model.h"
 #include "nvme/engine.h"

@@ -1,0 +1,469 @@
+// make_plan: the units of each category, the splits asked for or auto's fill,
+// the activations and transients, then the choices (plan/choices.h).
+#include "plan/make_plan.h"
+
+#include <algorithm>
+#include <cmath>
+#include <limits>
+
+#include "memory/device.h"
+#include "plan/choices.h"
+#include "util/errors.h"
+#include "util/fs.h"
+#include "util/logging.h"
+
+namespace strata {
+
+namespace {
+
+TierSplit on(Tier t) {
+  TierSplit s{0.0, 0.0, 0.0};
+  (t == Tier::kDevice ? s.device : t == Tier::kHost ? s.host : s.nvme) = 1.0;
+  return s;
+}
+
+// Note [Placement units]: a unit goes to the tier whose share holds its midpoint.
+void assign(std::vector<PlacementUnit>& units, const TierSplit& s, int64_t total) {
+  const double dev_end = s.device * double(total);
+  const double host_end = (s.device + s.host) * double(total);
+  for (PlacementUnit& u : units) {
+    const double mid = double(u.offset) + double(u.numel) / 2.0;
+    u.tier = mid < dev_end ? Tier::kDevice : mid < host_end ? Tier::kHost : Tier::kNvme;
+  }
+}
+
+int compute_bytes(const Config& cfg) { return compute_dtype_bytes(cfg.run.compute_dtype); }
+
+}  // namespace
+
+namespace {
+
+// Note [Placement units]: param16 and grad per block shard, optimizer state
+// per sub-group of the rank's shard space.
+void cut_units(const Config& cfg, const StateLayout& layout, PlacementPlan& plan,
+               std::array<std::vector<PlacementUnit>, kNumCategories>& units) {
+  int64_t offset = 0;
+  std::vector<PlacementUnit> block_units;
+  for (const BlockLayout& b : layout.blocks()) {
+    block_units.push_back({offset, b.shard_numel(), Tier::kDevice});
+    offset += b.shard_numel();
+    plan.largest_block_shard_numel = std::max(plan.largest_block_shard_numel, b.shard_numel());
+  }
+  plan.shard_space_numel = offset;
+  plan.sub_group_numel = std::max<int64_t>(
+      kShardAlignElems, (cfg.zero.sub_group_size + kShardAlignElems - 1) / kShardAlignElems * kShardAlignElems);
+  std::vector<PlacementUnit> group_units;
+  for (int64_t o = 0; o < plan.shard_space_numel; o += plan.sub_group_numel) {
+    group_units.push_back({o, std::min(plan.sub_group_numel, plan.shard_space_numel - o), Tier::kDevice});
+  }
+  for (int c = 0; c < kNumCategories; ++c) units[size_t(c)] = c <= int(Category::kGrad) ? block_units : group_units;
+}
+
+// The split each category asks for: DeepSpeed's offload keys, overridden per
+// category by the placement section. Sets plan.source.
+std::array<TierSplit, kNumCategories> requested_splits(const Config& cfg, PlacementPlan& plan) {
+  const OffloadOptimizerConfig& oo = cfg.zero.offload_optimizer;
+  const OffloadParamConfig& op = cfg.zero.offload_param;
+  TierSplit optimizer = on(Tier::kDevice), grad = on(Tier::kDevice), param16 = on(Tier::kDevice);
+  plan.source = "default";
+  if (oo.device != "none") {
+    plan.source = "deepspeed";
+    const Tier t = oo.device == "cpu" ? Tier::kHost : Tier::kNvme;
+    optimizer = TierSplit{1.0 - oo.ratio, t == Tier::kHost ? oo.ratio : 0.0, t == Tier::kNvme ? oo.ratio : 0.0};
+    // DeepSpeed keeps the gradients of offloaded optimizer state in host memory
+    // (they feed the CPU Adam), also when that state lives on NVMe.
+    grad = TierSplit{1.0 - oo.ratio, oo.ratio, 0.0};
+  }
+  if (op.device == "cpu") {
+    plan.source = "deepspeed";
+    param16 = on(Tier::kHost);
+  } else if (op.device == "nvme") {
+    plan.source = "deepspeed";
+    // max_in_cpu elements of parameters are kept in host memory, the rest on NVMe.
+    const double in_cpu = std::min(1.0, double(op.max_in_cpu) / double(std::max<int64_t>(1, plan.shard_space_numel)));
+    param16 = TierSplit{0.0, in_cpu, 1.0 - in_cpu};
+  }
+  std::array<TierSplit, kNumCategories> split = {param16, grad, optimizer, optimizer, optimizer};
+  const PlacementConfig& pc = cfg.placement;
+  if (pc.has_param16) split[0] = pc.param16;
+  if (pc.has_grad) split[1] = pc.grad;
+  if (pc.has_master) split[2] = pc.master;
+  if (pc.has_exp_avg) split[3] = pc.exp_avg;
+  if (pc.has_exp_avg_sq) split[4] = pc.exp_avg_sq;
+  if (pc.has_param16 || pc.has_grad || pc.has_master || pc.has_exp_avg || pc.has_exp_avg_sq) {
+    plan.source = "placement";
+  }
+  return split;
+}
+
+// Activations and the inputs of staging_needs (needed by auto, reported by all).
+void estimate_transients(const Config& cfg, const StateLayout& layout, PlacementPlan& plan) {
+  const ModelConfig& m = cfg.model;
+  const int64_t tokens = cfg.train_micro_batch_size_per_gpu * m.seq_len;
+  const int64_t cb = compute_bytes(cfg);
+  // Saved block inputs (the embedding's are the int64 tokens) plus the
+  // autograd graph of one recomputed layer: about 10 x dim + 4 x ffn values per
+  // token, and attention scores (heads x seq per token) when the attention
+  // kernel materialises them; and the fp32 logits with their gradient.
+  plan.checkpoint_bytes = tokens * m.dim * cb;
+  plan.checkpoint_layers = m.n_layers;
+  plan.cpu_checkpointing = cfg.activation_checkpointing.cpu_checkpointing;
+  // Note [Step schedules]: the layer schedule holds A micro-batches' saved
+  // inputs per layer, the A gradients of the current block's outputs between
+  // blocks, and with a tied head the A head gradients of the embedding
+  // until its backward; micro_batch one micro-batch's of each (the gradient
+  // of the output and the head's share are then part of the op's own).
+  plan.accum = cfg.gradient_accumulation_steps;
+  const int64_t held = held_micro_batches(plan.schedule, plan.accum);
+  plan.held_micro = held;
+  plan.checkpoint_activation_bytes =
+      held * (tokens * 8 + (plan.cpu_checkpointing ? 0 : plan.checkpoint_layers * plan.checkpoint_bytes));
+  plan.held_output_grad_bytes = held > 1 ? held * plan.checkpoint_bytes : 0;
+  plan.held_tied_grad_bytes = held > 1 && m.tie_embeddings ? held * m.vocab_size * m.dim * cb : 0;
+  const int64_t layer = tokens * (6 * m.dim + 4 * m.q_dim() + 4 * m.ffn_dim()) * cb + 3 * tokens * m.n_heads * m.seq_len * 4;
+  const int64_t head = 3 * tokens * m.vocab_size * 4;
+  const int64_t held_grads = plan.held_output_grad_bytes + plan.held_tied_grad_bytes;
+  plan.activation_bytes = plan.checkpoint_activation_bytes + held_grads + std::max(layer, head);
+  // Keeping the forward's graphs (run.recompute never): every layer's graph
+  // (which holds its input) and the head's, at once; for every micro-batch
+  // held.
+  plan.graph_extra_bytes =
+      std::max<int64_t>(0, held * (tokens * 8 + m.n_layers * layer) + held_grads + head - plan.activation_bytes);
+  int64_t largest_block = 0;
+  for (const BlockLayout& b : layout.blocks()) largest_block = std::max(largest_block, b.padded_numel);
+  plan.largest_block_numel = largest_block;
+  for (const BlockLayout& b : layout.blocks()) plan.block_numel.push_back(b.shard_numel());
+  plan.token_bytes = std::max<int64_t>(plan.accum, 1) * cfg.train_micro_batch_size_per_gpu * (m.seq_len + 1) * 8;
+  plan.window_knobs.prefetch_numel = cfg.zero.stage3_prefetch_bucket_size;
+  plan.window_knobs.max_live_numel = cfg.zero.stage3_max_live_parameters;
+  plan.window_knobs.persistence_numel = cfg.zero.stage3_param_persistence_threshold;
+  plan.compute_bytes = int(cb);
+  plan.pipeline_depth = pipeline_depth(cfg.zero.offload_optimizer.buffer_count);
+  plan.tied = m.tie_embeddings;
+}
+
+// What is left of the device and host budgets while auto fills them, and the
+// fill's rule for one unit: the device if it fits whole (and may go there),
+// else the host likewise, else NVMe.
+struct TierFill {
+  int64_t dev_left = 0, host_left = 0;
+
+  void place(const PlacementPlan& plan, int c, PlacementUnit& u, bool device_ok) {
+    const int64_t bytes = u.numel * plan.elem_bytes[size_t(c)];
+    if (device_ok && bytes <= dev_left) {
+      u.tier = Tier::kDevice;
+      dev_left -= bytes;
+    } else if (bytes <= host_left) {
+      u.tier = Tier::kHost;
+      host_left -= bytes;
+    } else {
+      u.tier = Tier::kNvme;
+    }
+  }
+};
+
+// On a GPU, CPU Adam cannot update device memory in place: a sub-group's
+// optimizer state goes to the device only whole (master and both moments)
+// and only where its gradient and working copy are there too, so that the
+// GPU's Adam updates it (device_adam_piece); otherwise a device-tier part
+// would cross PCIe twice a step. The rest category by category, as on CPU.
+void fill_optimizer_on_gpu(const PlacementConfig& pc, const PlacementPlan& plan, const std::vector<int>& order,
+                           std::array<std::vector<PlacementUnit>, kNumCategories>& units, TierFill& fill) {
+  const int first_optimizer = int(Category::kMaster);
+  auto on_device = [&](Category c, int64_t lo, int64_t hi) {
+    for (const PlacementUnit& u : units[size_t(c)]) {
+      if (u.offset < hi && lo < u.offset + u.numel && u.tier != Tier::kDevice) return false;
+    }
+    return true;
+  };
+  std::vector<PlacementUnit>& master = units[size_t(Category::kMaster)];
+  std::vector<char> device_group(master.size(), 0);
+  for (size_t i = 0; i < master.size(); ++i) {
+    int64_t bytes = 0;
+    for (int c = first_optimizer; c < kNumCategories; ++c) {
+      const PlacementUnit& u = units[size_t(c)].at(i);
+      STRATA_CHECK(u.offset == master[i].offset && u.numel == master[i].numel,
+                   "optimizer categories cut into different sub-groups");
+      bytes += u.numel * plan.elem_bytes[size_t(c)];
+    }
+    const int64_t lo = master[i].offset, hi = lo + master[i].numel;
+    device_group[i] = bytes <= fill.dev_left && on_device(Category::kParam16, lo, hi) && on_device(Category::kGrad, lo, hi);
+    if (pc.auto_device_groups >= 0 && std::count(device_group.begin(), device_group.end(), 1) > pc.auto_device_groups) {
+      device_group[i] = 0;
+    }
+    if (device_group[i]) fill.dev_left -= bytes;
+  }
+  for (int c : order) {
+    if (c < first_optimizer) continue;
+    for (size_t i = 0; i < master.size(); ++i) {
+      if (device_group[i]) {
+        units[size_t(c)][i].tier = Tier::kDevice;
+      } else {
+        fill.place(plan, c, units[size_t(c)][i], false);
+      }
+    }
+  }
+}
+
+// The split each category's units reached.
+std::array<TierSplit, kNumCategories> reached_split(const PlacementPlan& plan,
+                                                    const std::array<std::vector<PlacementUnit>, kNumCategories>& units) {
+  std::array<TierSplit, kNumCategories> split;
+  for (int c = 0; c < kNumCategories; ++c) {
+    std::array<double, kNumTiers> b{};
+    for (const PlacementUnit& u : units[size_t(c)]) b[size_t(u.tier)] += double(u.numel);
+    const double total = double(plan.shard_space_numel);
+    split[size_t(c)] = TierSplit{b[0] / total, b[1] / total, b[2] / total};
+  }
+  return split;
+}
+
+// "auto": fills the fastest tiers first; returns the split that was reached.
+std::array<TierSplit, kNumCategories> fill_auto(const Config& cfg, const MachineCapacity& capacity,
+                                                PlacementPlan& plan,
+                                                std::array<std::vector<PlacementUnit>, kNumCategories>& units) {
+  const PlacementConfig& pc = cfg.placement;
+  // param16 (every forward and backward), then grad (every backward), then
+  // optimizer state (once per step), whole units at a time: a unit goes to
+  // the device if it fits whole in what is left of the device budget, else
+  // to the host likewise, else to NVMe (on a GPU, optimizer state goes to the
+  // device a whole sub-group at a time: fill_optimizer_on_gpu). With CPU
+  // compute the device tier is host memory, so the two share one budget. The
+  // staging buffers that what lands off the device needs are reserved and the
+  // fill redone until the reserve stops changing.
+  plan.source = "auto";
+  const double keep = 1.0 - pc.headroom;
+  const int64_t kUnlimited = std::numeric_limits<int64_t>::max() / 4;
+  auto budget = [&](int64_t cap) { return cap < 0 ? kUnlimited : int64_t(double(cap) * keep); };
+  int64_t reserve_device = 0, reserve_host = 0;
+  plan.window_cap_bytes = 0;  // the window at its minimum while filling; widened below
+  std::vector<int> order = pc.auto_order;
+  if (order.empty()) order = {0, 1, 2, 3, 4};
+  for (int pass = 0; pass < 4; ++pass) {
+    TierFill fill;
+    const int64_t act_dev = plan.activation_bytes;
+    if (capacity.device_is_host) {
+      // One pool of host RAM: the device budget (if one is set) is carved
+      // from it, and everything else, staging included, comes out of it too.
+      const int64_t pool = budget(capacity.host_bytes) - plan.activation_bytes - reserve_device - reserve_host;
+      fill.dev_left = capacity.device_bytes >= 0
+                          ? std::min(budget(capacity.device_bytes) - act_dev - reserve_device, pool)
+                          : pool;
+      fill.host_left = pool - fill.dev_left;
+    } else {
+      fill.dev_left = budget(capacity.device_bytes) - act_dev - reserve_device;
+      fill.host_left = budget(capacity.host_bytes) - reserve_host;
+    }
+    for (int c : order) {
+      if (!capacity.device_is_host && c >= int(Category::kMaster)) continue;
+      for (PlacementUnit& u : units[size_t(c)]) fill.place(plan, c, u, true);
+    }
+    if (!capacity.device_is_host) fill_optimizer_on_gpu(pc, plan, order, units, fill);
+    plan.units = units;
+    const StagingNeeds need = staging_needs(plan);
+    if (need.device_bytes() == reserve_device && need.host_bytes() == reserve_host) break;
+    reserve_device = need.device_bytes();
+    reserve_host = need.host_bytes();
+  }
+  return reached_split(plan, units);
+}
+
+// The parameter window's share of the device (plan.window_cap_bytes).
+void cap_window(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
+  const PlacementConfig& pc = cfg.placement;
+  // With a device budget, the window (Note [Prefetch window]) gets what the
+  // resident state, the other staging and the activations leave of it (under
+  // auto, less the headroom); the current block always gets a slot.
+  // Under auto on CPU without a device budget the device tier shares host
+  // RAM, so the window gets what is left of that instead.
+  // Under auto on CPU the device tier also shares host RAM, so the window
+  // gets no more than what is left of that either.
+  const double keep = pc.auto_place ? 1.0 - pc.headroom : 1.0;
+  const StagingNeeds other = staging_needs(plan);
+  auto left_of = [&](int64_t pool, bool shared) {
+    int64_t left = int64_t(double(pool) * keep);
+    for (int c = 0; c < kNumCategories; ++c) {
+      left -= plan.bytes[size_t(c)][size_t(Tier::kDevice)];
+      if (shared) left -= plan.bytes[size_t(c)][size_t(Tier::kHost)];
+    }
+    left -= plan.activation_bytes + other.grad_stage + other.grad_norms + other.ckpt_device + other.grad_accum +
+            other.tokens;
+    if (shared) left -= other.host_bytes();
+    return std::max<int64_t>(0, left);
+  };
+  plan.window_cap_bytes = -1;
+  if (capacity.device_bytes >= 0) plan.window_cap_bytes = left_of(capacity.device_bytes, false);
+  if (pc.auto_place && capacity.device_is_host && capacity.host_bytes >= 0) {
+    const int64_t shared = left_of(capacity.host_bytes, true);
+    plan.window_cap_bytes = plan.window_cap_bytes < 0 ? shared : std::min(plan.window_cap_bytes, shared);
+  }
+}
+
+// The swap directories, and what the NVMe placement requires of the config.
+void choose_swap_paths(const Config& cfg, PlacementPlan& plan) {
+  const OffloadOptimizerConfig& oo = cfg.zero.offload_optimizer;
+  const OffloadParamConfig& op = cfg.zero.offload_param;
+  const PlacementConfig& pc = cfg.placement;
+  const bool params_on_nvme = plan.bytes[0][2] > 0 || plan.bytes[1][2] > 0;
+  const bool optimizer_on_nvme = plan.bytes[2][2] > 0 || plan.bytes[3][2] > 0 || plan.bytes[4][2] > 0;
+  // Swap directories: the placement section's, else every directory the two
+  // offload sections name (the store stripes all state over all of them).
+  plan.nvme_paths = pc.nvme_path;
+  if (plan.nvme_paths.empty()) {
+    for (const auto* list : {&oo.nvme_path, &op.nvme_path}) {
+      for (const std::string& d : *list) {
+        if (std::find(plan.nvme_paths.begin(), plan.nvme_paths.end(), d) == plan.nvme_paths.end()) {
+          plan.nvme_paths.push_back(d);
+        }
+      }
+    }
+  }
+  if ((params_on_nvme || optimizer_on_nvme) && plan.nvme_paths.empty()) {
+    throw ConfigError("placement.nvme_path", "state is placed on nvme but no swap directory is given");
+  }
+  if (params_on_nvme && op.device == "nvme" && op.buffer_size < plan.largest_block_shard_numel) {
+    // DeepSpeed asserts deep in a step when a parameter buffer cannot hold the
+    // largest block; here it is refused before anything is allocated.
+    throw ConfigError("zero_optimization.offload_param.buffer_size",
+                      strprintf("%lld elements cannot hold the largest block shard (%lld elements); "
+                                "raise it to at least %lld",
+                                (long long)op.buffer_size, (long long)plan.largest_block_shard_numel,
+                                (long long)plan.largest_block_shard_numel));
+  }
+}
+
+// run.recompute (Note [Recompute] in engine/trainer.h). Kept graphs refer to
+// the weights by address, so the weights must stay where they are for the
+// whole step: the working copy resident on the device (no parameter window),
+// or gathered once per step (stages 1-2 with several shards). Stage 3 with
+// several shards gathers into a ring of two uses: never.
+void resolve_recompute(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
+  const Recompute mode = cfg.run.recompute;
+  const auto& p16 = plan.bytes[size_t(Category::kParam16)];
+  const bool gathered_once = plan.shards > 1 && plan.stage < 3;
+  const bool stable = gathered_once || (plan.shards == 1 && p16[size_t(Tier::kHost)] == 0 &&
+                                        p16[size_t(Tier::kNvme)] == 0);
+  plan.keep_graphs = false;
+  if (mode == Recompute::kAlways) return;
+  if (mode == Recompute::kNever) {
+    if (plan.cpu_checkpointing) {
+      throw ConfigError("run.recompute", "never keeps every layer's activations on the device, which "
+                                         "activation_checkpointing.cpu_checkpointing offloads; use one of the two");
+    }
+    if (!stable) {
+      throw ConfigError("run.recompute",
+                        "never keeps the forward's autograd graphs, whose weights must stay in place for the "
+                        "whole step: it needs the working copy (param16) resident on the device, or ZeRO stage "
+                        "1-2 with several ranks; use always or auto");
+    }
+    plan.keep_graphs = true;
+  } else {
+    // auto: when the activations of every layer fit in what the state, the
+    // staging and the recompute's activations leave of the device.
+    if (!stable || plan.cpu_checkpointing) return;
+    if (plan.window_cap_bytes >= 0) {
+      plan.keep_graphs = plan.window_cap_bytes >= plan.graph_extra_bytes;
+    } else if (capacity.device_is_host && capacity.host_bytes >= 0) {
+      // No device budget on CPU: the graphs come out of host RAM with the rest.
+      const auto t = plan.total();
+      const double keep = cfg.placement.auto_place ? 1.0 - cfg.placement.headroom : 1.0;
+      plan.keep_graphs = t[size_t(Tier::kDevice)] + t[size_t(Tier::kHost)] + plan.graph_extra_bytes <=
+                         int64_t(double(capacity.host_bytes) * keep);
+    } else {
+      plan.keep_graphs = true;
+    }
+  }
+  if (plan.keep_graphs) {
+    plan.activation_bytes += plan.graph_extra_bytes;
+    cap_window(cfg, capacity, plan);
+  }
+}
+
+}  // namespace
+
+// run.schedule auto without rates (Note [Step schedules] in
+// memory/schedule.h): the layer schedule when there is more than one
+// micro-batch, its plan fits the machine, and the activations it holds gave
+// up nothing of micro_batch's plan (layer_gives_up: then it moves no more
+// bytes on any link, and fewer where blocks are fetched or gradients land off
+// the device). With rates, plan_for_machine chooses by the step's bound
+// instead (plan/planner.h, choose_schedule_by_bound).
+static PlacementPlan resolve_schedule(const Config& cfg, const StateLayout& layout, int64_t rank,
+                                      const MachineCapacity& capacity) {
+  std::optional<PlacementPlan> b;
+  PlacementPlan a = schedule_candidates(
+      cfg, capacity, [&](const Config& c) { return make_plan(c, layout, rank, capacity); }, &b);
+  if (!b) return a;
+  const std::string why = layer_gives_up(a, *b);
+  if (!why.empty()) {
+    a.schedule_choice = "micro_batch (" + why + ")";
+    return a;
+  }
+  b->schedule_choice = "layer (fits with the same placement)";
+  return *b;
+}
+
+PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t rank,
+                        const MachineCapacity& capacity) {
+  if (cfg.run.schedule == StepSchedule::kAuto) return resolve_schedule(cfg, layout, rank, capacity);
+  STRATA_CHECK(layout.world_size() == shard_count(cfg), "the layout's shards are not the config's");
+  STRATA_CHECK(rank >= 0 && rank < std::max<int64_t>(1, cfg.world_size), "rank out of range");
+  PlacementPlan plan;
+  plan.world_size = int(cfg.world_size);
+  plan.stage = int(cfg.zero.stage);
+  plan.shards = layout.world_size();
+  plan.rank = int(rank);
+  plan.ranks_per_node = std::max(1, capacity.ranks_per_node);
+  plan.device_addressable = capacity.device_addressable;
+  plan.schedule = cfg.run.schedule;
+  const bool gloo = cfg.comm.backend == "gloo" || (cfg.comm.backend == "auto" && cfg.run.device != DeviceKind::kCuda);
+  plan.comm_staged = plan.world_size > 1 && !plan.device_addressable && gloo;
+  plan.comm_grad_bytes = cfg.comm.data_type == "fp32" ? 4 : 2;
+  plan.gathered_numel = layout.total_numel();
+  const int int16_bytes = compute_bytes(cfg);  // the working copy: fp32 or 16-bit
+  const int moment_bytes = cfg.run.optimizer_state_dtype == "bf16" ? 2 : 4;  // Note [bf16 state]
+  plan.elem_bytes = {int16_bytes, 4, 4, moment_bytes, moment_bytes};
+  // Every rank owns equally sized shards (shard r of every block), so the
+  // plans of all ranks are the same.
+  std::array<std::vector<PlacementUnit>, kNumCategories> units;
+  cut_units(cfg, layout, plan, units);
+  if (!cfg.run.checkpoint.dir.empty() && cfg.run.checkpoint.every > 0 && cfg.run.checkpoint.snapshot_gb > 0) {
+    // Only periodic saves ride on training. No more than this rank's saves
+    // hold: its saved categories' elements (replicated state: its share of
+    // the chunks, a world-th, rounded up by one chunk of each category),
+    // each range (a block's chunk of at most 2^24 elements) 4 KiB aligned.
+    const int64_t chunk = int64_t(1) << 24;
+    const int64_t ranges = 3 * (int64_t(layout.num_blocks()) + plan.shard_space_numel / chunk + 1);
+    const int64_t world = plan.shards == 1 ? std::max<int64_t>(1, cfg.world_size) : 1;
+    const double elems = std::min(double(plan.shard_space_numel),
+                                  double(plan.shard_space_numel) / double(world) + double(chunk));
+    const double most = elems * (4 + 2 * moment_bytes) + double(ranges) * 4096;
+    const double want = std::min(cfg.run.checkpoint.snapshot_gb * 1e9, most);
+    plan.save_snapshot_bytes = (int64_t(want) + 4095) / 4096 * 4096;
+  }
+  std::array<TierSplit, kNumCategories> split = requested_splits(cfg, plan);
+  estimate_transients(cfg, layout, plan);
+  if (!cfg.placement.auto_place) {
+    for (int c = 0; c < kNumCategories; ++c) assign(units[size_t(c)], split[size_t(c)], plan.shard_space_numel);
+  } else {
+    split = fill_auto(cfg, capacity, plan, units);
+  }
+  plan.split = split;
+  plan.units = std::move(units);
+  for (int c = 0; c < kNumCategories; ++c) {
+    for (const PlacementUnit& u : plan.units[size_t(c)]) {
+      plan.bytes[size_t(c)][size_t(u.tier)] += u.numel * plan.elem_bytes[size_t(c)];
+    }
+  }
+  cap_window(cfg, capacity, plan);
+  resolve_recompute(cfg, capacity, plan);
+  choose_swap_paths(cfg, plan);
+  plan.staging = staging_needs(plan);
+  choose_secondary_shard(cfg, capacity, plan);
+  choose_kept_gathered(cfg, capacity, plan);
+  choose_gradient_reduction(cfg, capacity, plan);
+  resolve_speculation(cfg, capacity, plan);
+  return plan;
+}
+
+}  // namespace strata

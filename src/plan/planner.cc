@@ -1,0 +1,187 @@
+// The planner (plan/planner.h): candidates, the choices by the bound, and
+// the plan for the machine.
+#include "plan/planner.h"
+
+#include <optional>
+#include <utility>
+
+#include "util/errors.h"
+#include "util/logging.h"
+
+namespace strata {
+
+PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, MachineCapacity* capacity,
+                               int64_t rank, int local_ranks, const Device* device, const GivenCapacity& given,
+                               const Rates* rates) {
+  const int ranks = std::max(1, local_ranks);
+  auto measure = [&](const std::vector<std::string>& paths) {
+    MachineCapacity m =
+        measure_capacity(cfg, paths, local_ranks, device != nullptr && device->is_cuda() ? device->ordinal() : -1);
+    if (device != nullptr) m.device_addressable = device->host_addressable();
+    if (given.host_bytes >= 0) m.host_bytes = given.host_bytes / ranks, m.host_source = "--host-memory-gb";
+    if (given.nvme_bytes >= 0) m.nvme_bytes = given.nvme_bytes / ranks, m.nvme_source = "--nvme-gb";
+    if (given.device_bytes >= 0) {
+      m.device_bytes = given.device_bytes;
+      m.device_source = given.device_source.empty() ? "--device-memory-gb" : given.device_source;
+    }
+    return m;
+  };
+  // The swap directories are known only from a first plan; capacity matters
+  // only to auto, which the second call redoes with the directories measured.
+  PlacementPlan first = make_plan(cfg, layout, rank, measure({}));
+  MachineCapacity cap = measure(first.nvme_paths);
+  if (capacity != nullptr) *capacity = cap;
+  // With rates, optimizer.speculate auto takes NVMe state's alternate slots
+  // only where the bound says they gain (Note [Speculating NVMe state]).
+  auto judged = [&](PlacementPlan p) {
+    if (rates != nullptr) judge_speculation_by_bound(cfg, *rates, cap.device_is_host, p);
+    return p;
+  };
+  if (rates != nullptr && cfg.run.schedule == StepSchedule::kAuto && cfg.gradient_accumulation_steps > 1) {
+    return judged(choose_schedule_by_bound(cfg, layout, rank, cap, *rates));
+  }
+  // Fixed placements too: optimizer.speculate's alternate swap slots need
+  // the disk measured (resolve_speculation).
+  if (!cfg.placement.auto_place) return judged(first.nvme_paths.empty() ? first : make_plan(cfg, layout, rank, cap));
+  if (rates != nullptr && cfg.placement.by_bound) return judged(choose_by_bound(cfg, layout, rank, cap, *rates));
+  return judged(make_plan(cfg, layout, rank, cap));
+}
+
+PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int64_t rank,
+                              const MachineCapacity& capacity, const Rates& rates) {
+  struct Candidate {
+    std::string name;
+    std::vector<int> order;
+    int64_t device_groups;
+  };
+  std::vector<Candidate> candidates = {{"greedy (param16, grad, optimizer state)", {}, -1}};
+  PlacementPlan greedy = make_plan(cfg, layout, rank, capacity);
+  if (capacity.device_is_host) {
+    candidates.push_back({"optimizer state before gradients", {0, 2, 3, 4, 1}, -1});
+    candidates.push_back({"gradients before parameters", {1, 0, 2, 3, 4}, -1});
+    candidates.push_back({"optimizer state first", {2, 3, 4, 0, 1}, -1});
+  } else {
+    int64_t groups = 0;
+    for (const PlacementUnit& u : greedy.units[size_t(Category::kMaster)]) groups += u.tier == Tier::kDevice;
+    if (groups > 0) {
+      candidates.push_back({"no optimizer sub-group in HBM", {}, 0});
+      if (groups > 1) candidates.push_back({strprintf("%lld of %lld sub-groups in HBM", (long long)(groups / 2),
+                                                      (long long)groups), {}, groups / 2});
+    }
+    candidates.push_back({"gradients before parameters", {1, 0, 2, 3, 4}, -1});
+  }
+  const bool cpu_compute = capacity.device_is_host;
+  PlacementPlan best;
+  double best_s = -1, runner_s = -1, greedy_s = -1;
+  std::string best_name, runner_name, unjudged;
+  for (size_t i = 0; i < candidates.size(); ++i) {
+    const Candidate& k = candidates[i];
+    Config c = cfg;
+    c.placement.auto_order = k.order;
+    c.placement.auto_device_groups = k.device_groups;
+    PlacementPlan p = i == 0 ? greedy : make_plan(c, layout, rank, capacity);
+    if (i > 0 && !plan_shortfalls(p, capacity).empty()) continue;
+    const StepWork w = predicted_work(c, p, train_fetches(p), step_network_bytes(p));
+    if (!missing_rates(w, rates, cpu_compute).empty()) {
+      if (i == 0) {  // nothing to compare with: the greedy fill, said why
+        greedy.auto_choice = "greedy fill (not judged by the bound: no rate for " +
+                             missing_rates(w, rates, cpu_compute).front() + ")";
+        return greedy;
+      }
+      unjudged += (unjudged.empty() ? "" : ", ") + k.name;
+      continue;
+    }
+    const double s = step_bound(w, rates, cpu_compute).seconds;
+    if (i == 0) greedy_s = s;
+    if (best_s < 0 || s < best_s * (1 - 1e-6)) {
+      if (best_s >= 0) runner_s = best_s, runner_name = best_name;
+      best_s = s, best_name = k.name, best = std::move(p);
+    } else if (runner_s < 0 || s < runner_s) {
+      runner_s = s, runner_name = k.name;
+    }
+  }
+  // Note [Auto's margin]: another candidate replaces the greedy fill only
+  // when its bound is lower by more than kAutoMargin.
+  if (best_name != candidates[0].name && best_s > greedy_s * (1 - kAutoMargin)) {
+    greedy.auto_choice = strprintf(
+        "%s: bound %.3f s (%s: %.3f s, not %.0f%% lower: within what the bound leaves out)", candidates[0].name.c_str(),
+        greedy_s, best_name.c_str(), best_s, kAutoMargin * 100);
+    if (!unjudged.empty()) greedy.auto_choice += "; not judged (no rate): " + unjudged;
+    return greedy;
+  }
+  best.auto_choice = strprintf("%s: bound %.3f s", best_name.c_str(), best_s);
+  if (runner_s >= 0) best.auto_choice += strprintf("; runner-up %s: %.3f s", runner_name.c_str(), runner_s);
+  if (best_name != candidates[0].name && runner_name != candidates[0].name) {
+    best.auto_choice += strprintf("; greedy fill: %.3f s", greedy_s);
+  }
+  if (!unjudged.empty()) best.auto_choice += "; not judged (no rate): " + unjudged;
+  return best;
+}
+
+void judge_speculation_by_bound(const Config& cfg, const Rates& rates, bool cpu_compute, PlacementPlan& plan) {
+  if (cfg.optimizer.speculate != Speculate::kAuto || !plan.speculate || !plan.speculate_slots) return;
+  PlacementPlan off = plan;
+  off.speculate = false;
+  off.speculate_slots = false;
+  off.nvme_spare_bytes = 0;
+  const StepWork won = predicted_work(cfg, plan, train_fetches(plan), step_network_bytes(plan));
+  const StepWork woff = predicted_work(cfg, off, train_fetches(off), step_network_bytes(off));
+  if (!missing_rates(won, rates, cpu_compute).empty() || !missing_rates(woff, rates, cpu_compute).empty()) return;
+  const double on_s = step_bound(won, rates, cpu_compute).seconds;
+  const double off_s = step_bound(woff, rates, cpu_compute).seconds;
+  const double clipped_s = step_bound(clipped_work(won), rates, cpu_compute).seconds;
+  if (on_s < off_s * (1 - kAutoMargin)) {
+    plan.speculate_choice +=
+        strprintf(" (the bound: %.3f s a step, %.3f s without; a clipped step %.3f s)", on_s, off_s, clipped_s);
+    return;
+  }
+  off.speculate_choice = strprintf(
+      "off (optimizer state on NVMe: its alternate slots would take %s more disk for a bound of %.3f s a step "
+      "against %.3f s without, not %.0f%% lower, and a clipped step %.3f s; \"on\" to force)",
+      format_bytes(double(plan.nvme_spare_bytes)).c_str(), on_s, off_s, kAutoMargin * 100, clipped_s);
+  plan = std::move(off);
+}
+
+PlacementPlan choose_schedule_by_bound(const Config& cfg, const StateLayout& layout, int64_t rank,
+                                       const MachineCapacity& capacity, const Rates& rates) {
+  std::optional<PlacementPlan> b;
+  PlacementPlan a = schedule_candidates(
+      cfg, capacity,
+      [&](const Config& c) {
+        return c.placement.auto_place && c.placement.by_bound ? choose_by_bound(c, layout, rank, capacity, rates)
+                                                              : make_plan(c, layout, rank, capacity);
+      },
+      &b);
+  if (!b) return a;
+  Config mb = cfg, ly = cfg;
+  mb.run.schedule = StepSchedule::kMicroBatch;
+  ly.run.schedule = StepSchedule::kLayer;
+  const bool cpu_compute = capacity.device_is_host;
+  const StepWork wa = predicted_work(mb, a, train_fetches(a), step_network_bytes(a));
+  const StepWork wb = predicted_work(ly, *b, train_fetches(*b), step_network_bytes(*b));
+  if (!missing_rates(wa, rates, cpu_compute).empty() || !missing_rates(wb, rates, cpu_compute).empty()) {
+    return make_plan(cfg, layout, rank, capacity);  // without the bound
+  }
+  const double sa = step_bound(wa, rates, cpu_compute).seconds, sb = step_bound(wb, rates, cpu_compute).seconds;
+  // The bound overrides the choice made without rates (resolve_schedule in
+  // plan/make_plan.cc) only when it is lower by more than kAutoMargin (Note
+  // [Auto's margin]): what the bound leaves out is of that order.
+  const std::string gives_up = layer_gives_up(a, *b);
+  const bool layer_default = gives_up.empty();
+  const double def_s = layer_default ? sb : sa, other_s = layer_default ? sa : sb;
+  const bool take_layer = other_s < def_s * (1 - kAutoMargin) ? !layer_default : layer_default;
+  std::string note;
+  if (other_s < def_s && take_layer == layer_default) {
+    note = strprintf("; %s is lower by less than %.0f%%, the choice without rates stands: %s",
+                     layer_default ? "micro_batch" : "layer", kAutoMargin * 100,
+                     layer_default ? "layer fits with the same placement" : gives_up.c_str());
+  }
+  if (take_layer) {
+    b->schedule_choice = strprintf("layer: bound %.3f s (micro_batch: %.3f s%s)", sb, sa, note.c_str());
+    return *b;
+  }
+  a.schedule_choice = strprintf("micro_batch: bound %.3f s (layer: %.3f s%s)", sa, sb, note.c_str());
+  return a;
+}
+
+}  // namespace strata
