@@ -48,7 +48,7 @@ class CpuAdam {
   // exp_avg_sq are read and left as they were, and only the updated
   // parameters come out: in emit_type into spans.emit, or (emit_type kNone)
   // in fp32 into `param_out`. The optimizer's speculative update (Note
-  // [Speculative optimizer] in src/engine/optimizer_pass.h) emits the
+  // [Speculative optimizer] in src/engine/optimizer/optimizer_pass.h) emits the
   // working copy this way and writes the state once the step's verdict is
   // known. Main-memory traffic: the step's reads and the 16-bit (or fp32)
   // copy's writes; the scratch, kTileNumel elements of each of the three per

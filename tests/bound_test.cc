@@ -94,7 +94,7 @@ TEST(BoundTest, TheLayerScheduleLandsEachGradientOnce) {
   const PlacementPlan mb = make_plan(cfg, make_layout(), 0, MachineCapacity{});
   cfg.run.schedule = StepSchedule::kLayer;
   const PlacementPlan p = make_plan(cfg, make_layout(), 0, MachineCapacity{});
-  ASSERT_TRUE(p.layer_major());
+  ASSERT_TRUE(p.step.schedule == StepSchedule::kLayer);
   const std::vector<int64_t> f = train_fetches(p);
   EXPECT_EQ(f, std::vector<int64_t>(8, 1));
   const StepWork w = predicted_work(cfg, p, f, NetworkBytes{});
@@ -112,7 +112,7 @@ TEST(BoundTest, TheLayerScheduleLandsEachGradientOnce) {
   two.world_size = 2;
   two.zero.stage = 2;
   two.run.schedule = StepSchedule::kMicroBatch;
-  two.comm.gradient_reduction = "per_micro_batch";
+  two.comm.gradient_reduction = GradientReduction::kPerMicroBatch;
   const StateLayout l2 = make_layout(2);
   const NetworkBytes per_micro = step_network_bytes(make_plan(two, l2, 0, MachineCapacity{}));
   two.run.schedule = StepSchedule::kLayer;
@@ -253,7 +253,7 @@ TEST(BoundTest, TheSpeculativeOptimizerHidesBehindTheBackwardUnlessClipped) {
       {"bf16.enabled=true", "run.schedule=\"layer\"", "optimizer.speculate=\"on\"",
        "placement={\"param16\":{\"device\":1},\"grad\":{\"device\":1},\"optimizer\":{\"host\":1}}"});
   const PlacementPlan p = make_plan(cfg, make_layout(), 0, gpu_like());
-  ASSERT_TRUE(p.speculate) << p.speculate_choice;
+  ASSERT_TRUE(p.optimizer.speculate) << p.optimizer.speculate_choice;
   EXPECT_EQ(speculated_numel(p), kN);
   StepWork w = predicted_work(cfg, p, train_fetches(p), NetworkBytes{});
   EXPECT_EQ(w.adam_elems, 2 * kN);
@@ -297,7 +297,7 @@ TEST(BoundTest, AlternateSwapSlotsMakeACommittedStepOnePass) {
        "placement={\"param16\":{\"device\":1},\"grad\":{\"device\":1},\"optimizer\":{\"nvme\":1},"
        "\"nvme_path\":\"/tmp/x\"}"});
   const PlacementPlan p = make_plan(cfg, make_layout(), 0, gpu_like());
-  ASSERT_TRUE(p.speculate_slots) << p.speculate_choice;
+  ASSERT_TRUE(p.optimizer.speculate_slots) << p.optimizer.speculate_choice;
   StepWork w = predicted_work(cfg, p, train_fetches(p), NetworkBytes{});
   EXPECT_EQ(w.adam_elems, kN);
   EXPECT_EQ(w.speculated_elems, kN);
@@ -344,8 +344,8 @@ TEST(BoundTest, AutoSpeculatesNvmeStateOnlyWhereTheBoundGains) {
   const Config cfg = config_with({"bf16.enabled=true", "run.schedule=\"layer\"", "run.swap_checksums=false", nvme,
                                   "optimizer.speculate=\"auto\""});
   const PlacementPlan p = make_plan(cfg, make_layout(), 0, gpu_like());
-  ASSERT_TRUE(p.speculate_slots) << "auto without rates: " << p.speculate_choice;
-  ASSERT_EQ(p.nvme_spare_bytes, 12 * kN);
+  ASSERT_TRUE(p.optimizer.speculate_slots) << "auto without rates: " << p.optimizer.speculate_choice;
+  ASSERT_EQ(p.optimizer.nvme_spare_bytes, 12 * kN);
   const StepWork w = predicted_work(cfg, p, train_fetches(p), NetworkBytes{});
   Rates adam_bound;
   adam_bound.device_flops = w.flops / 0.04;  // 0.04 s of compute
@@ -356,20 +356,20 @@ TEST(BoundTest, AutoSpeculatesNvmeStateOnlyWhereTheBoundGains) {
   adam_bound.pcie_both = double(8 * kN) / 0.0001;
   PlacementPlan kept = p;
   judge_speculation_by_bound(cfg, adam_bound, false, kept);
-  EXPECT_TRUE(kept.speculate_slots) << kept.speculate_choice;
-  EXPECT_EQ(kept.nvme_spare_bytes, 12 * kN);
-  EXPECT_NE(kept.speculate_choice.find("the bound:"), std::string::npos) << kept.speculate_choice;
+  EXPECT_TRUE(kept.optimizer.speculate_slots) << kept.optimizer.speculate_choice;
+  EXPECT_EQ(kept.optimizer.nvme_spare_bytes, 12 * kN);
+  EXPECT_NE(kept.optimizer.speculate_choice.find("the bound:"), std::string::npos) << kept.optimizer.speculate_choice;
   Rates disk_bound = adam_bound;
   disk_bound.adam = double(kN) / 0.001;
   disk_bound.nvme_read = disk_bound.nvme_write = double(12 * kN) / 1.0;  // 1 s each way: 25x the compute
   disk_bound.nvme_both = double(24 * kN) / 2.0;
   PlacementPlan off = p;
   judge_speculation_by_bound(cfg, disk_bound, false, off);
-  EXPECT_FALSE(off.speculate) << off.speculate_choice;
-  EXPECT_FALSE(off.speculate_slots);
-  EXPECT_EQ(off.nvme_spare_bytes, 0);
+  EXPECT_FALSE(off.optimizer.speculate) << off.optimizer.speculate_choice;
+  EXPECT_FALSE(off.optimizer.speculate_slots);
+  EXPECT_EQ(off.optimizer.nvme_spare_bytes, 0);
   EXPECT_EQ(off.total()[size_t(Tier::kNvme)], p.total()[size_t(Tier::kNvme)] - 12 * kN);
-  EXPECT_NE(off.speculate_choice.find("not 10% lower"), std::string::npos) << off.speculate_choice;
+  EXPECT_NE(off.optimizer.speculate_choice.find("not 10% lower"), std::string::npos) << off.optimizer.speculate_choice;
   // The choice is the bound's: speculation's bound on that disk is not 10% lower.
   const StepWork woff = predicted_work(cfg, off, train_fetches(off), NetworkBytes{});
   EXPECT_GE(step_bound(w, disk_bound, false).seconds, 0.9 * step_bound(woff, disk_bound, false).seconds);
@@ -378,12 +378,12 @@ TEST(BoundTest, AutoSpeculatesNvmeStateOnlyWhereTheBoundGains) {
                                  "optimizer.speculate=\"on\""});
   PlacementPlan forced = make_plan(on, make_layout(), 0, gpu_like());
   judge_speculation_by_bound(on, disk_bound, false, forced);
-  EXPECT_TRUE(forced.speculate_slots) << "on is the user's";
+  EXPECT_TRUE(forced.optimizer.speculate_slots) << "on is the user's";
   Rates missing = disk_bound;
   missing.adam = 0;
   PlacementPlan unjudged = p;
   judge_speculation_by_bound(cfg, missing, false, unjudged);
-  EXPECT_TRUE(unjudged.speculate_slots) << "no CPU Adam rate: not judged";
+  EXPECT_TRUE(unjudged.optimizer.speculate_slots) << "no CPU Adam rate: not judged";
 }
 
 // The same placement as BytesPerLinkOfAnOffloadedPlacement with the swap

@@ -166,14 +166,5 @@ TEST(DataTest, AnonymousMemoryDoesNotGrowWithTheCorpus) {
   EXPECT_LT(growth[1] - growth[0], 4 * 1024);
 }
 
-TEST(DataTest, UnknownFormatNamesTheKey) {
-  try {
-    parse_token_format("utf8");
-    FAIL();
-  } catch (const ConfigError& e) {
-    EXPECT_EQ(e.key(), "data.format");
-  }
-}
-
 }  // namespace
 }  // namespace strata

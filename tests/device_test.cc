@@ -195,7 +195,7 @@ TEST(TieredStateOnADevice, DeviceTierGoesThroughTheDevicesCopiesAndIsDoneOnRetur
   so.device = &dev;
   TieredState st(plan, so);
   EXPECT_EQ(&st.device(), &dev);
-  const PlacementUnit& u = plan.units[size_t(Category::kMaster)][1];
+  const PlacementUnit& u = plan.state.units[size_t(Category::kMaster)][1];
   ASSERT_EQ(u.tier, Tier::kDevice);
   EXPECT_EQ(st.resident(Category::kMaster, u.offset, u.numel), nullptr);
   const DevicePtr home = st.resident_on_device(Category::kMaster, u.offset, u.numel);

@@ -97,6 +97,45 @@ TEST(ParamWindowTest, LayerScheduleRunsEachBlockForEveryMicroBatchInTurn) {
   }
 }
 
+// The step's shape answers what the engine asks of the order: the facts
+// worked out by hand from Note [Step schedules] for both schedules.
+TEST(ParamWindowTest, StepShapeGivesTheFactsOfEachSchedule) {
+  StepShape mb, ly, one;
+  mb.set(StepSchedule::kMicroBatch, 4);
+  ly.set(StepSchedule::kLayer, 4);
+  one.set(StepSchedule::kMicroBatch, 1);
+  EXPECT_EQ(mb.held_micro, 1);
+  EXPECT_EQ(ly.held_micro, 4);
+  EXPECT_FALSE(mb.sums_each_block());
+  EXPECT_TRUE(ly.sums_each_block());
+  EXPECT_FALSE(one.sums_each_block());
+  EXPECT_FALSE(mb.gradients_final_in_backward());
+  EXPECT_TRUE(ly.gradients_final_in_backward());
+  EXPECT_TRUE(one.gradients_final_in_backward());
+  EXPECT_EQ(mb.hand_offs_per_step(false), 4);
+  EXPECT_EQ(mb.hand_offs_per_step(true), 1);
+  EXPECT_EQ(ly.hand_offs_per_step(false), 1);
+  EXPECT_EQ(one.hand_offs_per_step(false), 1);
+  EXPECT_EQ(ly.ops(4, true).size(), train_schedule(StepSchedule::kLayer, 4, true, 4).size());
+}
+
+// Gradients become final from the head down under both schedules; the
+// order is read off the ops (a block is final at its last head or backward
+// op), so a different list gives a different order.
+TEST(ParamWindowTest, GradientFinalOrderIsReadOffTheOps) {
+  for (StepSchedule s : {StepSchedule::kMicroBatch, StepSchedule::kLayer}) {
+    EXPECT_EQ(gradient_final_order(train_schedule(s, 4, true, 2)), (std::vector<int32_t>{3, 2, 1, 0}));
+  }
+  auto bwd = [](int32_t b, int32_t m) {
+    StepOp o;
+    o.block[0] = b, o.count = 1, o.micro = m, o.pass = Pass::kBackward;
+    return o;
+  };
+  StepOp fwd = bwd(0, 0);
+  fwd.pass = Pass::kForward;
+  EXPECT_EQ(gradient_final_order({fwd, bwd(2, 0), bwd(1, 0), bwd(2, 1)}), (std::vector<int32_t>{1, 2}));
+}
+
 // Under layer a windowed block is fetched at most twice a step (once for its
 // forwards, once for its backwards), whatever the micro-batch count and even
 // without prefetch; the tied embedding at most three times (its forwards, the

@@ -41,10 +41,10 @@ TEST(PlacementTest, DefaultIsEverythingOnDevice) {
   StateLayout layout = make_layout();
   const Config cfg = config_with({});
   PlacementPlan p = make_plan(cfg, layout, 0, unlimited());
-  EXPECT_EQ(p.source, "default");
+  EXPECT_EQ(p.state.source, "default");
   for (int c = 0; c < kNumCategories; ++c) {
-    EXPECT_EQ(p.bytes[c][0], kTotal * p.elem_bytes[c]) << category_name(Category(c));
-    EXPECT_EQ(p.bytes[c][1] + p.bytes[c][2], 0);
+    EXPECT_EQ(p.state.bytes[c][0], kTotal * p.state.elem_bytes[c]) << category_name(Category(c));
+    EXPECT_EQ(p.state.bytes[c][1] + p.state.bytes[c][2], 0);
   }
   // All resident: the fp32 stage of the tied embedding's gradient sum (the
   // largest block) and a norm slot per block (Note [Gradient path]).
@@ -84,20 +84,20 @@ TEST(PlacementTest, DeepSpeedOptimizerOffloadToCpuAndNvmeWithRatio) {
   StateLayout layout = make_layout();
   PlacementPlan cpu = make_plan(config_with({"zero_optimization.offload_optimizer.device=cpu"}),
                                 layout, 0, unlimited());
-  EXPECT_EQ(cpu.source, "deepspeed");
+  EXPECT_EQ(cpu.state.source, "deepspeed");
   for (Category c : {Category::kMaster, Category::kExpAvg, Category::kExpAvgSq, Category::kGrad}) {
-    EXPECT_EQ(cpu.bytes[int(c)][int(Tier::kHost)], kTotal * 4) << category_name(c);
+    EXPECT_EQ(cpu.state.bytes[int(c)][int(Tier::kHost)], kTotal * 4) << category_name(c);
   }
-  EXPECT_EQ(cpu.bytes[int(Category::kParam16)][int(Tier::kDevice)], kTotal * 4);  // fp32 compute
+  EXPECT_EQ(cpu.state.bytes[int(Category::kParam16)][int(Tier::kDevice)], kTotal * 4);  // fp32 compute
 
   PlacementPlan nvme = make_plan(
       config_with({"zero_optimization.offload_optimizer={\"device\":\"nvme\",\"nvme_path\":\"/tmp/x\",\"ratio\":0.25}"}),
       layout, 0, unlimited());
   // ratio 0.25: a quarter of the 8 sub-groups on NVMe, the rest on device.
-  EXPECT_EQ(nvme.bytes[int(Category::kMaster)][int(Tier::kNvme)], 2 * 65536 * 4);
-  EXPECT_EQ(nvme.bytes[int(Category::kMaster)][int(Tier::kDevice)], 6 * 65536 * 4);
+  EXPECT_EQ(nvme.state.bytes[int(Category::kMaster)][int(Tier::kNvme)], 2 * 65536 * 4);
+  EXPECT_EQ(nvme.state.bytes[int(Category::kMaster)][int(Tier::kDevice)], 6 * 65536 * 4);
   // DeepSpeed keeps the gradients of offloaded optimizer state in host memory.
-  EXPECT_EQ(nvme.bytes[int(Category::kGrad)][int(Tier::kHost)], 2 * 65536 * 4);
+  EXPECT_EQ(nvme.state.bytes[int(Category::kGrad)][int(Tier::kHost)], 2 * 65536 * 4);
   // One swapped sub-group of master/exp_avg/exp_avg_sq at a time; gradients
   // and working copy of a sub-group lie in one unit each, so are not staged.
   // buffer_count 4 -> a pipeline of 8 staging sets, the least above 1 (Note [Optimizer pipeline]).
@@ -113,14 +113,14 @@ TEST(PlacementTest, DeepSpeedOptimizerOffloadToCpuAndNvmeWithRatio) {
     EXPECT_EQ(deep.staging.opt_state, int64_t(sets) * 65536 * 12) << count;
   }
   EXPECT_EQ(nvme.staging.opt_grad + nvme.staging.opt_emit, 0);
-  EXPECT_EQ(nvme.nvme_paths, std::vector<std::string>{"/tmp/x"});
+  EXPECT_EQ(nvme.state.nvme_paths, std::vector<std::string>{"/tmp/x"});
   // Different directories for parameters and optimizer state: all of them are used.
   PlacementPlan both = make_plan(
       config_with({"zero_optimization.stage=3",
                    "zero_optimization.offload_optimizer={\"device\":\"nvme\",\"nvme_path\":[\"/tmp/a\",\"/tmp/b\"]}",
                    "zero_optimization.offload_param={\"device\":\"nvme\",\"nvme_path\":[\"/tmp/b\",\"/tmp/c\"],\"max_in_cpu\":0}"}),
       layout, 0, unlimited());
-  EXPECT_EQ(both.nvme_paths, (std::vector<std::string>{"/tmp/a", "/tmp/b", "/tmp/c"}));
+  EXPECT_EQ(both.state.nvme_paths, (std::vector<std::string>{"/tmp/a", "/tmp/b", "/tmp/c"}));
 }
 
 TEST(PlacementTest, DeepSpeedParamOffloadToNvmeKeepsMaxInCpuOnHost) {
@@ -129,8 +129,8 @@ TEST(PlacementTest, DeepSpeedParamOffloadToNvmeKeepsMaxInCpuOnHost) {
       config_with({"zero_optimization.stage=3",
                    "zero_optimization.offload_param={\"device\":\"nvme\",\"nvme_path\":\"/tmp/x\",\"max_in_cpu\":131072,\"buffer_size\":70000,\"buffer_count\":3}"}),
       layout, 0, unlimited());
-  EXPECT_EQ(p.bytes[int(Category::kParam16)][int(Tier::kHost)], 2 * 65536 * 4);
-  EXPECT_EQ(p.bytes[int(Category::kParam16)][int(Tier::kNvme)], 6 * 65536 * 4);
+  EXPECT_EQ(p.state.bytes[int(Category::kParam16)][int(Tier::kHost)], 2 * 65536 * 4);
+  EXPECT_EQ(p.state.bytes[int(Category::kParam16)][int(Tier::kNvme)], 6 * 65536 * 4);
   // DeepSpeed's default persistence threshold (1e5 elements) keeps these
   // 64Ki-element blocks persistent; without it the window holds the current
   // use (the head with the tied embedding: 2 blocks), one more per block of
@@ -166,24 +166,24 @@ TEST(PlacementTest, ThreeWaySplitPlacesWholeUnitsNearTheRequestedShares) {
                             "\"optimizer\":{\"device\":0.25,\"host\":0.25,\"nvme\":0.5},"
                             "\"nvme_path\":\"/tmp/x\"}"});
   PlacementPlan p = make_plan(cfg, layout, 0, unlimited());
-  EXPECT_EQ(p.source, "placement");
+  EXPECT_EQ(p.state.source, "placement");
   // 8 units with midpoints at 1/16, 3/16, 5/16, ...: device takes those below
   // 0.2 (2 units), host those below 0.5 (2 more), NVMe the other 4.
-  const auto& pb = p.bytes[int(Category::kParam16)];
+  const auto& pb = p.state.bytes[int(Category::kParam16)];
   EXPECT_EQ(pb[0], 2 * 65536 * 4);
   EXPECT_EQ(pb[1], 2 * 65536 * 4);
   EXPECT_EQ(pb[2], 4 * 65536 * 4);
-  const auto& mb = p.bytes[int(Category::kMaster)];
+  const auto& mb = p.state.bytes[int(Category::kMaster)];
   EXPECT_EQ(mb[0], 2 * 65536 * 4);
   EXPECT_EQ(mb[1], 2 * 65536 * 4);
   EXPECT_EQ(mb[2], 4 * 65536 * 4);
   // Every category accounts for every element exactly once.
-  for (int c = 0; c < kNumCategories; ++c) EXPECT_EQ(p.category_total(Category(c)), kTotal * p.elem_bytes[c]);
+  for (int c = 0; c < kNumCategories; ++c) EXPECT_EQ(p.state.category_total(Category(c)), kTotal * p.state.elem_bytes[c]);
   // Deterministic: the same config gives the same units.
   PlacementPlan q = make_plan(cfg, layout, 0, unlimited());
   for (int c = 0; c < kNumCategories; ++c) {
-    ASSERT_EQ(p.units[c].size(), q.units[c].size());
-    for (size_t i = 0; i < p.units[c].size(); ++i) EXPECT_EQ(p.units[c][i].tier, q.units[c][i].tier);
+    ASSERT_EQ(p.state.units[c].size(), q.state.units[c].size());
+    for (size_t i = 0; i < p.state.units[c].size(); ++i) EXPECT_EQ(p.state.units[c][i].tier, q.state.units[c][i].tier);
   }
 }
 
@@ -191,10 +191,10 @@ TEST(PlacementTest, SubGroupsAreAlignedContiguousRanges) {
   StateLayout layout = make_layout();
   Config cfg = config_with({"zero_optimization.sub_group_size=100000"});
   PlacementPlan p = make_plan(cfg, layout, 0, unlimited());
-  EXPECT_EQ(p.sub_group_numel % kShardAlignElems, 0);
-  EXPECT_GE(p.sub_group_numel, 100000);
+  EXPECT_EQ(p.state.sub_group_numel % kShardAlignElems, 0);
+  EXPECT_GE(p.state.sub_group_numel, 100000);
   int64_t next = 0;
-  for (const PlacementUnit& u : p.units[int(Category::kMaster)]) {
+  for (const PlacementUnit& u : p.state.units[int(Category::kMaster)]) {
     EXPECT_EQ(u.offset, next);
     next += u.numel;
   }
@@ -215,7 +215,7 @@ Config auto_config(std::vector<std::string> more = {}) {
 // A GPU whose tiers hold, with auto's greedy fill of `cfg` (fp32, one
 // micro-batch of 8 tokens, one staging set), exactly:
 MachineCapacity gpu_capacity_for_auto(const Config& cfg, const StateLayout& layout) {
-  const int64_t activations = make_plan(cfg, layout, 0, unlimited()).activation_bytes;
+  const int64_t activations = make_plan(cfg, layout, 0, unlimited()).activations.bytes;
   const int64_t unit = 65536 * 4;  // every unit here: one block / one sub-group of fp32
   MachineCapacity cap;
   cap.device_is_host = false;
@@ -240,14 +240,14 @@ TEST(PlacementTest, AutoFillsTheDeviceFirstWithParametersThenGradients) {
   Config cfg = auto_config();
   const MachineCapacity cap = gpu_capacity_for_auto(cfg, layout);
   PlacementPlan p = make_plan(cfg, layout, 0, cap);
-  EXPECT_EQ(p.source, "auto");
-  EXPECT_NEAR(p.split[int(Category::kParam16)].device, 1.0, 1e-9);
-  EXPECT_NEAR(p.split[int(Category::kGrad)].device, 0.5, 1e-9);
-  EXPECT_NEAR(p.split[int(Category::kGrad)].host, 0.5, 1e-9);
-  EXPECT_NEAR(p.split[int(Category::kMaster)].host, 1.0, 1e-9);
-  EXPECT_NEAR(p.split[int(Category::kExpAvg)].host, 0.5, 1e-9);
-  EXPECT_NEAR(p.split[int(Category::kExpAvg)].nvme, 0.5, 1e-9);
-  EXPECT_NEAR(p.split[int(Category::kExpAvgSq)].nvme, 1.0, 1e-9);
+  EXPECT_EQ(p.state.source, "auto");
+  EXPECT_NEAR(p.state.split[int(Category::kParam16)].device, 1.0, 1e-9);
+  EXPECT_NEAR(p.state.split[int(Category::kGrad)].device, 0.5, 1e-9);
+  EXPECT_NEAR(p.state.split[int(Category::kGrad)].host, 0.5, 1e-9);
+  EXPECT_NEAR(p.state.split[int(Category::kMaster)].host, 1.0, 1e-9);
+  EXPECT_NEAR(p.state.split[int(Category::kExpAvg)].host, 0.5, 1e-9);
+  EXPECT_NEAR(p.state.split[int(Category::kExpAvg)].nvme, 0.5, 1e-9);
+  EXPECT_NEAR(p.state.split[int(Category::kExpAvgSq)].nvme, 1.0, 1e-9);
   // What was placed, staging included, fits exactly what the tiers have.
   const auto total = p.total();
   EXPECT_LE(total[0], cap.device_bytes);
@@ -271,7 +271,7 @@ TEST(PlacementTest, AutoByTheBoundLeavesTheGreedyFillOnlyForAClearlyLowerBound) 
   const PlacementPlan greedy = make_plan(cfg, layout, 0, cap);
   const PlacementPlan grads_first = make_plan(other, layout, 0, cap);
   ASSERT_TRUE(plan_shortfalls(grads_first, cap).empty());
-  ASSERT_LT(grads_first.split[int(Category::kParam16)].device, 1.0);  // the two differ
+  ASSERT_LT(grads_first.state.split[int(Category::kParam16)].device, 1.0);  // the two differ
   Rates r;
   r.device_flops = 1e12, r.adam = 1e9, r.h2d = r.d2h = 10e9, r.pcie_both = 20e9;
   r.nvme_read = r.nvme_write = r.nvme_both = 2e9;
@@ -283,15 +283,15 @@ TEST(PlacementTest, AutoByTheBoundLeavesTheGreedyFillOnlyForAClearlyLowerBound) 
     };
     const double g = seconds(cfg, greedy), k = seconds(other, grads_first);
     const PlacementPlan chosen = choose_by_bound(cfg, layout, 0, cap, r);
-    const bool is_other = chosen.split[int(Category::kParam16)].device < 1.0;
+    const bool is_other = chosen.state.split[int(Category::kParam16)].device < 1.0;
     EXPECT_EQ(is_other, k < g * 0.9) << "adds " << adds << "/s: greedy " << g << " s, other " << k << " s; "
-                                     << chosen.auto_choice;
+                                     << chosen.state.auto_choice;
     if (is_other) {
       took_it = true;
-      EXPECT_NE(chosen.auto_choice.find("gradients before parameters: bound"), std::string::npos) << chosen.auto_choice;
+      EXPECT_NE(chosen.state.auto_choice.find("gradients before parameters: bound"), std::string::npos) << chosen.state.auto_choice;
     } else if (k < g) {
       kept_greedy_though_lower = true;
-      EXPECT_NE(chosen.auto_choice.find("not 10% lower"), std::string::npos) << chosen.auto_choice;
+      EXPECT_NE(chosen.state.auto_choice.find("not 10% lower"), std::string::npos) << chosen.state.auto_choice;
     }
   }
   EXPECT_TRUE(took_it);
@@ -313,7 +313,7 @@ TEST(PlacementTest, OptimizerOverlapsOnAGpuAndOnTheCpuUnlessItSwaps) {
     const Config in_ram = config_with({o});
     const Config one_group = config_with({o, swap + "\"ratio\":0.125}"});  // 1 of 8 sub-groups
     const Config all = config_with({o, swap + "\"ratio\":1.0}"});
-    ASSERT_EQ(make_plan(one_group, layout, 0, unlimited()).bytes[int(Category::kExpAvg)][int(Tier::kNvme)],
+    ASSERT_EQ(make_plan(one_group, layout, 0, unlimited()).state.bytes[int(Category::kExpAvg)][int(Tier::kNvme)],
               65536 * 4);
     EXPECT_EQ(optimizer_overlaps(in_ram, make_plan(in_ram, layout, 0, unlimited())), !off) << o;
     EXPECT_EQ(optimizer_overlaps(one_group, make_plan(one_group, layout, 0, unlimited())), forced) << o;
@@ -331,7 +331,7 @@ TEST(PlacementTest, AutoOnAGpuPutsOptimizerStateOnTheDeviceOnlyWhole) {
   Config cfg = config_with({"placement={\"auto\":true,\"headroom\":0.0,\"nvme_path\":\"/tmp/x\"}",
                             "model.dim=8", "model.n_heads=2", "model.n_layers=1", "model.seq_len=8",
                             "train_micro_batch_size_per_gpu=1"});
-  const int64_t activations = make_plan(cfg, layout, 0, unlimited()).activation_bytes;
+  const int64_t activations = make_plan(cfg, layout, 0, unlimited()).activations.bytes;
   const int64_t unit = 65536 * 4;
   MachineCapacity cap;
   cap.device_is_host = false;
@@ -341,13 +341,13 @@ TEST(PlacementTest, AutoOnAGpuPutsOptimizerStateOnTheDeviceOnlyWhole) {
   cap.nvme_bytes = int64_t(1) << 40;
   PlacementPlan p = make_plan(cfg, layout, 0, cap);
   ASSERT_FALSE(p.device_addressable);
-  EXPECT_NEAR(p.split[int(Category::kParam16)].device, 1.0, 1e-9);
-  EXPECT_NEAR(p.split[int(Category::kGrad)].device, 1.0, 1e-9);
+  EXPECT_NEAR(p.state.split[int(Category::kParam16)].device, 1.0, 1e-9);
+  EXPECT_NEAR(p.state.split[int(Category::kGrad)].device, 1.0, 1e-9);
   int device_groups = 0;
-  for (size_t i = 0; i < p.units[size_t(Category::kMaster)].size(); ++i) {
-    const PlacementUnit& m = p.units[size_t(Category::kMaster)][i];
+  for (size_t i = 0; i < p.state.units[size_t(Category::kMaster)].size(); ++i) {
+    const PlacementUnit& m = p.state.units[size_t(Category::kMaster)][i];
     for (Category c : {Category::kExpAvg, Category::kExpAvgSq}) {
-      EXPECT_EQ(p.units[size_t(c)][i].tier == Tier::kDevice, m.tier == Tier::kDevice) << "sub-group " << i;
+      EXPECT_EQ(p.state.units[size_t(c)][i].tier == Tier::kDevice, m.tier == Tier::kDevice) << "sub-group " << i;
     }
     EXPECT_EQ(device_adam_piece(p, m), m.tier == Tier::kDevice) << "sub-group " << i;
     device_groups += m.tier == Tier::kDevice;
@@ -362,13 +362,13 @@ TEST(PlacementTest, AutoOnAGpuPutsOptimizerStateOnTheDeviceOnlyWhole) {
   blocks.push_back({"block.0", {{"w", {2816, 256}, Init::kNormal, 0.02}}});
   for (int b = 1; b < 8; ++b) blocks.push_back({"block." + std::to_string(b), {{"w", {256, 256}, Init::kNormal, 0.02}}});
   StateLayout uneven(blocks, 1);
-  const int64_t act2 = make_plan(cfg, uneven, 0, unlimited()).activation_bytes;
+  const int64_t act2 = make_plan(cfg, uneven, 0, unlimited()).activations.bytes;
   cap.device_bytes = act2 + 11 * unit /* gradient stage */ + 18 * unit /* param16 */ + 10 * unit;
   PlacementPlan q = make_plan(cfg, uneven, 0, cap);
-  EXPECT_EQ(q.units[size_t(Category::kGrad)][0].tier, Tier::kHost);
-  for (size_t b = 1; b < 8; ++b) EXPECT_EQ(q.units[size_t(Category::kGrad)][b].tier, Tier::kDevice) << b;
+  EXPECT_EQ(q.state.units[size_t(Category::kGrad)][0].tier, Tier::kHost);
+  for (size_t b = 1; b < 8; ++b) EXPECT_EQ(q.state.units[size_t(Category::kGrad)][b].tier, Tier::kDevice) << b;
   device_groups = 0;
-  for (const PlacementUnit& m : q.units[size_t(Category::kMaster)]) {
+  for (const PlacementUnit& m : q.state.units[size_t(Category::kMaster)]) {
     EXPECT_EQ(device_adam_piece(q, m), m.tier == Tier::kDevice) << "sub-group at " << m.offset;
     device_groups += m.tier == Tier::kDevice;
   }
@@ -387,7 +387,7 @@ TEST(PlacementTest, AutoOnCpuSharesOneHostPoolAndSpillsToNvme) {
   cap.host_bytes = 22 * 65536 * 4;
   cap.nvme_bytes = int64_t(1) << 40;
   PlacementPlan p = make_plan(cfg, layout, 0, cap);
-  EXPECT_GT(p.bytes[int(Category::kExpAvgSq)][int(Tier::kNvme)], 0);  // spilled, not all "device"
+  EXPECT_GT(p.state.bytes[int(Category::kExpAvgSq)][int(Tier::kNvme)], 0);  // spilled, not all "device"
   EXPECT_TRUE(plan_shortfalls(p, cap).empty()) << plan_shortfalls(p, cap)[0];
 }
 
@@ -458,27 +458,27 @@ TEST(PlacementTest, SecondaryShardOnSeveralNodesWhenItFits) {
   // The whole model's 16-bit (fp32 here) parameters over the node's 2 ranks.
   const int64_t secondary = kTotal / 2 * 4;
   PlacementPlan p = make_plan(on, layout, 0, capacity(2, -1));
-  EXPECT_TRUE(p.secondary_shard);
+  EXPECT_TRUE(p.comm.secondary_shard);
   EXPECT_EQ(p.staging.secondary, secondary);
   PlacementPlan without = make_plan(cfg({"comm.secondary_shard=\"off\""}), layout, 0, capacity(2, -1));
-  EXPECT_FALSE(without.secondary_shard);
+  EXPECT_FALSE(without.comm.secondary_shard);
   EXPECT_EQ(without.staging.secondary, 0);
   EXPECT_EQ(p.staging.device_bytes() - without.staging.device_bytes(), secondary);
-  EXPECT_FALSE(make_plan(on, layout, 0, capacity(4, -1)).secondary_shard);  // one node
-  EXPECT_FALSE(make_plan(on, layout, 0, capacity(1, -1)).secondary_shard);  // a rank per node
+  EXPECT_FALSE(make_plan(on, layout, 0, capacity(4, -1)).comm.secondary_shard);  // one node
+  EXPECT_FALSE(make_plan(on, layout, 0, capacity(1, -1)).comm.secondary_shard);  // a rank per node
   EXPECT_FALSE(make_plan(cfg({"zero_optimization.stage=2"}), StateLayout(make_layout(4)), 0, capacity(2, -1))
-                   .secondary_shard);
+                   .comm.secondary_shard);
   // A device with room for everything but the secondary shard: auto leaves
   // it out, on takes it (and the plan says it does not fit).
   const auto t = without.total();
   const int64_t tight = int64_t(double(t[0] + secondary / 2) / (1.0 - on.placement.headroom));
-  EXPECT_FALSE(make_plan(on, layout, 0, capacity(2, tight)).secondary_shard);
-  EXPECT_TRUE(make_plan(on, layout, 0, capacity(2, tight * 2)).secondary_shard);
+  EXPECT_FALSE(make_plan(on, layout, 0, capacity(2, tight)).comm.secondary_shard);
+  EXPECT_TRUE(make_plan(on, layout, 0, capacity(2, tight * 2)).comm.secondary_shard);
   PlacementPlan forced = make_plan(cfg({"comm.secondary_shard=\"on\""}), layout, 0, capacity(2, tight));
-  EXPECT_TRUE(forced.secondary_shard);
+  EXPECT_TRUE(forced.comm.secondary_shard);
   // Kept blocks need none: with all kept, no secondary shard.
   PlacementPlan kept = make_plan(cfg({"comm.keep_gathered=\"all\""}), layout, 0, capacity(2, -1));
-  EXPECT_FALSE(kept.secondary_shard);
+  EXPECT_FALSE(kept.comm.secondary_shard);
   EXPECT_EQ(kept.staging.secondary, 0);
 }
 
@@ -530,17 +530,17 @@ TEST(PlacementTest, TheLayerSchedulesRowsAreTheActivationsItHolds) {
     return make_plan(config_with(o), layout, 0, unlimited());
   };
   const PlacementPlan mb = plan("micro_batch"), ly = plan("layer");
-  ASSERT_FALSE(mb.layer_major());
-  ASSERT_TRUE(ly.layer_major());
-  EXPECT_EQ(mb.held_micro, 1);
-  EXPECT_EQ(ly.held_micro, 4);
-  EXPECT_EQ(mb.checkpoint_activation_bytes, 33280);
-  EXPECT_EQ(ly.checkpoint_activation_bytes, 133120);
-  EXPECT_EQ(mb.held_output_grad_bytes, 0);
-  EXPECT_EQ(ly.held_output_grad_bytes, 65536);
-  EXPECT_EQ(mb.held_tied_grad_bytes, 0);
-  EXPECT_EQ(ly.held_tied_grad_bytes, 262144);
-  EXPECT_EQ(ly.activation_bytes - mb.activation_bytes, (133120 - 33280) + 65536 + 262144);
+  ASSERT_FALSE(mb.step.schedule == StepSchedule::kLayer);
+  ASSERT_TRUE(ly.step.schedule == StepSchedule::kLayer);
+  EXPECT_EQ(mb.step.held_micro, 1);
+  EXPECT_EQ(ly.step.held_micro, 4);
+  EXPECT_EQ(mb.activations.checkpoint_activation_bytes, 33280);
+  EXPECT_EQ(ly.activations.checkpoint_activation_bytes, 133120);
+  EXPECT_EQ(mb.activations.held_output_grad_bytes, 0);
+  EXPECT_EQ(ly.activations.held_output_grad_bytes, 65536);
+  EXPECT_EQ(mb.activations.held_tied_grad_bytes, 0);
+  EXPECT_EQ(ly.activations.held_tied_grad_bytes, 262144);
+  EXPECT_EQ(ly.activations.bytes - mb.activations.bytes, (133120 - 33280) + 65536 + 262144);
   EXPECT_EQ(mb.staging.grad_accum, 0);
   EXPECT_EQ(ly.staging.grad_accum, 262144);
   // Gradients land once, in fp32: the landing buffers hold a block's fp32 shard either way here.
@@ -548,11 +548,11 @@ TEST(PlacementTest, TheLayerSchedulesRowsAreTheActivationsItHolds) {
   const PlacementPlan off = plan("layer", {"activation_checkpointing.cpu_checkpointing=true"});
   EXPECT_EQ(off.staging.ckpt_host, 131072);
   EXPECT_EQ(off.staging.ckpt_device, 32768);
-  EXPECT_EQ(off.checkpoint_activation_bytes, 4 * 512);
+  EXPECT_EQ(off.activations.checkpoint_activation_bytes, 4 * 512);
   EXPECT_EQ(plan("micro_batch", {"activation_checkpointing.cpu_checkpointing=true"}).staging.ckpt_host, 32768);
   // One micro-batch: layer holds nothing more.
   const PlacementPlan one = plan("layer", {"gradient_accumulation_steps=1"});
-  EXPECT_EQ(one.activation_bytes, plan("micro_batch", {"gradient_accumulation_steps=1"}).activation_bytes);
+  EXPECT_EQ(one.activations.bytes, plan("micro_batch", {"gradient_accumulation_steps=1"}).activations.bytes);
   EXPECT_EQ(one.staging.grad_accum, 0);
   // A device too small for layer's activations: the verdict names the
   // schedule's rows and what to change.
@@ -568,9 +568,9 @@ TEST(PlacementTest, TheLayerSchedulesRowsAreTheActivationsItHolds) {
   // auto without rates on that device: layer does not fit, so micro_batch.
   Config a = config_with(base);
   const PlacementPlan chosen = make_plan(a, layout, 0, cap);
-  EXPECT_FALSE(chosen.layer_major()) << chosen.schedule_choice;
-  EXPECT_NE(chosen.schedule_choice.find("does not fit"), std::string::npos) << chosen.schedule_choice;
-  EXPECT_TRUE(make_plan(a, layout, 0, unlimited()).layer_major());
+  EXPECT_FALSE(chosen.step.schedule == StepSchedule::kLayer) << chosen.step.choice;
+  EXPECT_NE(chosen.step.choice.find("does not fit"), std::string::npos) << chosen.step.choice;
+  EXPECT_TRUE(make_plan(a, layout, 0, unlimited()).step.schedule == StepSchedule::kLayer);
   // The window gets what the rest leaves of a device budget: layer leaves it
   // less by its extra held activations and the block-sized fp32 sum of
   // its gradient (the layout's largest block, 65536 elements, in fp32).
@@ -596,18 +596,18 @@ TEST(PlacementTest, TheLayerSchedulesRowsAreTheActivationsItHolds) {
   tight.device_bytes = lyw.total()[0] + 1024;
   const PlacementPlan mbk = make_plan(with_recompute_auto("micro_batch"), layout, 0, tight);
   const PlacementPlan lyk = make_plan(with_recompute_auto("layer"), layout, 0, tight);
-  ASSERT_TRUE(mbk.keep_graphs) << "the tight device holds micro_batch's graphs";
-  ASSERT_FALSE(lyk.keep_graphs);
+  ASSERT_TRUE(mbk.activations.keep_graphs) << "the tight device holds micro_batch's graphs";
+  ASSERT_FALSE(lyk.activations.keep_graphs);
   ASSERT_TRUE(plan_shortfalls(lyk, tight).empty());
-  ASSERT_EQ(lyk.bytes, mbk.bytes);
+  ASSERT_EQ(lyk.state.bytes, mbk.state.bytes);
   const PlacementPlan ak = make_plan(with_recompute_auto("auto"), layout, 0, tight);
-  EXPECT_FALSE(ak.layer_major()) << ak.schedule_choice;
-  EXPECT_NE(ak.schedule_choice.find("keep the graphs"), std::string::npos) << ak.schedule_choice;
-  EXPECT_TRUE(make_plan(with_recompute_auto("auto"), layout, 0, unlimited()).layer_major());
+  EXPECT_FALSE(ak.step.schedule == StepSchedule::kLayer) << ak.step.choice;
+  EXPECT_NE(ak.step.choice.find("keep the graphs"), std::string::npos) << ak.step.choice;
+  EXPECT_TRUE(make_plan(with_recompute_auto("auto"), layout, 0, unlimited()).step.schedule == StepSchedule::kLayer);
 }
 
 // optimizer.speculate (Note [Speculative optimizer] in
-// engine/optimizer_pass.h): auto speculates on a GPU with CPU Adam's pieces
+// engine/optimizer/optimizer_pass.h): auto speculates on a GPU with CPU Adam's pieces
 // and no optimizer state on NVMe; not on the CPU device, not where every
 // piece is the device's Adam, not with the optimizer inline; on forces it
 // where the optimizer has its thread and refuses, naming the key, where not.
@@ -622,47 +622,47 @@ TEST(PlacementTest, SpeculationIsResolvedWhereItHides) {
   };
   const std::string host = "placement={\"optimizer\":{\"host\":1}}";
   const std::string nvme = "placement={\"optimizer\":{\"nvme\":1},\"nvme_path\":\"/tmp/x\"}";
-  EXPECT_TRUE(plan({host}, gpu).speculate) << plan({host}, gpu).speculate_choice;
+  EXPECT_TRUE(plan({host}, gpu).optimizer.speculate) << plan({host}, gpu).optimizer.speculate_choice;
   EXPECT_EQ(speculated_numel(plan({host}, gpu)), kTotal);
-  EXPECT_FALSE(plan({}, gpu).speculate) << "every piece in HBM";
-  EXPECT_NE(plan({}, gpu).speculate_choice.find("device's Adam"), std::string::npos);
+  EXPECT_FALSE(plan({}, gpu).optimizer.speculate) << "every piece in HBM";
+  EXPECT_NE(plan({}, gpu).optimizer.speculate_choice.find("device's Adam"), std::string::npos);
   // Optimizer state on NVMe: alternate swap slots where the disk has room
   // for a second copy of master weights and moments (unknown counts as
   // room), else auto is off and on reads the state twice (two passes).
-  EXPECT_TRUE(plan({nvme}, gpu).speculate) << plan({nvme}, gpu).speculate_choice;
-  EXPECT_TRUE(plan({nvme}, gpu).speculate_slots);
-  EXPECT_EQ(plan({nvme}, gpu).nvme_spare_bytes, 12 * kTotal);
+  EXPECT_TRUE(plan({nvme}, gpu).optimizer.speculate) << plan({nvme}, gpu).optimizer.speculate_choice;
+  EXPECT_TRUE(plan({nvme}, gpu).optimizer.speculate_slots);
+  EXPECT_EQ(plan({nvme}, gpu).optimizer.nvme_spare_bytes, 12 * kTotal);
   MachineCapacity small_disk = gpu;
   small_disk.nvme_bytes = plan({nvme, "optimizer.speculate=\"off\""}, gpu).total()[size_t(Tier::kNvme)];
-  EXPECT_FALSE(plan({nvme}, small_disk).speculate);
-  EXPECT_NE(plan({nvme}, small_disk).speculate_choice.find("no room for its alternate slots"), std::string::npos)
-      << plan({nvme}, small_disk).speculate_choice;
+  EXPECT_FALSE(plan({nvme}, small_disk).optimizer.speculate);
+  EXPECT_NE(plan({nvme}, small_disk).optimizer.speculate_choice.find("no room for its alternate slots"), std::string::npos)
+      << plan({nvme}, small_disk).optimizer.speculate_choice;
   MachineCapacity room = small_disk;
   room.nvme_bytes += 12 * kTotal;
-  EXPECT_TRUE(plan({nvme}, room).speculate_slots) << "exactly room for the slots";
+  EXPECT_TRUE(plan({nvme}, room).optimizer.speculate_slots) << "exactly room for the slots";
   const PlacementPlan forced = plan({nvme, "optimizer.speculate=\"on\""}, small_disk);
-  EXPECT_TRUE(forced.speculate);
-  EXPECT_FALSE(forced.speculate_slots);
-  EXPECT_EQ(forced.nvme_spare_bytes, 0);
-  EXPECT_NE(forced.speculate_choice.find("two passes"), std::string::npos) << forced.speculate_choice;
-  EXPECT_FALSE(plan({nvme, "optimizer.speculate_slots=false"}, gpu).speculate);
-  EXPECT_NE(plan({nvme, "optimizer.speculate_slots=false"}, gpu).speculate_choice.find("speculate_slots is false"),
+  EXPECT_TRUE(forced.optimizer.speculate);
+  EXPECT_FALSE(forced.optimizer.speculate_slots);
+  EXPECT_EQ(forced.optimizer.nvme_spare_bytes, 0);
+  EXPECT_NE(forced.optimizer.speculate_choice.find("two passes"), std::string::npos) << forced.optimizer.speculate_choice;
+  EXPECT_FALSE(plan({nvme, "optimizer.speculate_slots=false"}, gpu).optimizer.speculate);
+  EXPECT_NE(plan({nvme, "optimizer.speculate_slots=false"}, gpu).optimizer.speculate_choice.find("speculate_slots is false"),
             std::string::npos);
-  EXPECT_FALSE(plan({host}, gpu).speculate_slots) << "no state on NVMe, no slots";
-  EXPECT_TRUE(plan({nvme, "optimizer.speculate=\"on\""}, gpu).speculate);
-  EXPECT_FALSE(plan({host}, unlimited()).speculate) << "the CPU device";
-  EXPECT_TRUE(plan({host, "optimizer.speculate=\"on\""}, unlimited()).speculate);
-  EXPECT_FALSE(plan({host, "optimizer.speculate=\"off\""}, gpu).speculate);
-  EXPECT_FALSE(plan({host, "run.overlap_optimizer=false"}, gpu).speculate);
+  EXPECT_FALSE(plan({host}, gpu).optimizer.speculate_slots) << "no state on NVMe, no slots";
+  EXPECT_TRUE(plan({nvme, "optimizer.speculate=\"on\""}, gpu).optimizer.speculate);
+  EXPECT_FALSE(plan({host}, unlimited()).optimizer.speculate) << "the CPU device";
+  EXPECT_TRUE(plan({host, "optimizer.speculate=\"on\""}, unlimited()).optimizer.speculate);
+  EXPECT_FALSE(plan({host, "optimizer.speculate=\"off\""}, gpu).optimizer.speculate);
+  EXPECT_FALSE(plan({host, "run.overlap_optimizer=false"}, gpu).optimizer.speculate);
   // micro_batch with several micro-batches: a gradient is final only in the
   // last one's backward.
-  EXPECT_FALSE(plan({host, "run.schedule=\"micro_batch\""}, gpu).speculate);
+  EXPECT_FALSE(plan({host, "run.schedule=\"micro_batch\""}, gpu).optimizer.speculate);
   EXPECT_THROW(plan({host, "run.schedule=\"micro_batch\"", "optimizer.speculate=\"on\""}, gpu), ConfigError);
-  EXPECT_TRUE(plan({host, "run.schedule=\"micro_batch\"", "gradient_accumulation_steps=1"}, gpu).speculate);
+  EXPECT_TRUE(plan({host, "run.schedule=\"micro_batch\"", "gradient_accumulation_steps=1"}, gpu).optimizer.speculate);
   // run.schedule auto with one micro-batch (micro_batch's order): on holds.
   EXPECT_TRUE(make_plan(config_with({host, "gradient_accumulation_steps=1", "optimizer.speculate=\"on\""}), layout, 0,
                         unlimited())
-                  .speculate);
+                  .optimizer.speculate);
   try {
     plan({host, "run.overlap_optimizer=false", "optimizer.speculate=\"on\""}, gpu);
     ADD_FAILURE() << "on without the optimizer's thread was accepted";
@@ -717,14 +717,14 @@ TEST(PlacementTest, AutoScheduleFollowsTheBoundBothWays) {
     const bool layer_default = layer_gives_up(mb, ly).empty();
     EXPECT_EQ(layer_default, k == 0) << layer_gives_up(mb, ly);
     const bool expect_layer = layer_default ? !(smb < sly * (1 - kAutoMargin)) : sly < smb * (1 - kAutoMargin);
-    EXPECT_EQ(chosen.layer_major(), expect_layer) << k << ": micro_batch " << smb << " s, layer " << sly << " s; "
-                                                  << chosen.schedule_choice;
-    EXPECT_EQ(chosen.layer_major(), sly < smb) << "the lower bound did not win by the margin here";
-    EXPECT_NE(chosen.schedule_choice.find("bound"), std::string::npos) << chosen.schedule_choice;
-    ++chosen_layer[chosen.layer_major()];
+    EXPECT_EQ(chosen.step.schedule == StepSchedule::kLayer, expect_layer) << k << ": micro_batch " << smb << " s, layer " << sly << " s; "
+                                                  << chosen.step.choice;
+    EXPECT_EQ(chosen.step.schedule == StepSchedule::kLayer, sly < smb) << "the lower bound did not win by the margin here";
+    EXPECT_NE(chosen.step.choice.find("bound"), std::string::npos) << chosen.step.choice;
+    ++chosen_layer[(chosen.step.schedule == StepSchedule::kLayer)];
     if (k == 1) {
-      EXPECT_EQ(mb.split[int(Category::kParam16)].device, 1.0);
-      EXPECT_LT(ly.split[int(Category::kParam16)].device + ly.split[int(Category::kMaster)].device, 2.0)
+      EXPECT_EQ(mb.state.split[int(Category::kParam16)].device, 1.0);
+      EXPECT_LT(ly.state.split[int(Category::kParam16)].device + ly.state.split[int(Category::kMaster)].device, 2.0)
           << "layer's activations moved no state";
     }
   }

@@ -65,7 +65,7 @@ int run(int argc, char** argv) {
   co.timeout_s = cfg.comm.timeout_s;
   std::unique_ptr<Communicator> comm = make_communicator(who, co);
   Model model(cfg.model);
-  TokenDataset data(cfg.data.paths, parse_token_format(cfg.data.format), cfg.model.vocab_size,
+  TokenDataset data(cfg.data.paths, cfg.data.format, cfg.model.vocab_size,
                     cfg.model.seq_len, cfg.data.val_fraction);
   std::unique_ptr<testing::DeferredDevice> device;
   std::unique_ptr<StreamCollectives> stream, node_stream;
@@ -124,7 +124,7 @@ int run(int argc, char** argv) {
   for (int c = 0; c < kNumCategories; ++c) {
     j["allocated"][category_name(Category(c))] = trainer.state().allocated_bytes(Category(c));
   }
-  j["shard_space_numel"] = trainer.plan().shard_space_numel;
+  j["shard_space_numel"] = trainer.plan().state.shard_space_numel;
   j["parameter_count"] = trainer.layout().parameter_count();
   j["num_blocks"] = trainer.layout().num_blocks();
   j["steps"] = steps;

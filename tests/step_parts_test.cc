@@ -26,7 +26,7 @@
 #include "cpu_adam/grad_ops.h"
 #include "deferred_device.h"
 #include "engine/gradient_path.h"
-#include "engine/optimizer_pass.h"
+#include "engine/optimizer/optimizer_pass.h"
 #include "engine/probes.h"
 #include "engine/step_context.h"
 #include "memory/buffer.h"
@@ -74,7 +74,7 @@ struct Fixture {
     ctx.compute_bytes = 2;
     ctx.head_block = layout.num_blocks() - 1;
     int64_t global = 0;
-    for (const PlacementUnit& u : plan.units[size_t(Category::kGrad)]) {
+    for (const PlacementUnit& u : plan.state.units[size_t(Category::kGrad)]) {
       ctx.shard_offset.push_back(u.offset);
       ctx.block_end.push_back(u.offset + u.numel);
       ctx.global_index.push_back(global);
@@ -117,11 +117,11 @@ TEST(GradientPathTest, HomesOnEveryTierHoldTheSumAndOnlyOffDeviceBlocksCrossInTh
     Fixture f({std::string("model.tie_embeddings=") + (tied ? "true" : "false"), "run.schedule=\"" + schedule + "\""},
               dir.path() + "/swap");
     const bool layer = schedule == "layer";
-    ASSERT_EQ(f.plan.layer_major(), layer);
+    ASSERT_EQ(f.plan.step.schedule == StepSchedule::kLayer, layer);
     const std::string what = schedule + (tied ? ", tied" : ", untied");
     const size_t blocks = f.layout.num_blocks();
     std::array<bool, kNumTiers> seen{};
-    for (const PlacementUnit& u : f.plan.units[size_t(Category::kGrad)]) seen[size_t(u.tier)] = true;
+    for (const PlacementUnit& u : f.plan.state.units[size_t(Category::kGrad)]) seen[size_t(u.tier)] = true;
     ASSERT_TRUE(seen[0] && seen[1] && seen[2]) << "the split must give every tier a block";
     const auto micro = std::vector<std::vector<std::vector<at::Tensor>>>{gradients(f.layout, 1), gradients(f.layout, 2)};
     // The tied head's output-projection gradient (the embedding's shape).
@@ -167,7 +167,7 @@ TEST(GradientPathTest, HomesOnEveryTierHoldTheSumAndOnlyOffDeviceBlocksCrossInTh
       const at::Tensor got = at::from_blob(mem.data(), {bl.padded_numel}, at::kFloat);
       EXPECT_TRUE(at::equal(got, want)) << "block " << b << ", " << what;
       want_norm += cpu_adam::ordered_squared_norm(want.data_ptr<float>(), bl.padded_numel);
-      if (f.plan.units[size_t(Category::kGrad)][b].tier != Tier::kDevice) {
+      if (f.plan.state.units[size_t(Category::kGrad)][b].tier != Tier::kDevice) {
         // micro_batch: 2 micro-batches in bf16 (the tied embedding's fp32
         // sum in 4 bytes); layer: the fp32 sum once.
         want_d2h += layer ? 4 * bl.padded_numel : 2 * bl.padded_numel * (tied && b == 0 ? 2 : 1) * 2;
@@ -184,7 +184,7 @@ TEST(GradientPathTest, HomesOnEveryTierHoldTheSumAndOnlyOffDeviceBlocksCrossInTh
 
 // Every category's whole shard space, read from its homes.
 std::vector<std::byte> read_all(TieredState& state, Category c) {
-  const int64_t n = state.plan().shard_space_numel;
+  const int64_t n = state.plan().state.shard_space_numel;
   HostBuffer mem(size_t(n * state.elem_bytes(c)), "test: a category");
   state.read(c, 0, n, mem.data());
   return std::vector<std::byte>(mem.as<std::byte>(), mem.as<std::byte>() + n * state.elem_bytes(c));
@@ -198,7 +198,7 @@ TEST(OptimizerPassTest, StateOnEveryTierUpdatesAsOneCpuAdamCall) {
   Fixture f({"zero_optimization.sub_group_size=8192", "run.overlap_optimizer=false", "model.tie_embeddings=false"},
             dir.path() + "/swap",
             {{"param16", split}, {"grad", split}, {"optimizer", split}, {"nvme_path", dir.path() + "/swap"}});
-  const int64_t n = f.plan.shard_space_numel;
+  const int64_t n = f.plan.state.shard_space_numel;
   // Made-up state: master weights, gradients, moments (v >= 0).
   at::Generator gen = at::detail::createCPUGenerator(9);
   const at::Tensor master = at::normal(0.0, 1.0, {n}, gen, at::kFloat);
@@ -330,7 +330,7 @@ TEST(ProbeTest, RatesAreKeptPerSettingAndMeasuredAgainWhenAskedOrOld) {
   } reset;
   Config cfg;
   PlacementPlan plan;
-  plan.shard_space_numel = int64_t(1) << 20;  // 1 Mi-element probes (Note [Probes sized to the work])
+  plan.state.shard_space_numel = int64_t(1) << 20;  // 1 Mi-element probes (Note [Probes sized to the work])
   StepWork work;
   work.adam_elems = 1;
   work.grad_add_elems = 1;

@@ -320,8 +320,8 @@ TEST_F(StepTest, KeptGraphsTrainBitForBitAsRecompute) {
     never.push_back("run.recompute=\"never\"");
     Training a(base_config(data_), always);
     Training b(base_config(data_), never);
-    ASSERT_FALSE(a.trainer().plan().keep_graphs);
-    ASSERT_TRUE(b.trainer().plan().keep_graphs);
+    ASSERT_FALSE(a.trainer().plan().activations.keep_graphs);
+    ASSERT_TRUE(b.trainer().plan().activations.keep_graphs);
     for (int s = 1; s <= 4; ++s) {
       const StepResult ra = a.step(), rb = b.step();
       EXPECT_EQ(ra.loss, rb.loss) << "step " << s;
@@ -344,29 +344,29 @@ TEST_F(StepTest, PlanKeepsGraphsOnlyWhereWeightsStayAndActivationsFit) {
   const MachineCapacity unlimited;
   // auto: the working copy on the device, room without limit: kept.
   const PlacementPlan kept = plan({}, unlimited);
-  EXPECT_TRUE(kept.keep_graphs);
-  EXPECT_GT(kept.graph_extra_bytes, 0);
+  EXPECT_TRUE(kept.activations.keep_graphs);
+  EXPECT_GT(kept.activations.graph_extra_bytes, 0);
   const PlacementPlan always = plan({"run.recompute=\"always\""}, unlimited);
-  EXPECT_FALSE(always.keep_graphs);
-  EXPECT_EQ(kept.activation_bytes, always.activation_bytes + kept.graph_extra_bytes);
+  EXPECT_FALSE(always.activations.keep_graphs);
+  EXPECT_EQ(kept.activations.bytes, always.activations.bytes + kept.activations.graph_extra_bytes);
   // auto: the parameters offloaded (a window moves them): recompute.
   const std::string stage3 = "zero_optimization.stage=3";
   const std::string offload = "zero_optimization.offload_param={\"device\":\"cpu\"}";
-  EXPECT_TRUE(plan({stage3}, unlimited).keep_graphs) << "stage 3 at one rank keeps the weights in place";
-  EXPECT_FALSE(plan({stage3, offload}, unlimited).keep_graphs);
+  EXPECT_TRUE(plan({stage3}, unlimited).activations.keep_graphs) << "stage 3 at one rank keeps the weights in place";
+  EXPECT_FALSE(plan({stage3, offload}, unlimited).activations.keep_graphs);
   // auto: a device budget with room for the state but not every layer's graph.
   MachineCapacity tight;
-  tight.device_bytes = always.total()[size_t(Tier::kDevice)] + kept.graph_extra_bytes / 2;
-  EXPECT_FALSE(plan({}, tight).keep_graphs);
-  tight.device_bytes = always.total()[size_t(Tier::kDevice)] + kept.graph_extra_bytes * 2;
-  EXPECT_TRUE(plan({}, tight).keep_graphs);
+  tight.device_bytes = always.total()[size_t(Tier::kDevice)] + kept.activations.graph_extra_bytes / 2;
+  EXPECT_FALSE(plan({}, tight).activations.keep_graphs);
+  tight.device_bytes = always.total()[size_t(Tier::kDevice)] + kept.activations.graph_extra_bytes * 2;
+  EXPECT_TRUE(plan({}, tight).activations.keep_graphs);
   // auto on CPU without a device budget: the graphs must fit in host RAM.
   MachineCapacity ram;
   ram.host_bytes = always.total()[size_t(Tier::kDevice)] + always.total()[size_t(Tier::kHost)] +
-                   kept.graph_extra_bytes / 2;
-  EXPECT_FALSE(plan({}, ram).keep_graphs);
-  ram.host_bytes += kept.graph_extra_bytes;
-  EXPECT_TRUE(plan({}, ram).keep_graphs);
+                   kept.activations.graph_extra_bytes / 2;
+  EXPECT_FALSE(plan({}, ram).activations.keep_graphs);
+  ram.host_bytes += kept.activations.graph_extra_bytes;
+  EXPECT_TRUE(plan({}, ram).activations.keep_graphs);
   // never where it cannot work: one line naming the key.
   for (const std::vector<std::string>& sets :
        {std::vector<std::string>{"run.recompute=\"never\"", offload, stage3},
@@ -500,9 +500,9 @@ TEST_F(StepTest, LayerScheduleTrainsBitForBitAsMicroBatch) {
     Training b(base_config(data_), ly);
     testing::DeferredDevice dev;
     Training c(base_config(data_), ly, nullptr, &dev);
-    ASSERT_FALSE(a.trainer().plan().layer_major()) << what;
-    ASSERT_TRUE(b.trainer().plan().layer_major()) << what;
-    ASSERT_TRUE(c.trainer().plan().layer_major()) << what;
+    ASSERT_FALSE(a.trainer().plan().step.schedule == StepSchedule::kLayer) << what;
+    ASSERT_TRUE(b.trainer().plan().step.schedule == StepSchedule::kLayer) << what;
+    ASSERT_TRUE(c.trainer().plan().step.schedule == StepSchedule::kLayer) << what;
     for (int s = 1; s <= 3; ++s) {
       const StepResult ra = a.step(), rb = b.step(), rc = c.step();
       expect_same_steps(ra, rb, rc, what, s);
@@ -557,24 +557,24 @@ TEST_F(StepTest, SpeculativeOptimizerTrainsBitForBitAsTheInlineOptimizer) {
       Training b(base_config(data_), spec);
       testing::DeferredDevice dev;
       Training c(base_config(data_), spec, nullptr, &dev);
-      ASSERT_FALSE(a.trainer().plan().speculate) << what;
-      ASSERT_TRUE(b.trainer().plan().speculate) << what << ": " << b.trainer().plan().speculate_choice;
+      ASSERT_FALSE(a.trainer().plan().optimizer.speculate) << what;
+      ASSERT_TRUE(b.trainer().plan().optimizer.speculate) << what << ": " << b.trainer().plan().optimizer.speculate_choice;
       // On the test device a piece wholly on the device is the device's
       // Adam's, which waits for the verdict: nothing to speculate when all are.
-      const bool c_speculates = c.trainer().plan().speculate;
+      const bool c_speculates = c.trainer().plan().optimizer.speculate;
       if (!c_speculates) {
-        ASSERT_NE(c.trainer().plan().speculate_choice.find("device's Adam"), std::string::npos) << what;
+        ASSERT_NE(c.trainer().plan().optimizer.speculate_choice.find("device's Adam"), std::string::npos) << what;
       }
       // Optimizer state on NVMe speculates into alternate swap slots (Note
       // [Alternate swap slots]); d runs the same by two passes.
       std::optional<Training> d;
-      if (b.trainer().plan().speculate_slots) {
+      if (b.trainer().plan().optimizer.speculate_slots) {
         ++slot_cases;
         EXPECT_GT(speculated_slot_numel(b.trainer().plan()), 0) << what;
         std::vector<std::string> two_pass = spec;
         two_pass.push_back("optimizer.speculate_slots=false");
         d.emplace(base_config(data_), two_pass);
-        ASSERT_TRUE(d->trainer().plan().speculate && !d->trainer().plan().speculate_slots) << what;
+        ASSERT_TRUE(d->trainer().plan().optimizer.speculate && !d->trainer().plan().optimizer.speculate_slots) << what;
       }
       for (int s = 1; s <= kSteps; ++s) {
         const StepResult ra = a.step(), rb = b.step(), rc = c.step();
@@ -625,7 +625,7 @@ TEST_F(StepTest, EachBlocksUpdateBeginsBeforeTheNextBlocksBackwardEnds) {
               "placement={\"param16\":{\"device\":1},\"grad\":{\"host\":1},\"optimizer\":{\"host\":1}}",
               "run.schedule=\"layer\"", "optimizer.speculate=\"on\"", "gradient_clipping=0"},
              nullptr, &dev);
-  ASSERT_TRUE(t.trainer().plan().speculate) << t.trainer().plan().speculate_choice;
+  ASSERT_TRUE(t.trainer().plan().optimizer.speculate) << t.trainer().plan().optimizer.speculate_choice;
   const int64_t blocks = int64_t(t.trainer().layout().num_blocks());
   int held = 0, gave_up = 0;
   t.trainer().set_backward_hook([&](size_t b, int64_t m) {
@@ -643,7 +643,7 @@ TEST_F(StepTest, EachBlocksUpdateBeginsBeforeTheNextBlocksBackwardEnds) {
   for (int s = 1; s <= 2; ++s) {
     const StepResult r = t.step();
     EXPECT_EQ(r.speculation, "committed") << "step " << s;
-    EXPECT_GE(t.trainer().optimizer_progress(), t.trainer().plan().shard_space_numel)
+    EXPECT_GE(t.trainer().optimizer_progress(), t.trainer().plan().state.shard_space_numel)
         << "the working copy is not final after a committed step";
   }
   EXPECT_EQ(gave_up, 0) << "a block's update waited for a later block's backward";
@@ -662,7 +662,7 @@ TEST_F(StepTest, AutoSpeculationPausesAfterClippedStepsInARow) {
                 std::string("optimizer.speculate=\"") + mode + "\"",
                 "placement={\"param16\":{\"device\":1},\"grad\":{\"host\":1},\"optimizer\":{\"host\":1}}"},
                nullptr, &dev);
-    ASSERT_TRUE(t.trainer().plan().speculate) << mode << ": " << t.trainer().plan().speculate_choice;
+    ASSERT_TRUE(t.trainer().plan().optimizer.speculate) << mode << ": " << t.trainer().plan().optimizer.speculate_choice;
     const int64_t steps = kSpeculationRedosToPause + kSpeculationPauseSteps + 1;
     for (int64_t s = 1; s <= steps; ++s) {
       const std::string got = t.step().speculation;
@@ -687,12 +687,12 @@ TEST_F(StepTest, AutoSpeculationPausesAfterClippedStepsInARow) {
 // element, one write of an NVMe home and no read before it.
 LinkBytes table_bytes(const PlacementPlan& p, int64_t accum) {
   LinkBytes e;
-  const bool once = p.layer_major() && accum > 1;
+  const bool once = (p.step.schedule == StepSchedule::kLayer) && accum > 1;
   const int64_t landings = once ? 1 : accum;
   const int64_t c = p.compute_bytes;
-  const int64_t m = p.elem_bytes[size_t(Category::kExpAvg)];
-  const std::vector<PlacementUnit>& p16 = p.units[size_t(Category::kParam16)];
-  const std::vector<PlacementUnit>& grad = p.units[size_t(Category::kGrad)];
+  const int64_t m = p.state.elem_bytes[size_t(Category::kExpAvg)];
+  const std::vector<PlacementUnit>& p16 = p.state.units[size_t(Category::kParam16)];
+  const std::vector<PlacementUnit>& grad = p.state.units[size_t(Category::kGrad)];
   for (size_t b = 0; b < p16.size(); ++b) {
     const int64_t n = p16[b].numel;
     // The forward's fetch of the working copy (once: persistent).
@@ -705,9 +705,9 @@ LinkBytes table_bytes(const PlacementPlan& p, int64_t accum) {
   }
   // Offloaded activations: each layer's input D2H after its forward and H2D
   // before its backward, every micro-batch.
-  if (p.cpu_checkpointing) {
-    e.d2h += p.checkpoint_layers * p.checkpoint_bytes * accum;
-    e.h2d += p.checkpoint_layers * p.checkpoint_bytes * accum;
+  if (p.activations.cpu_checkpointing) {
+    e.d2h += p.activations.checkpoint_layers * p.activations.checkpoint_bytes * accum;
+    e.h2d += p.activations.checkpoint_layers * p.activations.checkpoint_bytes * accum;
   }
   // The optimizer, per pipeline piece: nothing crosses for a piece wholly on
   // the device (the device's Adam); CPU Adam reads what is not in host
@@ -801,8 +801,8 @@ TEST_F(StepTest, EveryLinkCarriesExactlyTheBytesOfThePlacement) {
     testing::DeferredDevice dev;
     Training run(base_config(data_), o, nullptr, &dev);
     const PlacementPlan& plan = run.trainer().plan();
-    ASSERT_EQ(plan.layer_major(), k.schedule == "layer") << what;
-    const LinkBytes want = table_bytes(plan, plan.accum);
+    ASSERT_EQ(plan.step.schedule == StepSchedule::kLayer, k.schedule == "layer") << what;
+    const LinkBytes want = table_bytes(plan, plan.step.accum);
     for (int s = 1; s <= 2; ++s) {
       const StepResult r = run.step();
       ASSERT_FALSE(r.skipped) << what;
@@ -827,8 +827,8 @@ TEST_F(StepTest, OnTheCpuDeviceHostGradientsCrossInTheComputeDtype) {
     const PlacementPlan& plan = run.trainer().plan();
     ASSERT_TRUE(plan.tied);
     int64_t want = 0;
-    for (size_t b = 0; b < plan.units[size_t(Category::kGrad)].size(); ++b) {
-      const int64_t n = plan.units[size_t(Category::kGrad)][b].numel;
+    for (size_t b = 0; b < plan.state.units[size_t(Category::kGrad)].size(); ++b) {
+      const int64_t n = plan.state.units[size_t(Category::kGrad)][b].numel;
       want += schedule == "layer" ? 4 * n : (b == 0 ? 4 : 2) * n * 3;
     }
     for (int s = 1; s <= 2; ++s) EXPECT_EQ(run.step().links.d2h, want) << schedule << ", step " << s;
@@ -1038,7 +1038,7 @@ TEST_F(StepTest, OnAGpuTheOptimizerBehindTheBackwardTrainsAsTheInlineOptimizer) 
     spec.push_back("gradient_clipping=" + std::to_string(threshold));
     Training a(base_config(data_), inline_opt);
     Training b(base_config(data_), spec);
-    ASSERT_TRUE(b.trainer().plan().speculate) << what << ": " << b.trainer().plan().speculate_choice;
+    ASSERT_TRUE(b.trainer().plan().optimizer.speculate) << what << ": " << b.trainer().plan().optimizer.speculate_choice;
     for (int s = 1; s <= kSteps; ++s) {
       const StepResult ra = a.step(), rb = b.step();
       EXPECT_EQ(ra.loss, rb.loss) << what << ", step " << s;

@@ -174,7 +174,7 @@ TEST_F(TieredTest, PlanAgreesWithMeasuredAccounting) {
     Trainer trainer(cfg, model);
     const PlacementPlan& plan = trainer.plan();
     auto planned = plan.total();
-    planned[int(Tier::kDevice)] -= plan.activation_bytes;  // LibTorch's, not measured
+    planned[int(Tier::kDevice)] -= plan.activations.bytes;  // LibTorch's, not measured
     const auto measured = trainer.peak_bytes();
     for (int t = 0; t < kNumTiers; ++t) {
       EXPECT_NEAR(double(measured[t]), double(planned[t]), 0.1 * double(planned[t]))
@@ -503,10 +503,10 @@ TEST_F(TieredTest, SubGroupsLargerThanAPipelinePieceAreBitIdentical) {
   Config cfg = parse_config(base_config(data_), nvme);
   Model model(cfg.model);
   const PlacementPlan plan = make_plan(cfg, StateLayout(model.layout_specs(), 1), 0, MachineCapacity{});
-  ASSERT_EQ(plan.units[int(Category::kMaster)].size(), 1u);
-  EXPECT_GT(plan.shard_space_numel, kPipelineChunkElems);
+  ASSERT_EQ(plan.state.units[int(Category::kMaster)].size(), 1u);
+  EXPECT_GT(plan.state.shard_space_numel, kPipelineChunkElems);
   const std::vector<PlacementUnit> pieces = pipeline_pieces(plan);
-  EXPECT_EQ(int64_t(pieces.size()), (plan.shard_space_numel + kPipelineChunkElems - 1) / kPipelineChunkElems);
+  EXPECT_EQ(int64_t(pieces.size()), (plan.state.shard_space_numel + kPipelineChunkElems - 1) / kPipelineChunkElems);
   EXPECT_EQ(plan.staging.opt_state, plan.staging.opt_sets * 3 * kPipelineChunkElems * 4);
   EXPECT_EQ(nv.step_links.back().nvme_read, nv.bytes.master + nv.bytes.optimizer);
 }
@@ -526,8 +526,8 @@ TEST_F(TieredTest, SwapTransfersCompleteThroughTheEnginesCompletion) {
   Model model(cfg.model);
   Trainer trainer(cfg, model);  // only for its plan
   const PlacementPlan& plan = trainer.plan();
-  const PlacementUnit& u = plan.units[size_t(Category::kMaster)][0];
-  ASSERT_EQ(plan.units[size_t(Category::kMaster)][0].tier, Tier::kNvme);
+  const PlacementUnit& u = plan.state.units[size_t(Category::kMaster)][0];
+  ASSERT_EQ(plan.state.units[size_t(Category::kMaster)][0].tier, Tier::kNvme);
   auto faults = std::make_shared<nvme::FaultPlan>();
   faults->only_op = int(nvme::IoOp::kRead);
   faults->first_op = int64_t(1) << 60;
@@ -551,7 +551,7 @@ TEST_F(TieredTest, SwapTransfersCompleteThroughTheEnginesCompletion) {
   EXPECT_EQ(std::memcmp(in.data(), out.data(), size_t(u.numel * 4)), 0);
 
   // Resident work is done when the call returns.
-  const PlacementUnit& p = plan.units[size_t(Category::kParam16)][0];
+  const PlacementUnit& p = plan.state.units[size_t(Category::kParam16)][0];
   ASSERT_NE(p.tier, Tier::kNvme);
   PendingIo other;
   EXPECT_FALSE(st.read_async(Category::kParam16, p.offset, p.numel, in.data(), other).pending());
@@ -582,16 +582,16 @@ TEST_F(TieredTest, AlternateSwapSlotsCommitPieceByPieceByAFlip) {
   Config cfg = parse_config(base_config(data_), o);
   Model model(cfg.model);
   const PlacementPlan plan = make_plan(cfg, StateLayout(model.layout_specs(), 1), 0, MachineCapacity{});
-  ASSERT_TRUE(plan.speculate_slots) << plan.speculate_choice;
-  const int64_t n = plan.shard_space_numel;
-  EXPECT_EQ(plan.nvme_spare_bytes, 12 * n);
-  EXPECT_EQ(plan.total()[size_t(Tier::kNvme)] - plan.state_total()[size_t(Tier::kNvme)], 12 * n);
+  ASSERT_TRUE(plan.optimizer.speculate_slots) << plan.optimizer.speculate_choice;
+  const int64_t n = plan.state.shard_space_numel;
+  EXPECT_EQ(plan.optimizer.nvme_spare_bytes, 12 * n);
+  EXPECT_EQ(plan.total()[size_t(Tier::kNvme)] - plan.state.total()[size_t(Tier::kNvme)], 12 * n);
   EXPECT_EQ(speculated_slot_numel(plan), n);
   cfg.optimizer.speculate_slots = false;
   const PlacementPlan two_pass = make_plan(cfg, StateLayout(model.layout_specs(), 1), 0, MachineCapacity{});
-  EXPECT_TRUE(two_pass.speculate);
-  EXPECT_FALSE(two_pass.speculate_slots);
-  EXPECT_EQ(two_pass.nvme_spare_bytes, 0);
+  EXPECT_TRUE(two_pass.optimizer.speculate);
+  EXPECT_FALSE(two_pass.optimizer.speculate_slots);
+  EXPECT_EQ(two_pass.optimizer.nvme_spare_bytes, 0);
   EXPECT_EQ(speculated_slot_numel(two_pass), 0);
 
   const std::vector<PlacementUnit> pieces = pipeline_pieces(plan);

@@ -87,7 +87,7 @@ int main(int argc, char** argv) {
     if (cfg.run.recompute == strata::Recompute::kAuto) {
       throw strata::ConfigError("run.recompute", "say \"always\" or \"never\": the reference cannot guess the plan's choice");
     }
-    if (cfg.run.optimizer_state_dtype != "fp32") {
+    if (cfg.run.optimizer_state_dtype != strata::MomentDtype::kFp32) {
       throw strata::ConfigError("run.optimizer_state_dtype", "the reference's fused AdamW keeps fp32 moments");
     }
     if (!cfg.optimizer.adam_w_mode) throw strata::ConfigError("optimizer.type", "the reference is AdamW");

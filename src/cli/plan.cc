@@ -38,9 +38,11 @@ struct PlanOptions {
   bool no_bound = false;
   double probe_s = 0.5;
   bool reprobe = false;  // Note [Kept rates] in engine/probes.h
-  double device_tflops = 0, h2d_gbps = 0, d2h_gbps = 0, pcie_both_gbps = 0;
-  double nvme_gbps = 0, nvme_read_gbps = 0, nvme_write_gbps = 0, nvme_both_gbps = 0, adam_gelems = 0;
-  double checksum_gbps = 0, grad_add_gelems = 0;
+  // Per row of the rates table (config/rates.h), in the row's unit; the
+  // network's two rows are net_gbps and intra_node_gbps above (assumed, with
+  // defaults). --nvme-gbps sets the three NVMe rows their own flags override.
+  std::array<double, kNumRates> rates{};
+  double nvme_gbps = 0;
   // A machine described instead of measured (0 = measure): per node, per GPU.
   double host_memory_gb = 0, nvme_gb = 0, device_memory_gb = 0;
   std::string gpu;  // --gpu NAME: a GpuPreset
@@ -140,40 +142,40 @@ Computed compute(const Config& cfg, int rank, int local_ranks, const GivenCapaci
 nlohmann::json plan_json(const Computed& c) {
   nlohmann::json j;
   const PlacementPlan& p = c.plan;
-  j["source"] = p.source;
+  j["source"] = p.state.source;
   j["parameters"] = c.parameters;
   for (int cat = 0; cat < kNumCategories; ++cat) {
     nlohmann::json row;
-    for (int t = 0; t < kNumTiers; ++t) row[tier_name(Tier(t))] = p.bytes[size_t(cat)][size_t(t)];
+    for (int t = 0; t < kNumTiers; ++t) row[tier_name(Tier(t))] = p.state.bytes[size_t(cat)][size_t(t)];
     j["state_bytes"][category_name(Category(cat))] = row;
   }
-  const auto st = p.state_total();
+  const auto st = p.state.total();
   const auto tot = p.total();
   for (int t = 0; t < kNumTiers; ++t) {
     j["state_total_bytes"][tier_name(Tier(t))] = st[size_t(t)];
     j["total_bytes"][tier_name(Tier(t))] = tot[size_t(t)];
   }
-  j["activation_bytes"] = p.activation_bytes;
-  j["cpu_checkpointing"] = p.cpu_checkpointing;
-  j["recompute"] = p.keep_graphs ? "never" : "always";
-  j["schedule"] = schedule_name(p.schedule);
-  if (!p.schedule_choice.empty()) j["schedule_choice"] = p.schedule_choice;
-  // Note [Speculative optimizer] in engine/optimizer_pass.h.
+  j["activation_bytes"] = p.activations.bytes;
+  j["cpu_checkpointing"] = p.activations.cpu_checkpointing;
+  j["recompute"] = p.activations.keep_graphs ? "never" : "always";
+  j["schedule"] = schedule_name(p.step.schedule);
+  if (!p.step.choice.empty()) j["schedule_choice"] = p.step.choice;
+  // Note [Speculative optimizer] in engine/optimizer/optimizer_pass.h.
   const int64_t speculated = speculated_numel(p), in_slots = speculated_slot_numel(p);
-  j["speculate"] = {{"on", p.speculate},
-                    {"mechanism", !p.speculate                ? "none"
+  j["speculate"] = {{"on", p.optimizer.speculate},
+                    {"mechanism", !p.optimizer.speculate                ? "none"
                                   : in_slots == 0             ? "two_pass"
                                   : in_slots == speculated    ? "alternate_slots"
                                                               : "two_pass+alternate_slots"},
                     {"elements", speculated},
                     {"alternate_slot_elements", in_slots},
-                    {"spare_nvme_bytes", p.nvme_spare_bytes},
-                    {"choice", p.speculate_choice}};
+                    {"spare_nvme_bytes", p.optimizer.nvme_spare_bytes},
+                    {"choice", p.optimizer.speculate_choice}};
   // The activations' rows (Note [Step schedules] in memory/schedule.h).
-  j["activations"] = {{"micro_batches_held", p.held_micro},
-                      {"checkpoints", p.checkpoint_activation_bytes},
-                      {"output_gradients_held", p.held_output_grad_bytes},
-                      {"tied_head_gradients_held", p.held_tied_grad_bytes}};
+  j["activations"] = {{"micro_batches_held", p.step.held_micro},
+                      {"checkpoints", p.activations.checkpoint_activation_bytes},
+                      {"output_gradients_held", p.activations.held_output_grad_bytes},
+                      {"tied_head_gradients_held", p.activations.held_tied_grad_bytes}};
   j["parameter_window"] = {{"slots", p.staging.window.slots},
                            {"slot_elements", p.staging.window.slot_numel},
                            {"persistent_elements", p.staging.window.persistent_numel}};
@@ -187,17 +189,17 @@ nlohmann::json plan_json(const Computed& c) {
                         {"comm_host", p.staging.comm_host}, {"grad_accum", p.staging.grad_accum},
                         {"secondary", p.staging.secondary}};
   int64_t kept = 0;
-  for (char k : p.keep_gathered) kept += k;
+  for (char k : p.comm.keep_gathered) kept += k;
   j["kept_gathered_blocks"] = kept;
-  j["secondary_shard"] = p.secondary_shard;
+  j["secondary_shard"] = p.comm.secondary_shard;
   j["gradient_reduction"] = p.world_size <= 1                        ? "none"
-                            : p.reduce_per_step || (p.layer_major() && p.accum > 1) ? "per_step"
+                            : p.comm.reduce_per_step || p.step.sums_each_block() ? "per_step"
                                                                                     : "per_micro_batch";
   j["device_transient_bytes"] = p.staging.device_bytes();
   j["host_staging_bytes"] = p.staging.host_bytes();
-  j["sub_group_numel"] = p.sub_group_numel;
-  j["optimizer_state_dtype"] = p.bf16_moments() ? "bf16" : "fp32";
-  j["nvme_paths"] = p.nvme_paths;
+  j["sub_group_numel"] = p.state.sub_group_numel;
+  j["optimizer_state_dtype"] = p.state.bf16_moments() ? "bf16" : "fp32";
+  j["nvme_paths"] = p.state.nvme_paths;
   j["capacity_bytes"] = {{"device", c.cap.device_bytes}, {"host", c.cap.host_bytes}, {"nvme", c.cap.nvme_bytes}};
   if (!c.cap.device_source.empty()) j["device_memory_source"] = c.cap.device_source;
   j["host_memory_source"] = c.cap.host_source;
@@ -230,24 +232,32 @@ Rates bound_rates(const PlanOptions& opt, const Config& cfg) {
     if (v < 0 || std::isnan(v)) throw ConfigError(name, "must be a positive number");
     if (v > 0) rate = v * scale, source = name;
   };
-  flag(opt.device_tflops, 1e12, "--device-tflops", r.device_flops, r.device_flops_source);
-  flag(opt.h2d_gbps, 1e9, "--h2d-gbps", r.h2d, r.h2d_source);
-  flag(opt.d2h_gbps, 1e9, "--d2h-gbps", r.d2h, r.d2h_source);
-  flag(opt.pcie_both_gbps, 1e9, "--pcie-both-gbps", r.pcie_both, r.pcie_both_source);
-  flag(opt.nvme_gbps, 1e9, "--nvme-gbps", r.nvme_read, r.nvme_read_source);
-  flag(opt.nvme_gbps, 1e9, "--nvme-gbps", r.nvme_write, r.nvme_write_source);
-  flag(opt.nvme_read_gbps, 1e9, "--nvme-read-gbps", r.nvme_read, r.nvme_read_source);
-  flag(opt.nvme_gbps, 1e9, "--nvme-gbps", r.nvme_both, r.nvme_both_source);
-  flag(opt.nvme_write_gbps, 1e9, "--nvme-write-gbps", r.nvme_write, r.nvme_write_source);
-  flag(opt.nvme_both_gbps, 1e9, "--nvme-both-gbps", r.nvme_both, r.nvme_both_source);
-  flag(opt.adam_gelems, 1e9, "--adam-gelems", r.adam, r.adam_source);
-  flag(opt.checksum_gbps, 1e9, "--checksum-gbps", r.checksum, r.checksum_source);
-  flag(opt.grad_add_gelems, 1e9, "--grad-add-gelems", r.grad_add, r.grad_add_source);
+  for (RateKind k : {RateKind::kNvmeRead, RateKind::kNvmeWrite, RateKind::kNvmeBoth}) {
+    flag(opt.nvme_gbps, 1e9, "--nvme-gbps", r.value(k), r.source(k));
+  }
+  for (const RateSpec& s : kRateTable) {
+    if (s.kind == RateKind::kNet || s.kind == RateKind::kIntraNode) continue;  // below
+    flag(opt.rates[size_t(s.kind)], s.scale, s.flag, r.value(s.kind), r.source(s.kind));
+  }
   if (opt.net_given || !(r.net > 0)) r.net = opt.net_gbps * 1e9 / 8, r.net_source = "--net-gbps";
   if (opt.intra_node_given || !(r.intra_node > 0)) {
     r.intra_node = opt.intra_node_gbps * 1e9 / 8, r.intra_node_source = "--intra-node-gbps";
   }
   return r;
+}
+
+// bound.rates in strata plan --json: each row of the rates table (config/rates.h)
+// in the bound's units with its source, and `run_rates`: the same as run.rates
+// keys in their units (what tools/plan_rates.py hands to training runs).
+nlohmann::json rates_json(const Rates& r) {
+  nlohmann::json j = nlohmann::json::object(), keys = nlohmann::json::object();
+  for (const RateSpec& s : kRateTable) {
+    j[s.value] = r.value(s.kind);
+    j[s.source] = r.source(s.kind);
+    if (r.value(s.kind) > 0) keys[s.key] = r.value(s.kind) / s.scale;
+  }
+  j["run_rates"] = keys;
+  return j;
 }
 
 nlohmann::json bound_json(const StepWork& w, const StepBound& b, const Rates& r) {
@@ -265,18 +275,7 @@ nlohmann::json bound_json(const StepWork& w, const StepBound& b, const Rates& r)
                     {"checksum_bytes", w.checksum_bytes},
                     {"optimizer_checksum_bytes", w.optimizer_checksum_bytes}, {"net_bytes", w.net_bytes},
                     {"intra_node_bytes", w.intra_node_bytes}}},
-          {"rates", {{"device_flops", r.device_flops}, {"device_flops_source", r.device_flops_source},
-                     {"h2d_bytes_per_s", r.h2d}, {"h2d_source", r.h2d_source},
-                     {"d2h_bytes_per_s", r.d2h}, {"d2h_source", r.d2h_source},
-                     {"pcie_both_bytes_per_s", r.pcie_both}, {"pcie_both_source", r.pcie_both_source},
-                     {"nvme_read_bytes_per_s", r.nvme_read}, {"nvme_read_source", r.nvme_read_source},
-                     {"nvme_write_bytes_per_s", r.nvme_write}, {"nvme_write_source", r.nvme_write_source},
-                     {"nvme_both_bytes_per_s", r.nvme_both}, {"nvme_both_source", r.nvme_both_source},
-                     {"adam_elements_per_s", r.adam}, {"adam_source", r.adam_source},
-                     {"checksum_bytes_per_s", r.checksum}, {"checksum_source", r.checksum_source},
-                     {"grad_add_elements_per_s", r.grad_add}, {"grad_add_source", r.grad_add_source},
-                     {"net_bytes_per_s", r.net}, {"net_source", r.net_source},
-                     {"intra_node_bytes_per_s", r.intra_node}, {"intra_node_source", r.intra_node_source}}}};
+          {"rates", rates_json(r)}};
 }
 
 std::string bound_text(const StepBound& b, const Rates& r, const StepWork& w, int64_t tokens) {
@@ -377,7 +376,7 @@ PlanBound bound_plan(const PlanOptions& opt, const Config& cfg, const GivenCapac
   // optimizer.speculate auto keeps only where the bound gains: Note
   // [Speculating NVMe state]), are decided again with the rates, as
   // strata train decides them.
-  if (cfg.placement.auto_place || c.plan.speculate_slots) {
+  if (cfg.placement.auto_place || c.plan.optimizer.speculate_slots) {
     c = compute(cfg, 0, per_node, given, &b.rates);
     b.work = predicted_work(cfg, c.plan, train_fetches(c.plan), c.net);
   }
@@ -392,7 +391,7 @@ void print_plan_json(const PlanOptions& opt, const Config& cfg, const Computed& 
   if (b.bounded) j["bound"] = bound_json(b.work, b.bound, b.rates);
   if (!opt.no_bound && !b.bounded) j["bound"] = nullptr;
   if (b.bounded && b.work.speculated_elems > 0) j["bound"]["clipped_step_seconds"] = b.clipped.seconds;
-  if (!c.plan.auto_choice.empty()) j["auto_choice"] = c.plan.auto_choice;
+  if (!c.plan.state.auto_choice.empty()) j["auto_choice"] = c.plan.state.auto_choice;
   j["data"] = {{"files", cfg.data.paths.size()}, {"mapped_bytes", data.mapped_bytes},
                {"token_batch_bytes", c.plan.staging.tokens}, {"missing_files", data.missing}};
   j["nodes"] = opt.nodes;
@@ -414,17 +413,17 @@ void print_ranks_text(const PlanOptions& opt, const Config& cfg, const Computed&
   std::printf("network: each rank sends %s per step: %.3f s at %g Gbit/s%s; gradients reduced %s in %s\n",
               format_bytes(double(c.net.world)).c_str(), net_s, opt.net_gbps,
               opt.nodes > 1 ? "" : " (one node: loopback or NVLink in practice)",
-              c.plan.layer_major()     ? "once per step (the layer schedule)"
-              : c.plan.reduce_per_step ? "once per step (comm.gradient_reduction)"
+              c.plan.step.schedule == StepSchedule::kLayer ? "once per step (the layer schedule)"
+              : c.plan.comm.reduce_per_step ? "once per step (comm.gradient_reduction)"
                                        : "once per micro-batch (comm.gradient_reduction)",
-              c.plan.comm_grad_bytes == 4 ? "fp32" : "16 bits (communication_data_type)");
-  if (c.plan.secondary_shard) {
+              c.plan.comm.grad_bytes == 4 ? "fp32" : "16 bits (communication_data_type)");
+  if (c.plan.comm.secondary_shard) {
     std::printf("secondary shard (comm.secondary_shard): the step's later gathers stay inside the node: "
                 "each rank sends %s per step to its node's ranks: %.3f s at %g Gbit/s (--intra-node-gbps)\n",
                 format_bytes(double(c.net.node)).c_str(), intra_s, opt.intra_node_gbps);
   } else if (opt.nodes > 1 && c.plan.stage == 3 && per_node > 1) {
     std::printf("secondary shard (comm.secondary_shard): off%s\n",
-                cfg.comm.secondary_shard == "off" ? "" : " (does not fit)");
+                cfg.comm.secondary_shard == SecondaryShard::kOff ? "" : " (does not fit)");
   }
 }
 
@@ -432,14 +431,14 @@ void print_plan_text(const PlanOptions& opt, const Config& cfg, const Computed& 
                      const DataUse& data) {
   const int per_node = opt.world_size / opt.nodes;
   std::printf("Placement plan for %s (from %s keys), rank 0 of %d (%d per node, ZeRO stage %d)\n",
-              opt.config_path.c_str(), c.plan.source.c_str(), opt.world_size, per_node, c.plan.stage);
+              opt.config_path.c_str(), c.plan.state.source.c_str(), opt.world_size, per_node, c.plan.stage);
   std::fputs(format_plan(c.plan, c.cap, c.shortfalls).c_str(), stdout);
-  if (!c.plan.auto_choice.empty()) std::printf("auto placement: %s\n", c.plan.auto_choice.c_str());
+  if (!c.plan.state.auto_choice.empty()) std::printf("auto placement: %s\n", c.plan.state.auto_choice.c_str());
   std::printf("data: %zu token file(s), %s mapped read-only (page cache, shared by a node's ranks; not in the "
               "totals); each rank's own: the token batches above%s\n",
               cfg.data.paths.size(), format_bytes(double(data.mapped_bytes)).c_str(),
               data.missing.empty() ? "" : strprintf(" (%zu not on this machine, not counted)", data.missing.size()).c_str());
-  const int64_t step_tokens = cfg.train_micro_batch_size_per_gpu * cfg.model.seq_len * c.plan.accum;
+  const int64_t step_tokens = cfg.train_micro_batch_size_per_gpu * cfg.model.seq_len * c.plan.step.accum;
   if (b.bounded) std::fputs(bound_text(b.bound, b.rates, b.work, step_tokens).c_str(), stdout);
   if (!opt.no_bound && !b.bounded) std::printf("step bound: not computed (the plan does not fit; nothing was probed)\n");
   if (b.bounded && b.work.speculated_elems > 0) {
@@ -480,26 +479,26 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   };
   out += strprintf("  %-22s %12s %12s %12s\n", "", "device", "host", "nvme");
   for (int c = 0; c < kNumCategories; ++c) {
-    const auto& b = p.bytes[size_t(c)];
+    const auto& b = p.state.bytes[size_t(c)];
     row(category_name(Category(c)), b[0], b[1], b[2]);
   }
-  const auto st = p.state_total();
+  const auto st = p.state.total();
   row("state total", st[0], st[1], st[2]);
-  row(p.keep_graphs ? "activations (graphs)" : "activations (recompute)", p.activation_bytes, 0, 0);
+  row(p.activations.keep_graphs ? "activations (graphs)" : "activations (recompute)", p.activations.bytes, 0, 0);
   // Its rows the schedule decides (Note [Step schedules] in memory/schedule.h).
-  const std::string held = p.held_micro > 1 ? strprintf(" (x%lld)", (long long)p.held_micro) : "";
-  row("  saved inputs" + held, p.checkpoint_activation_bytes, 0, 0);
-  if (p.held_output_grad_bytes > 0) row("  output grads" + held, p.held_output_grad_bytes, 0, 0);
-  if (p.held_tied_grad_bytes > 0) row("  tied head grads" + held, p.held_tied_grad_bytes, 0, 0);
-  if (p.cpu_checkpointing) row("offloaded checkpoints" + held, p.staging.ckpt_device, p.staging.ckpt_host, 0);
+  const std::string held = p.step.held_micro > 1 ? strprintf(" (x%lld)", (long long)p.step.held_micro) : "";
+  row("  saved inputs" + held, p.activations.checkpoint_activation_bytes, 0, 0);
+  if (p.activations.held_output_grad_bytes > 0) row("  output grads" + held, p.activations.held_output_grad_bytes, 0, 0);
+  if (p.activations.held_tied_grad_bytes > 0) row("  tied head grads" + held, p.activations.held_tied_grad_bytes, 0, 0);
+  if (p.activations.cpu_checkpointing) row("offloaded checkpoints" + held, p.staging.ckpt_device, p.staging.ckpt_host, 0);
   row("parameter window", p.staging.gathered, p.staging.window_bounce, 0);
   row("gradient staging", p.staging.grad_stage + p.staging.grad_norms, p.staging.grad_host + p.staging.grad_rmw, 0);
   if (p.world_size > 1) {
     row("gathered blocks", p.staging.gather, 0, 0);
     row("gradient reduction", p.staging.grad_sync, 0, 0);
-    if (p.comm_staged) row("staged collectives", 0, p.staging.comm_host, 0);
-    if (p.reduce_per_step) row("gradients summed/step", p.staging.grad_accum, 0, 0);
-    if (p.secondary_shard) row("secondary shard", p.staging.secondary, 0, 0);
+    if (p.comm.staged) row("staged collectives", 0, p.staging.comm_host, 0);
+    if (p.comm.reduce_per_step) row("gradients summed/step", p.staging.grad_accum, 0, 0);
+    if (p.comm.secondary_shard) row("secondary shard", p.staging.secondary, 0, 0);
   } else if (p.staging.grad_accum > 0) {
     row("block gradient sum", p.staging.grad_accum, 0, 0);
   }
@@ -515,9 +514,9 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   if (!cap.device_is_host && !cap.device_source.empty()) out += "  (device memory: " + cap.device_source + ")\n";
   out += "  (host memory: " + cap.host_source + (p.world_size > 1 ? ", shared by the node's ranks" : "") +
          "; nvme: " + cap.nvme_source + ")\n";
-  out += strprintf("  schedule: %s%s\n", schedule_name(p.schedule),
-                   p.schedule_choice.empty() ? "" : (" (run.schedule auto: " + p.schedule_choice + ")").c_str());
-  if (p.speculate) {
+  out += strprintf("  schedule: %s%s\n", schedule_name(p.step.schedule),
+                   p.step.choice.empty() ? "" : (" (run.schedule auto: " + p.step.choice + ")").c_str());
+  if (p.optimizer.speculate) {
     const int64_t n = speculated_numel(p), slots = speculated_slot_numel(p);
     std::string how;
     if (n > slots) {
@@ -529,17 +528,17 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
       how += strprintf("%salternate swap slots for %s elements on NVMe (the new state written beside the backward, "
                        "committed by a flip; %s more disk)",
                        how.empty() ? "" : "; ", strprintf("%.4g M", double(slots) / 1e6).c_str(),
-                       format_bytes(double(p.nvme_spare_bytes)).c_str());
+                       format_bytes(double(p.optimizer.nvme_spare_bytes)).c_str());
     }
-    out += strprintf("  optimizer behind the backward: %s: %s%s\n", p.speculate_choice.c_str(), how.c_str(),
-                     n < p.shard_space_numel ? "; the pieces in HBM wait for the verdict" : "");
+    out += strprintf("  optimizer behind the backward: %s: %s%s\n", p.optimizer.speculate_choice.c_str(), how.c_str(),
+                     n < p.state.shard_space_numel ? "; the pieces in HBM wait for the verdict" : "");
   } else {
-    out += strprintf("  optimizer behind the backward: %s\n", p.speculate_choice.c_str());
+    out += strprintf("  optimizer behind the backward: %s\n", p.optimizer.speculate_choice.c_str());
   }
   out += strprintf("  optimizer sub-groups of %lld elements; Adam moments in %s; swap directories: %s\n",
-                   (long long)p.sub_group_numel,
-                   p.bf16_moments() ? "bf16 (stochastic rounding)" : "fp32",
-                   p.nvme_paths.empty() ? "none" : nlohmann::json(p.nvme_paths).dump().c_str());
+                   (long long)p.state.sub_group_numel,
+                   p.state.bf16_moments() ? "bf16 (stochastic rounding)" : "fp32",
+                   p.state.nvme_paths.empty() ? "none" : nlohmann::json(p.state.nvme_paths).dump().c_str());
   if (shortfalls.empty()) {
     out += "verdict: fits\n";
   } else {
@@ -584,19 +583,11 @@ void register_plan(CLI::App& app, int& result) {
   cmd->add_option("--probe-seconds", opt->probe_s, "Time each rate probe takes (default 0.5)");
   cmd->add_flag("--reprobe", opt->reprobe,
                 "Measure the rates again instead of taking those an earlier run on this machine kept");
-  cmd->add_option("--device-tflops", opt->device_tflops, "The device's compute rate for the bound (TFLOP/s)");
-  cmd->add_option("--h2d-gbps", opt->h2d_gbps, "Host-to-device copy rate (GB/s)");
-  cmd->add_option("--d2h-gbps", opt->d2h_gbps, "Device-to-host copy rate (GB/s)");
-  cmd->add_option("--pcie-both-gbps", opt->pcie_both_gbps, "Both directions at once, aggregate (GB/s)");
   cmd->add_option("--nvme-gbps", opt->nvme_gbps, "NVMe read and write rate in the swap directories (GB/s)");
-  cmd->add_option("--nvme-read-gbps", opt->nvme_read_gbps, "NVMe read rate (GB/s)");
-  cmd->add_option("--nvme-write-gbps", opt->nvme_write_gbps, "NVMe write rate (GB/s)");
-  cmd->add_option("--nvme-both-gbps", opt->nvme_both_gbps, "NVMe reads and writes at once, aggregate (GB/s)");
-  cmd->add_option("--adam-gelems", opt->adam_gelems, "CPU Adam rate (G elements/s)");
-  cmd->add_option("--checksum-gbps", opt->checksum_gbps,
-                  "CRC-32C rate of the swap checksums on CPU Adam's threads (GB/s; run.swap_checksums)");
-  cmd->add_option("--grad-add-gelems", opt->grad_add_gelems,
-                  "Rate of adding landed gradients into their host homes, one thread (G elements/s)");
+  for (const RateSpec& s : kRateTable) {
+    if (s.kind == RateKind::kNet || s.kind == RateKind::kIntraNode) continue;  // with their defaults, above
+    cmd->add_option(s.flag, opt->rates[size_t(s.kind)], s.help);
+  }
   cmd->callback([opt, &result]() { result = run_plan(*opt); });
 }
 

@@ -25,6 +25,21 @@ const char* rope_type_name(RopeType t) { return name_of(config::kRopeTypes, t); 
 const char* recompute_name(Recompute r) { return name_of(config::kRecomputes, r); }
 const char* speculate_name(Speculate s) { return name_of(config::kSpeculates, s); }
 const char* schedule_name(StepSchedule s) { return name_of(config::kSchedules, s); }
+const char* data_format_name(DataFormat f) { return name_of(config::kDataFormats, f); }
+const char* moment_dtype_name(MomentDtype d) { return name_of(config::kMomentDtypes, d); }
+const char* optimizer_type_name(OptimizerType t) { return name_of(config::kOptimizerTypes, t); }
+const char* scheduler_type_name(SchedulerType t) {
+  return t == SchedulerType::kConstant ? "" : name_of(config::kSchedulerTypes, t);
+}
+const char* warmup_type_name(WarmupType t) { return name_of(config::kWarmupTypes, t); }
+const char* offload_device_name(OffloadDevice d) { return name_of(config::kOffloadDevices, d); }
+const char* comm_backend_name(CommBackend b) { return name_of(config::kCommBackends, b); }
+const char* secondary_shard_name(SecondaryShard s) { return name_of(config::kSecondaryShards, s); }
+CommBackend comm_backend(const Config& c) {
+  if (c.comm.backend != CommBackend::kAuto) return c.comm.backend;
+  return c.run.device == DeviceKind::kCuda ? CommBackend::kNccl : CommBackend::kGloo;
+}
+
 
 int64_t ModelConfig::ffn_dim() const {
   if (ffn_hidden > 0) return ffn_hidden;
@@ -142,7 +157,7 @@ Config parse_config(nlohmann::json j, const std::vector<std::string>& overrides,
   config::parse_monitor(top, c, "csv_monitor", c.csv_monitor);
   top.done();
 
-  if (c.data.format == "text" && c.model.vocab_size != 256) {
+  if (c.data.format == DataFormat::kText && c.model.vocab_size != 256) {
     fail("model.vocab_size", "must be 256 for data.format text (bytes), got " + config::num(c.model.vocab_size));
   }
   c.run.compute_dtype = c.bf16 ? ComputeDtype::kBf16 : c.fp16.enabled ? ComputeDtype::kFp16 : ComputeDtype::kFp32;
@@ -240,19 +255,19 @@ json resume_invariants(const Config& c) {
   const OptimizerConfig& o = c.optimizer;
   return {
       {"model", model_invariants(m)},
-      {"optimizer", {{"type", o.type}, {"params", {{"lr", o.lr}, {"betas", {o.beta1, o.beta2}}, {"eps", o.eps},
+      {"optimizer", {{"type", optimizer_type_name(o.type)}, {"params", {{"lr", o.lr}, {"betas", {o.beta1, o.beta2}}, {"eps", o.eps},
                                                    {"weight_decay", o.weight_decay}}}}},
-      {"scheduler", {{"type", s.type}, {"params", {{"warmup_min_lr", s.warmup_min_lr}, {"warmup_max_lr", s.warmup_max_lr},
+      {"scheduler", {{"type", scheduler_type_name(s.type)}, {"params", {{"warmup_min_lr", s.warmup_min_lr}, {"warmup_max_lr", s.warmup_max_lr},
                                                    {"warmup_num_steps", s.warmup_num_steps},
-                                                   {"warmup_type", s.warmup_type},
+                                                   {"warmup_type", warmup_type_name(s.warmup_type)},
                                                    {"total_num_steps", s.total_num_steps},
                                                    {"warmup_min_ratio", s.warmup_min_ratio},
                                                    {"cos_min_ratio", s.cos_min_ratio}}}}},
       {"gradient_clipping", c.gradient_clipping},
       {"train_batch_size", c.train_batch_size},
       {"run", {{"seed", c.run.seed}, {"compute_dtype", compute_dtype_name(c.run.compute_dtype)},
-               {"optimizer_state_dtype", c.run.optimizer_state_dtype}}},
-      {"data", {{"format", c.data.format}, {"val_fraction", c.data.val_fraction}}},
+               {"optimizer_state_dtype", moment_dtype_name(c.run.optimizer_state_dtype)}}},
+      {"data", {{"format", data_format_name(c.data.format)}, {"val_fraction", c.data.val_fraction}}},
   };
 }
 

@@ -5,9 +5,12 @@
 
 #include <nlohmann/json.hpp>
 
+#include <array>
 #include <cstdint>
 #include <string>
 #include <vector>
+
+#include "config/rates.h"
 
 namespace strata {
 
@@ -62,9 +65,14 @@ struct ModelConfig {
   int64_t ffn_dim() const;
 };
 
+// data.format: bytes of text (vocab 256), or tokenized .bin files
+// (docs/token-format.md).
+enum class DataFormat { kText, kUint16, kUint32 };
+const char* data_format_name(DataFormat f);  // "text", "uint16", "uint32"
+
 struct DataConfig {
   std::vector<std::string> paths;  // "path": a file or a list of files, concatenated
-  std::string format = "text";     // text (bytes, vocab 256) | uint16 | uint32 (.bin token files)
+  DataFormat format = DataFormat::kText;
   double val_fraction = 0.1;       // tail of the tokens held out for eval
   int64_t eval_interval = 50;      // steps between evals; 0 = never
   int64_t eval_batches = 4;        // micro-batches per eval
@@ -96,18 +104,9 @@ const char* recompute_name(Recompute r);         // "auto", "always", "never"
 const char* schedule_name(StepSchedule s);       // "auto", "micro_batch", "layer"
 inline int compute_dtype_bytes(ComputeDtype d) { return d == ComputeDtype::kFp32 ? 4 : 2; }
 
-// run.rates: the rates of the step's bound (plan/bound.h) given instead of
-// measured at start; 0 = measure. Units as the keys say.
-struct RateOverrides {
-  double device_tflops = 0;
-  double h2d_gbps = 0, d2h_gbps = 0, pcie_both_gbps = 0;  // GB/s (1e9 bytes)
-  double nvme_read_gbps = 0, nvme_write_gbps = 0, nvme_both_gbps = 0;
-  double adam_gelems = 0;  // G elements/s
-  double checksum_gbps = 0;  // GB/s of CRC-32C on the optimizer's threads (run.swap_checksums)
-  double grad_add_gelems = 0;  // G elements/s of gradients added into their host homes (one thread)
-  double net_gbps = 0;     // Gbit/s
-  double intra_node_gbps = 0;  // Gbit/s, the node group's (comm.secondary_shard)
-};
+// run.optimizer_state_dtype: the Adam moments' storage.
+enum class MomentDtype { kFp32, kBf16 };
+const char* moment_dtype_name(MomentDtype d);  // "fp32", "bf16"
 
 struct RunConfig {
   int64_t steps = 200;
@@ -129,10 +128,13 @@ struct RunConfig {
   // that has none is an error) and cuBLAS's fixed workspace, so a GPU run
   // repeats itself bit for bit (apply_determinism in engine/trainer.h).
   bool deterministic = false;
-  std::string cpu_adam_isa = "auto";  // auto | scalar | avx2 | avx512 | avx512_bf16 (force a lower one)
+  // auto | scalar | avx2 | avx512 | avx512_bf16 (force a lower one): checked
+  // here, turned into cpu_adam's Isa by cpu_adam::parse_isa (config/ sits
+  // below cpu_adam/ and does not include it).
+  std::string cpu_adam_isa = "auto";
   // Storage of the Adam moments exp_avg and exp_avg_sq: fp32, or bf16 with
   // stochastic rounding (Note [bf16 state] in cpu_adam/types.h).
-  std::string optimizer_state_dtype = "fp32";
+  MomentDtype optimizer_state_dtype = MomentDtype::kFp32;
   ComputeDtype compute_dtype = ComputeDtype::kFp32;  // derived: fp32 | bf16 | fp16 (from bf16/fp16 sections)
   // Backward recomputes each layer from its saved input (always), or keeps
   // the forward's autograd graphs (never: a quarter fewer FLOPs, every layer's
@@ -147,15 +149,26 @@ struct RunConfig {
   // the same either way.
   StepSchedule schedule = StepSchedule::kAuto;
   CheckpointConfig checkpoint;
+  // run.rates: the rates of the step's bound (plan/bound.h) given instead of
+  // measured at start; 0 = measure. Units as the keys say (config/rates.h).
   RateOverrides rates;
 };
 
-// optimizer.speculate (Note [Speculative optimizer] in engine/optimizer_pass.h).
+// optimizer.type and scheduler.type (DeepSpeed's spellings); kConstant is no
+// scheduler section (a constant learning rate).
+enum class OptimizerType { kAdam, kAdamW };
+enum class SchedulerType { kConstant, kWarmupLR, kWarmupDecayLR, kWarmupCosineLR };
+enum class WarmupType { kLog, kLinear };  // scheduler.params.warmup_type
+const char* optimizer_type_name(OptimizerType t);  // "Adam", "AdamW"
+const char* scheduler_type_name(SchedulerType t);  // "" (constant), "WarmupLR", ...
+const char* warmup_type_name(WarmupType t);        // "log", "linear"
+
+// optimizer.speculate (Note [Speculative optimizer] in engine/optimizer/optimizer_pass.h).
 enum class Speculate { kAuto, kOn, kOff };
 const char* speculate_name(Speculate s);  // "auto", "on", "off"
 
 struct OptimizerConfig {
-  std::string type = "AdamW";      // Adam | AdamW
+  OptimizerType type = OptimizerType::kAdamW;
   Speculate speculate = Speculate::kAuto;
   // optimizer.speculate_slots: NVMe state speculates into alternate swap
   // slots where the disk has room (Note [Alternate swap slots] in
@@ -170,11 +183,11 @@ struct OptimizerConfig {
 };
 
 struct SchedulerConfig {
-  std::string type;                // "" (constant lr) | WarmupLR | WarmupDecayLR | WarmupCosineLR
+  SchedulerType type = SchedulerType::kConstant;
   double warmup_min_lr = 0.0;      // WarmupLR, WarmupDecayLR
   double warmup_max_lr = 1e-3;     // WarmupLR, WarmupDecayLR
   int64_t warmup_num_steps = 1000;
-  std::string warmup_type = "log"; // log | linear
+  WarmupType warmup_type = WarmupType::kLog;
   int64_t total_num_steps = 0;     // WarmupDecayLR, WarmupCosineLR (required there)
   double warmup_min_ratio = 0.0;   // WarmupCosineLR
   double cos_min_ratio = 0.0001;   // WarmupCosineLR
@@ -190,8 +203,12 @@ struct Fp16Config {
   bool consecutive_hysteresis = false;  // restore the hysteresis count at every clean step
 };
 
+// zero_optimization.offload_param.device and offload_optimizer.device.
+enum class OffloadDevice { kNone, kCpu, kNvme };
+const char* offload_device_name(OffloadDevice d);  // "none", "cpu", "nvme"
+
 struct OffloadParamConfig {
-  std::string device = "none";     // none | cpu | nvme
+  OffloadDevice device = OffloadDevice::kNone;
   std::vector<std::string> nvme_path;
   int64_t buffer_count = 5;
   int64_t buffer_size = 100000000; // elements
@@ -200,7 +217,7 @@ struct OffloadParamConfig {
 };
 
 struct OffloadOptimizerConfig {
-  std::string device = "none";     // none | cpu | nvme
+  OffloadDevice device = OffloadDevice::kNone;
   std::vector<std::string> nvme_path;
   int64_t buffer_count = 4;
   bool pin_memory = true;
@@ -275,32 +292,68 @@ struct PlacementConfig {
   int64_t auto_device_groups = -1;
 };
 
+// What the config asks of the state's placement in Strata's terms
+// (config/deepspeed.cc, the only place DeepSpeed's offload sections become
+// it): a split per category in the order param16, grad, master, exp_avg,
+// exp_avg_sq (memory/placement.h's Category), the placement section's own
+// splits over the offload sections'; which of them decided ("default",
+// "deepspeed", "placement"); the swap directories; the optimizer pipeline's
+// buffers (offload_optimizer.buffer_count).
+struct Config;
+struct StateIntent {
+  std::array<TierSplit, 5> split;
+  std::string source;
+  std::vector<std::string> nvme_paths;
+  int64_t optimizer_buffers = 4;
+};
+// `shard_space_numel`: the elements of a rank's shards (offload_param.max_in_cpu
+// is a count of them).
+StateIntent state_intent(const Config& cfg, int64_t shard_space_numel);
+
+// comm.backend: auto (gloo for run.device cpu, nccl for cuda), gloo, nccl.
+enum class CommBackend { kAuto, kGloo, kNccl };
+// comm.gradient_reduction, comm.secondary_shard.
+enum class GradientReduction { kAuto, kPerStep, kPerMicroBatch };
+enum class SecondaryShard { kAuto, kOn, kOff };
+const char* comm_backend_name(CommBackend b);              // "auto", "gloo", "nccl"
+const char* secondary_shard_name(SecondaryShard s);        // "auto", "on", "off"
+// comm.keep_gathered: auto, all, none, or a number of blocks.
+struct KeepGathered {
+  enum class Mode { kAuto, kAll, kNone, kBlocks };
+  Mode mode = Mode::kAuto;
+  int64_t blocks = 0;  // with kBlocks
+};
+
+// comm.backend resolved: kGloo or kNccl (auto: nccl on run.device cuda).
+struct Config;
+CommBackend comm_backend(const Config& c);
+
 // Communication between ranks (src/comm/); ignored at world size 1.
 struct CommConfig {
-  std::string backend = "auto";    // auto (gloo for run.device cpu, nccl for cuda) | gloo | nccl
+  CommBackend backend = CommBackend::kAuto;
   double timeout_s = 300.0;        // every collective and rendezvous wait; a lost rank is named within it
   // communication_data_type (top level, DeepSpeed's): the dtype gradients are
   // reduced in between ranks. fp32 (default): the same sums whatever the
   // world size, to rounding; bf16 | fp16: half the network bytes of the
   // reductions, the reduced gradient rounded to 16 bits (docs/config.md).
-  std::string data_type = "fp32";
+  ComputeDtype data_type = ComputeDtype::kFp32;
   // When gradients are reduced between ranks with gradient accumulation:
   // per_micro_batch (each micro-batch's, while the next block's backward
   // runs), per_step (summed on the rank over the step's micro-batches in a
   // whole-model fp32 buffer, then reduced once: DDP's no_sync; A times fewer
   // reduction bytes), or auto (per_step when that buffer fits).
-  std::string gradient_reduction = "auto";
+  GradientReduction gradient_reduction = GradientReduction::kAuto;
   // Stage 3 with ranks: blocks whose 16-bit parameters stay gathered from
   // their first use in a step to the optimizer (FSDP's
   // reshard_after_forward=False): one gather per step instead of one per use.
   // auto (as many as fit, from the last layer down), all, none, or a number
-  // of blocks (kept as its decimal string), from the last one down.
-  std::string keep_gathered = "auto";
+  // of blocks, from the last one down.
+  KeepGathered keep_gathered;
   // Stage 3 with ranks on several nodes: after a block's first gather of a
   // step each rank keeps 1/(ranks per node) of it, its node's secondary shard
   // (ZeRO++'s hpZ), so the step's later gathers of that block run inside the
   // node. auto (when it fits), on, off.
-  std::string secondary_shard = "auto";
+  SecondaryShard secondary_shard = SecondaryShard::kAuto;
 };
 
 // DeepSpeed's `tensorboard` and `csv_monitor` blocks (docs/monitors.md):

@@ -76,7 +76,7 @@ const SectionKeys kOptimizerParamsKeys = {
 void parse_optimizer(Section& top, Config& c) {
   Section o(top.object("optimizer"), kOptimizerKeys, c.ignored_keys);
   OptimizerConfig& opt = c.optimizer;
-  o.read_choice("type", opt.type, {"Adam", "AdamW"});
+  o.read_enum("type", opt.type, kOptimizerTypes);
   o.read_enum("speculate", opt.speculate, kSpeculates);
   o.read("speculate_slots", opt.speculate_slots);
 
@@ -101,7 +101,7 @@ void parse_optimizer(Section& top, Config& c) {
   // AdamW always decouples weight decay; Adam does when params.adam_w_mode is true.
   bool w_mode = false;
   const bool has_w_mode = p.read("adam_w_mode", w_mode);
-  if (opt.type == "AdamW") {
+  if (opt.type == OptimizerType::kAdamW) {
     if (has_w_mode && !w_mode) {
       fail(p.key("adam_w_mode"), "false contradicts optimizer.type AdamW (use type Adam for L2 decay)");
     }
@@ -127,7 +127,7 @@ void parse_scheduler(Section& top, Config& c) {
   if (!top.find("scheduler")) return;
   Section s(top.object("scheduler"), kSchedulerKeys, c.ignored_keys);
   SchedulerConfig& sc = c.scheduler;
-  if (!s.read_choice("type", sc.type, {"WarmupLR", "WarmupDecayLR", "WarmupCosineLR"})) {
+  if (!s.read_enum("type", sc.type, kSchedulerTypes)) {
     fail("scheduler.type", "required when a scheduler is given (WarmupLR, WarmupDecayLR or WarmupCosineLR)");
   }
   Section p(s.object("params"), kSchedulerParamsKeys, c.ignored_keys);
@@ -136,14 +136,14 @@ void parse_scheduler(Section& top, Config& c) {
   if (p.read("warmup_num_steps", sc.warmup_num_steps)) {
     non_negative(p.key("warmup_num_steps"), sc.warmup_num_steps);
   }
-  p.read_choice("warmup_type", sc.warmup_type, {"log", "linear"});
+  p.read_enum("warmup_type", sc.warmup_type, kWarmupTypes);
   const bool has_total = p.read("total_num_steps", sc.total_num_steps);
   if (p.read("warmup_min_ratio", sc.warmup_min_ratio)) {
     in_closed(p.key("warmup_min_ratio"), sc.warmup_min_ratio, 0.0, 1.0);
   }
   if (p.read("cos_min_ratio", sc.cos_min_ratio)) in_closed(p.key("cos_min_ratio"), sc.cos_min_ratio, 0.0, 1.0);
-  if (sc.type == "WarmupDecayLR" || sc.type == "WarmupCosineLR") {
-    if (!has_total) fail(p.key("total_num_steps"), "required for " + sc.type);
+  if (sc.type == SchedulerType::kWarmupDecayLR || sc.type == SchedulerType::kWarmupCosineLR) {
+    if (!has_total) fail(p.key("total_num_steps"), std::string("required for ") + scheduler_type_name(sc.type));
     positive(p.key("total_num_steps"), sc.total_num_steps);
   } else if (has_total) {
     non_negative(p.key("total_num_steps"), sc.total_num_steps);
@@ -223,20 +223,20 @@ namespace {
 void parse_offload_param(Section& z, Config& c) {
   Section o(z.object("offload_param"), kOffloadParamKeys, c.ignored_keys);
   OffloadParamConfig& op = c.zero.offload_param;
-  o.read_choice("device", op.device, {"none", "cpu", "nvme"});
+  o.read_enum("device", op.device, kOffloadDevices);
   o.read_paths("nvme_path", op.nvme_path, true);
   if (o.read("buffer_count", op.buffer_count)) positive(o.key("buffer_count"), op.buffer_count);
   if (o.read("buffer_size", op.buffer_size)) positive(o.key("buffer_size"), op.buffer_size);
   if (o.read("max_in_cpu", op.max_in_cpu)) non_negative(o.key("max_in_cpu"), op.max_in_cpu);
   o.read("pin_memory", op.pin_memory);
-  if (op.device == "nvme" && op.nvme_path.empty()) fail(o.key("nvme_path"), "required when device is nvme");
+  if (op.device == OffloadDevice::kNvme && op.nvme_path.empty()) fail(o.key("nvme_path"), "required when device is nvme");
   o.done();
 }
 
 void parse_offload_optimizer(Section& z, Config& c) {
   Section o(z.object("offload_optimizer"), kOffloadOptimizerKeys, c.ignored_keys);
   OffloadOptimizerConfig& oo = c.zero.offload_optimizer;
-  o.read_choice("device", oo.device, {"none", "cpu", "nvme"});
+  o.read_enum("device", oo.device, kOffloadDevices);
   o.read_paths("nvme_path", oo.nvme_path, true);
   if (o.read("buffer_count", oo.buffer_count)) positive(o.key("buffer_count"), oo.buffer_count);
   o.read("pin_memory", oo.pin_memory);
@@ -246,7 +246,7 @@ void parse_offload_optimizer(Section& z, Config& c) {
   if (o.read("ratio", oo.ratio)) {
     if (!(oo.ratio > 0.0 && oo.ratio <= 1.0)) fail(o.key("ratio"), "must be in (0, 1], got " + num(oo.ratio));
   }
-  if (oo.device == "nvme" && oo.nvme_path.empty()) fail(o.key("nvme_path"), "required when device is nvme");
+  if (oo.device == OffloadDevice::kNvme && oo.nvme_path.empty()) fail(o.key("nvme_path"), "required when device is nvme");
   o.done();
 }
 
@@ -279,7 +279,7 @@ void parse_zero(Section& top, Config& c) {
   z.read("stage3_gather_16bit_weights_on_model_save", zc.stage3_gather_16bit_weights_on_model_save);
   parse_offload_param(z, c);
   parse_offload_optimizer(z, c);
-  if (zc.stage < 3 && zc.offload_param.device != "none") {
+  if (zc.stage < 3 && zc.offload_param.device != OffloadDevice::kNone) {
     fail(z.key("offload_param.device"),
          "offloading parameters needs zero_optimization.stage 3, got stage " + num(zc.stage));
   }

@@ -33,6 +33,27 @@ inline constexpr EnumName<Speculate> kSpeculates[] = {
     {Speculate::kAuto, "auto"}, {Speculate::kOn, "on"}, {Speculate::kOff, "off"}};
 inline constexpr EnumName<StepSchedule> kSchedules[] = {
     {StepSchedule::kAuto, "auto"}, {StepSchedule::kMicroBatch, "micro_batch"}, {StepSchedule::kLayer, "layer"}};
+inline constexpr EnumName<DataFormat> kDataFormats[] = {
+    {DataFormat::kText, "text"}, {DataFormat::kUint16, "uint16"}, {DataFormat::kUint32, "uint32"}};
+inline constexpr EnumName<MomentDtype> kMomentDtypes[] = {{MomentDtype::kFp32, "fp32"}, {MomentDtype::kBf16, "bf16"}};
+inline constexpr EnumName<OptimizerType> kOptimizerTypes[] = {{OptimizerType::kAdam, "Adam"},
+                                                              {OptimizerType::kAdamW, "AdamW"}};
+// kConstant has no spelling: it is the absence of a scheduler section.
+inline constexpr EnumName<SchedulerType> kSchedulerTypes[] = {{SchedulerType::kWarmupLR, "WarmupLR"},
+                                                              {SchedulerType::kWarmupDecayLR, "WarmupDecayLR"},
+                                                              {SchedulerType::kWarmupCosineLR, "WarmupCosineLR"}};
+inline constexpr EnumName<WarmupType> kWarmupTypes[] = {{WarmupType::kLog, "log"}, {WarmupType::kLinear, "linear"}};
+inline constexpr EnumName<OffloadDevice> kOffloadDevices[] = {
+    {OffloadDevice::kNone, "none"}, {OffloadDevice::kCpu, "cpu"}, {OffloadDevice::kNvme, "nvme"}};
+inline constexpr EnumName<CommBackend> kCommBackends[] = {
+    {CommBackend::kAuto, "auto"}, {CommBackend::kGloo, "gloo"}, {CommBackend::kNccl, "nccl"}};
+inline constexpr EnumName<GradientReduction> kGradientReductions[] = {{GradientReduction::kAuto, "auto"},
+                                                                      {GradientReduction::kPerStep, "per_step"},
+                                                                      {GradientReduction::kPerMicroBatch, "per_micro_batch"}};
+inline constexpr EnumName<SecondaryShard> kSecondaryShards[] = {
+    {SecondaryShard::kAuto, "auto"}, {SecondaryShard::kOn, "on"}, {SecondaryShard::kOff, "off"}};
+inline constexpr EnumName<KeepGathered::Mode> kKeepGatheredModes[] = {
+    {KeepGathered::Mode::kAuto, "auto"}, {KeepGathered::Mode::kAll, "all"}, {KeepGathered::Mode::kNone, "none"}};
 
 // DeepSpeed's sections (deepspeed_sections.cc).
 void parse_batch(Section& top, Config& c);  // train_batch_size and its two factors

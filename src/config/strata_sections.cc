@@ -121,7 +121,7 @@ void parse_data(Section& top, Config& c) {
   DataConfig& dc = c.data;
   if (!d.read_paths("path", dc.paths, false)) fail("data.path", "required: a token file or a list of files");
   if (dc.paths.empty()) fail("data.path", "the list of files is empty");
-  const bool format_set = d.read_choice("format", dc.format, {"text", "uint16", "uint32"});
+  const bool format_set = d.read_enum("format", dc.format, kDataFormats);
   apply_token_sidecars(c, format_set);
   if (d.read("val_fraction", dc.val_fraction)) in_closed("data.val_fraction", dc.val_fraction, 0.0, 0.5);
   if (d.read("eval_interval", dc.eval_interval)) non_negative("data.eval_interval", dc.eval_interval);
@@ -137,26 +137,22 @@ const SectionKeys kRunKeys = {"run",
                                "optimizer_state_dtype", "checkpoint", "recompute", "schedule", "rates",
                                "deterministic"},
                               {}};
-const SectionKeys kRatesKeys = {"run.rates",
-                                {"device_tflops", "h2d_gbps", "d2h_gbps", "pcie_both_gbps", "nvme_read_gbps",
-                                 "nvme_write_gbps", "nvme_both_gbps", "adam_gelems", "checksum_gbps",
-                                 "grad_add_gelems", "net_gbps", "intra_node_gbps"},
-                                {}};
+// run.rates' keys are the rates table's (config/rates.h).
+static Keys rate_keys() {
+  Keys k;
+  for (const RateSpec& r : kRateTable) k.push_back(r.key);
+  return k;
+}
+const SectionKeys kRatesKeys = {"run.rates", rate_keys(), {}};
 const SectionKeys kCheckpointKeys = {"run.checkpoint", {"dir", "every", "keep", "snapshot_gb"}, {}};
 
 namespace {
 
 void parse_rates(const json& rates, Config& c) {
   Section s(rates, kRatesKeys, c.ignored_keys);
-  RateOverrides& o = c.run.rates;
-  for (auto [key, out] : {std::pair<const char*, double*>{"device_tflops", &o.device_tflops},
-                          {"h2d_gbps", &o.h2d_gbps}, {"d2h_gbps", &o.d2h_gbps},
-                          {"pcie_both_gbps", &o.pcie_both_gbps}, {"nvme_read_gbps", &o.nvme_read_gbps},
-                          {"nvme_write_gbps", &o.nvme_write_gbps}, {"nvme_both_gbps", &o.nvme_both_gbps},
-                          {"adam_gelems", &o.adam_gelems}, {"checksum_gbps", &o.checksum_gbps},
-                          {"grad_add_gelems", &o.grad_add_gelems},
-                          {"net_gbps", &o.net_gbps}, {"intra_node_gbps", &o.intra_node_gbps}}) {
-    if (s.read(key, *out)) positive(s.key(key), *out);
+  for (const RateSpec& r : kRateTable) {
+    double& v = c.run.rates[r.kind];
+    if (s.read(r.key, v)) positive(s.key(r.key), v);
   }
   s.done();
 }
@@ -201,7 +197,7 @@ void parse_run(Section& top, Config& c) {
   }
   r.read("swap_checksums", rc.swap_checksums);
   r.read("deterministic", rc.deterministic);
-  r.read_choice("optimizer_state_dtype", rc.optimizer_state_dtype, {"fp32", "bf16"});
+  r.read_enum("optimizer_state_dtype", rc.optimizer_state_dtype, kMomentDtypes);
   r.read_enum("recompute", rc.recompute, kRecomputes);
   r.read_enum("schedule", rc.schedule, kSchedules);
   parse_checkpoint(r, c);
@@ -295,20 +291,19 @@ void parse_comm(Section& top, Config& c) {
     int64_t n = 0;
     r.read("keep_gathered", n);
     non_negative("comm.keep_gathered", n);
-    c.comm.keep_gathered = std::to_string(n);
+    c.comm.keep_gathered = {KeepGathered::Mode::kBlocks, n};
   } else {
-    r.read_choice("keep_gathered", c.comm.keep_gathered, {"auto", "all", "none"});
+    r.read_enum("keep_gathered", c.comm.keep_gathered.mode, kKeepGatheredModes);
   }
-  r.read_choice("backend", c.comm.backend, {"auto", "gloo", "nccl"});
-  r.read_choice("gradient_reduction", c.comm.gradient_reduction, {"auto", "per_step", "per_micro_batch"});
+  r.read_enum("backend", c.comm.backend, kCommBackends);
+  r.read_enum("gradient_reduction", c.comm.gradient_reduction, kGradientReductions);
   // DeepSpeed's zero_hpz_partition_size > 1 asks for the secondary shard
   // unless comm.secondary_shard says otherwise.
-  if (!r.read_choice("secondary_shard", c.comm.secondary_shard, {"auto", "on", "off"}) &&
-      c.zero.hpz_partition_size > 1) {
-    c.comm.secondary_shard = "on";
+  if (!r.read_enum("secondary_shard", c.comm.secondary_shard, kSecondaryShards) && c.zero.hpz_partition_size > 1) {
+    c.comm.secondary_shard = SecondaryShard::kOn;
   }
   if (r.read("timeout_s", c.comm.timeout_s)) positive("comm.timeout_s", c.comm.timeout_s);
-  top.read_choice("communication_data_type", c.comm.data_type, {"fp32", "bf16", "fp16"});
+  top.read_enum("communication_data_type", c.comm.data_type, kComputeDtypes);
   r.done();
 }
 

@@ -30,14 +30,15 @@ void apply_token_sidecars(Config& c, bool format_set) {
       fail(side, "vocab_size and tokens must be non-negative integers");
     }
     const std::string dtype = j["dtype"].get<std::string>();
-    if (format_set && c.data.format != dtype) {
-      fail("data.format", json(c.data.format).dump() + " here, but " + side + " says the file is " + dtype);
+    const std::string format = data_format_name(c.data.format);
+    if (format_set && format != dtype) {
+      fail("data.format", json(format).dump() + " here, but " + side + " says the file is " + dtype);
     }
     if (!format_set) {
-      if (!from.empty() && c.data.format != dtype) {
-        fail(side, "dtype " + dtype + " differs from " + c.data.format + " in " + from + " (one data.format for all files)");
+      if (!from.empty() && format != dtype) {
+        fail(side, "dtype " + dtype + " differs from " + format + " in " + from + " (one data.format for all files)");
       }
-      c.data.format = dtype;
+      c.data.format = dtype == "uint16" ? DataFormat::kUint16 : DataFormat::kUint32;
       from = side;
     }
     const int64_t vocab = j["vocab_size"].get<int64_t>();

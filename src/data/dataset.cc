@@ -15,13 +15,6 @@
 
 namespace strata {
 
-TokenFormat parse_token_format(const std::string& s) {
-  if (s == "text") return TokenFormat::kText;
-  if (s == "uint16") return TokenFormat::kUint16;
-  if (s == "uint32") return TokenFormat::kUint32;
-  throw ConfigError("data.format", "expected text, uint16 or uint32, got \"" + s + "\"");
-}
-
 namespace {
 
 int width_of(TokenFormat format) {

@@ -11,12 +11,13 @@
 #include <string>
 #include <vector>
 
+#include "config/config.h"
+
 namespace strata {
 
-enum class TokenFormat { kText, kUint16, kUint32 };
-
-// Parses "text" | "uint16" | "uint32". Throws ConfigError naming data.format.
-TokenFormat parse_token_format(const std::string& s);
+// data.format's values (config/config.h): bytes of text, or .bin token files
+// (docs/token-format.md).
+using TokenFormat = DataFormat;
 
 // Note [Mapped tokens]
 // Token files are mapped read-only, never read into the process's own

@@ -12,9 +12,9 @@ ActivationCheckpoints::ActivationCheckpoints(const PlacementPlan& plan, size_t n
                                              std::vector<int64_t> shape, at::ScalarType dtype, TieredState* state,
                                              const std::vector<StepOp>& schedule)
     : head_(num_blocks - 1),
-      accum_(std::max<int64_t>(plan.accum, 1)),
-      held_(plan.held_micro),
-      saved_(num_blocks * size_t(std::max<int64_t>(plan.accum, 1))),
+      accum_(std::max<int64_t>(plan.step.accum, 1)),
+      held_(plan.step.held_micro),
+      saved_(num_blocks * size_t(std::max<int64_t>(plan.step.accum, 1))),
       dev_(state->device()),
       shape_(std::move(shape)),
       dtype_(dtype),
@@ -35,7 +35,7 @@ ActivationCheckpoints::ActivationCheckpoints(const PlacementPlan& plan, size_t n
   }
   const StagingNeeds& need = plan.staging;
   if (need.ckpt_host > 0) {
-    bytes_ = plan.checkpoint_bytes;
+    bytes_ = plan.activations.checkpoint_bytes;
     host_ = dev_.allocate_pinned(need.ckpt_host, "offloaded activation checkpoints");
     device_ = dev_.allocate(need.ckpt_device, "activation checkpoint slots (2)");
   }

@@ -64,7 +64,7 @@ class ActivationCheckpoints {
 
   size_t head_;                       // the head's block index (layers are 1..head_-1)
   int64_t accum_ = 1;                 // micro-batches per step
-  int64_t held_ = 1;                  // micro-batches whose inputs are held at once (PlacementPlan::held_micro)
+  int64_t held_ = 1;                  // micro-batches whose inputs are held at once (StepShape::held_micro)
   std::vector<at::Tensor> saved_;     // per (block, micro-batch), when kept on the device
   // The restores of a step in the schedule's backward order (layers only:
   // the embedding's input is the tokens), as (block, micro-batch).

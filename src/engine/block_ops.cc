@@ -161,18 +161,27 @@ double Trainer::eval_loss(const int64_t* tokens, int64_t batches) {
     blocks_->begin(/*train=*/false);
     at::Tensor x = batch.narrow(1, 0, T);
     for (const StepOp& op : blocks_->eval_ops()) {
-      if (op.pass == Pass::kForward) x = forward_block(size_t(op.block[0]), 0, x, /*train=*/false);
+      if (op.pass == Pass::kForward) {
+        x = forward_block(size_t(op.block[0]), 0, x, /*train=*/false);
+      } else {
+        total += eval_head(x, batch.narrow(1, 1, T));
+      }
     }
-    DevicePtr gathered[2];
-    blocks_->next(gathered);
-    at::Tensor tied;
-    if (cfg_.model.tie_embeddings) tied = weights(ctx_.embedding_block, gathered[1])[0];
-    at::Tensor logits = model_.forward(ctx_.head_block, weights(ctx_.head_block, gathered[0]), x, tied);
-    total += loss_of(logits, batch.narrow(1, 1, T)).item<double>();
-    tied = at::Tensor();
-    blocks_->end();
   }
   return total / double(batches);
+}
+
+// The eval schedule's head op: the head's forward and the loss, no backward.
+double Trainer::eval_head(const at::Tensor& x, const at::Tensor& targets) {
+  DevicePtr gathered[2];
+  blocks_->next(gathered);
+  at::Tensor tied;
+  if (cfg_.model.tie_embeddings) tied = weights(ctx_.embedding_block, gathered[1])[0];
+  at::Tensor logits = model_.forward(ctx_.head_block, weights(ctx_.head_block, gathered[0]), x, tied);
+  const double loss = loss_of(logits, targets).item<double>();
+  tied = at::Tensor();
+  blocks_->end();
+  return loss;
 }
 
 }  // namespace strata

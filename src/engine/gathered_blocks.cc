@@ -32,20 +32,20 @@ GatheredBlocks::GatheredBlocks(const StepContext& ctx, const PlacementPlan& plan
   kept_at_.assign(size_t(blocks), -1);
   if (!gather_once_ && ctx.shards > 1) {
     int64_t at = 2 * per_use_ * largest_block_numel_ * ctx.compute_bytes;  // after the ring
-    for (size_t b = 0; b < plan.keep_gathered.size(); ++b) {
-      if (!plan.keep_gathered[b]) continue;
+    for (size_t b = 0; b < plan.comm.keep_gathered.size(); ++b) {
+      if (!plan.comm.keep_gathered[b]) continue;
       kept_at_[b] = at;
       at += ctx.layout->block(b).padded_numel * ctx.compute_bytes;
     }
     STRATA_CHECK(at <= need.gather, "blocks kept gathered beyond the planned buffer");
-    if (plan.kept_gathered_numel > 0) {
+    if (plan.comm.kept_gathered_numel > 0) {
       log::info("%s of gathered blocks kept for the step (comm.keep_gathered)",
-                format_bytes(double(plan.kept_gathered_numel * ctx.compute_bytes)).c_str());
+                format_bytes(double(plan.comm.kept_gathered_numel * ctx.compute_bytes)).c_str());
     }
   }
   secondary_valid_.assign(size_t(blocks), 0);
   secondary_at_.assign(size_t(blocks), -1);
-  if (plan.secondary_shard) {
+  if (plan.comm.secondary_shard) {
     // Note [Secondary shard].
     STRATA_CHECK(!gather_once_ && ctx.shards > 1 && plan.nodes() > 1, "a secondary shard outside stage 3 on nodes");
     secondary_ = true;

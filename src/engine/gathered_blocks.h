@@ -9,7 +9,7 @@
 #include <memory>
 #include <vector>
 
-#include "engine/optimizer_pass.h"
+#include "engine/optimizer/optimizer_pass.h"
 #include "engine/step_context.h"
 #include "memory/buffer.h"
 #include "memory/device.h"
@@ -19,7 +19,7 @@
 namespace strata {
 
 // Note [Secondary shard]
-// ZeRO++'s hpZ (comm.secondary_shard, PlacementPlan::secondary_shard): at
+// ZeRO++'s hpZ (comm.secondary_shard, CommPlan::secondary_shard): at
 // stage 3 with ranks on several nodes, a block's first gather of a step
 // spans the world (each rank gives its primary shard, 1/world of the block);
 // when it has landed, each rank copies 1/L of the gathered block (L ranks per
@@ -83,7 +83,7 @@ class GatheredBlocks {
   std::vector<StepOp> train_schedule_, eval_schedule_;
   DeviceBuffer gather_mem_;               // gathered blocks (ring, or the whole model)
   std::vector<char> gathered_valid_;      // gathered once per step: per block, gathered since the optimizer
-  // Stage 3: per block kept gathered for the step (PlacementPlan::keep_gathered),
+  // Stage 3: per block kept gathered for the step (CommPlan::keep_gathered),
   // its bytes' offset in gather_mem_ after the ring; -1 for the others.
   std::vector<int64_t> kept_at_;
   const std::vector<StepOp>* uses_ = nullptr;

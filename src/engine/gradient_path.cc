@@ -1,4 +1,7 @@
-// The gradient path (Note [Gradient path] in gradient_path.h).
+// The gradient path (Note [Gradient path] in gradient_path.h): set-up, a
+// block's gradients into their homes on the device, the step's end, norms.
+// Between ranks: gradient_reductions.cc; to homes off the device: the lander,
+// gradient_lander.cc.
 #include "engine/gradient_path.h"
 
 #include <algorithm>
@@ -25,8 +28,6 @@ at::ScalarType torch_type(cpu_adam::GradType t) {
   return at::kFloat;
 }
 
-int64_t bytes_of(cpu_adam::GradType t) { return t == cpu_adam::GradType::kF32 ? 4 : 2; }
-
 }  // namespace
 
 GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
@@ -36,7 +37,7 @@ GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
   TieredState& state = *ctx.state;
   ranks_ = ctx.comm->world_size() > 1;
   reduce_scatter_ = ranks_ && ctx.cfg->zero.stage >= 2;
-  layer_ = plan.layer_major();
+  sums_each_block_ = plan.step.sums_each_block();
   accum_ = ctx.cfg->gradient_accumulation_steps;
   tied_held_.resize(size_t(std::max<int64_t>(accum_, 1)));
   const cpu_adam::GradType compute_wire = ctx.compute_dtype == at::kBFloat16 ? cpu_adam::GradType::kBF16
@@ -80,11 +81,11 @@ void GradientPath::make_device_buffers(const PlacementPlan& plan) {
     // StagingNeeds::grad_sync: the second stage (none when gradients are
     // summed per step), the reduced shards, the 16-bit copies.
     if (need.grad_stage > 0) stage_[1] = dev.allocate(need.grad_stage, "gradient staging (2nd)");
-    const int64_t shard_bytes = reduce_scatter_ ? 2 * plan.largest_block_shard_numel * 4 : 0;
+    const int64_t shard_bytes = reduce_scatter_ ? 2 * plan.state.largest_block_shard_numel * 4 : 0;
     if (shard_bytes > 0) shards_mem_ = dev.allocate(shard_bytes, "reduce-scattered gradient shards");
     const int64_t comm16_bytes = need.grad_sync - need.grad_stage - shard_bytes;
-    if (plan.comm_grad_bytes < 4) {
-      comm_type_ = ctx_.cfg->comm.data_type == "fp16" ? at::kHalf : at::kBFloat16;
+    if (plan.comm.grad_bytes < 4) {
+      comm_type_ = ctx_.cfg->comm.data_type == ComputeDtype::kFp16 ? at::kHalf : at::kBFloat16;
       comm16_ = dev.allocate(comm16_bytes, "gradients in communication_data_type");
       const int64_t full = plan.largest_block_numel * 2;
       for (int k = 0; k < 2; ++k) {
@@ -92,13 +93,13 @@ void GradientPath::make_device_buffers(const PlacementPlan& plan) {
           comm_flat_[k].push_back(
               ctx_.device_tensor(comm16_.ptr() + k * full, ctx_.layout->block(b).padded_numel, comm_type_));
         }
-        comm_shard_[k] = comm16_.ptr() + 2 * full + k * plan.largest_block_shard_numel * 2;
+        comm_shard_[k] = comm16_.ptr() + 2 * full + k * plan.state.largest_block_shard_numel * 2;
       }
     } else {
       STRATA_CHECK(comm16_bytes == 0, "16-bit gradient buffers planned for fp32 reductions");
     }
   }
-  largest_shard_numel_ = plan.largest_block_shard_numel;
+  largest_shard_numel_ = plan.state.largest_block_shard_numel;
   for (int k = 0; k < 2; ++k) {
     if (!stage_[k].ptr()) continue;
     for (size_t b = 0; b < blocks_; ++b) {
@@ -108,10 +109,10 @@ void GradientPath::make_device_buffers(const PlacementPlan& plan) {
     }
   }
   if (need.grad_accum > 0) {
-    // The whole model's sum (PlacementPlan::reduce_per_step), or under the
+    // The whole model's sum (CommPlan::reduce_per_step), or under the
     // layer schedule one block's at a time (Note [Step schedules]).
-    sum_on_device_ = !plan.reduce_per_step;
-    STRATA_CHECK(!sum_on_device_ || (layer_ && !ranks_), "a block gradient sum outside the layer schedule");
+    sum_on_device_ = !plan.comm.reduce_per_step;
+    STRATA_CHECK(!sum_on_device_ || (sums_each_block_ && !ranks_), "a block gradient sum outside the layer schedule");
     sum_mem_ = dev.allocate(need.grad_accum, sum_on_device_ ? "block gradient sum" : "gradients summed over the step");
     for (size_t b = 0; b < blocks_; ++b) {
       const BlockLayout& bl = ctx_.layout->block(b);
@@ -379,256 +380,6 @@ void GradientPath::lay_out(size_t b, const std::vector<at::Tensor>& grads, size_
     }
   }
   if (wire_padding_[half][b].numel() > 0) wire_padding_[half][b].zero_();
-}
-
-// ---- ranks ------------------------------------------------------------------------
-
-// G summed in fp32 and reduced while the next block's backward runs (Note
-// [Gathered blocks] in trainer.h): each micro-batch's in a stage, or with
-// PlacementPlan::reduce_per_step the step's sum, kept per block in the
-// whole-model buffer, reduced on the last micro-batch.
-void GradientPath::add_to_reduce(size_t b, const std::vector<at::Tensor>& grads, size_t first) {
-  if (!accum_flat_.empty()) {
-    if (first_micro_) accum_flat_[b].zero_();
-    sum_into(accum_views_[b], b, grads, first);
-    if (!last_micro_) return;
-    const int k = turn_;
-    complete_reduction(k);  // the shard slot's previous block is delivered
-    stage_free();
-    reduce(k, b, accum_flat_[b]);
-    return;
-  }
-  if (layer_) {
-    // Note [Step schedules]: the block's micro-batches summed in a stage, in
-    // order, as per_step sums them in its whole-model buffer; reduced once.
-    if (first_micro_) {
-      sum_turn_ = turn_;
-      complete_reduction(sum_turn_);  // the stage's previous block is reduced
-      stage_free();
-      stage_flat_[sum_turn_][b].zero_();
-    }
-    sum_into(stage_views_[sum_turn_][b], b, grads, first);
-    if (last_micro_) reduce(sum_turn_, b, stage_flat_[sum_turn_][b]);
-    return;
-  }
-  const int k = turn_;
-  complete_reduction(k);  // the stage's previous block is reduced
-  stage_free();
-  const at::Tensor& stage = stage_flat_[k][b];
-  stage.zero_();
-  sum_into(stage_views_[k][b], b, grads, first);
-  reduce(k, b, stage);
-}
-
-// dst += the head's share of the tied embedding (first, as autograd would
-// sum it) and block b's gradients.
-void GradientPath::sum_into(const std::vector<at::Tensor>& dst, size_t b, const std::vector<at::Tensor>& grads,
-                            size_t first) {
-  if (b == ctx_.embedding_block && tied_.defined()) {
-    dst[0].add_(tied_);
-    tied_ = at::Tensor();
-  }
-  for (size_t i = 0; i < dst.size() && first + i < grads.size(); ++i) {
-    const at::Tensor& g = grads[first + i];
-    if (g.defined()) dst[i].add_(g);
-  }
-}
-
-// Issues block b's reduction from `stage` (its fp32 sum) with slot k's shard.
-void GradientPath::reduce(int k, size_t b, const at::Tensor& stage) {
-  const DevicePtr full(static_cast<std::byte*>(stage.data_ptr()));
-  const int64_t n = ctx_.shard_numel(b);
-  Reduction& r = reduction_[k];
-  r.block = int(b);
-  r.last = last_micro_;
-  // communication_data_type: the reductions carry the stage rounded to 16 bits.
-  const bool narrow = comm16_.bytes() > 0;
-  DevicePtr send = full;
-  DType t = DType::kF32;
-  if (narrow) {
-    comm_flat_[k][b].copy_(stage);
-    send = DevicePtr(static_cast<std::byte*>(comm_flat_[k][b].data_ptr()));
-    t = comm_type_ == at::kHalf ? DType::kF16 : DType::kBF16;
-  }
-  if (reduce_scatter_) {
-    const DevicePtr shard = shards_mem_.ptr() + int64_t(k) * largest_shard_numel_ * 4;
-    r.wire = narrow ? comm_shard_[k] : shard;
-    r.done = ctx_.collectives->reduce_scatter(send, r.wire, n, t);
-    r.shard = shard;
-  } else {
-    r.done = ctx_.collectives->all_reduce(send, ctx_.layout->block(b).padded_numel, t);
-    r.shard = full + ctx_.shard_rank * n * 4;
-    r.wire = send + ctx_.shard_rank * n * dtype_bytes(t);
-  }
-  seq_[k] = ++issued_;
-  turn_ = 1 - k;
-}
-
-void GradientPath::complete_reduction(int k) {
-  Reduction& r = reduction_[k];
-  if (r.block < 0) return;
-  {
-    // Its readers (the add into a device home, the D2H to a host one) are
-    // queued after the compute stream's wait (Note [Device collectives]).
-    TraceSpan span(TraceTrack::kComm, "wait gradient reduction");
-    ctx_.device->stream_wait(Stream::kCompute, r.done);
-    r.done = Completion();
-  }
-  const size_t b = size_t(r.block);
-  const bool last = r.last;
-  r.block = -1;
-  if (!(r.wire == r.shard)) {
-    const int64_t n = ctx_.shard_numel(b);
-    ctx_.device_tensor(r.shard, n, at::kFloat).copy_(ctx_.device_tensor(r.wire, n, comm_type_));
-  }
-  deliver(b, r.shard, last);
-}
-
-void GradientPath::deliver(size_t b, DevicePtr src, bool last) {
-  if (!home_on_device_[b]) {
-    land(b, src, cpu_adam::GradType::kF32, last);
-    return;
-  }
-  const int64_t n = ctx_.shard_numel(b);
-  const DevicePtr home = ctx_.state->resident_on_device(Category::kGrad, ctx_.shard_offset[b], n);
-  at::Tensor h = ctx_.device_tensor(home, n, at::kFloat);
-  const at::Tensor s = ctx_.device_tensor(src, n, at::kFloat);
-  if (!written_[b]) {
-    h.copy_(s);
-  } else {
-    h.add_(s);
-  }
-  written_[b] = 1;
-  if (last) {
-    device_norm(b, home);
-    if (track_finals_) mark_final(b, ctx_.device->record(Stream::kCompute));
-  }
-}
-
-// ---- to the host ------------------------------------------------------------------
-
-void GradientPath::stage_free() {
-  if (stage_read_.pending()) ctx_.device->stream_wait(Stream::kCompute, stage_read_);
-}
-
-int GradientPath::claim_landing() {
-  const int half = landing_turn_;
-  landing_turn_ ^= 1;
-  std::unique_lock<std::mutex> lock(mu_);
-  if (busy_[half]) {
-    TraceSpan span(TraceTrack::kCopy, "wait for a landing buffer");
-    cv_.wait(lock, [&] { return !busy_[half]; });
-  }
-  if (error_) std::rethrow_exception(error_);  // the lander failed: stop queuing
-  busy_[half] = true;
-  return half;
-}
-
-void GradientPath::queue_landing(size_t b, int half, cpu_adam::GradType wire, const Completion& copied, bool last) {
-  {
-    std::lock_guard<std::mutex> lock(mu_);
-    STRATA_CHECK(queue_.size < 2, "more landings queued than landing halves");
-    queue_.push_back(Landing{int(b), half, wire, copied, !written_[b], last});
-  }
-  cv_.notify_all();
-  written_[b] = 1;
-}
-
-void GradientPath::land(size_t b, DevicePtr src, cpu_adam::GradType wire, bool last) {
-  const int64_t bytes = ctx_.shard_numel(b) * bytes_of(wire);
-  STRATA_CHECK(bytes <= landing_half_bytes_, "a gradient larger than its landing buffer");
-  const int half = claim_landing();
-  Device& dev = *ctx_.device;
-  Completion copied;
-  try {
-    TraceSpan span(TraceTrack::kCopy, "gradient D2H");
-    dev.stream_wait(Stream::kD2H, dev.record(Stream::kCompute));
-    dev.copy_to_host(landing_.data() + half * landing_half_bytes_, src, bytes, Stream::kD2H);
-    copied = dev.record(Stream::kD2H);
-  } catch (...) {
-    release_landing(half);
-    throw;
-  }
-  stage_read_ = copied;  // the stage is rewritten only after this read
-  ctx_.state->count_copy(/*to_device=*/false, bytes);
-  queue_landing(b, half, wire, copied, last);
-}
-
-void GradientPath::wait_lander_idle() {
-  std::unique_lock<std::mutex> lock(mu_);
-  if (queue_.empty()) return;
-  TraceSpan span(TraceTrack::kCopy, "wait for gradients to land");
-  cv_.wait(lock, [&] { return queue_.empty(); });
-}
-
-void GradientPath::lander_loop() {
-  LinkBytes mine;  // this thread's transfers (NVMe homes)
-  TieredState::TallyScope tally(&mine);
-  for (;;) {
-    Landing l;
-    bool skip = false;
-    {
-      std::unique_lock<std::mutex> lock(mu_);
-      cv_.wait(lock, [&] { return quit_ || !queue_.empty(); });
-      if (queue_.empty()) return;
-      l = queue_.front();
-      skip = error_ != nullptr;
-    }
-    std::exception_ptr failed;
-    try {
-      if (skip) {
-        l.copied.wait();  // the copy still ends before its buffer is reused
-      } else {
-        land_on_host(l);
-      }
-    } catch (...) {
-      failed = std::current_exception();
-    }
-    {
-      std::lock_guard<std::mutex> lock(mu_);
-      queue_.pop_front();
-      busy_[l.half] = false;
-      if (failed && !error_) error_ = failed;
-      links_ += mine;
-      mine = LinkBytes();
-    }
-    cv_.notify_all();
-  }
-}
-
-// The lander's work on one landed gradient: into its home (in place on the
-// host; read, add, write on NVMe) and, on the last micro-batch, its norm.
-void GradientPath::land_on_host(Landing& l) {
-  {
-    TraceSpan span(TraceTrack::kCopy, "wait gradient D2H");
-    l.copied.wait();
-  }
-  TraceSpan span(TraceTrack::kCopy, "gradient into its home");
-  const size_t b = size_t(l.block);
-  const int64_t n = ctx_.shard_numel(b);
-  const int64_t off = ctx_.shard_offset[b];
-  TieredState& state = *ctx_.state;
-  const std::byte* src = landing_.data() + l.half * landing_half_bytes_;
-  float* values = reinterpret_cast<float*>(state.resident(Category::kGrad, off, n));
-  if (values != nullptr) {
-    cpu_adam::accumulate_grad(values, src, l.wire, n, l.first);
-  } else {
-    values = rmw_.as<float>();
-    STRATA_CHECK(values != nullptr, "a gradient home on NVMe without a read-modify-write buffer");
-    if (!l.first) state.read_async(Category::kGrad, off, n, values, lander_io_).wait();
-    cpu_adam::accumulate_grad(values, src, l.wire, n, l.first);
-    state.write_async(Category::kGrad, off, n, values, lander_io_).wait();
-  }
-  if (l.last) host_norms_[b] = cpu_adam::ordered_squared_norm(values + norm_lo_[b], norm_hi_[b] - norm_lo_[b]);
-  std::lock_guard<std::mutex> lock(mu_);
-  if (l.last) mark_final_locked(b, Completion());  // the loop notifies
-  ++stats_.adds;
-  if (std::this_thread::get_id() == compute_thread_) ++stats_.adds_on_compute_thread;
-}
-
-void GradientPath::release_landing(int half) {
-  std::lock_guard<std::mutex> lock(mu_);
-  busy_[half] = false;
 }
 
 // ---- norms ------------------------------------------------------------------------

@@ -14,7 +14,7 @@
 #include <vector>
 
 #include "cpu_adam/types.h"
-#include "engine/optimizer_thread.h"
+#include "engine/optimizer/optimizer_thread.h"
 #include "engine/step_context.h"
 #include "memory/buffer.h"
 #include "memory/device.h"
@@ -110,6 +110,8 @@ class GradientPath final : public GradientSource {
   int64_t host_bytes() const;    // landing and read-modify-write buffers
 
  private:
+  // Bytes per element of a gradient on the wire.
+  static int64_t bytes_of(cpu_adam::GradType t) { return t == cpu_adam::GradType::kF32 ? 4 : 2; }
   struct Landing {
     int block = -1;
     int half = 0;
@@ -158,7 +160,7 @@ class GradientPath final : public GradientSource {
   std::vector<int64_t> norm_lo_, norm_hi_;  // per block: this rank's norm range within its shard
   std::vector<char> written_;          // per block: its home was written this step
   int64_t accum_ = 1;                  // micro-batches per step
-  bool layer_ = false;                 // the layer schedule (Note [Step schedules])
+  bool sums_each_block_ = false;       // StepShape::sums_each_block (Note [Step schedules])
   bool last_micro_ = false;            // the current add's micro-batch is the block's last
   bool first_micro_ = false;           // ... its first
   at::Tensor tied_;                    // the current add's share of the tied head
@@ -185,7 +187,7 @@ class GradientPath final : public GradientSource {
   // reduction, and (stages 2-3) the reduced 16-bit shards, widened into the
   // fp32 shard when the reduction completes. Per stage, built once.
   DeviceBuffer comm16_;
-  // PlacementPlan::reduce_per_step: every block's fp32 gradient summed over
+  // CommPlan::reduce_per_step: every block's fp32 gradient summed over
   // the step's micro-batches; or (sum_on_device_: the layer schedule at one
   // rank with homes off the device) one block's at a time (flat, parameter
   // and padding views per block).

@@ -20,7 +20,7 @@
 #include "cpu_adam/adam.h"
 #include "cpu_adam/grad_ops.h"
 #include "engine/compute_stream.h"
-#include "engine/optimizer_pass.h"
+#include "engine/optimizer/optimizer_pass.h"
 #include "memory/placement.h"
 #include "model/model.h"
 #include "nvme/bench.h"
@@ -324,7 +324,7 @@ double probe_adam(const Config& cfg, const Device& device, double budget_s, int6
   const cpu_adam::Isa isa = cpu_adam::parse_isa(cfg.run.cpu_adam_isa);
   cpu_adam::CpuAdam adam(adam_threads(cfg, device), isa);
   const int64_t n = adam_probe_numel(budget_s, last_level_cache_bytes(), state_numel);
-  const bool bf16_state = cfg.run.optimizer_state_dtype == "bf16";
+  const bool bf16_state = cfg.run.optimizer_state_dtype == MomentDtype::kBf16;
   std::vector<float> param(size_t(n), 0.5f), grad(size_t(n), 1e-3f);
   std::vector<uint32_t> m(size_t(n), 0), v(size_t(n), 0);  // zero in fp32 and in bf16 pairs
   std::vector<uint16_t> emit(static_cast<size_t>(n), uint16_t{0});
@@ -392,7 +392,7 @@ StepWork union_work(const StepWork& work, const PlacementPlan& plan, bool checks
   u.links.h2d = std::max<int64_t>(u.links.h2d, 1);
   u.links.d2h = std::max<int64_t>(u.links.d2h, 1);
   u.grad_add_elems = std::max<int64_t>(u.grad_add_elems, 1);
-  if (!plan.nvme_paths.empty()) {
+  if (!plan.state.nvme_paths.empty()) {
     u.links.nvme_read = std::max<int64_t>(u.links.nvme_read, 1);
     u.links.nvme_write = std::max<int64_t>(u.links.nvme_write, 1);
     if (checksums) u.checksum_bytes = std::max<int64_t>(u.checksum_bytes, 1);
@@ -412,18 +412,7 @@ void measure_rates(const Config& cfg, const PlacementPlan& plan, Device* device,
 }
 
 void store_rates(const Rates& r, RateOverrides& o) {
-  o.device_tflops = r.device_flops / 1e12;
-  o.h2d_gbps = r.h2d / 1e9;
-  o.d2h_gbps = r.d2h / 1e9;
-  o.pcie_both_gbps = r.pcie_both / 1e9;
-  o.nvme_read_gbps = r.nvme_read / 1e9;
-  o.nvme_write_gbps = r.nvme_write / 1e9;
-  o.nvme_both_gbps = r.nvme_both / 1e9;
-  o.adam_gelems = r.adam / 1e9;
-  o.checksum_gbps = r.checksum / 1e9;
-  o.grad_add_gelems = r.grad_add / 1e9;
-  o.net_gbps = r.net * 8 / 1e9;
-  o.intra_node_gbps = r.intra_node * 8 / 1e9;
+  for (const RateSpec& s : kRateTable) o[s.kind] = r.value(s.kind) / s.scale;
 }
 
 }  // namespace strata

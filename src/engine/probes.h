@@ -67,7 +67,7 @@ int64_t parse_cache_size(const std::string& text);
 // up to 1 Mi where that is more, at most 256 Mi (4.5 GiB of buffers at
 // start). The checksums' bytes: 512 MiB (128 MiB), or 4x the cache, at most
 // 4 GiB.
-// `state_numel` (> 0: the rank's shard space, PlacementPlan::shard_space_numel)
+// `state_numel` (> 0: the rank's shard space, StatePlacement::shard_space_numel)
 // caps each at what a step can touch (Note [Probes sized to the work]): CPU
 // Adam's elements at state_numel rounded up to 1 Mi, the checksums' bytes at
 // 16 bytes an element rounded up to 1 MiB.
@@ -131,7 +131,7 @@ std::string rates_cache_path();
 inline constexpr double kKeptRatesMaxAgeS = 7 * 24 * 3600.0;
 
 // Fills each rate `work` needs and `rates` lacks by measuring it here (NVMe
-// in plan.nvme_paths' first directory), naming the source "measured". A rate
+// in plan.state.nvme_paths' first directory), naming the source "measured". A rate
 // that cannot be measured here (no swap directory yet, no GPU for cuda, the
 // network) throws ConfigError naming the flag or run.rates key that gives it.
 // The NVMe probe's room (probe_nvme): `reserve_state` leaves the first swap

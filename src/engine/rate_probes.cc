@@ -16,7 +16,7 @@
 #include <nlohmann/json.hpp>
 
 #include "cpu_adam/grad_ops.h"
-#include "engine/optimizer_pass.h"
+#include "engine/optimizer/optimizer_pass.h"
 #include "engine/probes.h"
 #include "memory/placement.h"
 #include "util/errors.h"
@@ -161,7 +161,7 @@ class RateProbes {
              const ProbeRoom& room)
       : cfg_(cfg), plan_(plan), device_(device), rates_(rates), budget_s_(budget_s), room_(room),
         cpu_compute_(device == nullptr || !device->is_cuda()),
-        state_(plan.shard_space_numel),  // Note [Probes sized to the work]
+        state_(plan.state.shard_space_numel),  // Note [Probes sized to the work]
         llc_(last_level_cache_bytes()),
         // Ranks probing at once share the cores and the disk: their figures are not a lone run's.
         cpu_(cpu_identity() + strprintf("|sharers %d", room.sharers)),
@@ -225,7 +225,7 @@ void RateProbes::compute() {
 void RateProbes::adam() {
   const int64_t n = adam_probe_numel(budget_s_, llc_, state_);
   add(strprintf("adam|%s|threads %d|isa %s|state %s|emit %s|%lld", cpu_.c_str(), adam_threads(cfg_, host_),
-                cfg_.run.cpu_adam_isa.c_str(), cfg_.run.optimizer_state_dtype.c_str(),
+                cfg_.run.cpu_adam_isa.c_str(), moment_dtype_name(cfg_.run.optimizer_state_dtype),
                 compute_dtype_name(cfg_.run.compute_dtype), (long long)n),
       strprintf("CPU Adam over %s elements", n >= (int64_t(1) << 20) ? strprintf("%lld Mi", (long long)(n >> 20)).c_str()
                                                                      : std::to_string(n).c_str()),
@@ -254,7 +254,7 @@ void RateProbes::grad_add() {
   // their wire into the fp32 home, or under the layer schedule with
   // several micro-batches write the block's fp32 sum as the home's first
   // write (Note [Gradient path] in engine/gradient_path.h).
-  const bool summed = plan_.layer_major() && plan_.accum > 1;
+  const bool summed = plan_.step.sums_each_block();
   const cpu_adam::GradType wire = plan_.compute_bytes == 4 || plan_.world_size > 1 || summed ? cpu_adam::GradType::kF32
                                   : cfg_.run.compute_dtype == ComputeDtype::kFp16 ? cpu_adam::GradType::kF16
                                                                                   : cpu_adam::GradType::kBF16;
@@ -289,15 +289,15 @@ void RateProbes::copies(bool h2d, bool d2h, bool both) {
 }
 
 void RateProbes::nvme(bool rd, bool wr, bool rw) {
-  STRATA_CHECK(!plan_.nvme_paths.empty(), "NVMe work without a swap directory");
+  STRATA_CHECK(!plan_.state.nvme_paths.empty(), "NVMe work without a swap directory");
   // A swap directory training has not created yet is measured in its
   // nearest existing parent (the same file system, as a rule).
-  std::string dir = plan_.nvme_paths.front();
+  std::string dir = plan_.state.nvme_paths.front();
   while (!is_directory(dir) && dir != "/" && dir != "." && !dir.empty()) {
     dir = dir.find('/') == std::string::npos ? "." : parent_dir(dir);
   }
   // The swap store splits its capacity evenly over the directories.
-  const int64_t share = plan_.total()[size_t(Tier::kNvme)] / int64_t(plan_.nvme_paths.size());
+  const int64_t share = plan_.total()[size_t(Tier::kNvme)] / int64_t(plan_.state.nvme_paths.size());
   const int64_t bytes = nvme_probe_bytes(budget_s_, state_);
   const size_t index = probes_.size();
   const AioConfig& aio = cfg_.aio;
@@ -309,7 +309,7 @@ void RateProbes::nvme(bool rd, bool wr, bool rw) {
         const IoRates io = probe_nvme(cfg_, dir, budget_s_, room_.reserve_state ? share * room_.sharers : 0,
                                       room_.sharers, state_);
         *src = "measured: I/O engine in " + dir;
-        if (dir != plan_.nvme_paths.front()) *src += " (" + plan_.nvme_paths.front() + " does not exist yet)";
+        if (dir != plan_.state.nvme_paths.front()) *src += " (" + plan_.state.nvme_paths.front() + " does not exist yet)";
         if (io.in_state_room) *src += " (before the swap files exist, in the room they will take)";
         if (io.bytes < io.asked) {
           *src += strprintf(" over %s a pass, less than the %s asked: the disk's free space%s "

@@ -11,7 +11,7 @@
 
 #include "checkpoint/checkpoint.h"
 #include "engine/loss_scaler.h"
-#include "engine/optimizer_pass.h"
+#include "engine/optimizer/optimizer_pass.h"
 #include "engine/step_context.h"
 
 namespace strata {

@@ -75,7 +75,7 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
   r.lr = learning_rate(cfg_.scheduler, cfg_.optimizer.lr, applied_steps_ + 1);
   // Note [Speculative optimizer]: the update as if the clip coefficient were
   // 1 and nothing overflowed, behind the backward, block by block.
-  const bool speculating = speculate_this_step();
+  const bool speculating = speculation_.speculates(step_);
   const OptimizerThread::Job speculated{float(1.0 / loss_scale), r.lr, applied_steps_ + 1, Completion(),
                                         OptimizerThread::Kind::kSpeculate};
   if (speculating) optimizer_->speculate(speculated);
@@ -158,10 +158,6 @@ double Trainer::clip_coefficient(double norm) const {
   return cfg_.gradient_clipping > 0.0 ? std::min(1.0, cfg_.gradient_clipping / (norm + 1e-6)) : 1.0;
 }
 
-bool Trainer::speculate_this_step() const {
-  return optimizer_->speculates() && step_ >= speculation_paused_until_;
-}
-
 // Note [Speculative optimizer]: the verdict on a speculated step. The clip
 // coefficient and the scale are apply_optimizer's, bit for bit.
 void Trainer::settle_speculation(StepResult& r, const OptimizerThread::Job& speculated) {
@@ -191,15 +187,12 @@ void Trainer::settle_speculation(StepResult& r, const OptimizerThread::Job& spec
   if (job.grad_scale == speculated.grad_scale) {
     report(optimizer_->settle(OptimizerPass::Verdict::kCommit, job));
     r.speculation = "committed";
-    redos_in_a_row_ = 0;
+    speculation_.committed();
   } else {
     report(optimizer_->settle(OptimizerPass::Verdict::kRedo, job));
     r.speculation = "redone";
     r.redone_elements = optimizer_->speculated_numel();
-    if (++redos_in_a_row_ >= kSpeculationRedosToPause && cfg_.optimizer.speculate == Speculate::kAuto) {
-      speculation_paused_until_ = step_ + 1 + kSpeculationPauseSteps;
-      redos_in_a_row_ = 0;
-    }
+    speculation_.redone(step_);
   }
   ++applied_steps_;
 }
@@ -304,11 +297,11 @@ void Trainer::out_of_memory(const c10::OutOfMemoryError& e) const {
       "%sor move state off the device (strata plan shows the split). LibTorch: %s",
       ctx_.device->name().c_str(), (long long)(step_ + 1), format_bytes(double(m.total_bytes)).c_str(),
       format_bytes(double(m.free_bytes)).c_str(), format_bytes(double(peak_bytes()[0])).c_str(),
-      format_bytes(double(state_->plan().activation_bytes)).c_str(),
+      format_bytes(double(state_->plan().activations.bytes)).c_str(),
       // Note [Step schedules]: the layer schedule holds every micro-batch's activations.
-      state_->plan().layer_major() && state_->plan().held_micro > 1
+      state_->plan().step.held_micro > 1
           ? strprintf("set run.schedule \"micro_batch\" (the layer schedule holds %lld micro-batches' activations), ",
-                      (long long)state_->plan().held_micro).c_str()
+                      (long long)state_->plan().step.held_micro).c_str()
           : "",
       torch_line.c_str()));
 }

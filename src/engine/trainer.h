@@ -23,7 +23,8 @@
 #include "engine/gathered_blocks.h"
 #include "engine/gradient_path.h"
 #include "engine/loss_scaler.h"
-#include "engine/optimizer_pass.h"
+#include "engine/optimizer/optimizer_pass.h"
+#include "engine/optimizer/speculation.h"
 #include "engine/state_checkpoints.h"
 #include "engine/step_context.h"
 #include "memory/buffer.h"
@@ -37,12 +38,6 @@
 namespace strata {
 
 class StepCounters;  // trainer.cc: what a step reports as differences
-
-// optimizer.speculate auto (Note [Speculative optimizer] in optimizer_pass.h):
-// after this many redone (clipped) steps in a row, the next
-// kSpeculationPauseSteps steps run the optimizer after the backward.
-inline constexpr int64_t kSpeculationRedosToPause = 3;
-inline constexpr int64_t kSpeculationPauseSteps = 20;
 
 struct StepResult {
   double loss = 0.0;       // mean over the micro-batches of the step
@@ -244,9 +239,9 @@ class Trainer {
   double run_schedule(const int64_t* tokens, double loss_scale);
   void run_op(const StepOp& op, const at::Tensor& tokens, double loss_scale);
   void apply_optimizer(StepResult& r, double loss_scale);
-  // Note [Speculative optimizer]: whether this step speculates (auto pauses
-  // after kSpeculationRedosToPause redone steps in a row), and the verdict.
-  bool speculate_this_step() const;
+  // Note [Speculative optimizer]: a failed step's speculation abandoned, and
+  // the verdict on a finished one (speculation_ decides whether a step
+  // speculates and hears each verdict).
   void abandon_speculation(const OptimizerThread::Job& speculated);
   double clip_coefficient(double norm) const;
   void settle_speculation(StepResult& r, const OptimizerThread::Job& speculated);
@@ -254,6 +249,7 @@ class Trainer {
   at::Tensor head_forward_backward(const at::Tensor& x, const at::Tensor& targets, double loss_scale, int64_t m,
                                    at::Tensor* dx);
   at::Tensor block_backward(size_t b, int64_t m, const at::Tensor& dx);
+  double eval_head(const at::Tensor& x, const at::Tensor& targets);
   at::Tensor loss_of(const at::Tensor& logits, const at::Tensor& targets) const;
   // `rows` windows of seq_len + 1 tokens from host memory to the device,
   // through registered memory, ordered before the compute queued next.
@@ -296,8 +292,7 @@ class Trainer {
   int64_t step_ = 0;
   int64_t applied_steps_ = 0;             // optimizer steps applied (fp16 skips some)
   std::function<void(size_t, int64_t)> backward_hook_;
-  int64_t redos_in_a_row_ = 0;            // speculated steps redone in a row
-  int64_t speculation_paused_until_ = 0;  // auto: no speculation before this step (step_ numbering)
+  SpeculationPolicy speculation_;         // whether a step speculates (step_ numbering)
   std::unique_ptr<LossScaler> scaler_;    // fp16 only
 
   // The parts of the step; the optimizer first, which the others use (and

@@ -77,7 +77,7 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
       plan_for_machine(cfg, layout_, &cap, ctx_.comm->rank(), local_ranks, ctx_.device, GivenCapacity{}, &rates);
   agree_on_collectives(plan, node_stream);
   // Like DeepSpeed, create missing swap directories (private to the user).
-  for (const std::string& dir : plan.nvme_paths) {
+  for (const std::string& dir : plan.state.nvme_paths) {
     if (!path_exists(dir)) {
       make_dirs(dir, 0700);
       log::info("created swap directory %s", dir.c_str());
@@ -92,7 +92,7 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   so.device = ctx_.device;  // the compute device's memory is the device tier
   state_ = std::make_unique<TieredState>(plan, so);
   ctx_.state = state_.get();
-  for (const PlacementUnit& u : plan.units[size_t(Category::kParam16)]) {
+  for (const PlacementUnit& u : plan.state.units[size_t(Category::kParam16)]) {
     ctx_.shard_offset.push_back(u.offset);
     ctx_.block_end.push_back(u.offset + u.numel);
   }
@@ -113,6 +113,7 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   }
 
   optimizer_ = std::make_unique<OptimizerPass>(ctx_, plan, isa);
+  speculation_ = SpeculationPolicy(optimizer_->speculates(), cfg_.optimizer.speculate);
   blocks_ = std::make_unique<GatheredBlocks>(ctx_, plan, *optimizer_);
   grads_ = std::make_unique<GradientPath>(ctx_, plan);
   optimizer_->set_gradients(grads_.get());
@@ -120,7 +121,7 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   activations_ = std::make_unique<ActivationCheckpoints>(
       plan, layout_.num_blocks(), std::vector<int64_t>{cfg.train_micro_batch_size_per_gpu, cfg.model.seq_len, cfg.model.dim},
       ctx_.compute_dtype, state_.get(), blocks_->train_ops());
-  keep_graphs_ = plan.keep_graphs;
+  keep_graphs_ = plan.activations.keep_graphs;
   graphs_.resize(layout_.num_blocks() * size_t(A));
   micro_loss_.resize(size_t(A));
   flow_.resize(size_t(A));
@@ -135,11 +136,11 @@ void Trainer::agree_on_collectives(const PlacementPlan& plan, StreamCollectives*
   // FNV-1a over the choices that decide which collectives run, in 62 bits.
   uint64_t h = 1469598103934665603ull;
   auto mix = [&](uint64_t v) { h = (h ^ v) * 1099511628211ull; };
-  for (char k : plan.keep_gathered) mix(uint64_t(k));
-  mix(plan.reduce_per_step);
-  mix(plan.secondary_shard);
+  for (char k : plan.comm.keep_gathered) mix(uint64_t(k));
+  mix(plan.comm.reduce_per_step);
+  mix(plan.comm.secondary_shard);
   mix(uint64_t(plan.ranks_per_node));
-  mix(uint64_t(plan.schedule));  // the order of the reductions and gathers (Note [Step schedules])
+  mix(uint64_t(plan.step.schedule));  // the order of the reductions and gathers (Note [Step schedules])
   const int64_t mine = int64_t(h >> 2);
   int64_t v[2] = {mine, -mine};
   comm.all_reduce(v, 2, DType::kI64, ReduceOp::kMax).wait();
@@ -150,7 +151,7 @@ void Trainer::agree_on_collectives(const PlacementPlan& plan, StreamCollectives*
                       "numbers of ranks: set comm.keep_gathered to a number, and comm.gradient_reduction, "
                       "comm.secondary_shard and run.schedule to explicit values");
   }
-  if (!plan.secondary_shard) return;
+  if (!plan.comm.secondary_shard) return;
   // Note [Secondary shard]: the node's group, in the data group's mode.
   const int per_node = plan.ranks_per_node;
   switch (collectives_->mode()) {
@@ -198,7 +199,7 @@ void Trainer::make_context(Communicator* comm, Device* device, StreamCollectives
       collectives_ = std::make_unique<DeviceCollectives>(*device, *comm, *stream);
     } else {
       DataGroupOptions o;
-      o.backend = cfg_.comm.backend == "auto" ? (device->is_cuda() ? "nccl" : "gloo") : cfg_.comm.backend;
+      o.backend = comm_backend_name(comm_backend(cfg_));
       if (o.backend == "nccl" && !device->is_cuda()) {
         throw ConfigError("comm.backend", "\"nccl\" needs GPU memory, and " + device->name() +
                                               " is not a GPU; use \"gloo\"");
@@ -324,9 +325,9 @@ void Trainer::initialise_state(const PlacementPlan& plan) {
   std::byte* zeros = staging.slot(Category::kExpAvg, 0);
   if (zeros == nullptr) return;
   const int64_t run = int64_t(staging.sets()) * staging.piece_numel();
-  STRATA_CHECK(run % kShardAlignElems == 0 || run == plan.shard_space_numel, "optimizer staging not aligned");
+  STRATA_CHECK(run % kShardAlignElems == 0 || run == plan.state.shard_space_numel, "optimizer staging not aligned");
   for (Category c : {Category::kExpAvg, Category::kExpAvgSq}) {
-    for (const PlacementUnit& g : plan.units[size_t(c)]) {
+    for (const PlacementUnit& g : plan.state.units[size_t(c)]) {
       if (g.tier != Tier::kNvme) continue;
       for (int64_t o = 0; o < g.numel; o += run) state_->write(c, g.offset + o, std::min(run, g.numel - o), zeros);
     }

@@ -34,10 +34,10 @@ void Trainer::load_checkpoint(CheckpointReader& reader) {
 StateBytes Trainer::state_bytes() const {
   const PlacementPlan& p = state_->plan();
   StateBytes s;
-  s.param16 = p.category_total(Category::kParam16);
-  s.master = p.category_total(Category::kMaster);
-  s.grad = p.category_total(Category::kGrad);
-  s.optimizer = p.category_total(Category::kExpAvg) + p.category_total(Category::kExpAvgSq);
+  s.param16 = p.state.category_total(Category::kParam16);
+  s.master = p.state.category_total(Category::kMaster);
+  s.grad = p.state.category_total(Category::kGrad);
+  s.optimizer = p.state.category_total(Category::kExpAvg) + p.state.category_total(Category::kExpAvgSq);
   return s;
 }
 

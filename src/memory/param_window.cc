@@ -138,7 +138,7 @@ void ParamWindow::fetch_persistent(int32_t b) {
     const auto t0 = std::chrono::steady_clock::now();
     Device& dev = state_->device();
     const DevicePtr dst = persistent_mem_.ptr() + persistent_at_[size_t(b)] * elem_bytes_;
-    const int64_t offset = state_->plan().units[size_t(Category::kParam16)][size_t(b)].offset;
+    const int64_t offset = state_->plan().state.units[size_t(Category::kParam16)][size_t(b)].offset;
     const int64_t n = numel_[size_t(b)];
     if (via_bounce(offset)) {
       std::byte* bounce = bounce_ptr(int(slots_.size())) + persistent_at_[size_t(b)] * elem_bytes_;
@@ -158,7 +158,7 @@ void ParamWindow::fetch_persistent(int32_t b) {
 // device homes; from NVMe into the host-addressable slot itself, or into the
 // slot's bounce buffer, copied to the device when the slot is acquired.
 void ParamWindow::fetch_slot(int s, int32_t b) {
-  const int64_t offset = state_->plan().units[size_t(Category::kParam16)][size_t(b)].offset;
+  const int64_t offset = state_->plan().state.units[size_t(Category::kParam16)][size_t(b)].offset;
   PendingIo& io = pending_[size_t(s)];
   if (via_bounce(offset)) {
     // The slot's bounce buffer may still be the source of the H2D copy its

@@ -56,7 +56,7 @@ int64_t free_bytes_under(std::string path) {
 
 std::optional<Tier> range_tier(const PlacementPlan& plan, Category c, int64_t offset, int64_t numel) {
   std::optional<Tier> tier;
-  for (const PlacementUnit& u : plan.units[size_t(c)]) {
+  for (const PlacementUnit& u : plan.state.units[size_t(c)]) {
     if (u.offset + u.numel <= offset || u.offset >= offset + numel) continue;
     if (tier.has_value() && *tier != u.tier) return std::nullopt;
     tier = u.tier;
@@ -65,7 +65,7 @@ std::optional<Tier> range_tier(const PlacementPlan& plan, Category c, int64_t of
 }
 
 std::unique_ptr<ParamWindow> make_param_window(const PlacementPlan& plan) {
-  const auto& units = plan.units[size_t(Category::kParam16)];
+  const auto& units = plan.state.units[size_t(Category::kParam16)];
   std::vector<char> fetched(units.size());
   for (size_t b = 0; b < units.size(); ++b) fetched[b] = units[b].tier != Tier::kDevice;
   return std::make_unique<ParamWindow>(plan.block_numel, fetched, plan.window_knobs, plan.window_cap_bytes,
@@ -73,11 +73,11 @@ std::unique_ptr<ParamWindow> make_param_window(const PlacementPlan& plan) {
 }
 
 std::vector<StepOp> plan_train_schedule(const PlacementPlan& plan) {
-  return train_schedule(plan.schedule, int(plan.block_numel.size()), plan.tied, plan.accum);
+  return train_schedule(plan.step.schedule, int(plan.block_numel.size()), plan.tied, plan.step.accum);
 }
 
 int64_t pipeline_piece_numel(const PlacementPlan& plan) {
-  return std::min({plan.sub_group_numel, plan.shard_space_numel, kPipelineChunkElems});
+  return std::min({plan.state.sub_group_numel, plan.state.shard_space_numel, kPipelineChunkElems});
 }
 
 bool optimizer_overlaps(const Config& cfg, const PlacementPlan& plan) {
@@ -88,7 +88,7 @@ bool optimizer_overlaps(const Config& cfg, const PlacementPlan& plan) {
   }
   if (!plan.device_addressable) return true;
   for (Category c : {Category::kMaster, Category::kExpAvg, Category::kExpAvgSq}) {
-    for (const PlacementUnit& u : plan.units[size_t(c)]) {
+    for (const PlacementUnit& u : plan.state.units[size_t(c)]) {
       if (u.tier == Tier::kNvme && u.numel > 0) return false;
     }
   }
@@ -98,7 +98,7 @@ bool optimizer_overlaps(const Config& cfg, const PlacementPlan& plan) {
 std::vector<PlacementUnit> pipeline_pieces(const PlacementPlan& plan) {
   const int64_t chunk = pipeline_piece_numel(plan);
   std::vector<PlacementUnit> out;
-  for (const PlacementUnit& g : plan.units[size_t(Category::kMaster)]) {
+  for (const PlacementUnit& g : plan.state.units[size_t(Category::kMaster)]) {
     for (int64_t o = 0; o < g.numel; o += chunk) out.push_back({g.offset + o, std::min(chunk, g.numel - o), g.tier});
   }
   return out;
@@ -106,7 +106,7 @@ std::vector<PlacementUnit> pipeline_pieces(const PlacementPlan& plan) {
 
 int grad_wire_bytes(const PlacementPlan& plan, size_t b) {
   if (plan.world_size > 1 || plan.compute_bytes == 4 || (plan.tied && b == 0)) return 4;
-  if (plan.layer_major() && plan.accum > 1) return 4;  // the micro-batches' fp32 sum lands
+  if (plan.step.sums_each_block()) return 4;  // the micro-batches' fp32 sum lands
   return plan.compute_bytes;
 }
 
@@ -121,7 +121,7 @@ bool device_adam_piece(const PlacementPlan& plan, const PlacementUnit& piece) {
 
 int64_t shard_count(const Config& cfg) { return cfg.zero.stage == 0 ? 1 : cfg.world_size; }
 
-std::array<int64_t, kNumTiers> PlacementPlan::state_total() const {
+std::array<int64_t, kNumTiers> StatePlacement::total() const {
   std::array<int64_t, kNumTiers> t{};
   for (int c = 0; c < kNumCategories; ++c)
     for (int k = 0; k < kNumTiers; ++k) t[size_t(k)] += bytes[size_t(c)][size_t(k)];
@@ -129,22 +129,22 @@ std::array<int64_t, kNumTiers> PlacementPlan::state_total() const {
 }
 
 std::array<int64_t, kNumTiers> PlacementPlan::total() const {
-  std::array<int64_t, kNumTiers> t = state_total();
-  t[size_t(Tier::kDevice)] += activation_bytes;
+  std::array<int64_t, kNumTiers> t = state.total();
+  t[size_t(Tier::kDevice)] += activations.bytes;
   t[size_t(Tier::kDevice)] += staging.device_bytes();
   t[size_t(Tier::kHost)] += staging.host_bytes();
-  t[size_t(Tier::kNvme)] += nvme_spare_bytes;
+  t[size_t(Tier::kNvme)] += optimizer.nvme_spare_bytes;
   return t;
 }
 
-int64_t PlacementPlan::category_total(Category c) const {
+int64_t StatePlacement::category_total(Category c) const {
   int64_t s = 0;
   for (int64_t b : bytes[size_t(c)]) s += b;
   return s;
 }
 
 int64_t speculated_numel(const PlacementPlan& plan) {
-  if (!plan.speculate) return 0;
+  if (!plan.optimizer.speculate) return 0;
   int64_t n = 0;
   for (const PlacementUnit& piece : pipeline_pieces(plan)) {
     if (!device_adam_piece(plan, piece)) n += piece.numel;
@@ -160,7 +160,7 @@ bool optimizer_state_on_nvme(const PlacementPlan& plan, int64_t offset, int64_t 
 }
 
 bool speculates_in_slots(const PlacementPlan& plan, const PlacementUnit& piece) {
-  if (!plan.speculate || !plan.speculate_slots || device_adam_piece(plan, piece)) return false;
+  if (!plan.optimizer.speculate || !plan.optimizer.speculate_slots || device_adam_piece(plan, piece)) return false;
   return optimizer_state_on_nvme(plan, piece.offset, piece.numel);
 }
 

@@ -16,6 +16,7 @@
 #include "config/config.h"
 #include "memory/layout.h"
 #include "memory/param_window.h"
+#include "memory/schedule.h"
 
 namespace strata {
 
@@ -78,7 +79,7 @@ struct StagingNeeds {
   // 1-2: the whole replicated model), and the gradient's synchronisation (a
   // second fp32 gradient stage so that one block's reduction overlaps the next
   // block's backward, and at stages 2-3 two reduce-scattered shards; stage 3's
-  // blocks kept gathered for the step (PlacementPlan::keep_gathered) in gather
+  // blocks kept gathered for the step (CommPlan::keep_gathered) in gather
   // after the ring; with a
   // 16-bit communication_data_type, the two stages and shards again in 16
   // bits, which the reductions carry).
@@ -89,7 +90,7 @@ struct StagingNeeds {
   // for the persistent blocks), that NVMe reads land in before the H2D copy.
   int64_t window_bounce = 0;
   // A step's token windows (int64), in device memory and in host memory
-  // registered with the device (PlacementPlan::token_bytes each).
+  // registered with the device (StepShape::token_bytes each).
   int64_t tokens = 0;
   // Host, on a device host code may not touch with saved state (master,
   // moments) on it: a checkpoint save's registered bounce buffer.
@@ -97,17 +98,17 @@ struct StagingNeeds {
   // Host, registered with the device: a save's snapshot pool
   // (PlacementPlan::save_snapshot_bytes).
   int64_t save_snapshot = 0;
-  // Host, with PlacementPlan::comm_staged: the staged collectives' input and
+  // Host, with CommPlan::staged: the staged collectives' input and
   // output buffers, registered with the device (2 x world size x
   // kStagedPieceBytes).
   int64_t comm_host = 0;
-  // Device, with PlacementPlan::reduce_per_step: the whole model's gradient
+  // Device, with CommPlan::reduce_per_step: the whole model's gradient
   // in fp32 (padded), summed over the step's micro-batches. Under the layer
   // schedule at world size 1 with A > 1 and a gradient homed off the device:
   // one block's (the largest), where each block's gradient is summed over the
   // micro-batches before it lands once (Note [Gradient path]).
   int64_t grad_accum = 0;
-  // Device, with PlacementPlan::secondary_shard: the node's secondary shard
+  // Device, with CommPlan::secondary_shard: the node's secondary shard
   // of every block not kept gathered, in the compute dtype.
   int64_t secondary = 0;
   int64_t device_bytes() const {
@@ -131,12 +132,21 @@ inline constexpr int64_t kStagedPieceBytes = int64_t(4) << 20;
 // keeps the whole state (DESIGN.md, "State, shards and gathered blocks").
 int64_t shard_count(const Config& cfg);
 
-struct PlacementPlan {
-  int world_size = 1;            // ranks
-  int stage = 0;                 // zero_optimization.stage
-  int64_t shards = 1;            // shard_count(): 1 at stage 0
-  int rank = 0;                  // the rank this plan is for
-  int64_t gathered_numel = 0;    // padded elements of all blocks (gathered space)
+// Note [Plan parts]
+// A PlacementPlan is what the plan is for (the ranks, the model's blocks in
+// the plan's terms) and one part per decision, each made by its own function
+// in plan/ and read by the code that carries it out:
+//  - state: where each state category's units live (make_plan, auto's fill);
+//  - step: the step's shape, its schedule and the facts of its order
+//    (memory/schedule.h; plan/choices.h's schedule choice);
+//  - comm: how ranks exchange blocks and gradients (plan/choices.h);
+//  - optimizer: the optimizer pipeline and speculation (plan/choices.h);
+//  - activations: what a step's activations hold and where (make_plan);
+//  - staging: the transient and staging buffers all of the above need
+//    (plan/staging.cc), exactly what the trainer allocates.
+
+// Where each state category lives (Note [Placement units]).
+struct StatePlacement {
   std::array<TierSplit, kNumCategories> split;                      // as requested
   std::array<std::vector<PlacementUnit>, kNumCategories> units;     // as placed
   std::array<std::array<int64_t, kNumTiers>, kNumCategories> bytes{};  // per category, tier
@@ -146,48 +156,47 @@ struct PlacementPlan {
   // With auto and rates to judge by: which candidate was chosen and the
   // bound of each (plan/planner.h, choose_by_bound); empty otherwise.
   std::string auto_choice;
-
   int64_t sub_group_numel = 0;   // elements per optimizer sub-group (aligned)
   int64_t shard_space_numel = 0; // elements of this rank's shards, all blocks
   int64_t largest_block_shard_numel = 0;
 
-  int64_t largest_block_numel = 0;   // padded, the largest gathered block
-  int compute_bytes = 4;             // bytes per element of the working copy
-  int pipeline_depth = 8;            // optimizer staging sets: pipeline_depth(offload_optimizer.buffer_count)
-  bool tied = false;
-  int64_t accum = 1;                 // micro-batches per step
-  // run.schedule resolved (Note [Step schedules] in memory/schedule.h):
-  // kMicroBatch or kLayer, never kAuto.
-  StepSchedule schedule = StepSchedule::kMicroBatch;
-  bool layer_major() const { return schedule == StepSchedule::kLayer; }
-  std::string schedule_choice;       // run.schedule auto: what was chosen and why
-  int64_t token_bytes = 0;           // a step's token windows: accum x micro x (seq_len + 1) x 8
-  // run.checkpoint.snapshot_gb with a run.checkpoint.dir, at most what this
-  // rank's saves hold (Note [Save snapshots] in checkpoint/checkpoint.h).
-  int64_t save_snapshot_bytes = 0;
-  std::vector<int64_t> block_numel;  // padded elements per block
-  WindowKnobs window_knobs;          // from the stage3_* keys
-  int64_t window_cap_bytes = -1;     // device memory the window may use (< 0: no limit)
-  // Whether host code may use device-tier homes in place (the CPU device,
-  // whose device tier is host memory). False on a GPU: there an optimizer
-  // piece whose state, gradient and working copy all live on the device is
-  // updated there (device_adam_piece); any other piece is updated by CPU Adam
-  // with its device-tier parts staged through host memory (Note [Optimizer
-  // pipeline] in engine/optimizer_pass.h).
-  bool device_addressable = true;
+  std::array<int64_t, kNumTiers> total() const;  // state bytes per tier
+  int64_t category_total(Category c) const;
+  // exp_avg and exp_avg_sq stored in bf16 (run.optimizer_state_dtype; Note
+  // [bf16 state] in cpu_adam/types.h), read off their element size.
+  bool bf16_moments() const { return elem_bytes[size_t(Category::kExpAvg)] == 2; }
+  bool any_on_nvme(Category c) const { return bytes[size_t(c)][size_t(Tier::kNvme)] > 0; }
+};
+
+// How ranks exchange blocks and gradients.
+struct CommPlan {
   // Several ranks on a device host code may not touch with the Gloo data
   // group: collectives staged through host buffers (StagingNeeds::comm_host;
   // Note [Device collectives] in comm/device_collectives.h).
-  bool comm_staged = false;
+  bool staged = false;
   // Bytes per element of the gradient reductions between ranks
   // (communication_data_type: 4 for fp32, 2 for bf16/fp16).
-  int comm_grad_bytes = 4;
+  int grad_bytes = 4;
   // With ranks and gradient accumulation: gradients summed on the rank over
   // the step's micro-batches and reduced once per step (comm.gradient_reduction;
   // StagingNeeds::grad_accum).
   bool reduce_per_step = false;
+  // Stage 3 with ranks, per block: kept gathered for the whole step once
+  // gathered (comm.keep_gathered), gathered once per step instead of per use.
+  std::vector<char> keep_gathered;
+  int64_t kept_gathered_numel = 0;  // their padded elements
+  // Whether stage 3 keeps each node's secondary shard (comm.secondary_shard,
+  // ZeRO++'s hpZ): a block's first gather of a step spans the world, its
+  // later gathers the node, from 1/ranks_per_node of the block each rank kept
+  // (StagingNeeds::secondary; Note [Secondary shard] in engine/gathered_blocks.h).
+  bool secondary_shard = false;
+};
+
+// The optimizer's pipeline and speculation.
+struct OptimizerPlan {
+  int pipeline_depth = 8;  // staging sets: pipeline_depth(offload_optimizer.buffer_count)
   // optimizer.speculate resolved (Note [Speculative optimizer] in
-  // engine/optimizer_pass.h): CPU Adam's pieces are updated behind the
+  // engine/optimizer/optimizer_pass.h): CPU Adam's pieces are updated behind the
   // backward, speculatively; speculate_choice says why or why not.
   bool speculate = false;
   std::string speculate_choice;
@@ -198,30 +207,19 @@ struct PlacementPlan {
   // of master weights and moments, counted in total()'s NVMe tier.
   bool speculate_slots = false;
   int64_t nvme_spare_bytes = 0;
-  // Stage 3 with ranks, per block: kept gathered for the whole step once
-  // gathered (comm.keep_gathered), gathered once per step instead of per use.
-  std::vector<char> keep_gathered;
-  int64_t kept_gathered_numel = 0;  // their padded elements
-  // Ranks per node (MachineCapacity::ranks_per_node), and whether stage 3
-  // keeps each node's secondary shard (comm.secondary_shard, ZeRO++'s hpZ):
-  // a block's first gather of a step spans the world, its later gathers the
-  // node, from 1/ranks_per_node of the block each rank kept
-  // (StagingNeeds::secondary; Note [Secondary shard] in engine/gathered_blocks.h).
-  int ranks_per_node = 1;
-  bool secondary_shard = false;
-  int nodes() const { return ranks_per_node > 0 && world_size % ranks_per_node == 0 ? world_size / ranks_per_node : 1; }
+};
 
-  // Transient and staging memory (bytes).
+// What a step's activations hold, and where.
+struct ActivationPlan {
   // Device memory LibTorch allocates for activations (estimate): the saved
   // block inputs unless offloaded (cpu_checkpointing), one block's recompute;
   // with keep_graphs, every layer's graph and the head's.
-  int64_t activation_bytes = 0;
+  int64_t bytes = 0;
   // Its rows (Note [Step schedules] in memory/schedule.h): the saved block
   // inputs held (the token windows and, unless offloaded, every layer's input,
-  // per micro-batch held), and under layer the A gradients of the current
-  // block's outputs held between blocks and, with a tied head, the A head
-  // gradients of the embedding held until its backward.
-  int64_t held_micro = 1;            // micro-batches whose activations are held at once (A under layer)
+  // per micro-batch held: StepShape::held_micro), and under layer the A
+  // gradients of the current block's outputs held between blocks and, with a
+  // tied head, the A head gradients of the embedding held until its backward.
   int64_t checkpoint_activation_bytes = 0;
   int64_t held_output_grad_bytes = 0;
   int64_t held_tied_grad_bytes = 0;
@@ -229,19 +227,53 @@ struct PlacementPlan {
   int64_t checkpoint_layers = 0;     // layers whose input is saved
   bool cpu_checkpointing = false;    // saved inputs offloaded to host (staging.ckpt_*)
   // run.recompute resolved (Note [Recompute] in engine/trainer.h): true =
-  // never, the forward's graphs are kept for backward (activation_bytes then
-  // counts every layer's graph); false = always.
+  // never, the forward's graphs are kept for backward (bytes then counts
+  // every layer's graph); false = always.
   bool keep_graphs = false;
-  int64_t graph_extra_bytes = 0;     // what keeping the graphs adds to activation_bytes
+  int64_t graph_extra_bytes = 0;     // what keeping the graphs adds to bytes
+};
+
+struct PlacementPlan {
+  // What the plan is for.
+  int world_size = 1;            // ranks
+  int stage = 0;                 // zero_optimization.stage
+  int64_t shards = 1;            // shard_count(): 1 at stage 0
+  int rank = 0;                  // the rank this plan is for
+  // Ranks per node (MachineCapacity::ranks_per_node).
+  int ranks_per_node = 1;
+  int nodes() const { return ranks_per_node > 0 && world_size % ranks_per_node == 0 ? world_size / ranks_per_node : 1; }
+  int64_t gathered_numel = 0;        // padded elements of all blocks (gathered space)
+  std::vector<int64_t> block_numel;  // padded elements per block
+  int64_t largest_block_numel = 0;   // padded, the largest gathered block
+  int compute_bytes = 4;             // bytes per element of the working copy
+  bool tied = false;
+  // Whether host code may use device-tier homes in place (the CPU device,
+  // whose device tier is host memory). False on a GPU: there an optimizer
+  // piece whose state, gradient and working copy all live on the device is
+  // updated there (device_adam_piece); any other piece is updated by CPU Adam
+  // with its device-tier parts staged through host memory (Note [Optimizer
+  // pipeline] in engine/optimizer/optimizer_pass.h).
+  bool device_addressable = true;
+
+  // The decisions (Note [Plan parts]).
+  StatePlacement state;
+  StepShape step;
+  CommPlan comm;
+  OptimizerPlan optimizer;
+  ActivationPlan activations;
+
+  // What sizes the staging: the window's knobs (the stage3_* keys) and the
+  // device memory it may use (< 0: no limit); run.checkpoint.snapshot_gb
+  // with a run.checkpoint.dir, at most what this rank's saves hold (Note
+  // [Save snapshots] in checkpoint/checkpoint.h).
+  WindowKnobs window_knobs;
+  int64_t window_cap_bytes = -1;
+  int64_t save_snapshot_bytes = 0;
   StagingNeeds staging;              // exactly what the trainer allocates
 
-  std::array<int64_t, kNumTiers> state_total() const;  // state bytes per tier
-  std::array<int64_t, kNumTiers> total() const;        // state + transient + staging per tier
-  int64_t category_total(Category c) const;
-  // exp_avg and exp_avg_sq stored in bf16 (run.optimizer_state_dtype; Note
-  // [bf16 state] in cpu_adam/types.h), read off their element size.
-  bool bf16_moments() const { return elem_bytes[size_t(Category::kExpAvg)] == 2; }
-  bool any_on_nvme(Category c) const { return bytes[size_t(c)][size_t(Tier::kNvme)] > 0; }
+  // State + activations + transient + staging (+ speculation's spare swap
+  // slots) per tier.
+  std::array<int64_t, kNumTiers> total() const;
 };
 
 // The one tier holding all of [offset, offset + numel) of category c, or
@@ -249,7 +281,7 @@ struct PlacementPlan {
 std::optional<Tier> range_tier(const PlacementPlan& plan, Category c, int64_t offset, int64_t numel);
 
 // Note [Pipeline pieces]
-// The optimizer's pipeline (Note [Optimizer pipeline] in engine/optimizer_pass.h) walks
+// The optimizer's pipeline (Note [Optimizer pipeline] in engine/optimizer/optimizer_pass.h) walks
 // sub-groups in pieces of at most kPipelineChunkElems elements: a piece's
 // master, exp_avg and exp_avg_sq (12 MiB of fp32) stay in the last-level
 // cache between CPU Adam and the checksum of their write-back, and between the
@@ -260,7 +292,7 @@ std::optional<Tier> range_tier(const PlacementPlan& plan, Category c, int64_t of
 inline constexpr int64_t kPipelineChunkElems = int64_t(1) << 20;
 // The optimizer pipeline's sets of piece staging for
 // offload_optimizer.buffer_count (Note [Optimizer pipeline] in
-// engine/optimizer_pass.h): 1 = sequential; otherwise at least 8, at most 16.
+// engine/optimizer/optimizer_pass.h): 1 = sequential; otherwise at least 8, at most 16.
 // The pipeline reads sets - 2 pieces ahead, and an NVMe device needs tens of
 // MB in flight: on the dev VM's disk the optimizer at 100% NVMe took 2.6-2.9x
 // longer with 3 sets than with 8 (BENCHMARKS.md, "Tiered placement").
@@ -280,7 +312,7 @@ int64_t free_bytes_under(std::string path);
 
 // Whether the optimizer runs on its own thread, overlapped with the next
 // step's forward (run.overlap_optimizer; Note [Optimizer overlap] in
-// engine/optimizer_thread.h). "auto": yes on a device host code may not touch
+// engine/optimizer/optimizer_thread.h). "auto": yes on a device host code may not touch
 // (a GPU, whose compute leaves the cores to CPU Adam); on the CPU device only
 // when no optimizer state is on NVMe. There the forward's threads and the
 // optimizer's share the cores, and a swapping optimizer slowed by them keeps
@@ -295,16 +327,16 @@ bool optimizer_overlaps(const Config& cfg, const PlacementPlan& plan);
 // moments, gradient and working copy all on the device tier.
 bool device_adam_piece(const PlacementPlan& plan, const PlacementUnit& piece);
 
-// Elements whose update speculates (PlacementPlan::speculate: CPU Adam's
+// Elements whose update speculates (OptimizerPlan::speculate: CPU Adam's
 // pieces), 0 without speculation.
 int64_t speculated_numel(const PlacementPlan& plan);
 // Whether pipeline piece `piece` speculates into alternate swap slots
-// (PlacementPlan::speculate_slots; its master weights and moments all on
+// (OptimizerPlan::speculate_slots; its master weights and moments all on
 // NVMe), and the elements of the pieces that do.
 bool speculates_in_slots(const PlacementPlan& plan, const PlacementUnit& piece);
 // Whether master weights and moments of [offset, offset + numel) all live
 // on NVMe: the ranges that get alternate swap slots with
-// PlacementPlan::speculate_slots (and only those).
+// OptimizerPlan::speculate_slots (and only those).
 bool optimizer_state_on_nvme(const PlacementPlan& plan, int64_t offset, int64_t numel);
 int64_t speculated_slot_numel(const PlacementPlan& plan);
 

@@ -1,6 +1,8 @@
 // The step's schedules (schedule.h, Note [Step schedules]).
 #include "memory/schedule.h"
 
+#include <algorithm>
+
 #include "util/errors.h"
 
 namespace strata {
@@ -58,6 +60,26 @@ std::vector<StepOp> eval_schedule(int num_blocks, bool tied) {
   for (int32_t b = 0; b + 1 < num_blocks; ++b) s.push_back(op(b, 0, Pass::kForward));
   s.push_back(head_op(num_blocks, tied, 0));
   return s;
+}
+
+std::vector<int32_t> gradient_final_order(const std::vector<StepOp>& ops) {
+  std::vector<int32_t> last_op;  // per block: index of its last op that finalises a gradient
+  for (size_t i = 0; i < ops.size(); ++i) {
+    const StepOp& o = ops[i];
+    if (o.pass == Pass::kForward) continue;
+    // A head op finalises the head's gradient (and adds the tied
+    // embedding's share, final only at the embedding's own backward).
+    const int32_t b = o.block[0];
+    if (size_t(b) >= last_op.size()) last_op.resize(size_t(b) + 1, -1);
+    last_op[size_t(b)] = int32_t(i);
+  }
+  std::vector<int32_t> order;
+  for (size_t b = 0; b < last_op.size(); ++b) {
+    if (last_op[b] >= 0) order.push_back(int32_t(b));
+  }
+  std::stable_sort(order.begin(), order.end(),
+                   [&](int32_t a, int32_t b) { return last_op[size_t(a)] < last_op[size_t(b)]; });
+  return order;
 }
 
 }  // namespace strata

@@ -6,6 +6,7 @@
 
 #include <algorithm>
 #include <cstdint>
+#include <string>
 #include <vector>
 
 #include "config/config.h"
@@ -56,5 +57,47 @@ std::vector<StepOp> eval_schedule(int num_blocks, bool tied);
 inline int64_t held_micro_batches(StepSchedule schedule, int64_t accum) {
   return schedule == StepSchedule::kLayer ? std::max<int64_t>(accum, 1) : 1;
 }
+
+// The step's shape: its schedule and every fact of its order that the rest
+// of the engine needs (the planner's rows, the gradient path, the
+// optimizer's order, the bound), answered here from the schedule so that no
+// other code reasons about which schedule runs (Note [Step schedules]).
+struct StepShape {
+  // run.schedule resolved: kMicroBatch or kLayer, never kAuto.
+  StepSchedule schedule = StepSchedule::kMicroBatch;
+  int64_t accum = 1;        // micro-batches per step (A)
+  int64_t held_micro = 1;   // micro-batches whose activations are held at once (A under layer)
+  std::string choice;       // run.schedule auto: what was chosen and why
+  int64_t token_bytes = 0;  // a step's token windows: A x micro x (seq_len + 1) x 8
+
+  void set(StepSchedule s, int64_t a) {
+    schedule = s;
+    accum = a;
+    held_micro = held_micro_batches(s, a);
+  }
+  // Whether each block's A backward ops run back to back, so that its
+  // gradient is summed over the step's micro-batches on the device and is
+  // final at the A-th (the layer schedule with A > 1). Under micro_batch a
+  // block's gradient is final only in the last micro-batch's backward.
+  bool sums_each_block() const { return schedule == StepSchedule::kLayer && accum > 1; }
+  // Whether a block's gradient is final at most one backward op after its
+  // previous op of the step: every gradient becomes final while the backward
+  // still has blocks to run (what the speculative optimizer hides in).
+  bool gradients_final_in_backward() const { return schedule == StepSchedule::kLayer || accum <= 1; }
+  // Times per step each block's gradient is handed on (lands in its home,
+  // or is reduced between ranks): once when summed over the step first
+  // (`whole_model_sum`: comm.gradient_reduction per_step) or by the schedule,
+  // else once per micro-batch.
+  int64_t hand_offs_per_step(bool whole_model_sum) const {
+    return whole_model_sum || gradients_final_in_backward() ? 1 : std::max<int64_t>(accum, 1);
+  }
+  // The ops of one training step for `num_blocks` blocks.
+  std::vector<StepOp> ops(int num_blocks, bool tied) const { return train_schedule(schedule, num_blocks, tied, accum); }
+};
+
+// The blocks in the order their gradients become final in `ops` (a block's
+// last backward op; the head's at its last head op, the tied embedding's at
+// its own last backward): what the speculative optimizer walks.
+std::vector<int32_t> gradient_final_order(const std::vector<StepOp>& ops);
 
 }  // namespace strata

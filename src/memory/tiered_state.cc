@@ -32,10 +32,10 @@ struct ArenaSizes {
 ArenaSizes arena_sizes(const PlacementPlan& plan) {
   ArenaSizes a;
   for (int c = 0; c < kNumCategories; ++c) {
-    for (const PlacementUnit& u : plan.units[size_t(c)]) {
-      const int64_t bytes = round_up(u.numel * plan.elem_bytes[size_t(c)], kPageBytes);
+    for (const PlacementUnit& u : plan.state.units[size_t(c)]) {
+      const int64_t bytes = round_up(u.numel * plan.state.elem_bytes[size_t(c)], kPageBytes);
       a.tier[size_t(u.tier)] += bytes;
-      const bool slots = plan.speculate_slots && slotted(Category(c)) && optimizer_state_on_nvme(plan, u.offset, u.numel);
+      const bool slots = plan.optimizer.speculate_slots && slotted(Category(c)) && optimizer_state_on_nvme(plan, u.offset, u.numel);
       if (u.tier == Tier::kNvme) a.nvme += round_up(bytes, kSwapBlockBytes) * (slots ? 2 : 1);
       if (u.tier == Tier::kHost && crosses_pcie(Category(c))) a.transfer += bytes;
     }
@@ -47,7 +47,7 @@ ArenaSizes arena_sizes(const PlacementPlan& plan) {
 // removing what killed runs left there (Note [Swap directory layout]).
 std::unique_ptr<nvme::SwapStore> open_swap(const PlacementPlan& plan, const TieredStateOptions& options,
                                            nvme::IoEngine& engine, int64_t nvme_bytes) {
-  for (const std::string& dir : plan.nvme_paths) {
+  for (const std::string& dir : plan.state.nvme_paths) {
     for (const nvme::ReclaimedSwap& r : nvme::reclaim_abandoned_swap(dir)) {
       log::warn("removed %s (%s), the swap directory of a run that is gone", r.path.c_str(),
                 format_bytes(double(r.bytes)).c_str());
@@ -55,7 +55,7 @@ std::unique_ptr<nvme::SwapStore> open_swap(const PlacementPlan& plan, const Tier
   }
   nvme::SwapOptions so;
   so.rank = plan.rank;
-  so.dirs = plan.nvme_paths;
+  so.dirs = plan.state.nvme_paths;
   so.capacity_bytes = nvme_bytes;
   so.block_bytes = kSwapBlockBytes;
   so.stripe_bytes = std::max<int64_t>(kSwapBlockBytes, int64_t(16) << 20);
@@ -67,7 +67,7 @@ std::unique_ptr<nvme::SwapStore> open_swap(const PlacementPlan& plan, const Tier
 }  // namespace
 
 bool TieredState::has_slots(Category c, const PlacementUnit& u) const {
-  return plan_.speculate_slots && slotted(c) && optimizer_state_on_nvme(plan_, u.offset, u.numel);
+  return plan_.optimizer.speculate_slots && slotted(c) && optimizer_state_on_nvme(plan_, u.offset, u.numel);
 }
 
 TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& options)
@@ -102,13 +102,13 @@ TieredState::TieredState(const PlacementPlan& plan, const TieredStateOptions& op
   int64_t flags = 0;
   slot_chunk_ = pipeline_piece_numel(plan_);
   for (int c = 0; c < kNumCategories; ++c) {
-    for (size_t i = 0; i < plan_.units[size_t(c)].size(); ++i) {
-      const PlacementUnit& u = plan_.units[size_t(c)][i];
+    for (size_t i = 0; i < plan_.state.units[size_t(c)].size(); ++i) {
+      const PlacementUnit& u = plan_.state.units[size_t(c)][i];
       Home h;
       h.offset = u.offset;
       h.numel = u.numel;
       h.tier = u.tier;
-      const int64_t bytes = u.numel * plan_.elem_bytes[size_t(c)];
+      const int64_t bytes = u.numel * plan_.state.elem_bytes[size_t(c)];
       if (u.tier == Tier::kNvme) {
         h.region = swap_->add_region(strprintf("%s.%zu", category_name(Category(c)), i), bytes);
         if (has_slots(Category(c), u)) {  // Note [Alternate swap slots]
@@ -164,7 +164,7 @@ const std::byte* TieredState::find_resident(Category c, int64_t offset, int64_t 
   // A range may span consecutive units of one tier: a category's units are
   // carved from an arena in order, each a whole number of pages (Note
   // [Placement units]: multiples of 2048 elements), so they are contiguous.
-  const int64_t eb = plan_.elem_bytes[size_t(c)];
+  const int64_t eb = plan_.state.elem_bytes[size_t(c)];
   for (const Home* h = &*it; h->offset + h->numel < offset + numel;) {
     ++it;
     if (it == homes.end() || it->tier != first.tier || it->ptr != h->ptr + h->numel * eb) return nullptr;
@@ -196,7 +196,7 @@ void TieredState::for_each_piece(Category c, int64_t offset, int64_t numel, Fn&&
                              [](int64_t o, const Home& h) { return o < h.offset; });
   STRATA_CHECK(it != homes.begin(), "range before the first unit");
   --it;
-  const int64_t eb = plan_.elem_bytes[size_t(c)];
+  const int64_t eb = plan_.state.elem_bytes[size_t(c)];
   int64_t pos = offset;
   const int64_t end = offset + numel;
   for (; pos < end; ++it) {
@@ -319,7 +319,7 @@ void TieredState::transfer(nvme::IoOp op, Category c, int64_t offset, int64_t nu
   const bool reading = op == nvme::IoOp::kRead;
   TraceSpan span(tier_of(c, offset) == Tier::kNvme ? TraceTrack::kNvme : TraceTrack::kCopy,
                  reading ? kReadNames[int(c)] : kWriteNames[int(c)]);
-  const int64_t eb = plan_.elem_bytes[size_t(c)];
+  const int64_t eb = plan_.state.elem_bytes[size_t(c)];
   const size_t before = pending.handles_.size();
   const Stream copies = reading ? d2h : Stream::kStateH2D;
   bool device_copies = false;
@@ -397,7 +397,7 @@ Completion TieredState::read_to_device(Category c, int64_t offset, int64_t numel
     return pending.completion();
   }
   TraceSpan span(TraceTrack::kCopy, kReadNames[int(c)]);
-  const int64_t eb = plan_.elem_bytes[size_t(c)];
+  const int64_t eb = plan_.state.elem_bytes[size_t(c)];
   device_->stream_wait(Stream::kH2D, device_->record(Stream::kCompute));
   for_each_piece(c, offset, numel, [&](const Home& h, int64_t at, int64_t n, int64_t buf_off) {
     STRATA_CHECK(h.tier != Tier::kNvme, "read_to_device: an NVMe home needs a bounce buffer");

@@ -105,7 +105,7 @@ class PendingIo final : public Waiter {
 class TieredState {
  public:
   // Allocates the device and host arenas and, when the plan places anything
-  // on NVMe, creates the swap store under plan.nvme_paths. Throws
+  // on NVMe, creates the swap store under plan.state.nvme_paths. Throws
   // OutOfMemoryError when the device units and transients exceed the
   // budget, IoError for swap directory problems.
   TieredState(const PlacementPlan& plan, const TieredStateOptions& options);
@@ -114,7 +114,7 @@ class TieredState {
   TieredState& operator=(const TieredState&) = delete;
 
   const PlacementPlan& plan() const { return plan_; }
-  int elem_bytes(Category c) const { return plan_.elem_bytes[size_t(c)]; }
+  int elem_bytes(Category c) const { return plan_.state.elem_bytes[size_t(c)]; }
   Tier tier_of(Category c, int64_t offset) const;
 
   // The bytes of [offset, offset + numel) of category `c` when they lie in
@@ -151,13 +151,13 @@ class TieredState {
                                        PendingIo& pending, const Completion* device_after = nullptr);
 
   // Note [Alternate swap slots]
-  // With PlacementPlan::speculate_slots every NVMe unit of master weights
+  // With OptimizerPlan::speculate_slots every NVMe unit of master weights
   // and moments whose three categories are all on NVMe
   // (optimizer_state_on_nvme) has two homes on disk, its slots, and per pipeline piece
   // (Note [Pipeline pieces] in placement.h) a flag saying which of them is
   // current. Reads, write_async and checkpoint saves see the current slot
   // only; the optimizer's speculation (Note [Speculative optimizer] in
-  // engine/optimizer_pass.h) writes a piece's new state into its spare slot
+  // engine/optimizer/optimizer_pass.h) writes a piece's new state into its spare slot
   // (write_spare_async) while the current one keeps the pre-step state, and
   // a commit makes the spare current by flipping the flag (commit_spare): no
   // second read, no second write. A redo or a skipped step leaves the flags
@@ -212,7 +212,7 @@ class TieredState {
   // summed over what was set up, whatever the tier.
   int64_t allocated_bytes(Category c) const;
   // Resident bytes per tier (state only; NVMe = bytes in the swap store).
-  std::array<int64_t, kNumTiers> state_bytes() const { return plan_.state_total(); }
+  std::array<int64_t, kNumTiers> state_bytes() const { return plan_.state.total(); }
   int64_t device_arena_bytes() const { return device_arena_.bytes(); }
   // Both host arenas (Note [Host arenas]).
   int64_t host_arena_bytes() const { return int64_t(host_arena_.bytes()) + host_transfer_arena_.bytes(); }
@@ -226,7 +226,7 @@ class TieredState {
   // The registration must end before the buffer is freed and before this
   // state: hold it beside the buffer, declared after it.
   nvme::BufferRegistration register_io_buffer(Category c, const void* p, int64_t bytes) {
-    if (!engine_ || bytes <= 0 || !plan_.any_on_nvme(c)) return nvme::BufferRegistration();
+    if (!engine_ || bytes <= 0 || !plan_.state.any_on_nvme(c)) return nvme::BufferRegistration();
     return engine_->register_buffer(const_cast<void*>(p), bytes);
   }
   // The same for device memory, which NVMe I/O reaches in place only on a

@@ -22,23 +22,27 @@ double step_flops(const ModelConfig& m, int64_t tokens, bool recompute) {
   return double(tokens) * (3 * fwd + (recompute ? double(m.n_layers) * layer_fwd : 0.0));
 }
 
+namespace {
+
+// Rates' members in the rates table's order (config/rates.h).
+constexpr double Rates::* kRateValues[kNumRates] = {
+    &Rates::device_flops, &Rates::h2d,  &Rates::d2h,      &Rates::pcie_both, &Rates::nvme_read, &Rates::nvme_write,
+    &Rates::nvme_both,    &Rates::adam, &Rates::checksum, &Rates::grad_add,  &Rates::net,       &Rates::intra_node};
+constexpr std::string Rates::* kRateSources[kNumRates] = {
+    &Rates::device_flops_source, &Rates::h2d_source,      &Rates::d2h_source,  &Rates::pcie_both_source,
+    &Rates::nvme_read_source,    &Rates::nvme_write_source, &Rates::nvme_both_source, &Rates::adam_source,
+    &Rates::checksum_source,     &Rates::grad_add_source,   &Rates::net_source,  &Rates::intra_node_source};
+
+}  // namespace
+
+double& Rates::value(RateKind k) { return this->*kRateValues[size_t(k)]; }
+std::string& Rates::source(RateKind k) { return this->*kRateSources[size_t(k)]; }
+
 Rates rates_from_config(const RateOverrides& o) {
   Rates r;
-  auto set = [](double v, double scale, double& rate, std::string& source, const char* key) {
-    if (v > 0) rate = v * scale, source = std::string("run.rates.") + key;
-  };
-  set(o.device_tflops, 1e12, r.device_flops, r.device_flops_source, "device_tflops");
-  set(o.h2d_gbps, 1e9, r.h2d, r.h2d_source, "h2d_gbps");
-  set(o.d2h_gbps, 1e9, r.d2h, r.d2h_source, "d2h_gbps");
-  set(o.pcie_both_gbps, 1e9, r.pcie_both, r.pcie_both_source, "pcie_both_gbps");
-  set(o.nvme_read_gbps, 1e9, r.nvme_read, r.nvme_read_source, "nvme_read_gbps");
-  set(o.nvme_write_gbps, 1e9, r.nvme_write, r.nvme_write_source, "nvme_write_gbps");
-  set(o.nvme_both_gbps, 1e9, r.nvme_both, r.nvme_both_source, "nvme_both_gbps");
-  set(o.adam_gelems, 1e9, r.adam, r.adam_source, "adam_gelems");
-  set(o.checksum_gbps, 1e9, r.checksum, r.checksum_source, "checksum_gbps");
-  set(o.grad_add_gelems, 1e9, r.grad_add, r.grad_add_source, "grad_add_gelems");
-  set(o.net_gbps, 1e9 / 8, r.net, r.net_source, "net_gbps");
-  set(o.intra_node_gbps, 1e9 / 8, r.intra_node, r.intra_node_source, "intra_node_gbps");
+  for (const RateSpec& s : kRateTable) {
+    if (o[s.kind] > 0) r.value(s.kind) = o[s.kind] * s.scale, r.source(s.kind) = std::string("run.rates.") + s.key;
+  }
   return r;
 }
 
@@ -60,7 +64,7 @@ int64_t all_reduce_bytes(int ranks, int64_t count, int eb) {
 // (stage 3: every use, or once per step for blocks kept gathered; stages 1-2:
 // each block once per step), one gradient
 // reduction per block per micro-batch, or per step with
-// PlacementPlan::reduce_per_step (reduce-scatter at stages 2-3, all-reduce
+// CommPlan::reduce_per_step (reduce-scatter at stages 2-3, all-reduce
 // at 0-1), and the all-reduce of the norm, loss and stop flag. With the
 // secondary shard, a block's first gather of the step spans the world and its
 // later ones the node (count: the block / ranks per node). Ring collectives,
@@ -85,8 +89,8 @@ NetworkBytes step_network_bytes(const PlacementPlan& p) {
         }
         for (int i = 0; i < u.count; ++i) {
           const size_t b = size_t(u.block[i]);
-          if (!p.keep_gathered.empty() && p.keep_gathered[b]) continue;  // once per step, below
-          if (p.secondary_shard && seen[b]) {
+          if (!p.comm.keep_gathered.empty() && p.comm.keep_gathered[b]) continue;  // once per step, below
+          if (p.comm.secondary_shard && seen[b]) {
             out.node += gather_bytes(p.ranks_per_node, p.block_numel[b] * p.nodes(), param_t);
           } else {
             bytes += gather_bytes(ws, p.block_numel[b], param_t);
@@ -94,16 +98,16 @@ NetworkBytes step_network_bytes(const PlacementPlan& p) {
           seen[b] = 1;
         }
       }
-      for (size_t b = 0; b < p.keep_gathered.size(); ++b) {
-        if (p.keep_gathered[b]) bytes += gather_bytes(ws, p.block_numel[b], param_t);
+      for (size_t b = 0; b < p.comm.keep_gathered.size(); ++b) {
+        if (p.comm.keep_gathered[b]) bytes += gather_bytes(ws, p.block_numel[b], param_t);
       }
     } else {
       for (int64_t shard : p.block_numel) bytes += gather_bytes(ws, shard, param_t);
     }
   }
-  const int grad_t = p.comm_grad_bytes;  // communication_data_type
+  const int grad_t = p.comm.grad_bytes;  // communication_data_type
   // comm.gradient_reduction; the layer schedule reduces each block once per step.
-  const int64_t reductions = p.reduce_per_step || p.layer_major() ? 1 : p.accum;
+  const int64_t reductions = p.step.hand_offs_per_step(p.comm.reduce_per_step);
   for (int64_t shard : p.block_numel) {
     bytes += reductions * (p.stage >= 2 ? gather_bytes(ws, shard, grad_t)
                                      : all_reduce_bytes(ws, shard * p.shards, grad_t));
@@ -129,7 +133,7 @@ int64_t overlap(const PlacementUnit& u, int64_t begin, int64_t n) {
 // Elements of category `c` on tier `t` inside [begin, begin + n).
 int64_t on_tier(const PlacementPlan& p, Category c, Tier t, int64_t begin, int64_t n) {
   int64_t s = 0;
-  for (const PlacementUnit& u : p.units[size_t(c)]) {
+  for (const PlacementUnit& u : p.state.units[size_t(c)]) {
     if (u.tier == t) s += overlap(u, begin, n);
   }
   return s;
@@ -140,8 +144,8 @@ int64_t on_tier(const PlacementPlan& p, Category c, Tier t, int64_t begin, int64
 void optimizer_work(const PlacementPlan& p, StepWork& w) {
   LinkBytes& o = w.optimizer_links;
   const int64_t c = p.compute_bytes;
-  const int64_t m = p.elem_bytes[size_t(Category::kExpAvg)];
-  const std::vector<PlacementUnit>& p16 = p.units[size_t(Category::kParam16)];
+  const int64_t m = p.state.elem_bytes[size_t(Category::kExpAvg)];
+  const std::vector<PlacementUnit>& p16 = p.state.units[size_t(Category::kParam16)];
   const int64_t moment[3] = {4, m, m};
   const Category opt[3] = {Category::kMaster, Category::kExpAvg, Category::kExpAvgSq};
   // Block 0's range of the shard space: its pieces' speculation ends last.
@@ -160,9 +164,9 @@ void optimizer_work(const PlacementPlan& p, StepWork& w) {
     // alternate swap slots (a commit flips them), twice only when redone
     // (clipped_work).
     const bool slots = speculates_in_slots(p, piece);
-    const int64_t passes = p.speculate && !slots ? 2 : 1;
+    const int64_t passes = p.optimizer.speculate && !slots ? 2 : 1;
     w.adam_elems += n * passes;
-    if (p.speculate) {
+    if (p.optimizer.speculate) {
       w.speculated_elems += n;
       w.speculation_tail_elems += overlap(first_block, at, n);
       if (slots) w.slot_elems += n;
@@ -193,22 +197,22 @@ void optimizer_work(const PlacementPlan& p, StepWork& w) {
 StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::vector<int64_t>& fetches,
                         const NetworkBytes& net) {
   StepWork w;
-  const int64_t A = std::max<int64_t>(p.accum, 1);
+  const int64_t A = std::max<int64_t>(p.step.accum, 1);
   const int64_t tokens = cfg.train_micro_batch_size_per_gpu * cfg.model.seq_len;
-  w.flops = double(A) * step_flops(cfg.model, tokens, !p.keep_graphs);
+  w.flops = double(A) * step_flops(cfg.model, tokens, !p.activations.keep_graphs);
   // The forward the optimizer of the step before overlaps (Note [Optimizer
   // overlap]): until the last block's forward, the first micro-batch's under
   // micro_batch, every micro-batch's under layer (Note [Step schedules]).
   // The forward is a third of forward + backward.
-  w.first_forward_flops = double(p.held_micro) * step_flops(cfg.model, tokens, false) / 3;
+  w.first_forward_flops = double(p.step.held_micro) * step_flops(cfg.model, tokens, false) / 3;
   w.overlap_optimizer = optimizer_overlaps(cfg, p);
   w.cpu_threads = cfg.run.threads > 0 ? int(cfg.run.threads) : std::max(1, int(std::thread::hardware_concurrency()));
   w.net_bytes = net.world;
   w.intra_node_bytes = net.node;
   LinkBytes& e = w.links;
   const int64_t c = p.compute_bytes;
-  const std::vector<PlacementUnit>& p16 = p.units[size_t(Category::kParam16)];
-  const std::vector<PlacementUnit>& grad = p.units[size_t(Category::kGrad)];
+  const std::vector<PlacementUnit>& p16 = p.state.units[size_t(Category::kParam16)];
+  const std::vector<PlacementUnit>& grad = p.state.units[size_t(Category::kGrad)];
   STRATA_CHECK(fetches.size() == p16.size(), "one fetch count per block");
   for (size_t b = 0; b < p16.size(); ++b) {
     const int64_t n = p16[b].numel, F = fetches[b];
@@ -216,15 +220,15 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
     if (p16[b].tier == Tier::kNvme) e.nvme_read += c * n * F, e.h2d += c * n * F;
     const int64_t wire = grad_wire_bytes(p, b);
     // Gradients land in their home once per micro-batch, or once per step
-    // when ranks reduce once per step (PlacementPlan::reduce_per_step) and
+    // when ranks reduce once per step (CommPlan::reduce_per_step) and
     // under the layer schedule (summed on the device first).
-    const int64_t G = p.reduce_per_step || p.layer_major() ? 1 : A;
+    const int64_t G = p.step.hand_offs_per_step(p.comm.reduce_per_step);
     if (grad[b].tier != Tier::kDevice) e.d2h += wire * grad[b].numel * G, w.grad_add_elems += grad[b].numel * G;
     if (grad[b].tier == Tier::kNvme) e.nvme_write += 4 * grad[b].numel * G, e.nvme_read += 4 * grad[b].numel * (G - 1);
   }
-  if (p.cpu_checkpointing) {
-    e.d2h += p.checkpoint_layers * p.checkpoint_bytes * A;
-    e.h2d += p.checkpoint_layers * p.checkpoint_bytes * A;
+  if (p.activations.cpu_checkpointing) {
+    e.d2h += p.activations.checkpoint_layers * p.activations.checkpoint_bytes * A;
+    e.h2d += p.activations.checkpoint_layers * p.activations.checkpoint_bytes * A;
   }
   optimizer_work(p, w);  // into w.optimizer_links, added to the links below
   const LinkBytes& o = w.optimizer_links;

@@ -33,6 +33,11 @@ struct Rates {
   std::string device_flops_source, h2d_source, d2h_source, pcie_both_source, nvme_read_source,
       nvme_write_source, nvme_both_source, adam_source, checksum_source, grad_add_source, net_source,
       intra_node_source;
+  // The same by the rates table's row (config/rates.h).
+  double& value(RateKind k);
+  double value(RateKind k) const { return const_cast<Rates*>(this)->value(k); }
+  std::string& source(RateKind k);
+  const std::string& source(RateKind k) const { return const_cast<Rates*>(this)->source(k); }
 };
 
 // run.rates as Rates (units converted), each named by its key.
@@ -76,8 +81,8 @@ struct StepWork {
   double first_forward_flops = 0;
   LinkBytes optimizer_links;
   bool overlap_optimizer = true;
-  // Note [Speculative optimizer] (engine/optimizer_pass.h), with
-  // PlacementPlan::speculate: the elements CPU Adam speculates beside the
+  // Note [Speculative optimizer] (engine/optimizer/optimizer_pass.h), with
+  // OptimizerPlan::speculate: the elements CPU Adam speculates beside the
   // backward (counted twice in adam_elems: the speculation and the commit
   // or redo), those of block 0, whose backward comes last (the
   // speculation's tail after the backward), and whether the step is costed
@@ -86,7 +91,7 @@ struct StepWork {
   int64_t speculation_tail_elems = 0;
   bool clipped = false;
   // Of the speculated elements, those in alternate swap slots
-  // (PlacementPlan::speculate_slots): stepped once in adam_elems (a commit
+  // (OptimizerPlan::speculate_slots): stepped once in adam_elems (a commit
   // flips the slots), and the optimizer's bytes of one pass over them, which
   // a clipped step spends again (clipped_work).
   int64_t slot_elems = 0;

@@ -82,14 +82,14 @@ std::vector<std::string> plan_shortfalls(const PlacementPlan& plan, const Machin
   };
   // Note [Step schedules]: what the layer schedule's held activations add.
   std::string layer;
-  if (plan.layer_major() && plan.held_micro > 1) {
+  if (plan.step.held_micro > 1) {
     layer = strprintf("; the layer schedule holds the activations of %lld micro-batches (saved inputs %s, "
                       "output gradients %s, tied head gradients %s): set "
                       "activation_checkpointing.cpu_checkpointing, lower train_micro_batch_size_per_gpu, or set "
                       "run.schedule \"micro_batch\"",
-                      (long long)plan.held_micro, format_bytes(double(plan.checkpoint_activation_bytes)).c_str(),
-                      format_bytes(double(plan.held_output_grad_bytes)).c_str(),
-                      format_bytes(double(plan.held_tied_grad_bytes)).c_str());
+                      (long long)plan.step.held_micro, format_bytes(double(plan.activations.checkpoint_activation_bytes)).c_str(),
+                      format_bytes(double(plan.activations.held_output_grad_bytes)).c_str(),
+                      format_bytes(double(plan.activations.held_tied_grad_bytes)).c_str());
   }
   check(Tier::kDevice, t[0], cap.device_bytes,
         "move state off the device (zero_optimization.offload_optimizer / offload_param, or a placement "
@@ -100,7 +100,7 @@ std::vector<std::string> plan_shortfalls(const PlacementPlan& plan, const Machin
   check(Tier::kHost, host_need, cap.host_bytes,
         "move state to nvme (offload_optimizer.device \"nvme\" or a placement split), or lower "
         "zero_optimization.sub_group_size to shrink the optimizer staging buffers" +
-            (cap.device_is_host || plan.cpu_checkpointing ? layer : std::string()));
+            (cap.device_is_host || plan.activations.cpu_checkpointing ? layer : std::string()));
   check(Tier::kNvme, t[2], cap.nvme_bytes, "free disk space under the nvme_path directories or add more");
   return out;
 }

@@ -54,36 +54,36 @@ void take_if_fits(const Config& cfg, const MachineCapacity& capacity, PlacementP
 // comm.secondary_shard: at stage 3 with ranks on several nodes of more than
 // one rank, each rank keeps its node's secondary shard (auto: when it fits).
 void choose_secondary_shard(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
-  const std::string& want = cfg.comm.secondary_shard;
-  plan.secondary_shard = false;
-  if (plan.stage != 3 || plan.shards <= 1 || plan.ranks_per_node <= 1 || plan.nodes() <= 1 || want == "off") return;
-  take_if_fits(cfg, capacity, plan, plan.secondary_shard, want == "auto");
+  const SecondaryShard want = cfg.comm.secondary_shard;
+  plan.comm.secondary_shard = false;
+  if (plan.stage != 3 || plan.shards <= 1 || plan.ranks_per_node <= 1 || plan.nodes() <= 1 || want == SecondaryShard::kOff) return;
+  take_if_fits(cfg, capacity, plan, plan.comm.secondary_shard, want == SecondaryShard::kAuto);
 }
 
 // comm.keep_gathered: at stage 3 with ranks, blocks kept gathered for the
 // step, from the last one down (auto: while they fit; all; none). A kept
 // block needs no secondary shard: it costs its gathered bytes less that.
 void choose_kept_gathered(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
-  const std::string& want = cfg.comm.keep_gathered;
+  const KeepGathered& want = cfg.comm.keep_gathered;
   const size_t blocks = plan.block_numel.size();
-  plan.keep_gathered.assign(blocks, 0);
-  plan.kept_gathered_numel = 0;
-  if (plan.stage != 3 || plan.shards <= 1 || want == "none") return;
+  plan.comm.keep_gathered.assign(blocks, 0);
+  plan.comm.kept_gathered_numel = 0;
+  if (plan.stage != 3 || plan.shards <= 1 || want.mode == KeepGathered::Mode::kNone) return;
   // A number keeps that many blocks, from the last one down, whatever fits.
-  const bool counted = !want.empty() && want.find_first_not_of("0123456789") == std::string::npos;
-  int64_t left = counted ? std::stoll(want) : int64_t(blocks);
-  int64_t room = want == "all" || counted ? -1 : room_left(cfg, capacity, plan);
+  const bool counted = want.mode == KeepGathered::Mode::kBlocks;
+  int64_t left = counted ? want.blocks : int64_t(blocks);
+  int64_t room = want.mode == KeepGathered::Mode::kAll || counted ? -1 : room_left(cfg, capacity, plan);
   for (size_t i = blocks; i-- > 0 && left > 0;) {
     const int64_t padded = plan.block_numel[i] * plan.shards;
-    const int64_t bytes = (padded - (plan.secondary_shard ? plan.block_numel[i] * plan.nodes() : 0)) * plan.compute_bytes;
+    const int64_t bytes = (padded - (plan.comm.secondary_shard ? plan.block_numel[i] * plan.nodes() : 0)) * plan.compute_bytes;
     if (room >= 0 && bytes > room) continue;
     if (room >= 0) room -= bytes;
-    plan.keep_gathered[i] = 1;
-    plan.kept_gathered_numel += padded;
+    plan.comm.keep_gathered[i] = 1;
+    plan.comm.kept_gathered_numel += padded;
     --left;
   }
   // Every block kept: no later gather, no secondary shard.
-  if (plan.kept_gathered_numel == plan.gathered_numel) plan.secondary_shard = false;
+  if (plan.comm.kept_gathered_numel == plan.gathered_numel) plan.comm.secondary_shard = false;
   plan.staging = staging_needs(plan);
 }
 
@@ -91,10 +91,10 @@ void choose_kept_gathered(const Config& cfg, const MachineCapacity& capacity, Pl
 // device; auto takes it when the plan still fits with it (always where the
 // device tier has no budget), only with ranks and accumulation.
 void choose_gradient_reduction(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
-  const std::string& want = cfg.comm.gradient_reduction;
+  const GradientReduction want = cfg.comm.gradient_reduction;
   // The layer schedule reduces each block once per step anyway, from a block-sized sum.
-  if (plan.world_size <= 1 || plan.accum <= 1 || want == "per_micro_batch" || plan.layer_major()) return;
-  take_if_fits(cfg, capacity, plan, plan.reduce_per_step, want == "auto");
+  if (plan.world_size <= 1 || plan.step.accum <= 1 || want == GradientReduction::kPerMicroBatch || plan.step.gradients_final_in_backward()) return;
+  take_if_fits(cfg, capacity, plan, plan.comm.reduce_per_step, want == GradientReduction::kAuto);
 }
 
 PlacementPlan schedule_candidates(const Config& cfg, const MachineCapacity& capacity,
@@ -111,18 +111,18 @@ PlacementPlan schedule_candidates(const Config& cfg, const MachineCapacity& capa
   PlacementPlan a = make(mb);
   layer->reset();
   if (cfg.gradient_accumulation_steps <= 1) {
-    a.schedule_choice = "micro_batch (one micro-batch: the two schedules are one order)";
+    a.step.choice = "micro_batch (one micro-batch: the two schedules are one order)";
     return a;
   }
   try {
     *layer = make(ly);
   } catch (const ConfigError& e) {
-    a.schedule_choice = std::string("micro_batch (layer refused: ") + e.what() + ")";
+    a.step.choice = std::string("micro_batch (layer refused: ") + e.what() + ")";
     return a;
   }
   if (!plan_shortfalls(**layer, capacity).empty()) {
     layer->reset();
-    a.schedule_choice = "micro_batch (layer does not fit: it holds the activations of every micro-batch)";
+    a.step.choice = "micro_batch (layer does not fit: it holds the activations of every micro-batch)";
   }
   return a;
 }
@@ -132,16 +132,16 @@ PlacementPlan schedule_candidates(const Config& cfg, const MachineCapacity& capa
 // device-memory choice micro_batch's plan made (kept graphs, blocks kept
 // gathered, the secondary shard); else why not.
 std::string layer_gives_up(const PlacementPlan& a, const PlacementPlan& b) {
-  if (b.bytes != a.bytes) return "layer's held activations would move state to a slower tier";
-  if (a.keep_graphs && !b.keep_graphs) return "layer's held activations leave no room to keep the graphs";
-  if (a.secondary_shard && !b.secondary_shard) return "layer's held activations leave no room for the secondary shard";
-  auto kept = [](const PlacementPlan& p) { return std::count(p.keep_gathered.begin(), p.keep_gathered.end(), 1); };
+  if (b.state.bytes != a.state.bytes) return "layer's held activations would move state to a slower tier";
+  if (a.activations.keep_graphs && !b.activations.keep_graphs) return "layer's held activations leave no room to keep the graphs";
+  if (a.comm.secondary_shard && !b.comm.secondary_shard) return "layer's held activations leave no room for the secondary shard";
+  auto kept = [](const PlacementPlan& p) { return std::count(p.comm.keep_gathered.begin(), p.comm.keep_gathered.end(), 1); };
   if (kept(b) < kept(a)) return "layer's held activations leave room to keep fewer blocks gathered";
   return "";
 }
 
 // optimizer.speculate (Note [Speculative optimizer] in
-// engine/optimizer_pass.h). It needs the layer schedule (or one
+// engine/optimizer/optimizer_pass.h). It needs the layer schedule (or one
 // micro-batch), the optimizer's thread and a piece CPU Adam updates. Pieces
 // whose master weights and moments are all on NVMe speculate into alternate
 // swap slots where the disk has room for a second copy of them (`cap`;
@@ -152,14 +152,14 @@ std::string layer_gives_up(const PlacementPlan& a, const PlacementPlan& b) {
 // slots (the commit would read it a second time).
 void resolve_speculation(const Config& cfg, const MachineCapacity& cap, PlacementPlan& plan) {
   const Speculate want = cfg.optimizer.speculate;
-  plan.speculate = false;
-  plan.speculate_slots = false;
-  plan.nvme_spare_bytes = 0;
+  plan.optimizer.speculate = false;
+  plan.optimizer.speculate_slots = false;
+  plan.optimizer.nvme_spare_bytes = 0;
   if (want == Speculate::kOff) {
-    plan.speculate_choice = "off";
+    plan.optimizer.speculate_choice = "off";
     return;
   }
-  if (!plan.layer_major() && plan.accum > 1) {
+  if (!plan.step.gradients_final_in_backward()) {
     // A block's gradient is final only in the last micro-batch's backward:
     // the speculation would have an A-th of the backward to hide in.
     if (want == Speculate::kOn && cfg.run.schedule == StepSchedule::kMicroBatch) {
@@ -167,7 +167,7 @@ void resolve_speculation(const Config& cfg, const MachineCapacity& cap, Placemen
                                                "micro-batches: under micro_batch a block's gradient is final only "
                                                "in the last micro-batch's backward");
     }
-    plan.speculate_choice = "off (micro_batch with several micro-batches: gradients are final only at the last)";
+    plan.optimizer.speculate_choice = "off (micro_batch with several micro-batches: gradients are final only at the last)";
     return;
   }
   if (!optimizer_overlaps(cfg, plan)) {
@@ -175,21 +175,21 @@ void resolve_speculation(const Config& cfg, const MachineCapacity& cap, Placemen
       throw ConfigError("optimizer.speculate", "on needs the optimizer on its own thread, which "
                                                "run.overlap_optimizer turns off here; set it true");
     }
-    plan.speculate_choice = "off (the optimizer runs inline: run.overlap_optimizer)";
+    plan.optimizer.speculate_choice = "off (the optimizer runs inline: run.overlap_optimizer)";
     return;
   }
   bool cpu_piece = false;
   for (const PlacementUnit& piece : pipeline_pieces(plan)) cpu_piece |= !device_adam_piece(plan, piece);
   if (!cpu_piece) {
-    plan.speculate_choice = "off (every piece is updated by the device's Adam after the verdict)";
+    plan.optimizer.speculate_choice = "off (every piece is updated by the device's Adam after the verdict)";
     return;
   }
   // Note [Alternate swap slots]: a second home on disk for every NVMe unit
   // of master weights and moments.
   int64_t spare = 0;  // the sub-groups whose master weights and moments are all on NVMe
-  const int64_t state_bytes = plan.elem_bytes[size_t(Category::kMaster)] +
-                              plan.elem_bytes[size_t(Category::kExpAvg)] + plan.elem_bytes[size_t(Category::kExpAvgSq)];
-  for (const PlacementUnit& u : plan.units[size_t(Category::kMaster)]) {
+  const int64_t state_bytes = plan.state.elem_bytes[size_t(Category::kMaster)] +
+                              plan.state.elem_bytes[size_t(Category::kExpAvg)] + plan.state.elem_bytes[size_t(Category::kExpAvgSq)];
+  for (const PlacementUnit& u : plan.state.units[size_t(Category::kMaster)]) {
     if (optimizer_state_on_nvme(plan, u.offset, u.numel)) spare += u.numel * state_bytes;
   }
   const int64_t nvme_need = plan.total()[size_t(Tier::kNvme)] + spare;
@@ -202,22 +202,22 @@ void resolve_speculation(const Config& cfg, const MachineCapacity& cap, Placemen
                       format_bytes(double(cap.nvme_bytes)).c_str());
   if (want == Speculate::kAuto) {
     if (plan.device_addressable) {
-      plan.speculate_choice = "off (the CPU device: Adam shares the cores with the compute; \"on\" to force)";
+      plan.optimizer.speculate_choice = "off (the CPU device: Adam shares the cores with the compute; \"on\" to force)";
       return;
     }
     if (spare > 0 && !room) {
-      plan.speculate_choice =
+      plan.optimizer.speculate_choice =
           "off (optimizer state on NVMe, " + no_slots + ": the commit would read it twice; \"on\" to force)";
       return;
     }
   }
-  plan.speculate = true;
-  plan.speculate_choice = want == Speculate::kOn ? "on" : "on (auto)";
+  plan.optimizer.speculate = true;
+  plan.optimizer.speculate_choice = want == Speculate::kOn ? "on" : "on (auto)";
   if (room) {
-    plan.speculate_slots = true;
-    plan.nvme_spare_bytes = spare;
+    plan.optimizer.speculate_slots = true;
+    plan.optimizer.nvme_spare_bytes = spare;
   } else if (spare > 0) {
-    plan.speculate_choice += " (NVMe state by two passes, read twice: " + no_slots + ")";
+    plan.optimizer.speculate_choice += " (NVMe state by two passes, read twice: " + no_slots + ")";
   }
 }
 

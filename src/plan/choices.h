@@ -22,7 +22,7 @@ int64_t room_left(const Config& cfg, const MachineCapacity& capacity, const Plac
 void choose_secondary_shard(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan);
 void choose_kept_gathered(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan);
 void choose_gradient_reduction(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan);
-// optimizer.speculate (Note [Speculative optimizer] in engine/optimizer_pass.h).
+// optimizer.speculate (Note [Speculative optimizer] in engine/optimizer/optimizer_pass.h).
 void resolve_speculation(const Config& cfg, const MachineCapacity& cap, PlacementPlan& plan);
 
 // run.schedule auto (Note [Step schedules] in memory/schedule.h): the plan

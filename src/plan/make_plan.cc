@@ -16,12 +16,6 @@ namespace strata {
 
 namespace {
 
-TierSplit on(Tier t) {
-  TierSplit s{0.0, 0.0, 0.0};
-  (t == Tier::kDevice ? s.device : t == Tier::kHost ? s.host : s.nvme) = 1.0;
-  return s;
-}
-
 // Note [Placement units]: a unit goes to the tier whose share holds its midpoint.
 void assign(std::vector<PlacementUnit>& units, const TierSplit& s, int64_t total) {
   const double dev_end = s.device * double(total);
@@ -47,55 +41,20 @@ void cut_units(const Config& cfg, const StateLayout& layout, PlacementPlan& plan
   for (const BlockLayout& b : layout.blocks()) {
     block_units.push_back({offset, b.shard_numel(), Tier::kDevice});
     offset += b.shard_numel();
-    plan.largest_block_shard_numel = std::max(plan.largest_block_shard_numel, b.shard_numel());
+    plan.state.largest_block_shard_numel = std::max(plan.state.largest_block_shard_numel, b.shard_numel());
   }
-  plan.shard_space_numel = offset;
-  plan.sub_group_numel = std::max<int64_t>(
+  plan.state.shard_space_numel = offset;
+  plan.state.sub_group_numel = std::max<int64_t>(
       kShardAlignElems, (cfg.zero.sub_group_size + kShardAlignElems - 1) / kShardAlignElems * kShardAlignElems);
   std::vector<PlacementUnit> group_units;
-  for (int64_t o = 0; o < plan.shard_space_numel; o += plan.sub_group_numel) {
-    group_units.push_back({o, std::min(plan.sub_group_numel, plan.shard_space_numel - o), Tier::kDevice});
+  for (int64_t o = 0; o < plan.state.shard_space_numel; o += plan.state.sub_group_numel) {
+    group_units.push_back({o, std::min(plan.state.sub_group_numel, plan.state.shard_space_numel - o), Tier::kDevice});
   }
   for (int c = 0; c < kNumCategories; ++c) units[size_t(c)] = c <= int(Category::kGrad) ? block_units : group_units;
 }
 
 // The split each category asks for: DeepSpeed's offload keys, overridden per
-// category by the placement section. Sets plan.source.
-std::array<TierSplit, kNumCategories> requested_splits(const Config& cfg, PlacementPlan& plan) {
-  const OffloadOptimizerConfig& oo = cfg.zero.offload_optimizer;
-  const OffloadParamConfig& op = cfg.zero.offload_param;
-  TierSplit optimizer = on(Tier::kDevice), grad = on(Tier::kDevice), param16 = on(Tier::kDevice);
-  plan.source = "default";
-  if (oo.device != "none") {
-    plan.source = "deepspeed";
-    const Tier t = oo.device == "cpu" ? Tier::kHost : Tier::kNvme;
-    optimizer = TierSplit{1.0 - oo.ratio, t == Tier::kHost ? oo.ratio : 0.0, t == Tier::kNvme ? oo.ratio : 0.0};
-    // DeepSpeed keeps the gradients of offloaded optimizer state in host memory
-    // (they feed the CPU Adam), also when that state lives on NVMe.
-    grad = TierSplit{1.0 - oo.ratio, oo.ratio, 0.0};
-  }
-  if (op.device == "cpu") {
-    plan.source = "deepspeed";
-    param16 = on(Tier::kHost);
-  } else if (op.device == "nvme") {
-    plan.source = "deepspeed";
-    // max_in_cpu elements of parameters are kept in host memory, the rest on NVMe.
-    const double in_cpu = std::min(1.0, double(op.max_in_cpu) / double(std::max<int64_t>(1, plan.shard_space_numel)));
-    param16 = TierSplit{0.0, in_cpu, 1.0 - in_cpu};
-  }
-  std::array<TierSplit, kNumCategories> split = {param16, grad, optimizer, optimizer, optimizer};
-  const PlacementConfig& pc = cfg.placement;
-  if (pc.has_param16) split[0] = pc.param16;
-  if (pc.has_grad) split[1] = pc.grad;
-  if (pc.has_master) split[2] = pc.master;
-  if (pc.has_exp_avg) split[3] = pc.exp_avg;
-  if (pc.has_exp_avg_sq) split[4] = pc.exp_avg_sq;
-  if (pc.has_param16 || pc.has_grad || pc.has_master || pc.has_exp_avg || pc.has_exp_avg_sq) {
-    plan.source = "placement";
-  }
-  return split;
-}
-
+// category by the placement section. Sets plan.state.source.
 // Activations and the inputs of staging_needs (needed by auto, reported by all).
 void estimate_transients(const Config& cfg, const StateLayout& layout, PlacementPlan& plan) {
   const ModelConfig& m = cfg.model;
@@ -105,40 +64,37 @@ void estimate_transients(const Config& cfg, const StateLayout& layout, Placement
   // autograd graph of one recomputed layer: about 10 x dim + 4 x ffn values per
   // token, and attention scores (heads x seq per token) when the attention
   // kernel materialises them; and the fp32 logits with their gradient.
-  plan.checkpoint_bytes = tokens * m.dim * cb;
-  plan.checkpoint_layers = m.n_layers;
-  plan.cpu_checkpointing = cfg.activation_checkpointing.cpu_checkpointing;
+  plan.activations.checkpoint_bytes = tokens * m.dim * cb;
+  plan.activations.checkpoint_layers = m.n_layers;
+  plan.activations.cpu_checkpointing = cfg.activation_checkpointing.cpu_checkpointing;
   // Note [Step schedules]: the layer schedule holds A micro-batches' saved
   // inputs per layer, the A gradients of the current block's outputs between
   // blocks, and with a tied head the A head gradients of the embedding
   // until its backward; micro_batch one micro-batch's of each (the gradient
   // of the output and the head's share are then part of the op's own).
-  plan.accum = cfg.gradient_accumulation_steps;
-  const int64_t held = held_micro_batches(plan.schedule, plan.accum);
-  plan.held_micro = held;
-  plan.checkpoint_activation_bytes =
-      held * (tokens * 8 + (plan.cpu_checkpointing ? 0 : plan.checkpoint_layers * plan.checkpoint_bytes));
-  plan.held_output_grad_bytes = held > 1 ? held * plan.checkpoint_bytes : 0;
-  plan.held_tied_grad_bytes = held > 1 && m.tie_embeddings ? held * m.vocab_size * m.dim * cb : 0;
+  const int64_t held = plan.step.held_micro;
+  plan.activations.checkpoint_activation_bytes =
+      held * (tokens * 8 + (plan.activations.cpu_checkpointing ? 0 : plan.activations.checkpoint_layers * plan.activations.checkpoint_bytes));
+  plan.activations.held_output_grad_bytes = held > 1 ? held * plan.activations.checkpoint_bytes : 0;
+  plan.activations.held_tied_grad_bytes = held > 1 && m.tie_embeddings ? held * m.vocab_size * m.dim * cb : 0;
   const int64_t layer = tokens * (6 * m.dim + 4 * m.q_dim() + 4 * m.ffn_dim()) * cb + 3 * tokens * m.n_heads * m.seq_len * 4;
   const int64_t head = 3 * tokens * m.vocab_size * 4;
-  const int64_t held_grads = plan.held_output_grad_bytes + plan.held_tied_grad_bytes;
-  plan.activation_bytes = plan.checkpoint_activation_bytes + held_grads + std::max(layer, head);
+  const int64_t held_grads = plan.activations.held_output_grad_bytes + plan.activations.held_tied_grad_bytes;
+  plan.activations.bytes = plan.activations.checkpoint_activation_bytes + held_grads + std::max(layer, head);
   // Keeping the forward's graphs (run.recompute never): every layer's graph
   // (which holds its input) and the head's, at once; for every micro-batch
   // held.
-  plan.graph_extra_bytes =
-      std::max<int64_t>(0, held * (tokens * 8 + m.n_layers * layer) + held_grads + head - plan.activation_bytes);
+  plan.activations.graph_extra_bytes =
+      std::max<int64_t>(0, held * (tokens * 8 + m.n_layers * layer) + held_grads + head - plan.activations.bytes);
   int64_t largest_block = 0;
   for (const BlockLayout& b : layout.blocks()) largest_block = std::max(largest_block, b.padded_numel);
   plan.largest_block_numel = largest_block;
   for (const BlockLayout& b : layout.blocks()) plan.block_numel.push_back(b.shard_numel());
-  plan.token_bytes = std::max<int64_t>(plan.accum, 1) * cfg.train_micro_batch_size_per_gpu * (m.seq_len + 1) * 8;
+  plan.step.token_bytes = std::max<int64_t>(plan.step.accum, 1) * cfg.train_micro_batch_size_per_gpu * (m.seq_len + 1) * 8;
   plan.window_knobs.prefetch_numel = cfg.zero.stage3_prefetch_bucket_size;
   plan.window_knobs.max_live_numel = cfg.zero.stage3_max_live_parameters;
   plan.window_knobs.persistence_numel = cfg.zero.stage3_param_persistence_threshold;
   plan.compute_bytes = int(cb);
-  plan.pipeline_depth = pipeline_depth(cfg.zero.offload_optimizer.buffer_count);
   plan.tied = m.tie_embeddings;
 }
 
@@ -149,7 +105,7 @@ struct TierFill {
   int64_t dev_left = 0, host_left = 0;
 
   void place(const PlacementPlan& plan, int c, PlacementUnit& u, bool device_ok) {
-    const int64_t bytes = u.numel * plan.elem_bytes[size_t(c)];
+    const int64_t bytes = u.numel * plan.state.elem_bytes[size_t(c)];
     if (device_ok && bytes <= dev_left) {
       u.tier = Tier::kDevice;
       dev_left -= bytes;
@@ -184,7 +140,7 @@ void fill_optimizer_on_gpu(const PlacementConfig& pc, const PlacementPlan& plan,
       const PlacementUnit& u = units[size_t(c)].at(i);
       STRATA_CHECK(u.offset == master[i].offset && u.numel == master[i].numel,
                    "optimizer categories cut into different sub-groups");
-      bytes += u.numel * plan.elem_bytes[size_t(c)];
+      bytes += u.numel * plan.state.elem_bytes[size_t(c)];
     }
     const int64_t lo = master[i].offset, hi = lo + master[i].numel;
     device_group[i] = bytes <= fill.dev_left && on_device(Category::kParam16, lo, hi) && on_device(Category::kGrad, lo, hi);
@@ -212,7 +168,7 @@ std::array<TierSplit, kNumCategories> reached_split(const PlacementPlan& plan,
   for (int c = 0; c < kNumCategories; ++c) {
     std::array<double, kNumTiers> b{};
     for (const PlacementUnit& u : units[size_t(c)]) b[size_t(u.tier)] += double(u.numel);
-    const double total = double(plan.shard_space_numel);
+    const double total = double(plan.state.shard_space_numel);
     split[size_t(c)] = TierSplit{b[0] / total, b[1] / total, b[2] / total};
   }
   return split;
@@ -231,7 +187,7 @@ std::array<TierSplit, kNumCategories> fill_auto(const Config& cfg, const Machine
   // compute the device tier is host memory, so the two share one budget. The
   // staging buffers that what lands off the device needs are reserved and the
   // fill redone until the reserve stops changing.
-  plan.source = "auto";
+  plan.state.source = "auto";
   const double keep = 1.0 - pc.headroom;
   const int64_t kUnlimited = std::numeric_limits<int64_t>::max() / 4;
   auto budget = [&](int64_t cap) { return cap < 0 ? kUnlimited : int64_t(double(cap) * keep); };
@@ -241,11 +197,11 @@ std::array<TierSplit, kNumCategories> fill_auto(const Config& cfg, const Machine
   if (order.empty()) order = {0, 1, 2, 3, 4};
   for (int pass = 0; pass < 4; ++pass) {
     TierFill fill;
-    const int64_t act_dev = plan.activation_bytes;
+    const int64_t act_dev = plan.activations.bytes;
     if (capacity.device_is_host) {
       // One pool of host RAM: the device budget (if one is set) is carved
       // from it, and everything else, staging included, comes out of it too.
-      const int64_t pool = budget(capacity.host_bytes) - plan.activation_bytes - reserve_device - reserve_host;
+      const int64_t pool = budget(capacity.host_bytes) - plan.activations.bytes - reserve_device - reserve_host;
       fill.dev_left = capacity.device_bytes >= 0
                           ? std::min(budget(capacity.device_bytes) - act_dev - reserve_device, pool)
                           : pool;
@@ -259,7 +215,7 @@ std::array<TierSplit, kNumCategories> fill_auto(const Config& cfg, const Machine
       for (PlacementUnit& u : units[size_t(c)]) fill.place(plan, c, u, true);
     }
     if (!capacity.device_is_host) fill_optimizer_on_gpu(pc, plan, order, units, fill);
-    plan.units = units;
+    plan.state.units = units;
     const StagingNeeds need = staging_needs(plan);
     if (need.device_bytes() == reserve_device && need.host_bytes() == reserve_host) break;
     reserve_device = need.device_bytes();
@@ -283,10 +239,10 @@ void cap_window(const Config& cfg, const MachineCapacity& capacity, PlacementPla
   auto left_of = [&](int64_t pool, bool shared) {
     int64_t left = int64_t(double(pool) * keep);
     for (int c = 0; c < kNumCategories; ++c) {
-      left -= plan.bytes[size_t(c)][size_t(Tier::kDevice)];
-      if (shared) left -= plan.bytes[size_t(c)][size_t(Tier::kHost)];
+      left -= plan.state.bytes[size_t(c)][size_t(Tier::kDevice)];
+      if (shared) left -= plan.state.bytes[size_t(c)][size_t(Tier::kHost)];
     }
-    left -= plan.activation_bytes + other.grad_stage + other.grad_norms + other.ckpt_device + other.grad_accum +
+    left -= plan.activations.bytes + other.grad_stage + other.grad_norms + other.ckpt_device + other.grad_accum +
             other.tokens;
     if (shared) left -= other.host_bytes();
     return std::max<int64_t>(0, left);
@@ -301,34 +257,21 @@ void cap_window(const Config& cfg, const MachineCapacity& capacity, PlacementPla
 
 // The swap directories, and what the NVMe placement requires of the config.
 void choose_swap_paths(const Config& cfg, PlacementPlan& plan) {
-  const OffloadOptimizerConfig& oo = cfg.zero.offload_optimizer;
   const OffloadParamConfig& op = cfg.zero.offload_param;
-  const PlacementConfig& pc = cfg.placement;
-  const bool params_on_nvme = plan.bytes[0][2] > 0 || plan.bytes[1][2] > 0;
-  const bool optimizer_on_nvme = plan.bytes[2][2] > 0 || plan.bytes[3][2] > 0 || plan.bytes[4][2] > 0;
-  // Swap directories: the placement section's, else every directory the two
-  // offload sections name (the store stripes all state over all of them).
-  plan.nvme_paths = pc.nvme_path;
-  if (plan.nvme_paths.empty()) {
-    for (const auto* list : {&oo.nvme_path, &op.nvme_path}) {
-      for (const std::string& d : *list) {
-        if (std::find(plan.nvme_paths.begin(), plan.nvme_paths.end(), d) == plan.nvme_paths.end()) {
-          plan.nvme_paths.push_back(d);
-        }
-      }
-    }
-  }
-  if ((params_on_nvme || optimizer_on_nvme) && plan.nvme_paths.empty()) {
+  const bool params_on_nvme = plan.state.bytes[0][2] > 0 || plan.state.bytes[1][2] > 0;
+  const bool optimizer_on_nvme = plan.state.bytes[2][2] > 0 || plan.state.bytes[3][2] > 0 || plan.state.bytes[4][2] > 0;
+  // The swap directories are the config's intent (state_intent).
+  if ((params_on_nvme || optimizer_on_nvme) && plan.state.nvme_paths.empty()) {
     throw ConfigError("placement.nvme_path", "state is placed on nvme but no swap directory is given");
   }
-  if (params_on_nvme && op.device == "nvme" && op.buffer_size < plan.largest_block_shard_numel) {
+  if (params_on_nvme && op.device == OffloadDevice::kNvme && op.buffer_size < plan.state.largest_block_shard_numel) {
     // DeepSpeed asserts deep in a step when a parameter buffer cannot hold the
     // largest block; here it is refused before anything is allocated.
     throw ConfigError("zero_optimization.offload_param.buffer_size",
                       strprintf("%lld elements cannot hold the largest block shard (%lld elements); "
                                 "raise it to at least %lld",
-                                (long long)op.buffer_size, (long long)plan.largest_block_shard_numel,
-                                (long long)plan.largest_block_shard_numel));
+                                (long long)op.buffer_size, (long long)plan.state.largest_block_shard_numel,
+                                (long long)plan.state.largest_block_shard_numel));
   }
 }
 
@@ -339,14 +282,14 @@ void choose_swap_paths(const Config& cfg, PlacementPlan& plan) {
 // several shards gathers into a ring of two uses: never.
 void resolve_recompute(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
   const Recompute mode = cfg.run.recompute;
-  const auto& p16 = plan.bytes[size_t(Category::kParam16)];
+  const auto& p16 = plan.state.bytes[size_t(Category::kParam16)];
   const bool gathered_once = plan.shards > 1 && plan.stage < 3;
   const bool stable = gathered_once || (plan.shards == 1 && p16[size_t(Tier::kHost)] == 0 &&
                                         p16[size_t(Tier::kNvme)] == 0);
-  plan.keep_graphs = false;
+  plan.activations.keep_graphs = false;
   if (mode == Recompute::kAlways) return;
   if (mode == Recompute::kNever) {
-    if (plan.cpu_checkpointing) {
+    if (plan.activations.cpu_checkpointing) {
       throw ConfigError("run.recompute", "never keeps every layer's activations on the device, which "
                                          "activation_checkpointing.cpu_checkpointing offloads; use one of the two");
     }
@@ -356,25 +299,25 @@ void resolve_recompute(const Config& cfg, const MachineCapacity& capacity, Place
                         "whole step: it needs the working copy (param16) resident on the device, or ZeRO stage "
                         "1-2 with several ranks; use always or auto");
     }
-    plan.keep_graphs = true;
+    plan.activations.keep_graphs = true;
   } else {
     // auto: when the activations of every layer fit in what the state, the
     // staging and the recompute's activations leave of the device.
-    if (!stable || plan.cpu_checkpointing) return;
+    if (!stable || plan.activations.cpu_checkpointing) return;
     if (plan.window_cap_bytes >= 0) {
-      plan.keep_graphs = plan.window_cap_bytes >= plan.graph_extra_bytes;
+      plan.activations.keep_graphs = plan.window_cap_bytes >= plan.activations.graph_extra_bytes;
     } else if (capacity.device_is_host && capacity.host_bytes >= 0) {
       // No device budget on CPU: the graphs come out of host RAM with the rest.
       const auto t = plan.total();
       const double keep = cfg.placement.auto_place ? 1.0 - cfg.placement.headroom : 1.0;
-      plan.keep_graphs = t[size_t(Tier::kDevice)] + t[size_t(Tier::kHost)] + plan.graph_extra_bytes <=
+      plan.activations.keep_graphs = t[size_t(Tier::kDevice)] + t[size_t(Tier::kHost)] + plan.activations.graph_extra_bytes <=
                          int64_t(double(capacity.host_bytes) * keep);
     } else {
-      plan.keep_graphs = true;
+      plan.activations.keep_graphs = true;
     }
   }
-  if (plan.keep_graphs) {
-    plan.activation_bytes += plan.graph_extra_bytes;
+  if (plan.activations.keep_graphs) {
+    plan.activations.bytes += plan.activations.graph_extra_bytes;
     cap_window(cfg, capacity, plan);
   }
 }
@@ -396,10 +339,10 @@ static PlacementPlan resolve_schedule(const Config& cfg, const StateLayout& layo
   if (!b) return a;
   const std::string why = layer_gives_up(a, *b);
   if (!why.empty()) {
-    a.schedule_choice = "micro_batch (" + why + ")";
+    a.step.choice = "micro_batch (" + why + ")";
     return a;
   }
-  b->schedule_choice = "layer (fits with the same placement)";
+  b->step.choice = "layer (fits with the same placement)";
   return *b;
 }
 
@@ -415,14 +358,14 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   plan.rank = int(rank);
   plan.ranks_per_node = std::max(1, capacity.ranks_per_node);
   plan.device_addressable = capacity.device_addressable;
-  plan.schedule = cfg.run.schedule;
-  const bool gloo = cfg.comm.backend == "gloo" || (cfg.comm.backend == "auto" && cfg.run.device != DeviceKind::kCuda);
-  plan.comm_staged = plan.world_size > 1 && !plan.device_addressable && gloo;
-  plan.comm_grad_bytes = cfg.comm.data_type == "fp32" ? 4 : 2;
+  plan.step.set(cfg.run.schedule, cfg.gradient_accumulation_steps);
+  const bool gloo = comm_backend(cfg) == CommBackend::kGloo;
+  plan.comm.staged = plan.world_size > 1 && !plan.device_addressable && gloo;
+  plan.comm.grad_bytes = compute_dtype_bytes(cfg.comm.data_type);
   plan.gathered_numel = layout.total_numel();
   const int int16_bytes = compute_bytes(cfg);  // the working copy: fp32 or 16-bit
-  const int moment_bytes = cfg.run.optimizer_state_dtype == "bf16" ? 2 : 4;  // Note [bf16 state]
-  plan.elem_bytes = {int16_bytes, 4, 4, moment_bytes, moment_bytes};
+  const int moment_bytes = cfg.run.optimizer_state_dtype == MomentDtype::kBf16 ? 2 : 4;  // Note [bf16 state]
+  plan.state.elem_bytes = {int16_bytes, 4, 4, moment_bytes, moment_bytes};
   // Every rank owns equally sized shards (shard r of every block), so the
   // plans of all ranks are the same.
   std::array<std::vector<PlacementUnit>, kNumCategories> units;
@@ -433,26 +376,30 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
     // the chunks, a world-th, rounded up by one chunk of each category),
     // each range (a block's chunk of at most 2^24 elements) 4 KiB aligned.
     const int64_t chunk = int64_t(1) << 24;
-    const int64_t ranges = 3 * (int64_t(layout.num_blocks()) + plan.shard_space_numel / chunk + 1);
+    const int64_t ranges = 3 * (int64_t(layout.num_blocks()) + plan.state.shard_space_numel / chunk + 1);
     const int64_t world = plan.shards == 1 ? std::max<int64_t>(1, cfg.world_size) : 1;
-    const double elems = std::min(double(plan.shard_space_numel),
-                                  double(plan.shard_space_numel) / double(world) + double(chunk));
+    const double elems = std::min(double(plan.state.shard_space_numel),
+                                  double(plan.state.shard_space_numel) / double(world) + double(chunk));
     const double most = elems * (4 + 2 * moment_bytes) + double(ranges) * 4096;
     const double want = std::min(cfg.run.checkpoint.snapshot_gb * 1e9, most);
     plan.save_snapshot_bytes = (int64_t(want) + 4095) / 4096 * 4096;
   }
-  std::array<TierSplit, kNumCategories> split = requested_splits(cfg, plan);
+  const StateIntent intent = state_intent(cfg, plan.state.shard_space_numel);
+  plan.state.source = intent.source;
+  plan.state.nvme_paths = intent.nvme_paths;
+  plan.optimizer.pipeline_depth = pipeline_depth(intent.optimizer_buffers);
+  std::array<TierSplit, kNumCategories> split = intent.split;
   estimate_transients(cfg, layout, plan);
   if (!cfg.placement.auto_place) {
-    for (int c = 0; c < kNumCategories; ++c) assign(units[size_t(c)], split[size_t(c)], plan.shard_space_numel);
+    for (int c = 0; c < kNumCategories; ++c) assign(units[size_t(c)], split[size_t(c)], plan.state.shard_space_numel);
   } else {
     split = fill_auto(cfg, capacity, plan, units);
   }
-  plan.split = split;
-  plan.units = std::move(units);
+  plan.state.split = split;
+  plan.state.units = std::move(units);
   for (int c = 0; c < kNumCategories; ++c) {
-    for (const PlacementUnit& u : plan.units[size_t(c)]) {
-      plan.bytes[size_t(c)][size_t(u.tier)] += u.numel * plan.elem_bytes[size_t(c)];
+    for (const PlacementUnit& u : plan.state.units[size_t(c)]) {
+      plan.state.bytes[size_t(c)][size_t(u.tier)] += u.numel * plan.state.elem_bytes[size_t(c)];
     }
   }
   cap_window(cfg, capacity, plan);

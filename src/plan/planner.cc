@@ -29,7 +29,7 @@ PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, Mac
   // The swap directories are known only from a first plan; capacity matters
   // only to auto, which the second call redoes with the directories measured.
   PlacementPlan first = make_plan(cfg, layout, rank, measure({}));
-  MachineCapacity cap = measure(first.nvme_paths);
+  MachineCapacity cap = measure(first.state.nvme_paths);
   if (capacity != nullptr) *capacity = cap;
   // With rates, optimizer.speculate auto takes NVMe state's alternate slots
   // only where the bound says they gain (Note [Speculating NVMe state]).
@@ -42,7 +42,7 @@ PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, Mac
   }
   // Fixed placements too: optimizer.speculate's alternate swap slots need
   // the disk measured (resolve_speculation).
-  if (!cfg.placement.auto_place) return judged(first.nvme_paths.empty() ? first : make_plan(cfg, layout, rank, cap));
+  if (!cfg.placement.auto_place) return judged(first.state.nvme_paths.empty() ? first : make_plan(cfg, layout, rank, cap));
   if (rates != nullptr && cfg.placement.by_bound) return judged(choose_by_bound(cfg, layout, rank, cap, *rates));
   return judged(make_plan(cfg, layout, rank, cap));
 }
@@ -62,7 +62,7 @@ PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int6
     candidates.push_back({"optimizer state first", {2, 3, 4, 0, 1}, -1});
   } else {
     int64_t groups = 0;
-    for (const PlacementUnit& u : greedy.units[size_t(Category::kMaster)]) groups += u.tier == Tier::kDevice;
+    for (const PlacementUnit& u : greedy.state.units[size_t(Category::kMaster)]) groups += u.tier == Tier::kDevice;
     if (groups > 0) {
       candidates.push_back({"no optimizer sub-group in HBM", {}, 0});
       if (groups > 1) candidates.push_back({strprintf("%lld of %lld sub-groups in HBM", (long long)(groups / 2),
@@ -84,7 +84,7 @@ PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int6
     const StepWork w = predicted_work(c, p, train_fetches(p), step_network_bytes(p));
     if (!missing_rates(w, rates, cpu_compute).empty()) {
       if (i == 0) {  // nothing to compare with: the greedy fill, said why
-        greedy.auto_choice = "greedy fill (not judged by the bound: no rate for " +
+        greedy.state.auto_choice = "greedy fill (not judged by the bound: no rate for " +
                              missing_rates(w, rates, cpu_compute).front() + ")";
         return greedy;
       }
@@ -103,27 +103,27 @@ PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int6
   // Note [Auto's margin]: another candidate replaces the greedy fill only
   // when its bound is lower by more than kAutoMargin.
   if (best_name != candidates[0].name && best_s > greedy_s * (1 - kAutoMargin)) {
-    greedy.auto_choice = strprintf(
+    greedy.state.auto_choice = strprintf(
         "%s: bound %.3f s (%s: %.3f s, not %.0f%% lower: within what the bound leaves out)", candidates[0].name.c_str(),
         greedy_s, best_name.c_str(), best_s, kAutoMargin * 100);
-    if (!unjudged.empty()) greedy.auto_choice += "; not judged (no rate): " + unjudged;
+    if (!unjudged.empty()) greedy.state.auto_choice += "; not judged (no rate): " + unjudged;
     return greedy;
   }
-  best.auto_choice = strprintf("%s: bound %.3f s", best_name.c_str(), best_s);
-  if (runner_s >= 0) best.auto_choice += strprintf("; runner-up %s: %.3f s", runner_name.c_str(), runner_s);
+  best.state.auto_choice = strprintf("%s: bound %.3f s", best_name.c_str(), best_s);
+  if (runner_s >= 0) best.state.auto_choice += strprintf("; runner-up %s: %.3f s", runner_name.c_str(), runner_s);
   if (best_name != candidates[0].name && runner_name != candidates[0].name) {
-    best.auto_choice += strprintf("; greedy fill: %.3f s", greedy_s);
+    best.state.auto_choice += strprintf("; greedy fill: %.3f s", greedy_s);
   }
-  if (!unjudged.empty()) best.auto_choice += "; not judged (no rate): " + unjudged;
+  if (!unjudged.empty()) best.state.auto_choice += "; not judged (no rate): " + unjudged;
   return best;
 }
 
 void judge_speculation_by_bound(const Config& cfg, const Rates& rates, bool cpu_compute, PlacementPlan& plan) {
-  if (cfg.optimizer.speculate != Speculate::kAuto || !plan.speculate || !plan.speculate_slots) return;
+  if (cfg.optimizer.speculate != Speculate::kAuto || !plan.optimizer.speculate || !plan.optimizer.speculate_slots) return;
   PlacementPlan off = plan;
-  off.speculate = false;
-  off.speculate_slots = false;
-  off.nvme_spare_bytes = 0;
+  off.optimizer.speculate = false;
+  off.optimizer.speculate_slots = false;
+  off.optimizer.nvme_spare_bytes = 0;
   const StepWork won = predicted_work(cfg, plan, train_fetches(plan), step_network_bytes(plan));
   const StepWork woff = predicted_work(cfg, off, train_fetches(off), step_network_bytes(off));
   if (!missing_rates(won, rates, cpu_compute).empty() || !missing_rates(woff, rates, cpu_compute).empty()) return;
@@ -131,14 +131,14 @@ void judge_speculation_by_bound(const Config& cfg, const Rates& rates, bool cpu_
   const double off_s = step_bound(woff, rates, cpu_compute).seconds;
   const double clipped_s = step_bound(clipped_work(won), rates, cpu_compute).seconds;
   if (on_s < off_s * (1 - kAutoMargin)) {
-    plan.speculate_choice +=
+    plan.optimizer.speculate_choice +=
         strprintf(" (the bound: %.3f s a step, %.3f s without; a clipped step %.3f s)", on_s, off_s, clipped_s);
     return;
   }
-  off.speculate_choice = strprintf(
+  off.optimizer.speculate_choice = strprintf(
       "off (optimizer state on NVMe: its alternate slots would take %s more disk for a bound of %.3f s a step "
       "against %.3f s without, not %.0f%% lower, and a clipped step %.3f s; \"on\" to force)",
-      format_bytes(double(plan.nvme_spare_bytes)).c_str(), on_s, off_s, kAutoMargin * 100, clipped_s);
+      format_bytes(double(plan.optimizer.nvme_spare_bytes)).c_str(), on_s, off_s, kAutoMargin * 100, clipped_s);
   plan = std::move(off);
 }
 
@@ -177,10 +177,10 @@ PlacementPlan choose_schedule_by_bound(const Config& cfg, const StateLayout& lay
                      layer_default ? "layer fits with the same placement" : gives_up.c_str());
   }
   if (take_layer) {
-    b->schedule_choice = strprintf("layer: bound %.3f s (micro_batch: %.3f s%s)", sb, sa, note.c_str());
+    b->step.choice = strprintf("layer: bound %.3f s (micro_batch: %.3f s%s)", sb, sa, note.c_str());
     return *b;
   }
-  a.schedule_choice = strprintf("micro_batch: bound %.3f s (layer: %.3f s%s)", sa, sb, note.c_str());
+  a.step.choice = strprintf("micro_batch: bound %.3f s (layer: %.3f s%s)", sa, sb, note.c_str());
   return a;
 }
 

@@ -49,7 +49,7 @@ PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, Mac
 // gradients before parameters), each that fits costed with predicted_work
 // and step_bound at `rates`, the lowest chosen where it beats the greedy
 // fill's by more than kAutoMargin (Note [Auto's margin]), else the greedy fill.
-// plan.auto_choice says which and the runner-up's bound. A candidate whose
+// plan.state.auto_choice says which and the runner-up's bound. A candidate whose
 // work needs a rate `rates` lacks is not judged.
 //
 // Note [Auto's margin]
@@ -58,7 +58,7 @@ PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, Mac
 // bound (parameters and gradients on NVMe, their fetches and gradient
 // writes partly on the compute's thread) ran 10-28% slower (BENCHMARKS.md,
 // "The step's bound"). So another candidate wins only when its bound is
-// lower than the greedy fill's by more than kAutoMargin; plan.auto_choice
+// lower than the greedy fill's by more than kAutoMargin; plan.state.auto_choice
 // then names the candidate that was not taken.
 inline constexpr double kAutoMargin = 0.10;
 PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int64_t rank,
@@ -86,7 +86,7 @@ void judge_speculation_by_bound(const Config& cfg, const Rates& rates, bool cpu_
 // the plan under each schedule (placement auto by the bound within each), and
 // the layer schedule when it fits and its bound is lower; with one
 // micro-batch, or a rate missing, as make_plan decides without rates.
-// plan.schedule_choice says which and why.
+// plan.step.choice says which and why.
 PlacementPlan choose_schedule_by_bound(const Config& cfg, const StateLayout& layout, int64_t rank,
                                        const MachineCapacity& capacity, const Rates& rates);
 

@@ -20,14 +20,14 @@ WindowShape window_shape(const PlacementPlan& plan) {
 namespace {
 
 bool off_device(const PlacementPlan& plan, Category c) {
-  for (const PlacementUnit& u : plan.units[size_t(c)]) {
+  for (const PlacementUnit& u : plan.state.units[size_t(c)]) {
     if (u.tier != Tier::kDevice) return true;
   }
   return false;
 }
 
 bool on_nvme(const PlacementPlan& plan, Category c) {
-  for (const PlacementUnit& u : plan.units[size_t(c)]) {
+  for (const PlacementUnit& u : plan.state.units[size_t(c)]) {
     if (u.tier == Tier::kNvme) return true;
   }
   return false;
@@ -39,47 +39,47 @@ void gradient_staging(const PlacementPlan& plan, StagingNeeds& n) {
   const bool grads_off_device = off_device(plan, Category::kGrad);
   // Under the layer schedule at one rank, a block's micro-batches are summed
   // in one block-sized buffer and land once (Note [Gradient path]).
-  if (plan.layer_major() && plan.world_size <= 1 && plan.accum > 1 && grads_off_device) n.grad_accum = largest * 4;
+  if (plan.step.sums_each_block() && plan.world_size <= 1 && grads_off_device) n.grad_accum = largest * 4;
   // (The CPU device lays gradients out in the landing buffers themselves.)
   // With ranks: a stage per block's reduction, unless the step's sum is
-  // reduced (PlacementPlan::reduce_per_step, the buffer grad_accum).
-  n.grad_stage = plan.world_size > 1 ? (plan.reduce_per_step ? 0 : largest * 4)
+  // reduced (CommPlan::reduce_per_step, the buffer grad_accum).
+  n.grad_stage = plan.world_size > 1 ? (plan.comm.reduce_per_step ? 0 : largest * 4)
                  : plan.tied || (grads_off_device && !plan.device_addressable && n.grad_accum == 0) ? largest * 4 : 0;
   const int64_t blocks = int64_t(plan.block_numel.size());
   n.grad_norms = blocks * 8;
   if (!plan.device_addressable) {
-    n.grad_norms += (plan.largest_block_shard_numel + cpu_adam::kNormChunk - 1) / cpu_adam::kNormChunk * 8;
+    n.grad_norms += (plan.state.largest_block_shard_numel + cpu_adam::kNormChunk - 1) / cpu_adam::kNormChunk * 8;
   }
   int64_t landing = 0;
-  const std::vector<PlacementUnit>& grads = plan.units[size_t(Category::kGrad)];
+  const std::vector<PlacementUnit>& grads = plan.state.units[size_t(Category::kGrad)];
   for (size_t b = 0; b < grads.size(); ++b) {
     if (grads[b].tier != Tier::kDevice) landing = std::max(landing, grads[b].numel * grad_wire_bytes(plan, b));
   }
   n.grad_host = 2 * landing;
-  n.grad_rmw = on_nvme(plan, Category::kGrad) ? plan.largest_block_shard_numel * 4 : 0;
+  n.grad_rmw = on_nvme(plan, Category::kGrad) ? plan.state.largest_block_shard_numel * 4 : 0;
 }
 
 // The buffers of the collectives between ranks.
 void comm_staging(const PlacementPlan& plan, StagingNeeds& n) {
   const int64_t largest = plan.largest_block_numel;
   if (plan.shards > 1 && plan.stage == 3) {
-    n.gather = (2 * (plan.tied ? 2 : 1) * largest + plan.kept_gathered_numel) * plan.compute_bytes;
+    n.gather = (2 * (plan.tied ? 2 : 1) * largest + plan.comm.kept_gathered_numel) * plan.compute_bytes;
   } else if (plan.shards > 1) {
     n.gather = plan.gathered_numel * plan.compute_bytes;
   }
-  if (plan.comm_staged) n.comm_host = 2 * int64_t(plan.world_size) * kStagedPieceBytes;
-  if (plan.reduce_per_step) n.grad_accum = plan.gathered_numel * 4;
-  if (plan.secondary_shard) {
+  if (plan.comm.staged) n.comm_host = 2 * int64_t(plan.world_size) * kStagedPieceBytes;
+  if (plan.comm.reduce_per_step) n.grad_accum = plan.gathered_numel * 4;
+  if (plan.comm.secondary_shard) {
     for (size_t b = 0; b < plan.block_numel.size(); ++b) {
-      if (plan.keep_gathered.empty() || !plan.keep_gathered[b]) {
+      if (plan.comm.keep_gathered.empty() || !plan.comm.keep_gathered[b]) {
         n.secondary += plan.block_numel[b] * plan.nodes() * plan.compute_bytes;
       }
     }
   }
   if (plan.world_size > 1) {
-    n.grad_sync = n.grad_stage + (plan.stage >= 2 ? 2 * plan.largest_block_shard_numel * 4 : 0);
-    if (plan.comm_grad_bytes < 4) {
-      n.grad_sync += 2 * (largest + (plan.stage >= 2 ? plan.largest_block_shard_numel : 0)) * plan.comm_grad_bytes;
+    n.grad_sync = n.grad_stage + (plan.stage >= 2 ? 2 * plan.state.largest_block_shard_numel * 4 : 0);
+    if (plan.comm.grad_bytes < 4) {
+      n.grad_sync += 2 * (largest + (plan.stage >= 2 ? plan.state.largest_block_shard_numel : 0)) * plan.comm.grad_bytes;
     }
   }
 }
@@ -95,7 +95,7 @@ void optimizer_staging(const PlacementPlan& plan, StagingNeeds& n) {
     return !t.has_value() || *t == Tier::kNvme || (!plan.device_addressable && *t == Tier::kDevice);
   };
   bool grad_staged = false, emit_staged = false, state_staged = false;
-  for (const PlacementUnit& g : plan.units[size_t(Category::kMaster)]) {
+  for (const PlacementUnit& g : plan.state.units[size_t(Category::kMaster)]) {
     if (device_adam_piece(plan, g)) continue;
     grad_staged |= staged(Category::kGrad, g);
     emit_staged |= staged(Category::kParam16, g);
@@ -103,11 +103,11 @@ void optimizer_staging(const PlacementPlan& plan, StagingNeeds& n) {
   }
   // Note [Optimizer pipeline]: with staging, `pipeline_depth` sets of it let
   // sub-group j+1 be read while j is updated and j-1 written back.
-  n.opt_sets = grad_staged || state_staged || emit_staged ? plan.pipeline_depth : 0;
+  n.opt_sets = grad_staged || state_staged || emit_staged ? plan.optimizer.pipeline_depth : 0;
   n.opt_grad = grad_staged ? n.opt_sets * group * 4 : 0;
-  const int64_t state_elem_bytes = plan.elem_bytes[size_t(Category::kMaster)] +
-                                   plan.elem_bytes[size_t(Category::kExpAvg)] +
-                                   plan.elem_bytes[size_t(Category::kExpAvgSq)];
+  const int64_t state_elem_bytes = plan.state.elem_bytes[size_t(Category::kMaster)] +
+                                   plan.state.elem_bytes[size_t(Category::kExpAvg)] +
+                                   plan.state.elem_bytes[size_t(Category::kExpAvgSq)];
   n.opt_state = state_staged ? n.opt_sets * group * state_elem_bytes : 0;
   n.opt_emit = emit_staged ? n.opt_sets * group * plan.compute_bytes : 0;
 }
@@ -125,17 +125,17 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
   if (!plan.device_addressable && on_nvme(plan, Category::kParam16)) {
     n.window_bounce = n.gathered;  // one bounce buffer per slot and for the persistent blocks
   }
-  n.tokens = plan.token_bytes;
+  n.tokens = plan.step.token_bytes;
   bool saved_on_device = false;
   for (Category c : {Category::kMaster, Category::kExpAvg, Category::kExpAvgSq}) {
-    saved_on_device |= plan.bytes[size_t(c)][size_t(Tier::kDevice)] > 0;
+    saved_on_device |= plan.state.bytes[size_t(c)][size_t(Tier::kDevice)] > 0;
   }
   if (!plan.device_addressable && saved_on_device) n.save_bounce = kSaveBounceBytes;
   n.save_snapshot = plan.save_snapshot_bytes;
   comm_staging(plan, n);
-  if (plan.cpu_checkpointing) {
-    n.ckpt_device = std::min<int64_t>(2, plan.held_micro * plan.checkpoint_layers) * plan.checkpoint_bytes;
-    n.ckpt_host = plan.held_micro * plan.checkpoint_layers * plan.checkpoint_bytes;
+  if (plan.activations.cpu_checkpointing) {
+    n.ckpt_device = std::min<int64_t>(2, plan.step.held_micro * plan.activations.checkpoint_layers) * plan.activations.checkpoint_bytes;
+    n.ckpt_host = plan.step.held_micro * plan.activations.checkpoint_layers * plan.activations.checkpoint_bytes;
   }
   optimizer_staging(plan, n);
   return n;

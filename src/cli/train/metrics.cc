@@ -53,7 +53,7 @@ nlohmann::json step_line(const StepResult& r, const StepTiming& t) {
       {"comm_wait_s", r.comm_wait_s},
   };
   if (!r.speculation.empty()) {
-    // Note [Speculative optimizer] in engine/optimizer_pass.h.
+    // Note [Speculative optimizer] in engine/optimizer/optimizer_pass.h.
     line["speculation"] = r.speculation;
     line["optimizer_hidden_s"] = r.optimizer_hidden_s;
     line["redone_elements"] = r.redone_elements;

@@ -26,7 +26,7 @@ Manifest Saves::header(int64_t step, double lr) const {
   // rate of the last step applied.
   const int64_t applied = s_.trainer->optimizer_steps();
   if (applied != step) lr = applied > 0 ? learning_rate(cfg.scheduler, cfg.optimizer.lr, applied) : 0.0;
-  h.trainer = {{"scheduler", {{"type", cfg.scheduler.type}, {"step", applied}, {"lr", lr}}}};
+  h.trainer = {{"scheduler", {{"type", scheduler_type_name(cfg.scheduler.type)}, {"step", applied}, {"lr", lr}}}};
   h.data = {{"rng", state.str()}, {"sequences", step * cfg.train_batch_size}, {"tokens", s_.data->num_tokens()}};
   h.config = rank_invariant_config(cfg);
   h.invariants = resume_invariants(cfg);

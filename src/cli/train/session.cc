@@ -158,7 +158,7 @@ void check_checkpoint_dir(const std::string& dir, int64_t bytes, int64_t keep, i
 // of manifest and parts.
 int64_t checkpoint_bytes(const Config& cfg, int local, int world) {
   const StateLayout layout(model_layout_specs(cfg.model), shard_count(cfg));
-  const int64_t moment = cfg.run.optimizer_state_dtype == "bf16" ? 2 : 4;
+  const int64_t moment = cfg.run.optimizer_state_dtype == MomentDtype::kBf16 ? 2 : 4;
   int64_t total = 0;
   for (size_t b = 0; b < layout.num_blocks(); ++b) {
     const int64_t n = layout.block(b).numel;
@@ -222,13 +222,11 @@ void measure_train_rates(Config& cfg, Device& device, Communicator& comm, int ra
   measure_rates(cfg, plan, &device, work, rates, 0.2, ProbeRoom{true, local_ranks, /*keep=*/rank == 0});
   store_rates(rates, cfg.run.rates);
   if (comm.world_size() > 1) {
-    double* r = &cfg.run.rates.device_tflops;  // RateOverrides: doubles only
-    constexpr size_t kRates = 12;
-    static_assert(sizeof(RateOverrides) == kRates * sizeof(double), "RateOverrides holds doubles only");
-    std::vector<int64_t> bits(kRates);
-    std::memcpy(bits.data(), r, sizeof(RateOverrides));
-    comm.broadcast(bits.data(), int64_t(kRates), DType::kI64, 0).wait();
-    std::memcpy(r, bits.data(), sizeof(RateOverrides));
+    std::array<double, kNumRates>& r = cfg.run.rates.given;  // the rates table's rows
+    std::vector<int64_t> bits(kNumRates);
+    std::memcpy(bits.data(), r.data(), sizeof(r));
+    comm.broadcast(bits.data(), int64_t(kNumRates), DType::kI64, 0).wait();
+    std::memcpy(r.data(), bits.data(), sizeof(r));
   }
 }
 
@@ -245,7 +243,7 @@ TrainBound train_bound(const Config& cfg, const Trainer& trainer) {
   for (const ResourceTime& t : bound.resources) rows += strprintf("; %s %.3f s", t.resource.c_str(), t.seconds);
   log::info("bound: %.3f s per step, by %s (docs/design.md, \"The step's bound\")%s", bound.seconds,
             bound.binding.c_str(), rows.c_str());
-  if (!plan.auto_choice.empty()) log::info("auto placement: %s", plan.auto_choice.c_str());
+  if (!plan.state.auto_choice.empty()) log::info("auto placement: %s", plan.state.auto_choice.c_str());
   return b;
 }
 
@@ -287,16 +285,16 @@ void report_start(const TrainSession& s) {
             format_bytes(double(sb.grad)).c_str(), format_bytes(double(sb.optimizer)).c_str(),
             format_bytes(double(sb.total())).c_str());
   log::info("placement (%s): device %s, host %s, nvme %s (state + staging)",
-            trainer.plan().source.c_str(), format_bytes(double(peak[0])).c_str(),
+            trainer.plan().state.source.c_str(), format_bytes(double(peak[0])).c_str(),
             format_bytes(double(peak[1])).c_str(), format_bytes(double(peak[2])).c_str());
   {
     const PlacementPlan& p = trainer.plan();
     const int64_t slots = speculated_slot_numel(p);
-    log::info("schedule: %s; optimizer behind the backward: %s%s", schedule_name(p.schedule),
-              p.speculate_choice.c_str(),
+    log::info("schedule: %s; optimizer behind the backward: %s%s", schedule_name(p.step.schedule),
+              p.optimizer.speculate_choice.c_str(),
               slots > 0 ? strprintf(", %s elements in alternate swap slots (%s more disk)",
                                     strprintf("%.4g M", double(slots) / 1e6).c_str(),
-                                    format_bytes(double(p.nvme_spare_bytes)).c_str())
+                                    format_bytes(double(p.optimizer.nvme_spare_bytes)).c_str())
                               .c_str()
                         : "");
   }
@@ -344,7 +342,7 @@ std::string meet_ranks(TrainSession& s) {
   const Config& cfg = s.cfg;
   const RankInfo& who = s.who;
   CommOptions co;
-  co.backend = cfg.comm.backend == "auto" ? (cfg.run.device == DeviceKind::kCuda ? "nccl" : "gloo") : cfg.comm.backend;
+  co.backend = comm_backend_name(comm_backend(cfg));
   co.timeout_s = cfg.comm.timeout_s;
   if (const char* ifname = std::getenv("GLOO_SOCKET_IFNAME")) co.socket_ifname = ifname;
   s.comm = make_communicator(who, co);
@@ -356,7 +354,7 @@ std::string meet_ranks(TrainSession& s) {
   }
   check_configs_agree(cfg, *s.comm);
   if (cfg.zero.hpz_partition_size > 1 && cfg.zero.hpz_partition_size != who.local_world_size &&
-      cfg.zero.stage == 3 && cfg.comm.secondary_shard != "off" && who.world_size > who.local_world_size) {
+      cfg.zero.stage == 3 && cfg.comm.secondary_shard != SecondaryShard::kOff && who.world_size > who.local_world_size) {
     throw ConfigError("zero_optimization.zero_hpz_partition_size",
                       strprintf("%lld, but this node has %d rank(s): Strata's secondary shard spans the ranks of a "
                                 "node (docs/config.md, comm.secondary_shard)",
@@ -396,7 +394,7 @@ void check_inputs(TrainSession& s) {
     const int64_t saves = every > 0 ? (cfg.run.steps + every - 1) / every : 1;  // at most: a resume makes fewer
     // The node's swap files, created next, on the same file system come first.
     int64_t swap = 0;
-    if (!fitted.nvme_paths.empty() && device_of(fitted.nvme_paths.front()) == device_of(cfg.run.checkpoint.dir)) {
+    if (!fitted.state.nvme_paths.empty() && device_of(fitted.state.nvme_paths.front()) == device_of(cfg.run.checkpoint.dir)) {
       swap = fitted.total()[size_t(Tier::kNvme)] * who.local_world_size;
     }
     on_every_rank(*s.comm, "to write run.checkpoint.dir", [&] {
@@ -406,7 +404,7 @@ void check_inputs(TrainSession& s) {
   // Every rank reads the data files: one that cannot (a file missing on its node) stops them all here, not
   // in the next collective.
   on_every_rank(*s.comm, "to read data.path", [&] {
-    s.data = std::make_unique<TokenDataset>(cfg.data.paths, parse_token_format(cfg.data.format),
+    s.data = std::make_unique<TokenDataset>(cfg.data.paths, cfg.data.format,
                                             cfg.model.vocab_size, cfg.model.seq_len, cfg.data.val_fraction);
   });
 }

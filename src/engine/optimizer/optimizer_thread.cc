@@ -1,4 +1,4 @@
-#include "engine/optimizer_thread.h"
+#include "engine/optimizer/optimizer_thread.h"
 
 #include <chrono>
 #include <climits>

@@ -1,5 +1,5 @@
 // The optimizer pass and its staging (optimizer_pass.h).
-#include "engine/optimizer_pass.h"
+#include "engine/optimizer/optimizer_pass.h"
 
 #include <algorithm>
 #include <chrono>
@@ -61,7 +61,7 @@ void maybe_kill(const OptimizerThread::Job& job, size_t pos, size_t n) {
 
 OptimizerStaging::OptimizerStaging(const PlacementPlan& plan, TieredState& state)
     : sets_(std::max(1, plan.staging.opt_sets)), piece_numel_(pipeline_piece_numel(plan)),
-      elem_bytes_(plan.elem_bytes) {
+      elem_bytes_(plan.state.elem_bytes) {
   const StagingNeeds& need = plan.staging;
   Device& device = state.device();
   auto bytes_of = [&](Category c) { return size_t(sets_) * size_t(piece_numel_ * elem_bytes_[size_t(c)]); };
@@ -124,6 +124,35 @@ int adam_threads(const Config& cfg, const Device& device) {
   return std::max(1, cores - 2);
 }
 
+// Note [Speculative optimizer]: the speculating pieces in the order their
+// gradients become final (memory/schedule.h, gradient_final_order): a piece
+// is ready when the last of its blocks is; among pieces ready together, the
+// later in shard space first. Both schedules finalise blocks from the head
+// down, so this is the pieces from the last to the first.
+std::vector<size_t> OptimizerPass::speculation_order(const PlacementPlan& plan) const {
+  const size_t blocks = ctx_.layout->num_blocks();
+  std::vector<int64_t> final_at(blocks, 0);
+  const std::vector<int32_t> order = gradient_final_order(plan.step.ops(int(blocks), plan.tied));
+  for (size_t i = 0; i < order.size(); ++i) final_at[size_t(order[i])] = int64_t(i);
+  std::vector<std::pair<int64_t, size_t>> ready;  // (when its gradients are final, piece)
+  for (size_t j = 0; j < pieces_.size(); ++j) {
+    if (!piece_speculates_[j]) continue;
+    const PlacementUnit& p = pieces_[j];
+    int64_t at = 0;
+    for (size_t b = 0; b < blocks; ++b) {
+      const int64_t lo = ctx_.shard_offset[b], hi = lo + ctx_.shard_numel(b);
+      if (lo < p.offset + p.numel && p.offset < hi) at = std::max(at, final_at[b]);
+    }
+    ready.emplace_back(at, j);
+  }
+  std::sort(ready.begin(), ready.end(), [](const auto& x, const auto& y) {
+    return x.first != y.first ? x.first < y.first : x.second > y.second;
+  });
+  std::vector<size_t> out;
+  for (const auto& r : ready) out.push_back(r.second);
+  return out;
+}
+
 OptimizerPass::OptimizerPass(const StepContext& ctx, const PlacementPlan& plan, cpu_adam::Isa isa)
     : ctx_(ctx), adam_(std::make_unique<cpu_adam::CpuAdam>(adam_threads(*ctx.cfg, *ctx.device), isa)) {
   pieces_ = pipeline_pieces(plan);
@@ -138,15 +167,13 @@ OptimizerPass::OptimizerPass(const StepContext& ctx, const PlacementPlan& plan, 
   }
   device_done_.resize(pieces_.size());
   for (size_t j = 0; j < pieces_.size(); ++j) {
-    piece_speculates_.push_back(plan.speculate && !piece_on_device_[j] ? 1 : 0);
+    piece_speculates_.push_back(plan.optimizer.speculate && !piece_on_device_[j] ? 1 : 0);
     piece_slots_.push_back(speculates_in_slots(plan, pieces_[j]) ? 1 : 0);
     speculates_ |= piece_speculates_.back() != 0;
     ascending_.push_back(j);
   }
   speculated_numel_ = ::strata::speculated_numel(plan);  // the pieces flagged above
-  for (size_t j = pieces_.size(); j-- > 0;) {
-    if (piece_speculates_[j]) descending_.push_back(j);
-  }
+  descending_ = speculation_order(plan);
   set_of_.assign(pieces_.size(), 0);
   staging_ = std::make_unique<OptimizerStaging>(plan, *ctx.state);
   sets_.resize(size_t(staging_->sets()));
@@ -423,7 +450,7 @@ void OptimizerPass::stage_piece(size_t j, const OptimizerThread::Job& job) {
   }
   OptSet& sp = sets_[size_t(k)];
   sp.adam = cpu_adam::AdamSpans();
-  sp.adam.state_type = plan.bf16_moments() ? cpu_adam::StateType::kBF16 : cpu_adam::StateType::kF32;
+  sp.adam.state_type = plan.state.bf16_moments() ? cpu_adam::StateType::kBF16 : cpu_adam::StateType::kF32;
   sp.adam.grad_type = cpu_adam::GradType::kF32;
   sp.adam.numel = g.numel;
   sp.keeps_state = false;
@@ -563,7 +590,7 @@ void OptimizerPass::launch_device_run(const cpu_adam::AdamParams& h, const Optim
   s.param = reinterpret_cast<float*>(home(Category::kMaster).raw());
   s.exp_avg = home(Category::kExpAvg).raw();
   s.exp_avg_sq = home(Category::kExpAvgSq).raw();
-  s.state_type = ctx_.state->plan().bf16_moments() ? cpu_adam::StateType::kBF16 : cpu_adam::StateType::kF32;
+  s.state_type = ctx_.state->plan().state.bf16_moments() ? cpu_adam::StateType::kBF16 : cpu_adam::StateType::kF32;
   s.grad_type = cpu_adam::GradType::kF32;
   s.numel = r.numel;
   const DevicePtr working = home(Category::kParam16);

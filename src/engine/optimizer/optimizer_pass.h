@@ -16,7 +16,8 @@
 #include <vector>
 
 #include "cpu_adam/adam.h"
-#include "engine/optimizer_thread.h"
+#include "engine/optimizer/optimizer_thread.h"
+#include "engine/optimizer/save_gate.h"
 #include "engine/step_context.h"
 #include "memory/buffer.h"
 #include "memory/placement.h"
@@ -60,19 +61,6 @@ class OptimizerStaging {
   std::vector<Completion> read_done_, write_done_;
 };
 
-// A checkpoint save in flight that reads state an optimizer pass overwrites
-// (Note [Saving while training] in checkpoint/checkpoint.h).
-class SaveGate {
- public:
-  virtual ~SaveGate() = default;
-  // The optimizer step whose state it saves: passes of later steps wait.
-  virtual int64_t applied() const = 0;
-  // Until what it saves of shard offsets [begin, end) may be overwritten:
-  // written, or copied into its snapshot pool (Note [Save snapshots] in
-  // checkpoint/checkpoint.h). Returns the seconds it waited for the save.
-  virtual double make_writable(int64_t begin, int64_t end) = 0;
-};
-
 // Note [Optimizer pipeline]
 // The loop walks pipeline pieces (sub-groups cut to at most
 // kPipelineChunkElems, Note [Pipeline pieces] in placement.h). Staging comes
@@ -96,7 +84,7 @@ class SaveGate {
 // transfers, so they pipeline the same way instead of waiting per copy.
 //
 // Note [Speculative optimizer]
-// With optimizer.speculate (PlacementPlan::speculate) the update runs behind
+// With optimizer.speculate (OptimizerPlan::speculate) the update runs behind
 // the backward, exact. Its inputs but two are known when the step begins:
 // the learning rate, the Adam step, the loss scale; the two that are not are
 // the clip coefficient (the global norm, after the whole backward and its
@@ -131,7 +119,7 @@ class SaveGate {
 // the gradient, master and moments (16 bytes per element with fp32
 // moments, 12 with bf16) beside the inline pass's reads and writes.
 // The mechanism "alternate slots", for pieces whose master weights and
-// moments all live on NVMe (PlacementPlan::speculate_slots, where the disk
+// moments all live on NVMe (OptimizerPlan::speculate_slots, where the disk
 // has room for a second copy): the pre-step state is kept by writing the
 // new one elsewhere. The speculation steps the staged copies in full and
 // writes master and moments into the pieces' spare swap slots (Note
@@ -265,13 +253,16 @@ class OptimizerPass {
   std::vector<std::string> speculate_names_, commit_names_;  // per piece: trace spans
   std::vector<char> piece_on_device_;     // per piece: device_adam_piece()
   // Note [Speculative optimizer]: per piece, whether it speculates (CPU
-  // Adam's pieces, with PlacementPlan::speculate); the pieces in shard
+  // Adam's pieces, with OptimizerPlan::speculate); the pieces in shard
   // order, and those that speculate from the highest down.
   std::vector<char> piece_speculates_;
   std::vector<char> piece_slots_;  // and whether into alternate swap slots (speculates_in_slots)
   bool speculates_ = false;
   int64_t speculated_numel_ = 0;
   std::atomic<int64_t> reached_block_{INT64_MAX};
+  std::vector<size_t> speculation_order(const PlacementPlan& plan) const;
+  // The pieces in shard order, and the speculating ones in the order their
+  // gradients become final (speculation_order).
   std::vector<size_t> ascending_, descending_;
   std::vector<int> set_of_;               // per piece: its staging set in the running job
   GradientSource* gradients_ = nullptr;

@@ -2,7 +2,7 @@
 // optimizer_pass.h): a piece's speculative pass and its restore, and the
 // pass's speculation from the trainer's side (start, verdict, abandon, the
 // waits of the blocks it updates). The rest of the pass is optimizer_pass.cc.
-#include "engine/optimizer_pass.h"
+#include "engine/optimizer/optimizer_pass.h"
 
 #include <algorithm>
 #include <cstring>
