@@ -77,7 +77,7 @@ TEST(ConfigDefaults, MinimalConfigGivesDocumentedDefaults) {
 
   ASSERT_EQ(c.data.paths.size(), 1u);
   EXPECT_EQ(c.data.paths[0], "corpus.txt");
-  EXPECT_EQ(data_format_name(c.data.format), "text");
+  EXPECT_STREQ(data_format_name(c.data.format), "text");
   EXPECT_DOUBLE_EQ(c.data.val_fraction, 0.1);
   EXPECT_EQ(c.data.eval_interval, 50);
   EXPECT_EQ(c.data.eval_batches, 4);
@@ -86,20 +86,20 @@ TEST(ConfigDefaults, MinimalConfigGivesDocumentedDefaults) {
   EXPECT_EQ(c.run.seed, 1234u);
   EXPECT_EQ(c.run.log_level, "info");
   EXPECT_EQ(c.run.device, DeviceKind::kCpu);
-  EXPECT_EQ(moment_dtype_name(c.run.optimizer_state_dtype), "fp32");
+  EXPECT_STREQ(moment_dtype_name(c.run.optimizer_state_dtype), "fp32");
   EXPECT_EQ(c.run.threads, 0);
   EXPECT_EQ(c.run.compute_dtype, ComputeDtype::kFp32);
   EXPECT_TRUE(c.run.metrics.empty());
   EXPECT_TRUE(c.run.log_file.empty());
 
-  EXPECT_EQ(optimizer_type_name(c.optimizer.type), "AdamW");
+  EXPECT_STREQ(optimizer_type_name(c.optimizer.type), "AdamW");
   EXPECT_DOUBLE_EQ(c.optimizer.lr, 1e-3);
   EXPECT_DOUBLE_EQ(c.optimizer.beta1, 0.9);
   EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.999);
   EXPECT_DOUBLE_EQ(c.optimizer.eps, 1e-8);
   EXPECT_DOUBLE_EQ(c.optimizer.weight_decay, 0.01);
   EXPECT_TRUE(c.optimizer.adam_w_mode);
-  EXPECT_EQ(scheduler_type_name(c.scheduler.type), "");
+  EXPECT_STREQ(scheduler_type_name(c.scheduler.type), "");
 
   EXPECT_FALSE(c.fp16.enabled);
   EXPECT_DOUBLE_EQ(c.fp16.loss_scale, 0.0);
@@ -120,12 +120,12 @@ TEST(ConfigDefaults, MinimalConfigGivesDocumentedDefaults) {
   EXPECT_EQ(c.zero.stage3_max_live_parameters, 1000000000);
   EXPECT_EQ(c.zero.stage3_max_reuse_distance, 1000000000);
   EXPECT_FALSE(c.zero.stage3_gather_16bit_weights_on_model_save);
-  EXPECT_EQ(offload_device_name(c.zero.offload_param.device), "none");
+  EXPECT_STREQ(offload_device_name(c.zero.offload_param.device), "none");
   EXPECT_EQ(c.zero.offload_param.buffer_count, 5);
   EXPECT_EQ(c.zero.offload_param.buffer_size, 100000000);
   EXPECT_EQ(c.zero.offload_param.max_in_cpu, 1000000000);
   EXPECT_TRUE(c.zero.offload_param.pin_memory);
-  EXPECT_EQ(offload_device_name(c.zero.offload_optimizer.device), "none");
+  EXPECT_STREQ(offload_device_name(c.zero.offload_optimizer.device), "none");
   EXPECT_EQ(c.zero.offload_optimizer.buffer_count, 4);
   EXPECT_DOUBLE_EQ(c.zero.offload_optimizer.ratio, 1.0);
 
@@ -358,20 +358,20 @@ TEST(ConfigRanges, OutOfRangeNamesKey) {
   EXPECT_CONFIG_ERROR(with({{"gradient_clipping", -1.0}}), "gradient_clipping", "must be >= 0");
   EXPECT_CONFIG_ERROR(with({{"communication_data_type", "int8"}}), "communication_data_type",
                       "expected fp32, bf16 or fp16, got \"int8\"");
-  EXPECT_EQ(compute_dtype_name(parse_config(with({{"communication_data_type", "BF16"}})).comm.data_type), "bf16");
+  EXPECT_STREQ(compute_dtype_name(parse_config(with({{"communication_data_type", "BF16"}})).comm.data_type), "bf16");
   EXPECT_CONFIG_ERROR(with({{"comm", {{"secondary_shard", "maybe"}}}}), "comm.secondary_shard",
                       "expected auto, on or off, got \"maybe\"");
   EXPECT_CONFIG_ERROR(with({{"zero_optimization", {{"zero_hpz_partition_size", 0}}}}),
                       "zero_optimization.zero_hpz_partition_size", "must be > 0");
   // DeepSpeed's hpZ key asks for the secondary shard; Strata's own key wins.
-  EXPECT_EQ(secondary_shard_name(parse_config(minimal()).comm.secondary_shard), "auto");
-  EXPECT_EQ(secondary_shard_name(
+  EXPECT_STREQ(secondary_shard_name(parse_config(minimal()).comm.secondary_shard), "auto");
+  EXPECT_STREQ(secondary_shard_name(
                 parse_config(with({{"zero_optimization", {{"zero_hpz_partition_size", 8}}}})).comm.secondary_shard),
             "on");
-  EXPECT_EQ(secondary_shard_name(
+  EXPECT_STREQ(secondary_shard_name(
                 parse_config(with({{"zero_optimization", {{"zero_hpz_partition_size", 1}}}})).comm.secondary_shard),
             "auto");
-  EXPECT_EQ(secondary_shard_name(parse_config(with({{"zero_optimization", {{"zero_hpz_partition_size", 8}}},
+  EXPECT_STREQ(secondary_shard_name(parse_config(with({{"zero_optimization", {{"zero_hpz_partition_size", 8}}},
                                                     {"comm", {{"secondary_shard", "off"}}}}))
                                      .comm.secondary_shard),
             "off");
@@ -467,13 +467,13 @@ TEST(ConfigEnums, OverlapOptimizerIsABooleanOrAuto) {
 
 TEST(ConfigEnums, CaseInsensitiveNamesAreCanonicalized) {
   Config c = parse_config(with({{"optimizer", {{"type", "adamw"}}}}));
-  EXPECT_EQ(optimizer_type_name(c.optimizer.type), "AdamW");
+  EXPECT_STREQ(optimizer_type_name(c.optimizer.type), "AdamW");
   c = parse_config(with({{"optimizer", {{"type", "adam"}}},
                          {"scheduler", {{"type", "warmuplr"}}},
                          {"zero_optimization", {{"offload_optimizer", {{"device", "CPU"}}}}}}));
-  EXPECT_EQ(optimizer_type_name(c.optimizer.type), "Adam");
-  EXPECT_EQ(scheduler_type_name(c.scheduler.type), "WarmupLR");
-  EXPECT_EQ(offload_device_name(c.zero.offload_optimizer.device), "cpu");
+  EXPECT_STREQ(optimizer_type_name(c.optimizer.type), "Adam");
+  EXPECT_STREQ(scheduler_type_name(c.scheduler.type), "WarmupLR");
+  EXPECT_STREQ(offload_device_name(c.zero.offload_optimizer.device), "cpu");
 }
 
 // ---- optimizer and scheduler ---------------------------------------------------
@@ -513,14 +513,14 @@ TEST(ConfigScheduler, ParamsAreRead) {
                                           {"warmup_num_steps", 100},
                                           {"warmup_type", "linear"},
                                           {"total_num_steps", 1000}}}}}}));
-  EXPECT_EQ(scheduler_type_name(c.scheduler.type), "WarmupDecayLR");
+  EXPECT_STREQ(scheduler_type_name(c.scheduler.type), "WarmupDecayLR");
   EXPECT_DOUBLE_EQ(c.scheduler.warmup_max_lr, 3e-4);
   EXPECT_EQ(c.scheduler.warmup_num_steps, 100);
-  EXPECT_EQ(warmup_type_name(c.scheduler.warmup_type), "linear");
+  EXPECT_STREQ(warmup_type_name(c.scheduler.warmup_type), "linear");
   EXPECT_EQ(c.scheduler.total_num_steps, 1000);
   const Config w = parse_config(with({{"scheduler", {{"type", "WarmupLR"}}}}));
   EXPECT_EQ(w.scheduler.warmup_num_steps, 1000);
-  EXPECT_EQ(warmup_type_name(w.scheduler.warmup_type), "log");
+  EXPECT_STREQ(warmup_type_name(w.scheduler.warmup_type), "log");
 }
 
 TEST(ConfigScheduler, TotalStepsRequiredForDecayAndCosine) {
@@ -666,10 +666,10 @@ TEST(ConfigZero, ZeroInfinityConfigParses) {
   EXPECT_EQ(c.train_batch_size, 64);
   EXPECT_EQ(c.gradient_accumulation_steps, 16);
   EXPECT_EQ(c.steps_per_print, 100);
-  EXPECT_EQ(optimizer_type_name(c.optimizer.type), "AdamW");
+  EXPECT_STREQ(optimizer_type_name(c.optimizer.type), "AdamW");
   EXPECT_DOUBLE_EQ(c.optimizer.lr, 1.5e-4);
   EXPECT_DOUBLE_EQ(c.optimizer.beta2, 0.95);
-  EXPECT_EQ(scheduler_type_name(c.scheduler.type), "WarmupCosineLR");
+  EXPECT_STREQ(scheduler_type_name(c.scheduler.type), "WarmupCosineLR");
   EXPECT_EQ(c.scheduler.total_num_steps, 10000);
   EXPECT_DOUBLE_EQ(c.scheduler.cos_min_ratio, 0.1);
   EXPECT_TRUE(c.bf16);
@@ -679,11 +679,11 @@ TEST(ConfigZero, ZeroInfinityConfigParses) {
   EXPECT_EQ(c.zero.reduce_bucket_size, 500000000);
   EXPECT_EQ(c.zero.stage3_param_persistence_threshold, 100000);
   EXPECT_TRUE(c.zero.stage3_gather_16bit_weights_on_model_save);
-  EXPECT_EQ(offload_device_name(c.zero.offload_param.device), "nvme");
+  EXPECT_STREQ(offload_device_name(c.zero.offload_param.device), "nvme");
   EXPECT_EQ(c.zero.offload_param.nvme_path, std::vector<std::string>{"/local_nvme"});
   EXPECT_EQ(c.zero.offload_param.buffer_size, 100000000);
   EXPECT_EQ(c.zero.offload_param.max_in_cpu, 1000000000);
-  EXPECT_EQ(offload_device_name(c.zero.offload_optimizer.device), "nvme");
+  EXPECT_STREQ(offload_device_name(c.zero.offload_optimizer.device), "nvme");
   EXPECT_TRUE(c.zero.offload_optimizer.pipeline_read);
   EXPECT_TRUE(c.zero.offload_optimizer.pipeline_write);
   EXPECT_DOUBLE_EQ(c.zero.offload_optimizer.ratio, 0.3);
@@ -695,7 +695,7 @@ TEST(ConfigZero, ZeroInfinityConfigParses) {
   EXPECT_EQ(c.model.head_dim(), 128);
   EXPECT_EQ(c.model.ffn_dim(), 11008);
   EXPECT_EQ(c.data.paths.size(), 2u);
-  EXPECT_EQ(data_format_name(c.data.format), "uint16");
+  EXPECT_STREQ(data_format_name(c.data.format), "uint16");
   EXPECT_EQ(c.run.device, DeviceKind::kCuda);
   EXPECT_EQ(c.run.seed, 42u);
   std::vector<std::string> ignored = c.ignored_keys;
@@ -786,7 +786,7 @@ TEST(ConfigOverrides, SetExistingAndNewKeys) {
        "run.steps=7", "bf16.enabled=true", "run.metrics=out/metrics.jsonl",
        "optimizer.params.betas=[0.5,0.6]"});
   EXPECT_DOUBLE_EQ(c.optimizer.lr, 3e-4);
-  EXPECT_EQ(offload_device_name(c.zero.offload_optimizer.device), "cpu");
+  EXPECT_STREQ(offload_device_name(c.zero.offload_optimizer.device), "cpu");
   EXPECT_EQ(c.run.steps, 7);
   EXPECT_TRUE(c.bf16);
   EXPECT_EQ(c.run.metrics, "out/metrics.jsonl");

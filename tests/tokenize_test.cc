@@ -187,7 +187,7 @@ TEST_F(TokenizeTest, StrataChecksTheSidecar) {
   const std::string data = dir_.file("a.bin");
   Result r = sh(kTool + " --tokenizer " + tok_ + " --no-progress --out " + data + " " + dir_.file("a.txt"));
   ASSERT_EQ(r.code, 0) << r.output;
-  EXPECT_EQ(data_format_name(parse_config(config(data, 300)).data.format), "uint16");  // not the default, text
+  EXPECT_STREQ(data_format_name(parse_config(config(data, 300)).data.format), "uint16");  // not the default, text
   try {
     parse_config(config(data, 256));
     FAIL();
