@@ -15,6 +15,7 @@
 
 #include "config/config.h"
 #include "memory/layout.h"
+#include "model/saved_activations.h"
 
 namespace strata {
 
@@ -51,6 +52,19 @@ class Model {
   // undefined. Pure: records autograd only if its inputs require grad.
   at::Tensor forward(size_t b, const std::vector<at::Tensor>& w, const at::Tensor& x,
                      const at::Tensor& tied = {}) const;
+
+  // A layer's forward written op by op, keeping in *s every tensor its
+  // backward needs, by name (Note [Saved activations], model/layer_ops.cc).
+  // Returns the layer's output: forward()'s up to rounding. No autograd.
+  at::Tensor layer_forward_saving(const std::vector<at::Tensor>& w, const at::Tensor& x, LayerSaved* s) const;
+  // Fills the cheap entries (SavedSpec::cheap) missing from *s from those
+  // they are made of: the same bits as the forward's.
+  void layer_recompute_cheap(const std::vector<at::Tensor>& w, LayerSaved* s) const;
+  // The layer's backward from its saved tensors, given d(output) dy: returns
+  // d(input); (*dw)[i] is the gradient of w[i]. Consumes *s (each entry
+  // released once used, so its memory goes back as the backward runs).
+  at::Tensor layer_backward(const std::vector<at::Tensor>& w, LayerSaved* s, const at::Tensor& dy,
+                            std::vector<at::Tensor>* dw) const;
 
   // Model FLOPs per trained token (forward + backward, without recompute):
   // 6 x matrix parameters + attention scores, the usual MFU convention.

@@ -1,0 +1,296 @@
+// A layer's forward and backward written op by op, with named saved tensors
+// (model/saved_activations.h). Note [Saved activations].
+#include <ATen/ATen.h>
+
+#include <numeric>
+#include <tuple>
+
+#include "model/model.h"
+#include "model/saved_activations.h"
+#include "util/errors.h"
+
+namespace strata {
+
+// Note [Saved activations]
+// Model::forward runs a layer as LibTorch ops and lets autograd keep what its
+// backward needs, out of sight: the engine could only keep the whole graph or
+// recompute the layer from its input (Note [Recompute] in engine/trainer.h).
+// Model::layer_forward_saving runs the same ops and keeps each tensor the
+// backward needs under a name (Saved); Model::layer_backward is the layer's
+// backward written out with LibTorch's ops and their backward ops (the GEMMs
+// as mm, the attention kernel's own backward, RMSNorm, rope and SwiGLU by
+// hand). So each entry is a tensor the engine can place: keep it, send it to
+// the host and bring it back, or drop it and have it again — the cheap entries
+// (SavedSpec::cheap) by layer_recompute_cheap from the entries they are made
+// of, any entry by running layer_forward_saving again from the input.
+//
+// Same bits wherever an entry comes from: a recomputed entry is the same ops
+// on the same inputs as the forward's (norm_apply, rope, silu(g) * u), and
+// the backward reads only entries. Against autograd's path the results agree
+// to rounding, not bit for bit: the attention is the flash kernel called
+// directly (GQA's k and v repeated to H heads, their gradients summed back),
+// and sums of gradients may associate differently.
+
+const char* saved_name(Saved s) {
+  static constexpr const char* kNames[kSavedCount] = {
+      "input", "attn_rstd", "attn_normed", "q_proj", "k_proj", "q_rstd", "k_rstd", "q",
+      "k",     "v",         "attn_out",    "attn_lse", "mid",  "mlp_rstd", "mlp_normed",
+      "gate",  "up",        "swiglu"};
+  return kNames[size_t(s)];
+}
+
+std::vector<SavedSpec> layer_saved_specs(const ModelConfig& cfg) {
+  const int64_t d = cfg.dim, f = cfg.ffn_dim(), h = cfg.n_heads, kv = cfg.kv_heads(), hd = cfg.head_dim();
+  const bool qk = cfg.qk_norm();
+  std::vector<SavedSpec> specs = {
+      {Saved::kInput, d, false, false},
+      {Saved::kAttnRstd, 1, true, false},
+      {Saved::kAttnNormed, d, false, true},
+  };
+  if (qk) {
+    specs.push_back({Saved::kQProj, h * hd, false, false});
+    specs.push_back({Saved::kKProj, kv * hd, false, false});
+    specs.push_back({Saved::kQRstd, h, true, false});
+    specs.push_back({Saved::kKRstd, kv, true, false});
+  }
+  const std::vector<SavedSpec> rest = {
+      {Saved::kQ, h * hd, false, qk},
+      {Saved::kK, kv * hd, false, qk},
+      {Saved::kV, kv * hd, false, false},
+      {Saved::kAttnOut, h * hd, false, false},
+      {Saved::kAttnLse, h, true, false},
+      {Saved::kMid, d, false, false},
+      {Saved::kMlpRstd, 1, true, false},
+      {Saved::kMlpNormed, d, false, true},
+      {Saved::kGate, f, false, false},
+      {Saved::kUp, f, false, false},
+      {Saved::kSwiglu, f, false, true},
+  };
+  specs.insert(specs.end(), rest.begin(), rest.end());
+  return specs;
+}
+
+namespace {
+
+// RMSNorm in two halves, the same ops as rms_norm (model.cc): the statistics
+// (fp32, kept) and their application.
+at::Tensor rms_rstd(const at::Tensor& x, double eps) {
+  at::Tensor xf = x.to(at::kFloat);
+  return at::rsqrt(xf.pow(2).mean(-1, /*keepdim=*/true) + eps);
+}
+at::Tensor norm_apply(const at::Tensor& x, const at::Tensor& rstd, const at::Tensor& weight) {
+  return (x.to(at::kFloat) * rstd).to(x.scalar_type()) * weight;
+}
+
+// RMSNorm's backward: d(input) in the input's dtype; *dw the weight's
+// gradient summed over the leading dimensions (in the compute dtype, as
+// autograd's sum does).
+at::Tensor rms_norm_backward(const at::Tensor& dout, const at::Tensor& x, const at::Tensor& rstd,
+                             const at::Tensor& weight, at::Tensor* dw) {
+  at::Tensor n = x.to(at::kFloat) * rstd;
+  std::vector<int64_t> lead(size_t(dout.dim() - 1));
+  std::iota(lead.begin(), lead.end(), int64_t(0));
+  *dw = (dout * n.to(dout.scalar_type())).sum(lead);
+  at::Tensor dn = (dout * weight).to(at::kFloat);
+  // d/dx of x * (mean(x^2) + eps)^-1/2 = rstd * (dn - n * mean(dn * n)).
+  return (rstd * (dn - n * (dn * n).mean(-1, /*keepdim=*/true))).to(x.scalar_type());
+}
+
+// apply_rope's backward: y = x cos + rot(x) sin with rot(x) = [-x2, x1].
+at::Tensor rope_backward(const at::Tensor& dy, const at::Tensor& cos, const at::Tensor& sin) {
+  const int64_t half = dy.size(-1) / 2;
+  at::Tensor g = dy * sin;
+  return dy * cos + at::cat({g.narrow(-1, half, half), -g.narrow(-1, 0, half)}, -1);
+}
+
+// k or v [B, KV, T, hd] repeated to the query's H heads (head j serves query
+// heads j G .. j G + G - 1, as scaled_dot_product_attention's enable_gqa).
+at::Tensor expand_heads(const at::Tensor& t, int64_t groups) {
+  return groups == 1 ? t : t.repeat_interleave(groups, 1);
+}
+at::Tensor sum_heads(const at::Tensor& t, int64_t groups) {
+  if (groups == 1) return t;
+  return t.reshape({t.size(0), t.size(1) / groups, groups, t.size(2), t.size(3)}).sum(2);
+}
+
+// The causal attention kernel and its backward, called directly: the flash
+// kernels (CPU; CUDA at 16 bits), the memory-efficient one for fp32 on CUDA.
+struct AttentionOut {
+  at::Tensor out, lse, seed, offset;
+};
+AttentionOut attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  if (q.is_cpu()) {
+    auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, /*dropout_p=*/0.0, /*is_causal=*/true);
+    return {o, lse, {}, {}};
+  }
+  if (q.scalar_type() != at::kFloat) {
+    auto r = at::_scaled_dot_product_flash_attention(q, k, v, /*dropout_p=*/0.0, /*is_causal=*/true);
+    return {std::get<0>(r), std::get<1>(r), std::get<6>(r), std::get<7>(r)};
+  }
+  auto r = at::_scaled_dot_product_efficient_attention(q, k, v, /*attn_bias=*/std::nullopt,
+                                                       /*compute_log_sumexp=*/true, 0.0, /*is_causal=*/true);
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r)};
+}
+std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tensor& dout, const at::Tensor& q,
+                                                                  const at::Tensor& k, const at::Tensor& v,
+                                                                  const at::Tensor& out, const at::Tensor& lse,
+                                                                  const at::Tensor& seed, const at::Tensor& offset) {
+  if (q.is_cpu()) {
+    return at::_scaled_dot_product_flash_attention_for_cpu_backward(dout, q, k, v, out, lse, 0.0, true);
+  }
+  const int64_t t = q.size(2);
+  if (q.scalar_type() != at::kFloat) {
+    return at::_scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, /*cum_seq_q=*/{},
+                                                            /*cum_seq_k=*/{}, t, t, 0.0, true, seed, offset);
+  }
+  auto r = at::_scaled_dot_product_efficient_attention_backward(dout, q, k, v, /*attn_bias=*/{}, out, lse, seed,
+                                                                offset, 0.0, {true, true, true, false}, true);
+  return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
+}
+
+at::Tensor rows(const at::Tensor& t) { return t.reshape({-1, t.size(-1)}); }  // [..., n] -> [N, n]
+
+// Weight indexes of a layer (model_blocks' order; the family's extras after).
+enum : size_t { kAttnNormW, kWq, kWk, kWv, kWo, kMlpNormW, kW1, kW3, kW2, kExtras };
+
+}  // namespace
+
+at::Tensor Model::layer_forward_saving(const std::vector<at::Tensor>& w, const at::Tensor& x,
+                                       LayerSaved* s) const {
+  LayerSaved& S = *s;
+  const int64_t B = x.size(0), T = x.size(1);
+  const int64_t H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.head_dim();
+  const size_t qk_norm_w = cfg_.qkv_bias() ? kExtras + 3 : kExtras;
+  at::Tensor bq, bk, bv;
+  if (cfg_.qkv_bias()) bq = w[kExtras], bk = w[kExtras + 1], bv = w[kExtras + 2];
+
+  S[Saved::kInput] = x;
+  S[Saved::kAttnRstd] = rms_rstd(x, cfg_.norm_eps);
+  const at::Tensor& a = S[Saved::kAttnNormed] = norm_apply(x, S[Saved::kAttnRstd], w[kAttnNormW]);
+  at::Tensor q = at::linear(a, w[kWq], bq).view({B, T, H, hd});
+  at::Tensor k = at::linear(a, w[kWk], bk).view({B, T, KV, hd});
+  S[Saved::kV] = at::linear(a, w[kWv], bv).view({B, T, KV, hd}).transpose(1, 2);
+  if (cfg_.qk_norm()) {  // Qwen3: each head of q and k normalised before rotary
+    S[Saved::kQProj] = q;
+    S[Saved::kKProj] = k;
+    S[Saved::kQRstd] = rms_rstd(q, cfg_.norm_eps);
+    S[Saved::kKRstd] = rms_rstd(k, cfg_.norm_eps);
+    q = norm_apply(q, S[Saved::kQRstd], w[qk_norm_w]);
+    k = norm_apply(k, S[Saved::kKRstd], w[qk_norm_w + 1]);
+  }
+  auto [cos, sin] = rope(x.scalar_type(), x.device(), T);
+  S[Saved::kQ] = apply_rope(q.transpose(1, 2), cos, sin);
+  S[Saved::kK] = apply_rope(k.transpose(1, 2), cos, sin);
+  AttentionOut att = attention_forward(S[Saved::kQ], expand_heads(S[Saved::kK], H / KV),
+                                       expand_heads(S[Saved::kV], H / KV));
+  S[Saved::kAttnOut] = att.out.transpose(1, 2).reshape({B, T, H * hd});
+  S[Saved::kAttnLse] = att.lse;
+  S.attn_seed = att.seed;
+  S.attn_offset = att.offset;
+  S[Saved::kMid] = x + at::linear(S[Saved::kAttnOut], w[kWo]);
+
+  S[Saved::kMlpRstd] = rms_rstd(S[Saved::kMid], cfg_.norm_eps);
+  const at::Tensor& m = S[Saved::kMlpNormed] = norm_apply(S[Saved::kMid], S[Saved::kMlpRstd], w[kMlpNormW]);
+  S[Saved::kGate] = at::linear(m, w[kW1]);
+  S[Saved::kUp] = at::linear(m, w[kW3]);
+  S[Saved::kSwiglu] = at::silu(S[Saved::kGate]) * S[Saved::kUp];
+  return S[Saved::kMid] + at::linear(S[Saved::kSwiglu], w[kW2]);
+}
+
+void Model::layer_recompute_cheap(const std::vector<at::Tensor>& w, LayerSaved* s) const {
+  LayerSaved& S = *s;
+  if (!S[Saved::kAttnNormed].defined()) {
+    S[Saved::kAttnNormed] = norm_apply(S[Saved::kInput], S[Saved::kAttnRstd], w[kAttnNormW]);
+  }
+  if (cfg_.qk_norm() && !(S[Saved::kQ].defined() && S[Saved::kK].defined())) {
+    const size_t qk_norm_w = cfg_.qkv_bias() ? kExtras + 3 : kExtras;
+    const at::Tensor& qp = S[Saved::kQProj];
+    auto [cos, sin] = rope(qp.scalar_type(), qp.device(), qp.size(1));
+    if (!S[Saved::kQ].defined()) {
+      S[Saved::kQ] = apply_rope(norm_apply(qp, S[Saved::kQRstd], w[qk_norm_w]).transpose(1, 2), cos, sin);
+    }
+    if (!S[Saved::kK].defined()) {
+      S[Saved::kK] = apply_rope(norm_apply(S[Saved::kKProj], S[Saved::kKRstd], w[qk_norm_w + 1]).transpose(1, 2),
+                                cos, sin);
+    }
+  }
+  if (!S[Saved::kMlpNormed].defined()) {
+    S[Saved::kMlpNormed] = norm_apply(S[Saved::kMid], S[Saved::kMlpRstd], w[kMlpNormW]);
+  }
+  if (!S[Saved::kSwiglu].defined()) S[Saved::kSwiglu] = at::silu(S[Saved::kGate]) * S[Saved::kUp];
+}
+
+at::Tensor Model::layer_backward(const std::vector<at::Tensor>& w, LayerSaved* s, const at::Tensor& dy,
+                                 std::vector<at::Tensor>* dw) const {
+  layer_recompute_cheap(w, s);
+  LayerSaved& S = *s;
+  for (size_t i = 0; i < kSavedCount; ++i) {
+    const bool qwen3_only = i >= size_t(Saved::kQProj) && i <= size_t(Saved::kKRstd);
+    STRATA_CHECK(S.t[i].defined() || (qwen3_only && !cfg_.qk_norm()),
+                 std::string("layer backward without its saved ") + saved_name(Saved(i)));
+  }
+  const int64_t B = dy.size(0), T = dy.size(1);
+  const int64_t H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.head_dim(), G = H / KV;
+  dw->assign(w.size(), at::Tensor());
+  std::vector<at::Tensor>& g = *dw;
+  auto drop = [&](Saved e) { S[e] = at::Tensor(); };
+
+  // MLP: out = h + p w2^T, p = silu(gate) * up, gate = m w1^T, up = m w3^T.
+  const at::Tensor dy2 = rows(dy);
+  g[kW2] = at::mm(dy2.t(), rows(S[Saved::kSwiglu]));
+  drop(Saved::kSwiglu);
+  at::Tensor dp = at::mm(dy2, w[kW2]);
+  const at::Tensor gate = rows(S[Saved::kGate]), up = rows(S[Saved::kUp]);
+  at::Tensor d_up = dp * at::silu(gate);
+  at::Tensor d_gate = at::silu_backward(dp * up, gate);
+  dp = at::Tensor();
+  drop(Saved::kGate);
+  drop(Saved::kUp);
+  const at::Tensor m2 = rows(S[Saved::kMlpNormed]);
+  g[kW1] = at::mm(d_gate.t(), m2);
+  g[kW3] = at::mm(d_up.t(), m2);
+  drop(Saved::kMlpNormed);
+  at::Tensor dm = (at::mm(d_gate, w[kW1]) + at::mm(d_up, w[kW3])).view_as(dy);
+  d_gate = d_up = at::Tensor();
+  at::Tensor dh = dy + rms_norm_backward(dm, S[Saved::kMid], S[Saved::kMlpRstd], w[kMlpNormW], &g[kMlpNormW]);
+  dm = at::Tensor();
+  drop(Saved::kMid);
+
+  // Attention: h = x + o wo^T, o = attention(rope(q), rope(k), v).
+  const at::Tensor dh2 = rows(dh);
+  g[kWo] = at::mm(dh2.t(), rows(S[Saved::kAttnOut]));
+  at::Tensor d_o = at::mm(dh2, w[kWo]).view({B, T, H, hd}).transpose(1, 2);
+  auto [dq, dk, dv] = attention_backward(d_o, S[Saved::kQ], expand_heads(S[Saved::kK], G),
+                                         expand_heads(S[Saved::kV], G),
+                                         S[Saved::kAttnOut].view({B, T, H, hd}).transpose(1, 2),
+                                         S[Saved::kAttnLse], S.attn_seed, S.attn_offset);
+  d_o = at::Tensor();
+  for (Saved e : {Saved::kQ, Saved::kK, Saved::kV, Saved::kAttnOut, Saved::kAttnLse}) drop(e);
+  auto [cos, sin] = rope(dy.scalar_type(), dy.device(), T);
+  dq = rope_backward(dq, cos, sin).transpose(1, 2);                    // [B, T, H, hd]
+  dk = rope_backward(sum_heads(dk, G), cos, sin).transpose(1, 2);      // [B, T, KV, hd]
+  dv = sum_heads(dv, G).transpose(1, 2);                               // [B, T, KV, hd]
+  size_t extra = kExtras;
+  if (cfg_.qkv_bias()) extra += 3;
+  if (cfg_.qk_norm()) {
+    dq = rms_norm_backward(dq, S[Saved::kQProj], S[Saved::kQRstd], w[extra], &g[extra]);
+    dk = rms_norm_backward(dk, S[Saved::kKProj], S[Saved::kKRstd], w[extra + 1], &g[extra + 1]);
+  }
+  const at::Tensor dq2 = dq.reshape({B * T, H * hd}), dk2 = dk.reshape({B * T, KV * hd});
+  const at::Tensor dv2 = dv.reshape({B * T, KV * hd});
+  if (cfg_.qkv_bias()) {
+    g[kExtras] = dq2.sum(0);
+    g[kExtras + 1] = dk2.sum(0);
+    g[kExtras + 2] = dv2.sum(0);
+  }
+  const at::Tensor a2 = rows(S[Saved::kAttnNormed]);
+  g[kWq] = at::mm(dq2.t(), a2);
+  g[kWk] = at::mm(dk2.t(), a2);
+  g[kWv] = at::mm(dv2.t(), a2);
+  at::Tensor da = (at::mm(dq2, w[kWq]) + at::mm(dk2, w[kWk]) + at::mm(dv2, w[kWv])).view_as(dy);
+  at::Tensor dx = dh + rms_norm_backward(da, S[Saved::kInput], S[Saved::kAttnRstd], w[kAttnNormW], &g[kAttnNormW]);
+  S.clear();
+  return dx;
+}
+
+}  // namespace strata

@@ -1,0 +1,230 @@
+// A layer's explicit forward and backward with named saved tensors (Note
+// [Saved activations] in src/model/layer_ops.cc) against autograd's path over
+// Model::forward, per family and dtype; cheap entries recomputed give the same
+// bits as kept ones; the entries' sizes against sizes worked out by hand.
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <string>
+#include <vector>
+
+#include "memory/layout.h"
+#include "model/model.h"
+#include "model/saved_activations.h"
+
+namespace strata {
+namespace {
+
+double rel_err(const at::Tensor& a, const at::Tensor& b) {
+  const at::Tensor bd = b.to(at::kDouble);
+  const double denom = std::max(bd.abs().max().item<double>(), 1e-30);
+  return (a.to(at::kDouble) - bd).abs().max().item<double>() / denom;
+}
+
+ModelConfig family_model(ModelFamily family) {
+  ModelConfig c;
+  c.family = family;
+  c.vocab_size = 64;
+  c.dim = 64;
+  c.n_layers = 2;
+  c.n_heads = 4;
+  c.n_kv_heads = 2;  // grouped k/v heads: the explicit path repeats and sums them
+  c.ffn_hidden = 96;
+  c.seq_len = 32;
+  if (family == ModelFamily::kQwen3) c.explicit_head_dim = 32;  // q width 128 != dim
+  return c;
+}
+
+const char* family_label(ModelFamily f) {
+  return f == ModelFamily::kLlama ? "llama" : f == ModelFamily::kQwen2 ? "qwen2" : "qwen3";
+}
+
+// Layer 0's weights in `dtype`, from init_block with every weight perturbed
+// (norm weights start at ones, biases at zeros: their gradients' paths would
+// go untested).
+std::vector<at::Tensor> layer_weights(const Model& model, at::ScalarType dtype, at::Tensor* flat_out) {
+  StateLayout layout(model.layout_specs(), 1);
+  const BlockLayout& bl = layout.block(1);
+  at::Tensor flat = at::zeros({bl.padded_numel});
+  init_block(bl, flat, 7, 1);
+  flat.narrow(0, 0, bl.numel).add_(at::randn({bl.numel}) * 0.05);
+  *flat_out = flat.to(dtype);
+  return param_views(bl, *flat_out);
+}
+
+struct Grads {
+  at::Tensor y, dx;
+  std::vector<at::Tensor> dw;
+};
+
+Grads autograd_path(const Model& model, const std::vector<at::Tensor>& w, const at::Tensor& x,
+                    const at::Tensor& dy) {
+  std::vector<at::Tensor> leaves;
+  for (const at::Tensor& v : w) leaves.push_back(v.detach().requires_grad_(true));
+  at::Tensor xin = x.detach().requires_grad_(true);
+  Grads g;
+  g.y = model.forward(1, leaves, xin);
+  g.y.backward(dy);
+  g.y = g.y.detach();
+  g.dx = xin.grad();
+  for (const at::Tensor& l : leaves) g.dw.push_back(l.grad());
+  return g;
+}
+
+Grads explicit_path(const Model& model, const std::vector<at::Tensor>& w, const at::Tensor& x,
+                    const at::Tensor& dy, LayerSaved* saved) {
+  Grads g;
+  g.y = model.layer_forward_saving(w, x, saved);
+  g.dx = model.layer_backward(w, saved, dy, &g.dw);
+  return g;
+}
+
+void expect_agrees_with_autograd(ModelFamily family, at::ScalarType dtype, double tol) {
+  SCOPED_TRACE(std::string(family_label(family)) + (dtype == at::kFloat ? " fp32" : " bf16"));
+  at::manual_seed(3);
+  const ModelConfig c = family_model(family);
+  Model model(c);
+  at::Tensor flat;
+  const std::vector<at::Tensor> w = layer_weights(model, dtype, &flat);
+  const at::Tensor x = at::randn({2, c.seq_len, c.dim}).to(dtype);
+  const at::Tensor dy = at::randn({2, c.seq_len, c.dim}).to(dtype);
+  const Grads ref = autograd_path(model, w, x, dy);
+  LayerSaved saved;
+  const Grads got = explicit_path(model, w, x, dy, &saved);
+  EXPECT_LE(rel_err(got.y, ref.y), tol);
+  EXPECT_LE(rel_err(got.dx, ref.dx), tol);
+  ASSERT_EQ(got.dw.size(), w.size());
+  StateLayout layout(model.layout_specs(), 1);
+  for (size_t i = 0; i < w.size(); ++i) {
+    ASSERT_TRUE(got.dw[i].defined()) << layout.block(1).params[i].spec.name;
+    EXPECT_EQ(got.dw[i].sizes(), w[i].sizes()) << layout.block(1).params[i].spec.name;
+    EXPECT_EQ(got.dw[i].scalar_type(), dtype) << layout.block(1).params[i].spec.name;
+    EXPECT_LE(rel_err(got.dw[i], ref.dw[i]), tol) << layout.block(1).params[i].spec.name;
+  }
+  // The backward consumed its saved tensors.
+  for (const at::Tensor& t : saved.t) EXPECT_FALSE(t.defined());
+}
+
+// fp32: the two paths differ by the attention kernel and the order of sums
+// only (measured at most 3.5e-7 of the largest element; bound 1e-5); bf16: by
+// about one of its ulps (2^-8) through a layer's chain of roundings (measured
+// at most 6.1e-3; bound 1.5e-2). A wrong sign in rope's backward gives 0.8-1.6.
+TEST(LayerOpsTest, ExplicitBackwardAgreesWithAutogradFp32) {
+  for (ModelFamily f : {ModelFamily::kLlama, ModelFamily::kQwen2, ModelFamily::kQwen3}) {
+    expect_agrees_with_autograd(f, at::kFloat, 1e-5);
+  }
+}
+
+TEST(LayerOpsTest, ExplicitBackwardAgreesWithAutogradBf16) {
+  for (ModelFamily f : {ModelFamily::kLlama, ModelFamily::kQwen2, ModelFamily::kQwen3}) {
+    expect_agrees_with_autograd(f, at::kBFloat16, 1.5e-2);
+  }
+}
+
+// The same backward whether the cheap entries were kept or dropped and
+// recomputed, and whether every entry came from a second forward (today's
+// `always`): bit for bit, bf16, every family.
+TEST(LayerOpsTest, RecomputedEntriesGiveTheSameBits) {
+  for (ModelFamily f : {ModelFamily::kLlama, ModelFamily::kQwen2, ModelFamily::kQwen3}) {
+    SCOPED_TRACE(family_label(f));
+    at::manual_seed(4);
+    const ModelConfig c = family_model(f);
+    Model model(c);
+    at::Tensor flat;
+    const std::vector<at::Tensor> w = layer_weights(model, at::kBFloat16, &flat);
+    const at::Tensor x = at::randn({2, c.seq_len, c.dim}).to(at::kBFloat16);
+    const at::Tensor dy = at::randn({2, c.seq_len, c.dim}).to(at::kBFloat16);
+
+    LayerSaved kept;
+    const Grads all = explicit_path(model, w, x, dy, &kept);
+
+    LayerSaved cheap_dropped;
+    model.layer_forward_saving(w, x, &cheap_dropped);
+    int dropped = 0;
+    for (const SavedSpec& s : layer_saved_specs(c)) {
+      if (s.cheap) {
+        cheap_dropped[s.id] = at::Tensor();
+        ++dropped;
+      }
+    }
+    EXPECT_EQ(dropped, c.qk_norm() ? 5 : 3);  // a, m, p (+ q and k from their projections)
+    std::vector<at::Tensor> dw;
+    const at::Tensor dx = model.layer_backward(w, &cheap_dropped, dy, &dw);
+    EXPECT_TRUE(at::equal(dx, all.dx));
+    for (size_t i = 0; i < w.size(); ++i) EXPECT_TRUE(at::equal(dw[i], all.dw[i])) << i;
+
+    // A second forward from the saved input alone (recompute `always`).
+    LayerSaved again;
+    const at::Tensor y2 = model.layer_forward_saving(w, x.clone(), &again);
+    EXPECT_TRUE(at::equal(y2, all.y));
+    std::vector<at::Tensor> dw2;
+    EXPECT_TRUE(at::equal(model.layer_backward(w, &again, dy, &dw2), all.dx));
+  }
+}
+
+// A backward missing an entry that is not cheap says which.
+TEST(LayerOpsTest, MissingEntryIsNamed) {
+  const ModelConfig c = family_model(ModelFamily::kLlama);
+  Model model(c);
+  at::Tensor flat;
+  const std::vector<at::Tensor> w = layer_weights(model, at::kFloat, &flat);
+  const at::Tensor x = at::randn({1, c.seq_len, c.dim});
+  LayerSaved s;
+  model.layer_forward_saving(w, x, &s);
+  s[Saved::kGate] = at::Tensor();
+  std::vector<at::Tensor> dw;
+  try {
+    model.layer_backward(w, &s, at::ones_like(x), &dw);
+    FAIL() << "no error";
+  } catch (const std::exception& e) {
+    EXPECT_NE(std::string(e.what()).find("saved gate"), std::string::npos) << e.what();
+  }
+}
+
+// Every entry's shape as the forward makes it, per token, against specs.
+TEST(LayerOpsTest, SpecsGiveTheSizeOfWhatTheForwardSaves) {
+  for (ModelFamily f : {ModelFamily::kLlama, ModelFamily::kQwen2, ModelFamily::kQwen3}) {
+    SCOPED_TRACE(family_label(f));
+    const ModelConfig c = family_model(f);
+    Model model(c);
+    at::Tensor flat;
+    const std::vector<at::Tensor> w = layer_weights(model, at::kBFloat16, &flat);
+    const int64_t tokens = 3 * c.seq_len;
+    LayerSaved s;
+    model.layer_forward_saving(w, at::randn({3, c.seq_len, c.dim}).to(at::kBFloat16), &s);
+    size_t n = 0;
+    for (const SavedSpec& spec : layer_saved_specs(c)) {
+      ++n;
+      const at::Tensor& t = s[spec.id];
+      ASSERT_TRUE(t.defined()) << saved_name(spec.id);
+      EXPECT_EQ(int64_t(t.numel() * t.element_size()), saved_bytes(spec, tokens, 2)) << saved_name(spec.id);
+      EXPECT_EQ(t.scalar_type(), spec.fp32 ? at::kFloat : at::kBFloat16) << saved_name(spec.id);
+    }
+    EXPECT_EQ(n, c.qk_norm() ? kSavedCount : kSavedCount - 4);
+  }
+}
+
+// Llama-3-8B's layer at bf16, per token, worked out by hand: dim 4096, ffn
+// 14336, 32 heads of 128, 8 k/v heads. Of 2-byte entries: x, a, q, o, h, m
+// 4096 each; k, v 1024 each; gate, up, swiglu 14336 each; 4-byte: two rstd
+// of 1, the log-sum-exp of 32.
+TEST(LayerOpsTest, Llama8BLayerSavesWhatWasWorkedOutByHand) {
+  ModelConfig c;
+  c.dim = 4096;
+  c.n_layers = 32;
+  c.n_heads = 32;
+  c.n_kv_heads = 8;
+  c.ffn_hidden = 14336;
+  c.vocab_size = 128256;
+  c.seq_len = 4096;
+  int64_t all = 0, not_cheap = 0;
+  for (const SavedSpec& s : layer_saved_specs(c)) {
+    all += saved_bytes(s, 1, 2);
+    if (!s.cheap) not_cheap += saved_bytes(s, 1, 2);
+  }
+  EXPECT_EQ(all, 6 * 4096 * 2 + 2 * 1024 * 2 + 3 * 14336 * 2 + 2 * 4 + 32 * 4);  // 139,400 B
+  EXPECT_EQ(not_cheap, all - 2 * 4096 * 2 - 14336 * 2);                           // 94,344 B
+}
+
+}  // namespace
+}  // namespace strata
