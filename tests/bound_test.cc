@@ -73,11 +73,12 @@ TEST(BoundTest, StepFlopsCountEveryMatrixTheHeadAndTheAttention) {
   m.ffn_hidden = 96;
   m.vocab_size = 256;
   m.seq_len = 32;
-  EXPECT_DOUBLE_EQ(step_flops(m, 10, false), 10.0 * 3 * 172032);            // forward + backward
-  EXPECT_DOUBLE_EQ(step_flops(m, 10, true), 10.0 * (3 * 172032 + 2 * 69632));  // + the layers again
+  EXPECT_DOUBLE_EQ(step_flops(m, 10, 0), 10.0 * 3 * 172032);            // forward + backward
+  EXPECT_DOUBLE_EQ(step_flops(m, 10, 2), 10.0 * (3 * 172032 + 2 * 69632));  // + the layers again
+  EXPECT_DOUBLE_EQ(step_flops(m, 10, 1), 10.0 * (3 * 172032 + 69632));      // + one layer again
   m.explicit_head_dim = 32;  // q 128 wide: q, o 64x128 = 8192 each, k, v 64x64 = 4096 each
   const double layer = 2 * (8192 + 2 * 4096 + 8192 + 18432) + 4 * 32 * 128;
-  EXPECT_DOUBLE_EQ(step_flops(m, 1, false), 3 * (2 * layer + 2 * 256 * 64));
+  EXPECT_DOUBLE_EQ(step_flops(m, 1, 0), 3 * (2 * layer + 2 * 256 * 64));
 }
 
 // The same placement under the layer schedule (Note [Step schedules]): each

@@ -554,13 +554,31 @@ TEST(CliTest, PlanCountsTheDataPath) {
   // the 3 micro-batches' saved inputs (the tokens, 2 x 16 x 8 bytes, and the
   // layer's input, 2 x 16 x 32 x 4 bytes, per micro-batch) and 3 output
   // gradients of 4096 bytes.
-  r = run_strata("plan --json --no-bound --set run.schedule=layer " + write_config(dir, j));
+  r = run_strata("plan --json --no-bound --set run.schedule=layer --set run.recompute=always " + write_config(dir, j));
   ASSERT_EQ(r.code, 0) << r.output;
   p = nlohmann::json::parse(r.output);
   EXPECT_EQ(p["schedule"], "layer");
   EXPECT_EQ(p["activations"]["micro_batches_held"], 3);
   EXPECT_EQ(p["activations"]["checkpoints"], 3 * (2 * 16 * 8 + 2 * 16 * 32 * 4));
   EXPECT_EQ(p["activations"]["output_gradients_held"], 3 * 2 * 16 * 32 * 4);
+  // Recomputing the layer costs its forward again for each micro-batch:
+  // per token q, k, v, o 32 x 32 and gate, up, down 32 x 96 multiply-adds
+  // (13,312, twice in FLOPs) and the attention's 4 x 16 x 32; 32 tokens, 3
+  // micro-batches.
+  EXPECT_EQ(p["recompute"], "always");
+  EXPECT_EQ(p["activations"]["recomputed_flops_per_step"].get<double>(), 3.0 * 32 * (2 * 13312 + 4 * 16 * 32));
+  // never (Note [Activation placement]): the layer keeps its entries instead
+  // of its input, by hand per token x, q, o, mid, k, v of 32 values, gate
+  // and up of 96 (ffn: 8/3 x 32 rounded up to 32), fp32; two rstd and a
+  // log-sum-exp per head (2).
+  r = run_strata("plan --json --no-bound --set run.schedule=layer --set run.recompute=never " + write_config(dir, j));
+  ASSERT_EQ(r.code, 0) << r.output;
+  p = nlohmann::json::parse(r.output);
+  const int64_t entries = 2 * 16 * ((6 * 32 + 2 * 96) * 4 + (2 + 2) * 4);
+  EXPECT_EQ(p["recompute"], "never");
+  EXPECT_EQ(p["activations"]["entries_bytes_per_layer"], entries);
+  EXPECT_EQ(p["activations"]["checkpoints"], 3 * (2 * 16 * 8 + entries));
+  EXPECT_EQ(p["activations"]["recomputed_flops_per_step"].get<double>(), 0.0);
   // optimizer.speculate (Note [Speculative optimizer]): auto leaves it off
   // on the CPU device and says why; on takes every piece (all CPU Adam's).
   EXPECT_EQ(p["speculate"]["on"], false);

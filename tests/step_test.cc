@@ -312,28 +312,61 @@ TEST_F(StepTest, Bf16AndFp32StopOnANonFiniteNorm) {
 
 // ---- run.recompute ---------------------------------------------------------------
 
-TEST_F(StepTest, KeptGraphsTrainBitForBitAsRecompute) {
+// Note [Activation placement]: every layer recomputed, every layer's entries
+// kept on the device or in host RAM, a mix of the three, and the inputs
+// offloaded: the same losses, norms and state bit for bit, in fp32, bf16
+// (untied, layer schedule, A = 3) and fp16 (stage 3 with the parameters on
+// the host, micro_batch, A = 2).
+TEST_F(StepTest, EveryActivationPlacementTrainsBitForBitAsRecompute) {
   for (const std::vector<std::string>& extra :
-       {std::vector<std::string>{}, std::vector<std::string>{"bf16={\"enabled\":true}", "model.tie_embeddings=false"}}) {
-    std::vector<std::string> always = extra, never = extra;
-    always.push_back("run.recompute=\"always\"");
-    never.push_back("run.recompute=\"never\"");
-    Training a(base_config(data_), always);
-    Training b(base_config(data_), never);
-    ASSERT_FALSE(a.trainer().plan().activations.keep_graphs);
-    ASSERT_TRUE(b.trainer().plan().activations.keep_graphs);
-    for (int s = 1; s <= 4; ++s) {
-      const StepResult ra = a.step(), rb = b.step();
-      EXPECT_EQ(ra.loss, rb.loss) << "step " << s;
-      EXPECT_EQ(ra.grad_norm, rb.grad_norm) << "step " << s;
+       {std::vector<std::string>{},
+        std::vector<std::string>{"bf16={\"enabled\":true}", "model.tie_embeddings=false", "run.schedule=\"layer\"",
+                                 "gradient_accumulation_steps=3"},
+        std::vector<std::string>{"fp16={\"enabled\":true,\"loss_scale\":1024}", "zero_optimization.stage=3",
+                                 "zero_optimization.offload_param.device=cpu", "run.schedule=\"micro_batch\"",
+                                 "zero_optimization.stage3_param_persistence_threshold=0"}}) {
+    const std::string dtype = extra.empty() ? "fp32" : extra[0].substr(0, 4);
+    struct Placement {
+      std::vector<std::string> sets;
+      int64_t device, host;  // layers keeping their entries there
+    };
+    const std::vector<Placement> placements = {
+        {{"run.recompute=\"always\""}, 0, 0},
+        {{"run.recompute=\"never\""}, 2, 0},
+        {{"run.recompute=\"never\"", "activation_checkpointing.cpu_checkpointing=true"}, 0, 2},
+        {{"run.activations={\"keep_host_layers\":1,\"keep_device_layers\":1}"}, 1, 1},
+        {{"run.activations={\"keep_host_layers\":1}", "activation_checkpointing.cpu_checkpointing=true"}, 0, 1},
+        {{"run.recompute=\"always\"", "activation_checkpointing.cpu_checkpointing=true"}, 0, 0},
+    };
+    std::vector<std::string> ref_sets = extra;
+    ref_sets.insert(ref_sets.end(), placements[0].sets.begin(), placements[0].sets.end());
+    Training ref(base_config(data_), ref_sets);
+    std::vector<StepResult> want;
+    for (int s = 1; s <= 3; ++s) want.push_back(ref.step());
+    for (size_t i = 1; i < placements.size(); ++i) {
+      std::vector<std::string> sets = extra;
+      sets.insert(sets.end(), placements[i].sets.begin(), placements[i].sets.end());
+      const std::string what = dtype + " " + nlohmann::json(placements[i].sets).dump();
+      Training run(base_config(data_), sets);
+      const ActivationPlan& a = run.trainer().plan().activations;
+      ASSERT_EQ(a.keep_device_layers, placements[i].device) << what;
+      ASSERT_EQ(a.keep_host_layers, placements[i].host) << what;
+      for (int s = 1; s <= 3; ++s) {
+        const StepResult r = run.step();
+        EXPECT_EQ(r.loss, want[size_t(s - 1)].loss) << what << ", step " << s;
+        EXPECT_EQ(r.grad_norm, want[size_t(s - 1)].grad_norm) << what << ", step " << s;
+      }
+      EXPECT_TRUE(same_state(ref.state(), run.state())) << what;
     }
-    EXPECT_TRUE(same_state(a.state(), b.state())) << (extra.empty() ? "fp32" : "bf16");
   }
 }
 
-TEST_F(StepTest, PlanKeepsGraphsOnlyWhereWeightsStayAndActivationsFit) {
-  // One schedule throughout (auto would take micro_batch where layer's A
-  // graphs do not fit and micro_batch's do: placement_test).
+// The plan's activation rows (Note [Activation placement]): one layer's
+// entries worked out by hand for base_config's model (dim 64, 4 heads of 16,
+// 2 k/v heads, ffn 96, micro-batch 2 x seq 32): x, q, attention output, mid
+// 64 values each, k and v 32 each, gate and up 96 each, in the compute dtype;
+// two rstd and 4 heads' log-sum-exp in fp32.
+TEST_F(StepTest, PlanKeepsWhatFitsAndCountsTheEntriesItKeeps) {
   auto plan = [&](std::vector<std::string> sets, const MachineCapacity& cap) {
     sets.insert(sets.begin(), "run.schedule=\"micro_batch\"");
     const Config cfg = parse_config(base_config(data_), sets);
@@ -342,40 +375,57 @@ TEST_F(StepTest, PlanKeepsGraphsOnlyWhereWeightsStayAndActivationsFit) {
     return make_plan(cfg, layout, 0, cap);
   };
   const MachineCapacity unlimited;
-  // auto: the working copy on the device, room without limit: kept.
-  const PlacementPlan kept = plan({}, unlimited);
-  EXPECT_TRUE(kept.activations.keep_graphs);
-  EXPECT_GT(kept.activations.graph_extra_bytes, 0);
+  const int64_t tokens = 2 * 32;
   const PlacementPlan always = plan({"run.recompute=\"always\""}, unlimited);
-  EXPECT_FALSE(always.activations.keep_graphs);
-  EXPECT_EQ(kept.activations.bytes, always.activations.bytes + kept.activations.graph_extra_bytes);
-  // auto: the parameters offloaded (a window moves them): recompute.
+  ASSERT_EQ(always.activations.checkpoint_layers, 2);
+  EXPECT_EQ(always.activations.recomputed_layers(), 2);
+  EXPECT_EQ(always.activations.entries_bytes, tokens * ((4 * 64 + 2 * 32 + 2 * 96) * 4 + (2 + 4) * 4));
+  const PlacementPlan bf16 = plan({"bf16.enabled=true"}, unlimited);
+  EXPECT_EQ(bf16.activations.entries_bytes, tokens * ((4 * 64 + 2 * 32 + 2 * 96) * 2 + (2 + 4) * 4));
+  // auto without a budget: every layer keeps its entries; the rows grow by
+  // what that adds over the inputs.
+  const PlacementPlan kept = plan({}, unlimited);
+  EXPECT_EQ(kept.activations.keep_device_layers, 2);
+  EXPECT_EQ(kept.activations.recomputed_layers(), 0);
+  const int64_t each = kept.activations.entries_bytes - kept.activations.checkpoint_bytes;
+  EXPECT_EQ(kept.activations.bytes, always.activations.bytes + 2 * each);
+  // Entries hold no weights: the parameters offloaded change nothing.
   const std::string stage3 = "zero_optimization.stage=3";
   const std::string offload = "zero_optimization.offload_param={\"device\":\"cpu\"}";
-  EXPECT_TRUE(plan({stage3}, unlimited).activations.keep_graphs) << "stage 3 at one rank keeps the weights in place";
-  EXPECT_FALSE(plan({stage3, offload}, unlimited).activations.keep_graphs);
-  // auto: a device budget with room for the state but not every layer's graph.
+  EXPECT_EQ(plan({stage3, offload}, unlimited).activations.keep_device_layers, 2);
+  // auto under a device budget: as many of the last layers as fit.
   MachineCapacity tight;
-  tight.device_bytes = always.total()[size_t(Tier::kDevice)] + kept.activations.graph_extra_bytes / 2;
-  EXPECT_FALSE(plan({}, tight).activations.keep_graphs);
-  tight.device_bytes = always.total()[size_t(Tier::kDevice)] + kept.activations.graph_extra_bytes * 2;
-  EXPECT_TRUE(plan({}, tight).activations.keep_graphs);
-  // auto on CPU without a device budget: the graphs must fit in host RAM.
+  tight.device_is_host = false;
+  tight.device_bytes = always.total()[size_t(Tier::kDevice)] + each + each / 2;
+  const PlacementPlan one = plan({}, tight);
+  EXPECT_EQ(one.activations.keep_device_layers, 1) << one.activations.recompute_choice;
+  EXPECT_TRUE(one.activations.keeps_entries(1));
+  EXPECT_FALSE(one.activations.keeps_entries(0));
+  tight.device_bytes = always.total()[size_t(Tier::kDevice)] + each / 2;
+  EXPECT_EQ(plan({}, tight).activations.keep_device_layers, 0);
+  // auto on CPU without a device budget: the entries must fit in host RAM.
   MachineCapacity ram;
-  ram.host_bytes = always.total()[size_t(Tier::kDevice)] + always.total()[size_t(Tier::kHost)] +
-                   kept.activations.graph_extra_bytes / 2;
-  EXPECT_FALSE(plan({}, ram).activations.keep_graphs);
-  ram.host_bytes += kept.activations.graph_extra_bytes;
-  EXPECT_TRUE(plan({}, ram).activations.keep_graphs);
-  // never where it cannot work: one line naming the key.
+  ram.host_bytes = always.total()[size_t(Tier::kDevice)] + always.total()[size_t(Tier::kHost)] + each / 2;
+  EXPECT_EQ(plan({}, ram).activations.keep_device_layers, 0);
+  ram.host_bytes += 2 * each;
+  EXPECT_EQ(plan({}, ram).activations.keep_device_layers, 2);
+  // Host: the entries in the host slots, the largest layer's twice on the
+  // device; the bound's compute without the recomputed forwards.
+  const PlacementPlan host = plan({"run.activations={\"keep_host_layers\":2}"}, unlimited);
+  EXPECT_EQ(host.staging.ckpt_host, 2 * host.activations.entries_bytes);
+  EXPECT_EQ(host.staging.ckpt_device, 2 * host.activations.entries_bytes);
+  EXPECT_EQ(host.activations.host_link_bytes(2), 2 * 2 * host.activations.entries_bytes);
+  // Bad run.activations: one line naming the key.
   for (const std::vector<std::string>& sets :
-       {std::vector<std::string>{"run.recompute=\"never\"", offload, stage3},
-        std::vector<std::string>{"run.recompute=\"never\"", "activation_checkpointing.cpu_checkpointing=true"}}) {
+       {std::vector<std::string>{"run.activations={\"keep_host_layers\":3}"},
+        std::vector<std::string>{"run.activations={\"keep_host_layers\":1,\"keep_device_layers\":2}"},
+        std::vector<std::string>{"run.activations={\"keep_device_layers\":-1}"},
+        std::vector<std::string>{"run.activations={\"keep_device_layers\":1}", "run.recompute=\"never\""}}) {
     try {
       plan(sets, unlimited);
-      FAIL() << sets[1];
+      FAIL() << sets[0];
     } catch (const ConfigError& e) {
-      EXPECT_EQ(e.key(), "run.recompute") << e.what();
+      EXPECT_EQ(e.key().rfind("run.activations", 0), 0u) << e.what();
     }
   }
   EXPECT_THROW(parse_config(base_config(data_), {"run.recompute=\"sometimes\""}), ConfigError);
@@ -445,7 +495,9 @@ std::vector<at::Tensor> all_state(Training& run) {
 // directory): all on the device; untied bf16 A=3; host offload with
 // cpu_checkpointing; NVMe with persistent blocks; a 3-way split untied; a
 // mixed split in fp16 with the optimizer inline; fp16 whose first steps
-// overflow, gradients on the host, A=4; bf16 moments; kept graphs A=3.
+// overflow, gradients on the host, A=4; bf16 moments; every layer's entries
+// kept, A=3; a layer's entries in host RAM and the other's on the device, the
+// parameters windowed from the host, bf16, A=3.
 std::vector<std::vector<std::string>> schedule_matrix(const std::string& swap) {
   const std::string split = "{\"device\":0.3,\"host\":0.3,\"nvme\":0.4}";
   const std::string nvme = "{\"device\":\"nvme\",\"nvme_path\":\"" + swap + "\"";
@@ -467,6 +519,9 @@ std::vector<std::vector<std::string>> schedule_matrix(const std::string& swap) {
        "placement={\"param16\":{\"device\":1},\"grad\":{\"host\":1},\"optimizer\":{\"host\":1}}"},
       {"bf16.enabled=true", "run.optimizer_state_dtype=\"bf16\"", "zero_optimization.sub_group_size=4096"},
       {"run.recompute=\"never\"", "gradient_accumulation_steps=3"},
+      {"run.activations={\"keep_host_layers\":1,\"keep_device_layers\":1}", "gradient_accumulation_steps=3",
+       "bf16.enabled=true", "zero_optimization.stage=3", "zero_optimization.offload_param.device=cpu",
+       "zero_optimization.stage3_param_persistence_threshold=0"},
   };
 }
 
@@ -685,7 +740,7 @@ TEST_F(StepTest, AutoSpeculationPausesAfterClippedStepsInARow) {
 // Under the layer schedule (Note [Step schedules]) with A > 1 a block's
 // gradient lands once per step, its micro-batches' fp32 sum: 4 bytes per
 // element, one write of an NVMe home and no read before it.
-LinkBytes table_bytes(const PlacementPlan& p, int64_t accum) {
+LinkBytes table_bytes(const PlacementPlan& p, int64_t accum, const ModelConfig& model) {
   LinkBytes e;
   const bool once = (p.step.schedule == StepSchedule::kLayer) && accum > 1;
   const int64_t landings = once ? 1 : accum;
@@ -703,12 +758,23 @@ LinkBytes table_bytes(const PlacementPlan& p, int64_t accum) {
     if (grad[b].tier != Tier::kDevice) e.d2h += w * n * landings;
     if (grad[b].tier == Tier::kNvme) e.nvme_write += 4 * n * landings, e.nvme_read += 4 * n * (landings - 1);
   }
-  // Offloaded activations: each layer's input D2H after its forward and H2D
-  // before its backward, every micro-batch.
-  if (p.activations.cpu_checkpointing) {
-    e.d2h += p.activations.checkpoint_layers * p.activations.checkpoint_bytes * accum;
-    e.h2d += p.activations.checkpoint_layers * p.activations.checkpoint_bytes * accum;
-  }
+  // Activations in host RAM: D2H after the layer's forward and H2D before
+  // its backward, every micro-batch; the first keep_host_layers their
+  // entries (by hand: x, q, attention output and mid of q_dim = dim values,
+  // k and v of kv_heads x head_dim, gate and up of ffn, in the compute dtype;
+  // two rstd and a log-sum-exp per head in fp32, per token), the recomputed
+  // ones their input with cpu_checkpointing.
+  const ModelConfig& mc = model;
+  const int64_t tokens = p.activations.checkpoint_bytes / (int64_t(mc.dim) * p.compute_bytes);
+  const int64_t entries =
+      tokens * ((2 * mc.dim + 2 * mc.q_dim() + 2 * mc.kv_heads() * mc.head_dim() + 2 * mc.ffn_dim()) * p.compute_bytes +
+                (2 + mc.n_heads) * 4);
+  const int64_t recomputed = p.activations.checkpoint_layers - p.activations.keep_device_layers -
+                             p.activations.keep_host_layers;
+  const int64_t down = p.activations.keep_host_layers * entries +
+                       (p.activations.cpu_checkpointing ? recomputed * p.activations.checkpoint_bytes : 0);
+  e.d2h += down * accum;
+  e.h2d += down * accum;
   // The optimizer, per pipeline piece: nothing crosses for a piece wholly on
   // the device (the device's Adam); CPU Adam reads what is not in host
   // memory and writes it back.
@@ -775,6 +841,12 @@ TEST_F(StepTest, EveryLinkCarriesExactlyTheBytesOfThePlacement) {
       {"placement={\"param16\":" + split + ",\"grad\":" + split + ",\"optimizer\":" + split + ",\"nvme_path\":\"" +
        swap + "\"}", "zero_optimization.stage3_param_persistence_threshold=0"},
       {"bf16.enabled=true", "run.optimizer_state_dtype=\"bf16\"", "zero_optimization.sub_group_size=4096"},
+      // Activations in host RAM (Note [Activation placement]): a layer's
+      // entries and the other's input; every layer's entries.
+      {"run.activations={\"keep_host_layers\":1}", "activation_checkpointing.cpu_checkpointing=true",
+       "bf16.enabled=true"},
+      {"run.recompute=\"never\"", "activation_checkpointing.cpu_checkpointing=true", "zero_optimization.stage=3",
+       "zero_optimization.offload_param.device=cpu", persistent},
   };
   // Every case under both schedules at the config's 2 micro-batches; the
   // cases that home param16 and gradients on every tier (the 3-way split,
@@ -802,7 +874,7 @@ TEST_F(StepTest, EveryLinkCarriesExactlyTheBytesOfThePlacement) {
     Training run(base_config(data_), o, nullptr, &dev);
     const PlacementPlan& plan = run.trainer().plan();
     ASSERT_EQ(plan.step.schedule == StepSchedule::kLayer, k.schedule == "layer") << what;
-    const LinkBytes want = table_bytes(plan, plan.step.accum);
+    const LinkBytes want = table_bytes(plan, plan.step.accum, run.cfg().model);
     for (int s = 1; s <= 2; ++s) {
       const StepResult r = run.step();
       ASSERT_FALSE(r.skipped) << what;

@@ -157,7 +157,10 @@ nlohmann::json plan_json(const Computed& c) {
   }
   j["activation_bytes"] = p.activations.bytes;
   j["cpu_checkpointing"] = p.activations.cpu_checkpointing;
-  j["recompute"] = p.activations.keep_graphs ? "never" : "always";
+  const ActivationPlan& act = p.activations;
+  j["recompute"] = act.recomputed_layers() == act.checkpoint_layers ? "always"
+                   : act.recomputed_layers() == 0                     ? "never"
+                                                                      : "partial";
   j["schedule"] = schedule_name(p.step.schedule);
   if (!p.step.choice.empty()) j["schedule_choice"] = p.step.choice;
   // Note [Speculative optimizer] in engine/optimizer/optimizer_pass.h.
@@ -175,7 +178,19 @@ nlohmann::json plan_json(const Computed& c) {
   j["activations"] = {{"micro_batches_held", p.step.held_micro},
                       {"checkpoints", p.activations.checkpoint_activation_bytes},
                       {"output_gradients_held", p.activations.held_output_grad_bytes},
-                      {"tied_head_gradients_held", p.activations.held_tied_grad_bytes}};
+                      {"tied_head_gradients_held", p.activations.held_tied_grad_bytes},
+                      // Note [Activation placement] in memory/placement.h.
+                      {"keep_device_layers", act.keep_device_layers},
+                      {"keep_host_layers", act.keep_host_layers},
+                      {"recomputed_layers", act.recomputed_layers()},
+                      {"entries_bytes_per_layer", act.entries_bytes},
+                      {"host_bytes", p.staging.ckpt_host},
+                      {"d2h_bytes_per_step", act.host_link_bytes(p.step.accum)},
+                      {"h2d_bytes_per_step", act.host_link_bytes(p.step.accum)},
+                      {"recomputed_flops_per_step",
+                       double(std::max<int64_t>(1, p.step.accum)) * double(act.recomputed_layers()) *
+                           act.layer_forward_flops},
+                      {"choice", act.recompute_choice}};
   j["parameter_window"] = {{"slots", p.staging.window.slots},
                            {"slot_elements", p.staging.window.slot_numel},
                            {"persistent_elements", p.staging.window.persistent_numel}};
@@ -484,13 +499,15 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   }
   const auto st = p.state.total();
   row("state total", st[0], st[1], st[2]);
-  row(p.activations.keep_graphs ? "activations (graphs)" : "activations (recompute)", p.activations.bytes, 0, 0);
+  const ActivationPlan& act = p.activations;
+  row(strprintf("activations (%lld kept)", (long long)(act.checkpoint_layers - act.recomputed_layers())), act.bytes,
+      0, 0);
   // Its rows the schedule decides (Note [Step schedules] in memory/schedule.h).
   const std::string held = p.step.held_micro > 1 ? strprintf(" (x%lld)", (long long)p.step.held_micro) : "";
   row("  saved inputs" + held, p.activations.checkpoint_activation_bytes, 0, 0);
   if (p.activations.held_output_grad_bytes > 0) row("  output grads" + held, p.activations.held_output_grad_bytes, 0, 0);
   if (p.activations.held_tied_grad_bytes > 0) row("  tied head grads" + held, p.activations.held_tied_grad_bytes, 0, 0);
-  if (p.activations.cpu_checkpointing) row("offloaded checkpoints" + held, p.staging.ckpt_device, p.staging.ckpt_host, 0);
+  if (p.staging.ckpt_host > 0) row("  on the host" + held, p.staging.ckpt_device, p.staging.ckpt_host, 0);
   row("parameter window", p.staging.gathered, p.staging.window_bounce, 0);
   row("gradient staging", p.staging.grad_stage + p.staging.grad_norms, p.staging.grad_host + p.staging.grad_rmw, 0);
   if (p.world_size > 1) {

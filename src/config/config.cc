@@ -69,6 +69,7 @@ std::vector<ConfigKey> config_key_table() {
       {"run", &config::kRunKeys},
       {"run.rates", &config::kRatesKeys},
       {"run.checkpoint", &config::kCheckpointKeys},
+      {"run.activations", &config::kActivationsKeys},
       {"placement", &config::kPlacementKeys},
       {"comm", &config::kCommKeys},
       {"tensorboard", &config::kMonitorKeys},

@@ -136,11 +136,17 @@ struct RunConfig {
   // stochastic rounding (Note [bf16 state] in cpu_adam/types.h).
   MomentDtype optimizer_state_dtype = MomentDtype::kFp32;
   ComputeDtype compute_dtype = ComputeDtype::kFp32;  // derived: fp32 | bf16 | fp16 (from bf16/fp16 sections)
-  // Backward recomputes each layer from its saved input (always), or keeps
-  // the forward's autograd graphs (never: a quarter fewer FLOPs, every layer's
-  // activations held), or lets the plan decide (auto: never when the weights
-  // stay in place for the step and the activations fit). Note [Recompute].
+  // Backward recomputes each layer from its saved input (always), or every
+  // layer keeps its saved tensors (never: a quarter fewer FLOPs, every
+  // layer's entries held; in host RAM with cpu_checkpointing), or the plan
+  // keeps as many layers' as the device has room for (auto). Note [Recompute].
   Recompute recompute = Recompute::kAuto;
+  // run.activations: which layers keep their entries, fixed by hand (Note
+  // [Activation placement] in memory/placement.h): the first
+  // keep_host_layers in host RAM, the last keep_device_layers on the device,
+  // the rest recomputed. -1: not given (run.recompute decides).
+  int64_t keep_device_layers = -1;
+  int64_t keep_host_layers = -1;
   // The order of the step's work (memory/schedule.h, Note [Step schedules]):
   // micro_batch (each micro-batch's forward and backward over every block in
   // turn), layer (each block for every micro-batch before the next block:

@@ -14,7 +14,7 @@ namespace strata::config {
 extern const SectionKeys kTopKeys, kOptimizerKeys, kOptimizerParamsKeys, kSchedulerKeys, kSchedulerParamsKeys,
     kFp16Keys, kBf16Keys, kZeroKeys, kOffloadParamKeys, kOffloadOptimizerKeys, kAioKeys,
     kActivationCheckpointingKeys;  // deepspeed_sections.cc
-extern const SectionKeys kModelKeys, kRopeScalingKeys, kDataKeys, kRunKeys, kRatesKeys, kCheckpointKeys,
+extern const SectionKeys kModelKeys, kRopeScalingKeys, kDataKeys, kRunKeys, kRatesKeys, kCheckpointKeys, kActivationsKeys,
     kPlacementKeys, kSplitKeys, kCommKeys, kMonitorKeys;  // strata_sections.cc
 
 // Enum tables (name <-> value), in the order their messages list them.

@@ -134,8 +134,8 @@ void parse_data(Section& top, Config& c) {
 const SectionKeys kRunKeys = {"run",
                               {"steps", "seed", "metrics", "log_file", "log_level", "device", "threads",
                                "device_memory_mb", "cpu_adam_isa", "overlap_optimizer", "swap_checksums",
-                               "optimizer_state_dtype", "checkpoint", "recompute", "schedule", "rates",
-                               "deterministic"},
+                               "optimizer_state_dtype", "checkpoint", "recompute", "activations", "schedule",
+                               "rates", "deterministic"},
                               {}};
 // run.rates' keys are the rates table's (config/rates.h).
 static Keys rate_keys() {
@@ -145,6 +145,7 @@ static Keys rate_keys() {
 }
 const SectionKeys kRatesKeys = {"run.rates", rate_keys(), {}};
 const SectionKeys kCheckpointKeys = {"run.checkpoint", {"dir", "every", "keep", "snapshot_gb"}, {}};
+const SectionKeys kActivationsKeys = {"run.activations", {"keep_device_layers", "keep_host_layers"}, {}};
 
 namespace {
 
@@ -166,6 +167,36 @@ void parse_checkpoint(Section& r, Config& c) {
   if (ck.read("snapshot_gb", cc.snapshot_gb)) non_negative("run.checkpoint.snapshot_gb", cc.snapshot_gb);
   if (cc.every > 0 && cc.dir.empty()) fail("run.checkpoint.dir", "required when run.checkpoint.every is set");
   ck.done();
+}
+
+// run.activations: given, it fixes which layers keep their entries, so
+// run.recompute must leave the choice open (auto).
+void parse_activations(Section& r, Config& c) {
+  Section a(r.object("activations"), kActivationsKeys, c.ignored_keys);
+  RunConfig& rc = c.run;
+  for (auto [key, v] : {std::pair{"keep_device_layers", &rc.keep_device_layers},
+                        std::pair{"keep_host_layers", &rc.keep_host_layers}}) {
+    if (!a.read(key, *v)) continue;
+    non_negative(a.key(key), *v);
+    if (*v > c.model.n_layers) {
+      fail(a.key(key), "is " + std::to_string(*v) + ", more than the model's " + std::to_string(c.model.n_layers) +
+                           " layers");
+    }
+  }
+  a.done();
+  const bool given = rc.keep_device_layers >= 0 || rc.keep_host_layers >= 0;
+  if (!given) return;
+  rc.keep_device_layers = std::max<int64_t>(rc.keep_device_layers, 0);
+  rc.keep_host_layers = std::max<int64_t>(rc.keep_host_layers, 0);
+  if (rc.recompute != Recompute::kAuto) {
+    fail("run.activations", std::string("fixes which layers recompute; run.recompute is ") +
+                                recompute_name(rc.recompute) + ", which decides that too: leave it auto");
+  }
+  if (rc.keep_device_layers + rc.keep_host_layers > c.model.n_layers) {
+    fail("run.activations", "keep_device_layers + keep_host_layers = " +
+                                std::to_string(rc.keep_device_layers + rc.keep_host_layers) + ", more than the model's " +
+                                std::to_string(c.model.n_layers) + " layers");
+  }
 }
 
 }  // namespace
@@ -199,6 +230,7 @@ void parse_run(Section& top, Config& c) {
   r.read("deterministic", rc.deterministic);
   r.read_enum("optimizer_state_dtype", rc.optimizer_state_dtype, kMomentDtypes);
   r.read_enum("recompute", rc.recompute, kRecomputes);
+  parse_activations(r, c);
   r.read_enum("schedule", rc.schedule, kSchedules);
   parse_checkpoint(r, c);
   r.done();

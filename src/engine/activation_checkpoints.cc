@@ -4,40 +4,54 @@
 
 #include "engine/compute_stream.h"
 #include "util/errors.h"
+#include "util/logging.h"
 #include "util/trace.h"
 
 namespace strata {
 
-ActivationCheckpoints::ActivationCheckpoints(const PlacementPlan& plan, size_t num_blocks,
-                                             std::vector<int64_t> shape, at::ScalarType dtype, TieredState* state,
+ActivationCheckpoints::ActivationCheckpoints(const PlacementPlan& plan, size_t num_blocks, TieredState* state,
                                              const std::vector<StepOp>& schedule)
     : head_(num_blocks - 1),
       accum_(std::max<int64_t>(plan.step.accum, 1)),
       held_(plan.step.held_micro),
       saved_(num_blocks * size_t(std::max<int64_t>(plan.step.accum, 1))),
+      host_offset_(num_blocks, -1),
+      pack_bytes_(num_blocks, 0),
+      packed_(num_blocks),
       dev_(state->device()),
-      shape_(std::move(shape)),
-      dtype_(dtype),
       state_(state) {
+  // The host slots, layer by layer, as staging_needs counted them.
+  const ActivationPlan& a = plan.activations;
+  STRATA_CHECK(a.checkpoint_layers == int64_t(num_blocks) - 2, "the plan's layers are not the model's");
+  int64_t host_bytes = 0;
+  for (size_t b = 1; b < head_; ++b) {
+    pack_bytes_[b] = a.saved_bytes(int64_t(b) - 1);
+    if (!a.on_host(int64_t(b) - 1)) continue;
+    host_offset_[b] = host_bytes;
+    host_bytes += held_ * pack_bytes_[b];
+    slot_bytes_ = std::max(slot_bytes_, pack_bytes_[b]);
+  }
   // A restore can be prefetched by the one before it unless a forward runs
   // between them (micro_batch: the next micro-batch's forward has not saved
-  // its input yet, and its host slot is the same).
+  // its pack yet, and its host slot is the same). The packs from the host
+  // take device slots 0, 1, 0, ... from the first after a forward.
   bool forward_since = true;
-  size_t run_start = 0;
+  int host_run = 0;
   for (const StepOp& op : schedule) {
     if (op.pass == Pass::kForward) forward_since = true;
     if (op.pass != Pass::kBackward || op.block[0] == 0) continue;
-    if (forward_since) run_start = restore_order_.size();
-    slot_of_.push_back(int((restore_order_.size() - run_start) % 2));
-    restore_order_.emplace_back(size_t(op.block[0]), op.micro);
+    if (forward_since) host_run = 0;
+    const size_t b = size_t(op.block[0]);
+    slot_of_.push_back(on_host(b) ? host_run++ % 2 : -1);
+    restore_order_.emplace_back(b, op.micro);
     after_forward_.push_back(forward_since ? 1 : 0);
     forward_since = false;
   }
   const StagingNeeds& need = plan.staging;
+  STRATA_CHECK(host_bytes == need.ckpt_host, "activation host slots differ from the plan's staging");
   if (need.ckpt_host > 0) {
-    bytes_ = plan.activations.checkpoint_bytes;
-    host_ = dev_.allocate_pinned(need.ckpt_host, "offloaded activation checkpoints");
-    device_ = dev_.allocate(need.ckpt_device, "activation checkpoint slots (2)");
+    host_ = dev_.allocate_pinned(need.ckpt_host, "activations kept in host RAM");
+    device_ = dev_.allocate(need.ckpt_device, "activation slots (2)");
   }
 }
 
@@ -51,69 +65,101 @@ ActivationCheckpoints::~ActivationCheckpoints() {
   }
 }
 
-// Layer inputs are saved on the device as LibTorch tensors, or with
-// cpu_checkpointing copied to the host (D2H) during forward and brought back
-// (H2D) during backward, one restore ahead in the schedule's backward order:
-// while one input's backward runs, the next one's is already in the other
-// device slot. The copies go through the device layer: memcpy on the CPU
-// device, the copy streams of a GPU, ordered after the compute that wrote
-// (or last read) their source (or slot).
-void ActivationCheckpoints::save(size_t b, int64_t m, const at::Tensor& x) {
-  if (b == 0) {
-    saved_[key(b, m)] = x;  // the token ids, kept with the batch
+// A layer's pack is kept on the device as LibTorch tensors, or copied to the
+// host (D2H) during forward and brought back (H2D) during backward, one
+// restore ahead in the schedule's backward order: while one pack's backward
+// runs, the next one's is already in the other device slot. The copies go
+// through the device layer: memcpy on the CPU device, the copy streams of a
+// GPU, ordered after the compute that wrote (or last read) their source (or
+// slot).
+void ActivationCheckpoints::save(size_t b, int64_t m, std::vector<at::Tensor> pack) {
+  if (!on_host(b)) {
+    if (b != 0) {
+      for (const at::Tensor& t : pack) device_now_ += int64_t(t.nbytes());
+      peak_device_ = std::max(peak_device_, device_now_);
+    }
+    saved_[key(b, m)] = std::move(pack);  // the embedding's: the token ids, kept with the batch
     return;
   }
-  if (bytes_ == 0) {
-    saved_[key(b, m)] = x;
-    device_now_ += int64_t(x.nbytes());
-    peak_device_ = std::max(peak_device_, device_now_);
-    return;
-  }
-  STRATA_CHECK(int64_t(x.nbytes()) == bytes_ && x.is_contiguous(), "unexpected activation shape");
-  TraceSpan span(TraceTrack::kCopy, "offload checkpoint");
-  // The previous input's copy is done before its tensor may be freed.
+  TraceSpan span(TraceTrack::kCopy, "offload activations");
+  // The previous pack's copies are done before its tensors may be freed.
   offloaded_.wait();
-  offloading_ = x;
+  std::vector<Packed>& shapes = packed_[b];
+  shapes.clear();
+  int64_t total = 0;
+  for (const at::Tensor& t : pack) {
+    STRATA_CHECK(t.is_non_overlapping_and_dense(), "an activation to offload is not dense");
+    shapes.push_back({t.sizes().vec(), t.strides().vec(), t.scalar_type(), int64_t(t.nbytes())});
+    total += int64_t(t.nbytes());
+  }
+  STRATA_CHECK(total == pack_bytes_[b], strprintf("layer %zu saves %lld bytes, the plan counted %lld", b,
+                                                  (long long)total, (long long)pack_bytes_[b]));
   dev_.stream_wait(Stream::kD2H, dev_.record(Stream::kCompute));
-  dev_.copy_to_host(host_.data() + host_slot(b, m) * bytes_, DevicePtr(static_cast<std::byte*>(x.data_ptr())),
-                    bytes_, Stream::kD2H);
+  int64_t off = 0;
+  for (const at::Tensor& t : pack) {
+    // A dense tensor's elements lie in nbytes from its first (all strides
+    // are positive): its memory, whatever the order of its dimensions.
+    dev_.copy_to_host(host_.data() + host_slot(b, m) + off, DevicePtr(static_cast<std::byte*>(t.data_ptr())),
+                      int64_t(t.nbytes()), Stream::kD2H);
+    off += int64_t(t.nbytes());
+  }
+  offloading_ = std::move(pack);
   offloaded_ = dev_.record(Stream::kD2H);
-  state_->count_copy(/*to_device=*/false, bytes_);
+  state_->count_copy(/*to_device=*/false, total);
 }
 
 void ActivationCheckpoints::bring(size_t k) {
-  TraceSpan span(TraceTrack::kCopy, "fetch checkpoint");
+  TraceSpan span(TraceTrack::kCopy, "fetch activations");
   const auto [b, m] = restore_order_[k];
-  if (after_forward_[k]) {
-    offloaded_.wait();  // the last offload of the forward has landed
-    offloading_ = at::Tensor();
+  if (!offloading_.empty()) {
+    // The forward's last offload has landed (the packs kept on the device
+    // since then did not wait for it).
+    offloaded_.wait();
+    offloading_.clear();
   }
-  // The slot's previous input (two restores back) is done with it.
+  // The slot's previous pack (two restores back) is done with it.
   dev_.stream_wait(Stream::kH2D, dev_.record(Stream::kCompute));
   const int slot = slot_of_[k];
-  dev_.copy_to_device(device_.ptr() + int64_t(slot) * bytes_, host_.data() + host_slot(b, m) * bytes_, bytes_,
+  STRATA_CHECK(slot >= 0 && int64_t(slot) * slot_bytes_ + pack_bytes_[b] <= device_.bytes(),
+               "an activation slot the plan did not count");
+  dev_.copy_to_device(device_.ptr() + int64_t(slot) * slot_bytes_, host_.data() + host_slot(b, m), pack_bytes_[b],
                       Stream::kH2D);
   slot_ready_[size_t(slot)] = dev_.record(Stream::kH2D);
-  state_->count_copy(/*to_device=*/true, bytes_);
+  state_->count_copy(/*to_device=*/true, pack_bytes_[b]);
 }
 
-at::Tensor ActivationCheckpoints::restore(size_t b, int64_t m) {
-  if (bytes_ == 0 || b == 0) {
-    at::Tensor x = std::move(saved_[key(b, m)]);
-    saved_[key(b, m)] = at::Tensor();
-    if (b != 0) device_now_ -= int64_t(x.nbytes());
-    return x;
+std::vector<at::Tensor> ActivationCheckpoints::restore(size_t b, int64_t m) {
+  if (b == 0 || restore_order_.empty()) {
+    std::vector<at::Tensor> pack = std::move(saved_[key(b, m)]);
+    saved_[key(b, m)].clear();
+    return pack;
   }
   const size_t k = restored_++;
   STRATA_CHECK(k < restore_order_.size() && restore_order_[k] == std::make_pair(b, m),
-               "activation checkpoints restored out of the schedule's order");
+               "activations restored out of the schedule's order");
+  // The next pack from the host, if it is there and nothing runs between.
+  auto prefetch = [&](size_t n) {
+    if (n < restore_order_.size() && !after_forward_[n] && on_host(restore_order_[n].first)) bring(n);
+  };
+  if (!on_host(b)) {
+    std::vector<at::Tensor> pack = std::move(saved_[key(b, m)]);
+    saved_[key(b, m)].clear();
+    for (const at::Tensor& t : pack) device_now_ -= int64_t(t.nbytes());
+    prefetch(k + 1);
+    return pack;
+  }
   if (after_forward_[k]) bring(k);  // the first restore after a forward: nothing prefetched it
-  if (k + 1 < restore_order_.size() && !after_forward_[k + 1]) bring(k + 1);  // prefetch into the other slot
-  peak_device_ = device_.bytes();
+  prefetch(k + 1);  // into the other slot
+  peak_device_ = std::max(peak_device_, device_now_ + device_.bytes());
   dev_.stream_wait(Stream::kCompute, slot_ready_[size_t(slot_of_[k])]);
-  // A tensor of the device slot, on the compute device.
-  return at::from_blob((device_.ptr() + int64_t(slot_of_[k]) * bytes_).raw(), shape_,
-                       at::TensorOptions().dtype(dtype_).device(torch_device(dev_)));
+  // Tensors of the device slot, on the compute device, as the forward made them.
+  std::vector<at::Tensor> pack;
+  std::byte* at_ = (device_.ptr() + int64_t(slot_of_[k]) * slot_bytes_).raw();
+  for (const Packed& p : packed_[b]) {
+    pack.push_back(at::from_blob(at_, p.sizes, p.strides, at::TensorOptions().dtype(p.dtype).device(torch_device(dev_))));
+    at_ += p.bytes;
+  }
+  return pack;
 }
 
 }  // namespace strata

@@ -1,11 +1,12 @@
 // A block's ops (trainer.h): its forward, the head's forward and backward, its
-// backward (recomputed or from its kept graph), and evaluation as the eval
-// schedule's forwards; trainer.cc runs them in the order of the step's
+// backward (from its kept entries, or recomputed from its input), and
+// evaluation as the eval schedule's forwards; trainer.cc runs them in the order of the step's
 // schedule.
 #include <ATen/core/grad_mode.h>
 #include <torch/csrc/autograd/autograd.h>
 
-#include <optional>
+#include <iterator>
+#include <tuple>
 
 #include "engine/compute_stream.h"
 #include "engine/trainer.h"
@@ -28,46 +29,53 @@ std::vector<at::Tensor> as_leaves(const std::vector<at::Tensor>& views) {
 }  // namespace
 
 // Note [Step order]
-// Forward runs every block but the head without autograd and keeps each
-// block's input (the activation checkpoint). The head runs with autograd, so
-// the loss gives d(loss)/d(head input). Backward then walks the blocks in
-// reverse: recompute the block from its saved input with autograd over leaf
-// views of its weights, and ask autograd for the gradients of the input and of
-// the weights given the output gradient. Weight gradients go to the gradient
-// path (Note [Gradient path]) block by block, so when recomputing nothing
-// but one block's graph is alive at a time (kept graphs, one per block and
-// micro-batch held: Note [Recompute]). A tied head's output-projection gradient is added
-// into the embedding block's gradient, which backward reaches last. The
-// order of blocks and micro-batches is the schedule's (Note [Step schedules]
-// in memory/schedule.h); each op is one of the three below.
+// Forward runs every block but the head without autograd. An embedding keeps
+// its input (the token ids); a layer runs its explicit forward (Note [Saved
+// activations] in model/layer_ops.cc) and keeps its input or its entries
+// (Note [Activation placement] in memory/placement.h). The head runs with
+// autograd, so the loss gives d(loss)/d(head input). Backward then walks the
+// blocks in reverse: a layer's explicit backward from its entries (first
+// recomputed from its input when it kept only that), the embedding's by
+// autograd over leaf views of its weights. Weight gradients go to the
+// gradient path (Note [Gradient path]) block by block. A tied head's
+// output-projection gradient is added into the embedding block's gradient,
+// which backward reaches last. The order of blocks and micro-batches is the
+// schedule's (Note [Step schedules] in memory/schedule.h); each op is one of
+// the three below.
 
-// Block b's forward for micro-batch m (training keeps its input, or its
-// graph: Note [Recompute]); shared by training and evaluation.
+// Block b's forward for micro-batch m (training keeps what its backward
+// needs); shared by training and evaluation.
 at::Tensor Trainer::forward_block(size_t b, int64_t m, const at::Tensor& x, bool train) {
-  const bool keep = train && keep_graphs_;
-  std::optional<at::NoGradGuard> no_grad;
-  if (!keep) no_grad.emplace();
-  if (train && !keep) activations_->save(b, m, x);
+  at::NoGradGuard no_grad;
+  const bool is_embedding = b == ctx_.embedding_block;
   DevicePtr gathered[2];
   blocks_->next(gathered);
   at::Tensor y;
+  LayerSaved saved;
   {
     TraceSpan span(TraceTrack::kCompute, span_name(Pass::kForward, b, m));
-    if (keep) {
-      // Note [Recompute]: the graph over leaf views of the weights and a
-      // leaf input, kept for the backward.
-      KeptGraph& g = graphs_[graph_key(b, m)];
-      g.w = as_leaves(weights(b, gathered[0]));
-      g.xin = b == ctx_.embedding_block ? x : x.detach().requires_grad_(true);
-      g.y = model_.forward(b, g.w, g.xin);
-      y = g.y.detach();
-    } else {
-      std::vector<at::Tensor> w = weights(b, gathered[0]);
-      y = model_.forward(b, w, x);
-    }
+    std::vector<at::Tensor> w = weights(b, gathered[0]);
+    y = is_embedding ? model_.forward(b, w, x) : model_.layer_forward_saving(w, x, &saved);
   }
   blocks_->end();
+  if (train) activations_->save(b, m, is_embedding ? std::vector<at::Tensor>{x} : pack_of(b, m, &saved));
   return y;
+}
+
+std::vector<at::Tensor> Trainer::pack_of(size_t b, int64_t m, LayerSaved* s) {
+  if (!keeps_entries_[b]) return {(*s)[Saved::kInput]};
+  std::vector<at::Tensor> pack;
+  pack.reserve(kept_ids_.size());
+  for (Saved e : kept_ids_) pack.push_back(std::move((*s)[e]));
+  attn_rng_[act_key(b, m)] = {s->attn_seed, s->attn_offset};
+  return pack;
+}
+
+void Trainer::unpack(size_t b, int64_t m, std::vector<at::Tensor> pack, LayerSaved* s) {
+  STRATA_CHECK(pack.size() == kept_ids_.size(), "a layer's pack is not its kept entries");
+  for (size_t i = 0; i < pack.size(); ++i) (*s)[kept_ids_[i]] = std::move(pack[i]);
+  std::tie(s->attn_seed, s->attn_offset) = std::move(attn_rng_[act_key(b, m)]);
+  attn_rng_[act_key(b, m)] = {};
 }
 
 // The head and the loss with autograd: the loss (detached), *dx the gradient
@@ -110,30 +118,29 @@ at::Tensor Trainer::block_backward(size_t b, int64_t m, const at::Tensor& dx) {
   const bool is_embedding = b == ctx_.embedding_block;
   DevicePtr gathered[2];
   blocks_->next(gathered);
-  std::vector<at::Tensor> w, grads;
-  at::Tensor xin, y;
-  if (keep_graphs_) {
-    KeptGraph& g = graphs_[graph_key(b, m)];
-    w = std::move(g.w);
-    xin = std::move(g.xin);
-    y = std::move(g.y);
-    g = KeptGraph();
-  } else {
-    w = as_leaves(weights(b, gathered[0]));
-    at::Tensor saved = activations_->restore(b, m);
-    xin = is_embedding ? saved : saved.detach().requires_grad_(true);
-  }
+  std::vector<at::Tensor> pack = activations_->restore(b, m);
+  std::vector<at::Tensor> grads;
   {
     TraceSpan span(TraceTrack::kCompute, span_name(Pass::kBackward, b, m));
-    if (!y.defined()) y = model_.forward(b, w, xin);
-    std::vector<at::Tensor> wrt;
-    if (!is_embedding) wrt.push_back(xin);
-    wrt.insert(wrt.end(), w.begin(), w.end());
-    grads = torch::autograd::grad({y}, wrt, {dx}, /*retain_graph=*/false);
+    if (is_embedding) {
+      std::vector<at::Tensor> w = as_leaves(weights(b, gathered[0]));
+      grads = torch::autograd::grad({model_.forward(b, w, pack[0])}, w, {dx}, /*retain_graph=*/false);
+    } else {
+      at::NoGradGuard no_grad;
+      const std::vector<at::Tensor> w = weights(b, gathered[0]);
+      LayerSaved saved;
+      if (keeps_entries_[b]) {
+        unpack(b, m, std::move(pack), &saved);
+      } else {
+        model_.layer_forward_saving(w, pack[0], &saved);  // recompute the layer from its input
+      }
+      pack.clear();
+      std::vector<at::Tensor> dw;
+      grads.push_back(model_.layer_backward(w, &saved, dx, &dw));
+      grads.insert(grads.end(), std::make_move_iterator(dw.begin()), std::make_move_iterator(dw.end()));
+    }
   }
-  y = at::Tensor();
-  xin = at::Tensor();
-  w.clear();
+  pack.clear();
   blocks_->end();
   optimizer_->wait_committed(ctx_.shard_offset[b]);  // Note [Speculative optimizer]
   grads_->add(b, grads, is_embedding ? 0 : 1, m);

@@ -116,7 +116,7 @@ double probe_compute(const Config& cfg, Device& device, double budget_s, std::st
   int64_t batch = cfg.train_micro_batch_size_per_gpu, seq = m.seq_len;
   // On the CPU, at most kProbeCallFlops a call: fewer windows, then shorter ones.
   if (cpu) {
-    const double per_token = step_flops(m, 1, false) - 6.0 * double(m.vocab_size * m.dim);
+    const double per_token = step_flops(m, 1, 0) - 6.0 * double(m.vocab_size * m.dim);
     const int64_t tokens = std::max<int64_t>(64, int64_t(kProbeCallFlops / std::max(per_token, 1.0)));
     if (batch * seq > tokens) {
       batch = std::max<int64_t>(1, tokens / seq);
@@ -147,7 +147,7 @@ double probe_compute(const Config& cfg, Device& device, double budget_s, std::st
     if (!cpu) device.synchronize(Stream::kCompute);
   });
   // One layer's forward and backward: the layer terms of step_flops.
-  const double flops = step_flops(m, batch * seq, false) - 6.0 * double(batch * seq) * double(m.vocab_size * m.dim);
+  const double flops = step_flops(m, batch * seq, 0) - 6.0 * double(batch * seq) * double(m.vocab_size * m.dim);
   if (what) {
     *what = strprintf("measured: one layer, %lld x %lld tokens, %s%s", (long long)batch, (long long)seq,
                       compute_dtype_name(cfg.run.compute_dtype), shape_note.c_str());

@@ -108,12 +108,12 @@ void Trainer::skip_on_overflow(StepResult& r, double loss_scale) {
   scaler_->update(r.skipped, step_ + 1);
 }
 
-// What a step starts from: no gradient, activation, kept graph or flow of a
+// What a step starts from: no gradient, activation, kept entry or flow of a
 // failed step's left; the blocks' uses from the top.
 void Trainer::begin_step() {
   grads_->begin_step();
   activations_->reset();
-  for (KeptGraph& g : graphs_) g = KeptGraph();  // a failed step's
+  for (auto& r : attn_rng_) r = {};  // a failed step's
   for (at::Tensor& f : flow_) f = at::Tensor();
   blocks_->begin(/*train=*/true);
 }

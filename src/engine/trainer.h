@@ -34,6 +34,7 @@
 #include "memory/placement.h"
 #include "memory/tiered_state.h"
 #include "model/model.h"
+#include "model/saved_activations.h"
 
 namespace strata {
 
@@ -88,19 +89,17 @@ struct StateBytes {
 std::string apply_determinism(bool on);
 
 // Note [Recompute]
-// run.recompute decides how backward gets a layer's autograd graph. always:
-// the forward runs without autograd and keeps only each layer's input
-// (activation checkpoints); backward recomputes the layer from it, a quarter
-// of the step's FLOPs more, one layer's activations at a time. never: the
-// forward builds every layer's graph over leaf views of the weights and a
-// leaf input and keeps it; backward asks autograd through it. The graph
-// refers to the weights by address, so never needs them in place for the
-// whole step (the working copy resident on the device, or gathered once per
-// step): the plan refuses it otherwise, and auto picks it only then and when
-// every layer's activations fit (memory/placement.h, keep_graphs). The same
-// operations run on the same values either way: losses and weights are
-// bit-identical on CPU (tested). On a GPU, LibTorch may choose another
-// attention kernel when autograd is on, so there they may differ by rounding.
+// run.recompute decides which layers backward recomputes (Note [Activation
+// placement] in memory/placement.h). always: each layer's forward keeps only
+// its input and backward runs the layer's forward again from it (a quarter
+// of the step's FLOPs more, one layer's activations at a time). never: each
+// layer keeps its entries (the saved tensors that are not cheap to recompute,
+// Note [Saved activations] in model/layer_ops.cc) and backward recomputes
+// only the cheap ones. auto: the last layers keep their entries as far as the
+// device has room. Entries hold no weights, so every placement of the state
+// allows every choice; every choice runs the same explicit forward and
+// backward on the same values: losses and weights are bit-identical
+// (tested).
 //
 // Note [Gathered blocks]
 // State lives in the rank's shard space (memory/layout.h); compute sees
@@ -249,6 +248,10 @@ class Trainer {
   at::Tensor head_forward_backward(const at::Tensor& x, const at::Tensor& targets, double loss_scale, int64_t m,
                                    at::Tensor* dx);
   at::Tensor block_backward(size_t b, int64_t m, const at::Tensor& dx);
+  // A layer's saved tensors as its pack (its input, or its kept entries) and
+  // back (activations_ moves packs).
+  std::vector<at::Tensor> pack_of(size_t b, int64_t m, LayerSaved* s);
+  void unpack(size_t b, int64_t m, std::vector<at::Tensor> pack, LayerSaved* s);
   double eval_head(const at::Tensor& x, const at::Tensor& targets);
   at::Tensor loss_of(const at::Tensor& logits, const at::Tensor& targets) const;
   // `rows` windows of seq_len + 1 tokens from host memory to the device,
@@ -302,17 +305,15 @@ class Trainer {
   std::unique_ptr<GradientPath> grads_;
   std::unique_ptr<StateCheckpoints> checkpoints_;
 
-  // Activations: the layers' saved inputs, or (Note [Recompute]) the
-  // graphs the forward kept, per block.
+  // Activations: what each layer keeps for its backward, its input or its
+  // entries (Note [Activation placement] in memory/placement.h).
   std::unique_ptr<ActivationCheckpoints> activations_;
-  bool keep_graphs_ = false;
-  struct KeptGraph {
-    at::Tensor xin;              // the block's input (a leaf, except the embedding's tokens)
-    std::vector<at::Tensor> w;   // leaf views of its weights
-    at::Tensor y;                // its output, the graph's root
-  };
-  std::vector<KeptGraph> graphs_;         // per (block, micro-batch): graph_key
-  size_t graph_key(size_t b, int64_t m) const { return b * micro_loss_.size() + size_t(m); }
+  std::vector<char> keeps_entries_;       // per block: a layer that keeps its entries
+  std::vector<Saved> kept_ids_;           // the entries such a layer keeps, in its pack's order
+  // Per (block, micro-batch): the attention kernel's random state of a layer
+  // that keeps its entries (tiny, on the device; LayerSaved::attn_seed).
+  std::vector<std::pair<at::Tensor, at::Tensor>> attn_rng_;
+  size_t act_key(size_t b, int64_t m) const { return b * micro_loss_.size() + size_t(m); }
   std::vector<at::Tensor> micro_loss_;    // per micro-batch of the step: its loss, read at the end
   // Per micro-batch, between ops: the input of its next forward, then the
   // gradient of the output of its next backward (the layer schedule holds

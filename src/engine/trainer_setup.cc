@@ -118,11 +118,13 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   grads_ = std::make_unique<GradientPath>(ctx_, plan);
   optimizer_->set_gradients(grads_.get());
   checkpoints_ = std::make_unique<StateCheckpoints>(ctx_, *optimizer_);
-  activations_ = std::make_unique<ActivationCheckpoints>(
-      plan, layout_.num_blocks(), std::vector<int64_t>{cfg.train_micro_batch_size_per_gpu, cfg.model.seq_len, cfg.model.dim},
-      ctx_.compute_dtype, state_.get(), blocks_->train_ops());
-  keep_graphs_ = plan.activations.keep_graphs;
-  graphs_.resize(layout_.num_blocks() * size_t(A));
+  activations_ = std::make_unique<ActivationCheckpoints>(plan, layout_.num_blocks(), state_.get(), blocks_->train_ops());
+  keeps_entries_.assign(layout_.num_blocks(), 0);
+  for (size_t b = 1; b + 1 < layout_.num_blocks(); ++b) keeps_entries_[b] = plan.activations.keeps_entries(int64_t(b) - 1);
+  for (const SavedSpec& e : layer_saved_specs(cfg.model)) {
+    if (!e.cheap) kept_ids_.push_back(e.id);
+  }
+  attn_rng_.resize(layout_.num_blocks() * size_t(A));
   micro_loss_.resize(size_t(A));
   flow_.resize(size_t(A));
   tokens_host_ = ctx_.device->allocate_pinned(plan.staging.tokens, "token windows (host)");

@@ -212,8 +212,7 @@ struct OptimizerPlan {
 // What a step's activations hold, and where.
 struct ActivationPlan {
   // Device memory LibTorch allocates for activations (estimate): the saved
-  // block inputs unless offloaded (cpu_checkpointing), one block's recompute;
-  // with keep_graphs, every layer's graph and the head's.
+  // block inputs (or kept entries) on the device, one block's recompute.
   int64_t bytes = 0;
   // Its rows (Note [Step schedules] in memory/schedule.h): the saved block
   // inputs held (the token windows and, unless offloaded, every layer's input,
@@ -226,11 +225,36 @@ struct ActivationPlan {
   int64_t checkpoint_bytes = 0;      // one layer's saved input
   int64_t checkpoint_layers = 0;     // layers whose input is saved
   bool cpu_checkpointing = false;    // saved inputs offloaded to host (staging.ckpt_*)
-  // run.recompute resolved (Note [Recompute] in engine/trainer.h): true =
-  // never, the forward's graphs are kept for backward (bytes then counts
-  // every layer's graph); false = always.
-  bool keep_graphs = false;
-  int64_t graph_extra_bytes = 0;     // what keeping the graphs adds to bytes
+  // Note [Activation placement] (engine/activation_checkpoints.h): what each
+  // layer's forward keeps for its backward, and where. A layer keeps either
+  // its input (backward recomputes the layer from it) or its entries (its
+  // saved tensors that are not cheap to recompute: model/saved_activations.h,
+  // input included; backward recomputes only the cheap ones). Layers
+  // 1..keep_host_layers keep their entries in pinned host RAM (D2H during the
+  // forward, H2D one backward op ahead), the last keep_device_layers on the
+  // device, those between their input (on the host with cpu_checkpointing).
+  // run.recompute resolved: always keeps no layer's entries, never every
+  // layer's, auto as many as the plan finds room for (recompute_choice).
+  int64_t keep_device_layers = 0;
+  int64_t keep_host_layers = 0;
+  int64_t entries_bytes = 0;         // one layer's entries for one micro-batch
+  int64_t token_bytes = 0;           // one micro-batch's token ids (the embedding's saved input)
+  int64_t work_bytes = 0;            // one block's recompute and backward, or the head's (estimate)
+  std::string recompute_choice;      // why (strata plan)
+  // Whether the entries of layer `l` (0-based) are kept, and on the host.
+  bool keeps_entries(int64_t l) const { return l < keep_host_layers || l >= checkpoint_layers - keep_device_layers; }
+  bool on_host(int64_t l) const { return l < keep_host_layers || (cpu_checkpointing && !keeps_entries(l)); }
+  // What layer l saves for one micro-batch.
+  int64_t saved_bytes(int64_t l) const { return keeps_entries(l) ? entries_bytes : checkpoint_bytes; }
+  int64_t recomputed_layers() const { return checkpoint_layers - keep_device_layers - keep_host_layers; }
+  // Bytes down (D2H) in a step's forwards, and up again (H2D) in its
+  // backwards, of what the layers keep on the host, for `accum` micro-batches.
+  int64_t host_link_bytes(int64_t accum) const {
+    int64_t n = 0;
+    for (int64_t l = 0; l < checkpoint_layers; ++l) n += on_host(l) ? saved_bytes(l) : 0;
+    return n * std::max<int64_t>(1, accum);
+  }
+  double layer_forward_flops = 0;    // one layer's forward for one micro-batch (what recomputing it costs)
 };
 
 struct PlacementPlan {

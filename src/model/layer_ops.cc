@@ -31,45 +31,6 @@ namespace strata {
 // directly (GQA's k and v repeated to H heads, their gradients summed back),
 // and sums of gradients may associate differently.
 
-const char* saved_name(Saved s) {
-  static constexpr const char* kNames[kSavedCount] = {
-      "input", "attn_rstd", "attn_normed", "q_proj", "k_proj", "q_rstd", "k_rstd", "q",
-      "k",     "v",         "attn_out",    "attn_lse", "mid",  "mlp_rstd", "mlp_normed",
-      "gate",  "up",        "swiglu"};
-  return kNames[size_t(s)];
-}
-
-std::vector<SavedSpec> layer_saved_specs(const ModelConfig& cfg) {
-  const int64_t d = cfg.dim, f = cfg.ffn_dim(), h = cfg.n_heads, kv = cfg.kv_heads(), hd = cfg.head_dim();
-  const bool qk = cfg.qk_norm();
-  std::vector<SavedSpec> specs = {
-      {Saved::kInput, d, false, false},
-      {Saved::kAttnRstd, 1, true, false},
-      {Saved::kAttnNormed, d, false, true},
-  };
-  if (qk) {
-    specs.push_back({Saved::kQProj, h * hd, false, false});
-    specs.push_back({Saved::kKProj, kv * hd, false, false});
-    specs.push_back({Saved::kQRstd, h, true, false});
-    specs.push_back({Saved::kKRstd, kv, true, false});
-  }
-  const std::vector<SavedSpec> rest = {
-      {Saved::kQ, h * hd, false, qk},
-      {Saved::kK, kv * hd, false, qk},
-      {Saved::kV, kv * hd, false, false},
-      {Saved::kAttnOut, h * hd, false, false},
-      {Saved::kAttnLse, h, true, false},
-      {Saved::kMid, d, false, false},
-      {Saved::kMlpRstd, 1, true, false},
-      {Saved::kMlpNormed, d, false, true},
-      {Saved::kGate, f, false, false},
-      {Saved::kUp, f, false, false},
-      {Saved::kSwiglu, f, false, true},
-  };
-  specs.insert(specs.end(), rest.begin(), rest.end());
-  return specs;
-}
-
 namespace {
 
 // RMSNorm in two halves, the same ops as rms_norm (model.cc): the statistics

@@ -10,7 +10,7 @@
 
 namespace strata {
 
-double step_flops(const ModelConfig& m, int64_t tokens, bool recompute) {
+double step_flops(const ModelConfig& m, int64_t tokens, int64_t recomputed_layers) {
   const double d = double(m.dim), q = double(m.q_dim()), kv = double(m.kv_heads() * m.head_dim());
   const double f = double(m.ffn_dim()), v = double(m.vocab_size), t = double(m.seq_len);
   // Forward FLOPs per token: 2 per multiply-add of each matrix, and the
@@ -18,8 +18,8 @@ double step_flops(const ModelConfig& m, int64_t tokens, bool recompute) {
   const double layer_matrices = d * q + 2 * d * kv + q * d + 3 * d * f;
   const double layer_fwd = 2 * layer_matrices + 4 * t * q;
   const double fwd = double(m.n_layers) * layer_fwd + 2 * v * d;  // the head's matrix, tied or not
-  // Backward is twice the forward; recompute runs the layers' forward again.
-  return double(tokens) * (3 * fwd + (recompute ? double(m.n_layers) * layer_fwd : 0.0));
+  // Backward is twice the forward; a recomputed layer runs its forward again.
+  return double(tokens) * (3 * fwd + double(recomputed_layers) * layer_fwd);
 }
 
 namespace {
@@ -199,12 +199,12 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
   StepWork w;
   const int64_t A = std::max<int64_t>(p.step.accum, 1);
   const int64_t tokens = cfg.train_micro_batch_size_per_gpu * cfg.model.seq_len;
-  w.flops = double(A) * step_flops(cfg.model, tokens, !p.activations.keep_graphs);
+  w.flops = double(A) * step_flops(cfg.model, tokens, p.activations.recomputed_layers());
   // The forward the optimizer of the step before overlaps (Note [Optimizer
   // overlap]): until the last block's forward, the first micro-batch's under
   // micro_batch, every micro-batch's under layer (Note [Step schedules]).
   // The forward is a third of forward + backward.
-  w.first_forward_flops = double(p.step.held_micro) * step_flops(cfg.model, tokens, false) / 3;
+  w.first_forward_flops = double(p.step.held_micro) * step_flops(cfg.model, tokens, 0) / 3;
   w.overlap_optimizer = optimizer_overlaps(cfg, p);
   w.cpu_threads = cfg.run.threads > 0 ? int(cfg.run.threads) : std::max(1, int(std::thread::hardware_concurrency()));
   w.net_bytes = net.world;
@@ -226,10 +226,10 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
     if (grad[b].tier != Tier::kDevice) e.d2h += wire * grad[b].numel * G, w.grad_add_elems += grad[b].numel * G;
     if (grad[b].tier == Tier::kNvme) e.nvme_write += 4 * grad[b].numel * G, e.nvme_read += 4 * grad[b].numel * (G - 1);
   }
-  if (p.activations.cpu_checkpointing) {
-    e.d2h += p.activations.checkpoint_layers * p.activations.checkpoint_bytes * A;
-    e.h2d += p.activations.checkpoint_layers * p.activations.checkpoint_bytes * A;
-  }
+  // What the layers keep in host RAM (Note [Activation placement] in
+  // memory/placement.h) goes down in the forward and up in the backward.
+  e.d2h += p.activations.host_link_bytes(A);
+  e.h2d += p.activations.host_link_bytes(A);
   optimizer_work(p, w);  // into w.optimizer_links, added to the links below
   const LinkBytes& o = w.optimizer_links;
   e += o;

@@ -100,8 +100,8 @@ struct StepWork {
 
 // Model FLOPs of one micro-batch of `tokens` tokens: forward and backward
 // (6 x matrix parameters + attention scores per token, model/model.h's
-// convention), plus the layers' forward again when they are recomputed.
-double step_flops(const ModelConfig& m, int64_t tokens, bool recompute);
+// convention), plus the forward again of each of `recomputed_layers` layers.
+double step_flops(const ModelConfig& m, int64_t tokens, int64_t recomputed_layers);
 
 // The work of one step under `plan` (its placement, window fetches per block
 // `fetches` from train_fetches, micro-batch shape from `cfg`), with

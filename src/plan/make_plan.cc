@@ -7,6 +7,8 @@
 #include <limits>
 
 #include "memory/device.h"
+#include "config/saved_specs.h"
+#include "plan/bound.h"
 #include "plan/choices.h"
 #include "util/errors.h"
 #include "util/fs.h"
@@ -53,17 +55,30 @@ void cut_units(const Config& cfg, const StateLayout& layout, PlacementPlan& plan
   for (int c = 0; c < kNumCategories; ++c) units[size_t(c)] = c <= int(Category::kGrad) ? block_units : group_units;
 }
 
-// The split each category asks for: DeepSpeed's offload keys, overridden per
-// category by the placement section. Sets plan.state.source.
+// The activation rows from what each layer keeps (Note [Activation
+// placement] in memory/placement.h): per micro-batch held, the token ids and
+// what the layers keep on the device; the held gradients; one block's work.
+void activation_rows(PlacementPlan& plan) {
+  ActivationPlan& a = plan.activations;
+  int64_t on_device = 0;
+  for (int64_t l = 0; l < a.checkpoint_layers; ++l) {
+    if (!a.on_host(l)) on_device += a.saved_bytes(l);
+  }
+  a.checkpoint_activation_bytes = plan.step.held_micro * (a.token_bytes + on_device);
+  a.bytes = a.checkpoint_activation_bytes + a.held_output_grad_bytes + a.held_tied_grad_bytes + a.work_bytes;
+}
+
 // Activations and the inputs of staging_needs (needed by auto, reported by all).
 void estimate_transients(const Config& cfg, const StateLayout& layout, PlacementPlan& plan) {
   const ModelConfig& m = cfg.model;
   const int64_t tokens = cfg.train_micro_batch_size_per_gpu * m.seq_len;
   const int64_t cb = compute_bytes(cfg);
-  // Saved block inputs (the embedding's are the int64 tokens) plus the
-  // autograd graph of one recomputed layer: about 10 x dim + 4 x ffn values per
-  // token, and attention scores (heads x seq per token) when the attention
-  // kernel materialises them; and the fp32 logits with their gradient.
+  // Saved block inputs (the embedding's are the int64 tokens) plus one
+  // block's work: a layer's recomputed entries and its backward's
+  // temporaries, about 10 x dim + 4 x ffn values per token, with attention
+  // scores (heads x seq per token) as a kernel that materialises them would
+  // hold (the flash kernels do not: an over-estimate kept from the autograd
+  // path); or the fp32 logits with their gradient.
   plan.activations.checkpoint_bytes = tokens * m.dim * cb;
   plan.activations.checkpoint_layers = m.n_layers;
   plan.activations.cpu_checkpointing = cfg.activation_checkpointing.cpu_checkpointing;
@@ -73,19 +88,18 @@ void estimate_transients(const Config& cfg, const StateLayout& layout, Placement
   // until its backward; micro_batch one micro-batch's of each (the gradient
   // of the output and the head's share are then part of the op's own).
   const int64_t held = plan.step.held_micro;
-  plan.activations.checkpoint_activation_bytes =
-      held * (tokens * 8 + (plan.activations.cpu_checkpointing ? 0 : plan.activations.checkpoint_layers * plan.activations.checkpoint_bytes));
   plan.activations.held_output_grad_bytes = held > 1 ? held * plan.activations.checkpoint_bytes : 0;
   plan.activations.held_tied_grad_bytes = held > 1 && m.tie_embeddings ? held * m.vocab_size * m.dim * cb : 0;
+  // Note [Saved activations] (model/layer_ops.cc): what a layer keeps when it
+  // keeps its entries.
+  plan.activations.entries_bytes = tokens * kept_entry_bytes_per_token(m, int(cb));
+  plan.activations.token_bytes = tokens * 8;
   const int64_t layer = tokens * (6 * m.dim + 4 * m.q_dim() + 4 * m.ffn_dim()) * cb + 3 * tokens * m.n_heads * m.seq_len * 4;
   const int64_t head = 3 * tokens * m.vocab_size * 4;
-  const int64_t held_grads = plan.activations.held_output_grad_bytes + plan.activations.held_tied_grad_bytes;
-  plan.activations.bytes = plan.activations.checkpoint_activation_bytes + held_grads + std::max(layer, head);
-  // Keeping the forward's graphs (run.recompute never): every layer's graph
-  // (which holds its input) and the head's, at once; for every micro-batch
-  // held.
-  plan.activations.graph_extra_bytes =
-      std::max<int64_t>(0, held * (tokens * 8 + m.n_layers * layer) + held_grads + head - plan.activations.bytes);
+  plan.activations.work_bytes = std::max(layer, head);
+  plan.activations.layer_forward_flops = step_flops(m, tokens, 1) - step_flops(m, tokens, 0);
+  plan.activations.keep_device_layers = plan.activations.keep_host_layers = 0;
+  activation_rows(plan);
   int64_t largest_block = 0;
   for (const BlockLayout& b : layout.blocks()) largest_block = std::max(largest_block, b.padded_numel);
   plan.largest_block_numel = largest_block;
@@ -275,51 +289,66 @@ void choose_swap_paths(const Config& cfg, PlacementPlan& plan) {
   }
 }
 
-// run.recompute (Note [Recompute] in engine/trainer.h). Kept graphs refer to
-// the weights by address, so the weights must stay where they are for the
-// whole step: the working copy resident on the device (no parameter window),
-// or gathered once per step (stages 1-2 with several shards). Stage 3 with
-// several shards gathers into a ring of two uses: never.
+// run.recompute (Note [Activation placement] in memory/placement.h): which
+// layers keep their entries for the backward instead of their input alone.
+// Entries hold no weights, so any placement of the state allows any choice.
 void resolve_recompute(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
-  const Recompute mode = cfg.run.recompute;
-  const auto& p16 = plan.state.bytes[size_t(Category::kParam16)];
-  const bool gathered_once = plan.shards > 1 && plan.stage < 3;
-  const bool stable = gathered_once || (plan.shards == 1 && p16[size_t(Tier::kHost)] == 0 &&
-                                        p16[size_t(Tier::kNvme)] == 0);
-  plan.activations.keep_graphs = false;
-  if (mode == Recompute::kAlways) return;
-  if (mode == Recompute::kNever) {
-    if (plan.activations.cpu_checkpointing) {
-      throw ConfigError("run.recompute", "never keeps every layer's activations on the device, which "
-                                         "activation_checkpointing.cpu_checkpointing offloads; use one of the two");
-    }
-    if (!stable) {
-      throw ConfigError("run.recompute",
-                        "never keeps the forward's autograd graphs, whose weights must stay in place for the "
-                        "whole step: it needs the working copy (param16) resident on the device, or ZeRO stage "
-                        "1-2 with several ranks; use always or auto");
-    }
-    plan.activations.keep_graphs = true;
-  } else {
-    // auto: when the activations of every layer fit in what the state, the
-    // staging and the recompute's activations leave of the device.
-    if (!stable || plan.activations.cpu_checkpointing) return;
-    if (plan.window_cap_bytes >= 0) {
-      plan.activations.keep_graphs = plan.window_cap_bytes >= plan.activations.graph_extra_bytes;
-    } else if (capacity.device_is_host && capacity.host_bytes >= 0) {
-      // No device budget on CPU: the graphs come out of host RAM with the rest.
-      const auto t = plan.total();
-      const double keep = cfg.placement.auto_place ? 1.0 - cfg.placement.headroom : 1.0;
-      plan.activations.keep_graphs = t[size_t(Tier::kDevice)] + t[size_t(Tier::kHost)] + plan.activations.graph_extra_bytes <=
-                         int64_t(double(capacity.host_bytes) * keep);
-    } else {
-      plan.activations.keep_graphs = true;
+  ActivationPlan& a = plan.activations;
+  const int64_t layers = a.checkpoint_layers;
+  a.keep_device_layers = a.keep_host_layers = 0;
+  if (cfg.run.keep_device_layers >= 0) {  // run.activations (checked against the layers by the config)
+    a.keep_device_layers = cfg.run.keep_device_layers;
+    a.keep_host_layers = cfg.run.keep_host_layers;
+    a.recompute_choice = strprintf("run.activations: %lld layers' entries in host RAM, %lld on the device, %lld "
+                                   "recomputed",
+                                   (long long)a.keep_host_layers, (long long)a.keep_device_layers,
+                                   (long long)a.recomputed_layers());
+  } else switch (cfg.run.recompute) {
+    case Recompute::kAlways:
+      a.recompute_choice = "always: every layer recomputed from its input";
+      break;
+    case Recompute::kNever:
+      if (a.cpu_checkpointing) {
+        a.keep_host_layers = layers;
+        a.recompute_choice = "never: every layer's entries in host RAM (cpu_checkpointing)";
+      } else {
+        a.keep_device_layers = layers;
+        a.recompute_choice = "never: every layer's entries on the device";
+      }
+      break;
+    case Recompute::kAuto: {
+      // As many of the last layers keep their entries on the device as fit in
+      // what the state, the staging and the other activations leave of it
+      // (of host RAM on CPU without a device budget). cpu_checkpointing asks
+      // for the device's memory back (DeepSpeed's meaning): none then.
+      if (a.cpu_checkpointing) {
+        a.recompute_choice = "auto: cpu_checkpointing offloads the layers' inputs; every layer recomputed";
+        break;
+      }
+      const int64_t each = plan.step.held_micro * (a.entries_bytes - a.checkpoint_bytes);
+      int64_t room = -1;  // no limit known
+      plan.staging = staging_needs(plan);  // what the plan holds besides (made again once chosen)
+      if (plan.window_cap_bytes >= 0) {
+        room = std::max<int64_t>(0, plan.window_cap_bytes - plan.staging.gathered);  // the window's share stays
+      } else if (capacity.device_is_host && capacity.host_bytes >= 0) {
+        const auto t = plan.total();
+        const double keep = cfg.placement.auto_place ? 1.0 - cfg.placement.headroom : 1.0;
+        room = std::max<int64_t>(0, int64_t(double(capacity.host_bytes) * keep) - t[size_t(Tier::kDevice)] -
+                                        t[size_t(Tier::kHost)]);
+      }
+      a.keep_device_layers = room < 0 || each <= 0 ? layers : std::min<int64_t>(layers, room / each);
+      a.recompute_choice =
+          a.keep_device_layers == layers ? "auto: every layer's entries fit on the device"
+          : a.keep_device_layers == 0    ? "auto: no layer's entries fit on the device; every layer recomputed"
+                                         : strprintf("auto: the last %lld layers' entries fit on the device, the "
+                                                     "other %lld recomputed",
+                                                     (long long)a.keep_device_layers,
+                                                     (long long)(layers - a.keep_device_layers));
+      break;
     }
   }
-  if (plan.activations.keep_graphs) {
-    plan.activations.bytes += plan.activations.graph_extra_bytes;
-    cap_window(cfg, capacity, plan);
-  }
+  activation_rows(plan);
+  if (a.keep_device_layers > 0) cap_window(cfg, capacity, plan);
 }
 
 }  // namespace

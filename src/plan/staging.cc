@@ -133,10 +133,18 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
   if (!plan.device_addressable && saved_on_device) n.save_bounce = kSaveBounceBytes;
   n.save_snapshot = plan.save_snapshot_bytes;
   comm_staging(plan, n);
-  if (plan.activations.cpu_checkpointing) {
-    n.ckpt_device = std::min<int64_t>(2, plan.step.held_micro * plan.activations.checkpoint_layers) * plan.activations.checkpoint_bytes;
-    n.ckpt_host = plan.step.held_micro * plan.activations.checkpoint_layers * plan.activations.checkpoint_bytes;
+  // What the layers keep in host RAM (Note [Activation placement] in
+  // memory/placement.h), per micro-batch held, and the two device slots it
+  // comes back into (each of the largest layer's).
+  const ActivationPlan& a = plan.activations;
+  int64_t host_layers = 0, largest = 0;
+  for (int64_t l = 0; l < a.checkpoint_layers; ++l) {
+    if (!a.on_host(l)) continue;
+    ++host_layers;
+    largest = std::max(largest, a.saved_bytes(l));
+    n.ckpt_host += plan.step.held_micro * a.saved_bytes(l);
   }
+  n.ckpt_device = std::min<int64_t>(2, plan.step.held_micro * host_layers) * largest;
   optimizer_staging(plan, n);
   return n;
 }

@@ -1,0 +1,56 @@
+#include "config/saved_specs.h"
+
+namespace strata {
+
+const char* saved_name(Saved s) {
+  static constexpr const char* kNames[kSavedCount] = {
+      "input", "attn_rstd", "attn_normed", "q_proj", "k_proj", "q_rstd", "k_rstd", "q",
+      "k",     "v",         "attn_out",    "attn_lse", "mid",  "mlp_rstd", "mlp_normed",
+      "gate",  "up",        "swiglu"};
+  return kNames[size_t(s)];
+}
+
+std::vector<SavedSpec> layer_saved_specs(const ModelConfig& cfg) {
+  const int64_t d = cfg.dim, f = cfg.ffn_dim(), h = cfg.n_heads, kv = cfg.kv_heads(), hd = cfg.head_dim();
+  const bool qk = cfg.qk_norm();
+  std::vector<SavedSpec> specs = {
+      {Saved::kInput, d, false, false},
+      {Saved::kAttnRstd, 1, true, false},
+      {Saved::kAttnNormed, d, false, true},
+  };
+  if (qk) {
+    specs.push_back({Saved::kQProj, h * hd, false, false});
+    specs.push_back({Saved::kKProj, kv * hd, false, false});
+    specs.push_back({Saved::kQRstd, h, true, false});
+    specs.push_back({Saved::kKRstd, kv, true, false});
+  }
+  const std::vector<SavedSpec> rest = {
+      {Saved::kQ, h * hd, false, qk},
+      {Saved::kK, kv * hd, false, qk},
+      {Saved::kV, kv * hd, false, false},
+      {Saved::kAttnOut, h * hd, false, false},
+      {Saved::kAttnLse, h, true, false},
+      {Saved::kMid, d, false, false},
+      {Saved::kMlpRstd, 1, true, false},
+      {Saved::kMlpNormed, d, false, true},
+      {Saved::kGate, f, false, false},
+      {Saved::kUp, f, false, false},
+      {Saved::kSwiglu, f, false, true},
+  };
+  specs.insert(specs.end(), rest.begin(), rest.end());
+  return specs;
+}
+
+int64_t kept_entry_bytes_per_token(const ModelConfig& cfg, int dtype_bytes) {
+  int64_t n = 0;
+  for (const SavedSpec& s : layer_saved_specs(cfg)) n += s.cheap ? 0 : saved_bytes(s, 1, dtype_bytes);
+  return n;
+}
+
+int64_t all_entry_bytes_per_token(const ModelConfig& cfg, int dtype_bytes) {
+  int64_t n = 0;
+  for (const SavedSpec& s : layer_saved_specs(cfg)) n += saved_bytes(s, 1, dtype_bytes);
+  return n;
+}
+
+}  // namespace strata
