@@ -1044,8 +1044,8 @@ TEST_F(StepTest, OnAGpuEveryPlacementTrainsAsOnTheCpuWithinRounding) {
       {{"placement={\"param16\":" + split + ",\"grad\":" + split + ",\"optimizer\":" + split + ",\"nvme_path\":\"" +
         swap + "\"}", "zero_optimization.stage3_param_persistence_threshold=0"},
        1e-4},
-      // Kept graphs need the working copy on the device (the plan refuses
-      // never for the split above).
+      // Every layer's entries kept (run.recompute never), the working copy on
+      // the device.
       {{"run.recompute=\"never\"", "placement={\"param16\":{\"device\":1},\"grad\":" + split +
         ",\"optimizer\":" + split + ",\"nvme_path\":\"" + swap + "\"}"},
        1e-4},
