@@ -139,6 +139,33 @@ Computed compute(const Config& cfg, int rank, int local_ranks, const GivenCapaci
   return c;
 }
 
+// run.recompute as resolved: always, never, or partial (some layers keep
+// their entries, some recompute: Note [Activation placement]).
+const char* recompute_json(const ActivationPlan& act) {
+  if (act.recomputed_layers() == act.checkpoint_layers) return "always";
+  return act.recomputed_layers() == 0 ? "never" : "partial";
+}
+
+// The activations' rows (Note [Step schedules] in memory/schedule.h) and
+// what each layer keeps (Note [Activation placement] in memory/placement.h).
+nlohmann::json activations_json(const PlacementPlan& p) {
+  const ActivationPlan& act = p.activations;
+  return {{"micro_batches_held", p.step.held_micro},
+          {"checkpoints", act.checkpoint_activation_bytes},
+          {"output_gradients_held", act.held_output_grad_bytes},
+          {"tied_head_gradients_held", act.held_tied_grad_bytes},
+          {"keep_device_layers", act.keep_device_layers},
+          {"keep_host_layers", act.keep_host_layers},
+          {"recomputed_layers", act.recomputed_layers()},
+          {"entries_bytes_per_layer", act.entries_bytes},
+          {"host_bytes", p.staging.ckpt_host},
+          {"d2h_bytes_per_step", act.host_link_bytes(p.step.accum)},
+          {"h2d_bytes_per_step", act.host_link_bytes(p.step.accum)},
+          {"recomputed_flops_per_step",
+           double(std::max<int64_t>(1, p.step.accum)) * double(act.recomputed_layers()) * act.layer_forward_flops},
+          {"choice", act.recompute_choice}};
+}
+
 nlohmann::json plan_json(const Computed& c) {
   nlohmann::json j;
   const PlacementPlan& p = c.plan;
@@ -157,10 +184,7 @@ nlohmann::json plan_json(const Computed& c) {
   }
   j["activation_bytes"] = p.activations.bytes;
   j["cpu_checkpointing"] = p.activations.cpu_checkpointing;
-  const ActivationPlan& act = p.activations;
-  j["recompute"] = act.recomputed_layers() == act.checkpoint_layers ? "always"
-                   : act.recomputed_layers() == 0                     ? "never"
-                                                                      : "partial";
+  j["recompute"] = recompute_json(p.activations);
   j["schedule"] = schedule_name(p.step.schedule);
   if (!p.step.choice.empty()) j["schedule_choice"] = p.step.choice;
   // Note [Speculative optimizer] in engine/optimizer/optimizer_pass.h.
@@ -174,23 +198,7 @@ nlohmann::json plan_json(const Computed& c) {
                     {"alternate_slot_elements", in_slots},
                     {"spare_nvme_bytes", p.optimizer.nvme_spare_bytes},
                     {"choice", p.optimizer.speculate_choice}};
-  // The activations' rows (Note [Step schedules] in memory/schedule.h).
-  j["activations"] = {{"micro_batches_held", p.step.held_micro},
-                      {"checkpoints", p.activations.checkpoint_activation_bytes},
-                      {"output_gradients_held", p.activations.held_output_grad_bytes},
-                      {"tied_head_gradients_held", p.activations.held_tied_grad_bytes},
-                      // Note [Activation placement] in memory/placement.h.
-                      {"keep_device_layers", act.keep_device_layers},
-                      {"keep_host_layers", act.keep_host_layers},
-                      {"recomputed_layers", act.recomputed_layers()},
-                      {"entries_bytes_per_layer", act.entries_bytes},
-                      {"host_bytes", p.staging.ckpt_host},
-                      {"d2h_bytes_per_step", act.host_link_bytes(p.step.accum)},
-                      {"h2d_bytes_per_step", act.host_link_bytes(p.step.accum)},
-                      {"recomputed_flops_per_step",
-                       double(std::max<int64_t>(1, p.step.accum)) * double(act.recomputed_layers()) *
-                           act.layer_forward_flops},
-                      {"choice", act.recompute_choice}};
+  j["activations"] = activations_json(p);
   j["parameter_window"] = {{"slots", p.staging.window.slots},
                            {"slot_elements", p.staging.window.slot_numel},
                            {"persistent_elements", p.staging.window.persistent_numel}};
