@@ -387,6 +387,97 @@ TEST(BoundTest, AutoSpeculatesNvmeStateOnlyWhereTheBoundGains) {
   EXPECT_TRUE(unjudged.optimizer.speculate_slots) << "no CPU Adam rate: not judged";
 }
 
+// Note [Activations by the bound]: the same model on the same GPU, all state
+// on it, the device holding the window and room for two of a layer's entries
+// and a half (the 2 slots host-kept entries need). Without host keeps auto
+// keeps the last d0 layers' entries on the device; host keeps give those
+// slots up. A fast link makes keeping every layer's entries in host RAM the
+// lower bound, a slow one recomputing; with cpu_checkpointing, a host RAM
+// that holds two layers' entries keeps two.
+TEST(BoundTest, AutoKeepsEntriesInHostRamOnlyWhereTheBoundGains) {
+  const std::string on_device =
+      "placement={\"param16\":{\"device\":1},\"grad\":{\"device\":1},\"optimizer\":{\"device\":1}}";
+  const Config cfg = config_with({on_device, "train_micro_batch_size_per_gpu=1", "run.recompute=\"auto\""});
+  const Config always = config_with({on_device, "train_micro_batch_size_per_gpu=1", "run.recompute=\"always\""});
+  const int64_t L = cfg.model.n_layers;
+  ASSERT_EQ(L, 4);
+  MachineCapacity cap = gpu_like();
+  cap.device_bytes = int64_t(1) << 40;
+  const PlacementPlan rec = make_plan(always, make_layout(), 0, cap);
+  // Entries for one micro-batch of 128 tokens at fp32: the kept tensors of
+  // a layer (saved_specs.h) times the tokens; the input alone 128 x 128 x 4.
+  const int64_t entries = rec.activations.entries_bytes, input = 128 * 128 * 4;
+  ASSERT_EQ(rec.activations.checkpoint_bytes, input);
+  ASSERT_GT(entries, 2 * input);
+  const int64_t each = entries - input;  // one micro-batch held (micro_batch schedule)
+  // What the window's share leaves besides: the device less the window cap.
+  const int64_t fixed = cap.device_bytes - rec.window_cap_bytes;
+  cap.device_bytes = fixed + rec.staging.gathered + 2 * entries + each / 2;
+  const int64_t d0 = (2 * entries + each / 2) / each;
+  ASSERT_GE(d0, 2);
+  ASSERT_LT(d0, L);
+  const PlacementPlan none = make_plan(cfg, make_layout(), 0, cap);
+  ASSERT_EQ(none.activations.keep_device_layers, d0) << none.activations.recompute_choice;
+  ASSERT_EQ(none.activations.keep_host_layers, 0);
+  // Every layer on the host, fixed by hand (run.activations): the bound's
+  // work of the two alternatives, the same rates for both.
+  const Config by_hand = config_with({on_device, "train_micro_batch_size_per_gpu=1", "run.recompute=\"auto\"",
+                                      "run.activations={\"keep_device_layers\":0,\"keep_host_layers\":4}"});
+  const PlacementPlan host = make_plan(by_hand, make_layout(), 0, cap);
+  ASSERT_TRUE(plan_shortfalls(host, cap).empty());
+  const StepWork wn = predicted_work(cfg, none, train_fetches(none), NetworkBytes{});
+  const StepWork wh = predicted_work(by_hand, host, train_fetches(host), NetworkBytes{});
+  ASSERT_LT(wh.flops, wn.flops);  // L - d0 forwards fewer
+  ASSERT_EQ(wh.links.d2h - wn.links.d2h, L * entries);
+  ASSERT_EQ(wh.links.h2d - wn.links.h2d, L * entries);
+  Rates fast;
+  fast.device_flops = wn.flops / 1.0;  // 1 s of compute recomputing L - d0 layers
+  fast.h2d = fast.d2h = double(L * entries) / 0.01;
+  fast.pcie_both = 2 * fast.h2d;
+  Rates slow = fast;
+  slow.h2d = slow.d2h = double(L * entries) / 10.0;  // 10 s each way
+  slow.pcie_both = 2 * slow.h2d;
+  ASSERT_LT(step_bound(wh, fast, false).seconds, 0.9 * step_bound(wn, fast, false).seconds);
+  ASSERT_GT(step_bound(wh, slow, false).seconds, step_bound(wn, slow, false).seconds);
+
+  const PlacementPlan f = best_activations(cfg, make_layout(), 0, cap, fast);
+  EXPECT_EQ(f.activations.keep_host_layers, L) << f.activations.recompute_choice;
+  EXPECT_EQ(f.activations.keep_device_layers, 0);
+  EXPECT_EQ(f.activations.recomputed_layers(), 0);
+  EXPECT_EQ(f.staging.ckpt_host, L * entries);
+  EXPECT_EQ(f.staging.ckpt_device, 2 * entries);
+  EXPECT_NE(f.activations.recompute_choice.find("the bound:"), std::string::npos) << f.activations.recompute_choice;
+  EXPECT_TRUE(plan_shortfalls(f, cap).empty());
+
+  const PlacementPlan s = best_activations(cfg, make_layout(), 0, cap, slow);
+  EXPECT_EQ(s.activations.keep_host_layers, 0) << s.activations.recompute_choice;
+  EXPECT_EQ(s.activations.keep_device_layers, d0);
+  EXPECT_EQ(s.staging.ckpt_host, 0);
+
+  // cpu_checkpointing (the layers' inputs in host RAM, none kept on the
+  // device) and host RAM for two more layers' entries (and half a third)
+  // beside the staging: two layers swap their inputs there for their entries.
+  const Config cc = config_with({on_device, "train_micro_batch_size_per_gpu=1", "run.recompute=\"auto\"",
+                                 "activation_checkpointing.cpu_checkpointing=true"});
+  const PlacementPlan cc_none = make_plan(cc, make_layout(), 0, cap);
+  ASSERT_EQ(cc_none.activations.keep_device_layers, 0);
+  ASSERT_EQ(cc_none.staging.ckpt_host, L * input);
+  MachineCapacity small = cap;
+  small.host_bytes = cc_none.staging.host_bytes() + 2 * each + each / 2;
+  const PlacementPlan two = best_activations(cc, make_layout(), 0, small, fast);
+  EXPECT_EQ(two.activations.keep_host_layers, 2) << two.activations.recompute_choice;
+  EXPECT_EQ(two.activations.recomputed_layers(), 2);
+  EXPECT_EQ(two.staging.ckpt_host, 2 * entries + 2 * input);
+  EXPECT_TRUE(plan_shortfalls(two, small).empty());
+
+  // always, run.activations and a missing rate: make_plan's plan as it is.
+  EXPECT_EQ(best_activations(always, make_layout(), 0, cap, fast).activations.recomputed_layers(), L);
+  EXPECT_EQ(best_activations(by_hand, make_layout(), 0, cap, slow).activations.keep_host_layers, L);
+  Rates no_link = fast;
+  no_link.h2d = 0;
+  EXPECT_EQ(best_activations(cfg, make_layout(), 0, cap, no_link).activations.keep_host_layers, 0);
+}
+
 // The same placement as BytesPerLinkOfAnOffloadedPlacement with the swap
 // checksums (run.swap_checksums, the default): every NVMe byte is
 // checksummed, 10485760 read + 10485760 written = 20971520; the optimizer's

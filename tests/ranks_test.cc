@@ -354,6 +354,54 @@ TEST_F(RanksTest, LayerScheduleTrainsBitForBitAsPerStepReductions) {
   }
 }
 
+// Note [Activation placement]: with ranks, every layer recomputed (always),
+// every layer's entries kept (never), and the first layer's entries in host
+// RAM with the last's on the device (run.activations) train bit for bit the
+// same: stages 0-3 at two ranks over Gloo under both schedules, bf16 at stage
+// 3, and the staged collectives of the test device at stage 3.
+TEST_F(RanksTest, ActivationPlacementsTrainBitForBitWithRanks) {
+  nlohmann::json c = base_config(data_);
+  c["run"]["steps"] = 3;
+  c["run"]["recompute"] = "always";
+  const std::string always = write_config(dir_, "always.json", c);
+  c["run"]["recompute"] = "never";
+  const std::string never = write_config(dir_, "never.json", c);
+  c["run"]["recompute"] = "auto";
+  c["run"]["activations"] = {{"keep_host_layers", 1}, {"keep_device_layers", 1}};
+  const std::string split = write_config(dir_, "split.json", c);
+  const std::vector<std::string> cases = {
+      "zero_optimization.stage=0",
+      "zero_optimization.stage=1",
+      "zero_optimization.stage=2",
+      "zero_optimization.stage=3",
+      "zero_optimization.stage=1 run.schedule=\"layer\"",
+      "zero_optimization.stage=3 run.schedule=\"layer\"",
+      "zero_optimization.stage=3 bf16.enabled=true",
+      std::string(kStaged) + " zero_optimization.stage=3 zero_optimization.offload_param.device=cpu",
+  };
+  for (size_t i = 0; i < cases.size(); ++i) {
+    const std::string ref = dir_.file("r" + std::to_string(i));
+    Result r = run_workers(2, always, ref, cases[i]);
+    ASSERT_EQ(r.code, 0) << cases[i] << "\n" << r.output;
+    const std::vector<double> losses = read_losses(ref + ".losses");
+    ASSERT_EQ(losses.size(), 3u) << cases[i];
+    EXPECT_NE(losses.front(), losses.back()) << cases[i] << ": the losses moved";
+    for (const auto& [name, cfg] : {std::pair<const char*, std::string>{"never", never}, {"1 host + 1 device", split}}) {
+      const std::string what = std::string(name) + " against always, " + cases[i];
+      const std::string out = dir_.file(std::string(name).substr(0, 1) + std::to_string(i));
+      Result rr = run_workers(2, cfg, out, cases[i]);
+      ASSERT_EQ(rr.code, 0) << what << "\n" << rr.output;
+      expect_identical_files(ref, out, what);
+      // The host-kept layer's entries went down and came back (counted as
+      // d2h/h2d: the CPU device's copies too); always moved none of them.
+      const auto d2h = [](const std::string& o) {
+        return nlohmann::json::parse(read_bytes(o + ".rank0.json"))["steps"][0]["d2h"].get<int64_t>();
+      };
+      if (cfg == split) EXPECT_GT(d2h(out), d2h(ref)) << what;
+    }
+  }
+}
+
 // Note [Speculative optimizer]: the optimizer behind the backward under the
 // layer schedule (each block's gradient final after its reduction) trains
 // bit for bit like the inline optimizer after a micro_batch step, at stages

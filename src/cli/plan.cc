@@ -399,7 +399,7 @@ PlanBound bound_plan(const PlanOptions& opt, const Config& cfg, const GivenCapac
   // optimizer.speculate auto keeps only where the bound gains: Note
   // [Speculating NVMe state]), are decided again with the rates, as
   // strata train decides them.
-  if (cfg.placement.auto_place || c.plan.optimizer.speculate_slots) {
+  if (cfg.placement.auto_place || c.plan.optimizer.speculate_slots || weighs_host_activations(cfg, c.plan)) {
     c = compute(cfg, 0, per_node, given, &b.rates);
     b.work = predicted_work(cfg, c.plan, train_fetches(c.plan), c.net);
   }

@@ -147,6 +147,10 @@ struct RunConfig {
   // the rest recomputed. -1: not given (run.recompute decides).
   int64_t keep_device_layers = -1;
   int64_t keep_host_layers = -1;
+  // Set by the planner for its candidates (plan/planner.h, best_activations),
+  // not a config key: under recompute auto, at most this many of the first
+  // layers keep their entries in host RAM (-1: none).
+  int64_t auto_host_layers = -1;
   // The order of the step's work (memory/schedule.h, Note [Step schedules]):
   // micro_batch (each micro-batch's forward and backward over every block in
   // turn), layer (each block for every micro-batch before the next block:

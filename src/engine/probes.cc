@@ -25,6 +25,7 @@
 #include "model/model.h"
 #include "nvme/bench.h"
 #include "nvme/crc32c.h"
+#include "plan/planner.h"
 #include "util/errors.h"
 #include "util/fs.h"
 #include "util/logging.h"
@@ -403,7 +404,9 @@ StepWork union_work(const StepWork& work, const PlacementPlan& plan, bool checks
 void measure_rates(const Config& cfg, const PlacementPlan& plan, Device* device, const StepWork& work, Rates& rates,
                    double budget_s, const ProbeRoom& room) {
   measure_missing_rates(cfg, plan, device, work, rates, budget_s, room);
-  if (!cfg.placement.auto_place) return;
+  // Auto's candidates, and host-kept activations (Note [Activations by the
+  // bound] in plan/planner.h), may need rates the plan's own work does not.
+  if (!cfg.placement.auto_place && !weighs_host_activations(cfg, plan)) return;
   try {
     measure_missing_rates(cfg, plan, device, union_work(work, plan, cfg.run.swap_checksums), rates, budget_s, room);
   } catch (const Error&) {

@@ -289,6 +289,68 @@ void choose_swap_paths(const Config& cfg, PlacementPlan& plan) {
   }
 }
 
+// run.recompute auto: as many of the last layers keep their entries on the
+// device as fit in what the state, the staging and the other activations
+// leave of it (of host RAM on CPU without a device budget), less the two
+// device slots of host-kept entries when the planner asks for those.
+// cpu_checkpointing asks for the device's memory back (DeepSpeed's
+// meaning): none then.
+int64_t device_layers_that_fit(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
+  const ActivationPlan& a = plan.activations;
+  if (a.cpu_checkpointing) return 0;
+  const int64_t each = plan.step.held_micro * (a.entries_bytes - a.checkpoint_bytes);
+  plan.staging = staging_needs(plan);  // what the plan holds besides (made again once chosen)
+  int64_t room = 0;
+  if (plan.window_cap_bytes >= 0) {
+    room = plan.window_cap_bytes - plan.staging.gathered;  // the window's share stays
+    if (cfg.run.auto_host_layers > 0 && !capacity.device_is_host) room -= 2 * a.entries_bytes;
+  } else if (capacity.device_is_host && capacity.host_bytes >= 0) {
+    const auto t = plan.total();
+    const double keep = cfg.placement.auto_place ? 1.0 - cfg.placement.headroom : 1.0;
+    room = int64_t(double(capacity.host_bytes) * keep) - t[size_t(Tier::kDevice)] - t[size_t(Tier::kHost)];
+  } else {
+    return a.checkpoint_layers;  // no limit known
+  }
+  if (each <= 0) return a.checkpoint_layers;
+  return room <= 0 ? 0 : std::min<int64_t>(a.checkpoint_layers, room / each);
+}
+
+// How many of the first layers keep their entries in pinned host RAM under
+// auto: at most run.auto_host_layers (the planner's, judged by the step's
+// bound: plan/planner.h, best_activations), of the layers not kept on the
+// device, as many as host RAM holds beside the state and the staging. None
+// on the CPU device, whose device tier is that RAM already.
+int64_t host_layers_that_fit(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
+  const ActivationPlan& a = plan.activations;
+  if (cfg.run.auto_host_layers <= 0 || capacity.device_is_host) return 0;
+  int64_t n = std::min(cfg.run.auto_host_layers, a.checkpoint_layers - a.keep_device_layers);
+  if (capacity.host_bytes >= 0) {
+    plan.staging = staging_needs(plan);
+    const double keep = cfg.placement.auto_place ? 1.0 - cfg.placement.headroom : 1.0;
+    const int64_t room = int64_t(double(capacity.host_bytes) * keep) - plan.total()[size_t(Tier::kHost)];  // staging in
+    // A layer going to the host swaps what it kept there (its input, with
+    // cpu_checkpointing) for its entries.
+    const int64_t each = plan.step.held_micro * (a.entries_bytes - (a.cpu_checkpointing ? a.checkpoint_bytes : 0));
+    n = room <= 0 || each <= 0 ? 0 : std::min(n, room / each);
+  }
+  return std::max<int64_t>(0, n);
+}
+
+std::string auto_choice(const PlacementPlan& plan) {
+  const ActivationPlan& a = plan.activations;
+  const int64_t layers = a.checkpoint_layers;
+  if (a.keep_host_layers == 0) {
+    if (a.cpu_checkpointing) return "auto: cpu_checkpointing offloads the layers' inputs; every layer recomputed";
+    if (a.keep_device_layers == layers) return "auto: every layer's entries fit on the device";
+    if (a.keep_device_layers == 0) return "auto: no layer's entries fit on the device; every layer recomputed";
+    return strprintf("auto: the last %lld layers' entries fit on the device, the other %lld recomputed",
+                     (long long)a.keep_device_layers, (long long)(layers - a.keep_device_layers));
+  }
+  return strprintf("auto: the first %lld layers' entries in host RAM, the last %lld on the device, %lld recomputed",
+                   (long long)a.keep_host_layers, (long long)a.keep_device_layers,
+                   (long long)a.recomputed_layers());
+}
+
 // run.recompute (Note [Activation placement] in memory/placement.h): which
 // layers keep their entries for the backward instead of their input alone.
 // Entries hold no weights, so any placement of the state allows any choice.
@@ -316,39 +378,15 @@ void resolve_recompute(const Config& cfg, const MachineCapacity& capacity, Place
         a.recompute_choice = "never: every layer's entries on the device";
       }
       break;
-    case Recompute::kAuto: {
-      // As many of the last layers keep their entries on the device as fit in
-      // what the state, the staging and the other activations leave of it
-      // (of host RAM on CPU without a device budget). cpu_checkpointing asks
-      // for the device's memory back (DeepSpeed's meaning): none then.
-      if (a.cpu_checkpointing) {
-        a.recompute_choice = "auto: cpu_checkpointing offloads the layers' inputs; every layer recomputed";
-        break;
-      }
-      const int64_t each = plan.step.held_micro * (a.entries_bytes - a.checkpoint_bytes);
-      int64_t room = -1;  // no limit known
-      plan.staging = staging_needs(plan);  // what the plan holds besides (made again once chosen)
-      if (plan.window_cap_bytes >= 0) {
-        room = std::max<int64_t>(0, plan.window_cap_bytes - plan.staging.gathered);  // the window's share stays
-      } else if (capacity.device_is_host && capacity.host_bytes >= 0) {
-        const auto t = plan.total();
-        const double keep = cfg.placement.auto_place ? 1.0 - cfg.placement.headroom : 1.0;
-        room = std::max<int64_t>(0, int64_t(double(capacity.host_bytes) * keep) - t[size_t(Tier::kDevice)] -
-                                        t[size_t(Tier::kHost)]);
-      }
-      a.keep_device_layers = room < 0 || each <= 0 ? layers : std::min<int64_t>(layers, room / each);
-      a.recompute_choice =
-          a.keep_device_layers == layers ? "auto: every layer's entries fit on the device"
-          : a.keep_device_layers == 0    ? "auto: no layer's entries fit on the device; every layer recomputed"
-                                         : strprintf("auto: the last %lld layers' entries fit on the device, the "
-                                                     "other %lld recomputed",
-                                                     (long long)a.keep_device_layers,
-                                                     (long long)(layers - a.keep_device_layers));
+    case Recompute::kAuto:
+      a.keep_device_layers = device_layers_that_fit(cfg, capacity, plan);
+      a.keep_host_layers = host_layers_that_fit(cfg, capacity, plan);
+      a.recompute_choice = auto_choice(plan);
       break;
-    }
   }
   activation_rows(plan);
-  if (a.keep_device_layers > 0) cap_window(cfg, capacity, plan);
+  // Kept entries take the device from the window (host ones its two slots).
+  if (a.keep_device_layers > 0 || a.keep_host_layers > 0) cap_window(cfg, capacity, plan);
 }
 
 }  // namespace

@@ -42,8 +42,11 @@ PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, Mac
   }
   // Fixed placements too: optimizer.speculate's alternate swap slots need
   // the disk measured (resolve_speculation).
+  if (rates != nullptr && cfg.placement.auto_place && cfg.placement.by_bound) {
+    return judged(choose_by_bound(cfg, layout, rank, cap, *rates));
+  }
+  if (rates != nullptr) return judged(best_activations(cfg, layout, rank, cap, *rates));
   if (!cfg.placement.auto_place) return judged(first.state.nvme_paths.empty() ? first : make_plan(cfg, layout, rank, cap));
-  if (rates != nullptr && cfg.placement.by_bound) return judged(choose_by_bound(cfg, layout, rank, cap, *rates));
   return judged(make_plan(cfg, layout, rank, cap));
 }
 
@@ -55,7 +58,7 @@ PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int6
     int64_t device_groups;
   };
   std::vector<Candidate> candidates = {{"greedy (param16, grad, optimizer state)", {}, -1}};
-  PlacementPlan greedy = make_plan(cfg, layout, rank, capacity);
+  PlacementPlan greedy = best_activations(cfg, layout, rank, capacity, rates);
   if (capacity.device_is_host) {
     candidates.push_back({"optimizer state before gradients", {0, 2, 3, 4, 1}, -1});
     candidates.push_back({"gradients before parameters", {1, 0, 2, 3, 4}, -1});
@@ -79,7 +82,7 @@ PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int6
     Config c = cfg;
     c.placement.auto_order = k.order;
     c.placement.auto_device_groups = k.device_groups;
-    PlacementPlan p = i == 0 ? greedy : make_plan(c, layout, rank, capacity);
+    PlacementPlan p = i == 0 ? greedy : best_activations(c, layout, rank, capacity, rates);
     if (i > 0 && !plan_shortfalls(p, capacity).empty()) continue;
     const StepWork w = predicted_work(c, p, train_fetches(p), step_network_bytes(p));
     if (!missing_rates(w, rates, cpu_compute).empty()) {
@@ -118,6 +121,85 @@ PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int6
   return best;
 }
 
+namespace {
+
+// The step's bound of `p` at `rates` (-1 where its work needs a rate they lack).
+double bound_of(const Config& cfg, const PlacementPlan& p, const Rates& rates, bool cpu_compute) {
+  const StepWork w = predicted_work(cfg, p, train_fetches(p), step_network_bytes(p));
+  if (!missing_rates(w, rates, cpu_compute).empty()) return -1;
+  return step_bound(w, rates, cpu_compute).seconds;
+}
+
+}  // namespace
+
+PlacementPlan best_activations(const Config& cfg, const StateLayout& layout, int64_t rank,
+                               const MachineCapacity& capacity, const Rates& rates) {
+  PlacementPlan none = make_plan(cfg, layout, rank, capacity);
+  if (cfg.run.recompute != Recompute::kAuto || cfg.run.keep_device_layers >= 0 || capacity.device_is_host ||
+      none.activations.recomputed_layers() == 0) {
+    return none;
+  }
+  const double none_s = bound_of(cfg, none, rates, false);
+  if (none_s < 0) return none;
+  Config c = cfg;
+  auto with_host = [&](int64_t h) {
+    c.run.auto_host_layers = h;
+    return make_plan(c, layout, rank, capacity);
+  };
+  // Host keeps take two device slots, which may cost device-kept layers: up
+  // to every layer may go to the host.
+  PlacementPlan most = with_host(none.activations.checkpoint_layers);
+  const int64_t fit = most.activations.keep_host_layers;
+  if (fit == 0) {
+    none.activations.recompute_choice += "; host RAM holds no layer's entries beside the state";
+    return none;
+  }
+  // Compute falls and the link's bytes grow linearly with the layers on the
+  // host, so the bound is convex in them: every count up to 16, a grid of 16
+  // beyond, then the counts between the best and its grid neighbours.
+  const int64_t stride = (fit + 15) / 16;
+  std::vector<double> seconds(size_t(fit) + 1, -2);  // -2: not tried; -1: no bound or does not fit
+  auto bound_at = [&](int64_t h, PlacementPlan* out) {
+    if (seconds[size_t(h)] > -2 && out == nullptr) return seconds[size_t(h)];
+    PlacementPlan p = h == fit ? most : with_host(h);
+    const bool fits = plan_shortfalls(p, capacity).empty() && p.activations.keep_host_layers == h;
+    seconds[size_t(h)] = fits ? bound_of(c, p, rates, false) : -1;
+    if (out != nullptr) *out = std::move(p);
+    return seconds[size_t(h)];
+  };
+  int64_t best_h = 0;
+  double best_s = none_s;
+  auto consider = [&](int64_t h) {
+    const double s = bound_at(h, nullptr);
+    if (s >= 0 && s < best_s * (1 - 1e-9)) best_s = s, best_h = h;
+  };
+  for (int64_t h = stride; h < fit; h += stride) consider(h);
+  consider(fit);
+  if (stride > 1 && best_h > 0) {
+    for (int64_t h = std::max<int64_t>(1, best_h - stride + 1); h <= std::min(fit, best_h + stride - 1); ++h) consider(h);
+  }
+  // Note [Auto's margin]: what the bound leaves out (whether each layer's
+  // entries arrive one backward op ahead) is of that order.
+  if (best_h == 0 || best_s > none_s * (1 - kAutoMargin)) {
+    if (best_h > 0) {
+      none.activations.recompute_choice +=
+          strprintf("; %lld layers' entries in host RAM: bound %.3f s against %.3f s, not %.0f%% lower",
+                    (long long)best_h, best_s, none_s, kAutoMargin * 100);
+    }
+    return none;
+  }
+  PlacementPlan best;
+  bound_at(best_h, &best);
+  best.activations.recompute_choice +=
+      strprintf(" (the bound: %.3f s a step, %.3f s recomputing them)", best_s, none_s);
+  return best;
+}
+
+bool weighs_host_activations(const Config& cfg, const PlacementPlan& plan) {
+  return cfg.run.recompute == Recompute::kAuto && cfg.run.keep_device_layers < 0 && cfg.run.device != DeviceKind::kCpu &&
+         plan.activations.recomputed_layers() > 0;
+}
+
 void judge_speculation_by_bound(const Config& cfg, const Rates& rates, bool cpu_compute, PlacementPlan& plan) {
   if (cfg.optimizer.speculate != Speculate::kAuto || !plan.optimizer.speculate || !plan.optimizer.speculate_slots) return;
   PlacementPlan off = plan;
@@ -149,7 +231,7 @@ PlacementPlan choose_schedule_by_bound(const Config& cfg, const StateLayout& lay
       cfg, capacity,
       [&](const Config& c) {
         return c.placement.auto_place && c.placement.by_bound ? choose_by_bound(c, layout, rank, capacity, rates)
-                                                              : make_plan(c, layout, rank, capacity);
+                                                              : best_activations(c, layout, rank, capacity, rates);
       },
       &b);
   if (!b) return a;

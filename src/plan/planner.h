@@ -82,6 +82,29 @@ PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int6
 // the bound leaves out (Note [Auto's margin]).
 void judge_speculation_by_bound(const Config& cfg, const Rates& rates, bool cpu_compute, PlacementPlan& plan);
 
+// run.recompute auto with rates on a GPU (Note [Activations by the
+// bound]): make_plan's plan (its device-kept layers), or, where its bound is
+// lower by more than kAutoMargin, the same plan with the first layers' entries
+// in pinned host RAM, as many as make the bound lowest and host RAM holds.
+// Other recompute settings, run.activations, the CPU device and work lacking
+// a rate: make_plan's plan as it is.
+//
+// Note [Activations by the bound]
+// A layer whose entries go to host RAM no longer runs its forward again in the
+// backward (its FLOPs leave the bound's compute) but crosses PCIe twice (its
+// entries' bytes join the bound's D2H and H2D), beside the state's own
+// traffic. Which wins depends on the link and the compute: on an H200 with
+// Llama-3-8B's shape the link has room to spare (BENCHMARKS.md, "Activations
+// placed like state"); on a slow link or a model whose state already fills it,
+// recompute is cheaper. So auto counts both in the bound.
+PlacementPlan best_activations(const Config& cfg, const StateLayout& layout, int64_t rank,
+                               const MachineCapacity& capacity, const Rates& rates);
+// Whether best_activations weighs host RAM for `plan`'s recomputed layers
+// (run.recompute auto, run.activations not given, some layer recomputed, a
+// GPU run): then the plan is made again once rates are known, and the
+// host-device copies are among the rates to measure.
+bool weighs_host_activations(const Config& cfg, const PlacementPlan& plan);
+
 // run.schedule auto with rates (Note [Step schedules] in memory/schedule.h):
 // the plan under each schedule (placement auto by the bound within each), and
 // the layer schedule when it fits and its bound is lower; with one
