@@ -79,15 +79,18 @@ Grads explicit_path(const Model& model, const std::vector<at::Tensor>& w, const 
   return g;
 }
 
-void expect_agrees_with_autograd(ModelFamily family, at::ScalarType dtype, double tol) {
-  SCOPED_TRACE(std::string(family_label(family)) + (dtype == at::kFloat ? " fp32" : " bf16"));
+void expect_agrees_with_autograd(ModelFamily family, at::ScalarType dtype, double tol, at::Device dev = at::kCPU,
+                                 int64_t seq_len = 0) {
+  SCOPED_TRACE(std::string(family_label(family)) + (dtype == at::kFloat ? " fp32" : " bf16") + " on " + dev.str());
   at::manual_seed(3);
-  const ModelConfig c = family_model(family);
+  ModelConfig c = family_model(family);
+  if (seq_len > 0) c.seq_len = seq_len;
   Model model(c);
   at::Tensor flat;
-  const std::vector<at::Tensor> w = layer_weights(model, dtype, &flat);
-  const at::Tensor x = at::randn({2, c.seq_len, c.dim}).to(dtype);
-  const at::Tensor dy = at::randn({2, c.seq_len, c.dim}).to(dtype);
+  std::vector<at::Tensor> w = layer_weights(model, dtype, &flat);
+  for (at::Tensor& t : w) t = t.to(dev);
+  const at::Tensor x = at::randn({2, c.seq_len, c.dim}).to(dtype).to(dev);
+  const at::Tensor dy = at::randn({2, c.seq_len, c.dim}).to(dtype).to(dev);
   const Grads ref = autograd_path(model, w, x, dy);
   LayerSaved saved;
   const Grads got = explicit_path(model, w, x, dy, &saved);
@@ -113,11 +116,45 @@ TEST(LayerOpsTest, ExplicitBackwardAgreesWithAutogradFp32) {
   for (ModelFamily f : {ModelFamily::kLlama, ModelFamily::kQwen2, ModelFamily::kQwen3}) {
     expect_agrees_with_autograd(f, at::kFloat, 1e-5);
   }
+  expect_agrees_with_autograd(ModelFamily::kLlama, at::kFloat, 1e-5, at::kCPU, /*seq_len=*/24);
 }
 
 TEST(LayerOpsTest, ExplicitBackwardAgreesWithAutogradBf16) {
   for (ModelFamily f : {ModelFamily::kLlama, ModelFamily::kQwen2, ModelFamily::kQwen3}) {
     expect_agrees_with_autograd(f, at::kBFloat16, 1.5e-2);
+  }
+}
+
+// On a GPU (skipped without one): the CUDA kernels called directly (flash at
+// bf16, memory-efficient at fp32, whose log-sum-exp comes padded to 32
+// queries) against autograd's SDPA, at 32 tokens and at 24 (not a multiple of
+// 32); each entry the size its spec says. fp32 bound 1e-4: CUDA's reductions
+// sum in other orders than the CPU's.
+TEST(LayerOpsTest, OnAGpuTheKernelsAgreeWithAutograd) {
+  if (!at::hasCUDA()) GTEST_SKIP() << "no CUDA device (or no CUDA LibTorch) on this machine";
+  const at::Device gpu(at::kCUDA, 0);
+  for (int64_t seq : {32, 24}) {
+    for (ModelFamily f : {ModelFamily::kLlama, ModelFamily::kQwen3}) {
+      expect_agrees_with_autograd(f, at::kFloat, 1e-4, gpu, seq);
+      expect_agrees_with_autograd(f, at::kBFloat16, 1.5e-2, gpu, seq);
+    }
+  }
+  for (at::ScalarType dtype : {at::kFloat, at::kBFloat16}) {
+    ModelConfig c = family_model(ModelFamily::kLlama);
+    c.seq_len = 24;
+    Model model(c);
+    at::Tensor flat;
+    std::vector<at::Tensor> w = layer_weights(model, dtype, &flat);
+    for (at::Tensor& t : w) t = t.to(gpu);
+    LayerSaved s;
+    model.layer_forward_saving(w, at::randn({3, c.seq_len, c.dim}).to(dtype).to(gpu), &s);
+    const int eb = dtype == at::kFloat ? 4 : 2;
+    for (const SavedSpec& spec : layer_saved_specs(c)) {
+      const at::Tensor& t = s[spec.id];
+      ASSERT_TRUE(t.defined()) << saved_name(spec.id);
+      EXPECT_EQ(int64_t(t.numel() * t.element_size()), saved_bytes(spec, 3 * c.seq_len, eb))
+          << saved_name(spec.id) << (dtype == at::kFloat ? " fp32" : " bf16");
+    }
   }
 }
 

@@ -108,11 +108,11 @@ if [ "$WHAT" = gpu-ranks ]; then
 fi
 
 if [ "$WHAT" = gpu-suite ] || [ "$WHAT" = gpu-proof ]; then
-  echo "== GPU suite (device, kernels, step, comm, cli tests on the GPU host)"
+  echo "== GPU suite (device, kernels, step, layer_ops, comm, cli tests on the GPU host)"
   suite="${TMPDIR:-/tmp}/gpu-suite"
   rm -rf "$suite" && mkdir -p "$suite"
   pids=()
-  for name in device_test kernels_test step_test comm_test cli_test; do
+  for name in device_test kernels_test step_test layer_ops_test comm_test cli_test; do
     ( cd "$suite" && OMP_NUM_THREADS=2 timeout "${SUITE_TIMEOUT:-240}" "$BIN/$name" >"$suite/$name.log" 2>&1
       echo "$name rc=$?" >>"$suite/tests.txt" ) &
     pids+=($!)

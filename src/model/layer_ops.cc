@@ -8,6 +8,7 @@
 #include "model/model.h"
 #include "model/saved_activations.h"
 #include "util/errors.h"
+#include "util/logging.h"
 
 namespace strata {
 
@@ -80,6 +81,13 @@ struct AttentionOut {
   at::Tensor out, lse, seed, offset;
 };
 AttentionOut attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
+  const int64_t hd = q.size(-1);
+  if (!q.is_cpu() && (hd % 8 != 0 || hd > 256)) {
+    // The kernels called directly skip SDPA's own checks: refused here, named.
+    throw ConfigError("model.n_heads", strprintf("a head of %lld values (model.dim / model.n_heads): the CUDA "
+                                                 "attention kernels need a multiple of 8 up to 256",
+                                                 (long long)hd));
+  }
   if (q.is_cpu()) {
     auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, /*dropout_p=*/0.0, /*is_causal=*/true);
     return {o, lse, {}, {}};
@@ -90,7 +98,10 @@ AttentionOut attention_forward(const at::Tensor& q, const at::Tensor& k, const a
   }
   auto r = at::_scaled_dot_product_efficient_attention(q, k, v, /*attn_bias=*/std::nullopt,
                                                        /*compute_log_sumexp=*/true, 0.0, /*is_causal=*/true);
-  return {std::get<0>(r), std::get<1>(r), std::get<2>(r), std::get<3>(r)};
+  // Its log-sum-exp comes padded to a multiple of 32 queries; the entry is
+  // the T of them that exist (Saved::kAttnLse's size), padded again for the
+  // backward (attention_backward).
+  return {std::get<0>(r), std::get<1>(r).narrow(-1, 0, q.size(2)), std::get<2>(r), std::get<3>(r)};
 }
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tensor& dout, const at::Tensor& q,
                                                                   const at::Tensor& k, const at::Tensor& v,
@@ -104,7 +115,12 @@ std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tens
     return at::_scaled_dot_product_flash_attention_backward(dout, q, k, v, out, lse, /*cum_seq_q=*/{},
                                                             /*cum_seq_k=*/{}, t, t, 0.0, true, seed, offset);
   }
-  auto r = at::_scaled_dot_product_efficient_attention_backward(dout, q, k, v, /*attn_bias=*/{}, out, lse, seed,
+  at::Tensor padded = lse;
+  if (t % 32 != 0) {  // the shape its forward returned (rows past T unused)
+    padded = at::zeros({lse.size(0), lse.size(1), (t + 31) / 32 * 32}, lse.options());
+    padded.narrow(-1, 0, t).copy_(lse);
+  }
+  auto r = at::_scaled_dot_product_efficient_attention_backward(dout, q, k, v, /*attn_bias=*/{}, out, padded, seed,
                                                                 offset, 0.0, {true, true, true, false}, true);
   return {std::get<0>(r), std::get<1>(r), std::get<2>(r)};
 }
