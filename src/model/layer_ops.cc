@@ -99,9 +99,9 @@ AttentionOut attention_forward(const at::Tensor& q, const at::Tensor& k, const a
   auto r = at::_scaled_dot_product_efficient_attention(q, k, v, /*attn_bias=*/std::nullopt,
                                                        /*compute_log_sumexp=*/true, 0.0, /*is_causal=*/true);
   // Its log-sum-exp comes padded to a multiple of 32 queries; the entry is
-  // the T of them that exist (Saved::kAttnLse's size), padded again for the
-  // backward (attention_backward).
-  return {std::get<0>(r), std::get<1>(r).narrow(-1, 0, q.size(2)), std::get<2>(r), std::get<3>(r)};
+  // the T of them that exist (Saved::kAttnLse's size; dense, as an offload
+  // needs), padded again for the backward (attention_backward).
+  return {std::get<0>(r), std::get<1>(r).narrow(-1, 0, q.size(2)).contiguous(), std::get<2>(r), std::get<3>(r)};
 }
 std::tuple<at::Tensor, at::Tensor, at::Tensor> attention_backward(const at::Tensor& dout, const at::Tensor& q,
                                                                   const at::Tensor& k, const at::Tensor& v,
