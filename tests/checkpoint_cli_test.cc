@@ -298,6 +298,36 @@ TEST_F(CheckpointCliTest, Fp16OverflowSkipsTheStepOnEveryRank) {
   EXPECT_LE(skips, 5);
 }
 
+// docs/metrics.md: a resume continues the metrics file from its checkpoint.
+// The straight run wrote steps 1-10 (checkpoints at 5 and 10) and, as if
+// killed mid-write, half a line; resumed from step 5 with the same file, it
+// holds steps 1-10 once each, in order, the losses those of the straight run.
+TEST_F(CheckpointCliTest, AResumeContinuesTheMetricsFileFromItsCheckpoint) {
+  const std::string a = dir_.file("a"), m = a + ".jsonl";
+  const std::string cfg = config("a.json", base_config(data_, a));
+  Result straight = train(1, cfg, "--metrics " + m);
+  ASSERT_EQ(straight.code, 0) << straight.output;
+  const std::map<int64_t, double> ref = losses(m);
+  ASSERT_EQ(ref.size(), 10u);
+  {
+    std::ofstream cut(m, std::ios::app);
+    cut << "{\"step\":11,\"lo";
+  }
+  Result resumed = train(1, cfg, "--resume " + a + "/step-00000005 --metrics " + m + " --set run.log_level=\"info\"");
+  ASSERT_EQ(resumed.code, 0) << resumed.output;
+  EXPECT_NE(resumed.output.find("metrics: 6 line(s) after step 5 dropped"), std::string::npos) << resumed.output;
+  std::ifstream in(m);
+  std::string line;
+  int64_t expect = 1;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line);  // every line whole
+    EXPECT_EQ(j["step"].get<int64_t>(), expect) << line;
+    EXPECT_EQ(j["loss"].get<double>(), ref.at(expect)) << "step " << expect;
+    ++expect;
+  }
+  EXPECT_EQ(expect, 11);
+}
+
 // A save killed at each kind of event (the k-th data write, fsync, rename,
 // latest update): the previous checkpoint loads and resumes bit for bit.
 TEST_F(CheckpointCliTest, SaveKilledAtAnyEventLeavesThePreviousCheckpointExact) {

@@ -404,11 +404,21 @@ StepWork union_work(const StepWork& work, const PlacementPlan& plan, bool checks
 void measure_rates(const Config& cfg, const PlacementPlan& plan, Device* device, const StepWork& work, Rates& rates,
                    double budget_s, const ProbeRoom& room) {
   measure_missing_rates(cfg, plan, device, work, rates, budget_s, room);
-  // Auto's candidates, and host-kept activations (Note [Activations by the
-  // bound] in plan/planner.h), may need rates the plan's own work does not.
-  if (!cfg.placement.auto_place && !weighs_host_activations(cfg, plan)) return;
+  // Auto's candidates may need rates the plan's own work does not; entries
+  // kept in host RAM (Note [Activations by the bound] in plan/planner.h) the
+  // copies' both ways.
+  StepWork more;
+  if (cfg.placement.auto_place) {
+    more = union_work(work, plan, cfg.run.swap_checksums);
+  } else if (weighs_host_activations(cfg, plan)) {
+    more = work;
+    more.links.h2d = std::max<int64_t>(more.links.h2d, plan.activations.entries_bytes);
+    more.links.d2h = std::max<int64_t>(more.links.d2h, plan.activations.entries_bytes);
+  } else {
+    return;
+  }
   try {
-    measure_missing_rates(cfg, plan, device, union_work(work, plan, cfg.run.swap_checksums), rates, budget_s, room);
+    measure_missing_rates(cfg, plan, device, more, rates, budget_s, room);
   } catch (const Error&) {
     // What cannot be measured here leaves those candidates unjudged.
   }

@@ -3,15 +3,49 @@
 #include <cerrno>
 #include <cmath>
 #include <cstring>
+#include <fstream>
 
 #include "util/errors.h"
 #include "util/fs.h"
+#include "util/logging.h"
 
 namespace strata {
 
-MetricsWriter::MetricsWriter(const std::string& path, bool append) : path_(path) {
+namespace {
+
+// The lines of `path` a run resumed after `step` continues from: those of
+// steps up to it, as written; those after it and any line cut short (the
+// earlier run killed mid-write) dropped. Rewritten atomically (PATH.tmp,
+// renamed), only when something is dropped.
+void keep_lines_through(const std::string& path, int64_t step) {
+  if (!path_exists(path)) return;
+  std::ifstream in(path);
+  if (!in) throw InputError(path, std::string("cannot read the metrics file to continue: ") + std::strerror(errno));
+  std::string kept, line;
+  int64_t dropped = 0;
+  while (std::getline(in, line)) {
+    const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
+    const bool later = j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
+                       j["step"].get<int64_t>() > step;
+    if (j.is_discarded() || later) {
+      ++dropped;
+      continue;
+    }
+    kept += line;
+    kept += '\n';
+  }
+  if (dropped == 0) return;
+  write_file_atomic(path, kept);
+  log::info("metrics: %lld line(s) after step %lld dropped from %s (this run writes those steps again)",
+            (long long)dropped, (long long)step, path.c_str());
+}
+
+}  // namespace
+
+MetricsWriter::MetricsWriter(const std::string& path, bool append, int64_t resumed_step) : path_(path) {
   if (path.empty()) return;
   make_dirs(parent_dir(path));
+  if (append && resumed_step >= 0) keep_lines_through(path, resumed_step);
   out_.open(path, std::ios::out | (append ? std::ios::app : std::ios::trunc));
   if (!out_) throw InputError(path, std::string("cannot open metrics file for writing: ") + std::strerror(errno));
 }

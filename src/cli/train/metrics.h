@@ -20,8 +20,10 @@ namespace strata {
 // that fails at start-up leaves nothing behind.
 class MetricsWriter {
  public:
-  // `append`: a resumed run adds to the file of the run it continues.
-  MetricsWriter(const std::string& path, bool append);
+  // `append`: a resumed run adds to the file of the run it continues, whose
+  // lines of steps after `resumed_step` (the checkpoint's: this run computes
+  // them again) and any line cut short are dropped first (docs/metrics.md).
+  MetricsWriter(const std::string& path, bool append, int64_t resumed_step = -1);
   void write(const nlohmann::json& j);
 
  private:

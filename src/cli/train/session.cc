@@ -466,7 +466,7 @@ std::unique_ptr<TrainSession> open_session(const TrainOptions& opt) {
   s.rng = std::mt19937_64(cfg.run.seed);
   if (resume) resume_from(s, std::move(resume));
   s.monitors = std::make_unique<Monitors>(cfg, s.who.rank == 0);  // DeepSpeed's tensorboard / csv_monitor (docs/monitors.md)
-  s.metrics = std::make_unique<MetricsWriter>(cfg.run.metrics, opt.resume);
+  s.metrics = std::make_unique<MetricsWriter>(cfg.run.metrics, opt.resume, s.first_step - 1);
   for (const std::string& d : s.monitors->dirs()) log::info("monitor %s", d.c_str());
 
   s.peak = s.trainer->peak_bytes();
