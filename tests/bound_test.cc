@@ -463,7 +463,8 @@ TEST(BoundTest, AutoKeepsEntriesInHostRamOnlyWhereTheBoundGains) {
   ASSERT_EQ(cc_none.activations.keep_device_layers, 0);
   ASSERT_EQ(cc_none.staging.ckpt_host, L * input);
   MachineCapacity small = cap;
-  small.host_bytes = cc_none.staging.host_bytes() + 2 * each + each / 2;
+  // (placement.headroom, 10% of host RAM, stays free of pinned entries.)
+  small.host_bytes = int64_t(double(cc_none.staging.host_bytes() + 2 * each + each / 2) / 0.9) + 1;
   const PlacementPlan two = best_activations(cc, make_layout(), 0, small, fast);
   EXPECT_EQ(two.activations.keep_host_layers, 2) << two.activations.recompute_choice;
   EXPECT_EQ(two.activations.recomputed_layers(), 2);

@@ -301,7 +301,8 @@ TEST_F(CheckpointCliTest, Fp16OverflowSkipsTheStepOnEveryRank) {
 // docs/metrics.md: a resume continues the metrics file from its checkpoint.
 // The straight run wrote steps 1-10 (checkpoints at 5 and 10) and, as if
 // killed mid-write, half a line; resumed from step 5 with the same file, it
-// holds steps 1-10 once each, in order, the losses those of the straight run.
+// holds steps 1-10 once each, in order, the losses those of the straight run;
+// the file as it was is FILE.prev.
 TEST_F(CheckpointCliTest, AResumeContinuesTheMetricsFileFromItsCheckpoint) {
   const std::string a = dir_.file("a"), m = a + ".jsonl";
   const std::string cfg = config("a.json", base_config(data_, a));
@@ -326,6 +327,10 @@ TEST_F(CheckpointCliTest, AResumeContinuesTheMetricsFileFromItsCheckpoint) {
     ++expect;
   }
   EXPECT_EQ(expect, 11);
+  // The file as it was, kept beside it.
+  const std::string prev = read_bytes(m + ".prev");
+  EXPECT_EQ(losses(m + ".prev").size(), 10u);
+  EXPECT_NE(prev.find("{\"step\":11,\"lo"), std::string::npos);
 }
 
 // A save killed at each kind of event (the k-th data write, fsync, rename,

@@ -81,13 +81,6 @@ struct AttentionOut {
   at::Tensor out, lse, seed, offset;
 };
 AttentionOut attention_forward(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v) {
-  const int64_t hd = q.size(-1);
-  if (!q.is_cpu() && (hd % 8 != 0 || hd > 256)) {
-    // The kernels called directly skip SDPA's own checks: refused here, named.
-    throw ConfigError("model.n_heads", strprintf("a head of %lld values (model.dim / model.n_heads): the CUDA "
-                                                 "attention kernels need a multiple of 8 up to 256",
-                                                 (long long)hd));
-  }
   if (q.is_cpu()) {
     auto [o, lse] = at::_scaled_dot_product_flash_attention_for_cpu(q, k, v, /*dropout_p=*/0.0, /*is_causal=*/true);
     return {o, lse, {}, {}};
@@ -132,6 +125,19 @@ enum : size_t { kAttnNormW, kWq, kWk, kWv, kWo, kMlpNormW, kW1, kW3, kW2, kExtra
 
 }  // namespace
 
+// The CUDA kernels called directly skip SDPA's own checks of the head's
+// width: flash (16 bits) takes a multiple of 8 up to 256, the
+// memory-efficient kernel (fp32) a multiple of 4. Refused here, naming the key.
+static void check_cuda_head(const ModelConfig& cfg, at::ScalarType dtype) {
+  const int64_t hd = cfg.head_dim();
+  const bool flash = dtype != at::kFloat;
+  if (flash ? hd % 8 == 0 && hd <= 256 : hd % 4 == 0) return;
+  throw ConfigError(cfg.explicit_head_dim > 0 ? "model.head_dim" : "model.n_heads",
+                    strprintf("heads of %lld values: the CUDA attention kernel for %s needs %s", (long long)hd,
+                              flash ? "16-bit training" : "fp32",
+                              flash ? "a multiple of 8 up to 256" : "a multiple of 4"));
+}
+
 at::Tensor Model::layer_forward_saving(const std::vector<at::Tensor>& w, const at::Tensor& x,
                                        LayerSaved* s) const {
   LayerSaved& S = *s;
@@ -141,6 +147,7 @@ at::Tensor Model::layer_forward_saving(const std::vector<at::Tensor>& w, const a
   at::Tensor bq, bk, bv;
   if (cfg_.qkv_bias()) bq = w[kExtras], bk = w[kExtras + 1], bv = w[kExtras + 2];
 
+  if (!x.is_cpu()) check_cuda_head(cfg_, x.scalar_type());
   S[Saved::kInput] = x;
   S[Saved::kAttnRstd] = rms_rstd(x, cfg_.norm_eps);
   const at::Tensor& a = S[Saved::kAttnNormed] = norm_apply(x, S[Saved::kAttnRstd], w[kAttnNormW]);

@@ -325,8 +325,10 @@ int64_t host_layers_that_fit(const Config& cfg, const MachineCapacity& capacity,
   if (cfg.run.auto_host_layers <= 0 || capacity.device_is_host) return 0;
   int64_t n = std::min(cfg.run.auto_host_layers, a.checkpoint_layers - a.keep_device_layers);
   if (capacity.host_bytes >= 0) {
+    // Pinned RAM the OS cannot page: auto's headroom (placement.headroom) is
+    // kept free whatever places the state.
     plan.staging = staging_needs(plan);
-    const double keep = cfg.placement.auto_place ? 1.0 - cfg.placement.headroom : 1.0;
+    const double keep = 1.0 - cfg.placement.headroom;
     const int64_t room = int64_t(double(capacity.host_bytes) * keep) - plan.total()[size_t(Tier::kHost)];  // staging in
     // A layer going to the host swaps what it kept there (its input, with
     // cpu_checkpointing) for its entries.

@@ -5,6 +5,8 @@
 #include <cstring>
 #include <fstream>
 
+#include <sys/stat.h>
+
 #include "util/errors.h"
 #include "util/fs.h"
 #include "util/logging.h"
@@ -14,30 +16,41 @@ namespace strata {
 namespace {
 
 // The lines of `path` a run resumed after `step` continues from: those of
-// steps up to it, as written; those after it and any line cut short (the
-// earlier run killed mid-write) dropped. Rewritten atomically (PATH.tmp,
-// renamed), only when something is dropped.
+// steps up to it, as written; those after it, and a last line cut short (the
+// earlier run killed mid-write), dropped. Only when something changes: the
+// file as it was kept as PATH.prev, then rewritten atomically with its mode.
 void keep_lines_through(const std::string& path, int64_t step) {
   if (!path_exists(path)) return;
-  std::ifstream in(path);
-  if (!in) throw InputError(path, std::string("cannot read the metrics file to continue: ") + std::strerror(errno));
-  std::string kept, line;
+  const std::string text = file_contents(path);
+  std::string kept;
   int64_t dropped = 0;
-  while (std::getline(in, line)) {
+  size_t at = 0;
+  while (at < text.size()) {
+    const size_t end = text.find('\n', at);
+    const bool last = end == std::string::npos;
+    const std::string line = text.substr(at, last ? std::string::npos : end - at);
+    at = last ? text.size() : end + 1;
     const nlohmann::json j = nlohmann::json::parse(line, nullptr, /*allow_exceptions=*/false);
     const bool later = j.is_object() && j.contains("step") && j["step"].is_number_integer() &&
                        j["step"].get<int64_t>() > step;
-    if (j.is_discarded() || later) {
+    if (later || (last && j.is_discarded())) {
       ++dropped;
       continue;
     }
     kept += line;
     kept += '\n';
   }
-  if (dropped == 0) return;
+  if (kept == text) return;
+  struct stat st{};
+  const bool have_mode = ::stat(path.c_str(), &st) == 0;
+  write_file_atomic(path + ".prev", text);
   write_file_atomic(path, kept);
-  log::info("metrics: %lld line(s) after step %lld dropped from %s (this run writes those steps again)",
-            (long long)dropped, (long long)step, path.c_str());
+  if (have_mode) ::chmod(path.c_str(), st.st_mode & 07777);
+  if (dropped > 0) {
+    log::info("metrics: %lld line(s) after step %lld dropped from %s (this run writes those steps again; the file "
+              "as it was: %s.prev)",
+              (long long)dropped, (long long)step, path.c_str(), path.c_str());
+  }
 }
 
 }  // namespace
