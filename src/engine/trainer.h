@@ -96,7 +96,9 @@ std::string apply_determinism(bool on);
 // layer keeps its entries (the saved tensors that are not cheap to recompute,
 // Note [Saved activations] in model/layer_ops.cc) and backward recomputes
 // only the cheap ones. auto: the last layers keep their entries as far as the
-// device has room. Entries hold no weights, so every placement of the state
+// device has room and, on a GPU, the first ones in host RAM where the step's
+// bound gains (Note [Activations by the bound] in plan/planner.h). Entries
+// hold no weights, so every placement of the state
 // allows every choice; every choice runs the same explicit forward and
 // backward on the same values: losses and weights are bit-identical
 // (tested).
