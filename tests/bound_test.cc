@@ -7,6 +7,7 @@
 
 #include "memory/layout.h"
 #include "util/errors.h"
+#include "util/logging.h"
 
 namespace strata {
 namespace {
@@ -417,8 +418,8 @@ TEST(BoundTest, AutoKeepsEntriesInHostRamOnlyWhereTheBoundGains) {
   ASSERT_GE(d0, 2);
   ASSERT_LT(d0, L);
   const PlacementPlan none = make_plan(cfg, make_layout(), 0, cap);
-  ASSERT_EQ(none.activations.keep_device_layers, d0) << none.activations.recompute_choice;
-  ASSERT_EQ(none.activations.keep_host_layers, 0);
+  ASSERT_EQ(none.activations.keep_device_packs, d0) << none.activations.recompute_choice;
+  ASSERT_EQ(none.activations.keep_host_packs, 0);
   // Every layer on the host, fixed by hand (run.activations): the bound's
   // work of the two alternatives, the same rates for both.
   const Config by_hand = config_with({on_device, "train_micro_batch_size_per_gpu=1", "run.recompute=\"auto\"",
@@ -441,17 +442,17 @@ TEST(BoundTest, AutoKeepsEntriesInHostRamOnlyWhereTheBoundGains) {
   ASSERT_GT(step_bound(wh, slow, false).seconds, step_bound(wn, slow, false).seconds);
 
   const PlacementPlan f = best_activations(cfg, make_layout(), 0, cap, fast);
-  EXPECT_EQ(f.activations.keep_host_layers, L) << f.activations.recompute_choice;
-  EXPECT_EQ(f.activations.keep_device_layers, 0);
-  EXPECT_EQ(f.activations.recomputed_layers(), 0);
+  EXPECT_EQ(f.activations.keep_host_packs, L) << f.activations.recompute_choice;
+  EXPECT_EQ(f.activations.keep_device_packs, 0);
+  EXPECT_EQ(f.activations.recomputed_packs(), 0);
   EXPECT_EQ(f.staging.ckpt_host, L * entries);
   EXPECT_EQ(f.staging.ckpt_device, 2 * entries);
   EXPECT_NE(f.activations.recompute_choice.find("the bound:"), std::string::npos) << f.activations.recompute_choice;
   EXPECT_TRUE(plan_shortfalls(f, cap).empty());
 
   const PlacementPlan s = best_activations(cfg, make_layout(), 0, cap, slow);
-  EXPECT_EQ(s.activations.keep_host_layers, 0) << s.activations.recompute_choice;
-  EXPECT_EQ(s.activations.keep_device_layers, d0);
+  EXPECT_EQ(s.activations.keep_host_packs, 0) << s.activations.recompute_choice;
+  EXPECT_EQ(s.activations.keep_device_packs, d0);
   EXPECT_EQ(s.staging.ckpt_host, 0);
 
   // cpu_checkpointing (the layers' inputs in host RAM, none kept on the
@@ -460,23 +461,82 @@ TEST(BoundTest, AutoKeepsEntriesInHostRamOnlyWhereTheBoundGains) {
   const Config cc = config_with({on_device, "train_micro_batch_size_per_gpu=1", "run.recompute=\"auto\"",
                                  "activation_checkpointing.cpu_checkpointing=true"});
   const PlacementPlan cc_none = make_plan(cc, make_layout(), 0, cap);
-  ASSERT_EQ(cc_none.activations.keep_device_layers, 0);
+  ASSERT_EQ(cc_none.activations.keep_device_packs, 0);
   ASSERT_EQ(cc_none.staging.ckpt_host, L * input);
   MachineCapacity small = cap;
   // (placement.headroom, 10% of host RAM, stays free of pinned entries.)
   small.host_bytes = int64_t(double(cc_none.staging.host_bytes() + 2 * each + each / 2) / 0.9) + 1;
   const PlacementPlan two = best_activations(cc, make_layout(), 0, small, fast);
-  EXPECT_EQ(two.activations.keep_host_layers, 2) << two.activations.recompute_choice;
-  EXPECT_EQ(two.activations.recomputed_layers(), 2);
+  EXPECT_EQ(two.activations.keep_host_packs, 2) << two.activations.recompute_choice;
+  EXPECT_EQ(two.activations.recomputed_packs(), 2);
   EXPECT_EQ(two.staging.ckpt_host, 2 * entries + 2 * input);
   EXPECT_TRUE(plan_shortfalls(two, small).empty());
 
   // always, run.activations and a missing rate: make_plan's plan as it is.
-  EXPECT_EQ(best_activations(always, make_layout(), 0, cap, fast).activations.recomputed_layers(), L);
-  EXPECT_EQ(best_activations(by_hand, make_layout(), 0, cap, slow).activations.keep_host_layers, L);
+  EXPECT_EQ(best_activations(always, make_layout(), 0, cap, fast).activations.recomputed_packs(), L);
+  EXPECT_EQ(best_activations(by_hand, make_layout(), 0, cap, slow).activations.keep_host_packs, L);
   Rates no_link = fast;
   no_link.h2d = 0;
-  EXPECT_EQ(best_activations(cfg, make_layout(), 0, cap, no_link).activations.keep_host_layers, 0);
+  EXPECT_EQ(best_activations(cfg, make_layout(), 0, cap, no_link).activations.keep_host_packs, 0);
+}
+
+// Note [Activation placement]: under the layer schedule auto counts host
+// keeps a micro-batch at a time. Four layers of four micro-batches (16
+// packs), the device with room for the two slots alone (or, without host
+// keeps, for two packs), rates that make the link's time equal the
+// compute's at 11 packs on the host (two layers and three micro-batches):
+// 10 packs leave more compute, 12 more link time, and auto finds 11.
+TEST(BoundTest, AutoKeepsPartOfALayerInHostRamWhereTheBoundIsLowest) {
+  const std::string on_device =
+      "placement={\"param16\":{\"device\":1},\"grad\":{\"device\":1},\"optimizer\":{\"device\":1}}";
+  const std::vector<std::string> common = {on_device, "train_micro_batch_size_per_gpu=1", "gradient_accumulation_steps=4",
+                                           "run.schedule=\"layer\""};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), common.begin(), common.end());
+    return config_with(more);
+  };
+  const Config cfg = with({"run.recompute=\"auto\""});
+  ASSERT_EQ(cfg.model.n_layers, 4);
+  MachineCapacity cap = gpu_like();
+  cap.device_bytes = int64_t(1) << 40;
+  const PlacementPlan rec = make_plan(with({"run.recompute=\"always\""}), make_layout(), 0, cap);
+  const int64_t entries = rec.activations.entries_bytes;
+  cap.device_bytes = cap.device_bytes - rec.window_cap_bytes + rec.staging.gathered + 2 * entries;
+  // By hand: h packs on the host, the rest recomputed (run.activations).
+  auto by_hand = [&](int64_t h) {
+    const Config c = with({strprintf("run.activations={\"keep_host_layers\":%lld,\"keep_host_micro_batches\":%lld}",
+                                     (long long)(h / 4), (long long)(h % 4))});
+    const PlacementPlan p = make_plan(c, make_layout(), 0, cap);
+    EXPECT_EQ(p.activations.keep_host_packs, h);
+    EXPECT_EQ(p.activations.keep_device_packs, 0);
+    EXPECT_TRUE(plan_shortfalls(p, cap).empty()) << h;
+    return predicted_work(c, p, train_fetches(p), NetworkBytes{});
+  };
+  const StepWork w10 = by_hand(10), w11 = by_hand(11), w12 = by_hand(12);
+  ASSERT_EQ(w11.links.d2h - w10.links.d2h, entries);  // one pack more each way
+  ASSERT_EQ(w12.links.h2d - w11.links.h2d, entries);
+  ASSERT_LT(w11.flops, w10.flops);
+  Rates r;
+  r.device_flops = w11.flops / 1.0;  // 1 s of compute at 11 packs
+  r.h2d = r.d2h = double(w11.links.h2d) / 1.0;  // and 1 s of link each way
+  r.pcie_both = 2 * r.h2d;
+  const double s10 = step_bound(w10, r, false).seconds, s11 = step_bound(w11, r, false).seconds,
+               s12 = step_bound(w12, r, false).seconds;
+  ASSERT_LT(s11, s10);
+  ASSERT_LT(s11, s12);
+  const PlacementPlan none = make_plan(cfg, make_layout(), 0, cap);
+  ASSERT_EQ(none.activations.keep_host_packs, 0);
+  ASSERT_EQ(none.activations.keep_device_packs, 2) << none.activations.recompute_choice;
+  // Beyond auto's margin (Note [Auto's margin]).
+  ASSERT_LT(s11, 0.88 * step_bound(predicted_work(cfg, none, train_fetches(none), NetworkBytes{}), r, false).seconds);
+
+  const PlacementPlan best = best_activations(cfg, make_layout(), 0, cap, r);
+  EXPECT_EQ(best.activations.keep_host_packs, 11) << best.activations.recompute_choice;
+  EXPECT_TRUE(best.activations.on_host(2, 2));
+  EXPECT_FALSE(best.activations.keeps_entries(2, 3));
+  EXPECT_EQ(best.staging.ckpt_host, 11 * entries);
+  EXPECT_NE(best.activations.recompute_choice.find("2 layers and 3 micro-batches"), std::string::npos)
+      << best.activations.recompute_choice;
 }
 
 // The same placement as BytesPerLinkOfAnOffloadedPlacement with the swap

@@ -596,7 +596,7 @@ TEST(PlacementTest, TheLayerSchedulesRowsAreTheActivationsItHolds) {
   tight.device_bytes = lyw.total()[0] + 1024;
   const PlacementPlan mbk = make_plan(with_recompute_auto("micro_batch"), layout, 0, tight);
   const PlacementPlan lyk = make_plan(with_recompute_auto("layer"), layout, 0, tight);
-  ASSERT_GT(mbk.activations.keep_device_layers, lyk.activations.keep_device_layers)
+  ASSERT_GT(mbk.activations.keep_device_packs, lyk.activations.keep_device_packs)
       << mbk.activations.recompute_choice << "; " << lyk.activations.recompute_choice;
   ASSERT_TRUE(plan_shortfalls(lyk, tight).empty());
   ASSERT_EQ(lyk.state.bytes, mbk.state.bytes);

@@ -354,11 +354,13 @@ TEST_F(RanksTest, LayerScheduleTrainsBitForBitAsPerStepReductions) {
   }
 }
 
-// Note [Activation placement]: with ranks, every layer recomputed (always),
-// every layer's entries kept (never), and the first layer's entries in host
-// RAM with the last's on the device (run.activations) train bit for bit the
-// same: stages 0-3 at two ranks over Gloo under both schedules, bf16 at stage
-// 3, and the staged collectives of the test device at stage 3.
+// Note [Activation placement]: with ranks (six micro-batches each), every layer
+// recomputed (always), every layer's entries kept (never), and the first
+// layer split by micro-batch (its first micro-batch's entries in host RAM,
+// its other five recomputed) with the last layer's entries on the device
+// (run.activations) train bit for bit the same: stages 0-3 at two ranks over
+// Gloo under both schedules, bf16 at stage 3, and the staged collectives of
+// the test device at stage 3.
 TEST_F(RanksTest, ActivationPlacementsTrainBitForBitWithRanks) {
   nlohmann::json c = base_config(data_);
   c["run"]["steps"] = 3;
@@ -367,7 +369,7 @@ TEST_F(RanksTest, ActivationPlacementsTrainBitForBitWithRanks) {
   c["run"]["recompute"] = "never";
   const std::string never = write_config(dir_, "never.json", c);
   c["run"]["recompute"] = "auto";
-  c["run"]["activations"] = {{"keep_host_layers", 1}, {"keep_device_layers", 1}};
+  c["run"]["activations"] = {{"keep_host_micro_batches", 1}, {"keep_device_layers", 1}};
   const std::string split = write_config(dir_, "split.json", c);
   const std::vector<std::string> cases = {
       "zero_optimization.stage=0",
@@ -386,13 +388,13 @@ TEST_F(RanksTest, ActivationPlacementsTrainBitForBitWithRanks) {
     const std::vector<double> losses = read_losses(ref + ".losses");
     ASSERT_EQ(losses.size(), 3u) << cases[i];
     EXPECT_NE(losses.front(), losses.back()) << cases[i] << ": the losses moved";
-    for (const auto& [name, cfg] : {std::pair<const char*, std::string>{"never", never}, {"1 host + 1 device", split}}) {
+    for (const auto& [name, cfg] : {std::pair<const char*, std::string>{"never", never}, {"split by micro-batch", split}}) {
       const std::string what = std::string(name) + " against always, " + cases[i];
       const std::string out = dir_.file(std::string(name).substr(0, 1) + std::to_string(i));
       Result rr = run_workers(2, cfg, out, cases[i]);
       ASSERT_EQ(rr.code, 0) << what << "\n" << rr.output;
       expect_identical_files(ref, out, what);
-      // The host-kept layer's entries went down and came back (counted as
+      // The host-kept pack's entries went down and came back (counted as
       // d2h/h2d: the CPU device's copies too); always moved none of them.
       const auto d2h = [](const std::string& o) {
         return nlohmann::json::parse(read_bytes(o + ".rank0.json"))["steps"][0]["d2h"].get<int64_t>();

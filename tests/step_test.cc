@@ -328,7 +328,9 @@ TEST_F(StepTest, EveryActivationPlacementTrainsBitForBitAsRecompute) {
     const std::string dtype = extra.empty() ? "fp32" : extra[0].substr(0, 4);
     struct Placement {
       std::vector<std::string> sets;
-      int64_t device, host;  // layers keeping their entries there
+      // Keeping their entries there: whole layers, and micro-batches of
+      // one more (Note [Activation placement]).
+      int64_t device, host, device_micro = 0, host_micro = 0;
     };
     const std::vector<Placement> placements = {
         {{"run.recompute=\"always\""}, 0, 0},
@@ -337,6 +339,15 @@ TEST_F(StepTest, EveryActivationPlacementTrainsBitForBitAsRecompute) {
         {{"run.activations={\"keep_host_layers\":1,\"keep_device_layers\":1}"}, 1, 1},
         {{"run.activations={\"keep_host_layers\":1}", "activation_checkpointing.cpu_checkpointing=true"}, 0, 1},
         {{"run.recompute=\"always\"", "activation_checkpointing.cpu_checkpointing=true"}, 0, 0},
+        // Layers split by micro-batch: the first micro-batch of layer 0 on
+        // the host, its others recomputed, the last layer on the device; the
+        // last micro-batch of the last layer on the device; the first on the
+        // host with the others' inputs there too (one host slot per layer
+        // under micro_batch, taking both kinds of pack).
+        {{"run.activations={\"keep_host_micro_batches\":1,\"keep_device_layers\":1}"}, 1, 0, 0, 1},
+        {{"run.activations={\"keep_device_micro_batches\":1}"}, 0, 0, 1, 0},
+        {{"run.activations={\"keep_host_micro_batches\":1}", "activation_checkpointing.cpu_checkpointing=true"},
+         0, 0, 0, 1},
     };
     std::vector<std::string> ref_sets = extra;
     ref_sets.insert(ref_sets.end(), placements[0].sets.begin(), placements[0].sets.end());
@@ -349,8 +360,9 @@ TEST_F(StepTest, EveryActivationPlacementTrainsBitForBitAsRecompute) {
       const std::string what = dtype + " " + nlohmann::json(placements[i].sets).dump();
       Training run(base_config(data_), sets);
       const ActivationPlan& a = run.trainer().plan().activations;
-      ASSERT_EQ(a.keep_device_layers, placements[i].device) << what;
-      ASSERT_EQ(a.keep_host_layers, placements[i].host) << what;
+      const int64_t A = run.trainer().plan().step.accum;
+      ASSERT_EQ(a.keep_device_packs, placements[i].device * A + placements[i].device_micro) << what;
+      ASSERT_EQ(a.keep_host_packs, placements[i].host * A + placements[i].host_micro) << what;
       for (int s = 1; s <= 3; ++s) {
         const StepResult r = run.step();
         EXPECT_EQ(r.loss, want[size_t(s - 1)].loss) << what << ", step " << s;
@@ -378,48 +390,79 @@ TEST_F(StepTest, PlanKeepsWhatFitsAndCountsTheEntriesItKeeps) {
   const int64_t tokens = 2 * 32;
   const PlacementPlan always = plan({"run.recompute=\"always\""}, unlimited);
   ASSERT_EQ(always.activations.checkpoint_layers, 2);
-  EXPECT_EQ(always.activations.recomputed_layers(), 2);
+  EXPECT_EQ(always.activations.recomputed_packs(), 2 * 2);  // 2 layers, 2 micro-batches
   EXPECT_EQ(always.activations.entries_bytes, tokens * ((4 * 64 + 2 * 32 + 2 * 96) * 4 + (2 + 4) * 4));
   const PlacementPlan bf16 = plan({"bf16.enabled=true"}, unlimited);
   EXPECT_EQ(bf16.activations.entries_bytes, tokens * ((4 * 64 + 2 * 32 + 2 * 96) * 2 + (2 + 4) * 4));
   // auto without a budget: every layer keeps its entries; the rows grow by
   // what that adds over the inputs.
   const PlacementPlan kept = plan({}, unlimited);
-  EXPECT_EQ(kept.activations.keep_device_layers, 2);
-  EXPECT_EQ(kept.activations.recomputed_layers(), 0);
+  EXPECT_EQ(kept.activations.keep_device_packs, 2 * 2);
+  EXPECT_EQ(kept.activations.recomputed_packs(), 0);
   const int64_t each = kept.activations.entries_bytes - kept.activations.checkpoint_bytes;
   EXPECT_EQ(kept.activations.bytes, always.activations.bytes + 2 * each);
   // Entries hold no weights: the parameters offloaded change nothing.
   const std::string stage3 = "zero_optimization.stage=3";
   const std::string offload = "zero_optimization.offload_param={\"device\":\"cpu\"}";
-  EXPECT_EQ(plan({stage3, offload}, unlimited).activations.keep_device_layers, 2);
-  // auto under a device budget: as many of the last layers as fit.
+  EXPECT_EQ(plan({stage3, offload}, unlimited).activations.keep_device_packs, 2 * 2);
+  // auto under a device budget: as many of the last layers as fit (whole
+  // layers under micro_batch: a layer's micro-batches are held in turn, so
+  // part of one takes the memory of all of it).
   MachineCapacity tight;
   tight.device_is_host = false;
   tight.device_bytes = always.total()[size_t(Tier::kDevice)] + each + each / 2;
   const PlacementPlan one = plan({}, tight);
-  EXPECT_EQ(one.activations.keep_device_layers, 1) << one.activations.recompute_choice;
-  EXPECT_TRUE(one.activations.keeps_entries(1));
-  EXPECT_FALSE(one.activations.keeps_entries(0));
+  EXPECT_EQ(one.activations.keep_device_packs, 2) << one.activations.recompute_choice;
+  EXPECT_TRUE(one.activations.keeps_entries(1, 0) && one.activations.keeps_entries(1, 1));
+  EXPECT_FALSE(one.activations.keeps_entries(0, 0) || one.activations.keeps_entries(0, 1));
+  EXPECT_EQ(one.activations.bytes, always.activations.bytes + each);
   tight.device_bytes = always.total()[size_t(Tier::kDevice)] + each / 2;
-  EXPECT_EQ(plan({}, tight).activations.keep_device_layers, 0);
+  EXPECT_EQ(plan({}, tight).activations.keep_device_packs, 0);
+  // Under layer, where every micro-batch's packs are held at once, a
+  // micro-batch at a time: room for three packs keeps layer 1's two and
+  // layer 0's last micro-batch; the rows grow by three packs.
+  const PlacementPlan always_layer = plan({"run.schedule=\"layer\"", "run.recompute=\"always\""}, unlimited);
+  tight.device_bytes = always_layer.total()[size_t(Tier::kDevice)] + 3 * each + each / 2;
+  const PlacementPlan three = plan({"run.schedule=\"layer\""}, tight);
+  EXPECT_EQ(three.activations.keep_device_packs, 3) << three.activations.recompute_choice;
+  EXPECT_TRUE(three.activations.keeps_entries(0, 1) && three.activations.keeps_entries(1, 0));
+  EXPECT_FALSE(three.activations.keeps_entries(0, 0));
+  EXPECT_EQ(three.activations.bytes, always_layer.activations.bytes + 3 * each);
   // auto on CPU without a device budget: the entries must fit in host RAM.
   MachineCapacity ram;
   ram.host_bytes = always.total()[size_t(Tier::kDevice)] + always.total()[size_t(Tier::kHost)] + each / 2;
-  EXPECT_EQ(plan({}, ram).activations.keep_device_layers, 0);
+  EXPECT_EQ(plan({}, ram).activations.keep_device_packs, 0);
   ram.host_bytes += 2 * each;
-  EXPECT_EQ(plan({}, ram).activations.keep_device_layers, 2);
+  EXPECT_EQ(plan({}, ram).activations.keep_device_packs, 2 * 2);
   // Host: the entries in the host slots, the largest layer's twice on the
   // device; the bound's compute without the recomputed forwards.
   const PlacementPlan host = plan({"run.activations={\"keep_host_layers\":2}"}, unlimited);
   EXPECT_EQ(host.staging.ckpt_host, 2 * host.activations.entries_bytes);
   EXPECT_EQ(host.staging.ckpt_device, 2 * host.activations.entries_bytes);
-  EXPECT_EQ(host.activations.host_link_bytes(2), 2 * 2 * host.activations.entries_bytes);
+  EXPECT_EQ(host.activations.host_link_bytes(), 2 * 2 * host.activations.entries_bytes);
+  // A micro-batch of a layer on the host: under micro_batch its layer's
+  // slot (one pack) and one device slot; under layer three packs (layer 0's
+  // two and layer 1's first) and two device slots.
+  const int64_t E = host.activations.entries_bytes;
+  const PlacementPlan part = plan({"run.activations={\"keep_host_micro_batches\":1}"}, unlimited);
+  EXPECT_EQ(part.staging.ckpt_host, E);
+  EXPECT_EQ(part.staging.ckpt_device, E);
+  EXPECT_EQ(part.activations.host_link_bytes(), E);
+  const PlacementPlan part_layer =
+      plan({"run.schedule=\"layer\"", "run.activations={\"keep_host_layers\":1,\"keep_host_micro_batches\":1}"},
+           unlimited);
+  EXPECT_EQ(part_layer.staging.ckpt_host, 3 * E);
+  EXPECT_EQ(part_layer.staging.ckpt_device, 2 * E);
+  EXPECT_EQ(part_layer.activations.host_link_bytes(), 3 * E);
+  EXPECT_EQ(part_layer.activations.recomputed_packs(), 1);
   // Bad run.activations: one line naming the key.
   for (const std::vector<std::string>& sets :
        {std::vector<std::string>{"run.activations={\"keep_host_layers\":3}"},
         std::vector<std::string>{"run.activations={\"keep_host_layers\":1,\"keep_device_layers\":2}"},
         std::vector<std::string>{"run.activations={\"keep_device_layers\":-1}"},
+        std::vector<std::string>{"run.activations={\"keep_host_micro_batches\":2}"},  // the step's 2: a layer
+        std::vector<std::string>{"run.activations={\"keep_host_layers\":1,\"keep_device_layers\":1,"
+                                 "\"keep_device_micro_batches\":1}"},  // 5 of 4 packs
         std::vector<std::string>{"run.activations={\"keep_device_layers\":1}", "run.recompute=\"never\""}}) {
     try {
       plan(sets, unlimited);
@@ -519,7 +562,10 @@ std::vector<std::vector<std::string>> schedule_matrix(const std::string& swap) {
        "placement={\"param16\":{\"device\":1},\"grad\":{\"host\":1},\"optimizer\":{\"host\":1}}"},
       {"bf16.enabled=true", "run.optimizer_state_dtype=\"bf16\"", "zero_optimization.sub_group_size=4096"},
       {"run.recompute=\"never\"", "gradient_accumulation_steps=3"},
-      {"run.activations={\"keep_host_layers\":1,\"keep_device_layers\":1}", "gradient_accumulation_steps=3",
+      // Layer 0 and layer 1's first micro-batch on the host, its last on the
+      // device, its second recomputed.
+      {"run.activations={\"keep_host_layers\":1,\"keep_host_micro_batches\":1,\"keep_device_micro_batches\":1}",
+       "gradient_accumulation_steps=3",
        "bf16.enabled=true", "zero_optimization.stage=3", "zero_optimization.offload_param.device=cpu",
        "zero_optimization.stage3_param_persistence_threshold=0"},
   };
@@ -759,7 +805,7 @@ LinkBytes table_bytes(const PlacementPlan& p, int64_t accum, const ModelConfig& 
     if (grad[b].tier == Tier::kNvme) e.nvme_write += 4 * n * landings, e.nvme_read += 4 * n * (landings - 1);
   }
   // Activations in host RAM: D2H after the layer's forward and H2D before
-  // its backward, every micro-batch; the first keep_host_layers their
+  // its backward, per micro-batch; the first keep_host_packs their
   // entries (by hand: x, q, attention output and mid of q_dim = dim values,
   // k and v of kv_heads x head_dim, gate and up of ffn, in the compute dtype;
   // two rstd and a log-sum-exp per head in fp32, per token), the recomputed
@@ -769,12 +815,12 @@ LinkBytes table_bytes(const PlacementPlan& p, int64_t accum, const ModelConfig& 
   const int64_t entries =
       tokens * ((2 * mc.dim + 2 * mc.q_dim() + 2 * mc.kv_heads() * mc.head_dim() + 2 * mc.ffn_dim()) * p.compute_bytes +
                 (2 + mc.n_heads) * 4);
-  const int64_t recomputed = p.activations.checkpoint_layers - p.activations.keep_device_layers -
-                             p.activations.keep_host_layers;
-  const int64_t down = p.activations.keep_host_layers * entries +
+  const int64_t recomputed = p.activations.checkpoint_layers * accum - p.activations.keep_device_packs -
+                             p.activations.keep_host_packs;
+  const int64_t down = p.activations.keep_host_packs * entries +
                        (p.activations.cpu_checkpointing ? recomputed * p.activations.checkpoint_bytes : 0);
-  e.d2h += down * accum;
-  e.h2d += down * accum;
+  e.d2h += down;
+  e.h2d += down;
   // The optimizer, per pipeline piece: nothing crosses for a piece wholly on
   // the device (the device's Adam); CPU Adam reads what is not in host
   // memory and writes it back.
@@ -845,6 +891,8 @@ TEST_F(StepTest, EveryLinkCarriesExactlyTheBytesOfThePlacement) {
       // entries and the other's input; every layer's entries.
       {"run.activations={\"keep_host_layers\":1}", "activation_checkpointing.cpu_checkpointing=true",
        "bf16.enabled=true"},
+      // Layer 0's first micro-batch's entries, the other packs' inputs.
+      {"run.activations={\"keep_host_micro_batches\":1}", "activation_checkpointing.cpu_checkpointing=true"},
       {"run.recompute=\"never\"", "activation_checkpointing.cpu_checkpointing=true", "zero_optimization.stage=3",
        "zero_optimization.offload_param.device=cpu", persistent},
   };

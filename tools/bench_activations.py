@@ -62,7 +62,7 @@ def run_once(args, mode, tag):
         sys.exit(f"bench_activations: strata train {cfg_path} failed ({p.returncode}):\n{p.stderr[-3000:]}")
     lines = read_metrics(metrics)[args.warmup:]
     return {"step_s": statistics.median(l["step_s"] for l in lines), "loss": lines[-1]["loss"],
-            "recomputed_layers": act["recomputed_layers"], "kept_layers": act["keep_device_layers"],
+            "recomputed_layers": act["recomputed_layers"], "kept_layers": act["keep_device_layers"] + act["keep_device_micro_batches"] / act["micro_batches"],
             "recomputed_flops_per_step": act["recomputed_flops_per_step"]}
 
 

@@ -142,8 +142,8 @@ Computed compute(const Config& cfg, int rank, int local_ranks, const GivenCapaci
 // run.recompute as resolved: always, never, or partial (some layers keep
 // their entries, some recompute: Note [Activation placement]).
 const char* recompute_json(const ActivationPlan& act) {
-  if (act.recomputed_layers() == act.checkpoint_layers) return "always";
-  return act.recomputed_layers() == 0 ? "never" : "partial";
+  if (act.recomputed_packs() == act.packs()) return "always";
+  return act.recomputed_packs() == 0 ? "never" : "partial";
 }
 
 // The activations' rows (Note [Step schedules] in memory/schedule.h) and
@@ -154,15 +154,19 @@ nlohmann::json activations_json(const PlacementPlan& p) {
           {"checkpoints", act.checkpoint_activation_bytes},
           {"output_gradients_held", act.held_output_grad_bytes},
           {"tied_head_gradients_held", act.held_tied_grad_bytes},
-          {"keep_device_layers", act.keep_device_layers},
-          {"keep_host_layers", act.keep_host_layers},
-          {"recomputed_layers", act.recomputed_layers()},
+          // As run.activations spells a placement: whole layers, then the
+          // micro-batches of one more layer.
+          {"micro_batches", act.micro},
+          {"keep_device_layers", act.keep_device_packs / act.micro},
+          {"keep_device_micro_batches", act.keep_device_packs % act.micro},
+          {"keep_host_layers", act.keep_host_packs / act.micro},
+          {"keep_host_micro_batches", act.keep_host_packs % act.micro},
+          {"recomputed_layers", double(act.recomputed_packs()) / double(act.micro)},
           {"entries_bytes_per_layer", act.entries_bytes},
           {"host_bytes", p.staging.ckpt_host},
-          {"d2h_bytes_per_step", act.host_link_bytes(p.step.accum)},
-          {"h2d_bytes_per_step", act.host_link_bytes(p.step.accum)},
-          {"recomputed_flops_per_step",
-           double(std::max<int64_t>(1, p.step.accum)) * double(act.recomputed_layers()) * act.layer_forward_flops},
+          {"d2h_bytes_per_step", act.host_link_bytes()},
+          {"h2d_bytes_per_step", act.host_link_bytes()},
+          {"recomputed_flops_per_step", double(act.recomputed_packs()) * act.layer_forward_flops},
           {"choice", act.recompute_choice}};
 }
 
@@ -508,8 +512,8 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   const auto st = p.state.total();
   row("state total", st[0], st[1], st[2]);
   const ActivationPlan& act = p.activations;
-  row(strprintf("activations (%lld kept)", (long long)(act.checkpoint_layers - act.recomputed_layers())), act.bytes,
-      0, 0);
+  row(strprintf("activations (%.4g layers kept)", double(act.packs() - act.recomputed_packs()) / double(act.micro)),
+      act.bytes, 0, 0);
   // Its rows the schedule decides (Note [Step schedules] in memory/schedule.h).
   const std::string held = p.step.held_micro > 1 ? strprintf(" (x%lld)", (long long)p.step.held_micro) : "";
   row("  saved inputs" + held, p.activations.checkpoint_activation_bytes, 0, 0);

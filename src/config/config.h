@@ -144,13 +144,17 @@ struct RunConfig {
   // run.activations: which layers keep their entries, fixed by hand (Note
   // [Activation placement] in memory/placement.h): the first
   // keep_host_layers in host RAM, the last keep_device_layers on the device,
-  // the rest recomputed. -1: not given (run.recompute decides).
+  // the rest recomputed; keep_*_micro_batches more micro-batches of the next
+  // layer inward (fewer than a step's). -1: not given (run.recompute decides).
   int64_t keep_device_layers = -1;
   int64_t keep_host_layers = -1;
+  int64_t keep_device_micro = 0;
+  int64_t keep_host_micro = 0;
   // Set by the planner for its candidates (plan/planner.h, best_activations),
   // not a config key: under recompute auto, at most this many of the first
-  // layers keep their entries in host RAM (-1: none).
-  int64_t auto_host_layers = -1;
+  // packs (a layer's for one micro-batch) keep their entries in host RAM
+  // (-1: none).
+  int64_t auto_host_packs = -1;
   // The order of the step's work (memory/schedule.h, Note [Step schedules]):
   // micro_batch (each micro-batch's forward and backward over every block in
   // turn), layer (each block for every micro-batch before the next block:

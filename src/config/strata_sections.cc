@@ -145,7 +145,10 @@ static Keys rate_keys() {
 }
 const SectionKeys kRatesKeys = {"run.rates", rate_keys(), {}};
 const SectionKeys kCheckpointKeys = {"run.checkpoint", {"dir", "every", "keep", "snapshot_gb"}, {}};
-const SectionKeys kActivationsKeys = {"run.activations", {"keep_device_layers", "keep_host_layers"}, {}};
+const SectionKeys kActivationsKeys = {
+    "run.activations",
+    {"keep_device_layers", "keep_host_layers", "keep_device_micro_batches", "keep_host_micro_batches"},
+    {}};
 
 namespace {
 
@@ -183,8 +186,15 @@ void parse_activations(Section& r, Config& c) {
                            " layers");
     }
   }
+  // Part of one more layer, in micro-batches (the plan checks them against
+  // the step's micro-batches and the layers left).
+  for (auto [key, v] : {std::pair{"keep_device_micro_batches", &rc.keep_device_micro},
+                        std::pair{"keep_host_micro_batches", &rc.keep_host_micro}}) {
+    if (a.read(key, *v)) non_negative(a.key(key), *v);
+  }
   a.done();
-  const bool given = rc.keep_device_layers >= 0 || rc.keep_host_layers >= 0;
+  const bool given = rc.keep_device_layers >= 0 || rc.keep_host_layers >= 0 || rc.keep_device_micro > 0 ||
+                     rc.keep_host_micro > 0;
   if (!given) return;
   rc.keep_device_layers = std::max<int64_t>(rc.keep_device_layers, 0);
   rc.keep_host_layers = std::max<int64_t>(rc.keep_host_layers, 0);

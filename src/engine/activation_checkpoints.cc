@@ -1,5 +1,6 @@
 #include "engine/activation_checkpoints.h"
 
+#include <algorithm>
 #include <cstring>
 
 #include "engine/compute_stream.h"
@@ -15,22 +16,29 @@ ActivationCheckpoints::ActivationCheckpoints(const PlacementPlan& plan, size_t n
       accum_(std::max<int64_t>(plan.step.accum, 1)),
       held_(plan.step.held_micro),
       saved_(num_blocks * size_t(std::max<int64_t>(plan.step.accum, 1))),
-      host_offset_(num_blocks, -1),
-      pack_bytes_(num_blocks, 0),
-      packed_(num_blocks),
+      host_offset_(num_blocks * size_t(std::max<int64_t>(plan.step.accum, 1)), -1),
+      pack_bytes_(host_offset_.size(), 0),
+      packed_(host_offset_.size()),
       dev_(state->device()),
       state_(state) {
-  // The host slots, layer by layer, as staging_needs counted them.
+  // The host slots, pack by pack, as staging_needs counted them
+  // (ActivationPlan::host_pack_bytes): under layer one per pack, under
+  // micro_batch one per layer, of its largest pack, for its micro-batches in turn.
   const ActivationPlan& a = plan.activations;
-  STRATA_CHECK(a.checkpoint_layers == int64_t(num_blocks) - 2, "the plan's layers are not the model's");
+  STRATA_CHECK(a.checkpoint_layers == int64_t(num_blocks) - 2 && a.micro == accum_,
+               "the plan's layers and micro-batches are not the model's and the step's");
   int64_t host_bytes = 0;
   for (size_t b = 1; b < head_; ++b) {
-    pack_bytes_[b] = a.saved_bytes(int64_t(b) - 1);
-    if (!a.on_host(int64_t(b) - 1)) continue;
-    host_offset_[b] = host_bytes;
-    host_bytes += held_ * pack_bytes_[b];
-    slot_bytes_ = std::max(slot_bytes_, pack_bytes_[b]);
+    const int64_t l = int64_t(b) - 1;
+    for (int64_t m = 0; m < accum_; ++m) {
+      pack_bytes_[key(b, m)] = a.saved_bytes(l, m);
+      if (!a.on_host(l, m)) continue;
+      host_offset_[key(b, m)] = host_bytes;
+      if (held_ > 1) host_bytes += pack_bytes_[key(b, m)];
+    }
+    if (held_ <= 1) host_bytes += a.host_slot_bytes(l);
   }
+  slot_bytes_ = a.largest_host_pack();
   // A restore can be prefetched by the one before it unless a forward runs
   // between them (micro_batch: the next micro-batch's forward has not saved
   // its pack yet, and its host slot is the same). The packs from the host
@@ -42,7 +50,7 @@ ActivationCheckpoints::ActivationCheckpoints(const PlacementPlan& plan, size_t n
     if (op.pass != Pass::kBackward || op.block[0] == 0) continue;
     if (forward_since) host_run = 0;
     const size_t b = size_t(op.block[0]);
-    slot_of_.push_back(on_host(b) ? host_run++ % 2 : -1);
+    slot_of_.push_back(on_host(b, op.micro) ? host_run++ % 2 : -1);
     restore_order_.emplace_back(b, op.micro);
     after_forward_.push_back(forward_since ? 1 : 0);
     forward_since = false;
@@ -73,7 +81,7 @@ ActivationCheckpoints::~ActivationCheckpoints() {
 // GPU, ordered after the compute that wrote (or last read) their source (or
 // slot).
 void ActivationCheckpoints::save(size_t b, int64_t m, std::vector<at::Tensor> pack) {
-  if (!on_host(b)) {
+  if (!on_host(b, m)) {
     if (b != 0) {
       for (const at::Tensor& t : pack) device_now_ += int64_t(t.nbytes());
       peak_device_ = std::max(peak_device_, device_now_);
@@ -84,22 +92,28 @@ void ActivationCheckpoints::save(size_t b, int64_t m, std::vector<at::Tensor> pa
   TraceSpan span(TraceTrack::kCopy, "offload activations");
   // The previous pack's copies are done before its tensors may be freed.
   offloaded_.wait();
-  std::vector<Packed>& shapes = packed_[b];
+  std::vector<Packed>& shapes = packed_[key(b, m)];
   shapes.clear();
   int64_t total = 0;
   for (const at::Tensor& t : pack) {
     STRATA_CHECK(t.is_non_overlapping_and_dense(), "an activation to offload is not dense");
-    shapes.push_back({t.sizes().vec(), t.strides().vec(), t.scalar_type(), int64_t(t.nbytes())});
+    STRATA_CHECK(size_t(t.dim()) <= Packed::kMaxDims, "an activation to offload has too many dimensions");
+    Packed& p = shapes.emplace_back();
+    p.dims = size_t(t.dim());
+    std::copy(t.sizes().begin(), t.sizes().end(), p.sizes.begin());
+    std::copy(t.strides().begin(), t.strides().end(), p.strides.begin());
+    p.dtype = t.scalar_type();
+    p.bytes = int64_t(t.nbytes());
     total += int64_t(t.nbytes());
   }
-  STRATA_CHECK(total == pack_bytes_[b], strprintf("layer %zu saves %lld bytes, the plan counted %lld", b,
-                                                  (long long)total, (long long)pack_bytes_[b]));
+  STRATA_CHECK(total == pack_bytes_[key(b, m)], strprintf("layer %zu saves %lld bytes, the plan counted %lld", b,
+                                                          (long long)total, (long long)pack_bytes_[key(b, m)]));
   dev_.stream_wait(Stream::kD2H, dev_.record(Stream::kCompute));
   int64_t off = 0;
   for (const at::Tensor& t : pack) {
     // A dense tensor's elements lie in nbytes from its first (all strides
     // are positive): its memory, whatever the order of its dimensions.
-    dev_.copy_to_host(host_.data() + host_slot(b, m) + off, DevicePtr(static_cast<std::byte*>(t.data_ptr())),
+    dev_.copy_to_host(host_.data() + host_offset_[key(b, m)] + off, DevicePtr(static_cast<std::byte*>(t.data_ptr())),
                       int64_t(t.nbytes()), Stream::kD2H);
     off += int64_t(t.nbytes());
   }
@@ -120,12 +134,13 @@ void ActivationCheckpoints::bring(size_t k) {
   // The slot's previous pack (two restores back) is done with it.
   dev_.stream_wait(Stream::kH2D, dev_.record(Stream::kCompute));
   const int slot = slot_of_[k];
-  STRATA_CHECK(slot >= 0 && int64_t(slot) * slot_bytes_ + pack_bytes_[b] <= device_.bytes(),
+  const int64_t bytes = pack_bytes_[key(b, m)];
+  STRATA_CHECK(slot >= 0 && int64_t(slot) * slot_bytes_ + bytes <= device_.bytes(),
                "an activation slot the plan did not count");
-  dev_.copy_to_device(device_.ptr() + int64_t(slot) * slot_bytes_, host_.data() + host_slot(b, m), pack_bytes_[b],
+  dev_.copy_to_device(device_.ptr() + int64_t(slot) * slot_bytes_, host_.data() + host_offset_[key(b, m)], bytes,
                       Stream::kH2D);
   slot_ready_[size_t(slot)] = dev_.record(Stream::kH2D);
-  state_->count_copy(/*to_device=*/true, pack_bytes_[b]);
+  state_->count_copy(/*to_device=*/true, bytes);
 }
 
 std::vector<at::Tensor> ActivationCheckpoints::restore(size_t b, int64_t m) {
@@ -139,9 +154,11 @@ std::vector<at::Tensor> ActivationCheckpoints::restore(size_t b, int64_t m) {
                "activations restored out of the schedule's order");
   // The next pack from the host, if it is there and nothing runs between.
   auto prefetch = [&](size_t n) {
-    if (n < restore_order_.size() && !after_forward_[n] && on_host(restore_order_[n].first)) bring(n);
+    if (n < restore_order_.size() && !after_forward_[n] && on_host(restore_order_[n].first, restore_order_[n].second)) {
+      bring(n);
+    }
   };
-  if (!on_host(b)) {
+  if (!on_host(b, m)) {
     std::vector<at::Tensor> pack = std::move(saved_[key(b, m)]);
     saved_[key(b, m)].clear();
     for (const at::Tensor& t : pack) device_now_ -= int64_t(t.nbytes());
@@ -155,8 +172,9 @@ std::vector<at::Tensor> ActivationCheckpoints::restore(size_t b, int64_t m) {
   // Tensors of the device slot, on the compute device, as the forward made them.
   std::vector<at::Tensor> pack;
   std::byte* at_ = (device_.ptr() + int64_t(slot_of_[k]) * slot_bytes_).raw();
-  for (const Packed& p : packed_[b]) {
-    pack.push_back(at::from_blob(at_, p.sizes, p.strides, at::TensorOptions().dtype(p.dtype).device(torch_device(dev_))));
+  for (const Packed& p : packed_[key(b, m)]) {
+    pack.push_back(at::from_blob(at_, at::IntArrayRef(p.sizes.data(), p.dims), at::IntArrayRef(p.strides.data(), p.dims),
+                                 at::TensorOptions().dtype(p.dtype).device(torch_device(dev_))));
     at_ += p.bytes;
   }
   return pack;

@@ -58,16 +58,15 @@ class ActivationCheckpoints {
 
  private:
   size_t key(size_t b, int64_t m) const { return b * size_t(accum_) + size_t(m); }
-  bool on_host(size_t b) const { return b > 0 && b < head_ && host_offset_[b] >= 0; }
-  // Layer b's pack of micro-batch m: host slot m of its held ones (m taken
-  // as 0 when one micro-batch is held).
-  int64_t host_slot(size_t b, int64_t m) const { return host_offset_[b] + (held_ > 1 ? m : 0) * pack_bytes_[b]; }
+  bool on_host(size_t b, int64_t m) const { return b > 0 && b < head_ && host_offset_[key(b, m)] >= 0; }
   void bring(size_t k);  // the k-th restore's pack into its device slot
 
   // A packed tensor as the forward made it (a host pack is rebuilt on the
   // device with the same sizes and strides).
   struct Packed {
-    std::vector<int64_t> sizes, strides;
+    static constexpr size_t kMaxDims = 6;  // entries are at most 4-D (q, k, v, the attention output)
+    std::array<int64_t, kMaxDims> sizes, strides;  // fixed: a save allocates nothing once warm
+    size_t dims;
     at::ScalarType dtype;
     int64_t bytes;
   };
@@ -76,9 +75,13 @@ class ActivationCheckpoints {
   int64_t accum_ = 1;                 // micro-batches per step
   int64_t held_ = 1;                  // micro-batches whose packs are held at once (StepShape::held_micro)
   std::vector<std::vector<at::Tensor>> saved_;  // per (block, micro-batch), when kept on the device
-  std::vector<int64_t> host_offset_;  // per block: its first host slot; -1 when it keeps its pack on the device
-  std::vector<int64_t> pack_bytes_;   // per block: the plan's bytes of its pack (ActivationPlan::saved_bytes)
-  std::vector<std::vector<Packed>> packed_;  // per block on the host: its pack's tensors, from its last save
+  // Per (block, micro-batch): its pack's host slot (-1 when kept on the
+  // device; under micro_batch a layer's micro-batches share one), the plan's
+  // bytes of its pack (ActivationPlan::saved_bytes), and on the host its
+  // pack's tensors from its last save.
+  std::vector<int64_t> host_offset_;
+  std::vector<int64_t> pack_bytes_;
+  std::vector<std::vector<Packed>> packed_;
   // The restores of a step in the schedule's backward order (layers only:
   // the embedding's input is the tokens), as (block, micro-batch).
   std::vector<std::pair<size_t, int64_t>> restore_order_;
@@ -92,7 +95,7 @@ class ActivationCheckpoints {
   Device& dev_;
   PinnedHostBuffer host_;
   DeviceBuffer device_;
-  int64_t slot_bytes_ = 0;            // one device slot: the largest host pack
+  int64_t slot_bytes_ = 0;            // one device slot: the largest host pack (ActivationPlan::largest_host_pack)
   std::vector<at::Tensor> offloading_;  // the pack whose D2H copies are in flight
   Completion offloaded_;              // ... and their completion
   std::array<Completion, 2> slot_ready_;  // each device slot's H2D copy

@@ -63,7 +63,7 @@ at::Tensor Trainer::forward_block(size_t b, int64_t m, const at::Tensor& x, bool
 }
 
 std::vector<at::Tensor> Trainer::pack_of(size_t b, int64_t m, LayerSaved* s) {
-  if (!keeps_entries_[b]) return {(*s)[Saved::kInput]};
+  if (!keeps_entries_[act_key(b, m)]) return {(*s)[Saved::kInput]};
   std::vector<at::Tensor> pack;
   pack.reserve(kept_ids_.size());
   for (Saved e : kept_ids_) pack.push_back(std::move((*s)[e]));
@@ -129,7 +129,7 @@ at::Tensor Trainer::block_backward(size_t b, int64_t m, const at::Tensor& dx) {
       at::NoGradGuard no_grad;
       const std::vector<at::Tensor> w = weights(b, gathered[0]);
       LayerSaved saved;
-      if (keeps_entries_[b]) {
+      if (keeps_entries_[act_key(b, m)]) {
         unpack(b, m, std::move(pack), &saved);
       } else {
         model_.layer_forward_saving(w, pack[0], &saved);  // recompute the layer from its input

@@ -97,7 +97,10 @@ std::string apply_determinism(bool on);
 // Note [Saved activations] in model/layer_ops.cc) and backward recomputes
 // only the cheap ones. auto: the last layers keep their entries as far as the
 // device has room and, on a GPU, the first ones in host RAM where the step's
-// bound gains (Note [Activations by the bound] in plan/planner.h). Entries
+// bound gains (Note [Activations by the bound] in plan/planner.h), each a
+// micro-batch at a time: a layer may keep its entries for some micro-batches
+// and recompute for the others (keeps_entries_ is per block and
+// micro-batch). Entries
 // hold no weights, so every placement of the state
 // allows every choice; every choice runs the same explicit forward and
 // backward on the same values: losses and weights are bit-identical
@@ -310,7 +313,7 @@ class Trainer {
   // Activations: what each layer keeps for its backward, its input or its
   // entries (Note [Activation placement] in memory/placement.h).
   std::unique_ptr<ActivationCheckpoints> activations_;
-  std::vector<char> keeps_entries_;       // per block: a layer that keeps its entries
+  std::vector<char> keeps_entries_;       // per (block, micro-batch), act_key: a layer that keeps its entries
   std::vector<Saved> kept_ids_;           // the entries such a layer keeps, in its pack's order
   // Per (block, micro-batch): the attention kernel's random state of a layer
   // that keeps its entries (tiny, on the device; LayerSaved::attn_seed).

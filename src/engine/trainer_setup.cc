@@ -119,13 +119,15 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   optimizer_->set_gradients(grads_.get());
   checkpoints_ = std::make_unique<StateCheckpoints>(ctx_, *optimizer_);
   activations_ = std::make_unique<ActivationCheckpoints>(plan, layout_.num_blocks(), state_.get(), blocks_->train_ops());
-  keeps_entries_.assign(layout_.num_blocks(), 0);
-  for (size_t b = 1; b + 1 < layout_.num_blocks(); ++b) keeps_entries_[b] = plan.activations.keeps_entries(int64_t(b) - 1);
+  micro_loss_.resize(size_t(A));  // act_key's stride
+  keeps_entries_.assign(layout_.num_blocks() * size_t(A), 0);
+  for (size_t b = 1; b + 1 < layout_.num_blocks(); ++b) {
+    for (int64_t m = 0; m < A; ++m) keeps_entries_[act_key(b, m)] = plan.activations.keeps_entries(int64_t(b) - 1, m);
+  }
   for (const SavedSpec& e : layer_saved_specs(cfg.model)) {
     if (!e.cheap) kept_ids_.push_back(e.id);
   }
   attn_rng_.resize(layout_.num_blocks() * size_t(A));
-  micro_loss_.resize(size_t(A));
   flow_.resize(size_t(A));
   tokens_host_ = ctx_.device->allocate_pinned(plan.staging.tokens, "token windows (host)");
   tokens_device_ = ctx_.device->allocate(plan.staging.tokens, "token windows");

@@ -172,4 +172,66 @@ int64_t speculated_slot_numel(const PlacementPlan& plan) {
   return n;
 }
 
+// Note [Activation placement] (placement.h): the packs' bytes. Under
+// micro_batch (held == 1) a micro-batch's packs are freed by its backward
+// before the next forward, so the largest micro-batch's count; under layer
+// every micro-batch's at once.
+int64_t ActivationPlan::host_link_bytes() const {
+  int64_t n = 0;
+  for (int64_t l = 0; l < checkpoint_layers; ++l) {
+    for (int64_t m = 0; m < micro; ++m) n += on_host(l, m) ? saved_bytes(l, m) : 0;
+  }
+  return n;
+}
+
+int64_t ActivationPlan::device_pack_bytes() const {
+  int64_t all = 0, largest = 0;
+  for (int64_t m = 0; m < micro; ++m) {
+    int64_t n = 0;
+    for (int64_t l = 0; l < checkpoint_layers; ++l) n += on_host(l, m) ? 0 : saved_bytes(l, m);
+    all += n;
+    largest = std::max(largest, n);
+  }
+  return held > 1 ? all : largest;
+}
+
+int64_t ActivationPlan::host_slot_bytes(int64_t l) const {
+  int64_t n = 0;
+  for (int64_t m = 0; m < micro; ++m) n = std::max(n, on_host(l, m) ? saved_bytes(l, m) : 0);
+  return n;
+}
+
+int64_t ActivationPlan::host_pack_bytes() const {
+  if (held > 1) return host_link_bytes();
+  int64_t n = 0;
+  for (int64_t l = 0; l < checkpoint_layers; ++l) n += host_slot_bytes(l);
+  return n;
+}
+
+int64_t ActivationPlan::largest_host_pack() const {
+  int64_t n = 0;
+  for (int64_t l = 0; l < checkpoint_layers; ++l) n = std::max(n, host_slot_bytes(l));
+  return n;
+}
+
+int64_t ActivationPlan::host_packs_per_run() const {
+  int64_t all = 0, largest = 0;
+  for (int64_t m = 0; m < micro; ++m) {
+    int64_t n = 0;
+    for (int64_t l = 0; l < checkpoint_layers; ++l) n += on_host(l, m) ? 1 : 0;
+    all += n;
+    largest = std::max(largest, n);
+  }
+  return held > 1 ? all : largest;
+}
+
+// A count of packs in words: "3 layers", "1 layer and 3 micro-batches", "1 micro-batch of a layer".
+std::string packs_in_words(int64_t packs, int64_t micro) {
+  const int64_t layers = packs / micro, rest = packs % micro;
+  const std::string l = strprintf("%lld layer%s", (long long)layers, layers == 1 ? "" : "s");
+  const std::string m = strprintf("%lld micro-batch%s", (long long)rest, rest == 1 ? "" : "es");
+  if (rest == 0) return l;
+  return layers == 0 ? m + " of a layer" : l + " and " + m;
+}
+
 }  // namespace strata

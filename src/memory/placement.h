@@ -226,36 +226,58 @@ struct ActivationPlan {
   int64_t checkpoint_layers = 0;     // layers whose input is saved
   bool cpu_checkpointing = false;    // saved inputs offloaded to host (staging.ckpt_*)
   // Note [Activation placement] (engine/activation_checkpoints.h): what each
-  // layer's forward keeps for its backward, and where. A layer keeps either
-  // its input (backward recomputes the layer from it) or its entries (its
-  // saved tensors that are not cheap to recompute: model/saved_activations.h,
-  // input included; backward recomputes only the cheap ones). Layers
-  // 1..keep_host_layers keep their entries in pinned host RAM (D2H during the
-  // forward, H2D one backward op ahead), the last keep_device_layers on the
-  // device, those between their input (on the host with cpu_checkpointing).
-  // run.recompute resolved: always keeps no layer's entries, never every
-  // layer's, auto as many as the plan finds room for (recompute_choice).
-  int64_t keep_device_layers = 0;
-  int64_t keep_host_layers = 0;
+  // layer's forward keeps for its backward, and where, per micro-batch. A
+  // layer keeps, for one micro-batch, one pack: either its input (backward
+  // recomputes the layer from it) or its entries (its saved tensors that are
+  // not cheap to recompute: model/saved_activations.h, input included;
+  // backward recomputes only the cheap ones). Packs are numbered layer by
+  // layer, u = l * micro + m: the first keep_host_packs keep their entries in
+  // pinned host RAM (D2H during the forward, H2D one backward op ahead), the
+  // last keep_device_packs on the device, those between their input (on the
+  // host with cpu_checkpointing). A layer may so be split between placements
+  // by micro-batch: auto fills memory a micro-batch at a time.
+  // run.recompute resolved: always keeps no pack's entries, never every
+  // pack's, auto as many as the plan finds room for (recompute_choice).
+  int64_t micro = 1;                 // micro-batches a step (StepShape::accum, at least 1): packs per layer
+  int64_t held = 1;                  // micro-batches held at once (StepShape::held_micro: 1 or micro)
+  int64_t keep_device_packs = 0;
+  int64_t keep_host_packs = 0;
   int64_t entries_bytes = 0;         // one layer's entries for one micro-batch
   int64_t token_bytes = 0;           // one micro-batch's token ids (the embedding's saved input)
   int64_t work_bytes = 0;            // one block's recompute and backward, or the head's (estimate)
   std::string recompute_choice;      // why (strata plan)
-  // Whether the entries of layer `l` (0-based) are kept, and on the host.
-  bool keeps_entries(int64_t l) const { return l < keep_host_layers || l >= checkpoint_layers - keep_device_layers; }
-  bool on_host(int64_t l) const { return l < keep_host_layers || (cpu_checkpointing && !keeps_entries(l)); }
-  // What layer l saves for one micro-batch.
-  int64_t saved_bytes(int64_t l) const { return keeps_entries(l) ? entries_bytes : checkpoint_bytes; }
-  int64_t recomputed_layers() const { return checkpoint_layers - keep_device_layers - keep_host_layers; }
-  // Bytes down (D2H) in a step's forwards, and up again (H2D) in its
-  // backwards, of what the layers keep on the host, for `accum` micro-batches.
-  int64_t host_link_bytes(int64_t accum) const {
-    int64_t n = 0;
-    for (int64_t l = 0; l < checkpoint_layers; ++l) n += on_host(l) ? saved_bytes(l) : 0;
-    return n * std::max<int64_t>(1, accum);
+  int64_t packs() const { return checkpoint_layers * micro; }
+  // Whether layer `l` (0-based) keeps its entries for micro-batch m, and on the host.
+  bool keeps_entries(int64_t l, int64_t m) const {
+    const int64_t u = l * micro + m;
+    return u < keep_host_packs || u >= packs() - keep_device_packs;
   }
+  bool on_host(int64_t l, int64_t m) const {
+    return l * micro + m < keep_host_packs || (cpu_checkpointing && !keeps_entries(l, m));
+  }
+  // What layer l saves for micro-batch m.
+  int64_t saved_bytes(int64_t l, int64_t m) const { return keeps_entries(l, m) ? entries_bytes : checkpoint_bytes; }
+  int64_t recomputed_packs() const { return packs() - keep_device_packs - keep_host_packs; }
+  // Bytes down (D2H) in a step's forwards, and up again (H2D) in its
+  // backwards, of what the layers keep on the host.
+  int64_t host_link_bytes() const;
+  // What the layers' packs hold at once: under layer (held > 1) every pack
+  // of the step; under micro_batch one micro-batch's, the largest. On the
+  // device: the packs not on the host. In host RAM: the host slots, under
+  // micro_batch one per layer of its largest host pack (host_slot_bytes).
+  int64_t device_pack_bytes() const;
+  int64_t host_pack_bytes() const;
+  int64_t host_slot_bytes(int64_t l) const;
+  int64_t largest_host_pack() const;
+  // Host packs brought back in one run of backwards with no forward between
+  // (all of the step's under layer, one micro-batch's under micro_batch).
+  int64_t host_packs_per_run() const;
   double layer_forward_flops = 0;    // one layer's forward for one micro-batch (what recomputing it costs)
 };
+
+// A count of packs (Note [Activation placement]) of `micro` a layer in
+// words: "3 layers", "1 layer and 3 micro-batches", "1 micro-batch of a layer".
+std::string packs_in_words(int64_t packs, int64_t micro);
 
 struct PlacementPlan {
   // What the plan is for.

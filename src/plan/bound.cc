@@ -199,7 +199,9 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
   StepWork w;
   const int64_t A = std::max<int64_t>(p.step.accum, 1);
   const int64_t tokens = cfg.train_micro_batch_size_per_gpu * cfg.model.seq_len;
-  w.flops = double(A) * step_flops(cfg.model, tokens, p.activations.recomputed_layers());
+  // A recomputed pack: its layer's forward again, for its micro-batch.
+  w.flops = double(A) * step_flops(cfg.model, tokens, 0) +
+            double(p.activations.recomputed_packs()) * p.activations.layer_forward_flops;
   // The forward the optimizer of the step before overlaps (Note [Optimizer
   // overlap]): until the last block's forward, the first micro-batch's under
   // micro_batch, every micro-batch's under layer (Note [Step schedules]).
@@ -228,8 +230,8 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
   }
   // What the layers keep in host RAM (Note [Activation placement] in
   // memory/placement.h) goes down in the forward and up in the backward.
-  e.d2h += p.activations.host_link_bytes(A);
-  e.h2d += p.activations.host_link_bytes(A);
+  e.d2h += p.activations.host_link_bytes();
+  e.h2d += p.activations.host_link_bytes();
   optimizer_work(p, w);  // into w.optimizer_links, added to the links below
   const LinkBytes& o = w.optimizer_links;
   e += o;

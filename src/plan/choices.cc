@@ -133,8 +133,8 @@ PlacementPlan schedule_candidates(const Config& cfg, const MachineCapacity& capa
 // gathered, the secondary shard); else why not.
 std::string layer_gives_up(const PlacementPlan& a, const PlacementPlan& b) {
   if (b.state.bytes != a.state.bytes) return "layer's held activations would move state to a slower tier";
-  auto kept_layers = [](const PlacementPlan& p) { return p.activations.keep_device_layers + p.activations.keep_host_layers; };
-  if (kept_layers(b) < kept_layers(a)) return "layer's held activations leave room to keep fewer layers' entries";
+  auto kept_packs = [](const PlacementPlan& p) { return p.activations.keep_device_packs + p.activations.keep_host_packs; };
+  if (kept_packs(b) < kept_packs(a)) return "layer's held activations leave room to keep fewer layers' entries";
   if (a.comm.secondary_shard && !b.comm.secondary_shard) return "layer's held activations leave no room for the secondary shard";
   auto kept = [](const PlacementPlan& p) { return std::count(p.comm.keep_gathered.begin(), p.comm.keep_gathered.end(), 1); };
   if (kept(b) < kept(a)) return "layer's held activations leave room to keep fewer blocks gathered";

@@ -56,15 +56,11 @@ void cut_units(const Config& cfg, const StateLayout& layout, PlacementPlan& plan
 }
 
 // The activation rows from what each layer keeps (Note [Activation
-// placement] in memory/placement.h): per micro-batch held, the token ids and
-// what the layers keep on the device; the held gradients; one block's work.
+// placement] in memory/placement.h): the token ids per micro-batch held and
+// the packs held on the device; the held gradients; one block's work.
 void activation_rows(PlacementPlan& plan) {
   ActivationPlan& a = plan.activations;
-  int64_t on_device = 0;
-  for (int64_t l = 0; l < a.checkpoint_layers; ++l) {
-    if (!a.on_host(l)) on_device += a.saved_bytes(l);
-  }
-  a.checkpoint_activation_bytes = plan.step.held_micro * (a.token_bytes + on_device);
+  a.checkpoint_activation_bytes = plan.step.held_micro * a.token_bytes + a.device_pack_bytes();
   a.bytes = a.checkpoint_activation_bytes + a.held_output_grad_bytes + a.held_tied_grad_bytes + a.work_bytes;
 }
 
@@ -98,7 +94,9 @@ void estimate_transients(const Config& cfg, const StateLayout& layout, Placement
   const int64_t head = 3 * tokens * m.vocab_size * 4;
   plan.activations.work_bytes = std::max(layer, head);
   plan.activations.layer_forward_flops = step_flops(m, tokens, 1) - step_flops(m, tokens, 0);
-  plan.activations.keep_device_layers = plan.activations.keep_host_layers = 0;
+  plan.activations.micro = std::max<int64_t>(plan.step.accum, 1);
+  plan.activations.held = held;
+  plan.activations.keep_device_packs = plan.activations.keep_host_packs = 0;
   activation_rows(plan);
   int64_t largest_block = 0;
   for (const BlockLayout& b : layout.blocks()) largest_block = std::max(largest_block, b.padded_numel);
@@ -289,68 +287,84 @@ void choose_swap_paths(const Config& cfg, PlacementPlan& plan) {
   }
 }
 
-// run.recompute auto: as many of the last layers keep their entries on the
-// device as fit in what the state, the staging and the other activations
-// leave of it (of host RAM on CPU without a device budget), less the two
-// device slots of host-kept entries when the planner asks for those.
-// cpu_checkpointing asks for the device's memory back (DeepSpeed's
-// meaning): none then.
-int64_t device_layers_that_fit(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
+// run.recompute auto: as many of the last packs (layer by layer, micro-batch
+// by micro-batch) keep their entries on the device as fit in what the state,
+// the staging and the other activations leave of it (of host RAM on CPU
+// without a device budget), less the two device slots of host-kept entries
+// when the planner asks for those. Under micro_batch a layer's packs are
+// held one micro-batch at a time, so a part of a layer takes the memory of
+// all of it: whole layers then. cpu_checkpointing asks for the device's
+// memory back (DeepSpeed's meaning): none then.
+int64_t device_packs_that_fit(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
   const ActivationPlan& a = plan.activations;
   if (a.cpu_checkpointing) return 0;
-  const int64_t each = plan.step.held_micro * (a.entries_bytes - a.checkpoint_bytes);
+  const int64_t each = a.entries_bytes - a.checkpoint_bytes;  // one pack held, under either schedule
   plan.staging = staging_needs(plan);  // what the plan holds besides (made again once chosen)
   int64_t room = 0;
   if (plan.window_cap_bytes >= 0) {
     room = plan.window_cap_bytes - plan.staging.gathered;  // the window's share stays
-    if (cfg.run.auto_host_layers > 0 && !capacity.device_is_host) room -= 2 * a.entries_bytes;
+    if (cfg.run.auto_host_packs > 0 && !capacity.device_is_host) room -= 2 * a.entries_bytes;
   } else if (capacity.device_is_host && capacity.host_bytes >= 0) {
     const auto t = plan.total();
     const double keep = cfg.placement.auto_place ? 1.0 - cfg.placement.headroom : 1.0;
     room = int64_t(double(capacity.host_bytes) * keep) - t[size_t(Tier::kDevice)] - t[size_t(Tier::kHost)];
   } else {
-    return a.checkpoint_layers;  // no limit known
+    return a.packs();  // no limit known
   }
-  if (each <= 0) return a.checkpoint_layers;
-  return room <= 0 ? 0 : std::min<int64_t>(a.checkpoint_layers, room / each);
+  if (each <= 0) return a.packs();
+  if (room <= 0) return 0;
+  const int64_t n = a.held > 1 ? room / each : room / each * a.micro;
+  return std::min<int64_t>(a.packs(), n);
 }
 
-// How many of the first layers keep their entries in pinned host RAM under
-// auto: at most run.auto_host_layers (the planner's, judged by the step's
-// bound: plan/planner.h, best_activations), of the layers not kept on the
-// device, as many as host RAM holds beside the state and the staging. None
-// on the CPU device, whose device tier is that RAM already.
-int64_t host_layers_that_fit(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
+// How many of the first packs keep their entries in pinned host RAM under
+// auto: at most run.auto_host_packs (the planner's, judged by the step's
+// bound: plan/planner.h, best_activations), of the packs not kept on the
+// device, as many as host RAM holds beside the state and the staging
+// (under micro_batch a layer's host slot serves all its micro-batches, so
+// whole layers' slots). None on the CPU device, whose device tier is that
+// RAM already.
+int64_t host_packs_that_fit(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
   const ActivationPlan& a = plan.activations;
-  if (cfg.run.auto_host_layers <= 0 || capacity.device_is_host) return 0;
-  int64_t n = std::min(cfg.run.auto_host_layers, a.checkpoint_layers - a.keep_device_layers);
+  if (cfg.run.auto_host_packs <= 0 || capacity.device_is_host) return 0;
+  int64_t n = std::min(cfg.run.auto_host_packs, a.packs() - a.keep_device_packs);
   if (capacity.host_bytes >= 0) {
     // Pinned RAM the OS cannot page: auto's headroom (placement.headroom) is
     // kept free whatever places the state.
     plan.staging = staging_needs(plan);
     const double keep = 1.0 - cfg.placement.headroom;
     const int64_t room = int64_t(double(capacity.host_bytes) * keep) - plan.total()[size_t(Tier::kHost)];  // staging in
-    // A layer going to the host swaps what it kept there (its input, with
+    // A pack going to the host swaps what it kept there (its input, with
     // cpu_checkpointing) for its entries.
-    const int64_t each = plan.step.held_micro * (a.entries_bytes - (a.cpu_checkpointing ? a.checkpoint_bytes : 0));
-    n = room <= 0 || each <= 0 ? 0 : std::min(n, room / each);
+    const int64_t each = a.entries_bytes - (a.cpu_checkpointing ? a.checkpoint_bytes : 0);
+    if (room <= 0 || each <= 0) return 0;
+    n = std::min(n, a.held > 1 ? room / each : room / each * a.micro);
   }
   return std::max<int64_t>(0, n);
 }
 
+// Where the packs keep their entries, in words: "entries in host RAM for the
+// first 3 layers, on the device for the last 1 layer, 4 layers recomputed".
+std::string placement_in_words(const ActivationPlan& a) {
+  std::string s;
+  if (a.keep_host_packs > 0) s += "entries in host RAM for the first " + packs_in_words(a.keep_host_packs, a.micro);
+  if (a.keep_device_packs > 0) {
+    s += s.empty() ? "entries on the device for the last " : ", on the device for the last ";
+    s += packs_in_words(a.keep_device_packs, a.micro);
+  }
+  if (s.empty()) return "every layer recomputed";
+  if (a.recomputed_packs() == 0) return s + ", none recomputed";
+  return s + ", " + packs_in_words(a.recomputed_packs(), a.micro) + " recomputed";
+}
+
 std::string auto_choice(const PlacementPlan& plan) {
   const ActivationPlan& a = plan.activations;
-  const int64_t layers = a.checkpoint_layers;
-  if (a.keep_host_layers == 0) {
+  if (a.keep_host_packs == 0) {
     if (a.cpu_checkpointing) return "auto: cpu_checkpointing offloads the layers' inputs; every layer recomputed";
-    if (a.keep_device_layers == layers) return "auto: every layer's entries fit on the device";
-    if (a.keep_device_layers == 0) return "auto: no layer's entries fit on the device; every layer recomputed";
-    return strprintf("auto: the last %lld layers' entries fit on the device, the other %lld recomputed",
-                     (long long)a.keep_device_layers, (long long)(layers - a.keep_device_layers));
+    if (a.keep_device_packs == a.packs()) return "auto: every layer's entries fit on the device";
+    if (a.keep_device_packs == 0) return "auto: no layer's entries fit on the device; every layer recomputed";
   }
-  return strprintf("auto: the first %lld layers' entries in host RAM, the last %lld on the device, %lld recomputed",
-                   (long long)a.keep_host_layers, (long long)a.keep_device_layers,
-                   (long long)a.recomputed_layers());
+  return "auto: " + placement_in_words(a);
 }
 
 // run.recompute (Note [Activation placement] in memory/placement.h): which
@@ -358,37 +372,49 @@ std::string auto_choice(const PlacementPlan& plan) {
 // Entries hold no weights, so any placement of the state allows any choice.
 void resolve_recompute(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
   ActivationPlan& a = plan.activations;
-  const int64_t layers = a.checkpoint_layers;
-  a.keep_device_layers = a.keep_host_layers = 0;
+  const int64_t packs = a.packs();
+  a.keep_device_packs = a.keep_host_packs = 0;
   if (cfg.run.keep_device_layers >= 0) {  // run.activations (checked against the layers by the config)
-    a.keep_device_layers = cfg.run.keep_device_layers;
-    a.keep_host_layers = cfg.run.keep_host_layers;
-    a.recompute_choice = strprintf("run.activations: %lld layers' entries in host RAM, %lld on the device, %lld "
-                                   "recomputed",
-                                   (long long)a.keep_host_layers, (long long)a.keep_device_layers,
-                                   (long long)a.recomputed_layers());
+    for (auto [key, v] : {std::pair{"keep_device_micro_batches", cfg.run.keep_device_micro},
+                          std::pair{"keep_host_micro_batches", cfg.run.keep_host_micro}}) {
+      if (v >= a.micro) {
+        throw ConfigError(std::string("run.activations.") + key,
+                          strprintf("is %lld, not fewer than the step's %lld micro-batches: count whole layers in "
+                                    "keep_%s_layers",
+                                    (long long)v, (long long)a.micro, key[5] == 'd' ? "device" : "host"));
+      }
+    }
+    a.keep_device_packs = cfg.run.keep_device_layers * a.micro + cfg.run.keep_device_micro;
+    a.keep_host_packs = cfg.run.keep_host_layers * a.micro + cfg.run.keep_host_micro;
+    if (a.keep_device_packs + a.keep_host_packs > packs) {
+      throw ConfigError("run.activations", strprintf("keeps %lld layers' and micro-batches' entries, more than the "
+                                                     "model's %lld layers of %lld micro-batches",
+                                                     (long long)(a.keep_device_packs + a.keep_host_packs),
+                                                     (long long)a.checkpoint_layers, (long long)a.micro));
+    }
+    a.recompute_choice = "run.activations: " + placement_in_words(a);
   } else switch (cfg.run.recompute) {
     case Recompute::kAlways:
       a.recompute_choice = "always: every layer recomputed from its input";
       break;
     case Recompute::kNever:
       if (a.cpu_checkpointing) {
-        a.keep_host_layers = layers;
+        a.keep_host_packs = packs;
         a.recompute_choice = "never: every layer's entries in host RAM (cpu_checkpointing)";
       } else {
-        a.keep_device_layers = layers;
+        a.keep_device_packs = packs;
         a.recompute_choice = "never: every layer's entries on the device";
       }
       break;
     case Recompute::kAuto:
-      a.keep_device_layers = device_layers_that_fit(cfg, capacity, plan);
-      a.keep_host_layers = host_layers_that_fit(cfg, capacity, plan);
+      a.keep_device_packs = device_packs_that_fit(cfg, capacity, plan);
+      a.keep_host_packs = host_packs_that_fit(cfg, capacity, plan);
       a.recompute_choice = auto_choice(plan);
       break;
   }
   activation_rows(plan);
   // Kept entries take the device from the window (host ones its two slots).
-  if (a.keep_device_layers > 0 || a.keep_host_layers > 0) cap_window(cfg, capacity, plan);
+  if (a.keep_device_packs > 0 || a.keep_host_packs > 0) cap_window(cfg, capacity, plan);
 }
 
 }  // namespace

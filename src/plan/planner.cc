@@ -136,25 +136,25 @@ PlacementPlan best_activations(const Config& cfg, const StateLayout& layout, int
                                const MachineCapacity& capacity, const Rates& rates) {
   PlacementPlan none = make_plan(cfg, layout, rank, capacity);
   if (cfg.run.recompute != Recompute::kAuto || cfg.run.keep_device_layers >= 0 || capacity.device_is_host ||
-      none.activations.recomputed_layers() == 0) {
+      none.activations.recomputed_packs() == 0) {
     return none;
   }
   const double none_s = bound_of(cfg, none, rates, false);
   if (none_s < 0) return none;
   Config c = cfg;
   auto with_host = [&](int64_t h) {
-    c.run.auto_host_layers = h;
+    c.run.auto_host_packs = h;
     return make_plan(c, layout, rank, capacity);
   };
-  // Host keeps take two device slots, which may cost device-kept layers: up
-  // to every layer may go to the host.
-  PlacementPlan most = with_host(none.activations.checkpoint_layers);
-  const int64_t fit = most.activations.keep_host_layers;
+  // Host keeps take two device slots, which may cost device-kept packs: up
+  // to every pack may go to the host.
+  PlacementPlan most = with_host(none.activations.packs());
+  const int64_t fit = most.activations.keep_host_packs;
   if (fit == 0) {
     none.activations.recompute_choice += "; host RAM holds no layer's entries beside the state";
     return none;
   }
-  // Compute falls and the link's bytes grow linearly with the layers on the
+  // Compute falls and the link's bytes grow linearly with the packs on the
   // host, so the bound is convex in them: every count up to 16, a grid of 16
   // beyond, then the counts between the best and its grid neighbours.
   const int64_t stride = (fit + 15) / 16;
@@ -162,7 +162,7 @@ PlacementPlan best_activations(const Config& cfg, const StateLayout& layout, int
   auto bound_at = [&](int64_t h, PlacementPlan* out) {
     if (seconds[size_t(h)] > -2 && out == nullptr) return seconds[size_t(h)];
     PlacementPlan p = h == fit ? most : with_host(h);
-    const bool fits = plan_shortfalls(p, capacity).empty() && p.activations.keep_host_layers == h;
+    const bool fits = plan_shortfalls(p, capacity).empty() && p.activations.keep_host_packs == h;
     seconds[size_t(h)] = fits ? bound_of(c, p, rates, false) : -1;
     if (out != nullptr) *out = std::move(p);
     return seconds[size_t(h)];
@@ -183,8 +183,8 @@ PlacementPlan best_activations(const Config& cfg, const StateLayout& layout, int
   if (best_h == 0 || best_s > none_s * (1 - kAutoMargin)) {
     if (best_h > 0) {
       none.activations.recompute_choice +=
-          strprintf("; %lld layers' entries in host RAM: bound %.3f s against %.3f s, not %.0f%% lower",
-                    (long long)best_h, best_s, none_s, kAutoMargin * 100);
+          strprintf("; entries in host RAM for %s: bound %.3f s against %.3f s, not %.0f%% lower",
+                    packs_in_words(best_h, none.activations.micro).c_str(), best_s, none_s, kAutoMargin * 100);
     }
     return none;
   }
@@ -197,7 +197,7 @@ PlacementPlan best_activations(const Config& cfg, const StateLayout& layout, int
 
 bool weighs_host_activations(const Config& cfg, const PlacementPlan& plan) {
   return cfg.run.recompute == Recompute::kAuto && cfg.run.keep_device_layers < 0 && cfg.run.device != DeviceKind::kCpu &&
-         plan.activations.recomputed_layers() > 0;
+         plan.activations.recomputed_packs() > 0;
 }
 
 void judge_speculation_by_bound(const Config& cfg, const Rates& rates, bool cpu_compute, PlacementPlan& plan) {

@@ -96,10 +96,12 @@ void judge_speculation_by_bound(const Config& cfg, const Rates& rates, bool cpu_
 // traffic. Which wins depends on the link and the compute: on an H200 with
 // Llama-3-8B's shape the link has room to spare (BENCHMARKS.md, "Activations
 // placed like state"); on a slow link or a model whose state already fills it,
-// recompute is cheaper. So auto counts both in the bound.
+// recompute is cheaper. So auto counts both in the bound, a layer's
+// micro-batch at a time (Note [Activation placement] in memory/placement.h):
+// where the link's time meets the compute's inside a layer, part of it goes.
 PlacementPlan best_activations(const Config& cfg, const StateLayout& layout, int64_t rank,
                                const MachineCapacity& capacity, const Rates& rates);
-// Whether best_activations weighs host RAM for `plan`'s recomputed layers
+// Whether best_activations weighs host RAM for `plan`'s recomputed packs
 // (run.recompute auto, run.activations not given, some layer recomputed, a
 // GPU run): then the plan is made again once rates are known, and the
 // host-device copies are among the rates to measure.

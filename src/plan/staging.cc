@@ -134,17 +134,12 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
   n.save_snapshot = plan.save_snapshot_bytes;
   comm_staging(plan, n);
   // What the layers keep in host RAM (Note [Activation placement] in
-  // memory/placement.h), per micro-batch held, and the two device slots it
-  // comes back into (each of the largest layer's).
+  // memory/placement.h), the packs held at once, and the device slots they
+  // come back into: two (one where a run of backwards brings back only one),
+  // each of the largest pack.
   const ActivationPlan& a = plan.activations;
-  int64_t host_layers = 0, largest = 0;
-  for (int64_t l = 0; l < a.checkpoint_layers; ++l) {
-    if (!a.on_host(l)) continue;
-    ++host_layers;
-    largest = std::max(largest, a.saved_bytes(l));
-    n.ckpt_host += plan.step.held_micro * a.saved_bytes(l);
-  }
-  n.ckpt_device = std::min<int64_t>(2, plan.step.held_micro * host_layers) * largest;
+  n.ckpt_host = a.host_pack_bytes();
+  n.ckpt_device = std::min<int64_t>(2, a.host_packs_per_run()) * a.largest_host_pack();
   optimizer_staging(plan, n);
   return n;
 }
