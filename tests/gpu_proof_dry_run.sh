@@ -22,7 +22,7 @@ def check(ok, what):
     if not ok:
         bad.append(what)
 check(r["dry_run"], "the report does not say it was a dry run")
-check(sorted(p) == sorted(["suite", "b", "det", "c", "d", "e", "ranks"]), f"parts reported: {sorted(p)}")
+check(sorted(p) == sorted(["suite", "b", "det", "c", "act", "d", "e", "ranks"]), f"parts reported: {sorted(p)}")
 # On a machine without a GPU the suite's GPU cases run and skip; none may fail. A build without the CUDA path
 # has no kernels_test: the dry run must say it skipped it, and only there.
 st = p.get("suite", {}).get("tests", {})
@@ -44,6 +44,13 @@ if b:
     check(all(x["tokens_per_s"] > 0 and x["bound_s"] > 0 for x in b.values()), "a run without tokens/s or bound")
     check(p["b"]["compute_only"]["tokens_per_s"] > 0, "no compute-only reference")
 check(p.get("det", {}).get("bit_for_bit") is True, "deterministic runs differ")
+act = p.get("act", {})
+check(set(act.get("runs", {})) == {"auto", "always"}, f"part act's runs: {sorted(act.get('runs', {}))}")
+check(all(x["tokens_per_s"] > 0 and x["mfu_nominal"] > 0 for x in act.get("runs", {}).values()),
+      "part act: a run without tokens/s or MFU")
+check(act.get("same_losses") is True, "part act: auto and always trained differently")
+check(act.get("plan_activations", {}).get("recomputed_layers") == 0, "part act: auto recomputed on the CPU device "
+      f"with room for every layer's entries: {act.get('plan_activations')}")
 c = p.get("c", {})
 check(c.get("state_bytes", {}).get("nvme", 0) > 0, "part c placed nothing on NVMe")
 check(c.get("run", {}).get("nvme_read_bytes", 0) > 0, "part c's training read nothing from NVMe")

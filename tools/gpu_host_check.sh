@@ -28,7 +28,8 @@
 # and the cost).
 # `gpu-proof-2` runs tools/gpu_proof.py: the parts of the GPU proof's second round in a call of about
 # 9 minutes, a time budget per part (PROOF_BUDGET, PROOF_BUDGET_<PART>; PROOF_PARTS picks parts: on a lent
-# host every part takes two calls, "suite,b,det,e,ranks" then "c,d"), one line per part and $OUT/gpu-proof-2.json. DRY_RUN=1 runs that mode on this
+# host every part takes two calls, "suite,b,det,e,ranks" then "c,act,d"; act is (b) with run.recompute auto
+# against always, the activations' MFU), one line per part and $OUT/gpu-proof-2.json. DRY_RUN=1 runs that mode on this
 # machine's CPU with tiny configs and the build folder's binaries (BIN=build PYTHON=.venv/bin/python: what
 # the test GpuProofDryRun does); it copies nothing into the build folder.
 # `all` includes none of the GPU modes.

@@ -26,6 +26,11 @@ or runs out of time, with its figure beside its target and the plan's prediction
          trained --c-steps steps: tokens/s, MFU, bytes per link, step_s against bound_s; beside it the
          plan's largest trainable layer count and the capacity bound (HBM + RAM + disk - non-state bytes)
          / bytes per parameter.
+  act    (b) under the layer schedule with the optimizer behind the backward, run.recompute always against
+         auto (activations placed like state: docs/design.md, "Activation placement"), the rates probed once
+         and given to both (part b's when it ran in this call), against the compute-only step (part b's, or
+         measured here): tokens/s, MFU of the nominal peak, the activations' PCIe bytes, the plan's choice;
+         target: auto's MFU >= 50% at >= 0.95x the compute-only step.
   d      DeepSpeed ZeRO-Infinity (tools/bench_deepspeed.py, offload nvme, the carried prebuilt ops) on the
          (b) shape with the most layers whose state fits the disk, descending, and the same global batch;
          then Strata on exactly the model and batch DeepSpeed started (or the smallest it tried); then, if
@@ -44,7 +49,7 @@ script is found on the dev machine, not on the GPU host: tests/gpu_proof_dry_run
 Its figures mean nothing and it asserts nothing about speed.
 
 Usage:
-  python3 tools/gpu_proof.py --bin .dev/bin --out $OUT [--parts suite,b,det,e,ranks,c,d] [--budget 530]
+  python3 tools/gpu_proof.py --bin .dev/bin --out $OUT [--parts suite,b,det,e,ranks,c,act,d] [--budget 530]
   python3 tools/gpu_proof.py --dry-run --bin build --out /tmp/proof-dry
 """
 import argparse
@@ -66,8 +71,8 @@ import time
 # DeepSpeed's part comes last: it takes what the others leave (its attempts start slowly and may not finish).
 # 530 s leaves the call's 600 s room for the script's start, killed commands' exits and the archive. Round 2
 # (BENCHMARKS.md, "GPU, round 2") showed that every part does not fit one call on a lent host: run
-# PROOF_PARTS in two calls (e.g. "suite,b,det,e,ranks" then "c,d"); a subset gets the whole budget.
-BUDGETS = {"suite": 25, "b": 140, "det": 85, "e": 100, "ranks": 20, "c": 90, "d": 70}
+# PROOF_PARTS in two calls (e.g. "suite,b,det,e,ranks" then "c,act,d"); a subset gets the whole budget.
+BUDGETS = {"suite": 25, "b": 140, "det": 85, "e": 100, "ranks": 20, "c": 90, "act": 150, "d": 70}
 GRACE_S = 10  # a command past its time gets SIGTERM, then SIGKILL this much later
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -286,10 +291,7 @@ def part_suite(p, res):
 def part_b(p, res):
     cfg = write(p, "b.json", b_config(p))
     steps = p.args.b_steps
-    dev = "cpu" if p.args.dry_run else "cuda"
-    ref = json.loads(p.run([p.args.torch_ref, "--config", cfg, "--compute-only", "--steps", "2", "--warmup", "1",
-                            "--device", dev] + (["--gemm-n", "256"] if p.args.dry_run else []),
-                           tag="b-compute-only", capture=True).strip().splitlines()[-1])
+    ref = compute_only(p, cfg, "b-compute-only")
     res["compute_only"] = ref
     say(f"  compute-only reference: {ref['tokens_per_s']:.0f} tok/s, step {ref['step_s']:.2f} s")
     plan = p.plan(cfg, "b-plan")
@@ -329,6 +331,60 @@ def part_b(p, res):
     if "clipped" in r:
         line += (f", a clipped step {r['clipped']['step_s']:.2f} s against {r['layer+speculate']['step_s']:.2f} (plan "
                  f"{res['plan_clipped_step_s'] or 0:.2f} against {res['plan_bound_s']:.2f})")
+    return line + (f"; {cut}" if cut else "")
+
+
+def compute_only(p, cfg, tag):
+    """bench_train_torch --compute-only on cfg: the step's compute alone (no offload), its last JSON line."""
+    dev = "cpu" if p.args.dry_run else "cuda"
+    return json.loads(p.run([p.args.torch_ref, "--config", cfg, "--compute-only", "--steps", "2", "--warmup", "1",
+                             "--device", dev] + (["--gemm-n", "256"] if p.args.dry_run else []),
+                            tag=tag, capture=True).strip().splitlines()[-1])
+
+
+def part_act(p, res):
+    cfg = write(p, "act.json", b_config(p))
+    b = p.result["parts"].get("b", {})
+    ref = b.get("compute_only") or compute_only(p, cfg, "act-compute-only")
+    res["compute_only"] = ref
+    rates = b.get("rates") or run_rates(p.plan(cfg, "act-plan")["bound"]["rates"])
+    res["rates"] = rates
+    rate_sets = [x for k, v in rates.items() for x in ("--set", f"run.rates.{k}={v:.6g}")]
+    # What the plan chooses under auto with these rates: its activation placement and bound.
+    pl = p.plan(cfg, "act-plan-auto", *[x for s in NEW + ["run.recompute=auto"] for x in ("--set", s)], *rate_sets)
+    res["plan_activations"], res["plan_bound_s"] = pl["activations"], pl["bound"]["seconds"]
+    a = pl["activations"]
+    say(f"  plan under auto: {a['choice']}; bound {res['plan_bound_s']:.2f} s; recomputed "
+        f"{a['recomputed_flops_per_step'] / 1e12:.1f} TFLOP a step; {gb(a['d2h_bytes_per_step'])} GB down and up")
+    res["runs"] = {}
+    cut = None
+    for name in ("auto", "always"):  # the one the target is about first
+        flags = [x for s in NEW + [f"run.recompute={name}"] for x in ("--set", s)] + rate_sets
+        try:
+            s = summary(p.train(cfg, f"act-{name}", p.args.b_steps, flags), 1)
+        except PartStop as e:
+            cut = f"{name} cut: {e}"
+            say("  " + cut)
+            break
+        s["ratio_to_compute_only"] = s["tokens_per_s"] / ref["tokens_per_s"]
+        res["runs"][name] = s
+        p.save()
+        say(f"  {name}: {s['tokens_per_s']:.0f} tok/s = {s['ratio_to_compute_only']:.3f}x compute-only, MFU "
+            f"{s['mfu_nominal'] * 100:.1f}% of {NOMINAL_TFLOPS:.0f} TFLOP/s; step {s['step_s']:.2f} s against bound_s "
+            f"{s['bound_s']:.2f}; PCIe {gb(s['h2d_bytes'])} GB up, {gb(s['d2h_bytes'])} GB down")
+    r = res["runs"]
+    if "auto" not in r:
+        raise PartStop(cut or "no run")
+    au = r["auto"]
+    res["target_met"] = au["mfu_nominal"] >= 0.5 and au["ratio_to_compute_only"] >= 0.95
+    line = (f"auto {au['mfu_nominal'] * 100:.1f}% MFU at {au['ratio_to_compute_only']:.3f}x the compute-only step "
+            f"(target >= 50% at >= 0.95x: {'met' if res['target_met'] else 'NOT MET'}; plan {a['choice']})")
+    if "always" in r:
+        # Every placement runs the same ops on the same values (docs/design.md, "Activation placement").
+        res["same_losses"] = au["loss"] == r["always"]["loss"] and au["grad_norm"] == r["always"]["grad_norm"]
+        line += (f", always {r['always']['mfu_nominal'] * 100:.1f}% at {r['always']['ratio_to_compute_only']:.3f}x; "
+                 f"auto / always step {au['step_s'] / r['always']['step_s']:.3f}; losses and norms "
+                 f"{'bit for bit the same' if res['same_losses'] else 'DIFFER'}")
     return line + (f"; {cut}" if cut else "")
 
 
@@ -590,7 +646,7 @@ def part_ranks(p, res):
 
 
 PARTS = {"suite": part_suite, "b": part_b, "det": part_det, "e": part_e, "ranks": part_ranks, "c": part_c,
-         "d": part_d}
+         "act": part_act, "d": part_d}
 
 
 def main():
