@@ -483,9 +483,10 @@ TEST(BoundTest, AutoKeepsEntriesInHostRamOnlyWhereTheBoundGains) {
 // Note [Activation placement]: under the layer schedule auto counts host
 // keeps a micro-batch at a time. Four layers of four micro-batches (16
 // packs), the device with room for the two slots alone (or, without host
-// keeps, for two packs), rates that make the link's time equal the
-// compute's at 11 packs on the host (two layers and three micro-batches):
-// 10 packs leave more compute, 12 more link time, and auto finds 11.
+// keeps, for two packs), rates that make the packs' D2H take as long as the
+// forwards at 11 packs on the host (two layers and three micro-batches;
+// Note [Activation copies]): 10 packs leave more recompute in the
+// backwards, 12 make the forwards wait for the link, and auto finds 11.
 TEST(BoundTest, AutoKeepsPartOfALayerInHostRamWhereTheBoundIsLowest) {
   const std::string on_device =
       "placement={\"param16\":{\"device\":1},\"grad\":{\"device\":1},\"optimizer\":{\"device\":1}}";
@@ -516,14 +517,30 @@ TEST(BoundTest, AutoKeepsPartOfALayerInHostRamWhereTheBoundIsLowest) {
   ASSERT_EQ(w11.links.d2h - w10.links.d2h, entries);  // one pack more each way
   ASSERT_EQ(w12.links.h2d - w11.links.h2d, entries);
   ASSERT_LT(w11.flops, w10.flops);
+  ASSERT_EQ(w11.activation_link_bytes, 11 * entries);
   Rates r;
   r.device_flops = w11.flops / 1.0;  // 1 s of compute at 11 packs
-  r.h2d = r.d2h = double(w11.links.h2d) / 1.0;  // and 1 s of link each way
+  const double forwards_s = w11.forward_flops / r.device_flops;
+  ASSERT_GT(forwards_s, 0.2);
+  ASSERT_LT(forwards_s, 0.4);  // about a third
+  r.h2d = r.d2h = double(11 * entries) / forwards_s;  // the packs' D2H as long as the forwards
   r.pcie_both = 2 * r.h2d;
   const double s10 = step_bound(w10, r, false).seconds, s11 = step_bound(w11, r, false).seconds,
                s12 = step_bound(w12, r, false).seconds;
   ASSERT_LT(s11, s10);
   ASSERT_LT(s11, s12);
+  // The copies' row: max(forwards, D2H) + max(backwards, H2D) = 1 s at 11
+  // (the compute's, which binds first), more at 12 and binding.
+  auto copies_row = [&](const StepWork& w) {
+    for (const ResourceTime& t : step_bound(w, r, false).resources) {
+      if (t.resource == "activation copies") return t.seconds;
+    }
+    return -1.0;
+  };
+  EXPECT_NEAR(copies_row(w11), 1.0, 1e-9);
+  EXPECT_NEAR(s11, 1.0, 1e-9);
+  EXPECT_EQ(step_bound(w12, r, false).binding, "activation copies");
+  EXPECT_NEAR(s12, forwards_s * 12 / 11 + (w12.flops - w12.forward_flops) / r.device_flops, 1e-9);
   const PlacementPlan none = make_plan(cfg, make_layout(), 0, cap);
   ASSERT_EQ(none.activations.keep_host_packs, 0);
   ASSERT_EQ(none.activations.keep_device_packs, 2) << none.activations.recompute_choice;

@@ -463,6 +463,8 @@ TEST_F(StepTest, PlanKeepsWhatFitsAndCountsTheEntriesItKeeps) {
         std::vector<std::string>{"run.activations={\"keep_host_micro_batches\":2}"},  // the step's 2: a layer
         std::vector<std::string>{"run.activations={\"keep_host_layers\":1,\"keep_device_layers\":1,"
                                  "\"keep_device_micro_batches\":1}"},  // 5 of 4 packs
+        // Given, even as 0, it fixes the choice: run.recompute must be auto.
+        std::vector<std::string>{"run.activations={\"keep_host_micro_batches\":0}", "run.recompute=\"never\""},
         std::vector<std::string>{"run.activations={\"keep_device_layers\":1}", "run.recompute=\"never\""}}) {
     try {
       plan(sets, unlimited);

@@ -512,7 +512,7 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   const auto st = p.state.total();
   row("state total", st[0], st[1], st[2]);
   const ActivationPlan& act = p.activations;
-  row(strprintf("activations (%.4g layers kept)", double(act.packs() - act.recomputed_packs()) / double(act.micro)),
+  row(strprintf("activations (%.6g layers kept)", double(act.packs() - act.recomputed_packs()) / double(act.micro)),
       act.bytes, 0, 0);
   // Its rows the schedule decides (Note [Step schedules] in memory/schedule.h).
   const std::string held = p.step.held_micro > 1 ? strprintf(" (x%lld)", (long long)p.step.held_micro) : "";

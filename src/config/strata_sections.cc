@@ -188,13 +188,15 @@ void parse_activations(Section& r, Config& c) {
   }
   // Part of one more layer, in micro-batches (the plan checks them against
   // the step's micro-batches and the layers left).
+  bool micro_given = false;
   for (auto [key, v] : {std::pair{"keep_device_micro_batches", &rc.keep_device_micro},
                         std::pair{"keep_host_micro_batches", &rc.keep_host_micro}}) {
-    if (a.read(key, *v)) non_negative(a.key(key), *v);
+    if (!a.read(key, *v)) continue;
+    non_negative(a.key(key), *v);
+    micro_given = true;
   }
   a.done();
-  const bool given = rc.keep_device_layers >= 0 || rc.keep_host_layers >= 0 || rc.keep_device_micro > 0 ||
-                     rc.keep_host_micro > 0;
+  const bool given = rc.keep_device_layers >= 0 || rc.keep_host_layers >= 0 || micro_given;
   if (!given) return;
   rc.keep_device_layers = std::max<int64_t>(rc.keep_device_layers, 0);
   rc.keep_host_layers = std::max<int64_t>(rc.keep_host_layers, 0);

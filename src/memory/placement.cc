@@ -172,10 +172,10 @@ int64_t speculated_slot_numel(const PlacementPlan& plan) {
   return n;
 }
 
-// Note [Activation placement] (placement.h): the packs' bytes. Under
-// micro_batch (held == 1) a micro-batch's packs are freed by its backward
-// before the next forward, so the largest micro-batch's count; under layer
-// every micro-batch's at once.
+// Note [Activation placement] (placement.h): the packs' bytes. The link
+// carries every host pack of the step; what is held at once is, under
+// micro_batch (held == 1), the largest micro-batch's packs (its backward
+// frees them before the next forward), under layer every micro-batch's.
 int64_t ActivationPlan::host_link_bytes() const {
   int64_t n = 0;
   for (int64_t l = 0; l < checkpoint_layers; ++l) {

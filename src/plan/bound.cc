@@ -230,8 +230,10 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
   }
   // What the layers keep in host RAM (Note [Activation placement] in
   // memory/placement.h) goes down in the forward and up in the backward.
-  e.d2h += p.activations.host_link_bytes();
-  e.h2d += p.activations.host_link_bytes();
+  w.activation_link_bytes = p.activations.host_link_bytes();
+  w.forward_flops = double(A) * step_flops(cfg.model, tokens, 0) / 3;
+  e.d2h += w.activation_link_bytes;
+  e.h2d += w.activation_link_bytes;
   optimizer_work(p, w);  // into w.optimizer_links, added to the links below
   const LinkBytes& o = w.optimizer_links;
   e += o;
@@ -437,6 +439,14 @@ void add_dependencies(const StepWork& w, const Rates& r, bool cpu_compute, const
     path = std::max(fwd + redo_cpu, opt_io) + (compute_s - fwd) + landing_s;
   } else {
     path = std::max(fwd, std::max(redo_cpu, opt_io)) + (compute_s - fwd);
+  }
+  // Note [Activation copies] (in the header).
+  if (!cpu_compute && w.activation_link_bytes > 0) {
+    const double fwd_all = std::min(w.forward_flops / r.device_flops, compute_s);
+    const double down = double(w.activation_link_bytes) / r.d2h, up = double(w.activation_link_bytes) / r.h2d;
+    add("activation copies", "max(forwards, their D2H) + max(backwards, their H2D)",
+        strprintf("forwards %.3f s, D2H %.3f s; backwards %.3f s, H2D %.3f s", fwd_all, down, compute_s - fwd_all, up),
+        std::max(fwd_all, down) + std::max(compute_s - fwd_all, up));
   }
   if (path > 0) {
     if (speculated) {

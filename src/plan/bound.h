@@ -80,6 +80,11 @@ struct StepWork {
   // `links`, and whether the optimizer overlaps the next forward at all.
   double first_forward_flops = 0;
   LinkBytes optimizer_links;
+  // Note [Activation copies]: the step's forwards (every micro-batch's, no
+  // recompute), and the bytes of the activations kept in host RAM, which go
+  // down during the forwards and come up during the backwards (each way).
+  double forward_flops = 0;
+  int64_t activation_link_bytes = 0;
   bool overlap_optimizer = true;
   // Note [Speculative optimizer] (engine/optimizer/optimizer_pass.h), with
   // OptimizerPlan::speculate: the elements CPU Adam speculates beside the
@@ -121,7 +126,7 @@ struct ResourceTime {
   // "cpu (compute + Adam)" (with " + copies", " + gradient adds", " + checksums" where they
   // have work), "device", "cpu adam" (or "cpu (Adam + checksums)"), "host gradient adds", "h2d",
   // "d2h", "pcie (h2d + d2h)",
-  // "nvme (read + write)", "network", "intra-node", "dependencies"
+  // "nvme (read + write)", "network", "intra-node", "dependencies", "activation copies"
   std::string resource;
   std::string work;      // the work, in words ("1.20 TFLOP + 81.0 M elements")
   std::string rate;      // the rate, in words ("98.3 GFLOP/s + 1.52 G elements/s")
@@ -149,8 +154,20 @@ struct StepBound {
 // backward starts after that forward; so a step takes at least
 // max(first forward, optimizer) + the rest of its compute (the forward and
 // the optimizer in sequence without run.overlap_optimizer), where the
-// optimizer's CPU time is Adam's and its checksums' in sequence. Throws
-// InternalError for work without a rate (missing_rates first).
+// optimizer's CPU time is Adam's and its checksums' in sequence. And on a
+// GPU with activations in host RAM, their copies' (Note [Activation
+// copies]). Throws InternalError for work without a rate (missing_rates
+// first).
+//
+// Note [Activation copies]
+// A pack of activations kept in host RAM goes down right after its forward
+// and comes up one backward op ahead of its backward, one copy in flight
+// each way (engine/activation_checkpoints.h): the forwards cannot end before
+// their packs are down, nor the backwards before theirs are up. So a step
+// takes at least max(forwards, their D2H) + max(backwards and recomputes,
+// their H2D), whatever else the link has room for over the whole step: a
+// link that carries the packs in the step's time may still not carry the
+// forward's share in the forward's time (about a third of the compute).
 StepBound step_bound(const StepWork& work, const Rates& rates, bool cpu_compute);
 
 // The rates `work` needs and `rates` lacks, by the flag that gives each
