@@ -290,7 +290,6 @@ def part_suite(p, res):
 
 def part_b(p, res):
     cfg = write(p, "b.json", b_config(p))
-    steps = p.args.b_steps
     ref = compute_only(p, cfg, "b-compute-only")
     res["compute_only"] = ref
     say(f"  compute-only reference: {ref['tokens_per_s']:.0f} tok/s, step {ref['step_s']:.2f} s")
@@ -304,22 +303,10 @@ def part_b(p, res):
     # The most wanted first: what is cut by the part's budget is the last.
     runs = [("layer+speculate", NEW, True), ("micro_batch", OLD, False),
             ("clipped", NEW + ["gradient_clipping=0.0001"], False)]
-    res["runs"] = {}
-    cut = None
-    for name, sets, trace in runs:
-        flags = [x for s in sets for x in ("--set", s)] + rate_sets
-        try:
-            s = summary(p.train(cfg, f"b-{name}", steps, flags, trace=trace), 1)
-        except PartStop as e:  # the runs before it stand
-            cut = f"{name} cut: {e}"
-            say("  " + cut)
-            break
-        s["ratio_to_compute_only"] = s["tokens_per_s"] / ref["tokens_per_s"]
-        res["runs"][name] = s
-        p.save()
-        say(f"  {name}: {s['tokens_per_s']:.0f} tok/s = {s['ratio_to_compute_only']:.3f}x compute-only; step "
-            f"{s['step_s']:.2f} s against bound_s {s['bound_s']:.2f}; optimizer {s['optimizer_s']:.2f} s, hidden "
-            f"{s['optimizer_hidden_s']:.2f}, wait {s['optimizer_wait_s']:.2f}; {s['speculation']}")
+    cut = train_runs(p, cfg, "b", runs, ref, rate_sets, res, lambda s: (
+        f"{s['tokens_per_s']:.0f} tok/s = {s['ratio_to_compute_only']:.3f}x compute-only; step "
+        f"{s['step_s']:.2f} s against bound_s {s['bound_s']:.2f}; optimizer {s['optimizer_s']:.2f} s, hidden "
+        f"{s['optimizer_hidden_s']:.2f}, wait {s['optimizer_wait_s']:.2f}; {s['speculation']}"))
     r = res["runs"]
     if "layer+speculate" not in r:
         raise PartStop(cut or "no run")
@@ -332,6 +319,26 @@ def part_b(p, res):
         line += (f", a clipped step {r['clipped']['step_s']:.2f} s against {r['layer+speculate']['step_s']:.2f} (plan "
                  f"{res['plan_clipped_step_s'] or 0:.2f} against {res['plan_bound_s']:.2f})")
     return line + (f"; {cut}" if cut else "")
+
+
+def train_runs(p, cfg, tag, runs, ref, rate_sets, res, describe):
+    """Trains each (name, --set strings, traced) of `runs` on cfg for --b-steps steps into res["runs"][name]
+    (the medians after the first step, against the compute-only step `ref`), saving the report after each and
+    printing describe(summary); a run the part's budget cuts ends the list (the runs before it stand).
+    Returns what was cut, or None."""
+    res["runs"] = {}
+    for name, sets, trace in runs:
+        flags = [x for s in sets for x in ("--set", s)] + rate_sets
+        try:
+            s = summary(p.train(cfg, f"{tag}-{name}", p.args.b_steps, flags, trace=trace), 1)
+        except PartStop as e:
+            say(f"  {name} cut: {e}")
+            return f"{name} cut: {e}"
+        s["ratio_to_compute_only"] = s["tokens_per_s"] / ref["tokens_per_s"]
+        res["runs"][name] = s
+        p.save()
+        say(f"  {name}: " + describe(s))
+    return None
 
 
 def compute_only(p, cfg, tag):
@@ -356,22 +363,12 @@ def part_act(p, res):
     a = pl["activations"]
     say(f"  plan under auto: {a['choice']}; bound {res['plan_bound_s']:.2f} s; recomputed "
         f"{a['recomputed_flops_per_step'] / 1e12:.1f} TFLOP a step; {gb(a['d2h_bytes_per_step'])} GB down and up")
-    res["runs"] = {}
-    cut = None
-    for name in ("auto", "always"):  # the one the target is about first
-        flags = [x for s in NEW + [f"run.recompute={name}"] for x in ("--set", s)] + rate_sets
-        try:
-            s = summary(p.train(cfg, f"act-{name}", p.args.b_steps, flags), 1)
-        except PartStop as e:
-            cut = f"{name} cut: {e}"
-            say("  " + cut)
-            break
-        s["ratio_to_compute_only"] = s["tokens_per_s"] / ref["tokens_per_s"]
-        res["runs"][name] = s
-        p.save()
-        say(f"  {name}: {s['tokens_per_s']:.0f} tok/s = {s['ratio_to_compute_only']:.3f}x compute-only, MFU "
-            f"{s['mfu_nominal'] * 100:.1f}% of {NOMINAL_TFLOPS:.0f} TFLOP/s; step {s['step_s']:.2f} s against bound_s "
-            f"{s['bound_s']:.2f}; PCIe {gb(s['h2d_bytes'])} GB up, {gb(s['d2h_bytes'])} GB down")
+    # The one the target is about first.
+    runs = [(name, NEW + [f"run.recompute={name}"], False) for name in ("auto", "always")]
+    cut = train_runs(p, cfg, "act", runs, ref, rate_sets, res, lambda s: (
+        f"{s['tokens_per_s']:.0f} tok/s = {s['ratio_to_compute_only']:.3f}x compute-only, MFU "
+        f"{s['mfu_nominal'] * 100:.1f}% of {NOMINAL_TFLOPS:.0f} TFLOP/s; step {s['step_s']:.2f} s against bound_s "
+        f"{s['bound_s']:.2f}; PCIe {gb(s['h2d_bytes'])} GB up, {gb(s['d2h_bytes'])} GB down"))
     r = res["runs"]
     if "auto" not in r:
         raise PartStop(cut or "no run")
