@@ -549,8 +549,18 @@ TEST(BoundTest, AutoKeepsPartOfALayerInHostRamWhereTheBoundIsLowest) {
 
   const PlacementPlan best = best_activations(cfg, make_layout(), 0, cap, r);
   EXPECT_EQ(best.activations.keep_host_packs, 11) << best.activations.recompute_choice;
-  EXPECT_TRUE(best.activations.on_host(2, 2));
-  EXPECT_FALSE(best.activations.keeps_entries(2, 3));
+  // Spread over the forwards (Note [Activation placement]): 11 of 16, the
+  // first of them; never two recomputed packs in a row.
+  int64_t on_host = 0, run = 0, longest = 0;
+  for (int64_t u = 0; u < 16; ++u) {
+    const bool h = best.activations.on_host(u / 4, u % 4);
+    on_host += h ? 1 : 0;
+    run = h ? 0 : run + 1;
+    longest = std::max(longest, run);
+  }
+  EXPECT_EQ(on_host, 11);
+  EXPECT_TRUE(best.activations.on_host(0, 0));
+  EXPECT_EQ(longest, 1);
   EXPECT_EQ(best.staging.ckpt_host, 11 * entries);
   EXPECT_NE(best.activations.recompute_choice.find("2 layers and 3 micro-batches"), std::string::npos)
       << best.activations.recompute_choice;

@@ -339,11 +339,11 @@ TEST_F(StepTest, EveryActivationPlacementTrainsBitForBitAsRecompute) {
         {{"run.activations={\"keep_host_layers\":1,\"keep_device_layers\":1}"}, 1, 1},
         {{"run.activations={\"keep_host_layers\":1}", "activation_checkpointing.cpu_checkpointing=true"}, 0, 1},
         {{"run.recompute=\"always\"", "activation_checkpointing.cpu_checkpointing=true"}, 0, 0},
-        // Layers split by micro-batch: the first micro-batch of layer 0 on
-        // the host, its others recomputed, the last layer on the device; the
-        // last micro-batch of the last layer on the device; the first on the
-        // host with the others' inputs there too (one host slot per layer
-        // under micro_batch, taking both kinds of pack).
+        // Layers split by micro-batch: one pack of layer 0 on the host, its
+        // others recomputed, the last layer on the device; the last
+        // micro-batch of the last layer on the device; one pack on the host
+        // with the others' inputs there too (one host slot per layer under
+        // micro_batch, taking both kinds of pack).
         {{"run.activations={\"keep_host_micro_batches\":1,\"keep_device_layers\":1}"}, 1, 0, 0, 1},
         {{"run.activations={\"keep_device_micro_batches\":1}"}, 0, 0, 1, 0},
         {{"run.activations={\"keep_host_micro_batches\":1}", "activation_checkpointing.cpu_checkpointing=true"},
@@ -441,8 +441,8 @@ TEST_F(StepTest, PlanKeepsWhatFitsAndCountsTheEntriesItKeeps) {
   EXPECT_EQ(host.staging.ckpt_device, 2 * host.activations.entries_bytes);
   EXPECT_EQ(host.activations.host_link_bytes(), 2 * 2 * host.activations.entries_bytes);
   // A micro-batch of a layer on the host: under micro_batch its layer's
-  // slot (one pack) and one device slot; under layer three packs (layer 0's
-  // two and layer 1's first) and two device slots.
+  // slot (one pack) and one device slot; under layer three packs of four
+  // (spread: all but layer 1's last) and two device slots.
   const int64_t E = host.activations.entries_bytes;
   const PlacementPlan part = plan({"run.activations={\"keep_host_micro_batches\":1}"}, unlimited);
   EXPECT_EQ(part.staging.ckpt_host, E);
@@ -455,6 +455,19 @@ TEST_F(StepTest, PlanKeepsWhatFitsAndCountsTheEntriesItKeeps) {
   EXPECT_EQ(part_layer.staging.ckpt_device, 2 * E);
   EXPECT_EQ(part_layer.activations.host_link_bytes(), 3 * E);
   EXPECT_EQ(part_layer.activations.recomputed_packs(), 1);
+  // A layer's worth of packs on the host, spread over the forwards' order
+  // (Note [Activation placement]): under micro_batch (micro-batch by
+  // micro-batch) layer 0 of each micro-batch, one host slot; under layer
+  // (layer by layer) the first micro-batch of each layer, two slots.
+  const std::string one_layer = "run.activations={\"keep_host_layers\":1}";
+  const PlacementPlan spread_mb = plan({one_layer}, unlimited);
+  EXPECT_TRUE(spread_mb.activations.on_host(0, 0) && spread_mb.activations.on_host(0, 1));
+  EXPECT_FALSE(spread_mb.activations.keeps_entries(1, 0) || spread_mb.activations.keeps_entries(1, 1));
+  EXPECT_EQ(spread_mb.staging.ckpt_host, E);
+  const PlacementPlan spread_layer = plan({"run.schedule=\"layer\"", one_layer}, unlimited);
+  EXPECT_TRUE(spread_layer.activations.on_host(0, 0) && spread_layer.activations.on_host(1, 0));
+  EXPECT_FALSE(spread_layer.activations.keeps_entries(0, 1) || spread_layer.activations.keeps_entries(1, 1));
+  EXPECT_EQ(spread_layer.staging.ckpt_host, 2 * E);
   // Bad run.activations: one line naming the key.
   for (const std::vector<std::string>& sets :
        {std::vector<std::string>{"run.activations={\"keep_host_layers\":3}"},
@@ -564,8 +577,8 @@ std::vector<std::vector<std::string>> schedule_matrix(const std::string& swap) {
        "placement={\"param16\":{\"device\":1},\"grad\":{\"host\":1},\"optimizer\":{\"host\":1}}"},
       {"bf16.enabled=true", "run.optimizer_state_dtype=\"bf16\"", "zero_optimization.sub_group_size=4096"},
       {"run.recompute=\"never\"", "gradient_accumulation_steps=3"},
-      // Layer 0 and layer 1's first micro-batch on the host, its last on the
-      // device, its second recomputed.
+      // Of the six packs (3 micro-batches), layer 1's last on the device,
+      // four of the other five on the host (spread), one recomputed.
       {"run.activations={\"keep_host_layers\":1,\"keep_host_micro_batches\":1,\"keep_device_micro_batches\":1}",
        "gradient_accumulation_steps=3",
        "bf16.enabled=true", "zero_optimization.stage=3", "zero_optimization.offload_param.device=cpu",
@@ -893,7 +906,7 @@ TEST_F(StepTest, EveryLinkCarriesExactlyTheBytesOfThePlacement) {
       // entries and the other's input; every layer's entries.
       {"run.activations={\"keep_host_layers\":1}", "activation_checkpointing.cpu_checkpointing=true",
        "bf16.enabled=true"},
-      // Layer 0's first micro-batch's entries, the other packs' inputs.
+      // One pack's entries, the other packs' inputs.
       {"run.activations={\"keep_host_micro_batches\":1}", "activation_checkpointing.cpu_checkpointing=true"},
       {"run.recompute=\"never\"", "activation_checkpointing.cpu_checkpointing=true", "zero_optimization.stage=3",
        "zero_optimization.offload_param.device=cpu", persistent},

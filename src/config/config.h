@@ -142,10 +142,12 @@ struct RunConfig {
   // keeps as many layers' as the device has room for (auto). Note [Recompute].
   Recompute recompute = Recompute::kAuto;
   // run.activations: which layers keep their entries, fixed by hand (Note
-  // [Activation placement] in memory/placement.h): the first
-  // keep_host_layers in host RAM, the last keep_device_layers on the device,
-  // the rest recomputed; keep_*_micro_batches more micro-batches of the next
-  // layer inward (fewer than a step's). -1: not given (run.recompute decides).
+  // [Activation placement] in memory/placement.h): the last
+  // keep_device_layers on the device and keep_device_micro more micro-batches
+  // of the layer before them; of the rest, keep_host_layers' worth of
+  // micro-batches and keep_host_micro more in host RAM (spread); the others
+  // recomputed. The micro-batch counts fewer than a step's. -1: not given
+  // (run.recompute decides).
   int64_t keep_device_layers = -1;
   int64_t keep_host_layers = -1;
   int64_t keep_device_micro = 0;

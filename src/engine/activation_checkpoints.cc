@@ -39,10 +39,12 @@ ActivationCheckpoints::ActivationCheckpoints(const PlacementPlan& plan, size_t n
     if (held_ <= 1) host_bytes += a.host_slot_bytes(l);
   }
   slot_bytes_ = a.largest_host_pack();
-  // A restore can be prefetched by the one before it unless a forward runs
-  // between them (micro_batch: the next micro-batch's forward has not saved
-  // its pack yet, and its host slot is the same). The packs from the host
-  // take device slots 0, 1, 0, ... from the first after a forward.
+  // A pack from the host is brought back by the restore before it (or, the
+  // first, by the host restore before it: Note [Activation copies] in
+  // plan/bound.h), unless a forward runs between them (micro_batch: the next
+  // micro-batch's forward has not saved its pack yet, and its host slot is
+  // the same). The packs from the host take device slots 0, 1, 0, ... from
+  // the first after a forward.
   bool forward_since = true;
   int host_run = 0;
   for (const StepOp& op : schedule) {
@@ -54,6 +56,13 @@ ActivationCheckpoints::ActivationCheckpoints(const PlacementPlan& plan, size_t n
     restore_order_.emplace_back(b, op.micro);
     after_forward_.push_back(forward_since ? 1 : 0);
     forward_since = false;
+  }
+  next_host_.assign(restore_order_.size(), -1);
+  brought_.assign(restore_order_.size(), 0);
+  int64_t next = -1;
+  for (size_t k = restore_order_.size(); k-- > 0;) {
+    next_host_[k] = next;
+    next = after_forward_[k] ? -1 : (slot_of_[k] >= 0 ? int64_t(k) : next);
   }
   const StagingNeeds& need = plan.staging;
   STRATA_CHECK(host_bytes == need.ckpt_host, "activation host slots differ from the plan's staging");
@@ -74,9 +83,10 @@ ActivationCheckpoints::~ActivationCheckpoints() {
 }
 
 // A layer's pack is kept on the device as LibTorch tensors, or copied to the
-// host (D2H) during forward and brought back (H2D) during backward, one
-// restore ahead in the schedule's backward order: while one pack's backward
-// runs, the next one's is already in the other device slot. The copies go
+// host (D2H) during forward and brought back (H2D) during backward, one host
+// pack ahead in the schedule's backward order: while one host pack's backward
+// and those of the device's and recomputed packs after it run, the next host
+// pack comes into the other device slot. The copies go
 // through the device layer: memcpy on the CPU device, the copy streams of a
 // GPU, ordered after the compute that wrote (or last read) their source (or
 // slot).
@@ -125,6 +135,7 @@ void ActivationCheckpoints::save(size_t b, int64_t m, std::vector<at::Tensor> pa
 void ActivationCheckpoints::bring(size_t k) {
   TraceSpan span(TraceTrack::kCopy, "fetch activations");
   const auto [b, m] = restore_order_[k];
+  brought_[k] = 1;
   if (!offloading_.empty()) {
     // The forward's last offload has landed (the packs kept on the device
     // since then did not wait for it).
@@ -152,21 +163,22 @@ std::vector<at::Tensor> ActivationCheckpoints::restore(size_t b, int64_t m) {
   const size_t k = restored_++;
   STRATA_CHECK(k < restore_order_.size() && restore_order_[k] == std::make_pair(b, m),
                "activations restored out of the schedule's order");
-  // The next pack from the host, if it is there and nothing runs between.
+  // The next pack from the host with no forward between, into the other
+  // slot: its last user, the host pack before this one, has its backward
+  // queued already.
   auto prefetch = [&](size_t n) {
-    if (n < restore_order_.size() && !after_forward_[n] && on_host(restore_order_[n].first, restore_order_[n].second)) {
-      bring(n);
-    }
+    const int64_t h = next_host_[n];
+    if (h >= 0 && !brought_[size_t(h)]) bring(size_t(h));
   };
   if (!on_host(b, m)) {
     std::vector<at::Tensor> pack = std::move(saved_[key(b, m)]);
     saved_[key(b, m)].clear();
     for (const at::Tensor& t : pack) device_now_ -= int64_t(t.nbytes());
-    prefetch(k + 1);
+    prefetch(k);
     return pack;
   }
-  if (after_forward_[k]) bring(k);  // the first restore after a forward: nothing prefetched it
-  prefetch(k + 1);  // into the other slot
+  if (!brought_[k]) bring(k);  // the first host pack after a forward: nothing prefetched it
+  prefetch(k);
   peak_device_ = std::max(peak_device_, device_now_ + device_.bytes());
   dev_.stream_wait(Stream::kCompute, slot_ready_[size_t(slot_of_[k])]);
   // Tensors of the device slot, on the compute device, as the forward made them.

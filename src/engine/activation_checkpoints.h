@@ -8,6 +8,7 @@
 
 #include <ATen/ATen.h>
 
+#include <algorithm>
 #include <array>
 #include <cstdint>
 #include <vector>
@@ -40,6 +41,7 @@ class ActivationCheckpoints {
     offloading_.clear();
     device_now_ = 0;
     restored_ = 0;
+    std::fill(brought_.begin(), brought_.end(), 0);
     for (std::vector<at::Tensor>& p : saved_) p.clear();
   }
   // Keeps `pack` for block b's backward of micro-batch m: the embedding's
@@ -88,6 +90,11 @@ class ActivationCheckpoints {
   std::vector<char> after_forward_;   // per restore: a forward ran since the one before (not prefetched)
   std::vector<int> slot_of_;          // per restore from the host: its device slot (alternating from the first
                                       // after a forward); -1 for a pack kept on the device
+  // Per restore: the next restore from the host with no forward between
+  // (-1: none), which it brings into the other slot; and whether its own
+  // pack has been brought this step.
+  std::vector<int64_t> next_host_;
+  std::vector<char> brought_;
   size_t restored_ = 0;               // restores made this step
   // The host packs come back into device slots 0, 1, 0, ... Copies on the
   // D2H / H2D streams of the state's device (Note [Buffer reuse across

@@ -96,7 +96,7 @@ std::string apply_determinism(bool on);
 // layer keeps its entries (the saved tensors that are not cheap to recompute,
 // Note [Saved activations] in model/layer_ops.cc) and backward recomputes
 // only the cheap ones. auto: the last layers keep their entries as far as the
-// device has room and, on a GPU, the first ones in host RAM where the step's
+// device has room and, on a GPU, others in host RAM where the step's
 // bound gains (Note [Activations by the bound] in plan/planner.h), each a
 // micro-batch at a time: a layer may keep its entries for some micro-batches
 // and recompute for the others (keeps_entries_ is per block and

@@ -172,7 +172,26 @@ int64_t speculated_slot_numel(const PlacementPlan& plan) {
   return n;
 }
 
-// Note [Activation placement] (placement.h): the packs' bytes. The link
+// Note [Activation placement] (placement.h): the host packs spread over the
+// packs not kept on the device, in the forwards' order: the j-th of those R
+// is host-kept when ceil((j + 1) H / R) > ceil(j H / R), H of them, the first
+// among them, never two apart by more than ceil(R / H).
+bool ActivationPlan::host_keeps(int64_t l, int64_t m) const {
+  if (keep_host_packs <= 0 || device_keeps(l, m)) return false;
+  const int64_t R = packs() - keep_device_packs, H = std::min(keep_host_packs, R);
+  int64_t j = l * micro + m;  // under layer (or one micro-batch) the forwards' order is the packs'
+  if (held <= 1 && micro > 1) {
+    // micro_batch: micro-batch by micro-batch, layer by layer; of each
+    // micro-batch m' the layers l' with l' * micro + m' < R are not on the device.
+    auto rest = [&](int64_t mm) { return R > mm ? std::min(checkpoint_layers, (R - mm + micro - 1) / micro) : 0; };
+    j = std::min(l, rest(m));
+    for (int64_t mm = 0; mm < m; ++mm) j += rest(mm);
+  }
+  auto before = [&](int64_t k) { return (k * H + R - 1) / R; };  // host packs among the first k
+  return before(j + 1) > before(j);
+}
+
+// The packs' bytes. The link
 // carries every host pack of the step; what is held at once is, under
 // micro_batch (held == 1), the largest micro-batch's packs (its backward
 // frees them before the next forward), under layer every micro-batch's.

@@ -231,11 +231,16 @@ struct ActivationPlan {
   // recomputes the layer from it) or its entries (its saved tensors that are
   // not cheap to recompute: model/saved_activations.h, input included;
   // backward recomputes only the cheap ones). Packs are numbered layer by
-  // layer, u = l * micro + m: the first keep_host_packs keep their entries in
-  // pinned host RAM (D2H during the forward, H2D one backward op ahead), the
-  // last keep_device_packs on the device, those between their input (on the
-  // host with cpu_checkpointing). A layer may so be split between placements
-  // by micro-batch: auto fills memory a micro-batch at a time.
+  // layer, u = l * micro + m: the last keep_device_packs keep their entries on
+  // the device. Of the others, keep_host_packs keep theirs in pinned host RAM
+  // (D2H during the forward, H2D ahead of the backward), spread evenly over
+  // the order the forwards make them in (the schedule's: l * micro + m under
+  // layer, m * layers + l under micro_batch), the first of them host-kept:
+  // a pack's D2H, one in flight, then runs beside the forwards of the packs
+  // until the next host pack's, and its H2D beside their backwards (Note
+  // [Activation copies] in plan/bound.h). The rest keep their input (on the
+  // host with cpu_checkpointing). So a layer may be split by micro-batch:
+  // auto fills memory a micro-batch at a time.
   // run.recompute resolved: always keeps no pack's entries, never every
   // pack's, auto as many as the plan finds room for (recompute_choice).
   int64_t micro = 1;                 // micro-batches a step (StepShape::accum, at least 1): packs per layer
@@ -247,14 +252,12 @@ struct ActivationPlan {
   int64_t work_bytes = 0;            // one block's recompute and backward, or the head's (estimate)
   std::string recompute_choice;      // why (strata plan)
   int64_t packs() const { return checkpoint_layers * micro; }
-  // Whether layer `l` (0-based) keeps its entries for micro-batch m, and on the host.
-  bool keeps_entries(int64_t l, int64_t m) const {
-    const int64_t u = l * micro + m;
-    return u < keep_host_packs || u >= packs() - keep_device_packs;
-  }
-  bool on_host(int64_t l, int64_t m) const {
-    return l * micro + m < keep_host_packs || (cpu_checkpointing && !keeps_entries(l, m));
-  }
+  // Whether layer `l` (0-based) keeps its entries for micro-batch m: on the
+  // device, in host RAM (on_host also for an input kept there).
+  bool device_keeps(int64_t l, int64_t m) const { return l * micro + m >= packs() - keep_device_packs; }
+  bool host_keeps(int64_t l, int64_t m) const;
+  bool keeps_entries(int64_t l, int64_t m) const { return device_keeps(l, m) || host_keeps(l, m); }
+  bool on_host(int64_t l, int64_t m) const { return host_keeps(l, m) || (cpu_checkpointing && !keeps_entries(l, m)); }
   // What layer l saves for micro-batch m.
   int64_t saved_bytes(int64_t l, int64_t m) const { return keeps_entries(l, m) ? entries_bytes : checkpoint_bytes; }
   int64_t recomputed_packs() const { return packs() - keep_device_packs - keep_host_packs; }

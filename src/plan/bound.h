@@ -161,8 +161,10 @@ struct StepBound {
 //
 // Note [Activation copies]
 // A pack of activations kept in host RAM goes down right after its forward
-// and comes up one backward op ahead of its backward, one copy in flight
-// each way (engine/activation_checkpoints.h): the forwards cannot end before
+// and comes up ahead of its backward (engine/activation_checkpoints.h); the
+// host packs are spread over the forwards (Note [Activation placement] in
+// memory/placement.h), so each copy runs beside the forwards (backwards) of
+// the packs between it and the next. But the forwards cannot end before
 // their packs are down, nor the backwards before theirs are up. So a step
 // takes at least max(forwards, their D2H) + max(backwards and recomputes,
 // their H2D), whatever else the link has room for over the whole step: a

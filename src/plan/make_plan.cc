@@ -317,37 +317,47 @@ int64_t device_packs_that_fit(const Config& cfg, const MachineCapacity& capacity
   return std::min<int64_t>(a.packs(), n);
 }
 
-// How many of the first packs keep their entries in pinned host RAM under
-// auto: at most run.auto_host_packs (the planner's, judged by the step's
-// bound: plan/planner.h, best_activations), of the packs not kept on the
-// device, as many as host RAM holds beside the state and the staging
-// (under micro_batch a layer's host slot serves all its micro-batches, so
-// whole layers' slots). None on the CPU device, whose device tier is that
-// RAM already.
+// How many packs keep their entries in pinned host RAM under auto: at most
+// run.auto_host_packs (the planner's, judged by the step's bound:
+// plan/planner.h, best_activations), of the packs not kept on the device, as
+// many as host RAM holds beside the state and the staging: the most whose
+// host slots (ActivationPlan::host_pack_bytes: under micro_batch one per
+// layer with a host pack) grow by no more than the room. None on the CPU
+// device, whose device tier is that RAM already.
 int64_t host_packs_that_fit(const Config& cfg, const MachineCapacity& capacity, PlacementPlan& plan) {
   const ActivationPlan& a = plan.activations;
   if (cfg.run.auto_host_packs <= 0 || capacity.device_is_host) return 0;
   int64_t n = std::min(cfg.run.auto_host_packs, a.packs() - a.keep_device_packs);
-  if (capacity.host_bytes >= 0) {
-    // Pinned RAM the OS cannot page: auto's headroom (placement.headroom) is
-    // kept free whatever places the state.
-    plan.staging = staging_needs(plan);
-    const double keep = 1.0 - cfg.placement.headroom;
-    const int64_t room = int64_t(double(capacity.host_bytes) * keep) - plan.total()[size_t(Tier::kHost)];  // staging in
-    // A pack going to the host swaps what it kept there (its input, with
-    // cpu_checkpointing) for its entries.
-    const int64_t each = a.entries_bytes - (a.cpu_checkpointing ? a.checkpoint_bytes : 0);
-    if (room <= 0 || each <= 0) return 0;
-    n = std::min(n, a.held > 1 ? room / each : room / each * a.micro);
+  if (capacity.host_bytes < 0 || n <= 0) return std::max<int64_t>(0, n);
+  // Pinned RAM the OS cannot page: auto's headroom (placement.headroom) is
+  // kept free whatever places the state.
+  plan.staging = staging_needs(plan);
+  const double keep = 1.0 - cfg.placement.headroom;
+  const int64_t room = int64_t(double(capacity.host_bytes) * keep) - plan.total()[size_t(Tier::kHost)];  // staging in
+  ActivationPlan t = a;
+  t.keep_host_packs = 0;
+  const int64_t base = t.host_pack_bytes();  // the inputs kept there with cpu_checkpointing
+  auto grows = [&](int64_t h) {
+    t.keep_host_packs = h;
+    return t.host_pack_bytes() - base;
+  };
+  if (grows(n) <= room) return n;
+  // The largest count that fits (the slots grow with it, up to a layer's
+  // spread under micro_batch), then down to one that does.
+  int64_t lo = 0, hi = n;
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    (grows(mid) <= room ? lo : hi) = mid;
   }
-  return std::max<int64_t>(0, n);
+  while (lo > 0 && grows(lo) > room) --lo;
+  return lo;
 }
 
-// Where the packs keep their entries, in words: "entries in host RAM for the
-// first 3 layers, on the device for the last 1 layer, 4 layers recomputed".
+// Where the packs keep their entries, in words: "entries in host RAM for 3
+// layers (spread), on the device for the last 1 layer, 4 layers recomputed".
 std::string placement_in_words(const ActivationPlan& a) {
   std::string s;
-  if (a.keep_host_packs > 0) s += "entries in host RAM for the first " + packs_in_words(a.keep_host_packs, a.micro);
+  if (a.keep_host_packs > 0) s += "entries in host RAM for " + packs_in_words(a.keep_host_packs, a.micro) + " (spread)";
   if (a.keep_device_packs > 0) {
     s += s.empty() ? "entries on the device for the last " : ", on the device for the last ";
     s += packs_in_words(a.keep_device_packs, a.micro);

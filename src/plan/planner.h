@@ -84,8 +84,9 @@ void judge_speculation_by_bound(const Config& cfg, const Rates& rates, bool cpu_
 
 // run.recompute auto with rates on a GPU (Note [Activations by the
 // bound]): make_plan's plan (its device-kept layers), or, where its bound is
-// lower by more than kAutoMargin, the same plan with the first layers' entries
-// in pinned host RAM, as many as make the bound lowest and host RAM holds.
+// lower by more than kAutoMargin, the same plan with packs' entries in pinned
+// host RAM (spread over the forwards: Note [Activation placement] in
+// memory/placement.h), as many as make the bound lowest and host RAM holds.
 // Other recompute settings, run.activations, the CPU device and work lacking
 // a rate: make_plan's plan as it is.
 //
