@@ -820,7 +820,7 @@ LinkBytes table_bytes(const PlacementPlan& p, int64_t accum, const ModelConfig& 
     if (grad[b].tier == Tier::kNvme) e.nvme_write += 4 * n * landings, e.nvme_read += 4 * n * (landings - 1);
   }
   // Activations in host RAM: D2H after the layer's forward and H2D before
-  // its backward, per micro-batch; the first keep_host_packs their
+  // its backward, per micro-batch; keep_host_packs of them their
   // entries (by hand: x, q, attention output and mid of q_dim = dim values,
   // k and v of kv_heads x head_dim, gate and up of ffn, in the compute dtype;
   // two rstd and a log-sum-exp per head in fp32, per token), the recomputed

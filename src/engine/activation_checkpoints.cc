@@ -39,12 +39,12 @@ ActivationCheckpoints::ActivationCheckpoints(const PlacementPlan& plan, size_t n
     if (held_ <= 1) host_bytes += a.host_slot_bytes(l);
   }
   slot_bytes_ = a.largest_host_pack();
-  // A pack from the host is brought back by the restore before it (or, the
-  // first, by the host restore before it: Note [Activation copies] in
-  // plan/bound.h), unless a forward runs between them (micro_batch: the next
-  // micro-batch's forward has not saved its pack yet, and its host slot is
-  // the same). The packs from the host take device slots 0, 1, 0, ... from
-  // the first after a forward.
+  // A run of restores has no forward between them (micro_batch: the next
+  // micro-batch's forward has not saved its packs yet, and its host slots
+  // are the same). In a run, a pack from the host is brought back by the host
+  // restore before it (Note [Activation copies] in plan/bound.h), the run's
+  // first by the run's first restore, whatever it keeps. The packs from the
+  // host take device slots 0, 1, 0, ... in each run.
   bool forward_since = true;
   int host_run = 0;
   for (const StepOp& op : schedule) {
@@ -142,7 +142,8 @@ void ActivationCheckpoints::bring(size_t k) {
     offloaded_.wait();
     offloading_.clear();
   }
-  // The slot's previous pack (two restores back) is done with it.
+  // The slot's previous pack (two host restores back) is done with it: its
+  // backward is queued.
   dev_.stream_wait(Stream::kH2D, dev_.record(Stream::kCompute));
   const int slot = slot_of_[k];
   const int64_t bytes = pack_bytes_[key(b, m)];

@@ -2,8 +2,8 @@
 // in memory/placement.h): per layer and micro-batch a pack of tensors, its
 // input alone (the activation checkpoint: backward recomputes the layer) or
 // its entries (config/saved_specs.h), kept on the device or copied to host
-// slots during the forward and brought back one backward op ahead (in the
-// schedule's order) into two device slots.
+// slots during the forward and brought back one host pack ahead (in the
+// schedule's backward order) into two device slots.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -49,7 +49,8 @@ class ActivationCheckpoints {
   // On the device, or copied to the host (the tensors must then be dense).
   void save(size_t b, int64_t m, std::vector<at::Tensor> pack);
   // Block b's pack of micro-batch m on the device for its backward, which
-  // must be the schedule's next backward op; prefetches the one after it.
+  // must be the schedule's next backward op; brings the next pack from the
+  // host into the other slot.
   std::vector<at::Tensor> restore(size_t b, int64_t m);
 
   // Peak bytes of saved packs on the device (those kept there, and the two

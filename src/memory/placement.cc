@@ -173,22 +173,31 @@ int64_t speculated_slot_numel(const PlacementPlan& plan) {
 }
 
 // Note [Activation placement] (placement.h): the host packs spread over the
-// packs not kept on the device, in the forwards' order: the j-th of those R
-// is host-kept when ceil((j + 1) H / R) > ceil(j H / R), H of them, the first
-// among them, never two apart by more than ceil(R / H).
+// packs not kept on the device (R of them), in the forwards' order. Under
+// layer that order is the packs' (u): the u-th is host-kept when
+// ceil((u + 1) H / R) > ceil(u H / R), H of them, the first among them,
+// never two apart by more than ceil(R / H). Under micro_batch each
+// micro-batch's forward runs every layer: the host packs are the same k =
+// ceil(H / micro) layers of every micro-batch, spread over the q = R / micro
+// layers no micro-batch keeps on the device (floor(i q / k), i < k), the
+// last of them host-kept only by the first H % micro micro-batches (all when
+// 0); past q layers' worth, the first micro-batches of layer q. A layer's
+// host slot serves its micro-batches in turn, so the slots are k: host RAM
+// grows with H.
 bool ActivationPlan::host_keeps(int64_t l, int64_t m) const {
   if (keep_host_packs <= 0 || device_keeps(l, m)) return false;
   const int64_t R = packs() - keep_device_packs, H = std::min(keep_host_packs, R);
-  int64_t j = l * micro + m;  // under layer (or one micro-batch) the forwards' order is the packs'
-  if (held <= 1 && micro > 1) {
-    // micro_batch: micro-batch by micro-batch, layer by layer; of each
-    // micro-batch m' the layers l' with l' * micro + m' < R are not on the device.
-    auto rest = [&](int64_t mm) { return R > mm ? std::min(checkpoint_layers, (R - mm + micro - 1) / micro) : 0; };
-    j = std::min(l, rest(m));
-    for (int64_t mm = 0; mm < m; ++mm) j += rest(mm);
+  if (held > 1 || micro == 1) {
+    const int64_t u = l * micro + m;
+    auto before = [&](int64_t k) { return (k * H + R - 1) / R; };  // host packs among the first k
+    return before(u + 1) > before(u);
   }
-  auto before = [&](int64_t k) { return (k * H + R - 1) / R; };  // host packs among the first k
-  return before(j + 1) > before(j);
+  const int64_t q = R / micro, k = (H + micro - 1) / micro, e = H % micro;
+  if (k > q) return l < q || (l == q && m < H - q * micro);
+  // l is in {floor(i q / k)} when i = ceil(l k / q) maps back to it.
+  const int64_t i = (l * k + q - 1) / q;
+  if (i >= k || i * q / k != l) return false;
+  return e == 0 || m < e || i < k - 1;
 }
 
 // The packs' bytes. The link

@@ -234,11 +234,11 @@ struct ActivationPlan {
   // layer, u = l * micro + m: the last keep_device_packs keep their entries on
   // the device. Of the others, keep_host_packs keep theirs in pinned host RAM
   // (D2H during the forward, H2D ahead of the backward), spread evenly over
-  // the order the forwards make them in (the schedule's: l * micro + m under
-  // layer, m * layers + l under micro_batch), the first of them host-kept:
-  // a pack's D2H, one in flight, then runs beside the forwards of the packs
-  // until the next host pack's, and its H2D beside their backwards (Note
-  // [Activation copies] in plan/bound.h). The rest keep their input (on the
+  // the order the forwards make them in (host_keeps: under layer over the
+  // packs in u order, under micro_batch over each micro-batch's layers, the
+  // same layers in each): a pack's D2H, one in flight, then runs beside the
+  // forwards of the packs until the next host pack's, and its H2D beside
+  // their backwards (Note [Activation copies] in plan/bound.h). The rest keep their input (on the
   // host with cpu_checkpointing). So a layer may be split by micro-batch:
   // auto fills memory a micro-batch at a time.
   // run.recompute resolved: always keeps no pack's entries, never every

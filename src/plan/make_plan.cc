@@ -342,14 +342,13 @@ int64_t host_packs_that_fit(const Config& cfg, const MachineCapacity& capacity, 
     return t.host_pack_bytes() - base;
   };
   if (grows(n) <= room) return n;
-  // The largest count that fits (the slots grow with it, up to a layer's
-  // spread under micro_batch), then down to one that does.
+  // The largest count that fits: the slots grow with the count
+  // (ActivationPlan::host_keeps).
   int64_t lo = 0, hi = n;
   while (hi - lo > 1) {
     const int64_t mid = (lo + hi) / 2;
     (grows(mid) <= room ? lo : hi) = mid;
   }
-  while (lo > 0 && grows(lo) > room) --lo;
   return lo;
 }
 

@@ -178,8 +178,8 @@ PlacementPlan best_activations(const Config& cfg, const StateLayout& layout, int
   if (stride > 1 && best_h > 0) {
     for (int64_t h = std::max<int64_t>(1, best_h - stride + 1); h <= std::min(fit, best_h + stride - 1); ++h) consider(h);
   }
-  // Note [Auto's margin]: what the bound leaves out (whether each layer's
-  // entries arrive one backward op ahead) is of that order.
+  // Note [Auto's margin]: what the bound leaves out (whether each host
+  // pack's copies hide behind the packs between) is of that order.
   if (best_h == 0 || best_s > none_s * (1 - kAutoMargin)) {
     if (best_h > 0) {
       none.activations.recompute_choice +=
