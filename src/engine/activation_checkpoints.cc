@@ -15,8 +15,8 @@ ActivationCheckpoints::ActivationCheckpoints(const PlacementPlan& plan, size_t n
     : head_(num_blocks - 1),
       accum_(std::max<int64_t>(plan.step.accum, 1)),
       held_(plan.step.held_micro),
-      saved_(num_blocks * size_t(std::max<int64_t>(plan.step.accum, 1))),
-      host_offset_(num_blocks * size_t(std::max<int64_t>(plan.step.accum, 1)), -1),
+      saved_(num_blocks * size_t(accum_)),
+      host_offset_(saved_.size(), -1),
       pack_bytes_(host_offset_.size(), 0),
       packed_(host_offset_.size()),
       dev_(state->device()),
@@ -47,6 +47,7 @@ ActivationCheckpoints::ActivationCheckpoints(const PlacementPlan& plan, size_t n
   // host take device slots 0, 1, 0, ... in each run.
   bool forward_since = true;
   int host_run = 0;
+  std::vector<char> after_forward;  // per restore: a forward ran since the one before (a run begins)
   for (const StepOp& op : schedule) {
     if (op.pass == Pass::kForward) forward_since = true;
     if (op.pass != Pass::kBackward || op.block[0] == 0) continue;
@@ -54,7 +55,7 @@ ActivationCheckpoints::ActivationCheckpoints(const PlacementPlan& plan, size_t n
     const size_t b = size_t(op.block[0]);
     slot_of_.push_back(on_host(b, op.micro) ? host_run++ % 2 : -1);
     restore_order_.emplace_back(b, op.micro);
-    after_forward_.push_back(forward_since ? 1 : 0);
+    after_forward.push_back(forward_since ? 1 : 0);
     forward_since = false;
   }
   next_host_.assign(restore_order_.size(), -1);
@@ -62,7 +63,7 @@ ActivationCheckpoints::ActivationCheckpoints(const PlacementPlan& plan, size_t n
   int64_t next = -1;
   for (size_t k = restore_order_.size(); k-- > 0;) {
     next_host_[k] = next;
-    next = after_forward_[k] ? -1 : (slot_of_[k] >= 0 ? int64_t(k) : next);
+    next = after_forward[k] ? -1 : (slot_of_[k] >= 0 ? int64_t(k) : next);
   }
   const StagingNeeds& need = plan.staging;
   STRATA_CHECK(host_bytes == need.ckpt_host, "activation host slots differ from the plan's staging");

@@ -88,7 +88,6 @@ class ActivationCheckpoints {
   // The restores of a step in the schedule's backward order (layers only:
   // the embedding's input is the tokens), as (block, micro-batch).
   std::vector<std::pair<size_t, int64_t>> restore_order_;
-  std::vector<char> after_forward_;   // per restore: a forward ran since the one before (not prefetched)
   std::vector<int> slot_of_;          // per restore from the host: its device slot (alternating from the first
                                       // after a forward); -1 for a pack kept on the device
   // Per restore: the next restore from the host with no forward between
