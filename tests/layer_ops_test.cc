@@ -190,12 +190,19 @@ TEST(LayerOpsTest, RecomputedEntriesGiveTheSameBits) {
     EXPECT_TRUE(at::equal(dx, all.dx));
     for (size_t i = 0; i < w.size(); ++i) EXPECT_TRUE(at::equal(dw[i], all.dw[i])) << i;
 
-    // A second forward from the saved input alone (recompute `always`).
-    LayerSaved again;
-    const at::Tensor y2 = model.layer_forward_saving(w, x.clone(), &again);
-    EXPECT_TRUE(at::equal(y2, all.y));
+    // A second forward from the saved input alone (recompute `always`):
+    // every entry the forward kept, bit for bit, and no output (the down
+    // projection is not run again).
+    LayerSaved forward, again;
+    model.layer_forward_saving(w, x, &forward);
+    model.layer_recompute(w, x.clone(), &again);
+    for (const SavedSpec& s : layer_saved_specs(c)) {
+      ASSERT_TRUE(again[s.id].defined()) << saved_name(s.id);
+      EXPECT_TRUE(at::equal(again[s.id], forward[s.id])) << saved_name(s.id);
+    }
     std::vector<at::Tensor> dw2;
     EXPECT_TRUE(at::equal(model.layer_backward(w, &again, dy, &dw2), all.dx));
+    for (size_t i = 0; i < w.size(); ++i) EXPECT_TRUE(at::equal(dw2[i], all.dw[i])) << i;
   }
 }
 

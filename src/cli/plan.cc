@@ -166,7 +166,7 @@ nlohmann::json activations_json(const PlacementPlan& p) {
           {"host_bytes", p.staging.ckpt_host},
           {"d2h_bytes_per_step", act.host_link_bytes()},
           {"h2d_bytes_per_step", act.host_link_bytes()},
-          {"recomputed_flops_per_step", double(act.recomputed_packs()) * act.layer_forward_flops},
+          {"recomputed_flops_per_step", double(act.recomputed_packs()) * act.layer_recompute_flops},
           {"choice", act.recompute_choice}};
 }
 

@@ -132,7 +132,7 @@ at::Tensor Trainer::block_backward(size_t b, int64_t m, const at::Tensor& dx) {
       if (keeps_entries_[act_key(b, m)]) {
         unpack(b, m, std::move(pack), &saved);
       } else {
-        model_.layer_forward_saving(w, pack[0], &saved);  // recompute the layer from its input
+        model_.layer_recompute(w, pack[0], &saved);  // recompute the layer's entries from its input
       }
       pack.clear();
       std::vector<at::Tensor> dw;

@@ -275,7 +275,7 @@ struct ActivationPlan {
   // Host packs brought back in one run of backwards with no forward between
   // (all of the step's under layer, one micro-batch's under micro_batch).
   int64_t host_packs_per_run() const;
-  double layer_forward_flops = 0;    // one layer's forward for one micro-batch (what recomputing it costs)
+  double layer_recompute_flops = 0;  // recomputing one layer for one micro-batch (bound.h, step_flops)
 };
 
 // A count of packs (Note [Activation placement]) of `micro` a layer in

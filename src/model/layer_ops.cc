@@ -27,7 +27,11 @@ namespace strata {
 //
 // Same bits wherever an entry comes from: a recomputed entry is the same ops
 // on the same inputs as the forward's (norm_apply, rope, silu(g) * u), and
-// the backward reads only entries. Against autograd's path the results agree
+// the backward reads only entries. A recompute from the input
+// (Model::layer_recompute) stops before the layer's last matrix: w2's product
+// and the residual add make the output, which only the next layer reads, so
+// recomputing costs the forward less 2 x dim x ffn_dim FLOPs a token
+// (plan/bound.h, step_flops). Against autograd's path the results agree
 // to rounding, not bit for bit: the attention is the flash kernel called
 // directly (GQA's k and v repeated to H heads, their gradients summed back),
 // and sums of gradients may associate differently.
@@ -140,6 +144,15 @@ static void check_cuda_head(const ModelConfig& cfg, at::ScalarType dtype) {
 
 at::Tensor Model::layer_forward_saving(const std::vector<at::Tensor>& w, const at::Tensor& x,
                                        LayerSaved* s) const {
+  return layer_saving(w, x, s, /*output=*/true);
+}
+
+void Model::layer_recompute(const std::vector<at::Tensor>& w, const at::Tensor& x, LayerSaved* s) const {
+  layer_saving(w, x, s, /*output=*/false);
+}
+
+at::Tensor Model::layer_saving(const std::vector<at::Tensor>& w, const at::Tensor& x, LayerSaved* s,
+                               bool output) const {
   LayerSaved& S = *s;
   const int64_t B = x.size(0), T = x.size(1);
   const int64_t H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.head_dim();
@@ -178,6 +191,7 @@ at::Tensor Model::layer_forward_saving(const std::vector<at::Tensor>& w, const a
   S[Saved::kGate] = at::linear(m, w[kW1]);
   S[Saved::kUp] = at::linear(m, w[kW3]);
   S[Saved::kSwiglu] = at::silu(S[Saved::kGate]) * S[Saved::kUp];
+  if (!output) return at::Tensor();  // a recompute: the backward reads entries only
   return S[Saved::kMid] + at::linear(S[Saved::kSwiglu], w[kW2]);
 }
 

@@ -57,6 +57,10 @@ class Model {
   // backward needs, by name (Note [Saved activations], model/layer_ops.cc).
   // Returns the layer's output: forward()'s up to rounding. No autograd.
   at::Tensor layer_forward_saving(const std::vector<at::Tensor>& w, const at::Tensor& x, LayerSaved* s) const;
+  // The same saved tensors again from the layer's input, for its backward
+  // (run.recompute): layer_forward_saving's ops up to the last matrix (w2,
+  // whose product only the next layer reads), so without the output.
+  void layer_recompute(const std::vector<at::Tensor>& w, const at::Tensor& x, LayerSaved* s) const;
   // Fills the cheap entries (SavedSpec::cheap) missing from *s from those
   // they are made of: the same bits as the forward's.
   void layer_recompute_cheap(const std::vector<at::Tensor>& w, LayerSaved* s) const;
@@ -72,6 +76,9 @@ class Model {
 
  private:
   at::Tensor layer_forward(const std::vector<at::Tensor>& w, const at::Tensor& x) const;
+  // layer_forward_saving's ops; the output (its last matrix and residual
+  // add) only when `output`.
+  at::Tensor layer_saving(const std::vector<at::Tensor>& w, const at::Tensor& x, LayerSaved* s, bool output) const;
   // cos/sin tables [seq_len, head_dim] in `dtype` on `device`, cast once per
   // dtype and device from the fp32 tables. Not thread-safe (one compute thread).
   std::pair<at::Tensor, at::Tensor> rope(at::ScalarType dtype, c10::Device device, int64_t t) const;

@@ -18,8 +18,9 @@ double step_flops(const ModelConfig& m, int64_t tokens, int64_t recomputed_layer
   const double layer_matrices = d * q + 2 * d * kv + q * d + 3 * d * f;
   const double layer_fwd = 2 * layer_matrices + 4 * t * q;
   const double fwd = double(m.n_layers) * layer_fwd + 2 * v * d;  // the head's matrix, tied or not
-  // Backward is twice the forward; a recomputed layer runs its forward again.
-  return double(tokens) * (3 * fwd + double(recomputed_layers) * layer_fwd);
+  // Backward is twice the forward; a recomputed layer runs its forward again
+  // but for its down projection (d x f).
+  return double(tokens) * (3 * fwd + double(recomputed_layers) * (layer_fwd - 2 * d * f));
 }
 
 namespace {
@@ -201,7 +202,7 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
   const int64_t tokens = cfg.train_micro_batch_size_per_gpu * cfg.model.seq_len;
   // A recomputed pack: its layer's forward again, for its micro-batch.
   w.flops = double(A) * step_flops(cfg.model, tokens, 0) +
-            double(p.activations.recomputed_packs()) * p.activations.layer_forward_flops;
+            double(p.activations.recomputed_packs()) * p.activations.layer_recompute_flops;
   // The forward the optimizer of the step before overlaps (Note [Optimizer
   // overlap]): until the last block's forward, the first micro-batch's under
   // micro_batch, every micro-batch's under layer (Note [Step schedules]).

@@ -105,7 +105,9 @@ struct StepWork {
 
 // Model FLOPs of one micro-batch of `tokens` tokens: forward and backward
 // (6 x matrix parameters + attention scores per token, model/model.h's
-// convention), plus the forward again of each of `recomputed_layers` layers.
+// convention), plus each of `recomputed_layers` layers recomputed for the
+// backward: its forward again up to its last matrix (w2's product makes only
+// the output, which the backward does not read: Model::layer_recompute).
 double step_flops(const ModelConfig& m, int64_t tokens, int64_t recomputed_layers);
 
 // The work of one step under `plan` (its placement, window fetches per block

@@ -93,7 +93,7 @@ void estimate_transients(const Config& cfg, const StateLayout& layout, Placement
   const int64_t layer = tokens * (6 * m.dim + 4 * m.q_dim() + 4 * m.ffn_dim()) * cb + 3 * tokens * m.n_heads * m.seq_len * 4;
   const int64_t head = 3 * tokens * m.vocab_size * 4;
   plan.activations.work_bytes = std::max(layer, head);
-  plan.activations.layer_forward_flops = step_flops(m, tokens, 1) - step_flops(m, tokens, 0);
+  plan.activations.layer_recompute_flops = step_flops(m, tokens, 1) - step_flops(m, tokens, 0);
   plan.activations.micro = std::max<int64_t>(plan.step.accum, 1);
   plan.activations.held = held;
   plan.activations.keep_device_packs = plan.activations.keep_host_packs = 0;
