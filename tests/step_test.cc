@@ -20,6 +20,7 @@
 
 #include <bit>
 #include <cmath>
+#include <atomic>
 #include <chrono>
 #include <map>
 #include <optional>
@@ -423,11 +424,33 @@ TEST_F(StepTest, PlanKeepsWhatFitsAndCountsTheEntriesItKeeps) {
   // layer 0's last micro-batch; the rows grow by three packs.
   const PlacementPlan always_layer = plan({"run.schedule=\"layer\"", "run.recompute=\"always\""}, unlimited);
   tight.device_bytes = always_layer.total()[size_t(Tier::kDevice)] + 3 * each + each / 2;
-  const PlacementPlan three = plan({"run.schedule=\"layer\""}, tight);
+  const std::string no_homes = "run.activations={\"in_gradient_homes\":false}";
+  const PlacementPlan three = plan({"run.schedule=\"layer\"", no_homes}, tight);
   EXPECT_EQ(three.activations.keep_device_packs, 3) << three.activations.recompute_choice;
   EXPECT_TRUE(three.activations.keeps_entries(0, 1) && three.activations.keeps_entries(1, 0));
   EXPECT_FALSE(three.activations.keeps_entries(0, 0));
+  EXPECT_EQ(three.activations.lent_packs, 0);
   EXPECT_EQ(three.activations.bytes, always_layer.activations.bytes + 3 * each);
+  // Note [Packs in gradient homes]: the same room keeps the fourth pack too,
+  // the last, in the gradient homes of the blocks before its layer. By hand,
+  // fp32 homes: the embedding's 256 x 64 elements (65,536 bytes), layer 0's
+  // 2 x 64 (norms) + 2 x 4096 (q, o) + 2 x 2048 (k, v) + 3 x 6144 (gate,
+  // up, down) = 30,848 elements padded to 32,768 (131,072 bytes); a pack
+  // (132,608 bytes: a multiple of 512) fits only in layer 1's 196,608.
+  const PlacementPlan lent = plan({"run.schedule=\"layer\""}, tight);
+  EXPECT_EQ(lent.activations.entries_bytes, 132608);
+  EXPECT_EQ(lent.activations.lend_limit, (std::vector<int64_t>{65536, 65536 + 131072}));
+  EXPECT_EQ(lent.activations.lent_packs, 1);
+  EXPECT_TRUE(lent.activations.lent(1, 1));
+  EXPECT_FALSE(lent.activations.lent(1, 0));
+  EXPECT_EQ(lent.activations.keep_device_packs, 4) << lent.activations.recompute_choice;
+  // The rows hold three packs' entries; the lent one's input is not held apart.
+  EXPECT_EQ(lent.activations.bytes, always_layer.activations.bytes + 3 * each - lent.activations.checkpoint_bytes);
+  EXPECT_NE(lent.activations.recompute_choice.find("(1 micro-batch of a layer in gradient homes)"), std::string::npos)
+      << lent.activations.recompute_choice;
+  // Under micro_batch a home is written in the first micro-batch's backward,
+  // before the next micro-batch's forward: none lent.
+  EXPECT_EQ(plan({}, unlimited).activations.lent_packs, 0);
   // auto on CPU without a device budget: the entries must fit in host RAM.
   MachineCapacity ram;
   ram.host_bytes = always.total()[size_t(Tier::kDevice)] + always.total()[size_t(Tier::kHost)] + each / 2;
@@ -549,6 +572,83 @@ std::vector<at::Tensor> all_state(Training& run) {
   return out;
 }
 
+// Note [Packs in gradient homes]: four layers of two micro-batches under
+// the layer schedule, every layer's entries kept: the last three packs live
+// in the gradient homes of the embedding and layers 0-2 (fp32, 132,608
+// bytes each from the homes' start: the embedding's 65,536 bytes, then
+// 131,072 per layer, paddings included, layer 2 partly), as the plan says by
+// hand; the losses, norms, state and gradients bit for bit as recomputing
+// every layer and as keeping the entries apart, on the CPU device and on the
+// test device (copies deferred, memory not zeroed), with the optimizer on its
+// own thread and inline.
+TEST_F(StepTest, PacksInGradientHomesTrainBitForBit) {
+  const std::vector<std::string> base = {"model.n_layers=4", "run.schedule=\"layer\""};
+  auto with = [&](std::vector<std::string> more) {
+    more.insert(more.begin(), base.begin(), base.end());
+    return more;
+  };
+  Training ref(base_config(data_), with({"run.recompute=\"always\""}));
+  std::vector<StepResult> want;
+  for (int s = 1; s <= 3; ++s) want.push_back(ref.step());
+  const std::vector<at::Tensor> want_state = all_state(ref);
+  for (const char* overlap : {"run.overlap_optimizer=true", "run.overlap_optimizer=false"}) {
+    for (bool homes : {true, false}) {
+      for (bool deferred : {false, true}) {
+        std::vector<std::string> sets = with({"run.recompute=\"never\"", overlap});
+        if (!homes) sets.push_back("run.activations={\"in_gradient_homes\":false}");
+        const std::string what = nlohmann::json(sets).dump() + (deferred ? " on the test device" : "");
+        testing::DeferredDevice dev;
+        Training run(base_config(data_), sets, nullptr, deferred ? &dev : nullptr);
+        const ActivationPlan& a = run.trainer().plan().activations;
+        ASSERT_EQ(a.keep_device_packs, 8) << what;
+        if (homes) {
+          EXPECT_EQ(a.lend_limit, (std::vector<int64_t>{65536, 196608, 327680, 458752})) << what;
+          EXPECT_EQ(a.lend_stride, 132608) << what;
+          ASSERT_EQ(a.lent_packs, 3) << what;  // 3 x 132,608 = 397,824 <= 458,752; 4 would pass layer 2's
+          EXPECT_TRUE(a.lent(2, 1) && a.lent(3, 0) && a.lent(3, 1) && !a.lent(2, 0)) << what;
+        } else {
+          ASSERT_EQ(a.lent_packs, 0) << what;
+        }
+        for (int s = 1; s <= 3; ++s) {
+          const StepResult r = run.step();
+          EXPECT_EQ(r.loss, want[size_t(s - 1)].loss) << what << ", step " << s;
+          EXPECT_EQ(r.grad_norm, want[size_t(s - 1)].grad_norm) << what << ", step " << s;
+        }
+        EXPECT_TRUE(same_state(want_state, all_state(run))) << what;
+      }
+    }
+  }
+  // The optimizer behind the backward (Note [Speculative optimizer]): each
+  // committed step's commit reads CPU Adam's gradients during the next
+  // forward, held back here 30 ms a piece, so the forward reaches the lent
+  // packs' saves long before it is done; they wait for it and nothing read
+  // is overwritten: the same bits as the inline optimizer.
+  Training inline_ref(base_config(data_), with({"run.recompute=\"always\"", "gradient_clipping=0",
+                                                "run.overlap_optimizer=false", "optimizer.speculate=\"off\""}));
+  Training spec(base_config(data_), with({"run.recompute=\"never\"", "gradient_clipping=0",
+                                          "run.overlap_optimizer=true", "optimizer.speculate=\"on\""}));
+  ASSERT_TRUE(spec.trainer().plan().optimizer.speculate) << spec.trainer().plan().optimizer.speculate_choice;
+  ASSERT_EQ(spec.trainer().plan().activations.lent_packs, 3);
+  std::atomic<int> held{0};
+  spec.trainer().set_optimizer_piece_hook([&](int kind) {
+    if (kind != int(OptimizerThread::Kind::kCommit)) return;
+    ++held;
+    std::this_thread::sleep_for(std::chrono::milliseconds(30));
+  });
+  std::vector<StepResult> inline_steps;
+  for (int s = 1; s <= 3; ++s) inline_steps.push_back(inline_ref.step());
+  for (int s = 1; s <= 3; ++s) {
+    const StepResult& a = inline_steps[size_t(s - 1)];
+    const StepResult b = spec.step_leaving_optimizer();
+    EXPECT_EQ(b.speculation, "committed") << "step " << s;
+    EXPECT_EQ(a.loss, b.loss) << "step " << s;
+    EXPECT_EQ(a.grad_norm, b.grad_norm) << "step " << s;
+  }
+  spec.trainer().finish();
+  EXPECT_GT(held.load(), 0);
+  EXPECT_TRUE(same_state(all_state(inline_ref), all_state(spec)));
+}
+
 // The placements both schedule tests train under (`swap`: the swap
 // directory): all on the device; untied bf16 A=3; host offload with
 // cpu_checkpointing; NVMe with persistent blocks; a 3-way split untied; a
@@ -645,7 +745,7 @@ TEST_F(StepTest, SpeculativeOptimizerTrainsBitForBitAsTheInlineOptimizer) {
   const std::vector<std::vector<std::string>> cases = schedule_matrix(dir_.path() + "/swap");
   constexpr int kSteps = 8;  // the fp16 case overflows its first steps
   std::map<std::string, int> outcomes;
-  int slot_cases = 0;
+  int slot_cases = 0, lent_cases = 0;
   for (const std::vector<std::string>& o : cases) {
     for (bool clip : {true, false}) {
       std::string what = (o.empty() ? "all on the device" : nlohmann::json(o).dump()) + (clip ? ", clipped" : "");
@@ -675,6 +775,9 @@ TEST_F(StepTest, SpeculativeOptimizerTrainsBitForBitAsTheInlineOptimizer) {
       Training c(base_config(data_), spec, nullptr, &dev);
       ASSERT_FALSE(a.trainer().plan().optimizer.speculate) << what;
       ASSERT_TRUE(b.trainer().plan().optimizer.speculate) << what << ": " << b.trainer().plan().optimizer.speculate_choice;
+      // Packs in gradient homes the commit reads during the next forward
+      // (Note [Packs in gradient homes]).
+      if (b.trainer().plan().activations.lent_packs > 0) ++lent_cases;
       // On the test device a piece wholly on the device is the device's
       // Adam's, which waits for the verdict: nothing to speculate when all are.
       const bool c_speculates = c.trainer().plan().optimizer.speculate;
@@ -721,6 +824,7 @@ TEST_F(StepTest, SpeculativeOptimizerTrainsBitForBitAsTheInlineOptimizer) {
     }
   }
   EXPECT_GT(slot_cases, 0) << "no case speculated into alternate swap slots";
+  EXPECT_GT(lent_cases, 0) << "no case kept packs in gradient homes";
   EXPECT_GT(outcomes["committed"], 0);
   EXPECT_GT(outcomes["redone"], 0) << "no step was clipped";
   EXPECT_GT(outcomes["restored"], 0) << "no fp16 step overflowed";

@@ -34,10 +34,15 @@ class TrainingSession {
 
   // One step on the next batch; its optimizer has finished when it returns.
   StepResult step() {
-    data_.sample_train(rng_, cfg_.train_batch_size, batch_.data());
-    StepResult r = trainer_.step(batch_.data());
+    StepResult r = step_leaving_optimizer();
     trainer_.finish();
     return r;
+  }
+  // A step that returns with the optimizer's thread still at work (as
+  // strata train runs them): its commit or update overlaps the next step.
+  StepResult step_leaving_optimizer() {
+    data_.sample_train(rng_, cfg_.train_batch_size, batch_.data());
+    return trainer_.step(batch_.data());
   }
   std::vector<double> train(int steps) {
     std::vector<double> losses;

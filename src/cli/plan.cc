@@ -163,6 +163,10 @@ nlohmann::json activations_json(const PlacementPlan& p) {
           {"keep_host_micro_batches", act.keep_host_packs % act.micro},
           {"recomputed_layers", double(act.recomputed_packs()) / double(act.micro)},
           {"entries_bytes_per_layer", act.entries_bytes},
+          // Note [Packs in gradient homes]: of the device's, these live in
+          // gradient homes (not in the device rows).
+          {"device_micro_batches_in_gradient_homes", act.lent_packs},
+          {"gradient_home_bytes_lent", act.lent_packs * act.lend_stride},
           {"host_bytes", p.staging.ckpt_host},
           {"d2h_bytes_per_step", act.host_link_bytes()},
           {"h2d_bytes_per_step", act.host_link_bytes()},
@@ -520,6 +524,11 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   if (p.activations.held_output_grad_bytes > 0) row("  output grads" + held, p.activations.held_output_grad_bytes, 0, 0);
   if (p.activations.held_tied_grad_bytes > 0) row("  tied head grads" + held, p.activations.held_tied_grad_bytes, 0, 0);
   if (p.staging.ckpt_host > 0) row("  on the host" + held, p.staging.ckpt_device, p.staging.ckpt_host, 0);
+  if (act.lent_packs > 0) {  // not in the totals: the gradients' memory (Note [Packs in gradient homes])
+    out += strprintf("    in gradient homes    %12s %12s %12s  (not counted again: %lld micro-batches' entries)\n",
+                     format_bytes(double(act.lent_packs * act.lend_stride)).c_str(), "-", "-",
+                     (long long)act.lent_packs);
+  }
   row("parameter window", p.staging.gathered, p.staging.window_bounce, 0);
   row("gradient staging", p.staging.grad_stage + p.staging.grad_norms, p.staging.grad_host + p.staging.grad_rmw, 0);
   if (p.world_size > 1) {

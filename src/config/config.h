@@ -152,6 +152,10 @@ struct RunConfig {
   int64_t keep_host_layers = -1;
   int64_t keep_device_micro = 0;
   int64_t keep_host_micro = 0;
+  // run.activations.in_gradient_homes: under the layer schedule, device
+  // packs may live in gradient homes not yet written this step (Note [Packs
+  // in gradient homes] in memory/placement.h).
+  bool packs_in_grad_homes = true;
   // Set by the planner for its candidates (plan/planner.h, best_activations),
   // not a config key: under recompute auto, at most this many of the first
   // packs (a layer's for one micro-batch) keep their entries in host RAM

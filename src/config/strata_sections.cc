@@ -147,7 +147,8 @@ const SectionKeys kRatesKeys = {"run.rates", rate_keys(), {}};
 const SectionKeys kCheckpointKeys = {"run.checkpoint", {"dir", "every", "keep", "snapshot_gb"}, {}};
 const SectionKeys kActivationsKeys = {
     "run.activations",
-    {"keep_device_layers", "keep_host_layers", "keep_device_micro_batches", "keep_host_micro_batches"},
+    {"keep_device_layers", "keep_host_layers", "keep_device_micro_batches", "keep_host_micro_batches",
+     "in_gradient_homes"},
     {}};
 
 namespace {
@@ -195,6 +196,7 @@ void parse_activations(Section& r, Config& c) {
     non_negative(a.key(key), *v);
     micro_given = true;
   }
+  a.read("in_gradient_homes", rc.packs_in_grad_homes);  // where device packs live, not which
   a.done();
   const bool given = rc.keep_device_layers >= 0 || rc.keep_host_layers >= 0 || micro_given;
   if (!given) return;

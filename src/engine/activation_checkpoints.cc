@@ -17,6 +17,8 @@ ActivationCheckpoints::ActivationCheckpoints(const PlacementPlan& plan, size_t n
       held_(plan.step.held_micro),
       saved_(num_blocks * size_t(accum_)),
       host_offset_(saved_.size(), -1),
+      lent_offset_(saved_.size(), -1),
+      commit_wait_(saved_.size(), -1),
       pack_bytes_(host_offset_.size(), 0),
       packed_(host_offset_.size()),
       dev_(state->device()),
@@ -32,6 +34,7 @@ ActivationCheckpoints::ActivationCheckpoints(const PlacementPlan& plan, size_t n
     const int64_t l = int64_t(b) - 1;
     for (int64_t m = 0; m < accum_; ++m) {
       pack_bytes_[key(b, m)] = a.saved_bytes(l, m);
+      if (a.lent(l, m)) lent_offset_[key(b, m)] = a.lent_offset(l, m);
       if (!a.on_host(l, m)) continue;
       host_offset_[key(b, m)] = host_bytes;
       if (held_ > 1) host_bytes += pack_bytes_[key(b, m)];
@@ -39,6 +42,20 @@ ActivationCheckpoints::ActivationCheckpoints(const PlacementPlan& plan, size_t n
     if (held_ <= 1) host_bytes += a.host_slot_bytes(l);
   }
   slot_bytes_ = a.largest_host_pack();
+  if (a.lent_packs > 0) {
+    const int64_t eb = plan.state.elem_bytes[size_t(Category::kGrad)];
+    lent_ = state->resident_on_device(Category::kGrad, 0, (a.lent_packs * a.lend_stride + eb - 1) / eb);
+    STRATA_CHECK(lent_, "the gradient homes lent to activations are not resident on the device");
+    const std::vector<PlacementUnit> pieces = pipeline_pieces(plan);
+    for (size_t k = 0; k < lent_offset_.size(); ++k) {
+      if (lent_offset_[k] < 0) continue;
+      const int64_t lo = lent_offset_[k] / eb, hi = (lent_offset_[k] + pack_bytes_[k] + eb - 1) / eb;
+      for (const PlacementUnit& p : pieces) {
+        if (p.offset >= hi || p.offset + p.numel <= lo || device_adam_piece(plan, p)) continue;
+        commit_wait_[k] = commit_wait_[k] < 0 ? p.offset : std::min(commit_wait_[k], p.offset);
+      }
+    }
+  }
   // A run of restores has no forward between them (micro_batch: the next
   // micro-batch's forward has not saved its packs yet, and its host slots
   // are the same). In a run, a pack from the host is brought back by the host
@@ -91,7 +108,48 @@ ActivationCheckpoints::~ActivationCheckpoints() {
 // through the device layer: memcpy on the CPU device, the copy streams of a
 // GPU, ordered after the compute that wrote (or last read) their source (or
 // slot).
+int64_t ActivationCheckpoints::record_shapes(size_t b, int64_t m, const std::vector<at::Tensor>& pack) {
+  std::vector<Packed>& shapes = packed_[key(b, m)];
+  shapes.clear();
+  int64_t total = 0;
+  for (const at::Tensor& t : pack) {
+    STRATA_CHECK(t.is_non_overlapping_and_dense(), "an activation to copy is not dense");
+    STRATA_CHECK(size_t(t.dim()) <= Packed::kMaxDims, "an activation to copy has too many dimensions");
+    Packed& p = shapes.emplace_back();
+    p.dims = size_t(t.dim());
+    std::copy(t.sizes().begin(), t.sizes().end(), p.sizes.begin());
+    std::copy(t.strides().begin(), t.strides().end(), p.strides.begin());
+    p.dtype = t.scalar_type();
+    p.bytes = int64_t(t.nbytes());
+    total += int64_t(t.nbytes());
+  }
+  STRATA_CHECK(total == pack_bytes_[key(b, m)], strprintf("layer %zu saves %lld bytes, the plan counted %lld", b,
+                                                          (long long)total, (long long)pack_bytes_[key(b, m)]));
+  return total;
+}
+
+std::vector<at::Tensor> ActivationCheckpoints::rebuild(size_t b, int64_t m, std::byte* at) const {
+  std::vector<at::Tensor> pack;
+  for (const Packed& p : packed_[key(b, m)]) {
+    pack.push_back(at::from_blob(at, at::IntArrayRef(p.sizes.data(), p.dims), at::IntArrayRef(p.strides.data(), p.dims),
+                                 at::TensorOptions().dtype(p.dtype).device(torch_device(dev_))));
+    at += p.bytes;
+  }
+  return pack;
+}
+
 void ActivationCheckpoints::save(size_t b, int64_t m, std::vector<at::Tensor> pack) {
+  if (in_grad_home(b, m)) {
+    // Copied on the compute stream, after the forward that made it; its own
+    // memory goes back to LibTorch's allocator for that stream's later work.
+    record_shapes(b, m, pack);
+    DevicePtr at = lent_ + lent_offset_[key(b, m)];
+    for (const at::Tensor& t : pack) {
+      dev_.copy_on_device(at, DevicePtr(static_cast<std::byte*>(t.data_ptr())), int64_t(t.nbytes()), Stream::kCompute);
+      at = at + int64_t(t.nbytes());
+    }
+    return;
+  }
   if (!on_host(b, m)) {
     if (b != 0) {
       for (const at::Tensor& t : pack) device_now_ += int64_t(t.nbytes());
@@ -103,22 +161,7 @@ void ActivationCheckpoints::save(size_t b, int64_t m, std::vector<at::Tensor> pa
   TraceSpan span(TraceTrack::kCopy, "offload activations");
   // The previous pack's copies are done before its tensors may be freed.
   offloaded_.wait();
-  std::vector<Packed>& shapes = packed_[key(b, m)];
-  shapes.clear();
-  int64_t total = 0;
-  for (const at::Tensor& t : pack) {
-    STRATA_CHECK(t.is_non_overlapping_and_dense(), "an activation to offload is not dense");
-    STRATA_CHECK(size_t(t.dim()) <= Packed::kMaxDims, "an activation to offload has too many dimensions");
-    Packed& p = shapes.emplace_back();
-    p.dims = size_t(t.dim());
-    std::copy(t.sizes().begin(), t.sizes().end(), p.sizes.begin());
-    std::copy(t.strides().begin(), t.strides().end(), p.strides.begin());
-    p.dtype = t.scalar_type();
-    p.bytes = int64_t(t.nbytes());
-    total += int64_t(t.nbytes());
-  }
-  STRATA_CHECK(total == pack_bytes_[key(b, m)], strprintf("layer %zu saves %lld bytes, the plan counted %lld", b,
-                                                          (long long)total, (long long)pack_bytes_[key(b, m)]));
+  const int64_t total = record_shapes(b, m, pack);
   dev_.stream_wait(Stream::kD2H, dev_.record(Stream::kCompute));
   int64_t off = 0;
   for (const at::Tensor& t : pack) {
@@ -172,6 +215,10 @@ std::vector<at::Tensor> ActivationCheckpoints::restore(size_t b, int64_t m) {
     const int64_t h = next_host_[n];
     if (h >= 0 && !brought_[size_t(h)]) bring(size_t(h));
   };
+  if (in_grad_home(b, m)) {
+    prefetch(k);
+    return rebuild(b, m, (lent_ + lent_offset_[key(b, m)]).raw());
+  }
   if (!on_host(b, m)) {
     std::vector<at::Tensor> pack = std::move(saved_[key(b, m)]);
     saved_[key(b, m)].clear();
@@ -183,15 +230,7 @@ std::vector<at::Tensor> ActivationCheckpoints::restore(size_t b, int64_t m) {
   prefetch(k);
   peak_device_ = std::max(peak_device_, device_now_ + device_.bytes());
   dev_.stream_wait(Stream::kCompute, slot_ready_[size_t(slot_of_[k])]);
-  // Tensors of the device slot, on the compute device, as the forward made them.
-  std::vector<at::Tensor> pack;
-  std::byte* at_ = (device_.ptr() + int64_t(slot_of_[k]) * slot_bytes_).raw();
-  for (const Packed& p : packed_[key(b, m)]) {
-    pack.push_back(at::from_blob(at_, at::IntArrayRef(p.sizes.data(), p.dims), at::IntArrayRef(p.strides.data(), p.dims),
-                                 at::TensorOptions().dtype(p.dtype).device(torch_device(dev_))));
-    at_ += p.bytes;
-  }
-  return pack;
+  return rebuild(b, m, (device_.ptr() + int64_t(slot_of_[k]) * slot_bytes_).raw());
 }
 
 }  // namespace strata

@@ -1,9 +1,10 @@
 // What a step's layers keep for their backward (Note [Activation placement]
 // in memory/placement.h): per layer and micro-batch a pack of tensors, its
 // input alone (the activation checkpoint: backward recomputes the layer) or
-// its entries (config/saved_specs.h), kept on the device or copied to host
-// slots during the forward and brought back one host pack ahead (in the
-// schedule's backward order) into two device slots.
+// its entries (config/saved_specs.h), kept on the device (as the forward's
+// tensors, or copied into gradient homes not yet written this step) or copied
+// to host slots during the forward and brought back one host pack ahead (in
+// the schedule's backward order) into two device slots.
 #pragma once
 
 #include <ATen/ATen.h>
@@ -52,6 +53,12 @@ class ActivationCheckpoints {
   // must be the schedule's next backward op; brings the next pack from the
   // host into the other slot.
   std::vector<at::Tensor> restore(size_t b, int64_t m);
+  // Where a speculative step's commit must have reached (its low mark:
+  // OptimizerPass::wait_committed) before block b's pack of micro-batch m
+  // may overwrite the gradient homes it lives in: the lowest piece CPU Adam
+  // updates among those the pack overlaps; -1 when it overlaps none or lives
+  // elsewhere (Note [Packs in gradient homes] in memory/placement.h).
+  int64_t commit_wait(size_t b, int64_t m) const { return commit_wait_[key(b, m)]; }
 
   // Peak bytes of saved packs on the device (those kept there, and the two
   // slots that bring back the others).
@@ -62,7 +69,13 @@ class ActivationCheckpoints {
  private:
   size_t key(size_t b, int64_t m) const { return b * size_t(accum_) + size_t(m); }
   bool on_host(size_t b, int64_t m) const { return b > 0 && b < head_ && host_offset_[key(b, m)] >= 0; }
+  bool in_grad_home(size_t b, int64_t m) const { return b > 0 && b < head_ && lent_offset_[key(b, m)] >= 0; }
   void bring(size_t k);  // the k-th restore's pack into its device slot
+  // Records the pack's shapes (checked against the plan's bytes) for its
+  // rebuild from bytes; returns its bytes.
+  int64_t record_shapes(size_t b, int64_t m, const std::vector<at::Tensor>& pack);
+  // The pack's tensors over its bytes at `at` on the device, as the forward made them.
+  std::vector<at::Tensor> rebuild(size_t b, int64_t m, std::byte* at) const;
 
   // A packed tensor as the forward made it (a host pack is rebuilt on the
   // device with the same sizes and strides).
@@ -83,6 +96,12 @@ class ActivationCheckpoints {
   // bytes of its pack (ActivationPlan::saved_bytes), and on the host its
   // pack's tensors from its last save.
   std::vector<int64_t> host_offset_;
+  // Per (block, micro-batch): its pack's offset from lent_ when it lives in
+  // the gradient homes (Note [Packs in gradient homes] in
+  // memory/placement.h), else -1.
+  std::vector<int64_t> lent_offset_;
+  DevicePtr lent_;
+  std::vector<int64_t> commit_wait_;
   std::vector<int64_t> pack_bytes_;
   std::vector<std::vector<Packed>> packed_;
   // The restores of a step in the schedule's backward order (layers only:

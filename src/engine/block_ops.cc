@@ -58,7 +58,13 @@ at::Tensor Trainer::forward_block(size_t b, int64_t m, const at::Tensor& x, bool
     y = is_embedding ? model_.forward(b, w, x) : model_.layer_forward_saving(w, x, &saved);
   }
   blocks_->end();
-  if (train) activations_->save(b, m, is_embedding ? std::vector<at::Tensor>{x} : pack_of(b, m, &saved));
+  if (train) {
+    // A pack kept in gradient homes: the previous step's commit has read
+    // them (Note [Packs in gradient homes] in memory/placement.h).
+    const int64_t home = activations_->commit_wait(b, m);
+    if (home >= 0) optimizer_->wait_committed(home);
+    activations_->save(b, m, is_embedding ? std::vector<at::Tensor>{x} : pack_of(b, m, &saved));
+  }
   return y;
 }
 

@@ -55,6 +55,12 @@ GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
     norm_hi_.push_back(ctx.shards == 1 ? n * (rank + 1) / ws : n);
   }
   any_device_home_ = std::find(home_on_device_.begin(), home_on_device_.end(), 1) != home_on_device_.end();
+  std::vector<int64_t> home_bytes;
+  for (const PlacementUnit& u : plan.state.units[size_t(Category::kGrad)]) {
+    home_bytes.push_back(u.numel * plan.state.elem_bytes[size_t(Category::kGrad)]);
+  }
+  lent_blocks_ = plan.activations.lent_blocks(home_bytes);
+  for (size_t b = 0; b < lent_blocks_; ++b) STRATA_CHECK(home_on_device_[b], "a lent gradient home off the device");
   written_.assign(blocks_, 0);
   host_norms_.assign(blocks_, 0.0);
   device_norms_host_.assign(blocks_, 0.0);
@@ -234,6 +240,14 @@ void GradientPath::set_tied(int64_t micro, const at::Tensor& g) {
 void GradientPath::add(size_t b, const std::vector<at::Tensor>& grads, size_t first, int64_t micro) {
   first_micro_ = micro == 0;
   last_micro_ = micro + 1 == accum_;
+  if (first_micro_ && b < lent_blocks_) {
+    // Its home held activation packs since the step began, all restored by
+    // now: padding included, it starts again from zero (on the compute
+    // stream, after the backwards that read them).
+    const int64_t n = ctx_.shard_numel(b);
+    ctx_.device->fill_on_device(ctx_.state->resident_on_device(Category::kGrad, ctx_.shard_offset[b], n), 0,
+                                n * ctx_.state->elem_bytes(Category::kGrad), Stream::kCompute);
+  }
   // The head's share of the tied embedding for this micro-batch.
   if (b == ctx_.embedding_block) tied_ = std::move(tied_held_[size_t(micro)]);
   if (ranks_) {

@@ -159,6 +159,10 @@ class GradientPath final : public GradientSource {
   std::vector<cpu_adam::GradType> wire_;  // per block: the dtype its shard crosses PCIe in
   std::vector<int64_t> norm_lo_, norm_hi_;  // per block: this rank's norm range within its shard
   std::vector<char> written_;          // per block: its home was written this step
+  // Blocks 0..lent_blocks_ - 1 lend their device homes to activation packs
+  // until their backward (Note [Packs in gradient homes] in
+  // memory/placement.h): zeroed before their first add of a step.
+  size_t lent_blocks_ = 0;
   int64_t accum_ = 1;                  // micro-batches per step
   bool sums_each_block_ = false;       // StepShape::sums_each_block (Note [Step schedules])
   bool last_micro_ = false;            // the current add's micro-batch is the block's last

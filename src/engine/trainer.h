@@ -174,6 +174,8 @@ class Trainer {
   // speculated update has begun; the optimizer's published progress.
   void set_backward_hook(std::function<void(size_t block, int64_t micro)> hook) { backward_hook_ = std::move(hook); }
   int64_t speculation_reached_block() const { return optimizer_->speculation_reached_block(); }
+  // Tests: OptimizerPass::set_piece_hook.
+  void set_optimizer_piece_hook(std::function<void(int kind)> hook) { optimizer_->set_piece_hook(std::move(hook)); }
   int64_t optimizer_progress() { return optimizer_->progress(); }
   int64_t optimizer_steps() const { return applied_steps_; }
   // fp16 only (else nullptr): the loss scale and its counters.

@@ -216,7 +216,7 @@ int64_t ActivationPlan::device_pack_bytes() const {
   int64_t all = 0, largest = 0;
   for (int64_t m = 0; m < micro; ++m) {
     int64_t n = 0;
-    for (int64_t l = 0; l < checkpoint_layers; ++l) n += on_host(l, m) ? 0 : saved_bytes(l, m);
+    for (int64_t l = 0; l < checkpoint_layers; ++l) n += on_host(l, m) || lent(l, m) ? 0 : saved_bytes(l, m);
     all += n;
     largest = std::max(largest, n);
   }
@@ -251,6 +251,35 @@ int64_t ActivationPlan::host_packs_per_run() const {
     largest = std::max(largest, n);
   }
   return held > 1 ? all : largest;
+}
+
+int64_t ActivationPlan::packs_that_lend(int64_t device_packs) const {
+  // The last k packs, the first of them at offset 0: pack u = P - k + j
+  // ends at (j + 1) x stride, within its layer's limit. If k fit, k - 1 do
+  // (each pack then lies a stride lower): the largest k by bisection.
+  const int64_t P = packs();
+  auto fits = [&](int64_t k) {
+    for (int64_t j = 0; j < k; ++j) {
+      const int64_t l = (P - k + j) / micro;
+      if (size_t(l) >= lend_limit.size() || (j + 1) * lend_stride > lend_limit[size_t(l)]) return false;
+    }
+    return true;
+  };
+  if (lend_stride <= 0 || lend_limit.empty()) return 0;
+  int64_t lo = 0, hi = std::min(device_packs, P);
+  if (fits(hi)) return hi;
+  while (hi - lo > 1) {
+    const int64_t mid = (lo + hi) / 2;
+    (fits(mid) ? lo : hi) = mid;
+  }
+  return lo;
+}
+
+size_t ActivationPlan::lent_blocks(const std::vector<int64_t>& block_bytes) const {
+  const int64_t end = lent_packs * lend_stride;
+  size_t b = 0;
+  for (int64_t at = 0; at < end && b < block_bytes.size(); ++b) at += block_bytes[b];
+  return b;
 }
 
 // A count of packs in words: "3 layers", "1 layer and 3 micro-batches", "1 micro-batch of a layer".

@@ -276,6 +276,39 @@ struct ActivationPlan {
   // (all of the step's under layer, one micro-batch's under micro_batch).
   int64_t host_packs_per_run() const;
   double layer_recompute_flops = 0;  // recomputing one layer for one micro-batch (bound.h, step_flops)
+
+  // Note [Packs in gradient homes]
+  // Under the layer schedule a block's gradient home is first written by its
+  // backward (home = G on its first micro-batch: Note [Gradient path] in
+  // engine/gradient_path.h), and layer l's packs are all restored by then
+  // for every block b <= l (layer l is block l + 1, whose backward comes
+  // first). So from the step's start the device homes of blocks 0..l hold
+  // nothing this step reads before layer l's packs are done with: the last
+  // device packs may live there instead of in memory of their own. What
+  // still reads the previous step's gradients is over before a pack is
+  // copied in: the inline optimizer within its step; on its own thread
+  // (Note [Optimizer overlap]) a full update publishes a block only once its
+  // gradient is read, and the forward of layer l waits for block l + 1's;
+  // a speculative step's commit (Note [Speculative optimizer]), which reads
+  // CPU Adam's pieces' gradients during the next forward from the top down,
+  // is waited for (wait_committed) down to the lowest such piece the pack
+  // overlaps before the copy (the device's Adam's pieces were updated before
+  // the step returned). lend_limit[l]: the bytes of the device's homes, from the
+  // first block's, that layer l's packs may use (empty: none); the last
+  // lent_packs device packs lie there lend_stride apart, the first of them
+  // at the homes' start. A lent block's home is zeroed before its first
+  // write (the norm and the optimizer read its padding). A pack there is
+  // copied in after its forward (on the compute stream) and read in place.
+  std::vector<int64_t> lend_limit;
+  int64_t lend_stride = 0;
+  int64_t lent_packs = 0;
+  bool lent(int64_t l, int64_t m) const { return l * micro + m >= packs() - lent_packs; }
+  int64_t lent_offset(int64_t l, int64_t m) const { return (l * micro + m - (packs() - lent_packs)) * lend_stride; }
+  // How many of the last `device_packs` packs the lendable homes hold.
+  int64_t packs_that_lend(int64_t device_packs) const;
+  // The blocks whose homes hold a lent pack (0..lent_blocks - 1): zeroed
+  // before their first write of a step. `block_bytes`: each block's home.
+  size_t lent_blocks(const std::vector<int64_t>& block_bytes) const;
 };
 
 // A count of packs (Note [Activation placement]) of `micro` a layer in

@@ -287,6 +287,29 @@ void choose_swap_paths(const Config& cfg, PlacementPlan& plan) {
   }
 }
 
+// Note [Packs in gradient homes] (memory/placement.h): how much of the
+// device's gradient homes, from the first block's, each layer's packs may
+// use under the layer schedule.
+void lendable_homes(const Config& cfg, PlacementPlan& plan) {
+  ActivationPlan& a = plan.activations;
+  a.lend_limit.clear();
+  a.lend_stride = 0;
+  a.lent_packs = 0;
+  if (!cfg.run.packs_in_grad_homes || a.held <= 1 || a.cpu_checkpointing || a.entries_bytes <= 0) return;
+  const std::vector<PlacementUnit>& homes = plan.state.units[size_t(Category::kGrad)];
+  const int64_t eb = plan.state.elem_bytes[size_t(Category::kGrad)];
+  a.lend_stride = (a.entries_bytes + 511) / 512 * 512;  // each pack 512-byte aligned
+  int64_t lendable = 0;  // bytes of the device homes from the first, so far
+  bool open = true;
+  // Layer l is block l + 1: its packs may use the homes of blocks 0..l.
+  for (int64_t l = 0; l < a.checkpoint_layers && size_t(l) < homes.size(); ++l) {
+    open = open && homes[size_t(l)].tier == Tier::kDevice;
+    if (open) lendable += homes[size_t(l)].numel * eb;
+    a.lend_limit.push_back(lendable);
+  }
+  if (lendable < a.lend_stride) a.lend_limit.clear();
+}
+
 // run.recompute auto: as many of the last packs (layer by layer, micro-batch
 // by micro-batch) keep their entries on the device as fit in what the state,
 // the staging and the other activations leave of it (of host RAM on CPU
@@ -312,9 +335,12 @@ int64_t device_packs_that_fit(const Config& cfg, const MachineCapacity& capacity
     return a.packs();  // no limit known
   }
   if (each <= 0) return a.packs();
-  if (room <= 0) return 0;
+  // The last packs first into the gradient homes (Note [Packs in gradient
+  // homes]), then into what is left.
+  const int64_t lent = a.packs_that_lend(a.packs());
+  if (room <= 0) return lent;
   const int64_t n = a.held > 1 ? room / each : room / each * a.micro;
-  return std::min<int64_t>(a.packs(), n);
+  return std::min<int64_t>(a.packs(), lent + n);
 }
 
 // How many packs keep their entries in pinned host RAM under auto: at most
@@ -360,6 +386,7 @@ std::string placement_in_words(const ActivationPlan& a) {
   if (a.keep_device_packs > 0) {
     s += s.empty() ? "entries on the device for the last " : ", on the device for the last ";
     s += packs_in_words(a.keep_device_packs, a.micro);
+    if (a.lent_packs > 0) s += " (" + packs_in_words(a.lent_packs, a.micro) + " in gradient homes)";
   }
   if (s.empty()) return "every layer recomputed";
   if (a.recomputed_packs() == 0) return s + ", none recomputed";
@@ -370,7 +397,11 @@ std::string auto_choice(const PlacementPlan& plan) {
   const ActivationPlan& a = plan.activations;
   if (a.keep_host_packs == 0) {
     if (a.cpu_checkpointing) return "auto: cpu_checkpointing offloads the layers' inputs; every layer recomputed";
-    if (a.keep_device_packs == a.packs()) return "auto: every layer's entries fit on the device";
+    if (a.keep_device_packs == a.packs()) {
+      if (a.lent_packs == 0) return "auto: every layer's entries fit on the device";
+      return "auto: every layer's entries fit on the device (" + packs_in_words(a.lent_packs, a.micro) +
+             " in gradient homes)";
+    }
     if (a.keep_device_packs == 0) return "auto: no layer's entries fit on the device; every layer recomputed";
   }
   return "auto: " + placement_in_words(a);
@@ -383,6 +414,7 @@ void resolve_recompute(const Config& cfg, const MachineCapacity& capacity, Place
   ActivationPlan& a = plan.activations;
   const int64_t packs = a.packs();
   a.keep_device_packs = a.keep_host_packs = 0;
+  lendable_homes(cfg, plan);
   if (cfg.run.keep_device_layers >= 0) {  // run.activations (checked against the layers by the config)
     for (auto [key, v] : {std::pair{"keep_device_micro_batches", cfg.run.keep_device_micro},
                           std::pair{"keep_host_micro_batches", cfg.run.keep_host_micro}}) {
@@ -401,6 +433,7 @@ void resolve_recompute(const Config& cfg, const MachineCapacity& capacity, Place
                                                      (long long)(a.keep_device_packs + a.keep_host_packs),
                                                      (long long)a.checkpoint_layers, (long long)a.micro));
     }
+    a.lent_packs = a.packs_that_lend(a.keep_device_packs);
     a.recompute_choice = "run.activations: " + placement_in_words(a);
   } else switch (cfg.run.recompute) {
     case Recompute::kAlways:
@@ -418,9 +451,11 @@ void resolve_recompute(const Config& cfg, const MachineCapacity& capacity, Place
     case Recompute::kAuto:
       a.keep_device_packs = device_packs_that_fit(cfg, capacity, plan);
       a.keep_host_packs = host_packs_that_fit(cfg, capacity, plan);
+      a.lent_packs = a.packs_that_lend(a.keep_device_packs);
       a.recompute_choice = auto_choice(plan);
       break;
   }
+  a.lent_packs = a.packs_that_lend(a.keep_device_packs);
   activation_rows(plan);
   // Kept entries take the device from the window (host ones its two slots).
   if (a.keep_device_packs > 0 || a.keep_host_packs > 0) cap_window(cfg, capacity, plan);

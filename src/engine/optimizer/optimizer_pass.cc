@@ -369,6 +369,7 @@ void OptimizerPass::walk(const OptimizerThread::Job& job, const std::vector<size
     const int k = set_of_[j];
     const PlacementUnit& g = pieces_[j];
     if (ahead > 0 && pos + ahead < n) stage_at(pos + ahead);  // read ahead
+    if (works_on(j) && piece_hook_) piece_hook_(int(job.kind));
     if (works_on(j)) {
       {
         TraceSpan span(TraceTrack::kAdam, "wait for the piece's reads (and verify them)");

@@ -9,6 +9,7 @@
 
 #include <array>
 #include <atomic>
+#include <functional>
 #include <cstdint>
 #include <memory>
 #include <mutex>
@@ -181,6 +182,9 @@ class OptimizerPass {
   // Until the commit job has written [offset, end of the shard space).
   void wait_committed(int64_t offset);
   int64_t speculated_numel() const { return speculated_numel_; }  // elements of the pieces that speculate
+  // Tests: called on the optimizer's thread before each piece a job works
+  // on, with the job's kind (OptimizerThread::Kind). Set before a step.
+  void set_piece_hook(std::function<void(int kind)> hook) { piece_hook_ = std::move(hook); }
   // Any thread (tests): the lowest block whose speculated update has begun
   // in the running or last speculation (INT64_MAX: none yet).
   int64_t speculation_reached_block() const { return reached_block_.load(std::memory_order_acquire); }
@@ -260,6 +264,7 @@ class OptimizerPass {
   bool speculates_ = false;
   int64_t speculated_numel_ = 0;
   std::atomic<int64_t> reached_block_{INT64_MAX};
+  std::function<void(int)> piece_hook_;
   std::vector<size_t> speculation_order(const PlacementPlan& plan) const;
   // The pieces in shard order, and the speculating ones in the order their
   // gradients become final (speculation_order).
