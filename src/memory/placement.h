@@ -293,7 +293,13 @@ struct ActivationPlan {
   // CPU Adam's pieces' gradients during the next forward from the top down,
   // is waited for (wait_committed) down to the lowest such piece the pack
   // overlaps before the copy (the device's Adam's pieces were updated before
-  // the step returned). lend_limit[l]: the bytes of the device's homes, from the
+  // the step returned). The bound leaves that wait out (it shows in the
+  // metrics' optimizer_wait_s): the packs lie from the homes' start, where
+  // the greedy fill puts the device's Adam's pieces, so only the last packs
+  // of the forward reach CPU Adam's, and the commit, one pass of CPU Adam
+  // over them, started at the step before's verdict (on (b), BENCHMARKS.md:
+  // the last 15 of 256 packs, saved after ~0.92 s of forwards; the commit
+  // ~0.63 s). lend_limit[l]: the bytes of the device's homes, from the
   // first block's, that layer l's packs may use (empty: none); the last
   // lent_packs device packs lie there lend_stride apart, the first of them
   // at the homes' start. A lent block's home is zeroed before its first

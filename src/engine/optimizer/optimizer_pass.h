@@ -183,7 +183,8 @@ class OptimizerPass {
   void wait_committed(int64_t offset);
   int64_t speculated_numel() const { return speculated_numel_; }  // elements of the pieces that speculate
   // Tests: called on the optimizer's thread before each piece a job works
-  // on, with the job's kind (OptimizerThread::Kind). Set before a step.
+  // on, with the job's kind (OptimizerThread::Kind). Set only while the
+  // thread is idle (before a step, or after finish()): it is read unlocked.
   void set_piece_hook(std::function<void(int kind)> hook) { piece_hook_ = std::move(hook); }
   // Any thread (tests): the lowest block whose speculated update has begun
   // in the running or last speculation (INT64_MAX: none yet).
