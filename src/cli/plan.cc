@@ -501,6 +501,29 @@ int run_plan(const PlanOptions& opt) {
 
 }  // namespace
 
+namespace {
+
+// format_plan's activation rows: the total and the rows the schedule decides
+// (Note [Step schedules] in memory/schedule.h).
+template <typename Row>
+void activation_table_rows(const PlacementPlan& p, const Row& row, std::string& out) {
+  const ActivationPlan& act = p.activations;
+  row(strprintf("activations (%.6g layers kept)", double(act.packs() - act.recomputed_packs()) / double(act.micro)),
+      act.bytes, 0, 0);
+  const std::string held = p.step.held_micro > 1 ? strprintf(" (x%lld)", (long long)p.step.held_micro) : "";
+  row("  saved inputs" + held, p.activations.checkpoint_activation_bytes, 0, 0);
+  if (p.activations.held_output_grad_bytes > 0) row("  output grads" + held, p.activations.held_output_grad_bytes, 0, 0);
+  if (p.activations.held_tied_grad_bytes > 0) row("  tied head grads" + held, p.activations.held_tied_grad_bytes, 0, 0);
+  if (p.staging.ckpt_host > 0) row("  on the host" + held, p.staging.ckpt_device, p.staging.ckpt_host, 0);
+  if (act.lent_packs > 0) {  // not in the totals: the gradients' memory (Note [Packs in gradient homes])
+    out += strprintf("    in gradient homes    %12s %12s %12s  (not counted again: %lld micro-batches' entries)\n",
+                     format_bytes(double(act.lent_packs * act.lend_stride)).c_str(), "-", "-",
+                     (long long)act.lent_packs);
+  }
+}
+
+}  // namespace
+
 std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
                         const std::vector<std::string>& shortfalls) {
   std::string out;
@@ -515,20 +538,7 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   }
   const auto st = p.state.total();
   row("state total", st[0], st[1], st[2]);
-  const ActivationPlan& act = p.activations;
-  row(strprintf("activations (%.6g layers kept)", double(act.packs() - act.recomputed_packs()) / double(act.micro)),
-      act.bytes, 0, 0);
-  // Its rows the schedule decides (Note [Step schedules] in memory/schedule.h).
-  const std::string held = p.step.held_micro > 1 ? strprintf(" (x%lld)", (long long)p.step.held_micro) : "";
-  row("  saved inputs" + held, p.activations.checkpoint_activation_bytes, 0, 0);
-  if (p.activations.held_output_grad_bytes > 0) row("  output grads" + held, p.activations.held_output_grad_bytes, 0, 0);
-  if (p.activations.held_tied_grad_bytes > 0) row("  tied head grads" + held, p.activations.held_tied_grad_bytes, 0, 0);
-  if (p.staging.ckpt_host > 0) row("  on the host" + held, p.staging.ckpt_device, p.staging.ckpt_host, 0);
-  if (act.lent_packs > 0) {  // not in the totals: the gradients' memory (Note [Packs in gradient homes])
-    out += strprintf("    in gradient homes    %12s %12s %12s  (not counted again: %lld micro-batches' entries)\n",
-                     format_bytes(double(act.lent_packs * act.lend_stride)).c_str(), "-", "-",
-                     (long long)act.lent_packs);
-  }
+  activation_table_rows(p, row, out);
   row("parameter window", p.staging.gathered, p.staging.window_bounce, 0);
   row("gradient staging", p.staging.grad_stage + p.staging.grad_norms, p.staging.grad_host + p.staging.grad_rmw, 0);
   if (p.world_size > 1) {
