@@ -2,3 +2,7 @@
 strata_test(model_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/model_test.cc LIBS strata_engine)
 # The layer's explicit forward/backward (ATen only, no torch/torch.h).
 strata_test(layer_ops_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/layer_ops_test.cc LIBS strata_model)
+# LoRA layers against PEFT (tests/peft_layer.py), the frozen layout, the lora section.
+strata_test(lora_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/lora_test.cc LIBS strata_model strata_config)
+# LoRA training over a frozen base: against PEFT + torch AdamW, across placements (tests/peft_train.py).
+strata_test(lora_train_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/lora_train_test.cc LIBS strata_engine)

@@ -42,10 +42,13 @@ TEST(PlacementTest, DefaultIsEverythingOnDevice) {
   const Config cfg = config_with({});
   PlacementPlan p = make_plan(cfg, layout, 0, unlimited());
   EXPECT_EQ(p.state.source, "default");
-  for (int c = 0; c < kNumCategories; ++c) {
+  for (int c = 0; c <= int(Category::kExpAvgSq); ++c) {
     EXPECT_EQ(p.state.bytes[c][0], kTotal * p.state.elem_bytes[c]) << category_name(Category(c));
     EXPECT_EQ(p.state.bytes[c][1] + p.state.bytes[c][2], 0);
   }
+  // A dense model has no frozen state (Note [State kinds] in memory/layout.h).
+  EXPECT_EQ(p.state.category_total(Category::kFrozen), 0);
+  EXPECT_TRUE(p.state.units[size_t(Category::kFrozen)].empty());
   // All resident: the fp32 stage of the tied embedding's gradient sum (the
   // largest block) and a norm slot per block (Note [Gradient path]).
   ASSERT_TRUE(p.tied);
@@ -178,7 +181,9 @@ TEST(PlacementTest, ThreeWaySplitPlacesWholeUnitsNearTheRequestedShares) {
   EXPECT_EQ(mb[1], 2 * 65536 * 4);
   EXPECT_EQ(mb[2], 4 * 65536 * 4);
   // Every category accounts for every element exactly once.
-  for (int c = 0; c < kNumCategories; ++c) EXPECT_EQ(p.state.category_total(Category(c)), kTotal * p.state.elem_bytes[c]);
+  for (int c = 0; c <= int(Category::kExpAvgSq); ++c) {
+    EXPECT_EQ(p.state.category_total(Category(c)), kTotal * p.state.elem_bytes[c]);
+  }
   // Deterministic: the same config gives the same units.
   PlacementPlan q = make_plan(cfg, layout, 0, unlimited());
   for (int c = 0; c < kNumCategories; ++c) {

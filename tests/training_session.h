@@ -70,6 +70,7 @@ class TrainingSession {
     state << rng_;
     h.data = {{"rng", state.str()}, {"tokens", data_.num_tokens()}};
     h.invariants = resume_invariants(cfg_);
+    h.config = rank_invariant_config(cfg_);  // as strata train's saves (cli/train/saves.cc)
     return h;
   }
   void load(const std::string& dir) {

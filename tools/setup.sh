@@ -16,6 +16,7 @@ SAFETENSORS_VERSION="0.8.0"
 TOKENIZERS_VERSION="0.23.3"
 TENSORBOARD_VERSION="2.21.0"
 PYARROW_VERSION="26.0.1"
+PEFT_VERSION="0.21.2"
 
 say() { echo "[setup] $*" >&2; }
 
@@ -59,6 +60,12 @@ if [ -z "${CMAKE_PREFIX_PATH:-}" ]; then
   if ! .venv/bin/python -c "import tensorboard, pyarrow, sys; sys.exit(0 if (tensorboard.__version__, pyarrow.__version__) == ('$TENSORBOARD_VERSION', '$PYARROW_VERSION') else 1)" 2>/dev/null; then
     say "installing tensorboard==$TENSORBOARD_VERSION pyarrow==$PYARROW_VERSION into .venv (monitor checks, Parquet input)"
     .venv/bin/pip install -q --disable-pip-version-check "tensorboard==$TENSORBOARD_VERSION" "pyarrow==$PYARROW_VERSION"
+  fi
+  # peft (pinned): the LoRA checks compare Strata's adapters with PEFT's
+  # layers and files (tests/lora_test.cc).
+  if ! .venv/bin/python -c "import peft, sys; sys.exit(0 if peft.__version__ == '$PEFT_VERSION' else 1)" 2>/dev/null; then
+    say "installing peft==$PEFT_VERSION into .venv (LoRA checks)"
+    .venv/bin/pip install -q --disable-pip-version-check "peft==$PEFT_VERSION"
   fi
   TORCH_PREFIX="$(.venv/bin/python -c 'import torch.utils; print(torch.utils.cmake_prefix_path)' 2>/dev/null)"
   export CMAKE_PREFIX_PATH="$TORCH_PREFIX"

@@ -58,6 +58,18 @@ std::string hf_tensor_name(const std::string& name) {
   throw Error("no Hugging Face name for parameter '" + name + "'");
 }
 
+std::string peft_tensor_name(const std::string& name) {
+  const size_t dot = name.find('.', 6);
+  const size_t kind = name.find("lora_");
+  if (name.rfind("layer.", 0) != 0 || dot == std::string::npos || kind != dot + 1 || name.size() < kind + 8) {
+    throw Error("no PEFT name for parameter '" + name + "'");
+  }
+  const std::string layer = name.substr(6, dot - 6), ab = name.substr(kind, 6), module = name.substr(kind + 7);
+  const bool attention = module == "q_proj" || module == "k_proj" || module == "v_proj" || module == "o_proj";
+  return "base_model.model.model.layers." + layer + (attention ? ".self_attn." : ".mlp.") + module + "." + ab +
+         ".weight";
+}
+
 SafetensorsSet::SafetensorsSet(const std::string& path) {
   if (!is_directory(path)) {
     add_file(path);

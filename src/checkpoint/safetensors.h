@@ -15,6 +15,12 @@ namespace strata {
 // reads (Llama, Mistral, Qwen2, Qwen3). Throws Error for a name without one.
 std::string hf_tensor_name(const std::string& strata_name);
 
+// PEFT's key of a LoRA adapter ("layer.3.lora_A.q_proj" ->
+// "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight"; the
+// adapter's name left out, as PEFT saves it). Throws Error for a name
+// without one.
+std::string peft_tensor_name(const std::string& strata_name);
+
 // "[4096, 128]"
 std::string shape_text(const std::vector<int64_t>& shape);
 

@@ -34,7 +34,7 @@ using nlohmann::json;
 struct ExportOptions {
   std::string checkpoint;
   std::string out;
-  std::string dtype = "bf16";
+  std::string dtype;  // bf16, or fp32 for a LoRA adapter (PEFT keeps adapters in fp32)
   std::string max_shard_size = "5GB";
   std::string buffer_size = "64MiB";  // fp32 bytes read per chunk
 };
@@ -150,15 +150,18 @@ struct ExportLayout {
   std::vector<ExportItem> items;
   std::vector<int64_t> shard_bytes;
   int64_t largest = 0, total = 0;  // largest tensor's elements, all bytes
+  bool lora = false;               // a PEFT adapter
 
   std::string file_name(size_t s) const {
+    if (lora) return "adapter_model.safetensors";
     return shard_bytes.size() == 1 ? std::string("model.safetensors")
                                    : strprintf("model-%05zu-of-%05zu.safetensors", s + 1, shard_bytes.size());
   }
 };
 
-ExportLayout plan_export(const Manifest& m, int eb, int64_t max_shard) {
+ExportLayout plan_export(const Manifest& m, int eb, int64_t max_shard, bool lora) {
   ExportLayout l;
+  if (lora) max_shard = INT64_MAX;  // adapter_model.safetensors: one file, as PEFT reads it
   for (const TensorEntry& t : m.tensors) {
     int64_t numel = 1;
     for (int64_t d : t.shape) numel *= d;
@@ -166,7 +169,8 @@ ExportLayout plan_export(const Manifest& m, int eb, int64_t max_shard) {
     if (l.shard_bytes.empty() || (l.shard_bytes.back() > 0 && l.shard_bytes.back() + bytes > max_shard)) {
       l.shard_bytes.push_back(0);
     }
-    l.items.push_back({&t, hf_tensor_name(t.name), numel, l.shard_bytes.back(), l.shard_bytes.size() - 1});
+    l.items.push_back({&t, lora ? peft_tensor_name(t.name) : hf_tensor_name(t.name), numel, l.shard_bytes.back(),
+                       l.shard_bytes.size() - 1});
     l.shard_bytes.back() += bytes;
     l.largest = std::max(l.largest, numel);
     l.total += bytes;
@@ -233,10 +237,35 @@ void write_export_file(const ExportOptions& opt, const ExportLayout& l, size_t s
   rename_path(tmp, path);
 }
 
-int run_export(const ExportOptions& opt) {
-  if (opt.dtype != "bf16" && opt.dtype != "fp32") {
-    throw ConfigError("--dtype", "expected bf16 or fp32, got '" + opt.dtype + "'");
+// adapter_config.json for a LoRA checkpoint: PEFT's LoraConfig fields that
+// say what the adapters are (model.lora of the invariants, the run's config).
+json adapter_config(const Manifest& m) {
+  const json& l = m.invariants["model"]["lora"];
+  std::string base;
+  if (m.config.contains("lora") && m.config["lora"].is_object()) {
+    base = m.config["lora"].value("base_model_name_or_path", std::string());
   }
+  if (base.empty() && m.config.contains("model") && m.config["model"].is_object()) {
+    base = m.config["model"].value("init_from", std::string());
+  }
+  double dropout = 0.0;
+  if (m.config.contains("lora") && m.config["lora"].is_object()) dropout = m.config["lora"].value("lora_dropout", 0.0);
+  return {{"peft_type", "LORA"},
+          {"task_type", "CAUSAL_LM"},
+          {"base_model_name_or_path", base.empty() ? json(nullptr) : json(base)},
+          {"r", l.at("r")},
+          {"lora_alpha", l.at("lora_alpha")},
+          {"lora_dropout", dropout},
+          {"target_modules", l.at("target_modules")},
+          {"use_rslora", l.at("use_rslora")},
+          {"init_lora_weights", true},
+          {"bias", "none"},
+          {"fan_in_fan_out", false},
+          {"modules_to_save", nullptr},
+          {"inference_mode", true}};
+}
+
+int run_export(ExportOptions opt) {
   const int64_t max_shard = parse_size(opt.max_shard_size, "--max-shard-size");
   const int64_t buffer_elems = std::max<int64_t>(1, parse_size(opt.buffer_size, "--buffer-size") / 4);
   nvme::EngineOptions engine;
@@ -246,13 +275,19 @@ int run_export(const ExportOptions& opt) {
   const std::string mpath = reader.dir() + "/manifest.json";
   if (!m.invariants.contains("model")) throw InputError(mpath, "manifest invariants.model: missing");
   const json& model = m.invariants["model"];
+  const bool lora = model.contains("lora");
+  if (opt.dtype.empty()) opt.dtype = lora ? "fp32" : "bf16";
+  if (opt.dtype != "bf16" && opt.dtype != "fp32") {
+    throw ConfigError("--dtype", "expected bf16 or fp32, got '" + opt.dtype + "'");
+  }
   if (is_directory(opt.out) && !list_dir(opt.out).empty()) {
     throw InputError(opt.out, "exists and is not empty; export writes into a new or empty directory");
   }
   make_dirs(opt.out, 0755);
 
   const int eb = opt.dtype == "bf16" ? 2 : 4;
-  const ExportLayout l = plan_export(m, eb, max_shard);
+  ExportLayout l = plan_export(m, eb, max_shard, lora);
+  l.lora = lora;
   const size_t shards = l.shard_bytes.size();
   // Tensors stream through in chunks: host memory is one chunk, whatever the
   // size of the largest tensor (Llama-3's 128256 x 4096 embedding is 2 GiB in fp32).
@@ -268,7 +303,11 @@ int run_export(const ExportOptions& opt) {
     write_file_atomic(opt.out + "/model.safetensors.index.json",
                       json({{"metadata", {{"total_size", l.total}}}, {"weight_map", weight_map}}).dump(2) + "\n");
   }
-  write_file_atomic(opt.out + "/config.json", hf_config(model, opt.dtype).dump(2) + "\n");
+  if (lora) {
+    write_file_atomic(opt.out + "/adapter_config.json", adapter_config(m).dump(2) + "\n");
+  } else {
+    write_file_atomic(opt.out + "/config.json", hf_config(model, opt.dtype).dump(2) + "\n");
+  }
   log::info("exported step %lld of %s: %zu tensors, %s in %zu file(s) to %s", (long long)m.step,
             reader.dir().c_str(), l.items.size(), format_bytes(double(l.total)).c_str(), shards, opt.out.c_str());
   return kExitOk;
@@ -282,7 +321,7 @@ void register_export(CLI::App& app, int& result) {
   cmd->add_option("checkpoint", opt->checkpoint, "Checkpoint directory (or a directory of them with 'latest')")
       ->required();
   cmd->add_option("--out", opt->out, "Output directory (new or empty)")->required();
-  cmd->add_option("--dtype", opt->dtype, "bf16 | fp32")->capture_default_str();
+  cmd->add_option("--dtype", opt->dtype, "bf16 | fp32 (default: bf16; fp32 for a LoRA adapter)");
   cmd->add_option("--max-shard-size", opt->max_shard_size, "Largest safetensors file: 5GB, 500MB, ...")
       ->capture_default_str();
   cmd->add_option("--buffer-size", opt->buffer_size, "Host memory tensors stream through (fp32 bytes)")

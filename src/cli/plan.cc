@@ -180,6 +180,7 @@ nlohmann::json plan_json(const Computed& c) {
   j["source"] = p.state.source;
   j["parameters"] = c.parameters;
   for (int cat = 0; cat < kNumCategories; ++cat) {
+    if (Category(cat) == Category::kFrozen && p.state.frozen_space_numel == 0) continue;  // a dense model
     nlohmann::json row;
     for (int t = 0; t < kNumTiers; ++t) row[tier_name(Tier(t))] = p.state.bytes[size_t(cat)][size_t(t)];
     j["state_bytes"][category_name(Category(cat))] = row;
@@ -207,6 +208,13 @@ nlohmann::json plan_json(const Computed& c) {
                     {"spare_nvme_bytes", p.optimizer.nvme_spare_bytes},
                     {"choice", p.optimizer.speculate_choice}};
   j["activations"] = activations_json(p);
+  if (p.state.frozen_space_numel > 0) {  // Note [State kinds]
+    j["frozen_window"] = {{"slots", p.staging.frozen_window.slots},
+                          {"slot_elements", p.staging.frozen_window.slot_numel},
+                          {"persistent_elements", p.staging.frozen_window.persistent_numel},
+                          {"device_bytes", p.staging.frozen_gathered},
+                          {"bounce_bytes", p.staging.frozen_window_bounce}};
+  }
   j["parameter_window"] = {{"slots", p.staging.window.slots},
                            {"slot_elements", p.staging.window.slot_numel},
                            {"persistent_elements", p.staging.window.persistent_numel}};
@@ -534,12 +542,18 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   out += strprintf("  %-22s %12s %12s %12s\n", "", "device", "host", "nvme");
   for (int c = 0; c < kNumCategories; ++c) {
     const auto& b = p.state.bytes[size_t(c)];
+    if (Category(c) == Category::kFrozen) {
+      // Note [State kinds]: the frozen base's values, when there is one.
+      if (p.state.frozen_space_numel > 0) row("frozen base", b[0], b[1], b[2]);
+      continue;
+    }
     row(category_name(Category(c)), b[0], b[1], b[2]);
   }
   const auto st = p.state.total();
   row("state total", st[0], st[1], st[2]);
   activation_table_rows(p, row, out);
   row("parameter window", p.staging.gathered, p.staging.window_bounce, 0);
+  if (p.state.frozen_space_numel > 0) row("frozen base window", p.staging.frozen_gathered, p.staging.frozen_window_bounce, 0);
   row("gradient staging", p.staging.grad_stage + p.staging.grad_norms, p.staging.grad_host + p.staging.grad_rmw, 0);
   if (p.world_size > 1) {
     row("gathered blocks", p.staging.gather, 0, 0);

@@ -59,6 +59,7 @@ std::vector<ConfigKey> config_key_table() {
       {"fp16", &config::kFp16Keys},
       {"bf16", &config::kBf16Keys},
       {"zero_optimization", &config::kZeroKeys},
+      {"lora", &config::kLoraKeys},
       {"zero_optimization.offload_param", &config::kOffloadParamKeys},
       {"zero_optimization.offload_optimizer", &config::kOffloadOptimizerKeys},
       {"aio", &config::kAioKeys},
@@ -150,6 +151,7 @@ Config parse_config(nlohmann::json j, const std::vector<std::string>& overrides,
   config::parse_aio(top, c);
   config::parse_activation_checkpointing(top, c);
   config::parse_model(top, c);
+  config::parse_lora(top, c);
   config::parse_data(top, c);
   config::parse_run(top, c);
   config::parse_placement(top, c);
@@ -247,6 +249,15 @@ json model_invariants(const ModelConfig& m) {
     }
   }
   if (m.sliding_window > 0) j["sliding_window"] = m.sliding_window;
+  if (m.lora.enabled) {
+    // The adapters' shapes and arithmetic (their dropout may change on resume).
+    json targets = json::array();
+    for (size_t i = 0; i < kLoraModuleCount; ++i) {
+      if (m.lora.targets[i]) targets.push_back(lora_module_name(LoraModule(i)));
+    }
+    j["lora"] = {{"r", m.lora.r}, {"lora_alpha", m.lora.alpha}, {"use_rslora", m.lora.use_rslora},
+                 {"target_modules", targets}};
+  }
   return j;
 }
 

@@ -36,6 +36,34 @@ struct RopeScaling {
   int64_t original_max_position_embeddings = 8192;  // llama3
 };
 
+// lora: LoRA adapters over a frozen base, with PEFT's LoraConfig names and
+// meanings (docs/config.md, "lora"; Note [State kinds] in memory/layout.h).
+// The linears an adapter can target, in PEFT's names for these families.
+enum class LoraModule : uint8_t { kQ, kK, kV, kO, kGate, kUp, kDown };
+inline constexpr size_t kLoraModuleCount = 7;
+const char* lora_module_name(LoraModule m);  // "q_proj", "k_proj", ..., "down_proj"
+// lora.init_lora_weights: true (A kaiming-uniform with a = sqrt 5, B zeros)
+// or "gaussian" (A normal with std 1 / r, B zeros).
+enum class LoraInit { kKaimingUniform, kGaussian };
+struct LoraConfig {
+  bool enabled = false;            // a `lora` section is present: the base is frozen
+  int64_t r = 8;                   // the adapters' rank
+  double alpha = 8.0;              // lora_alpha
+  double dropout = 0.0;            // lora_dropout, on each adapter's input, in [0, 1)
+  std::array<bool, kLoraModuleCount> targets{};  // target_modules
+  bool all_linear = false;         // target_modules was "all-linear" (every linear but the head)
+  bool use_rslora = false;         // scaling alpha / sqrt(r) instead of alpha / r
+  LoraInit init = LoraInit::kKaimingUniform;
+  // A PEFT adapter directory (adapter_config.json, adapter_model.safetensors)
+  // to start from; "" = A from run.seed, B zeros.
+  std::string init_from;
+  // adapter_config.json's base_model_name_or_path on export; "" = model.init_from.
+  std::string base_model_name_or_path;
+
+  bool targets_module(LoraModule m) const { return enabled && targets[size_t(m)]; }
+  double scaling() const;  // PEFT's: alpha / r, or alpha / sqrt(r) with use_rslora
+};
+
 struct ModelConfig {
   int64_t vocab_size = 256;       // tokens; 256 for byte-level text
   int64_t dim = 128;              // model width
@@ -56,6 +84,10 @@ struct ModelConfig {
   // Hugging Face safetensors (a directory with config.json, or one file)
   // whose weights initialise training; "" = random init from run.seed.
   std::string init_from;
+  // The top-level `lora` section, kept with the model it reshapes: with it,
+  // every layer's base weights are frozen and the targeted linears gain
+  // adapters (model/model.h, model_blocks).
+  LoraConfig lora;
 
   int64_t head_dim() const { return explicit_head_dim > 0 ? explicit_head_dim : dim / n_heads; }
   int64_t q_dim() const { return n_heads * head_dim(); }  // width of the attention's q and output
@@ -64,6 +96,11 @@ struct ModelConfig {
   int64_t kv_heads() const { return n_kv_heads == 0 ? n_heads : n_kv_heads; }
   int64_t ffn_dim() const;
 };
+
+// The weight [out, in] of the linear LoRA module m adapts in a layer of `cfg`.
+std::array<int64_t, 2> lora_module_shape(const ModelConfig& cfg, LoraModule m);
+// A layer's adapter parameters (A and B of every targeted linear).
+int64_t lora_layer_params(const ModelConfig& cfg);
 
 // data.format: bytes of text (vocab 256), or tokenized .bin files
 // (docs/token-format.md).

@@ -12,7 +12,7 @@ const SectionKeys kTopKeys = {
     "",
     {"train_batch_size", "train_micro_batch_size_per_gpu", "gradient_accumulation_steps", "gradient_clipping",
      "steps_per_print", "optimizer", "scheduler", "fp16", "bf16", "bfloat16", "zero_optimization", "aio",
-     "activation_checkpointing", "model", "data", "run", "placement", "comm", "communication_data_type",
+     "activation_checkpointing", "model", "lora", "data", "run", "placement", "comm", "communication_data_type",
      "tensorboard", "csv_monitor"},
     {"wall_clock_breakdown", "prescale_gradients", "gradient_predivide_factor", "zero_allow_untested_optimizer",
      "flops_profiler", "wandb", "comet", "comms_logger", "checkpoint", "data_types", "amp", "dump_state",

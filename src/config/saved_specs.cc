@@ -6,7 +6,8 @@ const char* saved_name(Saved s) {
   static constexpr const char* kNames[kSavedCount] = {
       "input", "attn_rstd", "attn_normed", "q_proj", "k_proj", "q_rstd", "k_rstd", "q",
       "k",     "v",         "attn_out",    "attn_lse", "mid",  "mlp_rstd", "mlp_normed",
-      "gate",  "up",        "swiglu"};
+      "gate",  "up",        "swiglu", "lora.q_proj", "lora.k_proj", "lora.v_proj", "lora.o_proj",
+      "lora.gate_proj", "lora.up_proj", "lora.down_proj"};
   return kNames[size_t(s)];
 }
 
@@ -38,6 +39,9 @@ std::vector<SavedSpec> layer_saved_specs(const ModelConfig& cfg) {
       {Saved::kSwiglu, f, false, true},
   };
   specs.insert(specs.end(), rest.begin(), rest.end());
+  for (size_t m = 0; m < kLoraModuleCount; ++m) {
+    if (cfg.lora.targets_module(LoraModule(m))) specs.push_back({lora_saved(LoraModule(m)), cfg.lora.r, true, false});
+  }
   return specs;
 }
 

@@ -36,8 +36,19 @@ enum class Saved : uint8_t {
   kGate,        // g  [B, T, F]: m w1^T
   kUp,          // u  [B, T, F]: m w3^T
   kSwiglu,      // p  [B, T, F]: silu(g) * u                         cheap (g, u)
+  // LoRA (model.lora): per targeted linear, its adapter's middle
+  // dropout(x) A^T [B, T, r] in fp32 (Note [LoRA layers] in model/layer_ops.cc).
+  kLoraQ,
+  kLoraK,
+  kLoraV,
+  kLoraO,
+  kLoraGate,
+  kLoraUp,
+  kLoraDown,
 };
-inline constexpr size_t kSavedCount = size_t(Saved::kSwiglu) + 1;
+inline constexpr size_t kSavedCount = size_t(Saved::kLoraDown) + 1;
+// The adapter middle of LoRA module m (LoraModule's order).
+inline Saved lora_saved(LoraModule m) { return Saved(size_t(Saved::kLoraQ) + size_t(m)); }
 
 const char* saved_name(Saved s);  // "input", "attn_rstd", ... (strata plan's names)
 
@@ -49,7 +60,7 @@ struct SavedSpec {
   bool cheap;               // elementwise from other entries (no GEMM, no attention)
 };
 // The entries a layer of `cfg` saves, in Saved's order (the Qwen3-only ones
-// only for Qwen3).
+// only for Qwen3, a LoRA middle only for a targeted module).
 std::vector<SavedSpec> layer_saved_specs(const ModelConfig& cfg);
 // Bytes of one entry for `tokens` tokens at compute dtype `dtype_bytes`.
 inline int64_t saved_bytes(const SavedSpec& s, int64_t tokens, int dtype_bytes) {

@@ -16,6 +16,7 @@ extern const SectionKeys kTopKeys, kOptimizerKeys, kOptimizerParamsKeys, kSchedu
     kActivationCheckpointingKeys;  // deepspeed_sections.cc
 extern const SectionKeys kModelKeys, kRopeScalingKeys, kDataKeys, kRunKeys, kRatesKeys, kCheckpointKeys, kActivationsKeys,
     kPlacementKeys, kSplitKeys, kCommKeys, kMonitorKeys;  // strata_sections.cc
+extern const SectionKeys kLoraKeys;                   // lora_section.cc
 
 // Enum tables (name <-> value), in the order their messages list them.
 inline constexpr EnumName<DeviceKind> kDeviceKinds[] = {{DeviceKind::kCpu, "cpu"}, {DeviceKind::kCuda, "cuda"}};
@@ -69,6 +70,7 @@ void parse_model(Section& top, Config& c);
 void parse_data(Section& top, Config& c);
 void parse_run(Section& top, Config& c);
 void parse_placement(Section& top, Config& c);
+void parse_lora(Section& top, Config& c);  // lora (lora_section.cc)
 void parse_comm(Section& top, Config& c);  // comm and the top-level communication_data_type
 void parse_monitor(Section& top, Config& c, const char* key, MonitorConfig& m);  // tensorboard, csv_monitor
 

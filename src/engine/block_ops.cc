@@ -18,11 +18,12 @@ namespace strata {
 namespace {
 
 // Leaf copies of weight views that autograd can differentiate with respect to;
-// they share storage with the views.
-std::vector<at::Tensor> as_leaves(const std::vector<at::Tensor>& views) {
+// they share storage with the views. The first `frozen` (a block's frozen
+// parameters: Note [State kinds] in memory/layout.h) get no gradient.
+std::vector<at::Tensor> as_leaves(const std::vector<at::Tensor>& views, size_t frozen = 0) {
   std::vector<at::Tensor> leaves;
   leaves.reserve(views.size());
-  for (const at::Tensor& v : views) leaves.push_back(v.detach().requires_grad_(true));
+  for (size_t i = 0; i < views.size(); ++i) leaves.push_back(views[i].detach().requires_grad_(i >= frozen));
   return leaves;
 }
 
@@ -48,13 +49,17 @@ std::vector<at::Tensor> as_leaves(const std::vector<at::Tensor>& views) {
 at::Tensor Trainer::forward_block(size_t b, int64_t m, const at::Tensor& x, bool train) {
   at::NoGradGuard no_grad;
   const bool is_embedding = b == ctx_.embedding_block;
-  DevicePtr gathered[2];
-  blocks_->next(gathered);
+  DevicePtr gathered[2], frozen[2];
+  blocks_->next(gathered, frozen);
   at::Tensor y;
   LayerSaved saved;
+  if (train && !is_embedding && cfg_.model.lora.dropout > 0) {  // Note [LoRA layers]: training only
+    saved.dropout = true;
+    saved.dropout_key = dropout_key(b, m);
+  }
   {
     TraceSpan span(TraceTrack::kCompute, span_name(Pass::kForward, b, m));
-    std::vector<at::Tensor> w = weights(b, gathered[0]);
+    std::vector<at::Tensor> w = weights(b, gathered[0], frozen[0]);
     y = is_embedding ? model_.forward(b, w, x) : model_.layer_forward_saving(w, x, &saved);
   }
   blocks_->end();
@@ -88,16 +93,23 @@ void Trainer::unpack(size_t b, int64_t m, std::vector<at::Tensor> pack, LayerSav
 // of the head's input; the head's weight gradients go to the gradient path.
 at::Tensor Trainer::head_forward_backward(const at::Tensor& x, const at::Tensor& targets, double loss_scale,
                                           int64_t m, at::Tensor* dx) {
-  DevicePtr gathered[2];
+  DevicePtr gathered[2], frozen[2];
   at::Tensor xin = x.detach().requires_grad_(true);
-  blocks_->next(gathered);
-  std::vector<at::Tensor> w = as_leaves(weights(ctx_.head_block, gathered[0]));
+  blocks_->next(gathered, frozen);
+  const size_t head_frozen = layout_.block(ctx_.head_block).frozen.size();
+  std::vector<at::Tensor> w = as_leaves(weights(ctx_.head_block, gathered[0], frozen[0]), head_frozen);
   at::Tensor tied;
-  if (cfg_.model.tie_embeddings) tied = as_leaves(weights(ctx_.embedding_block, gathered[1]))[0];
+  if (cfg_.model.tie_embeddings) {
+    const size_t emb_frozen = layout_.block(ctx_.embedding_block).frozen.size();
+    tied = as_leaves(weights(ctx_.embedding_block, gathered[1], frozen[1]), emb_frozen)[0];
+  }
   TraceSpan span(TraceTrack::kCompute, span_name(Pass::kHead, ctx_.head_block, m));
   at::Tensor loss = loss_of(model_.forward(ctx_.head_block, w, xin, tied), targets);
+  // Gradients for the head's input and its trained weights only (a frozen
+  // head has none: its weight-gradient GEMM is not run).
   std::vector<at::Tensor> wrt{xin};
-  wrt.insert(wrt.end(), w.begin(), w.end());
+  wrt.insert(wrt.end(), w.begin() + std::ptrdiff_t(head_frozen), w.end());
+  if (tied.defined() && !tied.requires_grad()) tied = at::Tensor();
   if (tied.defined()) wrt.push_back(tied);
   std::vector<at::Tensor> grads =
       torch::autograd::grad({loss * loss_scale}, wrt, /*grad_outputs=*/{}, /*retain_graph=*/false);
@@ -122,19 +134,29 @@ at::Tensor Trainer::head_forward_backward(const at::Tensor& x, const at::Tensor&
 at::Tensor Trainer::block_backward(size_t b, int64_t m, const at::Tensor& dx) {
   if (backward_hook_) backward_hook_(b, m);
   const bool is_embedding = b == ctx_.embedding_block;
-  DevicePtr gathered[2];
-  blocks_->next(gathered);
+  DevicePtr gathered[2], frozen[2];
+  blocks_->next(gathered, frozen);
   std::vector<at::Tensor> pack = activations_->restore(b, m);
   std::vector<at::Tensor> grads;
+  // Note [State kinds]: a block's gradients start after its input's and its
+  // frozen parameters' (which have none).
+  const size_t frozen_params = layout_.block(b).frozen.size();
   {
     TraceSpan span(TraceTrack::kCompute, span_name(Pass::kBackward, b, m));
     if (is_embedding) {
-      std::vector<at::Tensor> w = as_leaves(weights(b, gathered[0]));
-      grads = torch::autograd::grad({model_.forward(b, w, pack[0])}, w, {dx}, /*retain_graph=*/false);
+      // A frozen embedding (LoRA) has nothing to train: no backward.
+      if (layout_.block(b).numel > 0) {
+        std::vector<at::Tensor> w = as_leaves(weights(b, gathered[0], frozen[0]));
+        grads = torch::autograd::grad({model_.forward(b, w, pack[0])}, w, {dx}, /*retain_graph=*/false);
+      }
     } else {
       at::NoGradGuard no_grad;
-      const std::vector<at::Tensor> w = weights(b, gathered[0]);
+      const std::vector<at::Tensor> w = weights(b, gathered[0], frozen[0]);
       LayerSaved saved;
+      if (cfg_.model.lora.dropout > 0) {
+        saved.dropout = true;
+        saved.dropout_key = dropout_key(b, m);
+      }
       if (keeps_entries_[act_key(b, m)]) {
         unpack(b, m, std::move(pack), &saved);
       } else {
@@ -149,7 +171,7 @@ at::Tensor Trainer::block_backward(size_t b, int64_t m, const at::Tensor& dx) {
   pack.clear();
   blocks_->end();
   optimizer_->wait_committed(ctx_.shard_offset[b]);  // Note [Speculative optimizer]
-  grads_->add(b, grads, is_embedding ? 0 : 1, m);
+  grads_->add(b, grads, (is_embedding ? 0 : 1) + (is_embedding ? 0 : frozen_params), m);
   return is_embedding ? at::Tensor() : grads[0];
 }
 
@@ -186,11 +208,11 @@ double Trainer::eval_loss(const int64_t* tokens, int64_t batches) {
 
 // The eval schedule's head op: the head's forward and the loss, no backward.
 double Trainer::eval_head(const at::Tensor& x, const at::Tensor& targets) {
-  DevicePtr gathered[2];
-  blocks_->next(gathered);
+  DevicePtr gathered[2], frozen[2];
+  blocks_->next(gathered, frozen);
   at::Tensor tied;
-  if (cfg_.model.tie_embeddings) tied = weights(ctx_.embedding_block, gathered[1])[0];
-  at::Tensor logits = model_.forward(ctx_.head_block, weights(ctx_.head_block, gathered[0]), x, tied);
+  if (cfg_.model.tie_embeddings) tied = weights(ctx_.embedding_block, gathered[1], frozen[1])[0];
+  at::Tensor logits = model_.forward(ctx_.head_block, weights(ctx_.head_block, gathered[0], frozen[0]), x, tied);
   const double loss = loss_of(logits, targets).item<double>();
   tied = at::Tensor();
   blocks_->end();

@@ -17,30 +17,38 @@ GatheredBlocks::GatheredBlocks(const StepContext& ctx, const PlacementPlan& plan
   const StagingNeeds& need = plan.staging;
   const int blocks = int(ctx.layout->num_blocks());
   window_ = make_param_window(plan);
-  window_->attach(ctx.state, need.window, ctx.compute_bytes);
+  window_->attach(ctx.state, need.window, plan.state.elem_bytes[size_t(Category::kParam16)], Category::kParam16,
+                  need.window_bounce);
+  frozen_window_ = make_frozen_window(plan);
+  if (frozen_window_) {
+    STRATA_CHECK(ctx.shards == 1, "a frozen space gathered across shards");
+    frozen_window_->attach(ctx.state, need.frozen_window, plan.state.elem_bytes[size_t(Category::kFrozen)],
+                           Category::kFrozen, need.frozen_window_bounce);
+    frozen_window_->set_ready(INT32_MAX);  // nothing updates frozen values
+  }
   train_schedule_ = plan_train_schedule(plan);
   eval_schedule_ = eval_schedule(blocks, plan.tied);
   train_ring_slot_ = ring_slots(train_schedule_);
   eval_ring_slot_ = ring_slots(eval_schedule_);
   if (need.gathered > 0) {
     log::info("parameter window: %d slot(s) of %s, %s of persistent blocks", need.window.slots,
-              format_bytes(double(need.window.slot_numel * ctx.compute_bytes)).c_str(),
-              format_bytes(double(need.window.persistent_numel * ctx.compute_bytes)).c_str());
+              format_bytes(double(need.window.slot_numel * ctx.param_bytes)).c_str(),
+              format_bytes(double(need.window.persistent_numel * ctx.param_bytes)).c_str());
   }
   if (need.gather > 0) gather_mem_ = ctx.device->allocate(need.gather, "gathered blocks");
   gathered_valid_.assign(size_t(blocks), 0);
   kept_at_.assign(size_t(blocks), -1);
   if (!gather_once_ && ctx.shards > 1) {
-    int64_t at = 2 * per_use_ * largest_block_numel_ * ctx.compute_bytes;  // after the ring
+    int64_t at = 2 * per_use_ * largest_block_numel_ * ctx.param_bytes;  // after the ring
     for (size_t b = 0; b < plan.comm.keep_gathered.size(); ++b) {
       if (!plan.comm.keep_gathered[b]) continue;
       kept_at_[b] = at;
-      at += ctx.layout->block(b).padded_numel * ctx.compute_bytes;
+      at += ctx.layout->block(b).padded_numel * ctx.param_bytes;
     }
     STRATA_CHECK(at <= need.gather, "blocks kept gathered beyond the planned buffer");
     if (plan.comm.kept_gathered_numel > 0) {
       log::info("%s of gathered blocks kept for the step (comm.keep_gathered)",
-                format_bytes(double(plan.comm.kept_gathered_numel * ctx.compute_bytes)).c_str());
+                format_bytes(double(plan.comm.kept_gathered_numel * ctx.param_bytes)).c_str());
     }
   }
   secondary_valid_.assign(size_t(blocks), 0);
@@ -55,7 +63,7 @@ GatheredBlocks::GatheredBlocks(const StepContext& ctx, const PlacementPlan& plan
     for (size_t b = 0; b < size_t(blocks); ++b) {
       if (kept_at_[b] >= 0) continue;
       secondary_at_[b] = at;
-      at += ctx.shard_numel(b) * plan.nodes() * ctx.compute_bytes;
+      at += ctx.shard_numel(b) * plan.nodes() * ctx.param_bytes;
     }
     STRATA_CHECK(at == need.secondary, "the secondary shard is not the planned size");
     secondary_mem_ = ctx.device->allocate(need.secondary, "secondary shard");
@@ -91,6 +99,7 @@ void GatheredBlocks::begin(bool train) {
   if (!train) window_->set_ready(INT32_MAX);
   else window_->set_ready(ready_blocks());
   window_->begin(uses_);
+  if (frozen_window_) frozen_window_->begin(uses_);
   use_ = 0;
   use_issued_ = false;
 }
@@ -110,7 +119,7 @@ void GatheredBlocks::issue_gather(size_t u) {
   acquire(shard, size_t(use.block[0]), use.count > 1 ? size_t(use.block[1]) : SIZE_MAX);
   const int slot = (*ring_slot_)[u];
   if (u > 0 && repeats(*uses_, u)) return;  // gathered_[slot] holds them: nothing to issue
-  const DType dt = ctx_.compute_dtype == at::kFloat ? DType::kF32 : DType::kBF16;
+  const DType dt = ctx_.param_dtype == at::kFloat ? DType::kF32 : DType::kBF16;
   for (int i = 0; i < use.count; ++i) {
     const size_t b = size_t(use.block[i]);
     const int64_t n = ctx_.shard_numel(b);
@@ -119,12 +128,12 @@ void GatheredBlocks::issue_gather(size_t u) {
     STRATA_CHECK(src, "a block neither fetched nor resident on the device");
     if (gather_once_ || kept_at_[b] >= 0) {
       // Gathered once per step (stages 1-2, or kept at stage 3) until invalidate().
-      gathered_[slot][i] = gather_mem_.ptr() + (gather_once_ ? ctx_.layout->block(b).offset * ctx_.compute_bytes
+      gathered_[slot][i] = gather_mem_.ptr() + (gather_once_ ? ctx_.layout->block(b).offset * ctx_.param_bytes
                                                              : kept_at_[b]);
       if (gathered_valid_[b]) continue;
     } else {
       // The ring: two uses of per_use_ blocks (StagingNeeds::gather).
-      gathered_[slot][i] = gather_mem_.ptr() + int64_t(slot * per_use_ + i) * largest_block_numel_ * ctx_.compute_bytes;
+      gathered_[slot][i] = gather_mem_.ptr() + int64_t(slot * per_use_ + i) * largest_block_numel_ * ctx_.param_bytes;
     }
     fill_[slot][i] = -1;
     if (secondary_at_[b] >= 0 && secondary_valid_[b]) {
@@ -141,19 +150,32 @@ void GatheredBlocks::issue_gather(size_t u) {
   }
 }
 
-void GatheredBlocks::next(DevicePtr out[2]) {
+void GatheredBlocks::next(DevicePtr out[2], DevicePtr frozen[2]) {
   if (ctx_.shards == 1) {
     // One shard: the shard is the block, used in place (fetched or resident).
     const StepOp& use = (*uses_)[use_];
     acquire(out, size_t(use.block[0]), use.count > 1 ? size_t(use.block[1]) : SIZE_MAX);
     for (int i = 0; i < use.count; ++i) {
-      if (!out[i]) {
-        const size_t b = size_t(use.block[i]);
+      const size_t b = size_t(use.block[i]);
+      if (!out[i] && ctx_.shard_numel(b) > 0) {
         out[i] = ctx_.state->resident_on_device(Category::kParam16, ctx_.shard_offset[b], ctx_.shard_numel(b));
       }
     }
+    if (frozen_window_) {
+      // Note [State kinds]: the same blocks' frozen parts, from their own window.
+      STRATA_CHECK(frozen != nullptr, "a use of a frozen space without its frozen parts");
+      frozen_window_->acquire(frozen);
+      for (int i = 0; i < use.count; ++i) {
+        const size_t b = size_t(use.block[i]);
+        const int64_t n = ctx_.layout->block(b).frozen_shard_numel();
+        if (!frozen[i] && n > 0) frozen[i] = ctx_.state->resident_on_device(Category::kFrozen, ctx_.frozen_offset[b], n);
+      }
+    } else if (frozen != nullptr) {
+      frozen[0] = frozen[1] = DevicePtr();
+    }
     return;
   }
+  if (frozen != nullptr) frozen[0] = frozen[1] = DevicePtr();
   if (!use_issued_) issue_gather(use_);
   const int slot = (*ring_slot_)[use_];
   {
@@ -182,11 +204,12 @@ void GatheredBlocks::next(DevicePtr out[2]) {
 
 void GatheredBlocks::end() {
   if (ctx_.shards == 1) window_->release();
+  if (frozen_window_) frozen_window_->release();
   ++use_;
 }
 
 void GatheredBlocks::fill_secondary(size_t b, DevicePtr gathered) {
-  const int64_t m = ctx_.shard_numel(b) * (ctx_.shards / node_ranks_) * ctx_.compute_bytes;
+  const int64_t m = ctx_.shard_numel(b) * (ctx_.shards / node_ranks_) * ctx_.param_bytes;
   ctx_.device->copy_on_device(secondary_mem_.ptr() + secondary_at_[b], gathered + int64_t(local_rank_) * m, m,
                               Stream::kCompute);
 }

@@ -46,8 +46,10 @@ class GatheredBlocks {
   // (waiting for whatever a failed pass left in flight).
   void begin(bool train);
   // The next use's weights: blocks use.block[0] and, for the tied head,
-  // use.block[1] (the embedding), as device pointers valid until end().
-  void next(DevicePtr out[2]);
+  // use.block[1] (the embedding), as device pointers valid until end(); with
+  // a frozen space (Note [State kinds]) the blocks' frozen parts in
+  // `frozen` (null for a block of none), which must be given then.
+  void next(DevicePtr out[2], DevicePtr frozen[2] = nullptr);
   void end();
   // The optimizer rewrote the working copy: nothing gathered or fetched
   // before is valid.
@@ -80,6 +82,9 @@ class GatheredBlocks {
   int per_use_ = 1;                       // blocks per use: 2 with the tied head (head + embedding)
   int64_t largest_block_numel_ = 0;
   std::unique_ptr<ParamWindow> window_;
+  // Note [State kinds]: the frozen values' window over the same uses, never
+  // invalidated (they never change); nullptr for a dense model.
+  std::unique_ptr<ParamWindow> frozen_window_;
   std::vector<StepOp> train_schedule_, eval_schedule_;
   DeviceBuffer gather_mem_;               // gathered blocks (ring, or the whole model)
   std::vector<char> gathered_valid_;      // gathered once per step: per block, gathered since the optimizer

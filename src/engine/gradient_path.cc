@@ -40,8 +40,9 @@ GradientPath::GradientPath(const StepContext& ctx, const PlacementPlan& plan)
   sums_each_block_ = plan.step.sums_each_block();
   accum_ = ctx.cfg->gradient_accumulation_steps;
   tied_held_.resize(size_t(std::max<int64_t>(accum_, 1)));
-  const cpu_adam::GradType compute_wire = ctx.compute_dtype == at::kBFloat16 ? cpu_adam::GradType::kBF16
-                                          : ctx.compute_dtype == at::kHalf   ? cpu_adam::GradType::kF16
+  // Gradients come in the weights' dtype: the working copy's (ctx.param_dtype).
+  const cpu_adam::GradType compute_wire = ctx.param_dtype == at::kBFloat16 ? cpu_adam::GradType::kBF16
+                                          : ctx.param_dtype == at::kHalf   ? cpu_adam::GradType::kF16
                                                                              : cpu_adam::GradType::kF32;
   const int64_t ws = ctx.comm->world_size(), rank = ctx.comm->rank();
   for (size_t b = 0; b < blocks_; ++b) {

@@ -115,9 +115,12 @@ double probe_compute(const Config& cfg, Device& device, double budget_s, std::st
                            (long long)m.n_heads, (long long)hd, (long long)m.ffn_hidden);
   }
   int64_t batch = cfg.train_micro_batch_size_per_gpu, seq = m.seq_len;
+  // The head's FLOPs a token per vocab x dim (step_flops): frozen under LoRA,
+  // without its weight gradient.
+  const double head_flops = m.lora.enabled ? 4.0 : 6.0;
   // On the CPU, at most kProbeCallFlops a call: fewer windows, then shorter ones.
   if (cpu) {
-    const double per_token = step_flops(m, 1, 0) - 6.0 * double(m.vocab_size * m.dim);
+    const double per_token = step_flops(m, 1, 0) - head_flops * double(m.vocab_size * m.dim);
     const int64_t tokens = std::max<int64_t>(64, int64_t(kProbeCallFlops / std::max(per_token, 1.0)));
     if (batch * seq > tokens) {
       batch = std::max<int64_t>(1, tokens / seq);
@@ -131,11 +134,15 @@ double probe_compute(const Config& cfg, Device& device, double budget_s, std::st
   const at::TensorOptions opts = at::TensorOptions().dtype(dt).device(torch_device(device));
   at::Generator gen = at::detail::createCPUGenerator(1);
   std::vector<at::Tensor> w;
+  // The layer's work as training does it: with LoRA, no weight gradients for
+  // the frozen base and the adapters in fp32 (docs/design.md, "LoRA layers"),
+  // so the rate is not a dense layer's.
   for (const ParamSpec& p : layer.params) {
-    at::Tensor t = p.init == Init::kOnes ? at::ones(p.shape, opts)
+    const at::TensorOptions o = p.frozen || !m.lora.enabled ? opts : opts.dtype(at::kFloat);
+    at::Tensor t = p.init == Init::kOnes ? at::ones(p.shape, o)
                                          : at::normal(0.0, 0.02, p.shape, gen, at::TensorOptions().dtype(at::kFloat))
-                                               .to(opts);
-    w.push_back(t.requires_grad_(true));
+                                               .to(o);
+    w.push_back(t.requires_grad_(!p.frozen));
   }
   at::Tensor x = at::normal(0.0, 1.0, {batch, seq, m.dim}, gen, at::TensorOptions().dtype(at::kFloat)).to(opts);
   x.requires_grad_(true);
@@ -143,12 +150,14 @@ double probe_compute(const Config& cfg, Device& device, double budget_s, std::st
   const double s = fastest_seconds(budget_s, [&] {
     at::Tensor y = model.forward(1, w, x);
     y.backward(dy);
-    for (at::Tensor& t : w) t.mutable_grad().reset();
+    for (at::Tensor& t : w) {
+      if (t.requires_grad()) t.mutable_grad().reset();
+    }
     x.mutable_grad().reset();
     if (!cpu) device.synchronize(Stream::kCompute);
   });
   // One layer's forward and backward: the layer terms of step_flops.
-  const double flops = step_flops(m, batch * seq, 0) - 6.0 * double(batch * seq) * double(m.vocab_size * m.dim);
+  const double flops = step_flops(m, batch * seq, 0) - head_flops * double(batch * seq) * double(m.vocab_size * m.dim);
   if (what) {
     *what = strprintf("measured: one layer, %lld x %lld tokens, %s%s", (long long)batch, (long long)seq,
                       compute_dtype_name(cfg.run.compute_dtype), shape_note.c_str());

@@ -272,7 +272,7 @@ void place_chunk(TieredState& state, at::ScalarType compute_dtype, const ShardRa
   std::memset(data + r.numel * eb, 0, size_t((r.shard_numel - r.numel) * eb));  // padding
   if (!resident) state.write(r.category, r.shard_offset, r.shard_numel, data);
   if (r.category != Category::kMaster) return;
-  // The working copy is the master weights in the compute dtype, as the
+  // The working copy is the master weights in its dtype (ctx.param_dtype), as the
   // optimizer emits it: converted straight into its home where resident.
   std::byte* dst = working_home != nullptr ? working_home : working.as<std::byte>();
   if (compute_dtype == at::kFloat) {
@@ -331,7 +331,7 @@ TrainerCounters StateCheckpoints::load(CheckpointReader& reader, LossScaler* sca
   if (largest_staged > 0) buf = HostBuffer(size_t(largest_staged * 4), "checkpoint load staging");
   HostBuffer working;
   if (largest_working > 0) {
-    working = HostBuffer(size_t(largest_working * ctx_.compute_bytes), "checkpoint load working copy");
+    working = HostBuffer(size_t(largest_working * ctx_.param_bytes), "checkpoint load working copy");
   }
   for (size_t k = 0; k < rs.size(); ++k) {
     const ShardRange& r = rs[k];
@@ -340,7 +340,7 @@ TrainerCounters StateCheckpoints::load(CheckpointReader& reader, LossScaler* sca
   }
   // The reader reads ahead while each chunk is placed.
   reader.read_all(targets, [&](size_t k) {
-    place_chunk(state, ctx_.compute_dtype, rs[k], targets[k].out, homes[k] != nullptr, working_homes[k], working);
+    place_chunk(state, ctx_.param_dtype, rs[k], targets[k].out, homes[k] != nullptr, working_homes[k], working);
   });
   if (scaler) *scaler = *loaded;
   return counters;

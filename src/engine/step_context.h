@@ -28,6 +28,11 @@ struct StepContext {
   c10::Device torch_device{c10::DeviceType::CPU};  // LibTorch's name for *device
   at::ScalarType compute_dtype = at::kFloat;
   int compute_bytes = 4;                 // bytes per element of compute_dtype
+  // The working copy's (param16's) dtype: the compute dtype, or fp32 for
+  // LoRA's adapters beside a 16-bit base (Note [State kinds] in
+  // memory/layout.h); frozen values and activations are in compute_dtype.
+  at::ScalarType param_dtype = at::kFloat;
+  int param_bytes = 4;
   size_t embedding_block = 0;            // block 0
   size_t head_block = 0;                 // the last block
   int64_t shards = 1;                    // shards per block (1 at stage 0)
@@ -36,6 +41,9 @@ struct StepContext {
   // shard space, the end of that shard, and the global unpadded index of its
   // element 0.
   std::vector<int64_t> shard_offset, block_end, global_index;
+  // Note [State kinds] in memory/layout.h: per block, its frozen shard's
+  // offset in the frozen space (empty for a dense model).
+  std::vector<int64_t> frozen_offset;
 
   int64_t shard_numel(size_t b) const { return layout->block(b).shard_numel(); }
   // `numel` elements of device memory as a flat tensor on the compute device

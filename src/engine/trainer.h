@@ -17,6 +17,7 @@
 #include <vector>
 
 #include "checkpoint/checkpoint.h"
+#include "checkpoint/safetensors.h"
 #include "comm/communicator.h"
 #include "config/config.h"
 #include "engine/activation_checkpoints.h"
@@ -274,9 +275,21 @@ class Trainer {
   // secondary shard.
   void agree_on_collectives(const PlacementPlan& plan, StreamCollectives* node_stream);
   void initialise_state(const PlacementPlan& plan);
+  void read_hf(SafetensorsSet& hf, const BlockLayout& bl, const std::vector<ParamLayout>& params,
+               const at::Tensor& flat);
+  void write_frozen(size_t b, SafetensorsSet* hf, const PinnedHostBuffer& mem);
+  std::unique_ptr<SafetensorsSet> open_adapters(const std::string& dir);
+  void read_adapters(const SafetensorsSet& set, const BlockLayout& bl, const at::Tensor& flat);
 
-  // Views of block b's weights (compute dtype) at `p`, its gathered copy.
-  std::vector<at::Tensor> weights(size_t b, DevicePtr p);
+  // Views of block b's weights at `p`, its gathered copy (compute dtype), and
+  // `frozen`, its frozen part's (Note [State kinds] in memory/layout.h), in
+  // declaration order: the frozen ones first.
+  std::vector<at::Tensor> weights(size_t b, DevicePtr p, DevicePtr frozen = DevicePtr());
+  // The key of LoRA's dropout masks for block b (a layer) and micro-batch m
+  // of the step under way (Note [LoRA layers] in model/layer_ops.cc).
+  uint64_t dropout_key(size_t b, int64_t m) const {
+    return lora_dropout_key(cfg_.run.seed, step_ + 1, m, int64_t(b) - 1);
+  }
   at::Tensor gathered_copy(Category c, size_t b, at::ScalarType dtype);
 
   Config cfg_;

@@ -96,6 +96,7 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
     ctx_.shard_offset.push_back(u.offset);
     ctx_.block_end.push_back(u.offset + u.numel);
   }
+  for (const PlacementUnit& u : plan.state.units[size_t(Category::kFrozen)]) ctx_.frozen_offset.push_back(u.offset);
   int64_t global = 0;
   for (const BlockLayout& bl : layout_.blocks()) {
     ctx_.global_index.push_back(global);
@@ -230,6 +231,8 @@ void Trainer::make_context(Communicator* comm, Device* device, StreamCollectives
   ctx_.torch_device = torch_device(*device);
   ctx_.compute_dtype = dtype_of(cfg_.run.compute_dtype);
   ctx_.compute_bytes = compute_dtype_bytes(cfg_.run.compute_dtype);
+  ctx_.param_dtype = cfg_.model.lora.enabled ? at::kFloat : ctx_.compute_dtype;  // Note [LoRA layers]
+  ctx_.param_bytes = cfg_.model.lora.enabled ? 4 : ctx_.compute_bytes;
   if (ctx_.compute_dtype == at::kHalf) scaler_ = std::make_unique<LossScaler>(cfg_.fp16);
   for (size_t b = 0; b < model_.num_blocks(); ++b) {
     if (model_.blocks()[b].kind == BlockKind::kEmbedding) ctx_.embedding_block = b;
@@ -265,9 +268,79 @@ Trainer::~Trainer() {
 // instead, one block at a time.
 constexpr int64_t kInitProgressNumel = int64_t(1) << 30;
 
+// `params` of block `bl` from Hugging Face safetensors into `flat` (fp32).
+void Trainer::read_hf(SafetensorsSet& hf, const BlockLayout& bl, const std::vector<ParamLayout>& params,
+                      const at::Tensor& flat) {
+  for (const ParamLayout& p : params) {
+    const std::string name = hf_tensor_name(bl.name + "." + p.spec.name);
+    if (!hf.has(name)) {
+      throw InputError(cfg_.model.init_from, "no tensor " + name + " (Strata's " + bl.name + "." + p.spec.name + ")");
+    }
+    if (hf.shape(name) != p.spec.shape) {
+      throw InputError(hf.file(name), "tensor " + name + " has shape " + shape_text(hf.shape(name)) +
+                                          ", but the model (config.json) needs " + shape_text(p.spec.shape));
+    }
+    hf.read_f32(name, flat.data_ptr<float>() + p.offset);
+  }
+}
+
+// lora.init_from's adapter_model.safetensors, checked whole before anything
+// is read: every tensor must be one of this model's adapters (PEFT's names;
+// a name that fits no adapter is refused, never left out), and every adapter
+// must be there.
+std::unique_ptr<SafetensorsSet> Trainer::open_adapters(const std::string& dir) {
+  const std::string path = dir + "/adapter_model.safetensors";
+  auto set = std::make_unique<SafetensorsSet>(path);
+  std::map<std::string, const ParamSpec*> want;
+  for (const BlockLayout& bl : layout_.blocks()) {
+    for (const ParamLayout& p : bl.params) want[peft_tensor_name(bl.name + "." + p.spec.name)] = &p.spec;
+  }
+  for (const std::string& name : set->names()) {
+    auto it = want.find(name);
+    if (it == want.end()) {
+      throw InputError(path, "tensor " + name + " is not an adapter of this model (lora.target_modules, "
+                             "model.n_layers); its adapters are named like " + want.begin()->first);
+    }
+    if (set->shape(name) != it->second->shape) {
+      throw InputError(path, "tensor " + name + " has shape " + shape_text(set->shape(name)) + ", but lora.r " +
+                                 std::to_string(cfg_.model.lora.r) + " and the base need " + shape_text(it->second->shape));
+    }
+  }
+  for (const auto& [name, spec] : want) {
+    if (!set->has(name)) throw InputError(path, "no tensor " + name + " (lora.target_modules names its module)");
+  }
+  return set;
+}
+
+void Trainer::read_adapters(const SafetensorsSet& set, const BlockLayout& bl, const at::Tensor& flat) {
+  for (const ParamLayout& p : bl.params) {
+    set.read_f32(peft_tensor_name(bl.name + "." + p.spec.name), flat.data_ptr<float>() + p.offset);
+  }
+}
+
+// Block b's frozen part (Note [State kinds]), from `hf` or drawn from
+// run.seed, written to its home in the compute dtype; `mem` holds it in fp32
+// and in the compute dtype.
+void Trainer::write_frozen(size_t b, SafetensorsSet* hf, const PinnedHostBuffer& mem) {
+  const BlockLayout& bl = layout_.block(b);
+  const int64_t n = bl.frozen_shard_numel();
+  at::Tensor values = at::from_blob(mem.data(), {bl.frozen_padded_numel}, at::TensorOptions().dtype(at::kFloat));
+  values.zero_();
+  if (hf) {
+    read_hf(*hf, bl, bl.frozen, values);
+  } else {
+    init_frozen_block(bl, values, cfg_.run.seed, b);
+  }
+  std::byte* cast_mem = mem.data() + bl.frozen_padded_numel * 4;
+  at::Tensor cast = at::from_blob(cast_mem, {bl.frozen_padded_numel}, at::TensorOptions().dtype(ctx_.compute_dtype));
+  cast.copy_(values);
+  state_->write(Category::kFrozen, ctx_.frozen_offset[b], n, cast_mem + ctx_.shard_rank * n * ctx_.compute_bytes);
+}
+
 void Trainer::initialise_state(const PlacementPlan& plan) {
-  std::unique_ptr<SafetensorsSet> hf;
+  std::unique_ptr<SafetensorsSet> hf, adapters;
   if (!cfg_.model.init_from.empty()) hf = std::make_unique<SafetensorsSet>(cfg_.model.init_from);
+  if (!cfg_.model.lora.init_from.empty()) adapters = open_adapters(cfg_.model.lora.init_from);
   // Start-up only: host memory for a block's fp32 weights and its working copy
   // (page-aligned for NVMe), registered with the device: copies into HBM from
   // pageable memory are staged by the driver (on the H200 host the weights'
@@ -275,7 +348,13 @@ void Trainer::initialise_state(const PlacementPlan& plan) {
   const PinnedHostBuffer master_mem =
       ctx_.device->allocate_pinned(plan.largest_block_numel * 4, "initial weights");
   const PinnedHostBuffer working_mem =
-      ctx_.device->allocate_pinned(plan.largest_block_numel * ctx_.compute_bytes, "initial working copy");
+      ctx_.device->allocate_pinned(plan.largest_block_numel * ctx_.param_bytes, "initial working copy");
+  // Note [State kinds]: the frozen parts' values, drawn or read in fp32 and
+  // written once in the compute dtype (never again).
+  int64_t largest_frozen = 0;
+  for (const BlockLayout& bl : layout_.blocks()) largest_frozen = std::max(largest_frozen, bl.frozen_padded_numel);
+  const PinnedHostBuffer frozen_mem =
+      ctx_.device->allocate_pinned(largest_frozen * (4 + ctx_.compute_bytes), "initial frozen weights");
   // A model of a billion elements or more takes seconds to tens of seconds here.
   std::unique_ptr<ProgressBar> bar;
   if (ctx_.shard_rank == 0 && layout_.total_numel() >= kInitProgressNumel) {
@@ -289,28 +368,27 @@ void Trainer::initialise_state(const PlacementPlan& plan) {
     const auto t0 = std::chrono::steady_clock::now();
     at::Tensor master = at::from_blob(master_mem.data(), {bl.padded_numel}, at::TensorOptions().dtype(at::kFloat));
     master.zero_();
-    if (hf) {
-      for (const ParamLayout& p : bl.params) {
-        const std::string name = hf_tensor_name(bl.name + "." + p.spec.name);
-        if (!hf->has(name)) {
-          throw InputError(cfg_.model.init_from, "no tensor " + name + " (Strata's " + bl.name + "." + p.spec.name + ")");
-        }
-        if (hf->shape(name) != p.spec.shape) {
-          throw InputError(hf->file(name), "tensor " + name + " has shape " + shape_text(hf->shape(name)) +
-                                               ", but the model (config.json) needs " + shape_text(p.spec.shape));
-        }
-        hf->read_f32(name, master.data_ptr<float>() + p.offset);
-      }
+    // A LoRA run's adapters start from lora.init_from or run.seed; its base
+    // comes from model.init_from (write_frozen).
+    if (hf && !cfg_.model.lora.enabled) {
+      read_hf(*hf, bl, bl.params, master);
+    } else if (adapters) {
+      read_adapters(*adapters, bl, master);
     } else {
       init_block(bl, master, cfg_.run.seed, b);
     }
     draw_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
     state_->write(Category::kMaster, ctx_.shard_offset[b], n, master.data_ptr<float>() + ctx_.shard_rank * n);
     at::Tensor working =
-        at::from_blob(working_mem.data(), {bl.padded_numel}, at::TensorOptions().dtype(ctx_.compute_dtype));
+        at::from_blob(working_mem.data(), {bl.padded_numel}, at::TensorOptions().dtype(ctx_.param_dtype));
     working.copy_(master);
     state_->write(Category::kParam16, ctx_.shard_offset[b], n,
-                  working_mem.data() + ctx_.shard_rank * n * ctx_.compute_bytes);
+                  working_mem.data() + ctx_.shard_rank * n * ctx_.param_bytes);
+    if (bl.frozen_padded_numel > 0) {
+      const auto t1 = std::chrono::steady_clock::now();
+      write_frozen(b, hf.get(), frozen_mem);
+      draw_s += std::chrono::duration<double>(std::chrono::steady_clock::now() - t1).count();
+    }
     if (bar) bar->update(int64_t(b) + 1, bl.name);
   }
   bar.reset();

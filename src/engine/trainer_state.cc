@@ -45,7 +45,7 @@ StateBytes Trainer::state_bytes() const {
 // the step's buffers (all sized at start-up, so current = peak).
 std::array<int64_t, kNumTiers> Trainer::peak_bytes() const {
   std::array<int64_t, kNumTiers> t{};
-  t[0] = state_->device_arena_bytes() + blocks_->window().shape().bytes(ctx_.compute_bytes) +
+  t[0] = state_->device_arena_bytes() + blocks_->window().shape().bytes(ctx_.param_bytes) +
          blocks_->device_bytes() + grads_->device_bytes() + activations_->device_slot_bytes() + tokens_device_.bytes();
   t[1] = state_->host_arena_bytes() + optimizer_->staging().bytes() + activations_->host_slot_bytes() +
          grads_->host_bytes() + blocks_->window().bounce_bytes() + tokens_host_.bytes() + checkpoints_->host_bytes() +
@@ -57,15 +57,23 @@ std::array<int64_t, kNumTiers> Trainer::peak_bytes() const {
 // Compute uses device-resident weights in place; the others come through the
 // window (in place would hide the H2D copy a GPU must make).
 // `p`: the block's gathered weights (Note [Gathered blocks]).
-std::vector<at::Tensor> Trainer::weights(size_t b, DevicePtr p) {
-  STRATA_CHECK(p, "a block neither gathered nor resident on the device");
-  return param_views(layout_.block(b), ctx_.device_tensor(p, layout_.block(b).padded_numel, ctx_.compute_dtype));
+std::vector<at::Tensor> Trainer::weights(size_t b, DevicePtr p, DevicePtr frozen) {
+  const BlockLayout& bl = layout_.block(b);
+  STRATA_CHECK(p || bl.padded_numel == 0, "a block neither gathered nor resident on the device");
+  STRATA_CHECK(frozen || bl.frozen_padded_numel == 0, "a block's frozen part neither fetched nor resident");
+  at::Tensor flat, frozen_flat;
+  if (bl.padded_numel > 0) flat = ctx_.device_tensor(p, bl.padded_numel, ctx_.param_dtype);
+  if (bl.frozen_padded_numel > 0) frozen_flat = ctx_.device_tensor(frozen, bl.frozen_padded_numel, ctx_.compute_dtype);
+  return param_views(bl, frozen_flat, flat);
 }
 
 // For tests and export, not the step: a copy through a temporary buffer.
 std::vector<at::Tensor> Trainer::block_weights(size_t b) {
-  at::Tensor flat = gathered_copy(Category::kParam16, b, ctx_.compute_dtype);
-  std::vector<at::Tensor> w = param_views(layout_.block(b), flat);
+  const BlockLayout& bl = layout_.block(b);
+  at::Tensor flat, frozen;
+  if (bl.padded_numel > 0) flat = gathered_copy(Category::kParam16, b, ctx_.param_dtype);
+  if (bl.frozen_padded_numel > 0) frozen = gathered_copy(Category::kFrozen, b, ctx_.compute_dtype);
+  std::vector<at::Tensor> w = param_views(bl, frozen, flat);
   for (at::Tensor& t : w) t = t.clone();
   return w;
 }
@@ -75,11 +83,13 @@ std::vector<at::Tensor> Trainer::block_weights(size_t b) {
 at::Tensor Trainer::gathered_copy(Category c, size_t b, at::ScalarType dtype) {
   finish();
   const BlockLayout& bl = layout_.block(b);
-  const int64_t n = bl.shard_numel();
+  // Note [State kinds]: the frozen values cover the block's frozen part.
+  const bool frozen = c == Category::kFrozen;
+  const int64_t n = frozen ? bl.frozen_shard_numel() : bl.shard_numel();
   const int eb = state_->elem_bytes(c);
   HostBuffer shard(size_t(n * eb), "shard copy");
-  state_->read(c, ctx_.shard_offset[b], n, shard.data());
-  at::Tensor out = at::empty({bl.padded_numel}, at::TensorOptions().dtype(dtype));
+  state_->read(c, frozen ? ctx_.frozen_offset[b] : ctx_.shard_offset[b], n, shard.data());
+  at::Tensor out = at::empty({frozen ? bl.frozen_padded_numel : bl.padded_numel}, at::TensorOptions().dtype(dtype));
   STRATA_CHECK(int64_t(out.element_size()) == eb, "dtype does not match the category's element size");
   if (ctx_.shards == 1) {
     std::memcpy(out.data_ptr(), shard.data(), size_t(n * eb));
@@ -93,7 +103,8 @@ at::Tensor Trainer::master_block(size_t b) { return gathered_copy(Category::kMas
 at::Tensor Trainer::grad_block(size_t b) { return gathered_copy(Category::kGrad, b, at::kFloat); }
 at::Tensor Trainer::state_block(Category c, size_t b) {
   const int eb = state_->elem_bytes(c);
-  const at::ScalarType t = eb == 4 ? at::kFloat : c == Category::kParam16 ? ctx_.compute_dtype : at::kBFloat16;
+  const bool values = c == Category::kParam16 || c == Category::kFrozen;  // in their own dtype
+  const at::ScalarType t = eb == 4 ? at::kFloat : values ? ctx_.compute_dtype : at::kBFloat16;
   return gathered_copy(c, b, t);
 }
 

@@ -29,22 +29,36 @@ StateLayout::StateLayout(
     : world_size_(world_size) {
   STRATA_CHECK(world_size >= 1, "world_size must be positive");
   const int64_t quantum = world_size * kShardAlignElems;
+  auto pad = [&](int64_t n) { return (n + quantum - 1) / quantum * quantum; };
+  auto add = [&](int64_t& total, int64_t n, const std::string& what) {
+    if (__builtin_add_overflow(total, n, &total) || total > kMaxModelElems) too_large(what);
+  };
   for (const auto& [name, specs] : blocks) {
     BlockLayout b;
     b.name = name;
     b.world_size = world_size;
     b.offset = total_numel_;
+    b.frozen_offset = frozen_total_numel_;
+    // Note [State kinds]: each part packed back to back, frozen first.
     for (const ParamSpec& s : specs) {
       const int64_t n = s.numel();
       STRATA_CHECK(n > 0, "parameter " + name + "." + s.name + " has no elements");
-      b.params.push_back({s, b.numel});
-      if (__builtin_add_overflow(b.numel, n, &b.numel) || b.numel > kMaxModelElems) too_large("block " + name);
+      STRATA_CHECK(!s.frozen || b.params.empty(), "block " + name + " declares frozen " + s.name + " after a trained one");
+      if (s.frozen) {
+        b.frozen.push_back({s, b.frozen_numel});
+        add(b.frozen_numel, n, "block " + name);
+      } else {
+        b.params.push_back({s, b.numel});
+        add(b.numel, n, "block " + name);
+      }
     }
-    b.padded_numel = (b.numel + quantum - 1) / quantum * quantum;
-    if (__builtin_add_overflow(total_numel_, b.padded_numel, &total_numel_) || total_numel_ > kMaxModelElems) {
-      too_large("the model");
-    }
+    b.padded_numel = pad(b.numel);
+    b.frozen_padded_numel = pad(b.frozen_numel);
+    add(total_numel_, b.padded_numel, "the model");
+    add(frozen_total_numel_, b.frozen_padded_numel, "the model");
+    if (total_numel_ + frozen_total_numel_ > kMaxModelElems) too_large("the model");
     parameter_count_ += b.numel;
+    frozen_parameter_count_ += b.frozen_numel;
     blocks_.push_back(std::move(b));
   }
 }

@@ -76,11 +76,13 @@ WindowShape ParamWindow::plan(const std::vector<const std::vector<StepOp>*>& sch
   return shape;
 }
 
-void ParamWindow::attach(TieredState* state, const WindowShape& shape, int elem_bytes) {
+void ParamWindow::attach(TieredState* state, const WindowShape& shape, int elem_bytes, Category c,
+                         int64_t bounce_bytes) {
   STRATA_CHECK(shape.slot_numel == shape_.slot_numel && shape.persistent_numel == shape_.persistent_numel,
                "window shape planned for other blocks");
   state_ = state;
   elem_bytes_ = elem_bytes;
+  category_ = c;
   shape_ = shape;
   max_slots_ = shape.slots;
   slots_.assign(size_t(shape.slots), Slot());
@@ -94,12 +96,12 @@ void ParamWindow::attach(TieredState* state, const WindowShape& shape, int elem_
   if (shape.persistent_numel > 0) {
     persistent_mem_ = dev.allocate(shape.persistent_numel * elem_bytes, "persistent parameters");
   }
-  if (state->plan().staging.window_bounce > 0 && !dev.host_addressable()) {
-    bounce_ = dev.allocate_pinned(state->plan().staging.window_bounce, "parameter window bounce buffers");
+  if (bounce_bytes > 0 && !dev.host_addressable()) {
+    bounce_ = dev.allocate_pinned(bounce_bytes, "parameter window bounce buffers");
   }
-  io_registered_.push_back(state->register_io_buffer(Category::kParam16, bounce_.data(), bounce_.bytes()));
-  io_registered_.push_back(state->register_io_buffer(Category::kParam16, slots_mem_));
-  io_registered_.push_back(state->register_io_buffer(Category::kParam16, persistent_mem_));
+  io_registered_.push_back(state->register_io_buffer(category_, bounce_.data(), bounce_.bytes()));
+  io_registered_.push_back(state->register_io_buffer(category_, slots_mem_));
+  io_registered_.push_back(state->register_io_buffer(category_, persistent_mem_));
 }
 
 DevicePtr ParamWindow::slot_ptr(int s) const {
@@ -138,14 +140,14 @@ void ParamWindow::fetch_persistent(int32_t b) {
     const auto t0 = std::chrono::steady_clock::now();
     Device& dev = state_->device();
     const DevicePtr dst = persistent_mem_.ptr() + persistent_at_[size_t(b)] * elem_bytes_;
-    const int64_t offset = state_->plan().state.units[size_t(Category::kParam16)][size_t(b)].offset;
+    const int64_t offset = state_->plan().state.units[size_t(category_)][size_t(b)].offset;
     const int64_t n = numel_[size_t(b)];
     if (via_bounce(offset)) {
       std::byte* bounce = bounce_ptr(int(slots_.size())) + persistent_at_[size_t(b)] * elem_bytes_;
-      state_->read(Category::kParam16, offset, n, bounce);
+      state_->read(category_, offset, n, bounce);
       dev.stream_wait(Stream::kCompute, h2d_from_bounce(dst, bounce, n));  // after the last step's readers
     } else {
-      dev.stream_wait(Stream::kCompute, state_->read_to_device(Category::kParam16, offset, n, dst, pending_.back()));
+      dev.stream_wait(Stream::kCompute, state_->read_to_device(category_, offset, n, dst, pending_.back()));
     }
     wait_s_ += std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();
   }
@@ -158,16 +160,16 @@ void ParamWindow::fetch_persistent(int32_t b) {
 // device homes; from NVMe into the host-addressable slot itself, or into the
 // slot's bounce buffer, copied to the device when the slot is acquired.
 void ParamWindow::fetch_slot(int s, int32_t b) {
-  const int64_t offset = state_->plan().state.units[size_t(Category::kParam16)][size_t(b)].offset;
+  const int64_t offset = state_->plan().state.units[size_t(category_)][size_t(b)].offset;
   PendingIo& io = pending_[size_t(s)];
   if (via_bounce(offset)) {
     // The slot's bounce buffer may still be the source of the H2D copy its
     // last block's acquire queued.
     done_[size_t(s)].wait();
-    done_[size_t(s)] = state_->read_async(Category::kParam16, offset, numel_[size_t(b)], bounce_ptr(s), io);
+    done_[size_t(s)] = state_->read_async(category_, offset, numel_[size_t(b)], bounce_ptr(s), io);
     bounced_[size_t(s)] = 1;
   } else {
-    done_[size_t(s)] = state_->read_to_device(Category::kParam16, offset, numel_[size_t(b)], slot_ptr(s), io);
+    done_[size_t(s)] = state_->read_to_device(category_, offset, numel_[size_t(b)], slot_ptr(s), io);
   }
 }
 
@@ -185,7 +187,7 @@ void ParamWindow::land(int s) {
 }
 
 bool ParamWindow::via_bounce(int64_t offset) const {
-  return bounce_.bytes() > 0 && state_->tier_of(Category::kParam16, offset) == Tier::kNvme;
+  return bounce_.bytes() > 0 && state_->tier_of(category_, offset) == Tier::kNvme;
 }
 
 Completion ParamWindow::h2d_from_bounce(DevicePtr dst, const std::byte* bounce, int64_t numel) {

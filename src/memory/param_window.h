@@ -17,6 +17,7 @@ namespace strata {
 
 class TieredState;
 class PendingIo;
+enum class Category;  // memory/placement.h
 
 // Note [Prefetch window]
 // A step uses blocks in an order known before it starts: the ops of its
@@ -68,11 +69,13 @@ class ParamWindow {
   WindowShape plan(const std::vector<const std::vector<StepOp>*>& schedules);
 
   // Makes the window live: allocates `shape` in the memory of the state's
-  // device and fetches through `state` (category param16, elem_bytes bytes
-  // per element). On a device host code may not touch, blocks whose working
-  // copy is on NVMe come through bounce buffers registered with the device,
-  // one per slot (StagingNeeds::window_bounce): NVMe -> bounce, then H2D.
-  void attach(TieredState* state, const WindowShape& shape, int elem_bytes);
+  // device and fetches through `state` (category `c`: param16, or the frozen
+  // values of Note [State kinds]; elem_bytes bytes per element). On a device
+  // host code may not touch, blocks whose copy is on NVMe come through
+  // bounce buffers registered with the device, one per slot, `bounce_bytes`
+  // in all (StagingNeeds::window_bounce, frozen_window_bounce): NVMe ->
+  // bounce, then H2D.
+  void attach(TieredState* state, const WindowShape& shape, int elem_bytes, Category c, int64_t bounce_bytes);
 
   // Starts a pass over `schedule` (which must outlive it); waits for and drops
   // whatever an earlier, possibly failed, pass left in flight.
@@ -109,6 +112,8 @@ class ParamWindow {
   int64_t early_bounce_copies() const { return early_bounce_copies_; }
   int64_t bounce_copies() const { return bounce_copies_; }
   const WindowShape& shape() const { return shape_; }
+  // Whether block b is persistent (after plan() or attach()).
+  bool persistent(int32_t b) const { return persistent_[size_t(b)] != 0; }
   int64_t bounce_bytes() const { return bounce_.bytes(); }  // host
   ~ParamWindow();
 
@@ -140,6 +145,7 @@ class ParamWindow {
   // Live mode.
   TieredState* state_ = nullptr;
   int elem_bytes_ = 0;
+  Category category_{};
   WindowShape shape_;
   DeviceBuffer slots_mem_, persistent_mem_;
   PinnedHostBuffer bounce_;          // NVMe blocks on a device host code may not touch

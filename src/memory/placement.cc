@@ -35,6 +35,7 @@ const char* category_name(Category c) {
     case Category::kMaster: return "master";
     case Category::kExpAvg: return "exp_avg";
     case Category::kExpAvgSq: return "exp_avg_sq";
+    case Category::kFrozen: return "frozen";
   }
   return "?";
 }
@@ -67,9 +68,18 @@ std::optional<Tier> range_tier(const PlacementPlan& plan, Category c, int64_t of
 std::unique_ptr<ParamWindow> make_param_window(const PlacementPlan& plan) {
   const auto& units = plan.state.units[size_t(Category::kParam16)];
   std::vector<char> fetched(units.size());
-  for (size_t b = 0; b < units.size(); ++b) fetched[b] = units[b].tier != Tier::kDevice;
+  for (size_t b = 0; b < units.size(); ++b) fetched[b] = units[b].tier != Tier::kDevice && units[b].numel > 0;
   return std::make_unique<ParamWindow>(plan.block_numel, fetched, plan.window_knobs, plan.window_cap_bytes,
-                                       plan.compute_bytes);
+                                       plan.state.elem_bytes[size_t(Category::kParam16)]);
+}
+
+std::unique_ptr<ParamWindow> make_frozen_window(const PlacementPlan& plan) {
+  const auto& units = plan.state.units[size_t(Category::kFrozen)];
+  if (units.empty()) return nullptr;
+  std::vector<char> fetched(units.size());
+  for (size_t b = 0; b < units.size(); ++b) fetched[b] = units[b].tier != Tier::kDevice && units[b].numel > 0;
+  return std::make_unique<ParamWindow>(plan.frozen_block_numel, fetched, plan.window_knobs, plan.window_cap_bytes,
+                                       plan.state.elem_bytes[size_t(Category::kFrozen)]);
 }
 
 std::vector<StepOp> plan_train_schedule(const PlacementPlan& plan) {
@@ -105,9 +115,9 @@ std::vector<PlacementUnit> pipeline_pieces(const PlacementPlan& plan) {
 }
 
 int grad_wire_bytes(const PlacementPlan& plan, size_t b) {
-  if (plan.world_size > 1 || plan.compute_bytes == 4 || (plan.tied && b == 0)) return 4;
+  if (plan.world_size > 1 || plan.param_bytes() == 4 || (plan.tied && b == 0)) return 4;
   if (plan.step.sums_each_block()) return 4;  // the micro-batches' fp32 sum lands
-  return plan.compute_bytes;
+  return plan.param_bytes();
 }
 
 bool device_adam_piece(const PlacementPlan& plan, const PlacementUnit& piece) {

@@ -26,8 +26,11 @@ enum class Tier { kDevice = 0, kHost = 1, kNvme = 2 };
 inline constexpr int kNumTiers = 3;
 const char* tier_name(Tier t);
 
-enum class Category { kParam16 = 0, kGrad = 1, kMaster = 2, kExpAvg = 3, kExpAvgSq = 4 };
-inline constexpr int kNumCategories = 5;
+// kFrozen: the values of frozen parameters (LoRA's base), in the compute
+// dtype, over the frozen space (Note [State kinds] in memory/layout.h); the
+// others cover the trained space. A dense model has no kFrozen units.
+enum class Category { kParam16 = 0, kGrad = 1, kMaster = 2, kExpAvg = 3, kExpAvgSq = 4, kFrozen = 5 };
+inline constexpr int kNumCategories = 6;
 const char* category_name(Category c);
 
 // Note [Placement units]
@@ -41,8 +44,11 @@ const char* category_name(Category c);
 // whose share of the split its midpoint falls: units are taken in model order,
 // device share first, then host, then NVMe. The same config and layout
 // always give the same plan.
+// Frozen values (kFrozen) are cut like param16, one unit per block shard of
+// the frozen space, and follow param16's split (offload_param); a unit of no
+// elements (a block without a part of that kind) stays on the device.
 struct PlacementUnit {
-  int64_t offset = 0;  // elements from the start of the rank's shard space
+  int64_t offset = 0;  // elements from the start of the rank's shard space (kFrozen: its frozen space)
   int64_t numel = 0;
   Tier tier = Tier::kDevice;
 };
@@ -52,6 +58,12 @@ struct PlacementUnit {
 struct StagingNeeds {
   WindowShape window;      // the parameter window (Note [Prefetch window])
   int64_t gathered = 0;    // device: the window's slots and persistent blocks in the compute dtype
+  // Note [State kinds]: the frozen values' own window over the same
+  // schedule (never invalidated: they never change), its device bytes, and
+  // its host bounce buffers on a device host code may not touch.
+  WindowShape frozen_window;
+  int64_t frozen_gathered = 0;
+  int64_t frozen_window_bounce = 0;
   // Gradients (Note [Gradient path] in engine/gradient_path.h). Device: the
   // gradient stage, fp32 of the largest block, where some block's gradient
   // is staged (a home off the device, the tied embedding's sum, or ranks);
@@ -112,11 +124,12 @@ struct StagingNeeds {
   // of every block not kept gathered, in the compute dtype.
   int64_t secondary = 0;
   int64_t device_bytes() const {
-    return gathered + grad_stage + grad_norms + ckpt_device + gather + grad_sync + tokens + grad_accum + secondary;
+    return gathered + frozen_gathered + grad_stage + grad_norms + ckpt_device + gather + grad_sync + tokens +
+           grad_accum + secondary;
   }
   int64_t host_bytes() const {
-    return opt_grad + opt_state + opt_emit + ckpt_host + grad_host + grad_rmw + window_bounce + tokens + save_bounce +
-           save_snapshot + comm_host;
+    return opt_grad + opt_state + opt_emit + ckpt_host + grad_host + grad_rmw + window_bounce + frozen_window_bounce +
+           tokens + save_bounce + save_snapshot + comm_host;
   }
 };
 
@@ -158,6 +171,7 @@ struct StatePlacement {
   std::string auto_choice;
   int64_t sub_group_numel = 0;   // elements per optimizer sub-group (aligned)
   int64_t shard_space_numel = 0; // elements of this rank's shards, all blocks
+  int64_t frozen_space_numel = 0; // the same of the frozen space (Note [State kinds]); 0 for a dense model
   int64_t largest_block_shard_numel = 0;
 
   std::array<int64_t, kNumTiers> total() const;  // state bytes per tier
@@ -332,8 +346,13 @@ struct PlacementPlan {
   int nodes() const { return ranks_per_node > 0 && world_size % ranks_per_node == 0 ? world_size / ranks_per_node : 1; }
   int64_t gathered_numel = 0;        // padded elements of all blocks (gathered space)
   std::vector<int64_t> block_numel;  // padded elements per block
+  // Note [State kinds]: each block's frozen shard (empty for a dense model).
+  std::vector<int64_t> frozen_block_numel;
   int64_t largest_block_numel = 0;   // padded, the largest gathered block
-  int compute_bytes = 4;             // bytes per element of the working copy
+  int compute_bytes = 4;             // bytes per element of the compute dtype (activations, frozen values)
+  // Bytes per element of the working copy (param16): compute_bytes, or 4
+  // for LoRA's fp32 adapters (Note [State kinds] in memory/layout.h).
+  int param_bytes() const { return state.elem_bytes[0]; }
   bool tied = false;
   // Whether host code may use device-tier homes in place (the CPU device,
   // whose device tier is host memory). False on a GPU: there an optimizer
@@ -435,6 +454,8 @@ std::vector<StepOp> plan_train_schedule(const PlacementPlan& plan);
 // copy is off the device), not yet attached; the trainer runs it and
 // staging_needs sizes it with the same construction.
 std::unique_ptr<ParamWindow> make_param_window(const PlacementPlan& plan);
+// The same for the frozen values (Note [State kinds]); nullptr for a dense model.
+std::unique_ptr<ParamWindow> make_frozen_window(const PlacementPlan& plan);
 
 // The bytes per element in which block b's gradient shard crosses PCIe to a
 // home off the device (Note [Gradient path]): the compute dtype's, or 4 where

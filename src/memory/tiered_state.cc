@@ -14,7 +14,9 @@ constexpr int64_t kSwapBlockBytes = 4096;  // swap checksum/alignment unit: one 
 int64_t round_up(int64_t v, int64_t q) { return (v + q - 1) / q * q; }
 }  // namespace
 
-bool crosses_pcie(Category c) { return c == Category::kParam16 || c == Category::kGrad; }
+bool crosses_pcie(Category c) {
+  return c == Category::kParam16 || c == Category::kGrad || c == Category::kFrozen;
+}
 
 namespace {
 // Note [Alternate swap slots]: the categories whose NVMe homes have two.
@@ -225,9 +227,9 @@ void TieredState::count(int link, int64_t bytes) {
 
 namespace {
 const char* kReadNames[kNumCategories] = {"read param16", "read grad", "read master", "read exp_avg",
-                                          "read exp_avg_sq"};
+                                          "read exp_avg_sq", "read frozen"};
 const char* kWriteNames[kNumCategories] = {"write param16", "write grad", "write master",
-                                           "write exp_avg", "write exp_avg_sq"};
+                                           "write exp_avg", "write exp_avg_sq", "write frozen"};
 
 // Waits for every one (swap handles, device completions), even after one
 // failed, so that the store finishes each I/O (a failed write clears its

@@ -1,6 +1,7 @@
 // A layer's forward and backward written op by op, with named saved tensors
 // (model/saved_activations.h). Note [Saved activations].
 #include <ATen/ATen.h>
+#include <ATen/CPUGeneratorImpl.h>
 
 #include <numeric>
 #include <tuple>
@@ -36,6 +37,25 @@ namespace strata {
 // directly (GQA's k and v repeated to H heads, their gradients summed back),
 // and sums of gradients may associate differently.
 
+// Note [LoRA layers]
+// With model.lora a targeted linear (PEFT's names: q_proj = wq, k_proj, v_proj,
+// o_proj = wo, gate_proj = w1, up_proj = w3, down_proj = w2) computes what
+// PEFT 0.21's lora.Linear.forward computes: the frozen base's output in the
+// compute dtype, and beside it the adapter in the adapters' dtype, fp32 (PEFT
+// casts adapter weights to fp32 under a 16-bit base, autocast_adapter_dtype):
+//   u = ((dropout(x.float()) A^T) B^T) * scaling,  y = (base.float() + u).to(base dtype)
+// (in fp32 the casts are no-ops). The middle dropout(x) A^T, [B, T, r] in
+// fp32, is a saved entry (Saved::kLora*), tiny beside the rest. The dropout
+// mask of module m is drawn from a CPU generator seeded by (LayerSaved::
+// dropout_key, m), the key a function of (run.seed, step, micro-batch,
+// layer) alone (lora_dropout_key): the backward draws it again rather than
+// keep it, and a recompute, a placement or a rank count gives the same mask.
+// Like torch's dropout the kept values are scaled by 1 / (1 - p).
+// The backward takes input gradients through the frozen weights and weight
+// gradients for the adapters only: the base's matrices, norms and biases get
+// none (their entries in *dw stay undefined), which saves the base's weight
+// gradient GEMMs, a third of a dense layer's backward FLOPs.
+
 namespace {
 
 // RMSNorm in two halves, the same ops as rms_norm (model.cc): the statistics
@@ -50,13 +70,13 @@ at::Tensor norm_apply(const at::Tensor& x, const at::Tensor& rstd, const at::Ten
 
 // RMSNorm's backward: d(input) in the input's dtype; *dw the weight's
 // gradient summed over the leading dimensions (in the compute dtype, as
-// autograd's sum does).
+// autograd's sum does), unless dw is null (a frozen norm).
 at::Tensor rms_norm_backward(const at::Tensor& dout, const at::Tensor& x, const at::Tensor& rstd,
                              const at::Tensor& weight, at::Tensor* dw) {
   at::Tensor n = x.to(at::kFloat) * rstd;
   std::vector<int64_t> lead(size_t(dout.dim() - 1));
   std::iota(lead.begin(), lead.end(), int64_t(0));
-  *dw = (dout * n.to(dout.scalar_type())).sum(lead);
+  if (dw != nullptr) *dw = (dout * n.to(dout.scalar_type())).sum(lead);
   at::Tensor dn = (dout * weight).to(at::kFloat);
   // d/dx of x * (mean(x^2) + eps)^-1/2 = rstd * (dn - n * mean(dn * n)).
   return (rstd * (dn - n * (dn * n).mean(-1, /*keepdim=*/true))).to(x.scalar_type());
@@ -142,6 +162,49 @@ static void check_cuda_head(const ModelConfig& cfg, at::ScalarType dtype) {
                               flash ? "a multiple of 8 up to 256" : "a multiple of 4"));
 }
 
+at::Tensor Model::lora_noise(LoraModule m, const at::Tensor& like, uint64_t key) const {
+  const double keep = 1.0 - cfg_.lora.dropout;
+  at::Generator gen = at::detail::createCPUGenerator(key ^ (0x9E3779B97F4A7C15ull * (uint64_t(m) + 1)));
+  at::Tensor noise = at::empty({like.numel()}, at::TensorOptions().dtype(at::kFloat));
+  noise.bernoulli_(keep, gen).div_(keep);
+  return noise.view(like.sizes()).to(like.device());
+}
+
+at::Tensor Model::lora_input(LoraModule m, const at::Tensor& x, const LayerSaved& s) const {
+  at::Tensor xf = x.to(at::kFloat);
+  if (cfg_.lora.dropout == 0.0 || !s.dropout) return xf;
+  return xf * lora_noise(m, xf, s.dropout_key);
+}
+
+at::Tensor Model::linear(LoraModule m, const std::vector<at::Tensor>& w, const at::Tensor& x, size_t weight,
+                         const at::Tensor& bias, LayerSaved* s) const {
+  at::Tensor base = at::linear(x, w[weight], bias);
+  const int ia = lora_index_[size_t(m)];
+  if (ia < 0) return base;
+  at::Tensor& mid = (*s)[lora_saved(m)];
+  mid = at::linear(lora_input(m, x, *s), w[size_t(ia)]);
+  at::Tensor u = at::linear(mid, w[size_t(ia) + 1]) * cfg_.lora.scaling();
+  return (base + u).to(base.scalar_type());
+}
+
+at::Tensor Model::lora_backward(LoraModule m, const std::vector<at::Tensor>& w, const LayerSaved& s,
+                                const at::Tensor& dout, const at::Tensor& x, std::vector<at::Tensor>* dw) const {
+  const size_t ia = size_t(lora_index_[size_t(m)]);
+  const at::Tensor &A = w[ia], &Bm = w[ia + 1];
+  at::Tensor du = dout.to(at::kFloat) * cfg_.lora.scaling();        // [N, out]
+  const at::Tensor mid = rows(s[lora_saved(m)]);                    // [N, r]
+  (*dw)[ia + 1] = at::mm(du.t(), mid);                              // d lora_B [out, r]
+  at::Tensor dmid = at::mm(du, Bm);                                 // [N, r]
+  du = at::Tensor();
+  const bool masked = cfg_.lora.dropout != 0.0 && s.dropout;
+  const at::Tensor noise = masked ? lora_noise(m, x, s.dropout_key) : at::Tensor();
+  const at::Tensor xin = masked ? x.to(at::kFloat) * noise : x.to(at::kFloat);
+  (*dw)[ia] = at::mm(dmid.t(), xin);                                // d lora_A [r, in]
+  at::Tensor dx = at::mm(dmid, A);                                  // [N, in]
+  if (masked) dx = dx * noise;
+  return dx.to(x.scalar_type());
+}
+
 at::Tensor Model::layer_forward_saving(const std::vector<at::Tensor>& w, const at::Tensor& x,
                                        LayerSaved* s) const {
   return layer_saving(w, x, s, /*output=*/true);
@@ -164,9 +227,9 @@ at::Tensor Model::layer_saving(const std::vector<at::Tensor>& w, const at::Tenso
   S[Saved::kInput] = x;
   S[Saved::kAttnRstd] = rms_rstd(x, cfg_.norm_eps);
   const at::Tensor& a = S[Saved::kAttnNormed] = norm_apply(x, S[Saved::kAttnRstd], w[kAttnNormW]);
-  at::Tensor q = at::linear(a, w[kWq], bq).view({B, T, H, hd});
-  at::Tensor k = at::linear(a, w[kWk], bk).view({B, T, KV, hd});
-  S[Saved::kV] = at::linear(a, w[kWv], bv).view({B, T, KV, hd}).transpose(1, 2);
+  at::Tensor q = linear(LoraModule::kQ, w, a, kWq, bq, s).view({B, T, H, hd});
+  at::Tensor k = linear(LoraModule::kK, w, a, kWk, bk, s).view({B, T, KV, hd});
+  S[Saved::kV] = linear(LoraModule::kV, w, a, kWv, bv, s).view({B, T, KV, hd}).transpose(1, 2);
   if (cfg_.qk_norm()) {  // Qwen3: each head of q and k normalised before rotary
     S[Saved::kQProj] = q;
     S[Saved::kKProj] = k;
@@ -184,15 +247,22 @@ at::Tensor Model::layer_saving(const std::vector<at::Tensor>& w, const at::Tenso
   S[Saved::kAttnLse] = att.lse;
   S.attn_seed = att.seed;
   S.attn_offset = att.offset;
-  S[Saved::kMid] = x + at::linear(S[Saved::kAttnOut], w[kWo]);
+  S[Saved::kMid] = x + linear(LoraModule::kO, w, S[Saved::kAttnOut], kWo, {}, s);
 
   S[Saved::kMlpRstd] = rms_rstd(S[Saved::kMid], cfg_.norm_eps);
   const at::Tensor& m = S[Saved::kMlpNormed] = norm_apply(S[Saved::kMid], S[Saved::kMlpRstd], w[kMlpNormW]);
-  S[Saved::kGate] = at::linear(m, w[kW1]);
-  S[Saved::kUp] = at::linear(m, w[kW3]);
+  S[Saved::kGate] = linear(LoraModule::kGate, w, m, kW1, {}, s);
+  S[Saved::kUp] = linear(LoraModule::kUp, w, m, kW3, {}, s);
   S[Saved::kSwiglu] = at::silu(S[Saved::kGate]) * S[Saved::kUp];
-  if (!output) return at::Tensor();  // a recompute: the backward reads entries only
-  return S[Saved::kMid] + at::linear(S[Saved::kSwiglu], w[kW2]);
+  if (!output) {
+    // A recompute: the backward reads entries only. The down projection's
+    // adapter middle is an entry, though its product is not.
+    if (const int ia = lora_index_[size_t(LoraModule::kDown)]; ia >= 0) {
+      S[Saved::kLoraDown] = at::linear(lora_input(LoraModule::kDown, S[Saved::kSwiglu], S), w[size_t(ia)]);
+    }
+    return at::Tensor();
+  }
+  return S[Saved::kMid] + linear(LoraModule::kDown, w, S[Saved::kSwiglu], kW2, {}, s);
 }
 
 void Model::layer_recompute_cheap(const std::vector<at::Tensor>& w, LayerSaved* s) const {
@@ -223,21 +293,28 @@ at::Tensor Model::layer_backward(const std::vector<at::Tensor>& w, LayerSaved* s
   layer_recompute_cheap(w, s);
   LayerSaved& S = *s;
   for (size_t i = 0; i < kSavedCount; ++i) {
-    const bool qwen3_only = i >= size_t(Saved::kQProj) && i <= size_t(Saved::kKRstd);
-    STRATA_CHECK(S.t[i].defined() || (qwen3_only && !cfg_.qk_norm()),
-                 std::string("layer backward without its saved ") + saved_name(Saved(i)));
+    STRATA_CHECK(S.t[i].defined() || !saves_[i], std::string("layer backward without its saved ") + saved_name(Saved(i)));
   }
   const int64_t B = dy.size(0), T = dy.size(1);
   const int64_t H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.head_dim(), G = H / KV;
   dw->assign(w.size(), at::Tensor());
   std::vector<at::Tensor>& g = *dw;
+  // Note [LoRA layers]: a frozen base has no weight gradients.
+  const bool base_grads = !cfg_.lora.enabled;
+  auto norm_grad = [&](size_t i) -> at::Tensor* { return base_grads ? &g[i] : nullptr; };
   auto drop = [&](Saved e) { S[e] = at::Tensor(); };
+  // d(input) of a targeted linear's adapter, added to the base's.
+  auto plus_lora = [&](LoraModule m, at::Tensor dx, const at::Tensor& dout, const at::Tensor& x) {
+    if (lora_index_[size_t(m)] < 0) return dx;
+    return dx + lora_backward(m, w, S, dout, x, dw);
+  };
 
   // MLP: out = h + p w2^T, p = silu(gate) * up, gate = m w1^T, up = m w3^T.
   const at::Tensor dy2 = rows(dy);
-  g[kW2] = at::mm(dy2.t(), rows(S[Saved::kSwiglu]));
+  const at::Tensor p2 = rows(S[Saved::kSwiglu]);
+  if (base_grads) g[kW2] = at::mm(dy2.t(), p2);
+  at::Tensor dp = plus_lora(LoraModule::kDown, at::mm(dy2, w[kW2]), dy2, p2);
   drop(Saved::kSwiglu);
-  at::Tensor dp = at::mm(dy2, w[kW2]);
   const at::Tensor gate = rows(S[Saved::kGate]), up = rows(S[Saved::kUp]);
   at::Tensor d_up = dp * at::silu(gate);
   at::Tensor d_gate = at::silu_backward(dp * up, gate);
@@ -245,19 +322,25 @@ at::Tensor Model::layer_backward(const std::vector<at::Tensor>& w, LayerSaved* s
   drop(Saved::kGate);
   drop(Saved::kUp);
   const at::Tensor m2 = rows(S[Saved::kMlpNormed]);
-  g[kW1] = at::mm(d_gate.t(), m2);
-  g[kW3] = at::mm(d_up.t(), m2);
+  if (base_grads) {
+    g[kW1] = at::mm(d_gate.t(), m2);
+    g[kW3] = at::mm(d_up.t(), m2);
+  }
+  at::Tensor dm2 = at::mm(d_gate, w[kW1]) + at::mm(d_up, w[kW3]);
+  dm2 = plus_lora(LoraModule::kGate, dm2, d_gate, m2);
+  dm2 = plus_lora(LoraModule::kUp, dm2, d_up, m2);
   drop(Saved::kMlpNormed);
-  at::Tensor dm = (at::mm(d_gate, w[kW1]) + at::mm(d_up, w[kW3])).view_as(dy);
-  d_gate = d_up = at::Tensor();
-  at::Tensor dh = dy + rms_norm_backward(dm, S[Saved::kMid], S[Saved::kMlpRstd], w[kMlpNormW], &g[kMlpNormW]);
+  at::Tensor dm = dm2.view_as(dy);
+  dm2 = d_gate = d_up = at::Tensor();
+  at::Tensor dh = dy + rms_norm_backward(dm, S[Saved::kMid], S[Saved::kMlpRstd], w[kMlpNormW], norm_grad(kMlpNormW));
   dm = at::Tensor();
   drop(Saved::kMid);
 
   // Attention: h = x + o wo^T, o = attention(rope(q), rope(k), v).
   const at::Tensor dh2 = rows(dh);
-  g[kWo] = at::mm(dh2.t(), rows(S[Saved::kAttnOut]));
-  at::Tensor d_o = at::mm(dh2, w[kWo]).view({B, T, H, hd}).transpose(1, 2);
+  const at::Tensor o2 = rows(S[Saved::kAttnOut]);
+  if (base_grads) g[kWo] = at::mm(dh2.t(), o2);
+  at::Tensor d_o = plus_lora(LoraModule::kO, at::mm(dh2, w[kWo]), dh2, o2).view({B, T, H, hd}).transpose(1, 2);
   auto [dq, dk, dv] = attention_backward(d_o, S[Saved::kQ], expand_heads(S[Saved::kK], G),
                                          expand_heads(S[Saved::kV], G),
                                          S[Saved::kAttnOut].view({B, T, H, hd}).transpose(1, 2),
@@ -271,22 +354,28 @@ at::Tensor Model::layer_backward(const std::vector<at::Tensor>& w, LayerSaved* s
   size_t extra = kExtras;
   if (cfg_.qkv_bias()) extra += 3;
   if (cfg_.qk_norm()) {
-    dq = rms_norm_backward(dq, S[Saved::kQProj], S[Saved::kQRstd], w[extra], &g[extra]);
-    dk = rms_norm_backward(dk, S[Saved::kKProj], S[Saved::kKRstd], w[extra + 1], &g[extra + 1]);
+    dq = rms_norm_backward(dq, S[Saved::kQProj], S[Saved::kQRstd], w[extra], norm_grad(extra));
+    dk = rms_norm_backward(dk, S[Saved::kKProj], S[Saved::kKRstd], w[extra + 1], norm_grad(extra + 1));
   }
   const at::Tensor dq2 = dq.reshape({B * T, H * hd}), dk2 = dk.reshape({B * T, KV * hd});
   const at::Tensor dv2 = dv.reshape({B * T, KV * hd});
-  if (cfg_.qkv_bias()) {
+  if (cfg_.qkv_bias() && base_grads) {
     g[kExtras] = dq2.sum(0);
     g[kExtras + 1] = dk2.sum(0);
     g[kExtras + 2] = dv2.sum(0);
   }
   const at::Tensor a2 = rows(S[Saved::kAttnNormed]);
-  g[kWq] = at::mm(dq2.t(), a2);
-  g[kWk] = at::mm(dk2.t(), a2);
-  g[kWv] = at::mm(dv2.t(), a2);
-  at::Tensor da = (at::mm(dq2, w[kWq]) + at::mm(dk2, w[kWk]) + at::mm(dv2, w[kWv])).view_as(dy);
-  at::Tensor dx = dh + rms_norm_backward(da, S[Saved::kInput], S[Saved::kAttnRstd], w[kAttnNormW], &g[kAttnNormW]);
+  if (base_grads) {
+    g[kWq] = at::mm(dq2.t(), a2);
+    g[kWk] = at::mm(dk2.t(), a2);
+    g[kWv] = at::mm(dv2.t(), a2);
+  }
+  at::Tensor da2 = at::mm(dq2, w[kWq]) + at::mm(dk2, w[kWk]) + at::mm(dv2, w[kWv]);
+  da2 = plus_lora(LoraModule::kQ, da2, dq2, a2);
+  da2 = plus_lora(LoraModule::kK, da2, dk2, a2);
+  da2 = plus_lora(LoraModule::kV, da2, dv2, a2);
+  at::Tensor dx = dh + rms_norm_backward(da2.view_as(dy), S[Saved::kInput], S[Saved::kAttnRstd], w[kAttnNormW],
+                                         norm_grad(kAttnNormW));
   S.clear();
   return dx;
 }

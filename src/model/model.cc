@@ -15,6 +15,31 @@
 
 namespace strata {
 
+namespace {
+
+// Per targeted linear W [out, in], after the layer's base parameters:
+// lora_A.<module> [r, in] and lora_B.<module> [out, r] (PEFT's shapes). A is
+// PEFT's init: kaiming_uniform_(a = sqrt 5), i.e. U(-1/sqrt(in), 1/sqrt(in)),
+// or normal with std 1/r ("gaussian"); B zeros, so the adapted model starts
+// as the base.
+void add_lora_adapters(const ModelConfig& cfg, std::vector<ParamSpec>* p) {
+  const LoraConfig& l = cfg.lora;
+  for (size_t i = 0; i < kLoraModuleCount; ++i) {
+    const LoraModule m = LoraModule(i);
+    if (!l.targets_module(m)) continue;
+    const auto [out, in] = lora_module_shape(cfg, m);
+    const std::string name = lora_module_name(m);
+    if (l.init == LoraInit::kGaussian) {
+      p->push_back({"lora_A." + name, {l.r, in}, Init::kNormal, 1.0 / double(l.r)});
+    } else {
+      p->push_back({"lora_A." + name, {l.r, in}, Init::kUniform, 1.0 / std::sqrt(double(in))});
+    }
+    p->push_back({"lora_B." + name, {out, l.r}, Init::kZeros, 0.0});
+  }
+}
+
+}  // namespace
+
 std::vector<BlockDesc> model_blocks(const ModelConfig& cfg) {
   std::vector<BlockDesc> blocks_;
   const int64_t d = cfg.dim, hd = cfg.head_dim(), h = cfg.n_heads, kv = cfg.kv_heads();
@@ -51,10 +76,16 @@ std::vector<BlockDesc> model_blocks(const ModelConfig& cfg) {
       p.push_back({"q_norm", {hd}, Init::kOnes, 0.0});
       p.push_back({"k_norm", {hd}, Init::kOnes, 0.0});
     }
+    add_lora_adapters(cfg, &p);
   }
   BlockDesc head{BlockKind::kHead, "head", {{"final_norm", {d}, Init::kOnes, 0.0}}};
   if (!cfg.tie_embeddings) head.params.push_back({"output", {v, d}, Init::kNormal, std});
   blocks_.push_back(std::move(head));
+  if (cfg.lora.enabled) {  // Note [State kinds]: the base is frozen, in the embedding and head too
+    for (BlockDesc& b : blocks_) {
+      for (ParamSpec& s : b.params) s.frozen = s.name.rfind("lora_", 0) != 0;
+    }
+  }
   return blocks_;
 }
 
@@ -82,6 +113,16 @@ at::Tensor scaled_inv_freq(const at::Tensor& inv_freq, const RopeScaling& r) {
 }
 
 Model::Model(const ModelConfig& cfg) : cfg_(cfg), blocks_(model_blocks(cfg)) {
+  for (const SavedSpec& s : layer_saved_specs(cfg)) saves_[size_t(s.id)] = true;
+  lora_index_.fill(-1);
+  if (cfg.n_layers > 0) {
+    const std::vector<ParamSpec>& p = blocks_.at(1).params;
+    for (size_t i = 0; i < p.size(); ++i) {
+      for (size_t m = 0; m < kLoraModuleCount; ++m) {
+        if (p[i].name == std::string("lora_A.") + lora_module_name(LoraModule(m))) lora_index_[m] = int(i);
+      }
+    }
+  }
   const int64_t hd = cfg.head_dim();
   // Rotary tables: angle(t, i) = t * theta^(-2i/hd), duplicated over both halves.
   auto opts = at::TensorOptions().dtype(at::kFloat);
@@ -108,19 +149,21 @@ std::vector<std::pair<std::string, std::vector<ParamSpec>>> Model::layout_specs(
 }
 
 double Model::flops_per_token() const {
-  double matrix_params = 0;
+  // 2 FLOPs per MAC forward, 2 for the input gradient, 2 for the weight
+  // gradient, which a frozen matrix has not.
+  double matrix_flops = 0;
   for (const BlockDesc& b : blocks_) {
     if (b.kind == BlockKind::kEmbedding) continue;  // a lookup, no FLOPs
     for (const ParamSpec& p : b.params) {
-      if (p.shape.size() == 2) matrix_params += double(p.numel());
+      if (p.shape.size() == 2) matrix_flops += (p.frozen ? 4.0 : 6.0) * double(p.numel());
     }
   }
-  if (cfg_.tie_embeddings) matrix_params += double(cfg_.vocab_size * cfg_.dim);
+  if (cfg_.tie_embeddings) matrix_flops += (cfg_.lora.enabled ? 4.0 : 6.0) * double(cfg_.vocab_size * cfg_.dim);
   // Attention scores and the weighted sum: 2 matmuls of T x hd per head and
   // token, forward 2 FLOPs per MAC, backward twice the forward; halved for the
   // causal mask is ignored, as is customary.
   const double attn = 12.0 * double(cfg_.n_layers) * double(cfg_.seq_len) * double(cfg_.q_dim());
-  return 6.0 * matrix_params + attn;
+  return matrix_flops + attn;
 }
 
 std::pair<at::Tensor, at::Tensor> Model::rope(at::ScalarType dtype, c10::Device device, int64_t t) const {
@@ -162,10 +205,20 @@ at::Tensor Model::layer_forward(const std::vector<at::Tensor>& w, const at::Tens
     extra += 3;
   }
 
+  // A targeted linear adds its adapter: PEFT's Linear.forward in eval mode.
+  auto lin = [&](LoraModule mod, const at::Tensor& in, const at::Tensor& weight, const at::Tensor& bias) {
+    at::Tensor base = at::linear(in, weight, bias);
+    const int ia = lora_index_[size_t(mod)];
+    if (ia < 0) return base;
+    const at::Tensor& A = w[size_t(ia)];
+    const at::Tensor& Bm = w[size_t(ia) + 1];
+    at::Tensor u = at::linear(at::linear(in.to(A.scalar_type()), A), Bm) * cfg_.lora.scaling();
+    return (base + u).to(base.scalar_type());
+  };
   at::Tensor a = rms_norm(x, attn_norm, cfg_.norm_eps);
-  at::Tensor q = at::linear(a, wq, bq).view({B, T, H, hd});   // [B, T, H, hd]
-  at::Tensor k = at::linear(a, wk, bk).view({B, T, KV, hd});  // [B, T, KV, hd]
-  at::Tensor v = at::linear(a, wv, bv).view({B, T, KV, hd}).transpose(1, 2);
+  at::Tensor q = lin(LoraModule::kQ, a, wq, bq).view({B, T, H, hd});   // [B, T, H, hd]
+  at::Tensor k = lin(LoraModule::kK, a, wk, bk).view({B, T, KV, hd});  // [B, T, KV, hd]
+  at::Tensor v = lin(LoraModule::kV, a, wv, bv).view({B, T, KV, hd}).transpose(1, 2);
   if (cfg_.qk_norm()) {  // Qwen3: each head of q and k normalised before rotary
     q = rms_norm(q, w[extra], cfg_.norm_eps);
     k = rms_norm(k, w[extra + 1], cfg_.norm_eps);
@@ -179,11 +232,11 @@ at::Tensor Model::layer_forward(const std::vector<at::Tensor>& w, const at::Tens
                                                   /*is_causal=*/true, /*scale=*/std::nullopt,
                                                   /*enable_gqa=*/KV != H);
   y = y.transpose(1, 2).reshape({B, T, H * hd});
-  at::Tensor h = x + at::linear(y, wo);
+  at::Tensor h = x + lin(LoraModule::kO, y, wo, {});
 
   at::Tensor m = rms_norm(h, mlp_norm, cfg_.norm_eps);
-  at::Tensor gate = at::silu(at::linear(m, w1));
-  return h + at::linear(gate * at::linear(m, w3), w2);
+  at::Tensor gate = at::silu(lin(LoraModule::kGate, m, w1, {}));
+  return h + lin(LoraModule::kDown, gate * lin(LoraModule::kUp, m, w3, {}), w2, {});
 }
 
 at::Tensor Model::forward(size_t b, const std::vector<at::Tensor>& w, const at::Tensor& x,
@@ -202,6 +255,23 @@ at::Tensor Model::forward(size_t b, const std::vector<at::Tensor>& w, const at::
     }
   }
   throw InternalError(__FILE__, __LINE__, "unknown block kind");
+}
+
+std::vector<at::Tensor> param_views(const BlockLayout& layout, const at::Tensor& frozen_block,
+                                    const at::Tensor& flat_block) {
+  std::vector<at::Tensor> views;
+  views.reserve(layout.frozen.size() + layout.params.size());
+  if (!layout.frozen.empty()) {
+    STRATA_CHECK(frozen_block.defined() && frozen_block.dim() == 1 && frozen_block.numel() >= layout.frozen_numel,
+                 "frozen buffer too small for block " + layout.name);
+    for (const ParamLayout& p : layout.frozen) {
+      views.push_back(frozen_block.narrow(0, p.offset, p.spec.numel()).view(p.spec.shape));
+    }
+  }
+  if (!layout.params.empty()) {
+    for (at::Tensor& v : param_views(layout, flat_block)) views.push_back(std::move(v));
+  }
+  return views;
 }
 
 std::vector<at::Tensor> param_views(const BlockLayout& layout, const at::Tensor& flat_block) {
@@ -228,6 +298,13 @@ uint64_t mix64(uint64_t x) {
 
 }  // namespace
 
+uint64_t lora_dropout_key(uint64_t seed, int64_t step, int64_t micro_batch, int64_t layer) {
+  uint64_t h = mix64(seed ^ 0x4C6F5241ull);  // "LoRA": apart from init_chunk_seed's keys
+  h = mix64(h ^ uint64_t(step));
+  h = mix64(h ^ uint64_t(micro_batch));
+  return mix64(h ^ uint64_t(layer));
+}
+
 uint64_t init_chunk_seed(uint64_t seed, size_t block_index, size_t param_index, int64_t chunk) {
   uint64_t h = mix64(seed);
   h = mix64(h ^ uint64_t(block_index));
@@ -244,20 +321,26 @@ uint64_t init_chunk_seed(uint64_t seed, size_t block_index, size_t param_index, 
 // round 2"), and the values depend on the seed and the model's shape alone
 // (on one kind of CPU: LibTorch's normal_ has vectorised variants): not on
 // threads, placement, world size or the order blocks are drawn in.
-void init_block(const BlockLayout& layout, const at::Tensor& flat_block, uint64_t seed, size_t block_index) {
+namespace {
+
+// init_block over one part's parameters; parameter i of the part is the
+// block's parameter `first + i` in declaration order (its chunk seeds').
+void init_params(const std::vector<ParamLayout>& params, int64_t padded_numel, size_t first,
+                 const at::Tensor& flat_block, uint64_t seed, size_t block_index) {
   STRATA_CHECK(flat_block.scalar_type() == at::kFloat && flat_block.dim() == 1 && flat_block.is_contiguous(),
                "init writes a flat fp32 block");
-  STRATA_CHECK(flat_block.numel() >= layout.padded_numel, "init's buffer is smaller than its block");
+  STRATA_CHECK(flat_block.numel() >= padded_numel, "init's buffer is smaller than its block");
   struct Chunk {
     size_t param;
     int64_t index, start, count;
   };
   std::vector<Chunk> chunks;
-  for (size_t i = 0; i < layout.params.size(); ++i) {
-    const ParamLayout& p = layout.params[i];
+  for (size_t i = 0; i < params.size(); ++i) {
+    const ParamLayout& p = params[i];
     const int64_t n = p.spec.numel();
     switch (p.spec.init) {
       case Init::kNormal:
+      case Init::kUniform:
         for (int64_t c = 0; c * kInitChunk < n; ++c) {
           chunks.push_back({i, c, p.offset + c * kInitChunk, std::min(kInitChunk, n - c * kInitChunk)});
         }
@@ -273,11 +356,30 @@ void init_block(const BlockLayout& layout, const at::Tensor& flat_block, uint64_
     tbb::parallel_for(tbb::blocked_range<size_t>(0, chunks.size(), 1), [&](const tbb::blocked_range<size_t>& r) {
       for (size_t k = r.begin(); k < r.end(); ++k) {
         const Chunk& c = chunks[k];
-        at::Generator gen = at::detail::createCPUGenerator(init_chunk_seed(seed, block_index, c.param, c.index));
-        flat_block.narrow(0, c.start, c.count).normal_(0.0, layout.params[c.param].spec.std, gen);
+        at::Generator gen =
+            at::detail::createCPUGenerator(init_chunk_seed(seed, block_index, first + c.param, c.index));
+        const ParamSpec& spec = params[c.param].spec;
+        if (spec.init == Init::kUniform) {
+          flat_block.narrow(0, c.start, c.count).uniform_(-spec.std, spec.std, gen);
+        } else {
+          flat_block.narrow(0, c.start, c.count).normal_(0.0, spec.std, gen);
+        }
       }
     });
   });
+}
+
+}  // namespace
+
+// A block's parameters are numbered in declaration order, its frozen ones
+// first (Note [State kinds]): a LoRA run's base draws what the dense model of
+// the same seed draws.
+void init_block(const BlockLayout& layout, const at::Tensor& flat_block, uint64_t seed, size_t block_index) {
+  init_params(layout.params, layout.padded_numel, layout.frozen.size(), flat_block, seed, block_index);
+}
+
+void init_frozen_block(const BlockLayout& layout, const at::Tensor& flat_block, uint64_t seed, size_t block_index) {
+  init_params(layout.frozen, layout.frozen_padded_numel, 0, flat_block, seed, block_index);
 }
 
 }  // namespace strata

@@ -9,6 +9,7 @@
 
 #include <ATen/ATen.h>
 
+#include <array>
 #include <string>
 #include <utility>
 #include <vector>
@@ -21,11 +22,15 @@ namespace strata {
 
 enum class BlockKind { kEmbedding, kLayer, kHead };
 
+// A block's parameters in declaration order: with model.lora, the base's
+// (frozen: ParamSpec::frozen) before the adapters (Note [State kinds] in
+// memory/layout.h).
 struct BlockDesc {
   BlockKind kind;
   std::string name;
   std::vector<ParamSpec> params;
 };
+
 
 // The blocks and their parameter specs, from the config alone: no tensors, so
 // that `strata plan` can size a model far too large for the machine.
@@ -44,7 +49,10 @@ class Model {
   // (name, specs) per block, the input of StateLayout.
   std::vector<std::pair<std::string, std::vector<ParamSpec>>> layout_specs() const;
 
-  // Runs block `b`. `w` holds one tensor per ParamSpec of the block, in order.
+  // Runs block `b`. `w` holds one tensor per ParamSpec of the block, in order
+  // (with model.lora: the frozen base's, then the adapters'). The LoRA
+  // adapters apply without dropout here (PEFT in eval mode); the explicit
+  // forward below applies lora_dropout (Note [LoRA layers] in layer_ops.cc).
   //   embedding: x = tokens (int64, [B, T])      -> [B, T, dim]
   //   layer:     x = [B, T, dim]                  -> [B, T, dim]
   //   head:      x = [B, T, dim]                  -> logits [B, T, vocab]
@@ -71,8 +79,13 @@ class Model {
                             std::vector<at::Tensor>* dw) const;
 
   // Model FLOPs per trained token (forward + backward, without recompute):
-  // 6 x matrix parameters + attention scores, the usual MFU convention.
+  // 6 x matrix parameters + attention scores, the usual MFU convention. With
+  // model.lora the frozen base's matrices count 4 (no weight gradient) and
+  // the adapters' 6.
   double flops_per_token() const;
+  // With model.lora: the index in a layer's weights of module m's lora_A
+  // (lora_B follows it), or -1 when m is not targeted.
+  int lora_index(LoraModule m) const { return lora_index_[size_t(m)]; }
 
  private:
   at::Tensor layer_forward(const std::vector<at::Tensor>& w, const at::Tensor& x) const;
@@ -83,15 +96,41 @@ class Model {
   // dtype and device from the fp32 tables. Not thread-safe (one compute thread).
   std::pair<at::Tensor, at::Tensor> rope(at::ScalarType dtype, c10::Device device, int64_t t) const;
 
+  // Note [LoRA layers]: a targeted linear's output, base + adapter, keeping
+  // the adapter's middle in *s; and its backward.
+  at::Tensor linear(LoraModule m, const std::vector<at::Tensor>& w, const at::Tensor& x, size_t weight,
+                    const at::Tensor& bias, LayerSaved* s) const;
+  // d(input) of module m's adapter (in x's dtype) given d(output) `dout`
+  // [N, out] and its input x [N, in]; sets (*dw) of its lora_A and lora_B.
+  at::Tensor lora_backward(LoraModule m, const std::vector<at::Tensor>& w, const LayerSaved& s,
+                           const at::Tensor& dout, const at::Tensor& x, std::vector<at::Tensor>* dw) const;
+  // dropout(x) in the adapters' dtype (fp32) for module m under s's key
+  // (x itself without s.dropout).
+  at::Tensor lora_input(LoraModule m, const at::Tensor& x, const LayerSaved& s) const;
+  at::Tensor lora_noise(LoraModule m, const at::Tensor& like, uint64_t key) const;
+
   ModelConfig cfg_;
   std::vector<BlockDesc> blocks_;
+  std::array<int, kLoraModuleCount> lora_index_{};
+  std::array<bool, kSavedCount> saves_{};  // the entries a layer saves (layer_saved_specs)
   at::Tensor cos_f32_, sin_f32_;
   mutable at::Tensor cos_cast_, sin_cast_;
 };
 
-// Views of each parameter of `layout` into `flat_block`, the block's range of
-// a flat buffer (numel >= layout.numel). The views share its storage.
+// Views of each trained parameter of `layout` into `flat_block`, the block's
+// range of a flat buffer (numel >= layout.numel). The views share its storage.
 std::vector<at::Tensor> param_views(const BlockLayout& layout, const at::Tensor& flat_block);
+// A block's weights in declaration order (Note [State kinds] in
+// memory/layout.h): views of its frozen parameters into `frozen_block` (its
+// frozen range; numel >= layout.frozen_numel), then of its trained ones into
+// `flat_block`. Either may be undefined when the block has no such part.
+std::vector<at::Tensor> param_views(const BlockLayout& layout, const at::Tensor& frozen_block,
+                                    const at::Tensor& flat_block);
+
+// The key of LoRA's dropout masks for one layer (0-based) and micro-batch of
+// step `step` (1-based) of a run seeded `seed`: the same wherever the layer
+// runs, is recomputed or placed (Note [LoRA layers] in layer_ops.cc).
+uint64_t lora_dropout_key(uint64_t seed, int64_t step, int64_t micro_batch, int64_t layer);
 
 // Rotary inverse frequencies after model.rope_scaling (none, linear, llama3),
 // as Hugging Face's rope_parameters define them; double in, double out.
@@ -109,6 +148,9 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 // own generator, drawn on LibTorch's intra-op threads); padding is left as it is.
 inline constexpr int64_t kInitChunk = int64_t(1) << 20;
 void init_block(const BlockLayout& layout, const at::Tensor& flat_block, uint64_t seed, size_t block_index);
+// The same for the block's frozen part (Note [State kinds] in memory/layout.h),
+// `flat_block` at least its frozen padded length.
+void init_frozen_block(const BlockLayout& layout, const at::Tensor& flat_block, uint64_t seed, size_t block_index);
 // The generator seed of chunk `chunk` of parameter `param_index` of a block.
 uint64_t init_chunk_seed(uint64_t seed, size_t block_index, size_t param_index, int64_t chunk);
 

@@ -17,6 +17,14 @@ struct LayerSaved {
   // The attention kernel's random-state tensors (empty without dropout; the
   // CUDA kernels' backward takes them): tiny, never moved.
   at::Tensor attn_seed, attn_offset;
+  // With lora_dropout, in training (`dropout`): the key of this layer's and
+  // micro-batch's dropout masks in this step (lora_dropout_key in
+  // model/model.h), set by the caller before the forward, any recompute and
+  // the backward: the masks are made again from it, never kept. Without
+  // `dropout` (evaluation) the adapters see their input unmasked, as PEFT's in
+  // eval mode.
+  uint64_t dropout_key = 0;
+  bool dropout = false;
 
   at::Tensor& operator[](Saved s) { return t[size_t(s)]; }
   const at::Tensor& operator[](Saved s) const { return t[size_t(s)]; }

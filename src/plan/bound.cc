@@ -18,6 +18,19 @@ double step_flops(const ModelConfig& m, int64_t tokens, int64_t recomputed_layer
   const double layer_matrices = d * q + 2 * d * kv + q * d + 3 * d * f;
   const double layer_fwd = 2 * layer_matrices + 4 * t * q;
   const double fwd = double(m.n_layers) * layer_fwd + 2 * v * d;  // the head's matrix, tied or not
+  if (m.lora.enabled) {
+    // LoRA (docs/design.md, "LoRA layers"): the frozen matrices' backward is
+    // their input gradients only (2 a parameter, not 4); the adapters' A and
+    // B cost 2 forward and 4 backward a parameter; the attention core its
+    // full forward and backward. A recompute skips the base's down
+    // projection and its adapter's B, not the adapter's middle.
+    const double adapters = double(lora_layer_params(m));
+    const double fwd_layer = layer_fwd + 2 * adapters;
+    const double bwd_layer = 2 * layer_matrices + 4 * adapters + 8 * t * q;
+    const double down_b = m.lora.targets_module(LoraModule::kDown) ? 2 * d * double(m.lora.r) : 0.0;
+    const double step = double(m.n_layers) * (fwd_layer + bwd_layer) + 4 * v * d;
+    return double(tokens) * (step + double(recomputed_layers) * (fwd_layer - 2 * d * f - down_b));
+  }
   // Backward is twice the forward; a recomputed layer runs its forward again
   // but for its down projection (d x f).
   return double(tokens) * (3 * fwd + double(recomputed_layers) * (layer_fwd - 2 * d * f));
@@ -74,7 +87,7 @@ NetworkBytes step_network_bytes(const PlacementPlan& p) {
   const int ws = p.world_size;
   NetworkBytes out;
   if (ws <= 1) return out;
-  const int param_t = p.compute_bytes;
+  const int param_t = p.param_bytes();
   int64_t& bytes = out.world;
   if (p.shards > 1) {
     if (p.stage == 3) {
@@ -144,7 +157,7 @@ int64_t on_tier(const PlacementPlan& p, Category c, Tier t, int64_t begin, int64
 // it speculates) and the bytes its pieces move, into w.optimizer_links.
 void optimizer_work(const PlacementPlan& p, StepWork& w) {
   LinkBytes& o = w.optimizer_links;
-  const int64_t c = p.compute_bytes;
+  const int64_t c = p.param_bytes();
   const int64_t m = p.state.elem_bytes[size_t(Category::kExpAvg)];
   const std::vector<PlacementUnit>& p16 = p.state.units[size_t(Category::kParam16)];
   const int64_t moment[3] = {4, m, m};
@@ -213,7 +226,7 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
   w.net_bytes = net.world;
   w.intra_node_bytes = net.node;
   LinkBytes& e = w.links;
-  const int64_t c = p.compute_bytes;
+  const int64_t c = p.param_bytes();
   const std::vector<PlacementUnit>& p16 = p.state.units[size_t(Category::kParam16)];
   const std::vector<PlacementUnit>& grad = p.state.units[size_t(Category::kGrad)];
   STRATA_CHECK(fetches.size() == p16.size(), "one fetch count per block");
@@ -228,6 +241,19 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
     const int64_t G = p.step.hand_offs_per_step(p.comm.reduce_per_step);
     if (grad[b].tier != Tier::kDevice) e.d2h += wire * grad[b].numel * G, w.grad_add_elems += grad[b].numel * G;
     if (grad[b].tier == Tier::kNvme) e.nvme_write += 4 * grad[b].numel * G, e.nvme_read += 4 * grad[b].numel * (G - 1);
+  }
+  // Note [State kinds]: the frozen base's fetches, reads only; a persistent
+  // frozen block is fetched once per run (its window is never invalidated).
+  if (std::unique_ptr<ParamWindow> fw = make_frozen_window(p)) {
+    const std::vector<StepOp> train = plan_train_schedule(p);
+    fw->plan({&train});
+    const std::vector<PlacementUnit>& fu = p.state.units[size_t(Category::kFrozen)];
+    const int64_t fb = p.state.elem_bytes[size_t(Category::kFrozen)];
+    for (size_t b = 0; b < fu.size(); ++b) {
+      const int64_t F = fw->persistent(int32_t(b)) ? 0 : fw->planned_fetches()[b];
+      if (fu[b].tier == Tier::kHost) e.h2d += fb * fu[b].numel * F;
+      if (fu[b].tier == Tier::kNvme) e.nvme_read += fb * fu[b].numel * F, e.h2d += fb * fu[b].numel * F;
+    }
   }
   // What the layers keep in host RAM (Note [Activation placement] in
   // memory/placement.h) goes down in the forward and up in the backward.

@@ -75,7 +75,7 @@ void choose_kept_gathered(const Config& cfg, const MachineCapacity& capacity, Pl
   int64_t room = want.mode == KeepGathered::Mode::kAll || counted ? -1 : room_left(cfg, capacity, plan);
   for (size_t i = blocks; i-- > 0 && left > 0;) {
     const int64_t padded = plan.block_numel[i] * plan.shards;
-    const int64_t bytes = (padded - (plan.comm.secondary_shard ? plan.block_numel[i] * plan.nodes() : 0)) * plan.compute_bytes;
+    const int64_t bytes = (padded - (plan.comm.secondary_shard ? plan.block_numel[i] * plan.nodes() : 0)) * plan.param_bytes();
     if (room >= 0 && bytes > room) continue;
     if (room >= 0) room -= bytes;
     plan.comm.keep_gathered[i] = 1;

@@ -52,7 +52,24 @@ void cut_units(const Config& cfg, const StateLayout& layout, PlacementPlan& plan
   for (int64_t o = 0; o < plan.state.shard_space_numel; o += plan.state.sub_group_numel) {
     group_units.push_back({o, std::min(plan.state.sub_group_numel, plan.state.shard_space_numel - o), Tier::kDevice});
   }
-  for (int c = 0; c < kNumCategories; ++c) units[size_t(c)] = c <= int(Category::kGrad) ? block_units : group_units;
+  for (int c = 0; c <= int(Category::kExpAvgSq); ++c) {
+    units[size_t(c)] = c <= int(Category::kGrad) ? block_units : group_units;
+  }
+  // Note [State kinds]: the frozen space, a unit per block shard like param16.
+  units[size_t(Category::kFrozen)].clear();
+  plan.state.frozen_space_numel = 0;
+  if (!layout.has_frozen()) return;
+  for (const BlockLayout& b : layout.blocks()) {
+    units[size_t(Category::kFrozen)].push_back({plan.state.frozen_space_numel, b.frozen_shard_numel(), Tier::kDevice});
+    plan.state.frozen_space_numel += b.frozen_shard_numel();
+    plan.state.largest_block_shard_numel = std::max(plan.state.largest_block_shard_numel, b.frozen_shard_numel());
+  }
+}
+
+// The elements a category's units cover: the frozen space's for kFrozen,
+// the shard space's for the others.
+int64_t space_numel(const PlacementPlan& plan, int c) {
+  return c == int(Category::kFrozen) ? plan.state.frozen_space_numel : plan.state.shard_space_numel;
 }
 
 // The activation rows from what each layer keeps (Note [Activation
@@ -102,6 +119,9 @@ void estimate_transients(const Config& cfg, const StateLayout& layout, Placement
   for (const BlockLayout& b : layout.blocks()) largest_block = std::max(largest_block, b.padded_numel);
   plan.largest_block_numel = largest_block;
   for (const BlockLayout& b : layout.blocks()) plan.block_numel.push_back(b.shard_numel());
+  if (layout.has_frozen()) {
+    for (const BlockLayout& b : layout.blocks()) plan.frozen_block_numel.push_back(b.frozen_shard_numel());
+  }
   plan.step.token_bytes = std::max<int64_t>(plan.step.accum, 1) * cfg.train_micro_batch_size_per_gpu * (m.seq_len + 1) * 8;
   plan.window_knobs.prefetch_numel = cfg.zero.stage3_prefetch_bucket_size;
   plan.window_knobs.max_live_numel = cfg.zero.stage3_max_live_parameters;
@@ -148,7 +168,7 @@ void fill_optimizer_on_gpu(const PlacementConfig& pc, const PlacementPlan& plan,
   std::vector<char> device_group(master.size(), 0);
   for (size_t i = 0; i < master.size(); ++i) {
     int64_t bytes = 0;
-    for (int c = first_optimizer; c < kNumCategories; ++c) {
+    for (int c = first_optimizer; c <= int(Category::kExpAvgSq); ++c) {
       const PlacementUnit& u = units[size_t(c)].at(i);
       STRATA_CHECK(u.offset == master[i].offset && u.numel == master[i].numel,
                    "optimizer categories cut into different sub-groups");
@@ -162,7 +182,7 @@ void fill_optimizer_on_gpu(const PlacementConfig& pc, const PlacementPlan& plan,
     if (device_group[i]) fill.dev_left -= bytes;
   }
   for (int c : order) {
-    if (c < first_optimizer) continue;
+    if (c < first_optimizer || c > int(Category::kExpAvgSq)) continue;
     for (size_t i = 0; i < master.size(); ++i) {
       if (device_group[i]) {
         units[size_t(c)][i].tier = Tier::kDevice;
@@ -180,7 +200,7 @@ std::array<TierSplit, kNumCategories> reached_split(const PlacementPlan& plan,
   for (int c = 0; c < kNumCategories; ++c) {
     std::array<double, kNumTiers> b{};
     for (const PlacementUnit& u : units[size_t(c)]) b[size_t(u.tier)] += double(u.numel);
-    const double total = double(plan.state.shard_space_numel);
+    const double total = double(std::max<int64_t>(1, space_numel(plan, c)));
     split[size_t(c)] = TierSplit{b[0] / total, b[1] / total, b[2] / total};
   }
   return split;
@@ -207,6 +227,11 @@ std::array<TierSplit, kNumCategories> fill_auto(const Config& cfg, const Machine
   plan.window_cap_bytes = 0;  // the window at its minimum while filling; widened below
   std::vector<int> order = pc.auto_order;
   if (order.empty()) order = {0, 1, 2, 3, 4};
+  // Frozen values (Note [State kinds]) are read by every forward and
+  // backward, as param16 is: right after it.
+  if (std::find(order.begin(), order.end(), int(Category::kFrozen)) == order.end()) {
+    order.insert(std::find(order.begin(), order.end(), int(Category::kParam16)) + 1, int(Category::kFrozen));
+  }
   for (int pass = 0; pass < 4; ++pass) {
     TierFill fill;
     const int64_t act_dev = plan.activations.bytes;
@@ -223,7 +248,7 @@ std::array<TierSplit, kNumCategories> fill_auto(const Config& cfg, const Machine
       fill.host_left = budget(capacity.host_bytes) - reserve_host;
     }
     for (int c : order) {
-      if (!capacity.device_is_host && c >= int(Category::kMaster)) continue;
+      if (!capacity.device_is_host && c >= int(Category::kMaster) && c <= int(Category::kExpAvgSq)) continue;
       for (PlacementUnit& u : units[size_t(c)]) fill.place(plan, c, u, true);
     }
     if (!capacity.device_is_host) fill_optimizer_on_gpu(pc, plan, order, units, fill);
@@ -270,7 +295,7 @@ void cap_window(const Config& cfg, const MachineCapacity& capacity, PlacementPla
 // The swap directories, and what the NVMe placement requires of the config.
 void choose_swap_paths(const Config& cfg, PlacementPlan& plan) {
   const OffloadParamConfig& op = cfg.zero.offload_param;
-  const bool params_on_nvme = plan.state.bytes[0][2] > 0 || plan.state.bytes[1][2] > 0;
+  const bool params_on_nvme = plan.state.bytes[0][2] > 0 || plan.state.bytes[1][2] > 0 || plan.state.bytes[5][2] > 0;
   const bool optimizer_on_nvme = plan.state.bytes[2][2] > 0 || plan.state.bytes[3][2] > 0 || plan.state.bytes[4][2] > 0;
   // The swap directories are the config's intent (state_intent).
   if ((params_on_nvme || optimizer_on_nvme) && plan.state.nvme_paths.empty()) {
@@ -487,6 +512,13 @@ static PlacementPlan resolve_schedule(const Config& cfg, const StateLayout& layo
 
 PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t rank,
                         const MachineCapacity& capacity) {
+  // Note [State kinds] (memory/layout.h): a frozen space is placed, fetched
+  // and read at world size 1; ranks over one are refused before anything is
+  // planned or allocated, naming the key.
+  if (layout.has_frozen() && cfg.world_size > 1) {
+    throw ConfigError("lora", "LoRA over a frozen base trains on one rank in this version (world size " +
+                                  std::to_string(cfg.world_size) + ")");
+  }
   if (cfg.run.schedule == StepSchedule::kAuto) return resolve_schedule(cfg, layout, rank, capacity);
   STRATA_CHECK(layout.world_size() == shard_count(cfg), "the layout's shards are not the config's");
   STRATA_CHECK(rank >= 0 && rank < std::max<int64_t>(1, cfg.world_size), "rank out of range");
@@ -502,9 +534,12 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   plan.comm.staged = plan.world_size > 1 && !plan.device_addressable && gloo;
   plan.comm.grad_bytes = compute_dtype_bytes(cfg.comm.data_type);
   plan.gathered_numel = layout.total_numel();
-  const int int16_bytes = compute_bytes(cfg);  // the working copy: fp32 or 16-bit
+  // The working copy: fp32 or 16-bit; LoRA's adapters always fp32 (Note [LoRA
+  // layers] in model/layer_ops.cc), beside frozen values in the compute dtype.
+  const int compute = compute_bytes(cfg);
+  const int int16_bytes = layout.has_frozen() ? 4 : compute;
   const int moment_bytes = cfg.run.optimizer_state_dtype == MomentDtype::kBf16 ? 2 : 4;  // Note [bf16 state]
-  plan.state.elem_bytes = {int16_bytes, 4, 4, moment_bytes, moment_bytes};
+  plan.state.elem_bytes = {int16_bytes, 4, 4, moment_bytes, moment_bytes, compute};
   // Every rank owns equally sized shards (shard r of every block), so the
   // plans of all ranks are the same.
   std::array<std::vector<PlacementUnit>, kNumCategories> units;
@@ -527,12 +562,28 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   plan.state.source = intent.source;
   plan.state.nvme_paths = intent.nvme_paths;
   plan.optimizer.pipeline_depth = pipeline_depth(intent.optimizer_buffers);
-  std::array<TierSplit, kNumCategories> split = intent.split;
+  std::array<TierSplit, kNumCategories> split;
+  for (size_t c = 0; c < intent.split.size(); ++c) split[c] = intent.split[c];
+  // Frozen values follow param16's split: offload_param places the frozen
+  // base (its max_in_cpu counts frozen elements), and so does a placement
+  // section's param16. The adapters' working copy, written every step and
+  // small, stays on the device unless placement.param16 says otherwise.
+  if (layout.has_frozen()) {
+    split[size_t(Category::kFrozen)] = state_intent(cfg, plan.state.frozen_space_numel).split[0];
+    if (!cfg.placement.has_param16) split[size_t(Category::kParam16)] = TierSplit{1.0, 0.0, 0.0};
+  }
   estimate_transients(cfg, layout, plan);
   if (!cfg.placement.auto_place) {
-    for (int c = 0; c < kNumCategories; ++c) assign(units[size_t(c)], split[size_t(c)], plan.state.shard_space_numel);
+    for (int c = 0; c < kNumCategories; ++c) assign(units[size_t(c)], split[size_t(c)], space_numel(plan, c));
   } else {
     split = fill_auto(cfg, capacity, plan, units);
+  }
+  // A unit of no elements (a block without a part of that kind) has no
+  // home to move: it stays on the device.
+  for (auto& us : units) {
+    for (PlacementUnit& u : us) {
+      if (u.numel == 0) u.tier = Tier::kDevice;
+    }
   }
   plan.state.split = split;
   plan.state.units = std::move(units);

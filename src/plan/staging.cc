@@ -9,10 +9,14 @@
 namespace strata {
 
 namespace {
-WindowShape window_shape(const PlacementPlan& plan) {
+WindowShape window_shape(const PlacementPlan& plan, bool frozen) {
   const int n = int(plan.block_numel.size());
   const std::vector<StepOp> train = plan_train_schedule(plan);
   const std::vector<StepOp> eval = eval_schedule(n, plan.tied);
+  if (frozen) {
+    std::unique_ptr<ParamWindow> w = make_frozen_window(plan);
+    return w ? w->plan({&train, &eval}) : WindowShape();
+  }
   return make_param_window(plan)->plan({&train, &eval});
 }
 }  // namespace
@@ -63,16 +67,16 @@ void gradient_staging(const PlacementPlan& plan, StagingNeeds& n) {
 void comm_staging(const PlacementPlan& plan, StagingNeeds& n) {
   const int64_t largest = plan.largest_block_numel;
   if (plan.shards > 1 && plan.stage == 3) {
-    n.gather = (2 * (plan.tied ? 2 : 1) * largest + plan.comm.kept_gathered_numel) * plan.compute_bytes;
+    n.gather = (2 * (plan.tied ? 2 : 1) * largest + plan.comm.kept_gathered_numel) * plan.param_bytes();
   } else if (plan.shards > 1) {
-    n.gather = plan.gathered_numel * plan.compute_bytes;
+    n.gather = plan.gathered_numel * plan.param_bytes();
   }
   if (plan.comm.staged) n.comm_host = 2 * int64_t(plan.world_size) * kStagedPieceBytes;
   if (plan.comm.reduce_per_step) n.grad_accum = plan.gathered_numel * 4;
   if (plan.comm.secondary_shard) {
     for (size_t b = 0; b < plan.block_numel.size(); ++b) {
       if (plan.comm.keep_gathered.empty() || !plan.comm.keep_gathered[b]) {
-        n.secondary += plan.block_numel[b] * plan.nodes() * plan.compute_bytes;
+        n.secondary += plan.block_numel[b] * plan.nodes() * plan.param_bytes();
       }
     }
   }
@@ -109,7 +113,7 @@ void optimizer_staging(const PlacementPlan& plan, StagingNeeds& n) {
                                    plan.state.elem_bytes[size_t(Category::kExpAvg)] +
                                    plan.state.elem_bytes[size_t(Category::kExpAvgSq)];
   n.opt_state = state_staged ? n.opt_sets * group * state_elem_bytes : 0;
-  n.opt_emit = emit_staged ? n.opt_sets * group * plan.compute_bytes : 0;
+  n.opt_emit = emit_staged ? n.opt_sets * group * plan.param_bytes() : 0;
 }
 
 }  // namespace
@@ -119,12 +123,16 @@ StagingNeeds staging_needs(const PlacementPlan& plan) {
   // Device: the parameter window for blocks whose weights are not on the
   // device, sized by a dry run of the training and evaluation schedules; the
   // gradient path's buffers (Note [Gradient path] in engine/gradient_path.h).
-  n.window = window_shape(plan);
-  n.gathered = n.window.bytes(plan.compute_bytes);
+  n.window = window_shape(plan, false);
+  n.gathered = n.window.bytes(plan.state.elem_bytes[size_t(Category::kParam16)]);
   gradient_staging(plan, n);
   if (!plan.device_addressable && on_nvme(plan, Category::kParam16)) {
     n.window_bounce = n.gathered;  // one bounce buffer per slot and for the persistent blocks
   }
+  // Note [State kinds]: the frozen values' window, the same way.
+  n.frozen_window = window_shape(plan, true);
+  n.frozen_gathered = n.frozen_window.bytes(plan.state.elem_bytes[size_t(Category::kFrozen)]);
+  if (!plan.device_addressable && on_nvme(plan, Category::kFrozen)) n.frozen_window_bounce = n.frozen_gathered;
   n.tokens = plan.step.token_bytes;
   bool saved_on_device = false;
   for (Category c : {Category::kMaster, Category::kExpAvg, Category::kExpAvgSq}) {

@@ -483,9 +483,9 @@ void OptimizerPass::stage_piece(size_t j, const OptimizerThread::Job& job) {
   sp.working_resident = sp.working != nullptr;
   if (!sp.working_resident) sp.working = st.slot(Category::kParam16, k);
   STRATA_CHECK(sp.working != nullptr, "optimizer staging without a working-copy slot");
-  if (ctx_.compute_dtype != at::kFloat && job.kind != Kind::kCommit) {
+  if (ctx_.param_dtype != at::kFloat && job.kind != Kind::kCommit) {
     sp.adam.emit = sp.working;
-    sp.adam.emit_type = ctx_.compute_dtype == at::kBFloat16 ? cpu_adam::EmitType::kBF16 : cpu_adam::EmitType::kF16;
+    sp.adam.emit_type = ctx_.param_dtype == at::kBFloat16 ? cpu_adam::EmitType::kBF16 : cpu_adam::EmitType::kF16;
   }
 }
 
@@ -512,9 +512,9 @@ void OptimizerPass::update_piece(size_t j, const OptimizerThread::Job& job, cons
                  job.kind == OptimizerThread::Kind::kCommit ? commit_names_[j].c_str() : "adam sub-group");
   for (const AdamRun& run : piece_runs_[j]) {
     adam_->step(h, cpu_adam::StepArgs{job.step, job.grad_scale, run.key},
-                run_part(sp.adam, run.start, run.numel, moment_bytes, ctx_.compute_bytes));
+                run_part(sp.adam, run.start, run.numel, moment_bytes, ctx_.param_bytes));
   }
-  if (ctx_.compute_dtype == at::kFloat && job.kind != OptimizerThread::Kind::kCommit) {
+  if (ctx_.param_dtype == at::kFloat && job.kind != OptimizerThread::Kind::kCommit) {
     std::memcpy(sp.working, sp.adam.param, size_t(pieces_[j].numel * 4));
   }
 }
@@ -595,12 +595,12 @@ void OptimizerPass::launch_device_run(const cpu_adam::AdamParams& h, const Optim
   s.grad_type = cpu_adam::GradType::kF32;
   s.numel = r.numel;
   const DevicePtr working = home(Category::kParam16);
-  if (ctx_.compute_dtype != at::kFloat) {
+  if (ctx_.param_dtype != at::kFloat) {
     s.emit = working.raw();
-    s.emit_type = ctx_.compute_dtype == at::kBFloat16 ? cpu_adam::EmitType::kBF16 : cpu_adam::EmitType::kF16;
+    s.emit_type = ctx_.param_dtype == at::kBFloat16 ? cpu_adam::EmitType::kBF16 : cpu_adam::EmitType::kF16;
   }
   device_adam(h, cpu_adam::StepArgs{job.step, job.grad_scale, r.key}, s);
-  if (ctx_.compute_dtype == at::kFloat) {
+  if (ctx_.param_dtype == at::kFloat) {
     ctx_.device->copy_on_device(working, home(Category::kMaster), r.numel * 4, Stream::kCompute);
   }
 }

@@ -49,10 +49,10 @@ void OptimizerPass::speculate_piece(size_t j, const OptimizerThread::Job& job, c
   for (const AdamRun& run : piece_runs_[j]) lowest = std::min<int64_t>(lowest, run.block);
   reached_block_.store(lowest, std::memory_order_release);
   const int64_t moment_bytes = ctx_.state->elem_bytes(Category::kExpAvg);
-  const bool fp32 = ctx_.compute_dtype == at::kFloat;
+  const bool fp32 = ctx_.param_dtype == at::kFloat;
   TraceSpan span(TraceTrack::kAdam, speculate_names_[j].c_str());
   for (const AdamRun& run : piece_runs_[j]) {
-    const cpu_adam::AdamSpans part = run_part(sp.adam, run.start, run.numel, moment_bytes, ctx_.compute_bytes);
+    const cpu_adam::AdamSpans part = run_part(sp.adam, run.start, run.numel, moment_bytes, ctx_.param_bytes);
     const cpu_adam::StepArgs args{job.step, job.grad_scale, run.key};
     if (sp.keeps_state) {
       adam_->step_keeping_state(h, args, part, fp32 ? reinterpret_cast<float*>(sp.working) + run.start : nullptr);
@@ -70,7 +70,7 @@ void OptimizerPass::restore_piece(size_t j) {
   const OptSet& sp = sets_[size_t(set_of_[j])];
   const int64_t n = pieces_[j].numel;
   TraceSpan span(TraceTrack::kAdam, "restore the working copy");
-  if (ctx_.compute_dtype == at::kFloat) {
+  if (ctx_.param_dtype == at::kFloat) {
     std::memcpy(sp.working, sp.adam.param, size_t(n) * 4);
   } else {
     adam_->convert(sp.adam.param, sp.working, sp.adam.emit_type, n);

@@ -1,0 +1,413 @@
+// LoRA training over a frozen base (docs/design.md, "State kinds"): 10
+// clipped fp32 steps against transformers + PEFT + torch AdamW over the
+// adapters on the same base, adapters and batches (tests/peft_train.py), per
+// step loss and norm within 1e-5 relative; bit for bit across the frozen
+// base's placements (device, host, NVMe, a three-way split, auto), the
+// optimizer state's, both schedules, recompute modes and speculation; the base
+// never written (its homes byte-identical after training, no NVMe writes or
+// D2H where only it is off the device); no gradient or optimizer state for it
+// (the plan's bytes by hand).
+#include <ATen/ATen.h>
+#include <gtest/gtest.h>
+
+#include <sys/stat.h>
+
+#include <fstream>
+#include <random>
+#include <string>
+#include <vector>
+
+#include "config/config.h"
+#include "data/dataset.h"
+#include "engine/trainer.h"
+#include "memory/layout.h"
+#include "memory/placement.h"
+#include "memory/tiered_state.h"
+#include "model/model.h"
+#include "plan/bound.h"
+#include "test_util.h"
+#include "training_session.h"
+#include "util/errors.h"
+#include "util/fs.h"
+
+namespace strata {
+namespace {
+
+using testing::Result;
+using testing::sh;
+using testing::TempDir;
+
+const std::string kPython = std::string(STRATA_SOURCE_DIR) + "/.venv/bin/python";
+
+nlohmann::json lora_config(const std::string& data) {
+  return {
+      {"train_micro_batch_size_per_gpu", 2},
+      {"gradient_accumulation_steps", 2},
+      {"gradient_clipping", 0.05},
+      {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 1e-2}, {"weight_decay", 0.1}}}}},
+      {"zero_optimization", {{"sub_group_size", 4096}}},
+      {"model", {{"dim", 64}, {"n_layers", 2}, {"n_heads", 4}, {"n_kv_heads", 2}, {"ffn_hidden", 96},
+                 {"seq_len", 32}}},
+      {"lora", {{"r", 4}, {"lora_alpha", 8}, {"target_modules", "all-linear"}}},
+      {"data", {{"path", data}, {"val_fraction", 0.0}}},
+      {"run", {{"steps", 6}, {"seed", 11}}},
+  };
+}
+
+struct LoraRun {
+  std::vector<double> losses, norms;
+  std::vector<at::Tensor> master;       // per block (adapters), after the last step
+  std::vector<at::Tensor> frozen_before, frozen_after;  // per block, its frozen values as stored
+  LinkBytes links;                      // over the steps
+  std::vector<LinkBytes> step_links;    // as each StepResult reported them
+  PlacementPlan plan;
+};
+
+// Block b's frozen values as stored (compute dtype), read from their home.
+at::Tensor frozen_values(Trainer& t, size_t b) { return t.state_block(Category::kFrozen, b); }
+
+LoraRun train(const nlohmann::json& j, const std::vector<std::string>& overrides, int steps = 6,
+          const std::vector<int64_t>* tokens = nullptr) {
+  Config cfg = parse_config(j, overrides);
+  Model model(cfg.model);
+  Trainer trainer(cfg, model);
+  TokenDataset data(cfg.data.paths, TokenFormat::kText, 256, cfg.model.seq_len, 0.0);
+  const int64_t n = cfg.gradient_accumulation_steps * cfg.train_micro_batch_size_per_gpu;
+  std::vector<int64_t> batch(size_t(n * (cfg.model.seq_len + 1)));
+  std::mt19937_64 rng(5);
+  LoraRun r;
+  r.plan = trainer.plan();
+  for (size_t b = 0; b < trainer.layout().num_blocks(); ++b) r.frozen_before.push_back(frozen_values(trainer, b));
+  const LinkBytes links0 = trainer.state().links();
+  for (int s = 0; s < steps; ++s) {
+    if (tokens != nullptr) {
+      std::copy(tokens->begin() + s * std::ptrdiff_t(batch.size()), tokens->begin() + (s + 1) * std::ptrdiff_t(batch.size()),
+                batch.begin());
+    } else {
+      data.sample_train(rng, n, batch.data());
+    }
+    StepResult sr = trainer.step(batch.data());
+    r.losses.push_back(sr.loss);
+    r.norms.push_back(sr.grad_norm);
+    r.step_links.push_back(sr.links);
+  }
+  trainer.finish();
+  const LinkBytes links1 = trainer.state().links();
+  r.links = {links1.h2d - links0.h2d, links1.d2h - links0.d2h, links1.nvme_read - links0.nvme_read,
+             links1.nvme_write - links0.nvme_write};
+  for (size_t b = 0; b < trainer.layout().num_blocks(); ++b) {
+    r.master.push_back(trainer.master_block(b));
+    r.frozen_after.push_back(frozen_values(trainer, b));
+  }
+  return r;
+}
+
+void expect_identical(const LoraRun& a, const LoraRun& b, const std::string& what) {
+  ASSERT_EQ(a.losses.size(), b.losses.size());
+  for (size_t i = 0; i < a.losses.size(); ++i) {
+    EXPECT_EQ(a.losses[i], b.losses[i]) << what << " step " << i + 1;
+    EXPECT_EQ(a.norms[i], b.norms[i]) << what << " step " << i + 1;
+  }
+  ASSERT_EQ(a.master.size(), b.master.size());
+  for (size_t i = 0; i < a.master.size(); ++i) {
+    EXPECT_TRUE(at::equal(a.master[i], b.master[i])) << what << " block " << i;
+  }
+}
+
+class LoraTrainTest : public ::testing::Test {
+ protected:
+  void SetUp() override {
+    data_ = dir_.write("text.txt", testing::sample_text(20000));
+    swap_ = dir_.file("swap");
+    mkdir(swap_.c_str(), 0700);
+    baseline_ = train(lora_config(data_), {});
+  }
+  TempDir dir_;
+  std::string data_, swap_;
+  LoraRun baseline_;
+};
+
+TEST_F(LoraTrainTest, AdaptersLearnAndTheBaseIsNeverWritten) {
+  EXPECT_LT(baseline_.losses.back(), baseline_.losses.front() - 0.05);
+  for (size_t b = 0; b < baseline_.frozen_before.size(); ++b) {
+    EXPECT_GT(baseline_.frozen_before[b].abs().max().item<float>(), 0.0f) << "block " << b;
+    EXPECT_TRUE(at::equal(baseline_.frozen_before[b], baseline_.frozen_after[b])) << "block " << b;
+  }
+  // The adapters moved: B started at zero.
+  EXPECT_GT(baseline_.master[1].abs().max().item<float>(), 0.0f);
+}
+
+// By hand: 2 layers of dim 64, q 64x64, k and v 32x64, o 64x64, w1/w3 96x64,
+// w2 64x96, r 4. A layer's adapters: q 4x(64+64), k 4x(64+32), v 4x(64+32),
+// o 4x(64+64), gate 4x(64+96), up 4x(64+96), down 4x(96+64) = 512 + 384 + 384
+// + 512 + 640 + 640 + 640 = 3,712, padded to 4,096. Its base: 4096 + 2 x 2048
+// + 4096 + 3 x 6144 + 2 x 64 = 30,848, padded to 32,768; the embedding 256 x
+// 64 = 16,384; the head's norm 64, padded to 2,048.
+TEST_F(LoraTrainTest, OnlyTheAdaptersHaveGradientsAndOptimizerState) {
+  const PlacementPlan& p = baseline_.plan;
+  EXPECT_EQ(p.state.shard_space_numel, 2 * 4096);
+  EXPECT_EQ(p.state.frozen_space_numel, 16384 + 2 * 32768 + 2048);
+  for (Category c : {Category::kGrad, Category::kMaster, Category::kExpAvg, Category::kExpAvgSq}) {
+    EXPECT_EQ(p.state.category_total(c), 2 * 4096 * 4) << category_name(c);
+  }
+  EXPECT_EQ(p.state.category_total(Category::kParam16), 2 * 4096 * 4);  // fp32 run: the adapters' working copy
+  EXPECT_EQ(p.state.category_total(Category::kFrozen), (16384 + 2 * 32768 + 2048) * 4);
+}
+
+TEST_F(LoraTrainTest, FrozenBaseOnHostIsBitIdenticalAndOnlyRead) {
+  const LoraRun r = train(lora_config(data_), {"zero_optimization.stage=3", "zero_optimization.offload_param.device=cpu"});
+  expect_identical(baseline_, r, "base on host");
+  EXPECT_EQ(r.plan.state.bytes[size_t(Category::kFrozen)][size_t(Tier::kHost)], (16384 + 2 * 32768 + 2048) * 4);
+  EXPECT_GT(r.links.h2d, 0);
+  EXPECT_EQ(r.links.nvme_read + r.links.nvme_write, 0);
+  for (size_t b = 0; b < r.frozen_before.size(); ++b) {
+    EXPECT_TRUE(at::equal(r.frozen_before[b], r.frozen_after[b])) << "block " << b;
+    EXPECT_TRUE(at::equal(r.frozen_before[b], baseline_.frozen_before[b])) << "block " << b;
+  }
+}
+
+TEST_F(LoraTrainTest, FrozenBaseOnNvmeIsBitIdenticalAndNeverWritten) {
+  // No persistent blocks (they would be fetched once per run): every use reads.
+  const std::vector<std::string> set = {"zero_optimization.stage=3", "zero_optimization.offload_param.device=nvme",
+                                        "zero_optimization.offload_param.nvme_path=" + swap_,
+                                        "zero_optimization.offload_param.max_in_cpu=0",
+                                        "zero_optimization.stage3_param_persistence_threshold=0"};
+  const LoraRun r = train(lora_config(data_), set);
+  expect_identical(baseline_, r, "base on nvme");
+  EXPECT_EQ(r.plan.state.bytes[size_t(Category::kFrozen)][size_t(Tier::kNvme)], (16384 + 2 * 32768 + 2048) * 4);
+  EXPECT_GT(r.links.nvme_read, 0);
+  // offload_param places the base; the adapters' working copy stays on the device.
+  EXPECT_EQ(r.plan.state.bytes[size_t(Category::kParam16)][size_t(Tier::kDevice)], 2 * 4096 * 4);
+  EXPECT_EQ(r.links.nvme_write, 0) << "nothing but the frozen base is on NVMe, and it is never written";
+  EXPECT_EQ(r.links.d2h, 0);
+  // Each step reads what the bound's byte count says.
+  const Config cfg = parse_config(lora_config(data_), set);
+  const StepWork w = predicted_work(cfg, r.plan, train_fetches(r.plan), NetworkBytes());
+  EXPECT_GT(w.links.nvme_read, 0);
+  for (size_t s = 0; s < r.step_links.size(); ++s) {
+    EXPECT_EQ(r.step_links[s].nvme_read, w.links.nvme_read) << "step " << s + 1;
+    EXPECT_EQ(r.step_links[s].h2d, w.links.h2d) << "step " << s + 1;
+  }
+  for (size_t b = 0; b < r.frozen_before.size(); ++b) {
+    EXPECT_TRUE(at::equal(r.frozen_before[b], r.frozen_after[b])) << "block " << b;
+    EXPECT_TRUE(at::equal(r.frozen_before[b], baseline_.frozen_before[b])) << "block " << b;
+  }
+}
+
+TEST_F(LoraTrainTest, EveryPlacementScheduleAndRecomputeIsBitIdentical) {
+  const std::vector<std::pair<std::string, std::vector<std::string>>> variants = {
+      {"three-way split",
+       {"placement.nvme_path=" + swap_, "placement.param16={\"device\":0.3,\"host\":0.3,\"nvme\":0.4}",
+        "placement.master={\"device\":0.2,\"host\":0.4,\"nvme\":0.4}"}},
+      {"optimizer on nvme", {"zero_optimization.offload_optimizer.device=nvme",
+                             "zero_optimization.offload_optimizer.nvme_path=" + swap_}},
+      {"optimizer on host, speculating", {"zero_optimization.offload_optimizer.device=cpu", "optimizer.speculate=on"}},
+      {"auto under a small device budget", {"placement.auto=true", "placement.nvme_path=" + swap_,
+                                            "run.device_memory_mb=1"}},
+      {"layer schedule", {"run.schedule=layer"}},
+      {"micro_batch schedule", {"run.schedule=micro_batch"}},
+      {"recompute always", {"run.recompute=always"}},
+      {"recompute never", {"run.recompute=never"}},
+  };
+  for (const auto& [what, set] : variants) {
+    SCOPED_TRACE(what);
+    expect_identical(baseline_, train(lora_config(data_), set), what);
+  }
+}
+
+TEST_F(LoraTrainTest, DropoutTrainsBitForBitAcrossRecomputeAndPlacement) {
+  nlohmann::json j = lora_config(data_);
+  j["lora"]["lora_dropout"] = 0.1;
+  const LoraRun a = train(j, {"run.recompute=never"});
+  const LoraRun b = train(j, {"run.recompute=always", "zero_optimization.stage=3", "zero_optimization.offload_param.device=cpu"});
+  expect_identical(a, b, "dropout, recompute and placement");
+  // Dropout changes the arithmetic.
+  EXPECT_NE(a.losses[1], baseline_.losses[1]);
+}
+
+// bf16: a 16-bit base beside fp32 adapters (their working copy, gradients,
+// master and moments); every placement of the base trains bit for bit as the
+// base on the device, and the adapters' working copy is fp32.
+TEST_F(LoraTrainTest, Bf16BaseTrainsBitForBitInEveryPlacement) {
+  nlohmann::json j = lora_config(data_);
+  j["bf16"] = {{"enabled", true}};
+  const LoraRun base = train(j, {});
+  EXPECT_EQ(base.plan.state.elem_bytes[size_t(Category::kParam16)], 4);
+  EXPECT_EQ(base.plan.state.elem_bytes[size_t(Category::kFrozen)], 2);
+  EXPECT_EQ(base.plan.state.category_total(Category::kFrozen), (16384 + 2 * 32768 + 2048) * 2);
+  EXPECT_LT(base.losses.back(), base.losses.front() - 0.05);
+  // Close to the fp32 run: the same adapters over a base rounded to bf16.
+  EXPECT_LE(std::abs(base.losses[0] - baseline_.losses[0]), 2e-2 * baseline_.losses[0]);
+  const std::vector<std::pair<std::string, std::vector<std::string>>> variants = {
+      {"base on nvme", {"zero_optimization.stage=3", "zero_optimization.offload_param.device=nvme",
+                        "zero_optimization.offload_param.nvme_path=" + swap_,
+                        "zero_optimization.offload_param.max_in_cpu=0"}},
+      {"base on host, optimizer on host, speculating",
+       {"zero_optimization.stage=3", "zero_optimization.offload_param.device=cpu",
+        "zero_optimization.offload_optimizer.device=cpu", "optimizer.speculate=on"}},
+      {"recompute always, layer schedule", {"run.recompute=always", "run.schedule=layer"}},
+  };
+  for (const auto& [what, set] : variants) {
+    SCOPED_TRACE(what);
+    const LoraRun r = train(j, set);
+    expect_identical(base, r, what);
+    for (size_t b = 0; b < r.frozen_before.size(); ++b) {
+      EXPECT_TRUE(at::equal(r.frozen_before[b], r.frozen_after[b])) << "block " << b;
+    }
+  }
+}
+
+// 10 clipped fp32 steps against transformers + PEFT + torch AdamW on the same
+// base (written by transformers, read through model.init_from), adapters
+// (Strata's initial ones) and batches.
+TEST(LoraPeftTrainTest, TenClippedStepsMatchPeftAndTorchAdamW) {
+  if (sh(kPython + " -c 'import peft, transformers'").code != 0) {
+    if (testing::under_ci()) FAIL() << "no peft in .venv under CI";
+    GTEST_SKIP() << "no peft in .venv (tools/setup.sh installs it)";
+  }
+  TempDir dir;
+  const std::string base = dir.file("base");
+  Result made = sh(kPython + " -c \"import torch, transformers; torch.manual_seed(3); "
+                   "c = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, "
+                   "num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, "
+                   "max_position_embeddings=32, tie_word_embeddings=False); "
+                   "transformers.LlamaForCausalLM(c).save_pretrained('" + base + "')\"");
+  ASSERT_EQ(made.code, 0) << made.output;
+  const std::string data = dir.write("text.txt", testing::sample_text(20000));
+  nlohmann::json j = lora_config(data);
+  j["model"] = {{"init_from", base}, {"seq_len", 32}};
+  j["lora"]["target_modules"] = {"q_proj", "v_proj", "o_proj", "down_proj"};
+  j["lora"]["use_rslora"] = true;
+  const int steps = 10;
+  Config cfg = parse_config(j);
+  // The batches, drawn once, fed to both.
+  const int64_t seqs = cfg.train_batch_size, width = cfg.model.seq_len + 1;
+  std::vector<int64_t> tokens(size_t(steps * seqs * width));
+  {
+    TokenDataset ds(cfg.data.paths, TokenFormat::kText, 256, cfg.model.seq_len, 0.0);
+    std::mt19937_64 rng(9);
+    for (int s = 0; s < steps; ++s) ds.sample_train(rng, seqs, tokens.data() + s * seqs * width);
+  }
+  std::ofstream(dir.file("tokens.bin"), std::ios::binary)
+      .write(reinterpret_cast<const char*>(tokens.data()), std::streamsize(tokens.size() * 8));
+  // Strata's initial adapters, by name and layer.
+  nlohmann::json spec = {{"base", base}, {"r", 4}, {"lora_alpha", 8}, {"use_rslora", true},
+                         {"target_modules", j["lora"]["target_modules"]}, {"lr", 1e-2}, {"beta1", 0.9},
+                         {"beta2", 0.999}, {"eps", 1e-8}, {"weight_decay", 0.1}, {"clip", 0.05},
+                         {"steps", steps}, {"sequences", seqs}, {"seq_len", cfg.model.seq_len},
+                         {"micro_batch", cfg.train_micro_batch_size_per_gpu}, {"n_layers", cfg.model.n_layers}};
+  {
+    Model model(cfg.model);
+    Trainer trainer(cfg, model);
+    for (int64_t l = 0; l < cfg.model.n_layers; ++l) {
+      const BlockLayout& bl = trainer.layout().block(size_t(l) + 1);
+      const at::Tensor flat = trainer.master_block(size_t(l) + 1);
+      for (const ParamLayout& p : bl.params) {
+        spec["adapters"][p.spec.name] = p.spec.shape;
+        const at::Tensor v = flat.narrow(0, p.offset, p.spec.numel()).contiguous();
+        std::ofstream(dir.file(p.spec.name + "." + std::to_string(l) + ".bin"), std::ios::binary)
+            .write(reinterpret_cast<const char*>(v.data_ptr<float>()), std::streamsize(v.numel() * 4));
+      }
+    }
+  }
+  std::ofstream(dir.file("spec.json")) << spec.dump();
+  Result ref = sh(kPython + " " + std::string(STRATA_SOURCE_DIR) + "/tests/peft_train.py " + dir.path());
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  const nlohmann::json expect = nlohmann::json::parse(file_contents(dir.file("reference.json")));
+  const LoraRun mine = train(j, {}, steps, &tokens);
+  ASSERT_EQ(expect.size(), size_t(steps));
+  int clipped = 0;
+  for (int s = 0; s < steps; ++s) {
+    const double loss = expect[size_t(s)]["loss"], norm = expect[size_t(s)]["grad_norm"];
+    EXPECT_LE(std::abs(mine.losses[size_t(s)] - loss), 1e-5 * std::abs(loss)) << "step " << s + 1;
+    EXPECT_LE(std::abs(mine.norms[size_t(s)] - norm), 1e-5 * std::abs(norm)) << "step " << s + 1;
+    clipped += norm > 0.05;
+  }
+  EXPECT_GT(clipped, 0) << "the clip never acted: the test would not see a clipping difference";
+  EXPECT_LT(mine.losses.back(), mine.losses.front());
+}
+
+// The base LoRA trains over, written by transformers.
+std::string make_base(const TempDir& dir, bool tied) {
+  const std::string base = dir.file(tied ? "base-tied" : "base");
+  Result made = sh(kPython + " -c \"import torch, transformers; torch.manual_seed(3); "
+                   "c = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, "
+                   "num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, "
+                   "max_position_embeddings=32, tie_word_embeddings=" + std::string(tied ? "True" : "False") + "); "
+                   "transformers.LlamaForCausalLM(c).save_pretrained('" + base + "')\"");
+  EXPECT_EQ(made.code, 0) << made.output;
+  return base;
+}
+
+// strata export of a LoRA checkpoint: PEFT loads it with every adapter key
+// and no other, and computes Strata's evaluation loss; that adapter then
+// starts a run (lora.init_from) whose first evaluation is the same.
+TEST(LoraExportTest, PeftLoadsTheExportAndItStartsTraining) {
+  if (sh(kPython + " -c 'import peft, transformers'").code != 0) {
+    if (testing::under_ci()) FAIL() << "no peft in .venv under CI";
+    GTEST_SKIP() << "no peft in .venv (tools/setup.sh installs it)";
+  }
+  TempDir dir;
+  const std::string base = make_base(dir, true);
+  const std::string data = dir.write("text.txt", testing::sample_text(20000));
+  nlohmann::json j = lora_config(data);
+  j["model"] = {{"init_from", base}, {"seq_len", 32}};
+  j["lora"]["target_modules"] = {"q_proj", "k_proj", "gate_proj", "down_proj"};
+  const std::string ck = dir.file("ck");
+  // Eval tokens: two sequences.
+  Config cfg = parse_config(j);
+  std::vector<int64_t> eval(size_t(2 * (cfg.model.seq_len + 1)));
+  {
+    TokenDataset ds(cfg.data.paths, TokenFormat::kText, 256, cfg.model.seq_len, 0.0);
+    std::mt19937_64 rng(17);
+    ds.sample_train(rng, 2, eval.data());
+  }
+  std::ofstream(dir.file("eval.bin"), std::ios::binary)
+      .write(reinterpret_cast<const char*>(eval.data()), std::streamsize(eval.size() * 8));
+  double strata_loss = 0.0;
+  {
+    testing::TrainingSession s(j, {});
+    s.train(3);
+    s.save(ck);
+    strata_loss = s.trainer().eval_loss(eval.data(), 1);
+  }
+  const std::string out = dir.file("adapter");
+  Result e = sh(std::string(STRATA_BINARY_DIR) + "/strata export " + ck + " --out " + out);
+  ASSERT_EQ(e.code, 0) << e.output;
+  const nlohmann::json ac = nlohmann::json::parse(file_contents(out + "/adapter_config.json"));
+  EXPECT_EQ(ac["peft_type"], "LORA");
+  EXPECT_EQ(ac["task_type"], "CAUSAL_LM");
+  EXPECT_EQ(ac["r"], 4);
+  EXPECT_EQ(ac["base_model_name_or_path"], base);
+  EXPECT_EQ(ac["target_modules"], nlohmann::json({"q_proj", "k_proj", "gate_proj", "down_proj"}));
+  Result r = sh(kPython + " " + std::string(STRATA_SOURCE_DIR) + "/tests/peft_eval.py " + base + " " + out + " " +
+                dir.file("eval.bin") + " 2 " + std::to_string(cfg.model.seq_len + 1));
+  ASSERT_EQ(r.code, 0) << r.output;
+  const nlohmann::json got = nlohmann::json::parse(r.output.substr(r.output.rfind('{')));
+  EXPECT_EQ(got["adapter_tensors"], 2 * 4 * 2);  // 2 layers x 4 modules x (A, B)
+  EXPECT_TRUE(got["missing"].empty()) << got.dump();
+  EXPECT_TRUE(got["unexpected"].empty()) << got.dump();
+  const double peft_loss = got["loss"];
+  EXPECT_LE(std::abs(strata_loss - peft_loss), 1e-5 * std::abs(peft_loss)) << strata_loss << " vs " << peft_loss;
+
+  // The exported adapter (as PEFT would have made it) starts a run.
+  nlohmann::json again = j;
+  again["lora"] = {{"init_from", out}};
+  testing::TrainingSession s2(again, {});
+  EXPECT_EQ(s2.cfg().model.lora.r, 4);
+  EXPECT_LE(std::abs(s2.trainer().eval_loss(eval.data(), 1) - strata_loss), 1e-6 * std::abs(strata_loss));
+  EXPECT_TRUE(std::isfinite(s2.step().loss));
+  // An adapter for another rank is refused naming the file and both shapes.
+  nlohmann::json wrong = again;
+  wrong["lora"]["r"] = 8;
+  try {
+    testing::TrainingSession s3(wrong, {});
+    FAIL() << "an adapter of rank 4 loaded into r 8";
+  } catch (const Error& err) {
+    const std::string msg = err.what();
+    EXPECT_NE(msg.find("lora.r"), std::string::npos) << msg;
+  }
+}
+
+}  // namespace
+}  // namespace strata
