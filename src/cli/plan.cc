@@ -547,7 +547,8 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
       if (p.state.frozen_space_numel > 0) row("frozen base", b[0], b[1], b[2]);
       continue;
     }
-    row(category_name(Category(c)), b[0], b[1], b[2]);
+    // Under LoRA the trained categories are the adapters'.
+    row(std::string(p.state.frozen_space_numel > 0 ? "adapter " : "") + category_name(Category(c)), b[0], b[1], b[2]);
   }
   const auto st = p.state.total();
   row("state total", st[0], st[1], st[2]);

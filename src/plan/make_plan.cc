@@ -102,7 +102,9 @@ void estimate_transients(const Config& cfg, const StateLayout& layout, Placement
   // of the output and the head's share are then part of the op's own).
   const int64_t held = plan.step.held_micro;
   plan.activations.held_output_grad_bytes = held > 1 ? held * plan.activations.checkpoint_bytes : 0;
-  plan.activations.held_tied_grad_bytes = held > 1 && m.tie_embeddings ? held * m.vocab_size * m.dim * cb : 0;
+  // (A frozen embedding, LoRA's, takes no head gradient: Note [State kinds].)
+  plan.activations.held_tied_grad_bytes =
+      held > 1 && m.tie_embeddings && !m.lora.enabled ? held * m.vocab_size * m.dim * cb : 0;
   // Note [Saved activations] (model/layer_ops.cc): what a layer keeps when it
   // keeps its entries.
   plan.activations.entries_bytes = tokens * kept_entry_bytes_per_token(m, int(cb));
