@@ -278,10 +278,21 @@ void report_start(const TrainSession& s) {
             (long long)cfg.model.kv_heads(), (long long)cfg.model.ffn_dim(),
             (long long)cfg.model.seq_len, (long long)cfg.model.vocab_size,
             double(trainer.layout().parameter_count()) / 1e6);
+  if (trainer.layout().has_frozen()) {  // Note [State kinds] in memory/layout.h
+    const PlacementPlan& p = trainer.plan();
+    const auto& fb = p.state.bytes[size_t(Category::kFrozen)];
+    log::info("LoRA: %.3fM adapter parameters (r %lld) trained over a frozen base of %.3fM parameters: "
+              "%s of values only (%s), on device %s, host %s, nvme %s",
+              double(trainer.layout().parameter_count()) / 1e6, (long long)cfg.model.lora.r,
+              double(trainer.layout().frozen_parameter_count()) / 1e6,
+              format_bytes(double(fb[0] + fb[1] + fb[2])).c_str(), compute_dtype_name(cfg.run.compute_dtype),
+              format_bytes(double(fb[0])).c_str(), format_bytes(double(fb[1])).c_str(),
+              format_bytes(double(fb[2])).c_str());
+  }
   log::info("memory: parameters %s (fp32 master) + %s working copy (%s), gradients %s, "
             "optimizer state %s, total %s",
             format_bytes(double(sb.master)).c_str(), format_bytes(double(sb.param16)).c_str(),
-            compute_dtype_name(cfg.run.compute_dtype),
+            trainer.layout().has_frozen() ? "fp32" : compute_dtype_name(cfg.run.compute_dtype),
             format_bytes(double(sb.grad)).c_str(), format_bytes(double(sb.optimizer)).c_str(),
             format_bytes(double(sb.total())).c_str());
   log::info("placement (%s): device %s, host %s, nvme %s (state + staging)",
