@@ -328,9 +328,9 @@ TEST(LoraPeftTrainTest, TenClippedStepsMatchPeftAndTorchAdamW) {
 }
 
 // The base LoRA trains over, written by transformers.
-std::string make_base(const TempDir& dir, bool tied) {
-  const std::string base = dir.file(tied ? "base-tied" : "base");
-  Result made = sh(kPython + " -c \"import torch, transformers; torch.manual_seed(3); "
+std::string make_base(const TempDir& dir, bool tied, int seed = 3) {
+  const std::string base = dir.file((tied ? "base-tied-" : "base-") + std::to_string(seed));
+  Result made = sh(kPython + " -c \"import torch, transformers; torch.manual_seed(" + std::to_string(seed) + "); "
                    "c = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, "
                    "num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, "
                    "max_position_embeddings=32, tie_word_embeddings=" + std::string(tied ? "True" : "False") + "); "
@@ -407,6 +407,35 @@ TEST(LoraExportTest, PeftLoadsTheExportAndItStartsTraining) {
     const std::string msg = err.what();
     EXPECT_NE(msg.find("lora.r"), std::string::npos) << msg;
   }
+}
+
+// Note [Base identity]: a checkpoint's adapters resume over the base they
+// were trained on, and a resume over another base of the same shape is one
+// line naming lora_base (exit 2), before anything is allocated.
+TEST(LoraResumeTest, AResumeOverAnotherBaseIsRefused) {
+  if (sh(kPython + " -c 'import transformers'").code != 0) {
+    if (testing::under_ci()) FAIL() << "no transformers in .venv under CI";
+    GTEST_SKIP() << "no transformers in .venv (tools/setup.sh installs it)";
+  }
+  TempDir dir;
+  const std::string a = make_base(dir, true, 3), b = make_base(dir, true, 4);
+  const std::string data = dir.write("text.txt", testing::sample_text(20000));
+  auto write_config = [&](const std::string& base, const std::string& name) {
+    nlohmann::json j = lora_config(data);
+    j["model"] = {{"init_from", base}, {"seq_len", 32}};
+    j["run"]["checkpoint"] = {{"dir", dir.file("ck")}};
+    j["run"]["steps"] = 2;
+    std::ofstream(dir.file(name)) << j.dump();
+    return dir.file(name);
+  };
+  const std::string strata = std::string(STRATA_BINARY_DIR) + "/strata";
+  Result first = sh(strata + " train " + write_config(a, "a.json") + " 2>&1");
+  ASSERT_EQ(first.code, 0) << first.output;
+  Result other = sh(strata + " train " + write_config(b, "b.json") + " --resume --steps 3 2>&1");
+  EXPECT_EQ(other.code, 2) << other.output;
+  EXPECT_NE(other.output.find("lora_base"), std::string::npos) << other.output;
+  Result same = sh(strata + " train " + dir.file("a.json") + " --resume --steps 3 2>&1");
+  EXPECT_EQ(same.code, 0) << same.output;
 }
 
 }  // namespace

@@ -265,7 +265,7 @@ json resume_invariants(const Config& c) {
   const ModelConfig& m = c.model;
   const SchedulerConfig& s = c.scheduler;
   const OptimizerConfig& o = c.optimizer;
-  return {
+  json j = {
       {"model", model_invariants(m)},
       {"optimizer", {{"type", optimizer_type_name(o.type)}, {"params", {{"lr", o.lr}, {"betas", {o.beta1, o.beta2}}, {"eps", o.eps},
                                                    {"weight_decay", o.weight_decay}}}}},
@@ -281,6 +281,11 @@ json resume_invariants(const Config& c) {
                {"optimizer_state_dtype", moment_dtype_name(c.run.optimizer_state_dtype)}}},
       {"data", {{"format", data_format_name(c.data.format)}, {"val_fraction", c.data.val_fraction}}},
   };
+  // LoRA's adapters are trained over one base, which the checkpoint does not
+  // hold: a resume over another is refused (Note [Base identity] in
+  // hf_config.cc). A base drawn from run.seed is the seed's.
+  if (m.lora.enabled && !m.init_from.empty()) j["lora_base"] = config::base_identity(m.init_from);
+  return j;
 }
 
 std::string first_difference(const json& a, const json& b, const std::string& path) {

@@ -2,12 +2,14 @@
 // model keys the config leaves out and must agree with those it sets; families
 // and features Strata's model lacks are refused by the config.json field that
 // names them, never trained with wrong logits (docs/config.md, model.init_from).
+#include <algorithm>
 #include <fstream>
 #include <utility>
 #include <vector>
 
 #include "config/sections.h"
 #include "util/fs.h"
+#include "util/logging.h"
 
 namespace strata::config {
 namespace {
@@ -149,6 +151,56 @@ json model_with_hf_config(const json& m, const std::string& from) {
     if (!same) fail(std::string("model.") + key, m[key].dump() + " here, but " + hf.path + " says " + v.dump());
   }
   return out;
+}
+
+// Note [Base identity]
+// A LoRA checkpoint holds adapters trained over one base, which it does not
+// store: a resume must find the same base. Its identity is, per safetensors
+// file of model.init_from (sorted by name), the name and size, and one
+// 64-bit FNV-1a hash over every file's header (each tensor's name, dtype,
+// shape and offsets) and its data's first and last MiB: cheap for a base of
+// hundreds of GB, and another base (another fine-tune of the same shape
+// included) differs in it with near certainty.
+json base_identity(const std::string& from) {
+  std::vector<std::string> files;
+  if (is_directory(from)) {
+    for (const std::string& n : list_dir(from)) {
+      if (n.size() > 12 && n.compare(n.size() - 12, 12, ".safetensors") == 0) files.push_back(n);
+    }
+    std::sort(files.begin(), files.end());
+  } else {
+    files.push_back(from);
+  }
+  uint64_t h = 1469598103934665603ull;
+  auto mix = [&h](const char* p, size_t n) {
+    for (size_t i = 0; i < n; ++i) h = (h ^ uint8_t(p[i])) * 1099511628211ull;
+  };
+  json list = json::array();
+  std::vector<char> buf(size_t(1) << 20);
+  for (const std::string& name : files) {
+    const std::string path = is_directory(from) ? from + "/" + name : name;
+    std::ifstream in(path, std::ios::binary);
+    if (!in) fail("model.init_from", "cannot read " + path);
+    in.seekg(0, std::ios::end);
+    const int64_t size = int64_t(in.tellg());
+    list.push_back({{"name", name.substr(name.find_last_of('/') + 1)}, {"bytes", size}});
+    uint64_t header = 0;
+    in.seekg(0);
+    in.read(reinterpret_cast<char*>(&header), 8);
+    if (!in || size < 8 || header > uint64_t(size - 8)) fail("model.init_from", path + " is not a safetensors file");
+    std::string text(size_t(header), '\0');
+    in.read(text.data(), std::streamsize(header));
+    mix(text.data(), text.size());
+    const int64_t begin = 8 + int64_t(header), data = size - begin;
+    const int64_t chunk = std::min<int64_t>(int64_t(buf.size()), data);
+    for (int64_t at : {begin, std::max<int64_t>(begin, size - chunk)}) {
+      in.clear();
+      in.seekg(at);
+      in.read(buf.data(), std::streamsize(chunk));
+      mix(buf.data(), size_t(in.gcount()));
+    }
+  }
+  return {{"files", list}, {"checksum", strprintf("fnv1a64:%016llx", (unsigned long long)h)}};
 }
 
 }  // namespace strata::config

@@ -77,6 +77,9 @@ void parse_monitor(Section& top, Config& c, const char* key, MonitorConfig& m); 
 // model.init_from's Hugging Face config.json merged into the model section
 // (hf_config.cc).
 json model_with_hf_config(const json& m, const std::string& from);
+// A LoRA base's identity (Note [Base identity] in hf_config.cc): its
+// safetensors files' names and sizes and a hash of their headers and ends.
+json base_identity(const std::string& from);
 
 // The token files' sidecars (FILE.json) checked against, and filling, the
 // data and model sections (token_sidecars.cc).
