@@ -602,6 +602,35 @@ TEST_F(RanksTest, Bf16CommunicationHalvesTheReductionBytes) {
   }
 }
 
+// LoRA over a frozen base (docs/design.md, "State kinds") at ZeRO stage 0:
+// each rank holds the whole base on its tiers and reduces the adapters'
+// gradients; 2 ranks train as one rank (to rounding), with the base on the
+// device and in host RAM, with dropout; a sharded stage is one line naming
+// zero_optimization.stage.
+TEST_F(RanksTest, LoraAtStage0TrainsAsOneRank) {
+  nlohmann::json c = base_config(data_);
+  c["zero_optimization"]["stage"] = 0;
+  // (At 2e-2 the runs part after 6 steps with or without ranks' rounding:
+  // Adam's first steps on B, which starts at zero, are as large as the rate.)
+  c["optimizer"]["params"]["lr"] = 5e-3;
+  c["lora"] = {{"r", 4}, {"lora_alpha", 8}, {"lora_dropout", 0.1}, {"target_modules", "all-linear"}};
+  const std::string cfg = write_config(dir_, "lora.json", c);
+  Result one = run_workers(1, cfg, dir_.file("lora1"));
+  ASSERT_EQ(one.code, 0) << one.output;
+  Result two = run_workers(2, cfg, dir_.file("lora2"));
+  ASSERT_EQ(two.code, 0) << two.output;
+  expect_same_training(dir_.file("lora1"), dir_.file("lora2"), "LoRA, 2 ranks at stage 0");
+  nlohmann::json h = c;
+  h["zero_optimization"]["offload_param"] = {{"device", "cpu"}};
+  h["zero_optimization"]["stage"] = 3;  // offload_param's rule; one rank: one shard
+  Result host = run_workers(1, write_config(dir_, "lora-host.json", h), dir_.file("lora-host"));
+  ASSERT_EQ(host.code, 0) << host.output;
+  expect_same_training(dir_.file("lora1"), dir_.file("lora-host"), "LoRA, the base in host RAM");
+  Result sharded = run_workers(2, cfg, dir_.file("lora-s3"), "zero_optimization.stage=3");
+  EXPECT_NE(sharded.code, 0);
+  EXPECT_NE(sharded.output.find("zero_optimization.stage"), std::string::npos) << sharded.output;
+}
+
 TEST_F(RanksTest, NvmeEqualsRamBitForBitAtWorldSize2) {
   nlohmann::json c = base_config(data_);
   c["run"]["steps"] = 4;

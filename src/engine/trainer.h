@@ -286,9 +286,12 @@ class Trainer {
   // declaration order: the frozen ones first.
   std::vector<at::Tensor> weights(size_t b, DevicePtr p, DevicePtr frozen = DevicePtr());
   // The key of LoRA's dropout masks for block b (a layer) and micro-batch m
-  // of the step under way (Note [LoRA layers] in model/layer_ops.cc).
+  // of the step under way (Note [LoRA layers] in model/layer_ops.cc); m
+  // counted in the global batch (rank r trains micro-batches r x A .. r x A +
+  // A - 1 of it), so that the masks do not depend on the world size.
   uint64_t dropout_key(size_t b, int64_t m) const {
-    return lora_dropout_key(cfg_.run.seed, step_ + 1, m, int64_t(b) - 1);
+    const int64_t global = int64_t(ctx_.comm->rank()) * cfg_.gradient_accumulation_steps + m;
+    return lora_dropout_key(cfg_.run.seed, step_ + 1, global, int64_t(b) - 1);
   }
   at::Tensor gathered_copy(Category c, size_t b, at::ScalarType dtype);
 

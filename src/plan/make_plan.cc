@@ -515,11 +515,14 @@ static PlacementPlan resolve_schedule(const Config& cfg, const StateLayout& layo
 PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t rank,
                         const MachineCapacity& capacity) {
   // Note [State kinds] (memory/layout.h): a frozen space is placed, fetched
-  // and read at world size 1; ranks over one are refused before anything is
-  // planned or allocated, naming the key.
-  if (layout.has_frozen() && cfg.world_size > 1) {
-    throw ConfigError("lora", "LoRA over a frozen base trains on one rank in this version (world size " +
-                                  std::to_string(cfg.world_size) + ")");
+  // and read whole by each rank (one shard: ZeRO stage 0, or one rank);
+  // sharding it across ranks is refused before anything is planned or
+  // allocated, naming the key.
+  if (layout.has_frozen() && layout.world_size() > 1) {
+    throw ConfigError("zero_optimization.stage",
+                      "LoRA over a frozen base trains on several ranks at ZeRO stage 0 in this version (each rank "
+                      "holds the whole base on its tiers), not at stage " + std::to_string(cfg.zero.stage) +
+                      " with " + std::to_string(cfg.world_size) + " ranks");
   }
   if (cfg.run.schedule == StepSchedule::kAuto) return resolve_schedule(cfg, layout, rank, capacity);
   STRATA_CHECK(layout.world_size() == shard_count(cfg), "the layout's shards are not the config's");
