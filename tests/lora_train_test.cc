@@ -390,6 +390,21 @@ TEST(LoraExportTest, PeftLoadsTheExportAndItStartsTraining) {
   const double peft_loss = got["loss"];
   EXPECT_LE(std::abs(strata_loss - peft_loss), 1e-5 * std::abs(peft_loss)) << strata_loss << " vs " << peft_loss;
 
+  // --merged: the full model, base + scaling B A, that transformers loads
+  // alone, with the same loss (fp32: the merge's only rounding is fp32's).
+  const std::string merged = dir.file("merged");
+  Result mg = sh(std::string(STRATA_BINARY_DIR) + "/strata export " + ck + " --out " + merged + " --merged --dtype fp32");
+  ASSERT_EQ(mg.code, 0) << mg.output;
+  Result rm = sh(kPython + " " + std::string(STRATA_SOURCE_DIR) + "/tests/peft_eval.py " + merged + " none " +
+                 dir.file("eval.bin") + " 2 " + std::to_string(cfg.model.seq_len + 1));
+  ASSERT_EQ(rm.code, 0) << rm.output;
+  const double merged_loss = nlohmann::json::parse(rm.output.substr(rm.output.rfind('{')))["loss"];
+  EXPECT_LE(std::abs(strata_loss - merged_loss), 1e-5 * std::abs(merged_loss)) << strata_loss << " vs " << merged_loss;
+  // Merging needs a checkpoint of a LoRA run.
+  Result bad = sh(std::string(STRATA_BINARY_DIR) + "/strata export " + ck + " --out " + dir.file("m2") +
+                  " --merged --dtype int8 2>&1");
+  EXPECT_EQ(bad.code, 2) << bad.output;
+
   // The exported adapter (as PEFT would have made it) starts a run.
   nlohmann::json again = j;
   again["lora"] = {{"init_from", out}};

@@ -1,6 +1,7 @@
 """A Strata LoRA export loaded by PEFT, the check of tests/lora_train_test.cc.
 
 Usage: peft_eval.py BASE_DIR ADAPTER_DIR TOKENS_BIN SEQUENCES WIDTH
+(ADAPTER_DIR "none": BASE_DIR alone, e.g. a merged export.)
 Loads the base with transformers and the adapter with PeftModel.from_pretrained,
 reloads the adapter's tensors with set_peft_model_state_dict to count missing
 (adapter keys of the model the file lacks) and unexpected keys, and prints one
@@ -22,18 +23,21 @@ def main():
     base_dir, adapter_dir, tokens_bin, n, width = sys.argv[1:6]
     base = transformers.AutoModelForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32,
                                                              attn_implementation="sdpa")
-    model = PeftModel.from_pretrained(base, adapter_dir)
+    if adapter_dir == "none":
+        model, weights, missing, unexpected = base, {}, [], []
+    else:
+        model = PeftModel.from_pretrained(base, adapter_dir)
+        weights = load_peft_weights(adapter_dir)
+        unexpected = list(set_peft_model_state_dict(model, weights).unexpected_keys)
+        lora_keys = {k for k in model.state_dict() if "lora_" in k}
+        loaded = {k.replace(".weight", ".default.weight") for k in weights}
+        missing = sorted(lora_keys - loaded)
     model.eval()
-    weights = load_peft_weights(adapter_dir)
-    result = set_peft_model_state_dict(model, weights)
-    lora_keys = {k for k in model.state_dict() if "lora_" in k}
-    loaded = {k.replace(".weight", ".default.weight") for k in weights}
-    missing = sorted(lora_keys - loaded)
     tokens = torch.from_numpy(np.fromfile(tokens_bin, dtype="<i8").reshape(int(n), int(width)).copy())
     with torch.no_grad():
         logits = model(input_ids=tokens[:, :-1]).logits
         loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), tokens[:, 1:].reshape(-1))
-    print(json.dumps({"loss": loss.item(), "missing": missing, "unexpected": list(result.unexpected_keys),
+    print(json.dumps({"loss": loss.item(), "missing": missing, "unexpected": unexpected,
                       "adapter_tensors": len(weights)}))
 
 

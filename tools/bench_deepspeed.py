@@ -548,7 +548,17 @@ def cpu_child(args):
                             p.data.copy_(f.get_tensor(name).to(p.dtype))
         if cfg.get("run", {}).get("recompute") == "always":
             model.gradient_checkpointing_enable(gradient_checkpointing_kwargs={"use_reentrant": args.reentrant})
+            if args.lora_dir:  # the frozen embedding's output must carry a gradient for checkpointed layers
+                model.enable_input_require_grads()
         res["parameters"] = sum(getattr(p, "ds_numel", None) or p.numel() for p in model.parameters())
+        if args.lora_dir:
+            # LoRA mode: Hugging Face PEFT over the partitioned (offloaded) base, from the same initial
+            # adapter as Strata's lora.init_from; ZeRO-3 partitions the adapters at initialize.
+            from peft import PeftModel
+            save("peft")
+            model = PeftModel.from_pretrained(model, args.lora_dir, is_trainable=True)
+            res["trainable_parameters"] = sum(p.numel() for p in model.parameters() if p.requires_grad)
+            res["versions"]["peft"] = __import__("peft").__version__
 
         save("engine init")
         engine, *_ = deepspeed.initialize(model=model, config=ds,
@@ -747,6 +757,27 @@ def make_init_weights(cfg, out_dir, seed):
     os.replace(tmp, out_dir)
 
 
+def make_init_adapter(cfg, base_dir, out_dir, seed):
+    """LoRA mode: a PEFT adapter (adapter_model.safetensors + adapter_config.json) of the config's `lora`
+    section over the base at base_dir, initialised by PEFT (A kaiming-uniform, B zeros) from `seed`: both
+    engines start from it (Strata: lora.init_from; DeepSpeed: PeftModel.from_pretrained)."""
+    if os.path.exists(os.path.join(out_dir, "adapter_model.safetensors")):
+        return
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaForCausalLM
+    lora = dict(cfg["lora"])
+    model = LlamaForCausalLM.from_pretrained(base_dir, torch_dtype=torch.float32)
+    torch.manual_seed(seed)
+    peft_model = get_peft_model(model, LoraConfig(
+        r=lora.get("r", 8), lora_alpha=lora.get("lora_alpha", 8), lora_dropout=lora.get("lora_dropout", 0.0),
+        target_modules=lora["target_modules"], use_rslora=lora.get("use_rslora", False), task_type="CAUSAL_LM"))
+    tmp = out_dir + ".tmp"
+    shutil.rmtree(tmp, ignore_errors=True)
+    peft_model.save_pretrained(tmp)
+    os.replace(tmp, out_dir)
+
+
 def ds_env(threads, world):
     return rank_envs(world, threads, {"DS_ACCELERATOR": "cpu", "TORCH_EXTENSIONS_DIR": os.path.join(DS_CPU, "ext"),
                                       "PYTHONUNBUFFERED": "1"})
@@ -762,7 +793,7 @@ def check_cpu_setup(args):
     return py
 
 
-def run_deepspeed_cpu(args, cfg_path, cfg, placement, world, tag, layers=0, tuning=None, init_dir=None):
+def run_deepspeed_cpu(args, cfg_path, cfg, placement, world, tag, layers=0, tuning=None, init_dir=None, lora_dir=None):
     threads = max(1, (os.cpu_count() or 2) // world)
     swap = os.path.join(os.path.abspath(args.nvme_path), "ds")
     shutil.rmtree(swap, ignore_errors=True)
@@ -777,6 +808,7 @@ def run_deepspeed_cpu(args, cfg_path, cfg, placement, world, tag, layers=0, tuni
     cmd = [args.ds_python, os.path.abspath(__file__), "--device", "cpu", "--child", "--result", result,
            "--ds-config", ds_path, "--strata-config", cfg_path, "--steps", str(args.steps),
            "--threads", str(threads), "--layers", str(layers)] + (["--init-dir", init_dir] if init_dir else []) + \
+        (["--lora-dir", lora_dir] if lora_dir else []) + \
         ["--reentrant" if args.reentrant else "--no-reentrant"]
     ops = lambda: set(glob.glob(os.path.join(DS_CPU, "ext", "*", "*.so")))  # noqa: E731
     before = ops()
@@ -797,7 +829,7 @@ def run_deepspeed_cpu(args, cfg_path, cfg, placement, world, tag, layers=0, tuni
     return out
 
 
-def strata_run_config(args, cfg, placement, world, tag, layers=0, init_dir=None):
+def strata_run_config(args, cfg, placement, world, tag, layers=0, init_dir=None, lora_dir=None):
     swap = os.path.join(os.path.abspath(args.nvme_path), "strata")
     shutil.rmtree(swap, ignore_errors=True)
     os.makedirs(swap)
@@ -807,6 +839,8 @@ def strata_run_config(args, cfg, placement, world, tag, layers=0, init_dir=None)
         sc["model"]["n_layers"] = layers
     if init_dir:
         sc["model"]["init_from"] = os.path.abspath(init_dir)
+    if lora_dir:  # LoRA mode: the same initial adapter as DeepSpeed's PEFT (its adapter_config.json fills the keys)
+        sc["lora"] = {"init_from": os.path.abspath(lora_dir)}
     metrics = os.path.join(args.out_dir, f"strata-{tag}.metrics.jsonl")
     if os.path.exists(metrics):
         os.remove(metrics)
@@ -818,8 +852,8 @@ def strata_run_config(args, cfg, placement, world, tag, layers=0, init_dir=None)
     return path, metrics, swap
 
 
-def run_strata_cpu(args, cfg, placement, world, tag, layers=0, init_dir=None):
-    path, metrics, swap = strata_run_config(args, cfg, placement, world, tag, layers, init_dir)
+def run_strata_cpu(args, cfg, placement, world, tag, layers=0, init_dir=None, lora_dir=None):
+    path, metrics, swap = strata_run_config(args, cfg, placement, world, tag, layers, init_dir, lora_dir)
     threads = max(1, (os.cpu_count() or 2) // world)
     run = run_engine("strata", [[args.strata, "train", path]] * world, rank_envs(world, threads), metrics,
                      os.path.join(args.out_dir, f"strata-{tag}.log"), args.timeout)
@@ -879,8 +913,12 @@ def compare_cpu(args):
     cfg, cmp_path = prepare_cpu(args, "compare-config.json")
     init_dir = os.path.abspath(os.path.join(args.out_dir, "init-weights"))
     make_init_weights(cfg, init_dir, int(cfg.get("run", {}).get("seed", 1234)))
+    lora_dir = None
+    if "lora" in cfg:  # LoRA mode (the config's lora section): PEFT on DeepSpeed against Strata's LoRA
+        lora_dir = os.path.abspath(os.path.join(args.out_dir, "init-adapter"))
+        make_init_adapter(cfg, init_dir, lora_dir, int(cfg.get("run", {}).get("seed", 1234)))
     build = read_json(os.path.join(DS_CPU, "build.json"))
-    report = {"device": "cpu", "config": args.strata_config, "rounds": args.rounds, "steps": args.steps,
+    report = {"device": "cpu", "config": args.strata_config, "lora": "lora" in cfg, "rounds": args.rounds, "steps": args.steps,
               "warmup": args.warmup, "deepspeed_ops_build": build, "tuning": args.tuning, "placements": {}}
     for key in args.placements.split(","):
         placement, world = PLACEMENT_NAMES[key]
@@ -894,9 +932,10 @@ def compare_cpu(args):
                 tag = f"p{key}-r{r}"
                 print(f"[bench_deepspeed] placement ({key}) {placement} x{world}, round {r + 1}: {eng}", flush=True)
                 if eng == "deepspeed":
-                    got[eng] = run_deepspeed_cpu(args, cmp_path, cfg, placement, world, tag, init_dir=init_dir)
+                    got[eng] = run_deepspeed_cpu(args, cmp_path, cfg, placement, world, tag, init_dir=init_dir,
+                                                 lora_dir=lora_dir)
                 else:
-                    got[eng] = run_strata_cpu(args, cfg, placement, world, tag, init_dir=init_dir)
+                    got[eng] = run_strata_cpu(args, cfg, placement, world, tag, init_dir=init_dir, lora_dir=lora_dir)
                 g = got[eng]
                 print(f"  {eng}: " + (f"{g['tokens_per_s']:.1f} tokens/s, start-up {g['startup_s']:.1f} s, "
                                       f"losses {[round(x, 4) for x in g['loss']]}" if g.get("tokens_per_s")
@@ -1020,6 +1059,7 @@ def main():
     ap.add_argument("--ds-config", help=argparse.SUPPRESS)
     ap.add_argument("--threads", type=int, default=1, help=argparse.SUPPRESS)
     ap.add_argument("--init-dir", help=argparse.SUPPRESS)
+    ap.add_argument("--lora-dir", help=argparse.SUPPRESS)
     args = ap.parse_args()
     if args.reentrant is None:
         args.reentrant = args.device == "cpu" and not args.child

@@ -142,6 +142,22 @@ std::vector<std::string> SafetensorsSet::names() const {
   return out;
 }
 
+void SafetensorsSet::read_f32(const std::string& name, int64_t first, int64_t count, float* out) const {
+  const Entry& e = tensors_.at(name);
+  int64_t numel = 1;
+  for (int64_t d : e.shape) numel *= d;
+  const int eb = e.dtype == "F32" ? 4 : (e.dtype == "BF16" || e.dtype == "F16") ? 2 : 0;
+  if (eb == 0) throw InputError(e.file, "tensor '" + name + "' has dtype " + e.dtype + " (F32, BF16 or F16 expected)");
+  if (e.end - e.begin != numel * eb) throw InputError(e.file, "tensor '" + name + "': data_offsets do not match its shape");
+  STRATA_CHECK(first >= 0 && count >= 0 && first + count <= numel, "a range outside tensor " + name);
+  if (eb == 4) return pread_all(e.file, e.begin + first * 4, count * 4, out);
+  uint16_t* half = reinterpret_cast<uint16_t*>(out) + count;
+  pread_all(e.file, e.begin + first * 2, count * 2, half);
+  for (int64_t i = 0; i < count; ++i) {
+    out[i] = e.dtype == "BF16" ? cpu_adam::bf16_to_float(half[i]) : cpu_adam::fp16_to_float(half[i]);
+  }
+}
+
 void SafetensorsSet::read_f32(const std::string& name, float* out) const {
   const Entry& e = tensors_.at(name);
   int64_t numel = 1;

@@ -35,6 +35,8 @@ class SafetensorsSet {
   // Reads tensor `name` (F32, BF16 or F16) into out[0..numel) as fp32.
   // Throws InputError naming the file for a short read or another dtype.
   void read_f32(const std::string& name, float* out) const;
+  // Elements [first, first + count) of tensor `name` (row-major) into out[0..count) as fp32.
+  void read_f32(const std::string& name, int64_t first, int64_t count, float* out) const;
   std::vector<std::string> names() const;
 
  private:

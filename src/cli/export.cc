@@ -8,7 +8,9 @@
 #include <sys/stat.h>
 #include <unistd.h>
 
+#include <cmath>
 #include <cstring>
+#include <functional>
 #include <map>
 #include <memory>
 #include <string>
@@ -35,6 +37,7 @@ struct ExportOptions {
   std::string checkpoint;
   std::string out;
   std::string dtype;  // bf16, or fp32 for a LoRA adapter (PEFT keeps adapters in fp32)
+  bool merged = false;  // a LoRA checkpoint: the base with its adapters merged in (Note [Merged export])
   std::string max_shard_size = "5GB";
   std::string buffer_size = "64MiB";  // fp32 bytes read per chunk
 };
@@ -135,13 +138,15 @@ void write_all(int fd, const void* p, size_t n, const std::string& path) {
   }
 }
 
-// One tensor of the export: its entry, Hugging Face name, size, offset in
-// its file's data section and file.
+// One tensor of the export: its name in the files, shape, size, offset in
+// its file's data section and file, and where its values come from: fill(at,
+// n, out) writes elements [at, at + n) as fp32.
 struct ExportItem {
-  const TensorEntry* t;
   std::string name;
+  std::vector<int64_t> shape;
   int64_t numel, begin;
   size_t shard;
+  std::function<void(int64_t at, int64_t n, float* out)> fill;
 };
 
 // The export's files: tensors in model order, a new file when the next would
@@ -159,28 +164,101 @@ struct ExportLayout {
   }
 };
 
-ExportLayout plan_export(const Manifest& m, int eb, int64_t max_shard, bool lora) {
+// Adds a tensor to `l`: a new file when it would pass the limit (a tensor
+// larger than the limit gets a file of its own).
+void add_item(ExportLayout& l, int eb, int64_t max_shard, std::string name, std::vector<int64_t> shape,
+              std::function<void(int64_t, int64_t, float*)> fill) {
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  const int64_t bytes = numel * eb;
+  if (l.shard_bytes.empty() || (l.shard_bytes.back() > 0 && l.shard_bytes.back() + bytes > max_shard)) {
+    l.shard_bytes.push_back(0);
+  }
+  l.items.push_back({std::move(name), std::move(shape), numel, l.shard_bytes.back(), l.shard_bytes.size() - 1,
+                     std::move(fill)});
+  l.shard_bytes.back() += bytes;
+  l.largest = std::max(l.largest, numel);
+  l.total += bytes;
+}
+
+// The checkpoint's own tensors: a model's in Hugging Face's names, or a LoRA
+// run's adapters in PEFT's (one file, as PEFT reads it).
+ExportLayout plan_export(const Manifest& m, CheckpointReader& reader, int eb, int64_t max_shard, bool lora) {
   ExportLayout l;
-  if (lora) max_shard = INT64_MAX;  // adapter_model.safetensors: one file, as PEFT reads it
+  if (lora) max_shard = INT64_MAX;
   for (const TensorEntry& t : m.tensors) {
-    int64_t numel = 1;
-    for (int64_t d : t.shape) numel *= d;
-    const int64_t bytes = numel * eb;
-    if (l.shard_bytes.empty() || (l.shard_bytes.back() > 0 && l.shard_bytes.back() + bytes > max_shard)) {
-      l.shard_bytes.push_back(0);
+    add_item(l, eb, max_shard, lora ? peft_tensor_name(t.name) : hf_tensor_name(t.name), t.shape,
+             [&reader, start = t.start](int64_t at, int64_t n, float* out) {
+               reader.read(Category::kMaster, start + at, n, reinterpret_cast<std::byte*>(out));
+             });
+  }
+  return l;
+}
+
+// Note [Merged export]
+// `strata export --merged` of a LoRA checkpoint: the full model, every tensor
+// of the base (model.init_from's files) with each adapted linear's weight
+// W + scaling x (B A), the product and the sum in fp32 and rounded once to
+// the export dtype (PEFT's merge_and_unload computes the same delta, B A x
+// scaling). The adapters (A [r, in], B [out, r]) are read whole from the
+// checkpoint, once per tensor; the base streams through in chunks.
+struct MergedAdapter {
+  std::vector<float> a, b;  // A [r, in], B [out, r]
+  int64_t r = 0, in = 0;
+};
+
+ExportLayout plan_merged_export(const Manifest& m, CheckpointReader& reader, const SafetensorsSet& base, int eb,
+                                int64_t max_shard, std::vector<std::unique_ptr<MergedAdapter>>& adapters) {
+  const json& lora = m.invariants["model"]["lora"];
+  const double r = lora.at("r").get<double>(), alpha = lora.at("lora_alpha").get<double>();
+  const double scaling = lora.at("use_rslora").get<bool>() ? alpha / std::sqrt(r) : alpha / r;
+  // Each adapted weight's HF name -> its adapter.
+  std::map<std::string, MergedAdapter*> by_weight;
+  std::map<std::string, const TensorEntry*> entries;
+  for (const TensorEntry& t : m.tensors) entries[t.name] = &t;
+  for (const TensorEntry& t : m.tensors) {
+    const size_t at = t.name.find(".lora_A.");
+    if (at == std::string::npos) continue;
+    const std::string module = t.name.substr(at + 8), layer = t.name.substr(0, at);
+    const TensorEntry* b = entries.at(layer + ".lora_B." + module);
+    auto ad = std::make_unique<MergedAdapter>();
+    ad->r = t.shape.at(0);
+    ad->in = t.shape.at(1);
+    ad->a.resize(size_t(ad->r * ad->in));
+    ad->b.resize(size_t(b->shape.at(0) * b->shape.at(1)));
+    reader.read(Category::kMaster, t.start, int64_t(ad->a.size()), reinterpret_cast<std::byte*>(ad->a.data()));
+    reader.read(Category::kMaster, b->start, int64_t(ad->b.size()), reinterpret_cast<std::byte*>(ad->b.data()));
+    // "layer.L.lora_A.q_proj" -> PEFT's key -> the base's "model.layers.L.self_attn.q_proj.weight".
+    std::string hf = peft_tensor_name(t.name);
+    hf = hf.substr(std::string("base_model.model.").size());
+    hf = hf.substr(0, hf.size() - std::string("lora_A.weight").size()) + "weight";
+    if (!base.has(hf)) throw InputError(base.file(base.names().front()), "no tensor " + hf + " for adapter " + t.name);
+    if (base.shape(hf) != std::vector<int64_t>{b->shape.at(0), ad->in}) {
+      throw InputError(base.file(hf), "tensor " + hf + " has shape " + shape_text(base.shape(hf)) +
+                                          ", but its adapter makes " + shape_text({b->shape.at(0), ad->in}));
     }
-    l.items.push_back({&t, lora ? peft_tensor_name(t.name) : hf_tensor_name(t.name), numel, l.shard_bytes.back(),
-                       l.shard_bytes.size() - 1});
-    l.shard_bytes.back() += bytes;
-    l.largest = std::max(l.largest, numel);
-    l.total += bytes;
+    by_weight[hf] = ad.get();
+    adapters.push_back(std::move(ad));
+  }
+  ExportLayout l;
+  for (const std::string& name : base.names()) {
+    MergedAdapter* ad = by_weight.count(name) ? by_weight.at(name) : nullptr;
+    add_item(l, eb, max_shard, name, base.shape(name), [&base, name, ad, scaling](int64_t at, int64_t n, float* out) {
+      base.read_f32(name, at, n, out);
+      if (ad == nullptr) return;
+      for (int64_t i = 0; i < n; ++i) {
+        const int64_t o = (at + i) / ad->in, j = (at + i) % ad->in;
+        float d = 0.0f;  // (B A)[o, j] in fp32
+        for (int64_t k = 0; k < ad->r; ++k) d += ad->b[size_t(o * ad->r + k)] * ad->a[size_t(k * ad->in + j)];
+        out[i] += float(double(d) * scaling);
+      }
+    });
   }
   return l;
 }
 
 // The chunks tensors stream through, and the progress over all files.
 struct ExportStream {
-  CheckpointReader& reader;
   HostBuffer& f32;
   HostBuffer& out;
   int64_t chunk;
@@ -197,7 +275,7 @@ void write_export_file(const ExportOptions& opt, const ExportLayout& l, size_t s
   for (const ExportItem& it : l.items) {
     if (it.shard != s) continue;
     header[it.name] = {{"dtype", opt.dtype == "bf16" ? "BF16" : "F32"},
-                       {"shape", it.t->shape},
+                       {"shape", it.shape},
                        {"data_offsets", {it.begin, it.begin + it.numel * eb}}};
     weight_map[it.name] = l.file_name(s);
   }
@@ -215,7 +293,7 @@ void write_export_file(const ExportOptions& opt, const ExportLayout& l, size_t s
       if (it.shard != s) continue;
       for (int64_t o = 0; o < it.numel; o += io.chunk) {
         const int64_t n = std::min(io.chunk, it.numel - o);
-        io.reader.read(Category::kMaster, it.t->start + o, n, io.f32.as<std::byte>());
+        it.fill(o, n, io.f32.as<float>());
         const void* src = io.f32.data();
         if (eb == 2) {
           const float* x = io.f32.as<float>();
@@ -276,7 +354,20 @@ int run_export(ExportOptions opt) {
   if (!m.invariants.contains("model")) throw InputError(mpath, "manifest invariants.model: missing");
   const json& model = m.invariants["model"];
   const bool lora = model.contains("lora");
-  if (opt.dtype.empty()) opt.dtype = lora ? "fp32" : "bf16";
+  if (opt.merged && !lora) throw ConfigError("--merged", "the checkpoint " + reader.dir() + " is not of a LoRA run");
+  std::unique_ptr<SafetensorsSet> base;
+  if (opt.merged) {
+    // The base is model.init_from's files (Note [Base identity]: the ones the adapters were trained over).
+    std::string from;
+    if (m.config.contains("model") && m.config["model"].is_object()) from = m.config["model"].value("init_from", "");
+    if (from.empty()) {
+      throw ConfigError("--merged", "the run of " + reader.dir() + " drew its base from run.seed (no "
+                                    "model.init_from): there are no base files to merge the adapters into");
+    }
+    if (!path_exists(from)) throw InputError(from, "the base (model.init_from) is not there to merge into");
+    base = std::make_unique<SafetensorsSet>(from);
+  }
+  if (opt.dtype.empty()) opt.dtype = lora && !opt.merged ? "fp32" : "bf16";
   if (opt.dtype != "bf16" && opt.dtype != "fp32") {
     throw ConfigError("--dtype", "expected bf16 or fp32, got '" + opt.dtype + "'");
   }
@@ -286,8 +377,10 @@ int run_export(ExportOptions opt) {
   make_dirs(opt.out, 0755);
 
   const int eb = opt.dtype == "bf16" ? 2 : 4;
-  ExportLayout l = plan_export(m, eb, max_shard, lora);
-  l.lora = lora;
+  std::vector<std::unique_ptr<MergedAdapter>> adapters;
+  ExportLayout l = opt.merged ? plan_merged_export(m, reader, *base, eb, max_shard, adapters)
+                              : plan_export(m, reader, eb, max_shard, lora);
+  l.lora = lora && !opt.merged;
   const size_t shards = l.shard_bytes.size();
   // Tensors stream through in chunks: host memory is one chunk, whatever the
   // size of the largest tensor (Llama-3's 128256 x 4096 embedding is 2 GiB in fp32).
@@ -295,7 +388,7 @@ int run_export(ExportOptions opt) {
   HostBuffer f32(size_t(chunk * 4), "export: one chunk (fp32)");
   HostBuffer out(size_t(chunk * eb), "export: one chunk (output dtype)");
   ProgressBar bar("export", int64_t(l.items.size()));
-  ExportStream io{reader, f32, out, chunk, bar};
+  ExportStream io{f32, out, chunk, bar};
   json weight_map = json::object();
   for (size_t s = 0; s < shards; ++s) write_export_file(opt, l, s, io, weight_map);
   bar.finish();
@@ -303,7 +396,7 @@ int run_export(ExportOptions opt) {
     write_file_atomic(opt.out + "/model.safetensors.index.json",
                       json({{"metadata", {{"total_size", l.total}}}, {"weight_map", weight_map}}).dump(2) + "\n");
   }
-  if (lora) {
+  if (lora && !opt.merged) {
     write_file_atomic(opt.out + "/adapter_config.json", adapter_config(m).dump(2) + "\n");
   } else {
     write_file_atomic(opt.out + "/config.json", hf_config(model, opt.dtype).dump(2) + "\n");
@@ -322,6 +415,8 @@ void register_export(CLI::App& app, int& result) {
       ->required();
   cmd->add_option("--out", opt->out, "Output directory (new or empty)")->required();
   cmd->add_option("--dtype", opt->dtype, "bf16 | fp32 (default: bf16; fp32 for a LoRA adapter)");
+  cmd->add_flag("--merged", opt->merged,
+                "A LoRA checkpoint: the full model, its base (model.init_from) with the adapters merged in");
   cmd->add_option("--max-shard-size", opt->max_shard_size, "Largest safetensors file: 5GB, 500MB, ...")
       ->capture_default_str();
   cmd->add_option("--buffer-size", opt->buffer_size, "Host memory tensors stream through (fp32 bytes)")

@@ -166,8 +166,18 @@ json lora_with_adapter_config(const json& given, const std::string& dir) {
       continue;
     }
     bool agree = *mine == theirs;
-    if (it.key() == "target_modules" && mine->is_array() && theirs.is_array()) {
-      agree = std::set<json>(mine->begin(), mine->end()) == std::set<json>(theirs.begin(), theirs.end());
+    if (it.key() == "target_modules") {
+      // As sets; "all-linear" is the seven linears (PEFT writes the names it resolved).
+      auto names = [](const json& v) {
+        std::set<json> s;
+        if (v == json("all-linear")) {
+          for (size_t i = 0; i < kLoraModuleCount; ++i) s.insert(json(lora_module_name(LoraModule(i))));
+        } else if (v.is_array()) {
+          s.insert(v.begin(), v.end());
+        }
+        return s;
+      };
+      agree = agree || (!names(*mine).empty() && names(*mine) == names(theirs));
     }
     if (!agree && !(it.key() == "base_model_name_or_path" || it.key() == "inference_mode" ||
                     it.key() == "peft_version" || it.key() == "revision")) {
