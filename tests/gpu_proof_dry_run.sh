@@ -22,7 +22,7 @@ def check(ok, what):
     if not ok:
         bad.append(what)
 check(r["dry_run"], "the report does not say it was a dry run")
-check(sorted(p) == sorted(["suite", "b", "det", "c", "act", "d", "e", "ranks"]), f"parts reported: {sorted(p)}")
+check(sorted(p) == sorted(["suite", "b", "det", "c", "act", "d", "e", "ranks", "lora"]), f"parts reported: {sorted(p)}")
 # On a machine without a GPU the suite's GPU cases run and skip; none may fail. A build without the CUDA path
 # has no kernels_test: the dry run must say it skipped it, and only there.
 st = p.get("suite", {}).get("tests", {})
@@ -51,6 +51,11 @@ check(all(x["tokens_per_s"] > 0 and x["mfu_nominal"] > 0 for x in act.get("runs"
 check(act.get("same_losses") is True, "part act: auto and always trained differently")
 check(act.get("plan_activations", {}).get("recomputed_layers") == 0, "part act: auto recomputed on the CPU device "
       f"with room for every layer's entries: {act.get('plan_activations')}")
+lo = p.get("lora", {})
+check(set(lo.get("runs", {})) == {"base-in-hbm", "base-half-in-host"}, f"part lora's runs: {sorted(lo.get('runs', {}))}")
+check(lo.get("same_losses") is True, "part lora: the base's placements trained differently")
+check(lo.get("runs", {}).get("base-half-in-host", {}).get("h2d_bytes", 0) > 0, "part lora: nothing of the base crossed")
+check(sum((lo.get("plan_frozen_bytes") or {}).values()) > 0, "part lora: the plan has no frozen base")
 c = p.get("c", {})
 check(c.get("state_bytes", {}).get("nvme", 0) > 0, "part c placed nothing on NVMe")
 check(c.get("run", {}).get("nvme_read_bytes", 0) > 0, "part c's training read nothing from NVMe")

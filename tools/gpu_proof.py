@@ -31,6 +31,9 @@ or runs out of time, with its figure beside its target and the plan's prediction
          and given to both (part b's when it ran in this call), against the compute-only step (part b's, or
          measured here): tokens/s, MFU of the nominal peak, the activations' PCIe bytes, the plan's choice;
          target: auto's MFU >= 50% at >= 0.95x the compute-only step.
+  lora   LoRA r 16 on all seven linears over (b)'s shape as a frozen base (docs/design.md, "State kinds"): the
+         base in HBM (the reference) against half of it in host RAM, the layer schedule, the same rates:
+         tokens/s, MFU, PCIe bytes, losses bit for bit the same.
   d      DeepSpeed ZeRO-Infinity (tools/bench_deepspeed.py, offload nvme, the carried prebuilt ops) on the
          (b) shape with the most layers whose state fits the disk, descending, and the same global batch;
          then Strata on exactly the model and batch DeepSpeed started (or the smallest it tried); then, if
@@ -72,7 +75,7 @@ import time
 # 530 s leaves the call's 600 s room for the script's start, killed commands' exits and the archive. Round 2
 # (BENCHMARKS.md, "GPU, round 2") showed that every part does not fit one call on a lent host: run
 # PROOF_PARTS in two calls (e.g. "suite,b,det,e,ranks" then "c,act,d"); a subset gets the whole budget.
-BUDGETS = {"suite": 25, "b": 140, "det": 85, "e": 100, "ranks": 20, "c": 90, "act": 150, "d": 70}
+BUDGETS = {"suite": 25, "b": 140, "det": 85, "e": 100, "ranks": 20, "c": 90, "act": 150, "d": 70, "lora": 90}
 GRACE_S = 10  # a command past its time gets SIGTERM, then SIGKILL this much later
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -642,8 +645,45 @@ def part_ranks(p, res):
             f"network {b2['net_bytes']:.0f} bytes a step (plan: {res['plan_net_bytes_per_rank']})")
 
 
+def part_lora(p, res):
+    """LoRA over a frozen base (docs/design.md, "State kinds"): (b)'s shape with r 16 adapters on all seven
+    linears, the base in HBM (the reference: no base traffic) against the base half in host RAM (read twice a
+    step under the layer schedule), the rates probed once and given to both: tokens/s, MFU, PCIe bytes, the
+    plan's bound; losses and norms bit for bit the same (placement moves bytes, not arithmetic)."""
+    base = b_config(p)
+    base["lora"] = {"r": 16, "lora_alpha": 32, "target_modules": "all-linear"}
+    swap = os.path.join(p.work, "swap")
+    # The frozen base follows placement.param16 (the adapters' working copy with it).
+    placements = {"base-in-hbm": {"param16": {"device": 1.0, "host": 0.0, "nvme": 0.0}, "nvme_path": swap},
+                  "base-half-in-host": {"param16": {"device": 0.5, "host": 0.5, "nvme": 0.0}, "nvme_path": swap}}
+    paths = {}
+    for name, pl in placements.items():
+        cfg = copy.deepcopy(base)
+        cfg["placement"] = pl
+        paths[name] = write(p, f"lora-{name}.json", cfg)
+    plan = p.plan(paths["base-half-in-host"], "lora-plan", "--set", "run.schedule=layer")
+    rates = run_rates(plan["bound"]["rates"])
+    res["rates"] = rates
+    res["plan_bound_s"] = plan["bound"]["seconds"]
+    res["plan_frozen_bytes"] = plan["state_bytes"].get("frozen")
+    rate_sets = [x for k, v in rates.items() for x in ("--set", f"run.rates.{k}={v:.6g}")] + ["--set", "run.schedule=layer"]
+    res["runs"] = {}
+    for name in ("base-in-hbm", "base-half-in-host"):
+        s = summary(p.train(paths[name], f"lora-{name}", p.args.b_steps, rate_sets), 1)
+        res["runs"][name] = s
+        p.save()
+        say(f"  {name}: {s['tokens_per_s']:.0f} tok/s, MFU {s['mfu_nominal'] * 100:.1f}% of {NOMINAL_TFLOPS:.0f} "
+            f"TFLOP/s; step {s['step_s']:.2f} s against bound_s {s['bound_s']:.2f}; PCIe {gb(s['h2d_bytes'])} GB up")
+    ref, half = res["runs"]["base-in-hbm"], res["runs"]["base-half-in-host"]
+    res["ratio"] = half["tokens_per_s"] / ref["tokens_per_s"]
+    res["same_losses"] = half["loss"] == ref["loss"] and half["grad_norm"] == ref["grad_norm"]
+    return (f"base half in host RAM at {res['ratio']:.3f}x the base in HBM ({half['tokens_per_s']:.0f} against "
+            f"{ref['tokens_per_s']:.0f} tok/s, MFU {half['mfu_nominal'] * 100:.1f}%); losses and norms "
+            f"{'bit for bit the same' if res['same_losses'] else 'DIFFER'}; plan bound {res['plan_bound_s']:.2f} s")
+
+
 PARTS = {"suite": part_suite, "b": part_b, "det": part_det, "e": part_e, "ranks": part_ranks, "c": part_c,
-         "act": part_act, "d": part_d}
+         "act": part_act, "d": part_d, "lora": part_lora}
 
 
 def main():
