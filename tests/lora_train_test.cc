@@ -422,6 +422,12 @@ TEST(LoraExportTest, PeftLoadsTheExportAndItStartsTraining) {
     const std::string msg = err.what();
     EXPECT_NE(msg.find("lora.r"), std::string::npos) << msg;
   }
+  // Note [Base identity]: a base replaced under the same path is not merged into.
+  const std::string other = make_base(dir, true, 5);
+  ASSERT_EQ(sh("cp " + other + "/model.safetensors " + base + "/model.safetensors").code, 0);
+  Result moved = sh(std::string(STRATA_BINARY_DIR) + "/strata export " + ck + " --out " + dir.file("m3") + " --merged 2>&1");
+  EXPECT_EQ(moved.code, 2) << moved.output;
+  EXPECT_NE(moved.output.find("lora_base"), std::string::npos) << moved.output;
 }
 
 // Note [Base identity]: a checkpoint's adapters resume over the base they

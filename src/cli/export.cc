@@ -19,6 +19,7 @@
 #include <nlohmann/json.hpp>
 
 #include "checkpoint/checkpoint.h"
+#include "config/config.h"
 #include "checkpoint/safetensors.h"
 #include "cpu_adam/convert.h"
 #include "memory/buffer.h"
@@ -365,6 +366,11 @@ int run_export(ExportOptions opt) {
                                     "model.init_from): there are no base files to merge the adapters into");
     }
     if (!path_exists(from)) throw InputError(from, "the base (model.init_from) is not there to merge into");
+    // Note [Base identity]: the files must still be the base the adapters were trained over.
+    if (m.invariants.contains("lora_base") && base_identity(from) != m.invariants["lora_base"]) {
+      throw InputError(from, "is not the base the adapters of " + reader.dir() + " were trained over (its "
+                             "files differ from the checkpoint's lora_base): nothing was merged");
+    }
     base = std::make_unique<SafetensorsSet>(from);
   }
   if (opt.dtype.empty()) opt.dtype = lora && !opt.merged ? "fp32" : "bf16";

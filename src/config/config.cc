@@ -288,6 +288,8 @@ json resume_invariants(const Config& c) {
   return j;
 }
 
+json base_identity(const std::string& from) { return config::base_identity(from); }
+
 std::string first_difference(const json& a, const json& b, const std::string& path) {
   if (a.is_object() && b.is_object()) {
     std::vector<std::string> keys;

@@ -477,6 +477,10 @@ nlohmann::json rank_invariant_config(const Config& c);
 // `strata export` reads): keys at their Llama defaults are left out.
 nlohmann::json model_invariants(const ModelConfig& m);
 nlohmann::json resume_invariants(const Config& c);
+// A LoRA base's identity, as resume_invariants records it under
+// "lora_base" (Note [Base identity] in config/hf_config.cc), of the
+// safetensors at `from` (model.init_from).
+nlohmann::json base_identity(const std::string& from);
 std::string first_difference(const nlohmann::json& a, const nlohmann::json& b, const std::string& path = "");
 
 // Every key the parser knows, as a full dotted path ("zero_optimization.stage";

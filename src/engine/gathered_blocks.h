@@ -62,6 +62,12 @@ class GatheredBlocks {
 
   ParamWindow& window() { return *window_; }
   const ParamWindow& window() const { return *window_; }
+  // Note [State kinds]: the frozen values' window (nullptr for a dense model).
+  const ParamWindow* frozen_window() const { return frozen_window_.get(); }
+  // Seconds uses waited for both windows' fetches since construction.
+  double window_wait_seconds() const {
+    return window_->wait_seconds() + (frozen_window_ ? frozen_window_->wait_seconds() : 0.0);
+  }
   int64_t device_bytes() const { return gather_mem_.bytes() + secondary_mem_.bytes(); }
 
  private:

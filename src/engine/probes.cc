@@ -338,9 +338,11 @@ double probe_adam(const Config& cfg, const Device& device, double budget_s, int6
   std::vector<float> param(size_t(n), 0.5f), grad(size_t(n), 1e-3f);
   std::vector<uint32_t> m(size_t(n), 0), v(size_t(n), 0);  // zero in fp32 and in bf16 pairs
   std::vector<uint16_t> emit(static_cast<size_t>(n), uint16_t{0});
-  // fp32 compute: the working copy is the master's copy, made after the step
-  // (OptimizerPass::update_piece).
-  std::vector<float> working(cfg.run.compute_dtype == ComputeDtype::kFp32 ? size_t(n) : 0);
+  // An fp32 working copy (fp32 compute, or LoRA's adapters: StepContext::
+  // param_dtype) is the master's copy, made after the step
+  // (OptimizerPass::update_piece); a 16-bit one is emitted by the step.
+  const bool fp32_working = cfg.run.compute_dtype == ComputeDtype::kFp32 || cfg.model.lora.enabled;
+  std::vector<float> working(fp32_working ? size_t(n) : 0);
   cpu_adam::AdamSpans s;
   s.param = param.data();
   s.grad = grad.data();
@@ -348,7 +350,7 @@ double probe_adam(const Config& cfg, const Device& device, double budget_s, int6
   s.exp_avg_sq = v.data();
   s.state_type = bf16_state ? cpu_adam::StateType::kBF16 : cpu_adam::StateType::kF32;
   s.numel = n;
-  if (cfg.run.compute_dtype != ComputeDtype::kFp32) {
+  if (!fp32_working) {
     s.emit = emit.data();
     s.emit_type = cfg.run.compute_dtype == ComputeDtype::kBf16 ? cpu_adam::EmitType::kBF16 : cpu_adam::EmitType::kF16;
   }

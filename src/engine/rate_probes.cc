@@ -207,12 +207,17 @@ void RateProbes::compute() {
                                          "device's rate (run.rates.device_tflops)");
   }
   const ModelConfig& m = cfg_.model;
+  // A LoRA layer is other work (no base weight gradients, the adapters): its own key.
+  const std::string lora = m.lora.enabled ? strprintf("|lora r %lld params %lld", (long long)m.lora.r,
+                                                      (long long)lora_layer_params(m))
+                                          : std::string();
   add(strprintf("compute|%s|%s|%s|%s dim %lld heads %lld/%lld of %lld ffn %lld seq %lld window %lld micro %lld|"
-                "threads %d|deterministic %d",
+                "threads %d|deterministic %d%s",
                 cpu_.c_str(), device_->name().c_str(), compute_dtype_name(cfg_.run.compute_dtype),
                 model_family_name(m.family), (long long)m.dim, (long long)m.n_heads, (long long)m.kv_heads(),
                 (long long)m.head_dim(), (long long)m.ffn_dim(), (long long)m.seq_len, (long long)m.sliding_window,
-                (long long)cfg_.train_micro_batch_size_per_gpu, at::get_num_threads(), int(cfg_.run.deterministic)),
+                (long long)cfg_.train_micro_batch_size_per_gpu, at::get_num_threads(), int(cfg_.run.deterministic),
+                lora.c_str()),
       "one layer's compute", 0, 1, [this](std::vector<double>* v, std::string* src) {
         v->assign(1, probe_compute(cfg_, *device_, budget_s_, src));
       });
@@ -226,7 +231,7 @@ void RateProbes::adam() {
   const int64_t n = adam_probe_numel(budget_s_, llc_, state_);
   add(strprintf("adam|%s|threads %d|isa %s|state %s|emit %s|%lld", cpu_.c_str(), adam_threads(cfg_, host_),
                 cfg_.run.cpu_adam_isa.c_str(), moment_dtype_name(cfg_.run.optimizer_state_dtype),
-                compute_dtype_name(cfg_.run.compute_dtype), (long long)n),
+                cfg_.model.lora.enabled ? "fp32" : compute_dtype_name(cfg_.run.compute_dtype), (long long)n),
       strprintf("CPU Adam over %s elements", n >= (int64_t(1) << 20) ? strprintf("%lld Mi", (long long)(n >> 20)).c_str()
                                                                      : std::to_string(n).c_str()),
       double(n) * 28, 1, [this, n](std::vector<double>* v, std::string* src) {
@@ -255,7 +260,7 @@ void RateProbes::grad_add() {
   // several micro-batches write the block's fp32 sum as the home's first
   // write (Note [Gradient path] in engine/gradient_path.h).
   const bool summed = plan_.step.sums_each_block();
-  const cpu_adam::GradType wire = plan_.compute_bytes == 4 || plan_.world_size > 1 || summed ? cpu_adam::GradType::kF32
+  const cpu_adam::GradType wire = plan_.param_bytes() == 4 || plan_.world_size > 1 || summed ? cpu_adam::GradType::kF32
                                   : cfg_.run.compute_dtype == ComputeDtype::kFp16 ? cpu_adam::GradType::kF16
                                                                                   : cpu_adam::GradType::kBF16;
   const int wire_bytes = wire == cpu_adam::GradType::kF32 ? 4 : 2;

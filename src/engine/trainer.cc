@@ -23,14 +23,14 @@ namespace strata {
 // read when the step begins, differenced into its result by fill().
 class StepCounters {
  public:
-  StepCounters(const ParamWindow& window, const OptimizerPass& optimizer, const Communicator& comm,
+  StepCounters(const GatheredBlocks& blocks, const OptimizerPass& optimizer, const Communicator& comm,
                const DeviceCollectives* collectives)
-      : window_(window), optimizer_(optimizer), comm_(comm), collectives_(collectives),
-        param_wait0_(window.wait_seconds()), opt_wait0_(optimizer.wait_seconds()), net0_(net_sent()),
+      : blocks_(blocks), optimizer_(optimizer), comm_(comm), collectives_(collectives),
+        param_wait0_(blocks.window_wait_seconds()), opt_wait0_(optimizer.wait_seconds()), net0_(net_sent()),
         node0_(node_sent()), comm_wait0_(comm_wait()) {}
 
-  // The parameter window's wait so far (read once the backward is queued).
-  double param_wait() const { return window_.wait_seconds() - param_wait0_; }
+  // The parameter windows' wait so far (read once the backward is queued).
+  double param_wait() const { return blocks_.window_wait_seconds() - param_wait0_; }
 
   void fill(StepResult& r, double param_wait) const {
     r.optimizer_wait_s = optimizer_.wait_seconds() - opt_wait0_;
@@ -45,7 +45,7 @@ class StepCounters {
   int64_t node_sent() const { return collectives_ ? collectives_->node_bytes_sent() : 0; }
   double comm_wait() const { return comm_.wait_seconds() + (collectives_ ? collectives_->wait_seconds() : 0.0); }
 
-  const ParamWindow& window_;
+  const GatheredBlocks& blocks_;
   const OptimizerPass& optimizer_;
   const Communicator& comm_;
   const DeviceCollectives* collectives_;
@@ -67,7 +67,7 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
   LinkBytes moved;
   TieredState::TallyScope tally(&moved);
   ComputeStreamScope on_compute_stream(*ctx_.device);
-  const StepCounters counters(blocks_->window(), *optimizer_, *ctx_.comm, collectives_.get());
+  const StepCounters counters(*blocks_, *optimizer_, *ctx_.comm, collectives_.get());
   begin_step();
   // fp16 multiplies each loss by the loss scale (Note [Loss scaling]).
   const double loss_scale = scaler_ ? scaler_->scale() : 1.0;

@@ -50,6 +50,10 @@ std::array<int64_t, kNumTiers> Trainer::peak_bytes() const {
   t[1] = state_->host_arena_bytes() + optimizer_->staging().bytes() + activations_->host_slot_bytes() +
          grads_->host_bytes() + blocks_->window().bounce_bytes() + tokens_host_.bytes() + checkpoints_->host_bytes() +
          (collectives_ ? collectives_->host_bytes() : 0);
+  if (const ParamWindow* fw = blocks_->frozen_window()) {  // Note [State kinds]: the frozen base's window
+    t[0] += fw->shape().bytes(ctx_.compute_bytes);
+    t[1] += fw->bounce_bytes();
+  }
   t[2] = state_->swap() != nullptr ? state_->swap()->used_bytes() : 0;
   return t;
 }

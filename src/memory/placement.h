@@ -172,7 +172,8 @@ struct StatePlacement {
   int64_t sub_group_numel = 0;   // elements per optimizer sub-group (aligned)
   int64_t shard_space_numel = 0; // elements of this rank's shards, all blocks
   int64_t frozen_space_numel = 0; // the same of the frozen space (Note [State kinds]); 0 for a dense model
-  int64_t largest_block_shard_numel = 0;
+  int64_t largest_block_shard_numel = 0;   // of the trained space
+  int64_t largest_frozen_shard_numel = 0;  // of the frozen space (Note [State kinds])
 
   std::array<int64_t, kNumTiers> total() const;  // state bytes per tier
   int64_t category_total(Category c) const;

@@ -36,6 +36,15 @@ double step_flops(const ModelConfig& m, int64_t tokens, int64_t recomputed_layer
   return double(tokens) * (3 * fwd + double(recomputed_layers) * (layer_fwd - 2 * d * f));
 }
 
+double forward_flops(const ModelConfig& m, int64_t tokens) {
+  if (!m.lora.enabled) return step_flops(m, tokens, 0) / 3;  // the backward is twice the forward
+  // LoRA: the forward with the adapters' (step_flops' LoRA terms).
+  const double d = double(m.dim), q = double(m.q_dim()), kv = double(m.kv_heads() * m.head_dim());
+  const double f = double(m.ffn_dim()), v = double(m.vocab_size), t = double(m.seq_len);
+  const double layer_fwd = 2 * (d * q + 2 * d * kv + q * d + 3 * d * f) + 4 * t * q + 2 * double(lora_layer_params(m));
+  return double(tokens) * (double(m.n_layers) * layer_fwd + 2 * v * d);
+}
+
 namespace {
 
 // Rates' members in the rates table's order (config/rates.h).
@@ -220,7 +229,7 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
   // overlap]): until the last block's forward, the first micro-batch's under
   // micro_batch, every micro-batch's under layer (Note [Step schedules]).
   // The forward is a third of forward + backward.
-  w.first_forward_flops = double(p.step.held_micro) * step_flops(cfg.model, tokens, 0) / 3;
+  w.first_forward_flops = double(p.step.held_micro) * forward_flops(cfg.model, tokens);
   w.overlap_optimizer = optimizer_overlaps(cfg, p);
   w.cpu_threads = cfg.run.threads > 0 ? int(cfg.run.threads) : std::max(1, int(std::thread::hardware_concurrency()));
   w.net_bytes = net.world;
@@ -258,7 +267,7 @@ StepWork predicted_work(const Config& cfg, const PlacementPlan& p, const std::ve
   // What the layers keep in host RAM (Note [Activation placement] in
   // memory/placement.h) goes down in the forward and up in the backward.
   w.activation_link_bytes = p.activations.host_link_bytes();
-  w.forward_flops = double(A) * step_flops(cfg.model, tokens, 0) / 3;
+  w.forward_flops = double(A) * forward_flops(cfg.model, tokens);
   e.d2h += w.activation_link_bytes;
   e.h2d += w.activation_link_bytes;
   optimizer_work(p, w);  // into w.optimizer_links, added to the links below

@@ -109,6 +109,9 @@ struct StepWork {
 // backward: its forward again up to its last matrix (w2's product makes only
 // the output, which the backward does not read: Model::layer_recompute).
 double step_flops(const ModelConfig& m, int64_t tokens, int64_t recomputed_layers);
+// The forward's part of step_flops(m, tokens, 0): a third for a dense model;
+// with LoRA more (the frozen base's backward has no weight gradients).
+double forward_flops(const ModelConfig& m, int64_t tokens);
 
 // The work of one step under `plan` (its placement, window fetches per block
 // `fetches` from train_fetches, micro-batch shape from `cfg`), with

@@ -62,7 +62,7 @@ void cut_units(const Config& cfg, const StateLayout& layout, PlacementPlan& plan
   for (const BlockLayout& b : layout.blocks()) {
     units[size_t(Category::kFrozen)].push_back({plan.state.frozen_space_numel, b.frozen_shard_numel(), Tier::kDevice});
     plan.state.frozen_space_numel += b.frozen_shard_numel();
-    plan.state.largest_block_shard_numel = std::max(plan.state.largest_block_shard_numel, b.frozen_shard_numel());
+    plan.state.largest_frozen_shard_numel = std::max(plan.state.largest_frozen_shard_numel, b.frozen_shard_numel());
   }
 }
 
@@ -303,14 +303,14 @@ void choose_swap_paths(const Config& cfg, PlacementPlan& plan) {
   if ((params_on_nvme || optimizer_on_nvme) && plan.state.nvme_paths.empty()) {
     throw ConfigError("placement.nvme_path", "state is placed on nvme but no swap directory is given");
   }
-  if (params_on_nvme && op.device == OffloadDevice::kNvme && op.buffer_size < plan.state.largest_block_shard_numel) {
+  const int64_t largest_shard = std::max(plan.state.largest_block_shard_numel, plan.state.largest_frozen_shard_numel);
+  if (params_on_nvme && op.device == OffloadDevice::kNvme && op.buffer_size < largest_shard) {
     // DeepSpeed asserts deep in a step when a parameter buffer cannot hold the
     // largest block; here it is refused before anything is allocated.
     throw ConfigError("zero_optimization.offload_param.buffer_size",
                       strprintf("%lld elements cannot hold the largest block shard (%lld elements); "
                                 "raise it to at least %lld",
-                                (long long)op.buffer_size, (long long)plan.state.largest_block_shard_numel,
-                                (long long)plan.state.largest_block_shard_numel));
+                                (long long)op.buffer_size, (long long)largest_shard, (long long)largest_shard));
   }
 }
 
