@@ -72,6 +72,8 @@ struct Fixture {
     ctx.comm = comm.get();
     ctx.compute_dtype = at::kBFloat16;
     ctx.compute_bytes = 2;
+    ctx.param_dtype = at::kBFloat16;  // a dense model: the working copy in the compute dtype
+    ctx.param_bytes = 2;
     ctx.head_block = layout.num_blocks() - 1;
     int64_t global = 0;
     for (const PlacementUnit& u : plan.state.units[size_t(Category::kGrad)]) {
