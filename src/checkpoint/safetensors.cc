@@ -159,19 +159,9 @@ void SafetensorsSet::read_f32(const std::string& name, int64_t first, int64_t co
 }
 
 void SafetensorsSet::read_f32(const std::string& name, float* out) const {
-  const Entry& e = tensors_.at(name);
   int64_t numel = 1;
-  for (int64_t d : e.shape) numel *= d;
-  const int eb = e.dtype == "F32" ? 4 : (e.dtype == "BF16" || e.dtype == "F16") ? 2 : 0;
-  if (eb == 0) throw InputError(e.file, "tensor '" + name + "' has dtype " + e.dtype + " (F32, BF16 or F16 expected)");
-  if (e.end - e.begin != numel * eb) throw InputError(e.file, "tensor '" + name + "': data_offsets do not match its shape");
-  if (eb == 4) return pread_all(e.file, e.begin, numel * 4, out);
-  // 16-bit: read into the upper half of `out`, widen from the front.
-  uint16_t* half = reinterpret_cast<uint16_t*>(out) + numel;
-  pread_all(e.file, e.begin, numel * 2, half);
-  for (int64_t i = 0; i < numel; ++i) {
-    out[i] = e.dtype == "BF16" ? cpu_adam::bf16_to_float(half[i]) : cpu_adam::fp16_to_float(half[i]);
-  }
+  for (int64_t d : tensors_.at(name).shape) numel *= d;
+  read_f32(name, 0, numel, out);
 }
 
 }  // namespace strata

@@ -66,6 +66,22 @@ void cut_units(const Config& cfg, const StateLayout& layout, PlacementPlan& plan
   }
 }
 
+// Each category's split as asked. Frozen values follow param16's split:
+// offload_param places the frozen base (its max_in_cpu counts frozen
+// elements), and so does a placement section's param16. The adapters'
+// working copy, written every step and small, stays on the device unless
+// placement.param16 says otherwise.
+std::array<TierSplit, kNumCategories> requested_split(const Config& cfg, const StateLayout& layout,
+                                                      const PlacementPlan& plan, const StateIntent& intent) {
+  std::array<TierSplit, kNumCategories> split;
+  for (size_t c = 0; c < intent.split.size(); ++c) split[c] = intent.split[c];
+  if (layout.has_frozen()) {
+    split[size_t(Category::kFrozen)] = state_intent(cfg, plan.state.frozen_space_numel).split[0];
+    if (!cfg.placement.has_param16) split[size_t(Category::kParam16)] = TierSplit{1.0, 0.0, 0.0};
+  }
+  return split;
+}
+
 // The elements a category's units cover: the frozen space's for kFrozen,
 // the shard space's for the others.
 int64_t space_numel(const PlacementPlan& plan, int c) {
@@ -567,16 +583,7 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   plan.state.source = intent.source;
   plan.state.nvme_paths = intent.nvme_paths;
   plan.optimizer.pipeline_depth = pipeline_depth(intent.optimizer_buffers);
-  std::array<TierSplit, kNumCategories> split;
-  for (size_t c = 0; c < intent.split.size(); ++c) split[c] = intent.split[c];
-  // Frozen values follow param16's split: offload_param places the frozen
-  // base (its max_in_cpu counts frozen elements), and so does a placement
-  // section's param16. The adapters' working copy, written every step and
-  // small, stays on the device unless placement.param16 says otherwise.
-  if (layout.has_frozen()) {
-    split[size_t(Category::kFrozen)] = state_intent(cfg, plan.state.frozen_space_numel).split[0];
-    if (!cfg.placement.has_param16) split[size_t(Category::kParam16)] = TierSplit{1.0, 0.0, 0.0};
-  }
+  std::array<TierSplit, kNumCategories> split = requested_split(cfg, layout, plan, intent);
   estimate_transients(cfg, layout, plan);
   if (!cfg.placement.auto_place) {
     for (int c = 0; c < kNumCategories; ++c) assign(units[size_t(c)], split[size_t(c)], space_numel(plan, c));
