@@ -5,6 +5,8 @@
 //   OUT.tensors      rank 0: "block name numel" per parameter, in order
 //   OUT.master       rank 0: the gathered, unpadded fp32 master weights
 //   OUT.exp_avg, OUT.exp_avg_sq   rank 0: the gathered, unpadded moments as stored
+//   OUT.frozen       rank 0, with a frozen space (LoRA): the gathered, unpadded
+//                    frozen values in the compute dtype
 //   OUT.rank<r>.steps every rank: "step N" after each step (flushed)
 //   OUT.rank<r>.json every rank: bytes allocated per category, shard numel,
 //                    per step bytes on each link and on the network
@@ -36,7 +38,8 @@ void write_unpadded(Trainer& t, Category c, const std::string& path, bool write)
   if (write) out.open(path, std::ios::binary);
   for (size_t b = 0; b < t.layout().num_blocks(); ++b) {
     at::Tensor full = t.state_block(c, b);  // collective
-    const int64_t n = t.layout().block(b).numel;
+    const BlockLayout& bl = t.layout().block(b);
+    const int64_t n = c == Category::kFrozen ? bl.frozen_numel : bl.numel;
     if (write) out.write(static_cast<const char*>(full.data_ptr()), std::streamsize(n * full.element_size()));
   }
 }
@@ -120,6 +123,7 @@ int run(int argc, char** argv) {
   write_unpadded(trainer, Category::kExpAvg, out + ".exp_avg", lead);
   write_unpadded(trainer, Category::kExpAvgSq, out + ".exp_avg_sq", lead);
   write_unpadded(trainer, Category::kGrad, out + ".grad", lead);
+  if (trainer.layout().has_frozen()) write_unpadded(trainer, Category::kFrozen, out + ".frozen", lead);
   nlohmann::json j;
   for (int c = 0; c < kNumCategories; ++c) {
     j["allocated"][category_name(Category(c))] = trainer.state().allocated_bytes(Category(c));

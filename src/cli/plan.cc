@@ -129,7 +129,7 @@ Computed compute(const Config& cfg, int rank, int local_ranks, const GivenCapaci
                  const Rates* rates = nullptr, const Device* device = nullptr) {
   // From the specs alone, never the model: its tensors could be larger than
   // the machine, which is what the plan is there to say.
-  StateLayout layout(model_layout_specs(cfg.model), shard_count(cfg));
+  StateLayout layout(model_layout_specs(cfg.model), shard_count(cfg), frozen_shard_count(cfg));
   Computed c;
   c.plan = plan_for_machine(cfg, layout, &c.cap, rank, local_ranks, device, given, rates);
   c.parameters = layout.parameter_count();
@@ -226,7 +226,8 @@ nlohmann::json plan_json(const Computed& c) {
                         {"tokens", p.staging.tokens}, {"save_bounce", p.staging.save_bounce},
                         {"save_snapshot", p.staging.save_snapshot},
                         {"comm_host", p.staging.comm_host}, {"grad_accum", p.staging.grad_accum},
-                        {"secondary", p.staging.secondary}};
+                        {"secondary", p.staging.secondary}, {"gather", p.staging.gather},
+                        {"frozen_gather", p.staging.frozen_gather}};
   int64_t kept = 0;
   for (char k : p.comm.keep_gathered) kept += k;
   j["kept_gathered_blocks"] = kept;
@@ -558,6 +559,7 @@ std::string format_plan(const PlacementPlan& p, const MachineCapacity& cap,
   row("gradient staging", p.staging.grad_stage + p.staging.grad_norms, p.staging.grad_host + p.staging.grad_rmw, 0);
   if (p.world_size > 1) {
     row("gathered blocks", p.staging.gather, 0, 0);
+    if (p.staging.frozen_gather > 0) row("frozen base gathered", p.staging.frozen_gather, 0, 0);
     row("gradient reduction", p.staging.grad_sync, 0, 0);
     if (p.comm.staged) row("staged collectives", 0, p.staging.comm_host, 0);
     if (p.comm.reduce_per_step) row("gradients summed/step", p.staging.grad_accum, 0, 0);

@@ -21,10 +21,21 @@ GatheredBlocks::GatheredBlocks(const StepContext& ctx, const PlacementPlan& plan
                   need.window_bounce);
   frozen_window_ = make_frozen_window(plan);
   if (frozen_window_) {
-    STRATA_CHECK(ctx.shards == 1, "a frozen space gathered across shards");
     frozen_window_->attach(ctx.state, need.frozen_window, plan.state.elem_bytes[size_t(Category::kFrozen)],
                            Category::kFrozen, need.frozen_window_bounce);
     frozen_window_->set_ready(INT32_MAX);  // nothing updates frozen values
+    // Note [Frozen shards].
+    frozen_sharded_ = plan.frozen_shards > 1;
+    STRATA_CHECK(!frozen_sharded_ || (ctx.shards == plan.frozen_shards && !gather_once_),
+                 "a frozen space sharded outside stage 3");
+    for (const BlockLayout& bl : ctx.layout->blocks()) {
+      largest_frozen_numel_ = std::max(largest_frozen_numel_, bl.frozen_padded_numel);
+    }
+    if (frozen_sharded_) {
+      STRATA_CHECK(need.frozen_gather == 2 * per_use_ * largest_frozen_numel_ * ctx.compute_bytes,
+                   "the frozen parts' ring is not the planned size");
+      frozen_gather_mem_ = ctx.device->allocate(need.frozen_gather, "gathered frozen parts");
+    }
   }
   train_schedule_ = plan_train_schedule(plan);
   eval_schedule_ = eval_schedule(blocks, plan.tied);
@@ -92,6 +103,7 @@ std::vector<int> GatheredBlocks::ring_slots(const std::vector<StepOp>& ops) {
 void GatheredBlocks::begin(bool train) {
   // A failed pass may have left gathers in flight: their buffers are reused.
   for (auto& slot : gather_done_) for (Completion& c : slot) c.wait();
+  for (auto& slot : frozen_done_) for (Completion& c : slot) c.wait();
   // ...and secondary shards whose copy it never queued: gathered again.
   for (auto& slot : fill_) for (int64_t& b : slot) b = -1;
   uses_ = train ? &train_schedule_ : &eval_schedule_;
@@ -115,14 +127,21 @@ void GatheredBlocks::invalidate() {
 // micro-batch) reads that use's gathered copy in the same ring slot.
 void GatheredBlocks::issue_gather(size_t u) {
   const StepOp& use = (*uses_)[u];
-  DevicePtr shard[2];
+  DevicePtr shard[2], frozen_shard[2];
   acquire(shard, size_t(use.block[0]), use.count > 1 ? size_t(use.block[1]) : SIZE_MAX);
+  if (frozen_sharded_) frozen_window_->acquire(frozen_shard);
   const int slot = (*ring_slot_)[u];
   if (u > 0 && repeats(*uses_, u)) return;  // gathered_[slot] holds them: nothing to issue
+  if (frozen_sharded_) issue_frozen_gather(use, slot, frozen_shard);
   const DType dt = ctx_.param_dtype == at::kFloat ? DType::kF32 : DType::kBF16;
   for (int i = 0; i < use.count; ++i) {
     const size_t b = size_t(use.block[i]);
     const int64_t n = ctx_.shard_numel(b);
+    fill_[slot][i] = -1;
+    if (n == 0) {  // a block with no trained part (a frozen embedding): nothing to gather
+      gathered_[slot][i] = DevicePtr();
+      continue;
+    }
     const DevicePtr src =
         shard[i] ? shard[i] : ctx_.state->resident_on_device(Category::kParam16, ctx_.shard_offset[b], n);
     STRATA_CHECK(src, "a block neither fetched nor resident on the device");
@@ -135,7 +154,6 @@ void GatheredBlocks::issue_gather(size_t u) {
       // The ring: two uses of per_use_ blocks (StagingNeeds::gather).
       gathered_[slot][i] = gather_mem_.ptr() + int64_t(slot * per_use_ + i) * largest_block_numel_ * ctx_.param_bytes;
     }
-    fill_[slot][i] = -1;
     if (secondary_at_[b] >= 0 && secondary_valid_[b]) {
       // Note [Secondary shard]: inside the node.
       TraceSpan span(TraceTrack::kComm, "node all_gather");
@@ -150,10 +168,41 @@ void GatheredBlocks::issue_gather(size_t u) {
   }
 }
 
+// Note [State kinds]: use u's frozen parts from their own window, in place
+// (fetched or resident).
+void GatheredBlocks::frozen_in_place(const StepOp& use, DevicePtr frozen[2]) {
+  frozen_window_->acquire(frozen);
+  for (int i = 0; i < use.count; ++i) {
+    const size_t b = size_t(use.block[i]);
+    const int64_t n = ctx_.layout->block(b).frozen_shard_numel();
+    if (!frozen[i] && n > 0) frozen[i] = ctx_.state->resident_on_device(Category::kFrozen, ctx_.frozen_offset[b], n);
+  }
+}
+
+// Note [Frozen shards]: the frozen parts' all-gathers into their ring slot.
+void GatheredBlocks::issue_frozen_gather(const StepOp& use, int slot, const DevicePtr shard[2]) {
+  const DType dt = ctx_.compute_dtype == at::kFloat ? DType::kF32 : DType::kBF16;  // (2 bytes moved as 2 bytes)
+  for (int i = 0; i < use.count; ++i) {
+    const size_t b = size_t(use.block[i]);
+    const int64_t n = ctx_.layout->block(b).frozen_shard_numel();
+    frozen_gathered_[slot][i] = DevicePtr();
+    if (n == 0) continue;
+    const DevicePtr src = shard[i] ? shard[i] : ctx_.state->resident_on_device(Category::kFrozen, ctx_.frozen_offset[b], n);
+    STRATA_CHECK(src, "a frozen part neither fetched nor resident on the device");
+    frozen_gathered_[slot][i] =
+        frozen_gather_mem_.ptr() + int64_t(slot * per_use_ + i) * largest_frozen_numel_ * ctx_.compute_bytes;
+    TraceSpan span(TraceTrack::kComm, "all_gather frozen");
+    frozen_done_[slot][i] = ctx_.collectives->all_gather(src, frozen_gathered_[slot][i], n, dt);
+  }
+}
+
 void GatheredBlocks::next(DevicePtr out[2], DevicePtr frozen[2]) {
+  STRATA_CHECK(frozen != nullptr || !frozen_window_, "a use of a frozen space without its frozen parts");
+  if (frozen != nullptr) frozen[0] = frozen[1] = DevicePtr();
+  const StepOp& use = (*uses_)[use_];
+  if (frozen_window_ && !frozen_sharded_) frozen_in_place(use, frozen);
   if (ctx_.shards == 1) {
     // One shard: the shard is the block, used in place (fetched or resident).
-    const StepOp& use = (*uses_)[use_];
     acquire(out, size_t(use.block[0]), use.count > 1 ? size_t(use.block[1]) : SIZE_MAX);
     for (int i = 0; i < use.count; ++i) {
       const size_t b = size_t(use.block[i]);
@@ -161,21 +210,8 @@ void GatheredBlocks::next(DevicePtr out[2], DevicePtr frozen[2]) {
         out[i] = ctx_.state->resident_on_device(Category::kParam16, ctx_.shard_offset[b], ctx_.shard_numel(b));
       }
     }
-    if (frozen_window_) {
-      // Note [State kinds]: the same blocks' frozen parts, from their own window.
-      STRATA_CHECK(frozen != nullptr, "a use of a frozen space without its frozen parts");
-      frozen_window_->acquire(frozen);
-      for (int i = 0; i < use.count; ++i) {
-        const size_t b = size_t(use.block[i]);
-        const int64_t n = ctx_.layout->block(b).frozen_shard_numel();
-        if (!frozen[i] && n > 0) frozen[i] = ctx_.state->resident_on_device(Category::kFrozen, ctx_.frozen_offset[b], n);
-      }
-    } else if (frozen != nullptr) {
-      frozen[0] = frozen[1] = DevicePtr();
-    }
     return;
   }
-  if (frozen != nullptr) frozen[0] = frozen[1] = DevicePtr();
   if (!use_issued_) issue_gather(use_);
   const int slot = (*ring_slot_)[use_];
   {
@@ -183,6 +219,10 @@ void GatheredBlocks::next(DevicePtr out[2], DevicePtr frozen[2]) {
     // window's next copy into the shards' slot is queued after that.
     TraceSpan span(TraceTrack::kComm, "wait all_gather");
     for (Completion& c : gather_done_[slot]) {
+      ctx_.device->stream_wait(Stream::kCompute, c);
+      c = Completion();
+    }
+    for (Completion& c : frozen_done_[slot]) {
       ctx_.device->stream_wait(Stream::kCompute, c);
       c = Completion();
     }
@@ -195,16 +235,21 @@ void GatheredBlocks::next(DevicePtr out[2], DevicePtr frozen[2]) {
     fill_[slot][i] = -1;
   }
   window_->release();  // the shards are read by the gathers the compute stream waited for
+  if (frozen_sharded_) frozen_window_->release();
   // The next use's gather runs while this one computes.
   use_issued_ = use_ + 1 < uses_->size();
   if (use_issued_) issue_gather(use_ + 1);
   out[0] = gathered_[slot][0];
   out[1] = gathered_[slot][1];
+  if (frozen_sharded_) {
+    frozen[0] = frozen_gathered_[slot][0];
+    frozen[1] = frozen_gathered_[slot][1];
+  }
 }
 
 void GatheredBlocks::end() {
   if (ctx_.shards == 1) window_->release();
-  if (frozen_window_) frozen_window_->release();
+  if (frozen_window_ && !frozen_sharded_) frozen_window_->release();
   ++use_;
 }
 

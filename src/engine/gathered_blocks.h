@@ -34,6 +34,20 @@ namespace strata {
 // queued reads it, because every collective's input is what the compute
 // stream queued before its issue (Note [Device collectives]).
 
+// Note [Frozen shards]
+// A frozen space (Note [State kinds] in memory/layout.h) is sharded across
+// ranks at ZeRO stage 3 only (frozen_shard_count()): each rank places and
+// fetches 1/world of every block's frozen part through the frozen window,
+// and each use all-gathers the parts into a ring of its own (two uses of up
+// to two blocks, StagingNeeds::frozen_gather) beside the trained parts'
+// gather, with the same ring slot and the same waits. A frozen part is
+// gathered at every use: neither comm.keep_gathered nor the secondary shard
+// covers it (its bytes would stay on the device for the step, the base
+// being most of the model). At stages 0-2, where every rank holds the whole
+// model's values anyway, every rank holds the whole base on its tiers and
+// its frozen window reads it in place as one rank does: nothing frozen
+// crosses the network.
+
 // Not thread-safe: the compute thread's.
 class GatheredBlocks {
  public:
@@ -68,10 +82,14 @@ class GatheredBlocks {
   double window_wait_seconds() const {
     return window_->wait_seconds() + (frozen_window_ ? frozen_window_->wait_seconds() : 0.0);
   }
-  int64_t device_bytes() const { return gather_mem_.bytes() + secondary_mem_.bytes(); }
+  int64_t device_bytes() const { return gather_mem_.bytes() + secondary_mem_.bytes() + frozen_gather_mem_.bytes(); }
 
  private:
   void issue_gather(size_t u);
+  // Note [Frozen shards]: use u's frozen parts into ring slot `slot`.
+  void issue_frozen_gather(const StepOp& use, int slot, const DevicePtr shard[2]);
+  // Use u's frozen parts read in place (one frozen shard).
+  void frozen_in_place(const StepOp& use, DevicePtr frozen[2]);
   static bool repeats(const std::vector<StepOp>& ops, size_t u);  // use u has use u - 1's blocks
   static std::vector<int> ring_slots(const std::vector<StepOp>& ops);
   // The window's next use (blocks `b0` and, for the tied head, `b1`), once
@@ -115,6 +133,12 @@ class GatheredBlocks {
   int64_t fill_[2][2] = {{-1, -1}, {-1, -1}};  // per ring slot, per block of the use: the block to copy, or -1
   Completion gather_done_[2][2];          // per ring slot, per block of the use
   DevicePtr gathered_[2][2];              // per ring slot, per block of the use
+  // Note [Frozen shards]: the frozen parts' ring at stage 3 with ranks.
+  bool frozen_sharded_ = false;
+  int64_t largest_frozen_numel_ = 0;       // padded, the largest block's frozen part
+  DeviceBuffer frozen_gather_mem_;
+  Completion frozen_done_[2][2];
+  DevicePtr frozen_gathered_[2][2];
 };
 
 }  // namespace strata

@@ -60,7 +60,7 @@ std::string apply_determinism(bool on) {
 Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::FaultPlan> faults,
                  Communicator* comm, int local_ranks, Device* device, StreamCollectives* stream,
                  StreamCollectives* node_stream)
-    : cfg_(cfg), model_(model), layout_(model.layout_specs(), shard_count(cfg)) {
+    : cfg_(cfg), model_(model), layout_(model.layout_specs(), shard_count(cfg), frozen_shard_count(cfg)) {
   apply_determinism(cfg.run.deterministic);  // strata train has, before its probes; a library user may not have
   make_context(comm, device, stream);
   const cpu_adam::Isa isa = cpu_adam::parse_isa(cfg.run.cpu_adam_isa);
@@ -334,7 +334,9 @@ void Trainer::write_frozen(size_t b, SafetensorsSet* hf, const PinnedHostBuffer&
   std::byte* cast_mem = mem.data() + bl.frozen_padded_numel * 4;
   at::Tensor cast = at::from_blob(cast_mem, {bl.frozen_padded_numel}, at::TensorOptions().dtype(ctx_.compute_dtype));
   cast.copy_(values);
-  state_->write(Category::kFrozen, ctx_.frozen_offset[b], n, cast_mem + ctx_.shard_rank * n * ctx_.compute_bytes);
+  // Note [Frozen shards]: this rank's shard of the frozen part, or all of it.
+  const int64_t rank = bl.frozen_world_size > 1 ? ctx_.shard_rank : 0;
+  state_->write(Category::kFrozen, ctx_.frozen_offset[b], n, cast_mem + rank * n * ctx_.compute_bytes);
 }
 
 void Trainer::initialise_state(const PlacementPlan& plan) {

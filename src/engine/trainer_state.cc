@@ -95,7 +95,7 @@ at::Tensor Trainer::gathered_copy(Category c, size_t b, at::ScalarType dtype) {
   state_->read(c, frozen ? ctx_.frozen_offset[b] : ctx_.shard_offset[b], n, shard.data());
   at::Tensor out = at::empty({frozen ? bl.frozen_padded_numel : bl.padded_numel}, at::TensorOptions().dtype(dtype));
   STRATA_CHECK(int64_t(out.element_size()) == eb, "dtype does not match the category's element size");
-  if (ctx_.shards == 1) {
+  if (ctx_.shards == 1 || (frozen && bl.frozen_world_size == 1)) {  // (Note [Frozen shards] in engine/gathered_blocks.h)
     std::memcpy(out.data_ptr(), shard.data(), size_t(n * eb));
   } else {
     ctx_.comm->all_gather(shard.data(), out.data_ptr(), n, eb == 4 ? DType::kF32 : DType::kBF16).wait();

@@ -25,11 +25,15 @@ int64_t ParamSpec::numel() const {
 }
 
 StateLayout::StateLayout(
-    const std::vector<std::pair<std::string, std::vector<ParamSpec>>>& blocks, int64_t world_size)
-    : world_size_(world_size) {
-  STRATA_CHECK(world_size >= 1, "world_size must be positive");
-  const int64_t quantum = world_size * kShardAlignElems;
-  auto pad = [&](int64_t n) { return (n + quantum - 1) / quantum * quantum; };
+    const std::vector<std::pair<std::string, std::vector<ParamSpec>>>& blocks, int64_t world_size,
+    int64_t frozen_world_size)
+    : world_size_(world_size), frozen_world_size_(frozen_world_size < 0 ? world_size : frozen_world_size) {
+  STRATA_CHECK(world_size >= 1 && frozen_world_size_ >= 1, "world_size must be positive");
+  auto pad_to = [](int64_t n, int64_t shards) {
+    const int64_t quantum = shards * kShardAlignElems;
+    return (n + quantum - 1) / quantum * quantum;
+  };
+  auto pad = [&](int64_t n) { return pad_to(n, world_size); };
   auto add = [&](int64_t& total, int64_t n, const std::string& what) {
     if (__builtin_add_overflow(total, n, &total) || total > kMaxModelElems) too_large(what);
   };
@@ -37,6 +41,7 @@ StateLayout::StateLayout(
     BlockLayout b;
     b.name = name;
     b.world_size = world_size;
+    b.frozen_world_size = frozen_world_size_;
     b.offset = total_numel_;
     b.frozen_offset = frozen_total_numel_;
     // Note [State kinds]: each part packed back to back, frozen first.
@@ -53,7 +58,7 @@ StateLayout::StateLayout(
       }
     }
     b.padded_numel = pad(b.numel);
-    b.frozen_padded_numel = pad(b.frozen_numel);
+    b.frozen_padded_numel = pad_to(b.frozen_numel, frozen_world_size_);
     add(total_numel_, b.padded_numel, "the model");
     add(frozen_total_numel_, b.frozen_padded_numel, "the model");
     if (total_numel_ + frozen_total_numel_ > kMaxModelElems) too_large("the model");

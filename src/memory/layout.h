@@ -78,16 +78,21 @@ struct BlockLayout {
   std::vector<ParamLayout> frozen;  // offsets in the block's frozen range
   int64_t frozen_offset = 0;    // elements from the start of the frozen space
   int64_t frozen_numel = 0;     // unpadded
-  int64_t frozen_padded_numel = 0;
-  int64_t frozen_shard_numel() const { return frozen_padded_numel / world_size; }
+  int64_t frozen_padded_numel = 0;  // multiple of frozen_world_size * kShardAlignElems
+  int64_t frozen_shard_numel() const { return frozen_padded_numel / frozen_world_size; }
+  // The frozen space's shards: ZeRO stage 3's ranks, else 1 (each rank holds
+  // the whole base, as it holds the whole model's values at stages 0-2:
+  // Note [Frozen shards] in engine/gathered_blocks.h).
+  int64_t frozen_world_size = 1;
 };
 
 class StateLayout {
  public:
   // REQUIRES: world_size >= 1; every spec has a positive numel; in each
-  // block the frozen specs come before the trained ones.
+  // block the frozen specs come before the trained ones. The frozen space
+  // splits into `frozen_world_size` shards (-1: world_size).
   StateLayout(const std::vector<std::pair<std::string, std::vector<ParamSpec>>>& blocks,
-              int64_t world_size);
+              int64_t world_size, int64_t frozen_world_size = -1);
 
   const std::vector<BlockLayout>& blocks() const { return blocks_; }
   const BlockLayout& block(size_t i) const { return blocks_.at(i); }
@@ -99,6 +104,7 @@ class StateLayout {
   int64_t frozen_parameter_count() const { return frozen_parameter_count_; }  // unpadded
   bool has_frozen() const { return frozen_total_numel_ > 0; }
   int64_t world_size() const { return world_size_; }
+  int64_t frozen_world_size() const { return frozen_world_size_; }
 
  private:
   std::vector<BlockLayout> blocks_;
@@ -107,6 +113,7 @@ class StateLayout {
   int64_t frozen_total_numel_ = 0;
   int64_t frozen_parameter_count_ = 0;
   int64_t world_size_ = 1;
+  int64_t frozen_world_size_ = 1;
 };
 
 }  // namespace strata

@@ -130,6 +130,7 @@ bool device_adam_piece(const PlacementPlan& plan, const PlacementUnit& piece) {
 }
 
 int64_t shard_count(const Config& cfg) { return cfg.zero.stage == 0 ? 1 : cfg.world_size; }
+int64_t frozen_shard_count(const Config& cfg) { return cfg.zero.stage == 3 ? cfg.world_size : 1; }
 
 std::array<int64_t, kNumTiers> StatePlacement::total() const {
   std::array<int64_t, kNumTiers> t{};

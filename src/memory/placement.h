@@ -96,6 +96,10 @@ struct StagingNeeds {
   // 16-bit communication_data_type, the two stages and shards again in 16
   // bits, which the reductions carry).
   int64_t gather = 0;
+  // Stage 3 with ranks and a frozen space: two uses of up to two blocks'
+  // frozen parts, gathered, in the compute dtype (Note [Frozen shards] in
+  // engine/gathered_blocks.h).
+  int64_t frozen_gather = 0;
   int64_t grad_sync = 0;
   // A device host code may not touch, with param16 blocks on NVMe: host
   // bounce buffers registered with the device, one per window slot (and one
@@ -124,8 +128,8 @@ struct StagingNeeds {
   // of every block not kept gathered, in the compute dtype.
   int64_t secondary = 0;
   int64_t device_bytes() const {
-    return gathered + frozen_gathered + grad_stage + grad_norms + ckpt_device + gather + grad_sync + tokens +
-           grad_accum + secondary;
+    return gathered + frozen_gathered + grad_stage + grad_norms + ckpt_device + gather + frozen_gather + grad_sync +
+           tokens + grad_accum + secondary;
   }
   int64_t host_bytes() const {
     return opt_grad + opt_state + opt_emit + ckpt_host + grad_host + grad_rmw + window_bounce + frozen_window_bounce +
@@ -144,6 +148,10 @@ inline constexpr int64_t kStagedPieceBytes = int64_t(4) << 20;
 // Shards per block: the world size, except at ZeRO stage 0 where every rank
 // keeps the whole state (DESIGN.md, "State, shards and gathered blocks").
 int64_t shard_count(const Config& cfg);
+// The frozen space's shards (Note [State kinds] in memory/layout.h): the
+// world size at ZeRO stage 3, else 1 (Note [Frozen shards] in
+// engine/gathered_blocks.h).
+int64_t frozen_shard_count(const Config& cfg);
 
 // Note [Plan parts]
 // A PlacementPlan is what the plan is for (the ranks, the model's blocks in
@@ -341,6 +349,7 @@ struct PlacementPlan {
   int world_size = 1;            // ranks
   int stage = 0;                 // zero_optimization.stage
   int64_t shards = 1;            // shard_count(): 1 at stage 0
+  int64_t frozen_shards = 1;     // frozen_shard_count(): the world size at stage 3 only
   int rank = 0;                  // the rank this plan is for
   // Ranks per node (MachineCapacity::ranks_per_node).
   int ranks_per_node = 1;

@@ -85,7 +85,8 @@ int64_t all_reduce_bytes(int ranks, int64_t count, int eb) {
 // Bytes one rank sends per training step, from the step's schedule of uses
 // (Note [Gathered blocks] in engine/trainer.h): the param16 all-gathers
 // (stage 3: every use, or once per step for blocks kept gathered; stages 1-2:
-// each block once per step), one gradient
+// each block once per step), stage 3's frozen parts' at every use (Note
+// [Frozen shards] in engine/gathered_blocks.h), one gradient
 // reduction per block per micro-batch, or per step with
 // CommPlan::reduce_per_step (reduce-scatter at stages 2-3, all-reduce
 // at 0-1), and the all-reduce of the norm, loss and stop flag. With the
@@ -112,6 +113,8 @@ NetworkBytes step_network_bytes(const PlacementPlan& p) {
         }
         for (int i = 0; i < u.count; ++i) {
           const size_t b = size_t(u.block[i]);
+          // Note [Frozen shards]: a frozen part is gathered at every use, across the world.
+          if (p.frozen_shards > 1) bytes += gather_bytes(ws, p.frozen_block_numel[b], p.compute_bytes);
           if (!p.comm.keep_gathered.empty() && p.comm.keep_gathered[b]) continue;  // once per step, below
           if (p.comm.secondary_shard && seen[b]) {
             out.node += gather_bytes(p.ranks_per_node, p.block_numel[b] * p.nodes(), param_t);

@@ -530,23 +530,16 @@ static PlacementPlan resolve_schedule(const Config& cfg, const StateLayout& layo
 
 PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t rank,
                         const MachineCapacity& capacity) {
-  // Note [State kinds] (memory/layout.h): a frozen space is placed, fetched
-  // and read whole by each rank (one shard: ZeRO stage 0, or one rank);
-  // sharding it across ranks is refused before anything is planned or
-  // allocated, naming the key.
-  if (layout.has_frozen() && layout.world_size() > 1) {
-    throw ConfigError("zero_optimization.stage",
-                      "LoRA over a frozen base trains on several ranks at ZeRO stage 0 in this version (each rank "
-                      "holds the whole base on its tiers), not at stage " + std::to_string(cfg.zero.stage) +
-                      " with " + std::to_string(cfg.world_size) + " ranks");
-  }
   if (cfg.run.schedule == StepSchedule::kAuto) return resolve_schedule(cfg, layout, rank, capacity);
-  STRATA_CHECK(layout.world_size() == shard_count(cfg), "the layout's shards are not the config's");
+  STRATA_CHECK(layout.world_size() == shard_count(cfg) &&
+                   (!layout.has_frozen() || layout.frozen_world_size() == frozen_shard_count(cfg)),
+               "the layout's shards are not the config's");
   STRATA_CHECK(rank >= 0 && rank < std::max<int64_t>(1, cfg.world_size), "rank out of range");
   PlacementPlan plan;
   plan.world_size = int(cfg.world_size);
   plan.stage = int(cfg.zero.stage);
   plan.shards = layout.world_size();
+  plan.frozen_shards = layout.has_frozen() ? layout.frozen_world_size() : 1;
   plan.rank = int(rank);
   plan.ranks_per_node = std::max(1, capacity.ranks_per_node);
   plan.device_addressable = capacity.device_addressable;

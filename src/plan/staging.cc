@@ -71,6 +71,12 @@ void comm_staging(const PlacementPlan& plan, StagingNeeds& n) {
   } else if (plan.shards > 1) {
     n.gather = plan.gathered_numel * plan.param_bytes();
   }
+  if (plan.frozen_shards > 1) {
+    // Note [Frozen shards]: a ring of two uses, like stage 3's blocks.
+    int64_t largest_frozen = 0;
+    for (int64_t shard : plan.frozen_block_numel) largest_frozen = std::max(largest_frozen, shard * plan.frozen_shards);
+    n.frozen_gather = 2 * (plan.tied ? 2 : 1) * largest_frozen * plan.compute_bytes;
+  }
   if (plan.comm.staged) n.comm_host = 2 * int64_t(plan.world_size) * kStagedPieceBytes;
   if (plan.comm.reduce_per_step) n.grad_accum = plan.gathered_numel * 4;
   if (plan.comm.secondary_shard) {

@@ -157,7 +157,7 @@ void check_checkpoint_dir(const std::string& dir, int64_t bytes, int64_t keep, i
 // each chunk of kCheckpointChunkElems padded to 4 KiB, and a MiB per rank
 // of manifest and parts.
 int64_t checkpoint_bytes(const Config& cfg, int local, int world) {
-  const StateLayout layout(model_layout_specs(cfg.model), shard_count(cfg));
+  const StateLayout layout(model_layout_specs(cfg.model), shard_count(cfg), frozen_shard_count(cfg));
   const int64_t moment = cfg.run.optimizer_state_dtype == MomentDtype::kBf16 ? 2 : 4;
   int64_t total = 0;
   for (size_t b = 0; b < layout.num_blocks(); ++b) {
@@ -197,7 +197,7 @@ double measure_network(Communicator& comm, double budget_s) {
 // Written into cfg.run.rates, which the plan and the trainer then read.
 void measure_train_rates(Config& cfg, Device& device, Communicator& comm, int rank, int local_ranks) {
   Rates rates = rates_from_config(cfg.run.rates);
-  StateLayout layout(model_layout_specs(cfg.model), shard_count(cfg));
+  StateLayout layout(model_layout_specs(cfg.model), shard_count(cfg), frozen_shard_count(cfg));
   MachineCapacity cap;
   const PlacementPlan plan = plan_for_machine(cfg, layout, &cap, rank, local_ranks, &device);
   // Nothing is probed before the fit verdict (check_plan_fits, next): a
