@@ -27,6 +27,7 @@
 #include "plan/bound.h"
 #include "test_util.h"
 #include "training_session.h"
+#include "plan/planner.h"
 #include "util/errors.h"
 #include "util/fs.h"
 
@@ -457,6 +458,51 @@ TEST(LoraResumeTest, AResumeOverAnotherBaseIsRefused) {
   EXPECT_NE(other.output.find("lora_base"), std::string::npos) << other.output;
   Result same = sh(strata + " train " + dir.file("a.json") + " --resume --steps 3 2>&1");
   EXPECT_EQ(same.code, 0) << same.output;
+}
+
+// LoRA (docs/design.md, "State kinds"): on a GPU, auto's candidates put part
+// of a frozen base that greedy keeps in host RAM on NVMe instead, leaving
+// that RAM to host-kept activations. configs/lora-70b-h100.json's shape with
+// 4 micro-batches a step on one H100 with 150 GB of host RAM under the layer
+// schedule (the base fills that RAM; the layers' entries that could take it
+// are recomputed): with a disk fast enough that reading the base twice a
+// step hides under the compute, auto takes the candidate with no base in
+// host RAM (more packs kept, a bound lower by more than 10%); with a slow one
+// the greedy fill stays. A candidate's cap holds: the base's host bytes stay
+// under it, the rest on NVMe.
+TEST(LoraPlanTest, AutoTradesAFrozenBaseInHostRamForKeptActivations) {
+  Config cfg = load_config(std::string(STRATA_SOURCE_DIR) + "/configs/lora-70b-h100.json",
+                           {"run.schedule=layer", "placement.headroom=0.03", "gradient_accumulation_steps=4"}, 1);
+  const StateLayout layout(model_layout_specs(cfg.model), shard_count(cfg), frozen_shard_count(cfg));
+  MachineCapacity cap;
+  cap.device_is_host = false;
+  cap.device_addressable = false;
+  cap.device_bytes = (81559LL - 512) << 20;
+  cap.host_bytes = 150'000'000'000LL;
+  cap.nvme_bytes = 2'000'000'000'000LL;
+  Rates r;
+  r.device_flops = 544e12, r.h2d = r.d2h = 55e9, r.pcie_both = 64e9, r.adam = 2e9, r.grad_add = 2e9, r.checksum = 100e9;
+  const auto frozen = [](const PlacementPlan& p, Tier t) { return p.state.bytes[size_t(Category::kFrozen)][size_t(t)]; };
+  r.nvme_read = r.nvme_write = r.nvme_both = 40e9;
+  const PlacementPlan fast = choose_by_bound(cfg, layout, 0, cap, r);
+  const PlacementPlan greedy = best_activations(cfg, layout, 0, cap, r);
+  ASSERT_GT(frozen(greedy, Tier::kHost), 0);
+  EXPECT_EQ(frozen(fast, Tier::kHost), 0) << fast.state.auto_choice;
+  EXPECT_GT(frozen(fast, Tier::kNvme), 0);
+  EXPECT_GT(fast.activations.keep_host_packs, greedy.activations.keep_host_packs);
+  EXPECT_NE(fast.state.auto_choice.find("frozen base: at most 0 B in host RAM"), std::string::npos)
+      << fast.state.auto_choice;
+  r.nvme_read = r.nvme_write = r.nvme_both = 2e9;
+  const PlacementPlan slow = choose_by_bound(cfg, layout, 0, cap, r);
+  EXPECT_EQ(frozen(slow, Tier::kHost), frozen(greedy, Tier::kHost)) << slow.state.auto_choice;
+  EXPECT_EQ(frozen(slow, Tier::kNvme), 0);
+  Config capped = cfg;
+  capped.placement.auto_frozen_host_bytes = frozen(greedy, Tier::kHost) / 3;
+  const PlacementPlan third = make_plan(capped, layout, 0, cap);
+  EXPECT_LE(frozen(third, Tier::kHost), capped.placement.auto_frozen_host_bytes);
+  EXPECT_GT(frozen(third, Tier::kHost), 0);
+  EXPECT_EQ(frozen(third, Tier::kDevice) + frozen(third, Tier::kHost) + frozen(third, Tier::kNvme),
+            frozen(greedy, Tier::kDevice) + frozen(greedy, Tier::kHost));
 }
 
 }  // namespace

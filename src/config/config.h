@@ -344,9 +344,12 @@ struct PlacementConfig {
   // Set by the planner for its candidates (plan/bound.h), not config keys:
   // the order auto fills categories in (empty: param16, grad, master,
   // exp_avg, exp_avg_sq) and, on a GPU, how many optimizer sub-groups may
-  // stay on the device for its Adam (-1: as many as fit).
+  // stay on the device for its Adam (-1: as many as fit), and the host bytes
+  // the frozen base may take (-1: as many as fit; the rest goes to NVMe, so
+  // that host RAM is left to activations: plan/planner.cc, choose_by_bound).
   std::vector<int> auto_order;
   int64_t auto_device_groups = -1;
+  int64_t auto_frozen_host_bytes = -1;
 };
 
 // What the config asks of the state's placement in Strata's terms

@@ -267,7 +267,14 @@ std::array<TierSplit, kNumCategories> fill_auto(const Config& cfg, const Machine
     }
     for (int c : order) {
       if (!capacity.device_is_host && c >= int(Category::kMaster) && c <= int(Category::kExpAvgSq)) continue;
+      // The planner's cap on the frozen base's host bytes (its candidates
+      // trading host RAM between the base and activations).
+      const bool capped = c == int(Category::kFrozen) && pc.auto_frozen_host_bytes >= 0;
+      const int64_t host_before = fill.host_left;
+      if (capped) fill.host_left = std::min(fill.host_left, pc.auto_frozen_host_bytes);
+      const int64_t capped_left = fill.host_left;
       for (PlacementUnit& u : units[size_t(c)]) fill.place(plan, c, u, true);
+      if (capped) fill.host_left = host_before - (capped_left - fill.host_left);
     }
     if (!capacity.device_is_host) fill_optimizer_on_gpu(pc, plan, order, units, fill);
     plan.state.units = units;

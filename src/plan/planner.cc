@@ -56,9 +56,21 @@ PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int6
     std::string name;
     std::vector<int> order;
     int64_t device_groups;
+    int64_t frozen_host_bytes = -1;
   };
   std::vector<Candidate> candidates = {{"greedy (param16, grad, optimizer state)", {}, -1}};
   PlacementPlan greedy = best_activations(cfg, layout, rank, capacity, rates);
+  // A frozen base (Note [State kinds] in memory/layout.h) in host RAM takes
+  // the room host-kept activations would have: part of it on NVMe (read at
+  // each use, never written) may buy more of the step than it costs.
+  const int64_t frozen_host = greedy.state.bytes[size_t(Category::kFrozen)][size_t(Tier::kHost)];
+  if (!capacity.device_is_host && frozen_host > 0) {
+    for (int quarters : {3, 2, 1, 0}) {
+      const int64_t cap = frozen_host / 4 * quarters;
+      candidates.push_back({strprintf("frozen base: at most %s in host RAM, the rest on NVMe",
+                                      format_bytes(double(cap)).c_str()), {}, -1, cap});
+    }
+  }
   if (capacity.device_is_host) {
     candidates.push_back({"optimizer state before gradients", {0, 2, 3, 4, 1}, -1});
     candidates.push_back({"gradients before parameters", {1, 0, 2, 3, 4}, -1});
@@ -82,6 +94,7 @@ PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int6
     Config c = cfg;
     c.placement.auto_order = k.order;
     c.placement.auto_device_groups = k.device_groups;
+    c.placement.auto_frozen_host_bytes = k.frozen_host_bytes;
     PlacementPlan p = i == 0 ? greedy : best_activations(c, layout, rank, capacity, rates);
     if (i > 0 && !plan_shortfalls(p, capacity).empty()) continue;
     const StepWork w = predicted_work(c, p, train_fetches(p), step_network_bytes(p));
