@@ -28,6 +28,7 @@
 #include "test_util.h"
 #include "training_session.h"
 #include "plan/planner.h"
+#include "util/counted_tokens.h"
 #include "util/errors.h"
 #include "util/fs.h"
 
@@ -68,7 +69,7 @@ struct LoraRun {
 at::Tensor frozen_values(Trainer& t, size_t b) { return t.state_block(Category::kFrozen, b); }
 
 LoraRun train(const nlohmann::json& j, const std::vector<std::string>& overrides, int steps = 6,
-          const std::vector<int64_t>* tokens = nullptr) {
+          const std::vector<int64_t>* tokens = nullptr, bool masked = false) {
   Config cfg = parse_config(j, overrides);
   Model model(cfg.model);
   Trainer trainer(cfg, model);
@@ -87,7 +88,8 @@ LoraRun train(const nlohmann::json& j, const std::vector<std::string>& overrides
     } else {
       data.sample_train(rng, n, batch.data());
     }
-    StepResult sr = trainer.step(batch.data());
+    // Note [Counted tokens]: the global batch's counted targets (one rank: this batch).
+    StepResult sr = trainer.step(batch.data(), false, masked ? counted_targets(batch.data(), n, cfg.model.seq_len) : -1);
     r.losses.push_back(sr.loss);
     r.norms.push_back(sr.grad_norm);
     r.step_links.push_back(sr.links);
@@ -325,6 +327,102 @@ TEST(LoraPeftTrainTest, TenClippedStepsMatchPeftAndTorchAdamW) {
     clipped += norm > 0.05;
   }
   EXPECT_GT(clipped, 0) << "the clip never acted: the test would not see a clipping difference";
+  EXPECT_LT(mine.losses.back(), mine.losses.front());
+}
+
+// Fine-tuning data (docs/token-format.md, "Examples and loss masks"): 10
+// clipped fp32 steps on packed examples whose prompts are masked, against
+// transformers + PEFT + torch AdamW with labels -100 there and each
+// micro-batch's loss over the step's counted targets (num_items_in_batch, as
+// transformers' Trainer); one micro-batch of step 3 counts nothing (a zero
+// loss, no NaN). Per-step loss and norm within 1e-5.
+TEST(LoraPeftTrainTest, MaskedExamplesMatchTransformersWithNumItemsInBatch) {
+  if (sh(kPython + " -c 'import peft, transformers'").code != 0) {
+    if (testing::under_ci()) FAIL() << "no peft in .venv under CI";
+    GTEST_SKIP() << "no peft in .venv (tools/setup.sh installs it)";
+  }
+  TempDir dir;
+  const std::string base = dir.file("base");
+  Result made = sh(kPython + " -c \"import torch, transformers; torch.manual_seed(4); "
+                   "c = transformers.LlamaConfig(vocab_size=256, hidden_size=64, intermediate_size=96, "
+                   "num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2, "
+                   "max_position_embeddings=32, tie_word_embeddings=False); "
+                   "transformers.LlamaForCausalLM(c).save_pretrained('" + base + "')\"");
+  ASSERT_EQ(made.code, 0) << made.output;
+  // 60 examples of 5 to 24 byte tokens of text, the first half of each masked.
+  const std::string text = testing::sample_text(4000);
+  std::string ids, mask, index(8, '\0');
+  int64_t at = 0, tokens_total = 0;
+  for (int e = 0; e < 60; ++e) {
+    const int len = 5 + (e * 7) % 20;
+    for (int t = 0; t < len; ++t) {
+      const unsigned char c = static_cast<unsigned char>(text[size_t(at++) % text.size()]);
+      ids.push_back(char(c));
+      ids.push_back('\0');
+      mask.push_back(t < len / 2 ? 0 : 1);
+    }
+    tokens_total += len;
+    for (int b = 0; b < 8; ++b) index.push_back(char((uint64_t(tokens_total) >> (8 * b)) & 0xff));
+  }
+  const std::string data = dir.write("ex.bin", ids);
+  dir.write("ex.bin.mask", mask);
+  dir.write("ex.bin.idx", index);
+  dir.write("ex.bin.json", nlohmann::json({{"format", "strata-tokens"}, {"version", 2}, {"vocab_size", 256},
+                                           {"tokens", tokens_total}, {"dtype", "uint16"}, {"examples", 60},
+                                           {"mask", "ex.bin.mask"}, {"index", "ex.bin.idx"}})
+                                .dump());
+  nlohmann::json j = lora_config(data);
+  j["model"] = {{"init_from", base}, {"seq_len", 32}};
+  j["data"]["sampling"] = "packed";
+  j["lora"]["target_modules"] = {"q_proj", "k_proj", "up_proj", "down_proj"};
+  const int steps = 10;
+  Config cfg = parse_config(j);
+  const int64_t seqs = cfg.train_batch_size, width = cfg.model.seq_len + 1;
+  std::vector<int64_t> tokens(size_t(steps * seqs * width));
+  {
+    TokenDataset ds(cfg.data, 256, cfg.model.seq_len);
+    ExampleCursor cur;
+    for (int s = 0; s < steps; ++s) ds.sample_examples(cur, 9, seqs, tokens.data() + s * seqs * width);
+  }
+  // Step 3's first micro-batch (2 sequences) counts nothing.
+  for (int64_t i = 0; i < 2 * width; ++i) tokens[size_t(2 * seqs * width + i)] |= kNotCounted;
+  std::ofstream(dir.file("tokens.bin"), std::ios::binary)
+      .write(reinterpret_cast<const char*>(tokens.data()), std::streamsize(tokens.size() * 8));
+  nlohmann::json spec = {{"base", base}, {"r", 4}, {"lora_alpha", 8}, {"use_rslora", false},
+                         {"target_modules", j["lora"]["target_modules"]}, {"lr", 1e-2}, {"beta1", 0.9},
+                         {"beta2", 0.999}, {"eps", 1e-8}, {"weight_decay", 0.1}, {"clip", 0.05},
+                         {"steps", steps}, {"sequences", seqs}, {"seq_len", cfg.model.seq_len},
+                         {"micro_batch", cfg.train_micro_batch_size_per_gpu}, {"n_layers", cfg.model.n_layers},
+                         {"masked", true}};
+  {
+    Model model(cfg.model);
+    Trainer trainer(cfg, model);
+    for (int64_t l = 0; l < cfg.model.n_layers; ++l) {
+      const BlockLayout& bl = trainer.layout().block(size_t(l) + 1);
+      const at::Tensor flat = trainer.master_block(size_t(l) + 1);
+      for (const ParamLayout& p : bl.params) {
+        spec["adapters"][p.spec.name] = p.spec.shape;
+        const at::Tensor v = flat.narrow(0, p.offset, p.spec.numel()).contiguous();
+        std::ofstream(dir.file(p.spec.name + "." + std::to_string(l) + ".bin"), std::ios::binary)
+            .write(reinterpret_cast<const char*>(v.data_ptr<float>()), std::streamsize(v.numel() * 4));
+      }
+    }
+  }
+  std::ofstream(dir.file("spec.json")) << spec.dump();
+  Result ref = sh(kPython + " " + std::string(STRATA_SOURCE_DIR) + "/tests/peft_train.py " + dir.path());
+  ASSERT_EQ(ref.code, 0) << ref.output;
+  const nlohmann::json expect = nlohmann::json::parse(file_contents(dir.file("reference.json")));
+  const LoraRun mine = train(j, {}, steps, &tokens, /*masked=*/true);
+  ASSERT_EQ(expect.size(), size_t(steps));
+  int clipped = 0;
+  for (int s = 0; s < steps; ++s) {
+    const double loss = expect[size_t(s)]["loss"], norm = expect[size_t(s)]["grad_norm"];
+    ASSERT_TRUE(std::isfinite(mine.losses[size_t(s)])) << "step " << s + 1;
+    EXPECT_LE(std::abs(mine.losses[size_t(s)] - loss), 1e-5 * std::abs(loss)) << "step " << s + 1;
+    EXPECT_LE(std::abs(mine.norms[size_t(s)] - norm), 1e-5 * std::abs(norm)) << "step " << s + 1;
+    clipped += norm > 0.05;
+  }
+  EXPECT_GT(clipped, 0);
   EXPECT_LT(mine.losses.back(), mine.losses.front());
 }
 

@@ -8,7 +8,9 @@ little-endian fp32 files (lora_A.q_proj.L.bin ... by Strata's names and layer),
 and tokens.bin (int64 [steps, sequences, seq + 1]). Runs the steps in fp32:
 per micro-batch the mean cross-entropy over its tokens divided by the
 micro-batches, backward, then clip_grad_norm_ over the adapters, AdamW, as
-Strata's step does. Writes DIR/reference.json: per step the loss (mean over
+Strata's step does. With spec "masked": labels -100 where a token is flagged
+not counted, each micro-batch's loss transformers' own with the step's
+num_items_in_batch. Writes DIR/reference.json: per step the loss (mean over
 micro-batches) and the gradient norm before clipping.
 """
 import json
@@ -18,6 +20,7 @@ import numpy as np
 import torch
 import transformers
 from peft import LoraConfig, get_peft_model
+from transformers.loss.loss_utils import ForCausalLMLoss
 
 PARENT = {"q_proj": "self_attn", "k_proj": "self_attn", "v_proj": "self_attn", "o_proj": "self_attn",
           "gate_proj": "mlp", "up_proj": "mlp", "down_proj": "mlp"}
@@ -50,11 +53,30 @@ def main():
     accum = seqs // micro
     out = []
     model.train()
+    masked = spec.get("masked", False)
     for s in range(steps):
         opt.zero_grad(set_to_none=True)
         total = 0.0
+        if masked:
+            # Strata's counted targets (docs/token-format.md): bit 40 of a
+            # token marks it not counted as a target; its id is the low 32
+            # bits. transformers' labels are -100 there, and the loss of each
+            # micro-batch is its counted targets' sum over the step's count
+            # (its num_items_in_batch), as its Trainer does.
+            flag = 1 << 40
+            step_tokens = tokens[s]
+            num_items = int(((step_tokens[:, 1:] & flag) == 0).sum())
         for m in range(accum):
             batch = tokens[s, m * micro:(m + 1) * micro]
+            if masked:
+                ids = batch & ((1 << 32) - 1)
+                shift_labels = torch.where((batch[:, 1:] & flag) != 0, torch.full_like(ids[:, 1:], -100), ids[:, 1:])
+                logits = model(input_ids=ids[:, :-1]).logits
+                loss = ForCausalLMLoss(logits, None, logits.shape[-1], num_items_in_batch=num_items,
+                                       shift_labels=shift_labels)
+                loss.backward()
+                total += loss.item() * accum
+                continue
             logits = model(input_ids=batch[:, :-1]).logits
             loss = torch.nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(),
                                                      batch[:, 1:].reshape(-1))

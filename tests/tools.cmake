@@ -10,3 +10,7 @@ set_tests_properties(DsTranslateTest PROPERTIES TIMEOUT 300 SKIP_RETURN_CODE 77 
 # The module layering of docs/design.md: includes point down the layers, no include or import circle.
 add_test(NAME LayersTest COMMAND ${STRATA_TOOLS_PYTHON} ${PROJECT_SOURCE_DIR}/tools/check_layers.py ${PROJECT_SOURCE_DIR})
 set_tests_properties(LayersTest PROPERTIES TIMEOUT 60)
+# tools/tokenize.py on fine-tuning examples: chat templates per family against transformers' apply_chat_template,
+# prompt + completion, loss masks, the index, bad rows (docs/token-format.md, "Examples and loss masks").
+add_test(NAME TokenizeExamplesTest COMMAND ${STRATA_TOOLS_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/tokenize_examples_test.py)
+set_tests_properties(TokenizeExamplesTest PROPERTIES TIMEOUT 300 SKIP_RETURN_CODE 77 ENVIRONMENT "OMP_NUM_THREADS=1")

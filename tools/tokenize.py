@@ -23,6 +23,19 @@ text file larger than --piece-mb is encoded in pieces cut at line ends. Both
 files are written under temporary names and renamed at the end: an error or
 an interrupt leaves neither behind.
 
+Fine-tuning examples (docs/token-format.md, "Examples and loss masks"): JSON
+lines or Parquet rows with `messages` (a list of {role, content}, rendered by
+the chat template of the tokenizer's tokenizer_config.json through
+transformers' apply_chat_template) or `prompt` + `completion` are examples,
+detected from the first row. Then it also writes
+  OUT.mask   one byte per token: 1 where the token counts toward the loss
+             (each assistant turn after the template's generation prompt
+             through its first eos; a completion and the eos appended);
+  OUT.idx    little-endian uint64 offsets, examples + 1 of them: example i
+             is tokens [idx[i], idx[i + 1]);
+and the sidecar says so ("version": 2, "examples", "mask", "index",
+"counted").
+
 usage: tokenize.py --tokenizer DIR --out FILE [--field text] [--dtype auto|uint16|uint32]
                    [--eos-token TOKEN] [--batch-docs 512] INPUT...
 DIR: a directory holding tokenizer.json (a Hugging Face model directory), or the file itself.
@@ -213,6 +226,232 @@ class Progress:
         sys.stderr.flush()
 
 
+ROLES = ("system", "user", "assistant", "tool")
+
+
+def first_row(files):
+    """The first row of the first JSON lines or Parquet input (None for text)."""
+    path = files[0]
+    if path.endswith(".parquet"):
+        try:
+            import pyarrow.parquet as pq
+            batch = next(pq.ParquetFile(path, pre_buffer=False).iter_batches(batch_size=1), None)
+        except Exception:
+            return None  # reported by the reader
+        return batch.to_pylist()[0] if batch is not None and batch.num_rows else None
+    if path.endswith(".jsonl") or path.endswith(".json"):
+        with open(path, "rb") as f:
+            for line in f:
+                if line.strip():
+                    try:
+                        obj = json.loads(line)
+                    except ValueError:
+                        return None
+                    return obj if isinstance(obj, dict) else None
+    return None
+
+
+def example_kind(files):
+    """"messages" or "prompt_completion" when the first row is an example, else None."""
+    row = first_row(files)
+    if not isinstance(row, dict):
+        return None
+    if "messages" in row:
+        return "messages"
+    if "prompt" in row and "completion" in row:
+        return "prompt_completion"
+    return None
+
+
+def example_rows(files, kind):
+    """(where, row) per example, in order: where is "FILE:LINE" or "FILE: row N"."""
+    for path in files:
+        if path.endswith(".parquet"):
+            try:
+                import pyarrow.parquet as pq
+                pf = pq.ParquetFile(path, pre_buffer=False)
+            except ImportError:
+                raise InputProblem(f"{path}: reading Parquet needs pyarrow (tools/setup.sh installs it into .venv)")
+            except Exception as e:
+                raise InputProblem(f"{path}: not a Parquet file ({e})")
+            row = 0
+            for batch in pf.iter_batches(batch_size=1024):
+                for obj in batch.to_pylist():
+                    row += 1
+                    yield f"{path}: row {row}", obj
+        elif path.endswith(".jsonl") or path.endswith(".json"):
+            with open(path, "rb") as f:
+                for n, line in enumerate(f, 1):
+                    if not line.strip():
+                        continue
+                    try:
+                        obj = json.loads(line)
+                    except ValueError as e:
+                        raise InputProblem(f"{path}:{n}: not a JSON object ({e})")
+                    if not isinstance(obj, dict):
+                        raise InputProblem(f"{path}:{n}: not a JSON object")
+                    yield f"{path}:{n}", obj
+        else:
+            raise InputProblem(f"{path}: a text file among examples ({kind}: JSON lines or Parquet only)")
+
+
+def check_messages(where, obj):
+    msgs = obj.get("messages")
+    if not isinstance(msgs, list) or not msgs:
+        raise InputProblem(f"{where}: no 'messages' list (the first row's rows are conversations)")
+    for i, m in enumerate(msgs):
+        if not isinstance(m, dict) or not isinstance(m.get("content"), str):
+            raise InputProblem(f"{where}: messages[{i}] is not {{role, content}} with string content")
+        if m.get("role") not in ROLES:
+            raise InputProblem(f"{where}: messages[{i}] has role {m.get('role')!r}, not one of {', '.join(ROLES)}")
+    if not any(m["role"] == "assistant" for m in msgs):
+        raise InputProblem(f"{where}: no assistant turn (nothing would count toward the loss)")
+    return [{"role": m["role"], "content": m["content"]} for m in msgs]
+
+
+class ExampleRenderer:
+    """Examples to (text, [(first char, counted up to the first eos)]) and
+    then to ids and a mask. Chat: the tokenizer's own chat template through
+    transformers' apply_chat_template (tokenize=False; the ids are its
+    tokenize=True ids: the rendered text encoded without special tokens);
+    each assistant turn counts from the end of what the template renders for
+    the messages before it with add_generation_prompt=True, through the first
+    eos after that. Prompt + completion: TRL's rule, the concatenation
+    encoded with the tokenizer's special tokens, counted from the length of
+    the prompt's own encoding, and eos appended unless already last."""
+
+    def __init__(self, kind, tokenizer_file, tok, eos):
+        self.kind, self.tok, self.eos = kind, tok, eos
+        self.hf = None
+        if kind == "messages":
+            try:
+                from transformers import AutoTokenizer
+            except ImportError:
+                raise InputProblem("rendering chat templates needs transformers (tools/setup.sh installs it into .venv)")
+            d = os.path.dirname(tokenizer_file)
+            try:
+                self.hf = AutoTokenizer.from_pretrained(d)
+            except Exception as e:
+                raise InputProblem(f"{d}: transformers cannot load this tokenizer ({e})")
+            if not getattr(self.hf, "chat_template", None):
+                raise InputProblem(f"{d}: tokenizer_config.json has no chat_template (messages need one)")
+
+    def render(self, where, obj):
+        """(text, starts, prompt_text): starts are the char offsets where counting begins."""
+        if self.kind == "prompt_completion":
+            p, c = obj.get("prompt"), obj.get("completion")
+            if not isinstance(p, str) or not isinstance(c, str):
+                raise InputProblem(f"{where}: 'prompt' and 'completion' must both be strings")
+            return p + c, None, p
+        msgs = check_messages(where, obj)
+        try:
+            text = self.hf.apply_chat_template(msgs, tokenize=False)
+            starts = []
+            for i, m in enumerate(msgs):
+                if m["role"] != "assistant":
+                    continue
+                prefix = self.hf.apply_chat_template(msgs[:i], tokenize=False, add_generation_prompt=True)
+                if not text.startswith(prefix):
+                    raise InputProblem(f"{where}: the chat template does not render messages[:{i}] with its "
+                                       "generation prompt as the start of the conversation")
+                starts.append(len(prefix))
+        except InputProblem:
+            raise
+        except Exception as e:  # jinja2's errors, the template's raise_exception
+            raise InputProblem(f"{where}: the chat template fails on this row ({e})")
+        return text, starts, None
+
+    def encode(self, where, rendered, enc, prompt_enc):
+        """ids and mask (lists) of one rendered example."""
+        text, starts, prompt = rendered
+        ids = list(enc.ids)
+        if self.kind == "prompt_completion":
+            n = len(prompt_enc.ids)
+            if not ids or ids[-1] != self.eos:
+                ids.append(self.eos)
+            return ids, [0] * n + [1] * (len(ids) - n)
+        mask = [0] * len(ids)
+        offsets = enc.offsets
+        j = 0
+        for start in starts:
+            while j < len(ids) and offsets[j][0] < start:
+                j += 1
+            k = j
+            while k < len(ids) and ids[k] != self.eos:
+                k += 1
+            if k == len(ids):
+                raise InputProblem(f"{where}: an assistant turn without the eos token after it (id {self.eos}; "
+                                   "--eos-token names the template's end of turn)")
+            for t in range(j, k + 1):
+                mask[t] = 1
+            j = k + 1
+        return ids, mask
+
+
+def tokenize_examples(args, kind, files, tokenizer_file, tok, vocab, dtype, eos_name, eos, code):
+    """Examples: OUT, OUT.mask, OUT.idx and the sidecar, each under a temporary name until all are done."""
+    from array import array
+    renderer = ExampleRenderer(kind, tokenizer_file, tok, eos)
+    names = [args.out, args.out + ".mask", args.out + ".idx", args.out + ".json"]
+    tmps = [f"{n}.tmp{os.getpid()}" for n in names]
+    examples = tokens = counted = 0
+    progress = Progress(args.progress)
+    encode = tok.encode_batch  # with character offsets: the mask needs them
+    try:
+        with open(tmps[0], "wb") as out, open(tmps[1], "wb") as mask_out, open(tmps[2], "wb") as idx_out:
+            array("Q", [0]).tofile(idx_out)
+            rows = example_rows(files, kind)
+            while True:
+                batch = []
+                for item in rows:
+                    batch.append(item)
+                    if len(batch) >= args.batch_docs:
+                        break
+                if not batch:
+                    break
+                rendered = [renderer.render(w, o) for w, o in batch]
+                specials = kind == "prompt_completion"
+                encs = encode([r[0] for r in rendered], add_special_tokens=specials)
+                prompts = encode([r[2] for r in rendered], add_special_tokens=True) if specials else [None] * len(batch)
+                ids_out, mask_bytes, ends = array(code), bytearray(), array("Q")
+                for (w, _), r, e, pe in zip(batch, rendered, encs, prompts):
+                    ids, mask = renderer.encode(w, r, e, pe)
+                    ids_out.extend(ids)
+                    mask_bytes.extend(mask)
+                    tokens += len(ids)
+                    counted += sum(mask)
+                    ends.append(tokens)
+                    examples += 1
+                ids_out.tofile(out)
+                mask_out.write(mask_bytes)
+                ends.tofile(idx_out)
+                progress.update(examples, tokens, 0)
+            if examples == 0:
+                raise InputProblem(f"{' '.join(args.inputs)}: no examples")
+            for f in (out, mask_out, idx_out):
+                f.flush()
+                os.fsync(f.fileno())
+        base = os.path.basename(args.out)
+        side = {"format": "strata-tokens", "version": 2, "tokenizer": os.path.abspath(tokenizer_file),
+                "vocab_size": vocab, "tokens": tokens, "dtype": dtype, "eos_id": eos, "eos_token": eos_name,
+                "documents": examples, "examples": examples, "kind": kind, "counted": counted,
+                "mask": base + ".mask", "index": base + ".idx"}
+        with open(tmps[3], "w") as f:
+            json.dump(side, f, indent=2)
+            f.write("\n")
+        for t, n in zip(tmps, names):  # the sidecar last: it names the others
+            os.replace(t, n)
+    except BaseException:
+        for t in tmps:
+            if os.path.exists(t):
+                os.unlink(t)
+        raise
+    progress.update(examples, tokens, 0, final=True)
+    print(f"tokenize: wrote {args.out} ({tokens:,} {dtype} tokens, {examples:,} examples ({kind}), "
+          f"{counted:,} counted toward the loss, vocabulary {vocab}), {args.out}.mask, {args.out}.idx "
+          f"and {args.out}.json")
+
+
 def tokenize(args):
     from array import array
 
@@ -238,6 +477,9 @@ def tokenize(args):
     out_dir = os.path.dirname(os.path.abspath(args.out))
     if not os.path.isdir(out_dir):
         raise InputProblem(f"{args.out}: its directory does not exist (--out)")
+    kind = example_kind(files)
+    if kind is not None:
+        return tokenize_examples(args, kind, files, tokenizer_file, tok, vocab, dtype, eos_name, eos, code)
     tmp, tmp_side = f"{args.out}.tmp{os.getpid()}", f"{args.out}.json.tmp{os.getpid()}"
     docs = tokens = nbytes = 0
     progress = Progress(args.progress)

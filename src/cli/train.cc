@@ -50,7 +50,9 @@ struct Batches {
         mine(train.data() + size_t(s.who.rank) * size_t(s.cfg.gradient_accumulation_steps *
                                                          s.cfg.train_micro_batch_size_per_gpu * window)),
         eval(size_t(s.cfg.data.eval_batches * s.cfg.train_micro_batch_size_per_gpu * window)),
-        can_eval(s.data->val_tokens() > s.cfg.model.seq_len && s.cfg.data.eval_interval > 0) {}
+        can_eval((s.cfg.data.sampling == DataSampling::kWindows ? s.data->val_tokens() > s.cfg.model.seq_len
+                                                                 : s.data->val_examples() > 0) &&
+                 s.cfg.data.eval_interval > 0) {}
   const int64_t window;
   std::vector<int64_t> train;
   const int64_t* mine;
@@ -63,9 +65,14 @@ struct Batches {
 void maybe_eval(TrainSession& s, Batches& b, int64_t step, nlohmann::json& line) {
   const Config& cfg = s.cfg;
   if (!b.can_eval || !(step % cfg.data.eval_interval == 0 || step == cfg.run.steps)) return;
-  std::mt19937_64 eval_rng(cfg.run.seed ^ 0x5eedULL);
-  s.data->sample_val(eval_rng, cfg.data.eval_batches * cfg.train_micro_batch_size_per_gpu, b.eval.data());
-  line["eval_loss"] = s.trainer->eval_loss(b.eval.data(), cfg.data.eval_batches);
+  const int64_t rows = cfg.data.eval_batches * cfg.train_micro_batch_size_per_gpu;
+  if (cfg.data.sampling == DataSampling::kWindows) {
+    std::mt19937_64 eval_rng(cfg.run.seed ^ 0x5eedULL);
+    s.data->sample_val(eval_rng, rows, b.eval.data());
+  } else {
+    s.data->val_example_batch(rows, b.eval.data());  // the first held-out examples, every time
+  }
+  line["eval_loss"] = s.trainer->eval_loss(b.eval.data(), cfg.data.eval_batches, s.data->masked());
   log::info("step %lld: eval loss %.4f", (long long)step, line["eval_loss"].get<double>());
 }
 
@@ -97,14 +104,21 @@ int run_train(const TrainOptions& opt) {
   ::signal(SIGINT, on_stop_signal);
   ::signal(SIGTERM, on_stop_signal);
   StepTiming timing{.flops_per_token = s.model->flops_per_token(), .peak = s.peak, .world_size = s.who.world_size,
-                    .loss_scaled = trainer.loss_scaler() != nullptr};
+                    .loss_scaled = trainer.loss_scaler() != nullptr, .masked = s.data->masked()};
   const auto start = std::chrono::steady_clock::now();
   double first_loss = NAN, last_loss = NAN;
   int64_t steps_done = 0;
   for (int64_t step = s.first_step; step <= cfg.run.steps; ++step) {
     const auto t0 = std::chrono::steady_clock::now();
-    s.data->sample_train(s.rng, cfg.train_batch_size, batches.train.data());
-    StepResult r = trainer.step(batches.mine, g_stop_signals.load() > 0);
+    if (cfg.data.sampling == DataSampling::kWindows) {
+      s.data->sample_train(s.rng, cfg.train_batch_size, batches.train.data());
+    } else {
+      timing.truncated = s.data->sample_examples(s.examples, cfg.run.seed, cfg.train_batch_size, batches.train.data());
+    }
+    // Note [Counted tokens]: every rank drew the global batch, so each counts its targets alike.
+    const int64_t counted =
+        s.data->masked() ? counted_targets(batches.train.data(), cfg.train_batch_size, cfg.model.seq_len) : -1;
+    StepResult r = trainer.step(batches.mine, g_stop_signals.load() > 0, counted);
     steps_done = step;
     timing.step = step;
     timing.step_s = std::chrono::duration<double>(std::chrono::steady_clock::now() - t0).count();

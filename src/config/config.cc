@@ -26,6 +26,7 @@ const char* recompute_name(Recompute r) { return name_of(config::kRecomputes, r)
 const char* speculate_name(Speculate s) { return name_of(config::kSpeculates, s); }
 const char* schedule_name(StepSchedule s) { return name_of(config::kSchedules, s); }
 const char* data_format_name(DataFormat f) { return name_of(config::kDataFormats, f); }
+const char* data_sampling_name(DataSampling s) { return name_of(config::kDataSamplings, s); }
 const char* moment_dtype_name(MomentDtype d) { return name_of(config::kMomentDtypes, d); }
 const char* optimizer_type_name(OptimizerType t) { return name_of(config::kOptimizerTypes, t); }
 const char* scheduler_type_name(SchedulerType t) {
@@ -285,6 +286,10 @@ json resume_invariants(const Config& c) {
   // hold: a resume over another is refused (Note [Base identity] in
   // hf_config.cc). A base drawn from run.seed is the seed's.
   if (m.lora.enabled && !m.init_from.empty()) j["lora_base"] = config::base_identity(m.init_from);
+  // Examples are drawn in epochs (docs/token-format.md): another sampling
+  // would not continue the same order. (Windows, the default, is left out:
+  // checkpoints from before data.sampling resume.)
+  if (c.data.sampling != DataSampling::kWindows) j["data"]["sampling"] = data_sampling_name(c.data.sampling);
   return j;
 }
 

@@ -107,12 +107,31 @@ int64_t lora_layer_params(const ModelConfig& cfg);
 enum class DataFormat { kText, kUint16, kUint32 };
 const char* data_format_name(DataFormat f);  // "text", "uint16", "uint32"
 
+// data.sampling (docs/token-format.md, "Examples and loss masks"): random
+// windows of the token stream, or examples (each sequence one example from
+// its first token, padded), or whole examples packed into each sequence.
+enum class DataSampling { kWindows, kExamples, kPacked };
+const char* data_sampling_name(DataSampling s);  // "windows", "examples", "packed"
+
 struct DataConfig {
   std::vector<std::string> paths;  // "path": a file or a list of files, concatenated
   DataFormat format = DataFormat::kText;
-  double val_fraction = 0.1;       // tail of the tokens held out for eval
+  double val_fraction = 0.1;       // tail of the tokens (examples: of the examples) held out for eval
   int64_t eval_interval = 50;      // steps between evals; 0 = never
   int64_t eval_batches = 4;        // micro-batches per eval
+  DataSampling sampling = DataSampling::kWindows;
+  bool truncate = false;           // an example longer than a sequence: cut (else refused)
+  // Per file, from its sidecar (tools/tokenize.py's version 2): its loss mask
+  // and its example index, "" where it has none.
+  std::vector<std::string> mask_paths, index_paths;
+  // Whether any file has a loss mask: then the loss is over counted tokens
+  // (Note [Counted tokens] in engine/trainer.h).
+  bool masked() const {
+    for (const std::string& m : mask_paths) {
+      if (!m.empty()) return true;
+    }
+    return sampling != DataSampling::kWindows;
+  }
 };
 
 // run.checkpoint: where and how often the training state is saved

@@ -36,6 +36,8 @@ inline constexpr EnumName<StepSchedule> kSchedules[] = {
     {StepSchedule::kAuto, "auto"}, {StepSchedule::kMicroBatch, "micro_batch"}, {StepSchedule::kLayer, "layer"}};
 inline constexpr EnumName<DataFormat> kDataFormats[] = {
     {DataFormat::kText, "text"}, {DataFormat::kUint16, "uint16"}, {DataFormat::kUint32, "uint32"}};
+inline constexpr EnumName<DataSampling> kDataSamplings[] = {
+    {DataSampling::kWindows, "windows"}, {DataSampling::kExamples, "examples"}, {DataSampling::kPacked, "packed"}};
 inline constexpr EnumName<MomentDtype> kMomentDtypes[] = {{MomentDtype::kFp32, "fp32"}, {MomentDtype::kBf16, "bf16"}};
 inline constexpr EnumName<OptimizerType> kOptimizerTypes[] = {{OptimizerType::kAdam, "Adam"},
                                                               {OptimizerType::kAdamW, "AdamW"}};

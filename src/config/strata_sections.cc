@@ -114,7 +114,8 @@ void parse_model(Section& top, Config& c) {
 
 // ---- data -------------------------------------------------------------------------
 
-const SectionKeys kDataKeys = {"data", {"path", "format", "val_fraction", "eval_interval", "eval_batches"}, {}};
+const SectionKeys kDataKeys = {
+    "data", {"path", "format", "val_fraction", "eval_interval", "eval_batches", "sampling", "truncate"}, {}};
 
 void parse_data(Section& top, Config& c) {
   Section d(top.object("data"), kDataKeys, c.ignored_keys);
@@ -126,6 +127,19 @@ void parse_data(Section& top, Config& c) {
   if (d.read("val_fraction", dc.val_fraction)) in_closed("data.val_fraction", dc.val_fraction, 0.0, 0.5);
   if (d.read("eval_interval", dc.eval_interval)) non_negative("data.eval_interval", dc.eval_interval);
   if (d.read("eval_batches", dc.eval_batches)) positive("data.eval_batches", dc.eval_batches);
+  d.read_enum("sampling", dc.sampling, kDataSamplings);
+  d.read("truncate", dc.truncate);
+  if (dc.sampling != DataSampling::kWindows) {
+    // Examples come from the files' indexes (tools/tokenize.py writes them
+    // for messages and prompt + completion rows).
+    for (size_t i = 0; i < dc.paths.size(); ++i) {
+      if (dc.index_paths[i].empty()) {
+        fail("data.sampling", std::string(data_sampling_name(dc.sampling)) + " draws examples, and " + dc.paths[i] +
+                                  " has no example index (its sidecar names none: tools/tokenize.py writes one for "
+                                  "rows with messages or prompt + completion)");
+      }
+    }
+  }
   d.done();
 }
 

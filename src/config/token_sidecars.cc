@@ -13,7 +13,10 @@ namespace strata::config {
 // match the file's size. Files without a sidecar are taken as the config says.
 void apply_token_sidecars(Config& c, bool format_set) {
   std::string from;  // the sidecar data.format came from
-  for (const std::string& file : c.data.paths) {
+  c.data.mask_paths.assign(c.data.paths.size(), "");
+  c.data.index_paths.assign(c.data.paths.size(), "");
+  for (size_t f = 0; f < c.data.paths.size(); ++f) {
+    const std::string& file = c.data.paths[f];
     const std::string side = file + ".json";
     if (!path_exists(side) || is_directory(side)) continue;
     const json j = json::parse(file_contents(side), nullptr, /*allow_exceptions=*/false);
@@ -45,6 +48,20 @@ void apply_token_sidecars(Config& c, bool format_set) {
     if (vocab > c.model.vocab_size) {
       fail("model.vocab_size", num(c.model.vocab_size) + " is smaller than the vocabulary of the tokenizer that wrote " +
                                    file + " (" + num(vocab) + ", in " + side + ")");
+    }
+    // Version 2 (examples): the loss mask and the example index beside the
+    // file, named relative to its directory.
+    const int64_t version = j.value("version", int64_t(1));
+    if (version < 1 || version > 2) fail(side, "version " + num(version) + " is newer than this Strata reads (1 or 2)");
+    const size_t slash = file.rfind('/');
+    const std::string dir = slash == std::string::npos ? "" : file.substr(0, slash + 1);
+    for (auto [key, out] : {std::pair{"mask", &c.data.mask_paths[f]}, std::pair{"index", &c.data.index_paths[f]}}) {
+      if (!j.contains(key)) continue;
+      if (!j[key].is_string() || j[key].get<std::string>().empty() || j[key].get<std::string>().find('/') != std::string::npos) {
+        fail(side, std::string("\"") + key + "\" must name a file beside it");
+      }
+      *out = dir + j[key].get<std::string>();
+      if (!path_exists(*out)) fail(side, std::string("names ") + key + " file " + *out + ", which does not exist");
     }
     struct stat st;
     if (::stat(file.c_str(), &st) == 0) {

@@ -10,6 +10,8 @@
 
 #include "engine/compute_stream.h"
 #include "engine/trainer.h"
+
+#include "util/counted_tokens.h"
 #include "util/errors.h"
 #include "util/trace.h"
 
@@ -176,14 +178,33 @@ at::Tensor Trainer::block_backward(size_t b, int64_t m, const at::Tensor& dx) {
 }
 
 at::Tensor Trainer::loss_of(const at::Tensor& logits, const at::Tensor& targets) const {
-  return at::cross_entropy_loss(logits.reshape({-1, logits.size(-1)}).to(at::kFloat),
-                                targets.reshape({-1}));
+  const at::Tensor flat = logits.reshape({-1, logits.size(-1)}).to(at::kFloat);
+  if (counted_ < 0) return at::cross_entropy_loss(flat, targets.reshape({-1}));
+  // Note [Counted tokens]: transformers' loss with num_items_in_batch, the
+  // sum over counted targets (-100 ignored) over the global batch's count. A
+  // batch of none counted: a zero loss, no NaN.
+  return at::cross_entropy_loss(flat, targets.reshape({-1}), {}, at::Reduction::Sum, -100) /
+         double(std::max<int64_t>(counted_, 1));
+}
+
+// Note [Counted tokens]: ids without their flags; targets with -100 where
+// flagged.
+at::Tensor Trainer::inputs_of(const at::Tensor& window) const {
+  const at::Tensor in = window.narrow(1, 0, cfg_.model.seq_len);
+  return counted_ >= 0 || cfg_.data.masked() ? at::bitwise_and(in, kTokenIdMask) : in;
+}
+
+at::Tensor Trainer::targets_of(const at::Tensor& window, bool masked) const {
+  const at::Tensor t = window.narrow(1, 1, cfg_.model.seq_len);
+  if (!masked) return t;
+  return at::where(at::bitwise_and(t, kNotCounted).ne(0), at::full({}, int64_t(-100), t.options()),
+                   at::bitwise_and(t, kTokenIdMask));
 }
 
 // Evaluation shares the forward (forward_block) and the gathered blocks with
 // training. Every rank evaluates the same windows (collective: at stage 3 the
 // blocks are gathered), so every rank returns the same loss.
-double Trainer::eval_loss(const int64_t* tokens, int64_t batches) {
+double Trainer::eval_loss(const int64_t* tokens, int64_t batches, bool masked) {
   finish();
   STRATA_CHECK(!optimizer_->broken(), "eval after a failed optimizer step");
   at::NoGradGuard no_grad;
@@ -191,32 +212,43 @@ double Trainer::eval_loss(const int64_t* tokens, int64_t batches) {
   const int64_t micro = cfg_.train_micro_batch_size_per_gpu;
   const int64_t T = cfg_.model.seq_len;
   double total = 0.0;
+  int64_t counted = 0;
   for (int64_t i = 0; i < batches; ++i) {
     const at::Tensor batch = stage_tokens(tokens + i * micro * (T + 1), micro);
     blocks_->begin(/*train=*/false);
-    at::Tensor x = batch.narrow(1, 0, T);
+    at::Tensor x = masked ? at::bitwise_and(batch.narrow(1, 0, T), kTokenIdMask) : batch.narrow(1, 0, T);
     for (const StepOp& op : blocks_->eval_ops()) {
       if (op.pass == Pass::kForward) {
         x = forward_block(size_t(op.block[0]), 0, x, /*train=*/false);
       } else {
-        total += eval_head(x, batch.narrow(1, 1, T));
+        const auto [loss, n] = eval_head(x, targets_of(batch, masked), masked);
+        total += loss;
+        counted += n;
       }
     }
   }
+  if (masked) return counted > 0 ? total / double(counted) : 0.0;
   return total / double(batches);
 }
 
 // The eval schedule's head op: the head's forward and the loss, no backward.
-double Trainer::eval_head(const at::Tensor& x, const at::Tensor& targets) {
+std::pair<double, int64_t> Trainer::eval_head(const at::Tensor& x, const at::Tensor& targets, bool masked) {
   DevicePtr gathered[2], frozen[2];
   blocks_->next(gathered, frozen);
   at::Tensor tied;
   if (cfg_.model.tie_embeddings) tied = weights(ctx_.embedding_block, gathered[1], frozen[1])[0];
   at::Tensor logits = model_.forward(ctx_.head_block, weights(ctx_.head_block, gathered[0], frozen[0]), x, tied);
-  const double loss = loss_of(logits, targets).item<double>();
+  std::pair<double, int64_t> out;
+  const at::Tensor flat = logits.reshape({-1, logits.size(-1)}).to(at::kFloat);
+  if (masked) {
+    out.first = at::cross_entropy_loss(flat, targets.reshape({-1}), {}, at::Reduction::Sum, -100).item<double>();
+    out.second = targets.ne(-100).sum().item<int64_t>();
+  } else {
+    out.first = at::cross_entropy_loss(flat, targets.reshape({-1})).item<double>();
+  }
   tied = at::Tensor();
   blocks_->end();
-  return loss;
+  return out;
 }
 
 }  // namespace strata

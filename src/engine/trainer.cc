@@ -57,7 +57,7 @@ class StepCounters {
 // The step: every micro-batch's forward and backward (gradients on their way
 // to their homes as each block's backward ends), one all-reduce of the norm,
 // loss and stop flag, then the optimizer (on its own thread, or inline).
-StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
+StepResult Trainer::step(const int64_t* tokens, bool stop_requested, int64_t counted) {
   if (optimizer_->broken()) {
     throw Error("an earlier step failed part-way through the optimizer; the state is inconsistent "
                 "and training cannot continue (restart from a checkpoint)");
@@ -69,6 +69,7 @@ StepResult Trainer::step(const int64_t* tokens, bool stop_requested) {
   ComputeStreamScope on_compute_stream(*ctx_.device);
   const StepCounters counters(*blocks_, *optimizer_, *ctx_.comm, collectives_.get());
   begin_step();
+  counted_ = counted;
   // fp16 multiplies each loss by the loss scale (Note [Loss scaling]).
   const double loss_scale = scaler_ ? scaler_->scale() : 1.0;
   StepResult r;
@@ -126,9 +127,12 @@ void Trainer::forward_backward(const int64_t* tokens, double loss_scale, bool st
   const int64_t accum = cfg_.gradient_accumulation_steps;
   const int64_t ranks = ctx_.comm->world_size();
   // Each micro-batch's loss is scaled by 1 / (accum x ranks): the reduced
-  // gradient is then the gradient of the global batch's mean loss.
+  // gradient is then the gradient of the global batch's mean loss. With
+  // counted targets (Note [Counted tokens]) each micro-batch's loss is
+  // already its sum over the global count: the reduced gradient is that of
+  // the global batch's loss over its counted targets.
   double sums[3] = {0.0, 0.0, stop_requested ? 1.0 : 0.0};  // squared norm, loss, stop
-  sums[1] = run_schedule(tokens, loss_scale / double(accum * ranks));
+  sums[1] = run_schedule(tokens, counted_ >= 0 ? loss_scale : loss_scale / double(accum * ranks));
   param_wait = counters.param_wait();
   sums[0] = grads_->finish_step(&moved);
   {
@@ -136,6 +140,7 @@ void Trainer::forward_backward(const int64_t* tokens, double loss_scale, bool st
     ctx_.comm->all_reduce(sums, 3, DType::kF64, ReduceOp::kSum).wait();
   }
   r.tokens = accum * cfg_.train_micro_batch_size_per_gpu * cfg_.model.seq_len * ranks;
+  r.counted_tokens = counted_ >= 0 ? counted_ : r.tokens;
   r.grad_norm = std::sqrt(sums[0]) / loss_scale;
   r.loss = sums[1];
   r.stop = sums[2] > 0.0;
@@ -209,8 +214,9 @@ double Trainer::run_schedule(const int64_t* tokens, double loss_scale) {
   try {
     for (const StepOp& op : blocks_->train_ops()) run_op(op, batch.narrow(0, op.micro * micro, micro), loss_scale);
     // Read once the backward is queued: on a GPU, .item() waits for it.
+    const double share = counted_ >= 0 ? 1.0 : 1.0 / double(accum * ctx_.comm->world_size());
     for (at::Tensor& l : micro_loss_) {
-      sum += l.item<double>() / double(accum * ctx_.comm->world_size());
+      sum += l.item<double>() * share;
       l = at::Tensor();
     }
   } catch (const c10::OutOfMemoryError& e) {
@@ -228,10 +234,10 @@ void Trainer::run_op(const StepOp& op, const at::Tensor& tokens, double loss_sca
   at::Tensor& flow = flow_[size_t(op.micro)];
   switch (op.pass) {
     case Pass::kForward:
-      flow = forward_block(b, op.micro, b == ctx_.embedding_block ? tokens.narrow(1, 0, T) : flow, /*train=*/true);
+      flow = forward_block(b, op.micro, b == ctx_.embedding_block ? inputs_of(tokens) : flow, /*train=*/true);
       break;
     case Pass::kHead:
-      micro_loss_[size_t(op.micro)] = head_forward_backward(flow, tokens.narrow(1, 1, T), loss_scale, op.micro, &flow);
+      micro_loss_[size_t(op.micro)] = head_forward_backward(flow, targets_of(tokens, counted_ >= 0), loss_scale, op.micro, &flow);
       break;
     case Pass::kBackward:
       flow = block_backward(b, op.micro, flow);

@@ -46,6 +46,7 @@ struct StepResult {
   double grad_norm = 0.0;  // global L2 norm before clipping
   double lr = 0.0;
   int64_t tokens = 0;      // tokens trained on in this step
+  int64_t counted_tokens = 0;  // of them, the targets counted toward the loss (all of them without masks)
   LinkBytes links;         // bytes moved by this step's compute and by the optimizer step
                            // reported in optimizer_s, per link
   double wait_s = 0.0;     // seconds compute waited for parameters / gradients to arrive
@@ -151,16 +152,23 @@ class Trainer {
   // One optimizer step over this rank's `accum` micro-batches. `tokens` holds
   // accum x micro_batch windows of seq_len + 1 tokens (int64, row-major).
   // `stop_requested`: this rank wants to stop (a signal); combined over the
-  // ranks into StepResult::stop. Collective: every rank calls it.
-  StepResult step(const int64_t* tokens, bool stop_requested = false);
+  // ranks into StepResult::stop. `counted`: -1, every target counts and the
+  // loss is the global batch's mean; else the windows may carry kNotCounted
+  // flags and `counted` is the global batch's counted targets, all ranks'
+  // (Note [Counted tokens] in util/counted_tokens.h): the loss is the
+  // counted targets' summed cross-entropy over it. Collective: every rank
+  // calls it.
+  StepResult step(const int64_t* tokens, bool stop_requested = false, int64_t counted = -1);
 
   // Waits for the last step's optimizer (Note [Optimizer overlap]) and
   // rethrows its failure; the state is then final. Call before the end.
   void finish();
 
   // Mean loss over `batches` windows of micro_batch x (seq_len + 1) tokens,
-  // without gradients.
-  double eval_loss(const int64_t* tokens, int64_t batches);
+  // without gradients; with `masked` over their counted targets (Note
+  // [Counted tokens]): their summed cross-entropy over their count (0 when
+  // none counts).
+  double eval_loss(const int64_t* tokens, int64_t batches, bool masked = false);
 
   const StateLayout& layout() const { return layout_; }
   const PlacementPlan& plan() const { return state_->plan(); }
@@ -260,8 +268,15 @@ class Trainer {
   // back (activations_ moves packs).
   std::vector<at::Tensor> pack_of(size_t b, int64_t m, LayerSaved* s);
   void unpack(size_t b, int64_t m, std::vector<at::Tensor> pack, LayerSaved* s);
-  double eval_head(const at::Tensor& x, const at::Tensor& targets);
+  // The eval head's loss: the mean, or (masked) the counted targets' sum and count.
+  std::pair<double, int64_t> eval_head(const at::Tensor& x, const at::Tensor& targets, bool masked);
+  // The mean cross-entropy, or with a step's counted targets (counted_ >= 0)
+  // the counted ones' sum over their global count.
   at::Tensor loss_of(const at::Tensor& logits, const at::Tensor& targets) const;
+  // Note [Counted tokens]: a window's inputs (flags dropped) and targets
+  // (-100 where not counted), in masked steps; the windows themselves else.
+  at::Tensor inputs_of(const at::Tensor& window) const;
+  at::Tensor targets_of(const at::Tensor& window, bool masked) const;
   // `rows` windows of seq_len + 1 tokens from host memory to the device,
   // through registered memory, ordered before the compute queued next.
   at::Tensor stage_tokens(const int64_t* tokens, int64_t rows);
@@ -338,6 +353,7 @@ class Trainer {
   std::vector<std::pair<at::Tensor, at::Tensor>> attn_rng_;
   size_t act_key(size_t b, int64_t m) const { return b * micro_loss_.size() + size_t(m); }
   std::vector<at::Tensor> micro_loss_;    // per micro-batch of the step: its loss, read at the end
+  int64_t counted_ = -1;                  // the step's global counted targets (step()'s `counted`)
   // Per micro-batch, between ops: the input of its next forward, then the
   // gradient of the output of its next backward (the layer schedule holds
   // all A at once: the plan's activation rows).

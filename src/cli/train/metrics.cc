@@ -99,6 +99,8 @@ nlohmann::json step_line(const StepResult& r, const StepTiming& t) {
       {"intra_node_bytes", r.intra_node_bytes},
       {"comm_wait_s", r.comm_wait_s},
   };
+  if (t.masked) line["counted_tokens"] = r.counted_tokens;
+  if (t.truncated >= 0) line["truncated_examples"] = t.truncated;
   if (!r.speculation.empty()) {
     // Note [Speculative optimizer] in engine/optimizer/optimizer_pass.h.
     line["speculation"] = r.speculation;

@@ -41,6 +41,11 @@ struct StepTiming {
   std::array<int64_t, kNumTiers> peak{};
   int world_size = 1;
   bool loss_scaled = false;  // fp16: loss_scale and skipped are written
+  // Counted targets (Note [Counted tokens] in util/counted_tokens.h):
+  // counted_tokens is written; with examples sampled, the step's examples cut
+  // to a sequence (data.truncate), else -1.
+  bool masked = false;
+  int64_t truncated = -1;
 };
 
 // The step's line: every field docs/metrics.md lists but those added later

@@ -28,6 +28,10 @@ Manifest Saves::header(int64_t step, double lr) const {
   if (applied != step) lr = applied > 0 ? learning_rate(cfg.scheduler, cfg.optimizer.lr, applied) : 0.0;
   h.trainer = {{"scheduler", {{"type", scheduler_type_name(cfg.scheduler.type)}, {"step", applied}, {"lr", lr}}}};
   h.data = {{"rng", state.str()}, {"sequences", step * cfg.train_batch_size}, {"tokens", s_.data->num_tokens()}};
+  if (cfg.data.sampling != DataSampling::kWindows) {  // Note [Example epochs] in data/dataset.h
+    h.data["epoch"] = s_.examples.epoch;
+    h.data["example"] = s_.examples.next;
+  }
   h.config = rank_invariant_config(cfg);
   h.invariants = resume_invariants(cfg);
   return h;

@@ -310,6 +310,13 @@ void report_start(const TrainSession& s) {
                         : "");
   }
   const TokenDataset& data = *s.data;
+  if (cfg.data.sampling != DataSampling::kWindows) {  // docs/token-format.md, "Examples and loss masks"
+    log::info("data: %lld examples (%lld train, %lld held out) drawn %s in epochs, loss over counted tokens%s",
+              (long long)data.num_examples(), (long long)data.train_examples(), (long long)data.val_examples(),
+              data_sampling_name(cfg.data.sampling), cfg.data.truncate ? ", longer ones cut" : "");
+  } else if (data.masked()) {
+    log::info("data: loss masks: the loss is over the counted tokens");
+  }
   log::info("data: %lld tokens (%lld train, %lld held out); batch %lld = %lld micro x %lld "
             "accumulation x %d ranks; ZeRO stage %lld; compute %s; %d threads",
             (long long)data.num_tokens(), (long long)data.train_tokens(),
@@ -415,8 +422,7 @@ void check_inputs(TrainSession& s) {
   // Every rank reads the data files: one that cannot (a file missing on its node) stops them all here, not
   // in the next collective.
   on_every_rank(*s.comm, "to read data.path", [&] {
-    s.data = std::make_unique<TokenDataset>(cfg.data.paths, cfg.data.format,
-                                            cfg.model.vocab_size, cfg.model.seq_len, cfg.data.val_fraction);
+    s.data = std::make_unique<TokenDataset>(cfg.data, cfg.model.vocab_size, cfg.model.seq_len);
   });
 }
 
@@ -435,6 +441,15 @@ void resume_from(TrainSession& s, std::unique_ptr<CheckpointReader> resume) {
     std::istringstream state(m.data.value("rng", std::string()));
     state >> s.rng;
     if (state.fail()) throw InputError(mpath, "manifest data.rng: not a generator state");
+    if (s.cfg.data.sampling != DataSampling::kWindows) {  // Note [Example epochs]: mid-epoch
+      const int64_t epoch = m.data.value("epoch", int64_t(-1)), next = m.data.value("example", int64_t(-1));
+      if (epoch < 0 || next < 0 || next > s.data->train_examples()) {
+        throw InputError(mpath, "manifest data.epoch / data.example: not a place among this data's " +
+                                    std::to_string(s.data->train_examples()) + " training examples");
+      }
+      s.examples.epoch = epoch;
+      s.examples.next = next;
+    }
     const auto t0 = std::chrono::steady_clock::now();
     s.trainer->load_checkpoint(*resume);
     log::info("resumed from %s (step %lld, saved by %lld rank(s)) in %.3f s", resume->dir().c_str(),

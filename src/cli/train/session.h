@@ -71,6 +71,7 @@ struct TrainSession {
   nvme::EngineOptions ckpt_engine;  // checkpoint files' I/O
   std::unique_ptr<Trainer> trainer;
   std::mt19937_64 rng;     // the training windows' draws (saved in checkpoints)
+  ExampleCursor examples;  // data.sampling examples / packed: the epoch and place (saved in checkpoints)
   int64_t first_step = 1;  // after a resume, the checkpoint's step + 1
   std::unique_ptr<Monitors> monitors;
   std::unique_ptr<MetricsWriter> metrics;
