@@ -14,13 +14,23 @@ its own process:
 and prints MB of text per second and tokens per second of each, medians of
 the rounds, and the tool's throughput over each loop's (1.0 = no slower).
 
+With --chat, instead: conversations (system, then 1-4 user/assistant
+turns of the corpus's words) as JSON lines {"messages": [...]}, a ChatML
+template in tokenizer_config.json beside the BPE (its <|im_start|> and
+<|im_end|> added as special tokens), and per round
+  tool   tools/tokenize.py on them (renders every conversation and each
+         assistant turn's prefix, encodes, writes tokens, mask and index)
+  loop   the reference: apply_chat_template(messages, tokenize=True) per
+         conversation, one at a time, counting the ids, writing nothing
+and the tool's throughput over the loop's.
+
 With --parquet, instead: the corpus's first quarter, half and whole as one
 Parquet file each (row groups of 2000 documents), tokenized by the tool in
 its own process, and the peak RSS of each against the file's size: reading
 row group by row group keeps it flat.
 
 Usage:
-  .venv/bin/python tools/bench_tokenize.py --dir /tmp/bench-tok [--mb 200] [--rounds 3] [--parquet]
+  .venv/bin/python tools/bench_tokenize.py --dir /tmp/bench-tok [--mb 200] [--rounds 3] [--parquet | --chat N]
 """
 import argparse
 import json
@@ -111,6 +121,74 @@ print(usage.ru_maxrss)
 '''
 
 
+CHAT_LOOP = r'''
+import json, sys, time
+from transformers import AutoTokenizer
+hf = AutoTokenizer.from_pretrained(sys.argv[1])
+t0 = time.monotonic()
+n = 0
+with open(sys.argv[2]) as f:
+    for line in f:
+        r = hf.apply_chat_template(json.loads(line)["messages"], tokenize=True)
+        n += len(r["input_ids"] if hasattr(r, "keys") else r)
+print(f"TOKENS {n} SECONDS {time.monotonic() - t0}")
+'''
+
+CHATML = ("{%- for m in messages %}{{- '<|im_start|>' + m['role'] + '\\n' + m['content'] + '<|im_end|>\\n' }}"
+          "{%- endfor %}{%- if add_generation_prompt %}{{- '<|im_start|>assistant\\n' }}{%- endif %}")
+
+
+def chat_bench(args, py, tool, cdir):
+    from tokenizers import AddedToken, Tokenizer
+    tdir = os.path.join(args.dir, "chat-tokenizer")
+    os.makedirs(tdir, exist_ok=True)
+    tok = Tokenizer.from_file(os.path.join(args.dir, "tokenizer.json"))
+    tok.add_special_tokens([AddedToken("<|im_start|>", special=True), AddedToken("<|im_end|>", special=True)])
+    tok.save(os.path.join(tdir, "tokenizer.json"))
+    with open(os.path.join(tdir, "tokenizer_config.json"), "w") as f:
+        json.dump({"tokenizer_class": "PreTrainedTokenizerFast", "eos_token": "<|im_end|>", "chat_template": CHATML}, f)
+    data = os.path.join(args.dir, "chat.jsonl")
+    rng = random.Random(2)
+    words = []
+    for name in sorted(os.listdir(cdir))[:2]:
+        with open(os.path.join(cdir, name)) as f:
+            for line in f:
+                words.extend(json.loads(line)["text"].split()[:400])
+    with open(data, "w") as f:
+        for _ in range(args.chat):
+            msgs = [{"role": "system", "content": "You are a helpful assistant."}]
+            for _ in range(rng.randint(1, 4)):
+                for role, lo, hi in (("user", 10, 80), ("assistant", 20, 300)):
+                    k = rng.randint(lo, hi)
+                    at = rng.randrange(len(words) - k)
+                    msgs.append({"role": role, "content": " ".join(words[at:at + k])})
+            f.write(json.dumps({"messages": msgs}) + "\n")
+    mb = os.path.getsize(data) / 1e6
+    out = os.path.join(args.dir, "chat.bin")
+    res = {"tool": [], "loop": []}
+    tokens = None
+    for r in range(args.rounds):
+        t0 = time.monotonic()
+        subprocess.run([py, tool, "--tokenizer", tdir, "--out", out, "--no-progress", data], check=True,
+                       stdout=subprocess.DEVNULL)
+        res["tool"].append(time.monotonic() - t0)
+        with open(out + ".json") as f:
+            side = json.load(f)
+        t0 = time.monotonic()
+        p = subprocess.run([py, "-c", CHAT_LOOP, tdir, data], check=True, capture_output=True, text=True)
+        res["loop"].append(time.monotonic() - t0)
+        tokens = int(p.stdout.split()[1])
+        if tokens != side["tokens"]:
+            sys.exit(f"token counts differ: tool {side['tokens']}, loop {tokens}")
+        print(f"round {r + 1}: tool {res['tool'][-1]:.1f} s, loop {res['loop'][-1]:.1f} s", flush=True)
+    print(f"\nchat: {args.chat:,} conversations, {mb:.0f} MB of JSON lines, {tokens:,} tokens "
+          f"({side['counted']:,} counted); {os.cpu_count()} cores; medians of {args.rounds} rounds, each a whole process")
+    for k in res:
+        t = statistics.median(res[k])
+        print(f"{k:6s} {t:7.1f} s  {args.chat / t:9.0f} conversations/s  {tokens / t / 1e6:6.3f} M tokens/s")
+    print(f"tool / loop throughput: {statistics.median(res['loop']) / statistics.median(res['tool']):.2f}")
+
+
 def parquet_memory(args, py, tool, cdir):
     import pyarrow as pa
     import pyarrow.parquet as pq
@@ -147,6 +225,7 @@ def main():
     ap.add_argument("--mb", type=int, default=200, help="corpus size in MB of JSON lines")
     ap.add_argument("--rounds", type=int, default=3)
     ap.add_argument("--parquet", action="store_true", help="peak memory of Parquet input by file size instead")
+    ap.add_argument("--chat", type=int, default=0, help="N conversations through the chat template instead")
     args = ap.parse_args()
     py = sys.executable
     tool = os.path.join(os.path.dirname(os.path.abspath(__file__)), "tokenize.py")
@@ -160,6 +239,9 @@ def main():
         subprocess.run([py, "-c", TRAIN, args.dir, os.path.join(args.dir, "sample.txt")], check=True)
     if args.parquet:
         parquet_memory(args, py, tool, cdir)
+        return
+    if args.chat > 0:
+        chat_bench(args, py, tool, cdir)
         return
     mb = sum(os.path.getsize(os.path.join(cdir, f)) for f in os.listdir(cdir)) / 1e6
     out = os.path.join(args.dir, "tokens.bin")

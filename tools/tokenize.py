@@ -366,7 +366,7 @@ class ExampleRenderer:
         text, starts, prompt = rendered
         ids = list(enc.ids)
         if self.kind == "prompt_completion":
-            n = len(prompt_enc.ids)
+            n = min(len(prompt_enc.ids), len(ids))  # (a merge across the boundary cannot make it longer)
             if not ids or ids[-1] != self.eos:
                 ids.append(self.eos)
             return ids, [0] * n + [1] * (len(ids) - n)
@@ -374,7 +374,10 @@ class ExampleRenderer:
         offsets = enc.offsets
         j = 0
         for start in starts:
-            while j < len(ids) and offsets[j][0] < start:
+            # The turn's first counted token: the first that reaches past the
+            # generation prompt (one the encoder merged across the boundary
+            # holds the reply's first characters: it counts).
+            while j < len(ids) and offsets[j][1] <= start:
                 j += 1
             k = j
             while k < len(ids) and ids[k] != self.eos:
@@ -439,7 +442,12 @@ def tokenize_examples(args, kind, files, tokenizer_file, tok, vocab, dtype, eos_
         with open(tmps[3], "w") as f:
             json.dump(side, f, indent=2)
             f.write("\n")
-        for t, n in zip(tmps, names):  # the sidecar last: it names the others
+        # An old sidecar goes first, the new one last (it names the others):
+        # an interrupt between the renames leaves no sidecar that describes
+        # other files than those beside it.
+        if os.path.exists(names[3]):
+            os.unlink(names[3])
+        for t, n in zip(tmps, names):
             os.replace(t, n)
     except BaseException:
         for t in tmps:

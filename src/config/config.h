@@ -124,8 +124,9 @@ struct DataConfig {
   // Per file, from its sidecar (tools/tokenize.py's version 2): its loss mask
   // and its example index, "" where it has none.
   std::vector<std::string> mask_paths, index_paths;
-  // Whether any file has a loss mask: then the loss is over counted tokens
-  // (Note [Counted tokens] in engine/trainer.h).
+  // Whether targets may be uncounted (a file's loss mask, or examples'
+  // padding): then the loss is over counted tokens (Note [Counted tokens] in
+  // util/counted_tokens.h).
   bool masked() const {
     for (const std::string& m : mask_paths) {
       if (!m.empty()) return true;

@@ -1,7 +1,10 @@
 // Token sources: byte-level text (vocab 256) and flat little-endian uint16 /
 // uint32 token files (nanoGPT-style .bin). A dataset is the concatenation of
 // its files split into a training part and a held-out tail (a range, not a
-// copy); batches are random windows drawn deterministically from a seed. The
+// copy); batches are random windows drawn deterministically from a seed, or
+// (data.sampling examples / packed) examples from the files' indexes in
+// seeded epochs (Note [Example epochs]), with loss masks flagging the
+// targets that do not count (Note [Counted tokens]). The
 // files are mapped read-only and read in their own width (Note [Mapped
 // tokens]). No LibTorch here.
 #pragma once

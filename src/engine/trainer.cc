@@ -214,9 +214,9 @@ double Trainer::run_schedule(const int64_t* tokens, double loss_scale) {
   try {
     for (const StepOp& op : blocks_->train_ops()) run_op(op, batch.narrow(0, op.micro * micro, micro), loss_scale);
     // Read once the backward is queued: on a GPU, .item() waits for it.
-    const double share = counted_ >= 0 ? 1.0 : 1.0 / double(accum * ctx_.comm->world_size());
     for (at::Tensor& l : micro_loss_) {
-      sum += l.item<double>() * share;
+      // (Counted targets: each loss is already over the global count.)
+      sum += counted_ >= 0 ? l.item<double>() : l.item<double>() / double(accum * ctx_.comm->world_size());
       l = at::Tensor();
     }
   } catch (const c10::OutOfMemoryError& e) {
@@ -229,7 +229,6 @@ double Trainer::run_schedule(const int64_t* tokens, double loss_scale) {
 // flow_[m] carries the micro-batch between ops: the input of its next
 // forward, then the gradient of the output of its next backward.
 void Trainer::run_op(const StepOp& op, const at::Tensor& tokens, double loss_scale) {
-  const int64_t T = cfg_.model.seq_len;
   const size_t b = size_t(op.block[0]);
   at::Tensor& flow = flow_[size_t(op.micro)];
   switch (op.pass) {

@@ -27,7 +27,7 @@ int64_t ParamSpec::numel() const {
 StateLayout::StateLayout(
     const std::vector<std::pair<std::string, std::vector<ParamSpec>>>& blocks, int64_t world_size,
     int64_t frozen_world_size)
-    : world_size_(world_size), frozen_world_size_(frozen_world_size < 0 ? world_size : frozen_world_size) {
+    : world_size_(world_size), frozen_world_size_(frozen_world_size) {
   STRATA_CHECK(world_size >= 1 && frozen_world_size_ >= 1, "world_size must be positive");
   auto pad_to = [](int64_t n, int64_t shards) {
     const int64_t quantum = shards * kShardAlignElems;

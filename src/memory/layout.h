@@ -90,9 +90,10 @@ class StateLayout {
  public:
   // REQUIRES: world_size >= 1; every spec has a positive numel; in each
   // block the frozen specs come before the trained ones. The frozen space
-  // splits into `frozen_world_size` shards (-1: world_size).
+  // splits into `frozen_world_size` shards (frozen_shard_count(): the world
+  // size at ZeRO stage 3 only).
   StateLayout(const std::vector<std::pair<std::string, std::vector<ParamSpec>>>& blocks,
-              int64_t world_size, int64_t frozen_world_size = -1);
+              int64_t world_size, int64_t frozen_world_size = 1);
 
   const std::vector<BlockLayout>& blocks() const { return blocks_; }
   const BlockLayout& block(size_t i) const { return blocks_.at(i); }

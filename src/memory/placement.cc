@@ -78,7 +78,17 @@ std::unique_ptr<ParamWindow> make_frozen_window(const PlacementPlan& plan) {
   if (units.empty()) return nullptr;
   std::vector<char> fetched(units.size());
   for (size_t b = 0; b < units.size(); ++b) fetched[b] = units[b].tier != Tier::kDevice && units[b].numel > 0;
-  return std::make_unique<ParamWindow>(plan.frozen_block_numel, fetched, plan.window_knobs, plan.window_cap_bytes,
+  // One share of the device for both windows: the frozen one gets what the
+  // trained one leaves of plan.window_cap_bytes (the current block always
+  // gets a slot).
+  int64_t cap = plan.window_cap_bytes;
+  if (cap >= 0) {
+    const std::vector<StepOp> train = plan_train_schedule(plan);
+    const std::vector<StepOp> eval = eval_schedule(int(plan.block_numel.size()), plan.tied);
+    const WindowShape trained = make_param_window(plan)->plan({&train, &eval});
+    cap = std::max<int64_t>(0, cap - trained.bytes(plan.state.elem_bytes[size_t(Category::kParam16)]));
+  }
+  return std::make_unique<ParamWindow>(plan.frozen_block_numel, fetched, plan.window_knobs, cap,
                                        plan.state.elem_bytes[size_t(Category::kFrozen)]);
 }
 

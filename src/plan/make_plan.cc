@@ -305,7 +305,7 @@ void cap_window(const Config& cfg, const MachineCapacity& capacity, PlacementPla
       if (shared) left -= plan.state.bytes[size_t(c)][size_t(Tier::kHost)];
     }
     left -= plan.activations.bytes + other.grad_stage + other.grad_norms + other.ckpt_device + other.grad_accum +
-            other.tokens;
+            other.tokens + other.gather + other.frozen_gather + other.grad_sync + other.secondary;
     if (shared) left -= other.host_bytes();
     return std::max<int64_t>(0, left);
   };
@@ -375,7 +375,7 @@ int64_t device_packs_that_fit(const Config& cfg, const MachineCapacity& capacity
   plan.staging = staging_needs(plan);  // what the plan holds besides (made again once chosen)
   int64_t room = 0;
   if (plan.window_cap_bytes >= 0) {
-    room = plan.window_cap_bytes - plan.staging.gathered;  // the window's share stays
+    room = plan.window_cap_bytes - plan.staging.gathered - plan.staging.frozen_gathered;  // the windows' share stays
     if (cfg.run.auto_host_packs > 0 && !capacity.device_is_host) room -= 2 * a.entries_bytes;
   } else if (capacity.device_is_host && capacity.host_bytes >= 0) {
     const auto t = plan.total();

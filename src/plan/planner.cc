@@ -62,9 +62,10 @@ PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int6
   PlacementPlan greedy = best_activations(cfg, layout, rank, capacity, rates);
   // A frozen base (Note [State kinds] in memory/layout.h) in host RAM takes
   // the room host-kept activations would have: part of it on NVMe (read at
-  // each use, never written) may buy more of the step than it costs.
+  // each use, never written) may buy more of the step than it costs. (Only
+  // where the config names swap directories.)
   const int64_t frozen_host = greedy.state.bytes[size_t(Category::kFrozen)][size_t(Tier::kHost)];
-  if (!capacity.device_is_host && frozen_host > 0) {
+  if (!capacity.device_is_host && frozen_host > 0 && !greedy.state.nvme_paths.empty()) {
     for (int quarters : {3, 2, 1, 0}) {
       const int64_t cap = frozen_host / 4 * quarters;
       candidates.push_back({strprintf("frozen base: at most %s in host RAM, the rest on NVMe",
