@@ -260,6 +260,31 @@ TEST_F(LoraTrainTest, Bf16BaseTrainsBitForBitInEveryPlacement) {
   }
 }
 
+// Writes Strata's initial adapters for `cfg` (by name and layer) and `spec`
+// into `dir`, runs tests/peft_train.py there and returns its per-step
+// reference (null, with a test failure, when it fails).
+nlohmann::json peft_reference(const Config& cfg, nlohmann::json spec, const TempDir& dir) {
+  {
+    Model model(cfg.model);
+    Trainer trainer(cfg, model);
+    for (int64_t l = 0; l < cfg.model.n_layers; ++l) {
+      const BlockLayout& bl = trainer.layout().block(size_t(l) + 1);
+      const at::Tensor flat = trainer.master_block(size_t(l) + 1);
+      for (const ParamLayout& p : bl.params) {
+        spec["adapters"][p.spec.name] = p.spec.shape;
+        const at::Tensor v = flat.narrow(0, p.offset, p.spec.numel()).contiguous();
+        std::ofstream(dir.file(p.spec.name + "." + std::to_string(l) + ".bin"), std::ios::binary)
+            .write(reinterpret_cast<const char*>(v.data_ptr<float>()), std::streamsize(v.numel() * 4));
+      }
+    }
+  }
+  std::ofstream(dir.file("spec.json")) << spec.dump();
+  Result ref = sh(kPython + " " + std::string(STRATA_SOURCE_DIR) + "/tests/peft_train.py " + dir.path());
+  EXPECT_EQ(ref.code, 0) << ref.output;
+  if (ref.code != 0) return nullptr;
+  return nlohmann::json::parse(file_contents(dir.file("reference.json")));
+}
+
 // 10 clipped fp32 steps against transformers + PEFT + torch AdamW on the same
 // base (written by transformers, read through model.init_from), adapters
 // (Strata's initial ones) and batches.
@@ -299,24 +324,8 @@ TEST(LoraPeftTrainTest, TenClippedStepsMatchPeftAndTorchAdamW) {
                          {"beta2", 0.999}, {"eps", 1e-8}, {"weight_decay", 0.1}, {"clip", 0.05},
                          {"steps", steps}, {"sequences", seqs}, {"seq_len", cfg.model.seq_len},
                          {"micro_batch", cfg.train_micro_batch_size_per_gpu}, {"n_layers", cfg.model.n_layers}};
-  {
-    Model model(cfg.model);
-    Trainer trainer(cfg, model);
-    for (int64_t l = 0; l < cfg.model.n_layers; ++l) {
-      const BlockLayout& bl = trainer.layout().block(size_t(l) + 1);
-      const at::Tensor flat = trainer.master_block(size_t(l) + 1);
-      for (const ParamLayout& p : bl.params) {
-        spec["adapters"][p.spec.name] = p.spec.shape;
-        const at::Tensor v = flat.narrow(0, p.offset, p.spec.numel()).contiguous();
-        std::ofstream(dir.file(p.spec.name + "." + std::to_string(l) + ".bin"), std::ios::binary)
-            .write(reinterpret_cast<const char*>(v.data_ptr<float>()), std::streamsize(v.numel() * 4));
-      }
-    }
-  }
-  std::ofstream(dir.file("spec.json")) << spec.dump();
-  Result ref = sh(kPython + " " + std::string(STRATA_SOURCE_DIR) + "/tests/peft_train.py " + dir.path());
-  ASSERT_EQ(ref.code, 0) << ref.output;
-  const nlohmann::json expect = nlohmann::json::parse(file_contents(dir.file("reference.json")));
+  const nlohmann::json expect = peft_reference(cfg, spec, dir);
+  ASSERT_FALSE(expect.is_null());
   const LoraRun mine = train(j, {}, steps, &tokens);
   ASSERT_EQ(expect.size(), size_t(steps));
   int clipped = 0;
@@ -394,24 +403,8 @@ TEST(LoraPeftTrainTest, MaskedExamplesMatchTransformersWithNumItemsInBatch) {
                          {"steps", steps}, {"sequences", seqs}, {"seq_len", cfg.model.seq_len},
                          {"micro_batch", cfg.train_micro_batch_size_per_gpu}, {"n_layers", cfg.model.n_layers},
                          {"masked", true}};
-  {
-    Model model(cfg.model);
-    Trainer trainer(cfg, model);
-    for (int64_t l = 0; l < cfg.model.n_layers; ++l) {
-      const BlockLayout& bl = trainer.layout().block(size_t(l) + 1);
-      const at::Tensor flat = trainer.master_block(size_t(l) + 1);
-      for (const ParamLayout& p : bl.params) {
-        spec["adapters"][p.spec.name] = p.spec.shape;
-        const at::Tensor v = flat.narrow(0, p.offset, p.spec.numel()).contiguous();
-        std::ofstream(dir.file(p.spec.name + "." + std::to_string(l) + ".bin"), std::ios::binary)
-            .write(reinterpret_cast<const char*>(v.data_ptr<float>()), std::streamsize(v.numel() * 4));
-      }
-    }
-  }
-  std::ofstream(dir.file("spec.json")) << spec.dump();
-  Result ref = sh(kPython + " " + std::string(STRATA_SOURCE_DIR) + "/tests/peft_train.py " + dir.path());
-  ASSERT_EQ(ref.code, 0) << ref.output;
-  const nlohmann::json expect = nlohmann::json::parse(file_contents(dir.file("reference.json")));
+  const nlohmann::json expect = peft_reference(cfg, spec, dir);
+  ASSERT_FALSE(expect.is_null());
   const LoraRun mine = train(j, {}, steps, &tokens, /*masked=*/true);
   ASSERT_EQ(expect.size(), size_t(steps));
   int clipped = 0;

@@ -163,24 +163,30 @@ def parquet_documents(path, field):
             yield text, True, len(text.encode("utf-8"))
 
 
+def json_lines(path):
+    """(line number, bytes, parsed value) per non-blank line of a JSON lines file."""
+    with open(path, "rb") as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                obj = json.loads(line)
+            except ValueError as e:
+                raise InputProblem(f"{path}:{n}: not a JSON object ({e})")
+            yield n, len(line), obj
+
+
 def documents(files, field, piece_bytes):
     """(text, ends_document, bytes read) pieces, in order, from every file."""
     for path in files:
         if path.endswith(".parquet"):
             yield from parquet_documents(path, field)
         elif path.endswith(".jsonl") or path.endswith(".json"):
-            with open(path, "rb") as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        obj = json.loads(line)
-                    except ValueError as e:
-                        raise InputProblem(f"{path}:{n}: not a JSON object ({e})")
-                    text = obj.get(field) if isinstance(obj, dict) else None
-                    if not isinstance(text, str):
-                        raise InputProblem(f"{path}:{n}: no string field {field!r} (--field)")
-                    yield text, True, len(line)
+            for n, size, obj in json_lines(path):
+                text = obj.get(field) if isinstance(obj, dict) else None
+                if not isinstance(text, str):
+                    raise InputProblem(f"{path}:{n}: no string field {field!r} (--field)")
+                yield text, True, size
         else:
             with open(path, "rb") as f:
                 pending = b""
@@ -280,17 +286,10 @@ def example_rows(files, kind):
                     row += 1
                     yield f"{path}: row {row}", obj
         elif path.endswith(".jsonl") or path.endswith(".json"):
-            with open(path, "rb") as f:
-                for n, line in enumerate(f, 1):
-                    if not line.strip():
-                        continue
-                    try:
-                        obj = json.loads(line)
-                    except ValueError as e:
-                        raise InputProblem(f"{path}:{n}: not a JSON object ({e})")
-                    if not isinstance(obj, dict):
-                        raise InputProblem(f"{path}:{n}: not a JSON object")
-                    yield f"{path}:{n}", obj
+            for n, _, obj in json_lines(path):
+                if not isinstance(obj, dict):
+                    raise InputProblem(f"{path}:{n}: not a JSON object")
+                yield f"{path}:{n}", obj
         else:
             raise InputProblem(f"{path}: a text file among examples ({kind}: JSON lines or Parquet only)")
 

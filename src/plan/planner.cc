@@ -50,16 +50,21 @@ PlacementPlan plan_for_machine(const Config& cfg, const StateLayout& layout, Mac
   return judged(make_plan(cfg, layout, rank, cap));
 }
 
-PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int64_t rank,
-                              const MachineCapacity& capacity, const Rates& rates) {
-  struct Candidate {
-    std::string name;
-    std::vector<int> order;
-    int64_t device_groups;
-    int64_t frozen_host_bytes = -1;
-  };
+namespace {
+
+// One of auto's fills (plan/planner.h, choose_by_bound): its name, the
+// order categories fill in, the optimizer sub-groups it leaves in HBM and
+// the frozen base's host bytes (-1: as many as fit).
+struct Candidate {
+  std::string name;
+  std::vector<int> order;
+  int64_t device_groups;
+  int64_t frozen_host_bytes = -1;
+};
+
+// The greedy fill first, then the others worth trying beside `greedy`.
+std::vector<Candidate> auto_candidates(const PlacementPlan& greedy, const MachineCapacity& capacity) {
   std::vector<Candidate> candidates = {{"greedy (param16, grad, optimizer state)", {}, -1}};
-  PlacementPlan greedy = best_activations(cfg, layout, rank, capacity, rates);
   // A frozen base (Note [State kinds] in memory/layout.h) in host RAM takes
   // the room host-kept activations would have: part of it on NVMe (read at
   // each use, never written) may buy more of the step than it costs. (Only
@@ -86,6 +91,15 @@ PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int6
     }
     candidates.push_back({"gradients before parameters", {1, 0, 2, 3, 4}, -1});
   }
+  return candidates;
+}
+
+}  // namespace
+
+PlacementPlan choose_by_bound(const Config& cfg, const StateLayout& layout, int64_t rank,
+                              const MachineCapacity& capacity, const Rates& rates) {
+  PlacementPlan greedy = best_activations(cfg, layout, rank, capacity, rates);
+  const std::vector<Candidate> candidates = auto_candidates(greedy, capacity);
   const bool cpu_compute = capacity.device_is_host;
   PlacementPlan best;
   double best_s = -1, runner_s = -1, greedy_s = -1;
