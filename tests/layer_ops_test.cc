@@ -31,13 +31,24 @@ ModelConfig family_model(ModelFamily family) {
   c.n_kv_heads = 2;  // grouped k/v heads: the explicit path repeats and sums them
   c.ffn_hidden = 96;
   c.seq_len = 32;
-  if (family == ModelFamily::kQwen3) c.explicit_head_dim = 32;  // q width 128 != dim
+  if (family == ModelFamily::kQwen3 || family == ModelFamily::kQwen3Moe) c.explicit_head_dim = 32;  // q width 128 != dim
+  if (c.is_moe()) {
+    // 4 experts of 48, top 2 (64 tokens: every expert gets some); qwen2_moe
+    // renormalises (qwen3_moe does not) and has a shared expert of 80.
+    c.moe.num_experts = 4;
+    c.moe.num_experts_per_tok = 2;
+    c.moe.moe_intermediate_size = 48;
+    c.moe.norm_topk_prob = family != ModelFamily::kQwen3Moe;
+    if (family == ModelFamily::kQwen2Moe) c.moe.shared_expert_intermediate_size = 80;
+  }
   return c;
 }
 
-const char* family_label(ModelFamily f) {
-  return f == ModelFamily::kLlama ? "llama" : f == ModelFamily::kQwen2 ? "qwen2" : "qwen3";
-}
+const char* family_label(ModelFamily f) { return model_family_name(f); }
+
+// Every family: the dense ones and the mixtures of experts.
+const ModelFamily kFamilies[] = {ModelFamily::kLlama,   ModelFamily::kQwen2,    ModelFamily::kQwen3,
+                                 ModelFamily::kMixtral, ModelFamily::kQwen2Moe, ModelFamily::kQwen3Moe};
 
 // Layer 0's weights in `dtype`, from init_block with every weight perturbed
 // (norm weights start at ones, biases at zeros: their gradients' paths would
@@ -113,14 +124,14 @@ void expect_agrees_with_autograd(ModelFamily family, at::ScalarType dtype, doubl
 // about one of its ulps (2^-8) through a layer's chain of roundings (measured
 // at most 6.1e-3; bound 1.5e-2). A wrong sign in rope's backward gives 0.8-1.6.
 TEST(LayerOpsTest, ExplicitBackwardAgreesWithAutogradFp32) {
-  for (ModelFamily f : {ModelFamily::kLlama, ModelFamily::kQwen2, ModelFamily::kQwen3}) {
+  for (ModelFamily f : kFamilies) {
     expect_agrees_with_autograd(f, at::kFloat, 1e-5);
   }
   expect_agrees_with_autograd(ModelFamily::kLlama, at::kFloat, 1e-5, at::kCPU, /*seq_len=*/24);
 }
 
 TEST(LayerOpsTest, ExplicitBackwardAgreesWithAutogradBf16) {
-  for (ModelFamily f : {ModelFamily::kLlama, ModelFamily::kQwen2, ModelFamily::kQwen3}) {
+  for (ModelFamily f : kFamilies) {
     expect_agrees_with_autograd(f, at::kBFloat16, 1.5e-2);
   }
 }
@@ -162,7 +173,7 @@ TEST(LayerOpsTest, OnAGpuTheKernelsAgreeWithAutograd) {
 // recomputed, and whether every entry came from a second forward (today's
 // `always`): bit for bit, bf16, every family.
 TEST(LayerOpsTest, RecomputedEntriesGiveTheSameBits) {
-  for (ModelFamily f : {ModelFamily::kLlama, ModelFamily::kQwen2, ModelFamily::kQwen3}) {
+  for (ModelFamily f : kFamilies) {
     SCOPED_TRACE(family_label(f));
     at::manual_seed(4);
     const ModelConfig c = family_model(f);
@@ -184,7 +195,10 @@ TEST(LayerOpsTest, RecomputedEntriesGiveTheSameBits) {
         ++dropped;
       }
     }
-    EXPECT_EQ(dropped, c.qk_norm() ? 5 : 3);  // a, m, p (+ q and k from their projections)
+    // a, m (+ q and k from their projections) (+ p, the dense or shared
+    // expert's SwiGLU) (+ the experts' SwiGLU)
+    const bool swiglu = !c.is_moe() || c.shared_expert();
+    EXPECT_EQ(dropped, 2 + (c.qk_norm() ? 2 : 0) + (swiglu ? 1 : 0) + (c.is_moe() ? 1 : 0));
     std::vector<at::Tensor> dw;
     const at::Tensor dx = model.layer_backward(w, &cheap_dropped, dy, &dw);
     EXPECT_TRUE(at::equal(dx, all.dx));
@@ -227,7 +241,7 @@ TEST(LayerOpsTest, MissingEntryIsNamed) {
 
 // Every entry's shape as the forward makes it, per token, against specs.
 TEST(LayerOpsTest, SpecsGiveTheSizeOfWhatTheForwardSaves) {
-  for (ModelFamily f : {ModelFamily::kLlama, ModelFamily::kQwen2, ModelFamily::kQwen3}) {
+  for (ModelFamily f : kFamilies) {
     SCOPED_TRACE(family_label(f));
     const ModelConfig c = family_model(f);
     Model model(c);
@@ -244,7 +258,10 @@ TEST(LayerOpsTest, SpecsGiveTheSizeOfWhatTheForwardSaves) {
       EXPECT_EQ(int64_t(t.numel() * t.element_size()), saved_bytes(spec, tokens, 2)) << saved_name(spec.id);
       EXPECT_EQ(t.scalar_type(), spec.fp32 ? at::kFloat : at::kBFloat16) << saved_name(spec.id);
     }
-    EXPECT_EQ(n, (c.qk_norm() ? kSavedCount : kSavedCount - 4) - kLoraModuleCount);  // no LoRA middles in a dense layer
+    // x, r1, a (+ qp, kp, r_q, r_k), q, k, v, o, lse, h, r2, m (+ gate, up, p)
+    // (+ router logits, experts' gate_up and SwiGLU) (+ shared gate); no LoRA middles.
+    const bool swiglu = !c.is_moe() || c.shared_expert();
+    EXPECT_EQ(n, size_t(11 + (c.qk_norm() ? 4 : 0) + (swiglu ? 3 : 0) + (c.is_moe() ? 3 : 0) + (c.shared_expert() ? 1 : 0)));
   }
 }
 

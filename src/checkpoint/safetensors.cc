@@ -58,6 +58,43 @@ std::string hf_tensor_name(const std::string& name) {
   throw Error("no Hugging Face name for parameter '" + name + "'");
 }
 
+const char* expert_layout_name(ExpertLayout l) { return l == ExpertLayout::kFused ? "fused" : "per_expert"; }
+
+std::vector<HfPiece> hf_pieces(const std::string& name, const std::vector<int64_t>& shape, const std::string& family,
+                               ExpertLayout layout) {
+  int64_t numel = 1;
+  for (int64_t d : shape) numel *= d;
+  const size_t dot = name.find('.', 6);
+  const std::string param = name.rfind("layer.", 0) == 0 && dot != std::string::npos ? name.substr(dot + 1) : "";
+  const std::string layer = param.empty() ? "" : "model.layers." + name.substr(6, dot - 6) + ".";
+  static const std::map<std::string, std::string> shared = {{"shared.w1", "mlp.shared_expert.gate_proj.weight"},
+                                                            {"shared.w3", "mlp.shared_expert.up_proj.weight"},
+                                                            {"shared.w2", "mlp.shared_expert.down_proj.weight"},
+                                                            {"shared.gate", "mlp.shared_expert_gate.weight"}};
+  if (shared.count(param)) return {{layer + shared.at(param), shape, 0, numel}};
+  const bool mixtral = family == "mixtral", fused = layout == ExpertLayout::kFused;
+  if (param == "router") return {{layer + (mixtral && !fused ? "block_sparse_moe.gate.weight" : "mlp.gate.weight"), shape, 0, numel}};
+  if (param != "experts.gate_up" && param != "experts.down") return {{hf_tensor_name(name), shape, 0, numel}};
+  STRATA_CHECK(shape.size() == 3, "an experts parameter is [E, rows, cols]");
+  const bool gate_up = param == "experts.gate_up";
+  if (fused) return {{layer + (gate_up ? "mlp.experts.gate_up_proj" : "mlp.experts.down_proj"), shape, 0, numel}};
+  // Per expert: gate_up's expert e is its gate [I, D] then its up [I, D].
+  const int64_t experts = shape[0], per = numel / experts;
+  const std::string prefix = layer + (mixtral ? "block_sparse_moe.experts." : "mlp.experts.");
+  std::vector<HfPiece> out;
+  for (int64_t e = 0; e < experts; ++e) {
+    const std::string ex = prefix + std::to_string(e) + ".";
+    if (gate_up) {
+      const std::vector<int64_t> half = {shape[1] / 2, shape[2]};
+      out.push_back({ex + (mixtral ? "w1.weight" : "gate_proj.weight"), half, e * per, per / 2});
+      out.push_back({ex + (mixtral ? "w3.weight" : "up_proj.weight"), half, e * per + per / 2, per / 2});
+    } else {
+      out.push_back({ex + (mixtral ? "w2.weight" : "down_proj.weight"), {shape[1], shape[2]}, e * per, per});
+    }
+  }
+  return out;
+}
+
 std::string peft_tensor_name(const std::string& name) {
   const size_t dot = name.find('.', 6);
   const size_t kind = name.find("lora_");

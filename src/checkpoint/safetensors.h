@@ -15,6 +15,30 @@ namespace strata {
 // reads (Llama, Mistral, Qwen2, Qwen3). Throws Error for a name without one.
 std::string hf_tensor_name(const std::string& strata_name);
 
+// Note [Expert tensors]
+// An MoE layer's router and experts have two Hugging Face layouts:
+// per_expert, one tensor per expert and projection, as transformers 5.23's
+// save_pretrained writes by default (Mixtral: block_sparse_moe.gate and
+// block_sparse_moe.experts.E.w1/w3/w2; the Qwen families: mlp.gate and
+// mlp.experts.E.gate_proj/up_proj/down_proj), and fused, as its
+// save_original_format=False and newer Hub checkpoints write (every family:
+// mlp.gate, mlp.experts.gate_up_proj [E, 2I, D] with the gate rows first and
+// mlp.experts.down_proj [E, D, I]), which is Strata's own (model/experts.cc).
+enum class ExpertLayout { kPerExpert, kFused };
+const char* expert_layout_name(ExpertLayout l);  // "per_expert", "fused"
+// One Hugging Face tensor of a Strata parameter: its name and shape, and the
+// parameter's elements [offset, offset + numel) it holds (row-major).
+struct HfPiece {
+  std::string name;
+  std::vector<int64_t> shape;
+  int64_t offset = 0, numel = 0;
+};
+// The Hugging Face tensors of Strata parameter `strata_name` of `shape` in
+// model family `family` ("mixtral", ...): the one hf_tensor_name gives, or an
+// MoE parameter's in `layout`. Throws Error for a name without one.
+std::vector<HfPiece> hf_pieces(const std::string& strata_name, const std::vector<int64_t>& shape,
+                               const std::string& family, ExpertLayout layout);
+
 // PEFT's key of a LoRA adapter ("layer.3.lora_A.q_proj" ->
 // "base_model.model.model.layers.3.self_attn.q_proj.lora_A.weight"; the
 // adapter's name left out, as PEFT saves it). Throws Error for a name

@@ -41,6 +41,7 @@ struct ExportOptions {
   bool merged = false;  // a LoRA checkpoint: the base with its adapters merged in (Note [Merged export])
   std::string max_shard_size = "5GB";
   std::string buffer_size = "64MiB";  // fp32 bytes read per chunk
+  std::string expert_layout = "per_expert";  // Note [Expert tensors] in checkpoint/safetensors.h
 };
 
 // "5GB", "500MB", "2GiB", "1000000" -> bytes. Throws ConfigError naming the flag.
@@ -84,7 +85,10 @@ json hf_config(const json& model, const std::string& dtype) {
   static const std::map<std::string, std::string> arch = {{"llama", "LlamaForCausalLM"},
                                                           {"mistral", "MistralForCausalLM"},
                                                           {"qwen2", "Qwen2ForCausalLM"},
-                                                          {"qwen3", "Qwen3ForCausalLM"}};
+                                                          {"qwen3", "Qwen3ForCausalLM"},
+                                                          {"mixtral", "MixtralForCausalLM"},
+                                                          {"qwen2_moe", "Qwen2MoeForCausalLM"},
+                                                          {"qwen3_moe", "Qwen3MoeForCausalLM"}};
   if (!arch.count(family)) throw InputError("manifest invariants.model.family", "unknown family '" + family + "'");
   json c = {{"architectures", {arch.at(family)}},
             {"model_type", family},
@@ -118,7 +122,32 @@ json hf_config(const json& model, const std::string& dtype) {
     const int64_t w = model.value("sliding_window", int64_t{0});
     c["sliding_window"] = w > 0 ? json(w) : json(nullptr);
   }
-  if (family == "qwen2" || family == "qwen3") {
+  if (model.contains("moe")) {
+    // Hugging Face's names (model_invariants writes them so); config.json's
+    // intermediate_size is Mixtral's expert width, the Qwen families' dense
+    // width (no layer of Strata's MoE models has a dense MLP: every layer
+    // sparse, mlp_only_layers empty).
+    const json& e = model.at("moe");
+    for (const char* k : {"num_experts_per_tok", "router_aux_loss_coef", "output_router_logits"}) c[k] = e.at(k);
+    if (family == "mixtral") {
+      c["num_local_experts"] = e.at("num_experts");
+      c["intermediate_size"] = e.at("moe_intermediate_size");
+      c["router_jitter_noise"] = 0.0;
+      c["sliding_window"] = nullptr;
+    } else {
+      c["num_experts"] = e.at("num_experts");
+      c["moe_intermediate_size"] = e.at("moe_intermediate_size");
+      c["norm_topk_prob"] = e.at("norm_topk_prob");
+      c["decoder_sparse_step"] = 1;
+      c["mlp_only_layers"] = json::array();
+    }
+    if (family == "qwen2_moe") {
+      c["shared_expert_intermediate_size"] = e.at("shared_expert_intermediate_size");
+      c["qkv_bias"] = true;
+    }
+    if (family == "qwen3_moe") c["attention_bias"] = false;
+  }
+  if (family == "qwen2" || family == "qwen3" || family == "qwen2_moe" || family == "qwen3_moe") {
     c["use_sliding_window"] = false;
     c["sliding_window"] = nullptr;
     c["max_window_layers"] = model.at("n_layers");
@@ -184,14 +213,26 @@ void add_item(ExportLayout& l, int eb, int64_t max_shard, std::string name, std:
 
 // The checkpoint's own tensors: a model's in Hugging Face's names, or a LoRA
 // run's adapters in PEFT's (one file, as PEFT reads it).
-ExportLayout plan_export(const Manifest& m, CheckpointReader& reader, int eb, int64_t max_shard, bool lora) {
+// An MoE model's experts in `experts` (Note [Expert tensors] in
+// checkpoint/safetensors.h): per expert, each projection a tensor of its
+// own, read from its range of the fused parameter.
+ExportLayout plan_export(const Manifest& m, CheckpointReader& reader, int eb, int64_t max_shard, bool lora,
+                         ExpertLayout experts) {
   ExportLayout l;
   if (lora) max_shard = INT64_MAX;
+  const std::string family = m.invariants["model"].value("family", std::string("llama"));
   for (const TensorEntry& t : m.tensors) {
-    add_item(l, eb, max_shard, lora ? peft_tensor_name(t.name) : hf_tensor_name(t.name), t.shape,
-             [&reader, start = t.start](int64_t at, int64_t n, float* out) {
-               reader.read(Category::kMaster, start + at, n, reinterpret_cast<std::byte*>(out));
-             });
+    if (lora) {
+      add_item(l, eb, max_shard, peft_tensor_name(t.name), t.shape, [&reader, start = t.start](int64_t at, int64_t n, float* out) {
+        reader.read(Category::kMaster, start + at, n, reinterpret_cast<std::byte*>(out));
+      });
+      continue;
+    }
+    for (const HfPiece& p : hf_pieces(t.name, t.shape, family, experts)) {
+      add_item(l, eb, max_shard, p.name, p.shape, [&reader, start = t.start + p.offset](int64_t at, int64_t n, float* out) {
+        reader.read(Category::kMaster, start + at, n, reinterpret_cast<std::byte*>(out));
+      });
+    }
   }
   return l;
 }
@@ -377,6 +418,10 @@ int run_export(ExportOptions opt) {
   if (opt.dtype != "bf16" && opt.dtype != "fp32") {
     throw ConfigError("--dtype", "expected bf16 or fp32, got '" + opt.dtype + "'");
   }
+  if (opt.expert_layout != "per_expert" && opt.expert_layout != "fused") {
+    throw ConfigError("--expert-layout", "expected per_expert or fused, got '" + opt.expert_layout + "'");
+  }
+  const ExpertLayout experts = opt.expert_layout == "fused" ? ExpertLayout::kFused : ExpertLayout::kPerExpert;
   if (is_directory(opt.out) && !list_dir(opt.out).empty()) {
     throw InputError(opt.out, "exists and is not empty; export writes into a new or empty directory");
   }
@@ -385,7 +430,7 @@ int run_export(ExportOptions opt) {
   const int eb = opt.dtype == "bf16" ? 2 : 4;
   std::vector<std::unique_ptr<MergedAdapter>> adapters;
   ExportLayout l = opt.merged ? plan_merged_export(m, reader, *base, eb, max_shard, adapters)
-                              : plan_export(m, reader, eb, max_shard, lora);
+                              : plan_export(m, reader, eb, max_shard, lora, experts);
   l.lora = lora && !opt.merged;
   const size_t shards = l.shard_bytes.size();
   // Tensors stream through in chunks: host memory is one chunk, whatever the
@@ -416,7 +461,9 @@ int run_export(ExportOptions opt) {
 
 void register_export(CLI::App& app, int& result) {
   auto opt = std::make_shared<ExportOptions>();
-  CLI::App* cmd = app.add_subcommand("export", "Write a checkpoint's weights as Hugging Face safetensors (Llama, Mistral, Qwen2 or Qwen3)");
+  CLI::App* cmd = app.add_subcommand(
+      "export", "Write a checkpoint's weights as Hugging Face safetensors (Llama, Mistral, Qwen2, Qwen3, Mixtral, "
+                "Qwen2-MoE or Qwen3-MoE)");
   cmd->add_option("checkpoint", opt->checkpoint, "Checkpoint directory (or a directory of them with 'latest')")
       ->required();
   cmd->add_option("--out", opt->out, "Output directory (new or empty)")->required();
@@ -426,6 +473,10 @@ void register_export(CLI::App& app, int& result) {
   cmd->add_option("--max-shard-size", opt->max_shard_size, "Largest safetensors file: 5GB, 500MB, ...")
       ->capture_default_str();
   cmd->add_option("--buffer-size", opt->buffer_size, "Host memory tensors stream through (fp32 bytes)")
+      ->capture_default_str();
+  cmd->add_option("--expert-layout", opt->expert_layout,
+                  "An MoE model's experts: per_expert (a tensor per expert and projection, transformers' "
+                  "save_pretrained default) or fused (experts.gate_up_proj and experts.down_proj)")
       ->capture_default_str();
   cmd->callback([opt, &result]() { result = run_export(*opt); });
 }

@@ -49,6 +49,19 @@ int64_t ModelConfig::ffn_dim() const {
   return (hidden + m - 1) / m * m;
 }
 
+double ModelConfig::mlp_active_params() const {
+  const double d = double(dim);
+  if (!is_moe()) return 3.0 * d * double(ffn_dim());
+  const double shared = 3.0 * d * double(moe.shared_expert_intermediate_size) + (shared_expert() ? d : 0.0);
+  return double(moe.num_experts_per_tok) * 3.0 * d * double(expert_dim()) + d * double(moe.num_experts) + shared;
+}
+
+double ModelConfig::mlp_down_active_params() const {
+  const double d = double(dim);
+  if (!is_moe()) return d * double(ffn_dim());
+  return d * (double(moe.num_experts_per_tok) * double(expert_dim()) + double(moe.shared_expert_intermediate_size));
+}
+
 std::vector<ConfigKey> config_key_table() {
   using config::SectionKeys;
   std::vector<std::pair<std::string, const SectionKeys*>> tables = {
@@ -250,6 +263,16 @@ json model_invariants(const ModelConfig& m) {
     }
   }
   if (m.sliding_window > 0) j["sliding_window"] = m.sliding_window;
+  if (m.is_moe()) {  // Hugging Face's names (config.json's, as export writes them)
+    const MoeConfig& e = m.moe;
+    j["moe"] = {{"num_experts", e.num_experts},
+                {"num_experts_per_tok", e.num_experts_per_tok},
+                {"moe_intermediate_size", m.expert_dim()},
+                {"norm_topk_prob", e.norm_topk_prob},
+                {"shared_expert_intermediate_size", e.shared_expert_intermediate_size},
+                {"router_aux_loss_coef", e.router_aux_loss_coef},
+                {"output_router_logits", e.output_router_logits}};
+  }
   if (m.lora.enabled) {
     // The adapters' shapes and arithmetic (their dropout may change on resume).
     json targets = json::array();

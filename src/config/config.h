@@ -21,8 +21,13 @@ enum class ModelFamily {
   kMistral,  // MistralForCausalLM: Llama's layers (plus a sliding window >= seq_len)
   kQwen2,    // Qwen2ForCausalLM: biases on the q, k and v projections
   kQwen3,    // Qwen3ForCausalLM: RMSNorm over each head of q and k, before rotary
+  // Mixtures of experts (ModelConfig::moe; Note [Experts] in model/layer_ops.cc):
+  kMixtral,   // MixtralForCausalLM: Llama's attention, experts renormalised over the top k
+  kQwen2Moe,  // Qwen2MoeForCausalLM: Qwen2's attention, experts plus a sigmoid-gated shared expert
+  kQwen3Moe,  // Qwen3MoeForCausalLM: Qwen3's attention, experts
 };
-const char* model_family_name(ModelFamily f);  // "llama", "mistral", "qwen2", "qwen3"
+// "llama", "mistral", "qwen2", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe"
+const char* model_family_name(ModelFamily f);
 
 // model.rope_scaling: how rotary frequencies are rescaled for long contexts
 // (Hugging Face's rope_parameters). kNone is plain RoPE.
@@ -64,6 +69,20 @@ struct LoraConfig {
   double scaling() const;  // PEFT's: alpha / r, or alpha / sqrt(r) with use_rslora
 };
 
+// The mixture-of-experts keys of the model section, by Hugging Face's names
+// (docs/config.md, "Mixture of experts"): every layer's MLP is num_experts
+// SwiGLU experts of moe_intermediate_size, each token routed to
+// num_experts_per_tok of them.
+struct MoeConfig {
+  int64_t num_experts = 0;                      // Mixtral's num_local_experts
+  int64_t num_experts_per_tok = 2;              // top k
+  int64_t moe_intermediate_size = 0;            // an expert's width; 0 = ModelConfig::ffn_dim()
+  bool norm_topk_prob = false;                  // top-k weights renormalised (Mixtral: always)
+  int64_t shared_expert_intermediate_size = 0;  // qwen2_moe's shared expert (required there)
+  double router_aux_loss_coef = 0.001;          // the load-balancing loss's weight
+  bool output_router_logits = false;            // add it to the loss (transformers' switch)
+};
+
 struct ModelConfig {
   int64_t vocab_size = 256;       // tokens; 256 for byte-level text
   int64_t dim = 128;              // model width
@@ -88,11 +107,26 @@ struct ModelConfig {
   // every layer's base weights are frozen and the targeted linears gain
   // adapters (model/model.h, model_blocks).
   LoraConfig lora;
+  MoeConfig moe;  // the MoE families only
 
   int64_t head_dim() const { return explicit_head_dim > 0 ? explicit_head_dim : dim / n_heads; }
   int64_t q_dim() const { return n_heads * head_dim(); }  // width of the attention's q and output
-  bool qkv_bias() const { return family == ModelFamily::kQwen2; }
-  bool qk_norm() const { return family == ModelFamily::kQwen3; }
+  bool qkv_bias() const { return family == ModelFamily::kQwen2 || family == ModelFamily::kQwen2Moe; }
+  bool qk_norm() const { return family == ModelFamily::kQwen3 || family == ModelFamily::kQwen3Moe; }
+  bool is_moe() const {
+    return family == ModelFamily::kMixtral || family == ModelFamily::kQwen2Moe || family == ModelFamily::kQwen3Moe;
+  }
+  bool shared_expert() const { return family == ModelFamily::kQwen2Moe; }
+  // The Qwen routers cast the top-k weights to the compute dtype; Mixtral's
+  // keep them in fp32 (transformers 5.23's modeling files).
+  bool routing_weights_cast() const { return family != ModelFamily::kMixtral; }
+  int64_t expert_dim() const { return moe.moe_intermediate_size > 0 ? moe.moe_intermediate_size : ffn_dim(); }
+  // A layer's MLP matrix parameters one token multiplies: SwiGLU's 3 x dim x
+  // ffn_dim, or with experts the top k's, the router's and the shared
+  // expert's (and its gate's); and of those, the down projections' (what a
+  // recompute from the input skips: Note [Saved activations]).
+  double mlp_active_params() const;
+  double mlp_down_active_params() const;
   int64_t kv_heads() const { return n_kv_heads == 0 ? n_heads : n_kv_heads; }
   int64_t ffn_dim() const;
 };

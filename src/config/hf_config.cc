@@ -118,28 +118,53 @@ json model_with_hf_config(const json& m, const std::string& from) {
   if (hf.j.is_discarded() || !hf.j.is_object()) fail("model.init_from", hf.path + " is not a JSON object");
   hf.where = "model.init_from (" + hf.path + ")";
   const std::string type = hf.str("model_type", "llama");
-  if (type != "llama" && type != "mistral" && type != "qwen2" && type != "qwen3") {
-    fail(hf.where, "model_type '" + type + "' is not supported (llama, mistral, qwen2 or qwen3)");
+  const bool moe = type == "mixtral" || type == "qwen2_moe" || type == "qwen3_moe";
+  if (type != "llama" && type != "mistral" && type != "qwen2" && type != "qwen3" && !moe) {
+    fail(hf.where, "model_type '" + type +
+                       "' is not supported (llama, mistral, qwen2, qwen3, mixtral, qwen2_moe or qwen3_moe)");
   }
   json theta;
   const json scaling = rope_scaling_of(hf, theta);
   const json window = refuse_unsupported(hf, type);
 
   const json& h = hf.j;
-  const std::vector<std::pair<const char*, json>> fields = {
+  // config.json's intermediate_size is Mixtral's expert width, and the Qwen
+  // MoE families' dense MLP width (unused: every layer has experts).
+  const json ffn = moe ? json() : h.value("intermediate_size", json());
+  std::vector<std::pair<const char*, json>> fields = {
       {"family", json(type)},
       {"dim", h.value("hidden_size", json())},
       {"n_layers", h.value("num_hidden_layers", json())},
       {"n_heads", h.value("num_attention_heads", json())},
       {"n_kv_heads", h.value("num_key_value_heads", h.value("num_attention_heads", json()))},
       {"head_dim", h.value("head_dim", json())},
-      {"ffn_hidden", h.value("intermediate_size", json())},
+      {"ffn_hidden", ffn},
       {"vocab_size", h.value("vocab_size", json())},
       {"norm_eps", h.value("rms_norm_eps", json())},
       {"rope_theta", theta},
       {"rope_scaling", scaling},
       {"sliding_window", window},
       {"tie_embeddings", h.value("tie_word_embeddings", json(true))}};
+  if (moe) {
+    // Hugging Face's names; transformers 5 writes num_local_experts for every
+    // MoE family, older files num_experts for the Qwen ones.
+    const json experts = h.contains("num_experts") && !h["num_experts"].is_null() ? h["num_experts"]
+                                                                                  : h.value("num_local_experts", json());
+    const json width = type == "mixtral" ? h.value("intermediate_size", json()) : h.value("moe_intermediate_size", json());
+    const std::vector<std::pair<const char*, json>> moe_fields = {
+        {"num_experts", experts},
+        {"num_experts_per_tok", h.value("num_experts_per_tok", json())},
+        {"moe_intermediate_size", width},
+        {"norm_topk_prob", type == "mixtral" ? json() : h.value("norm_topk_prob", json(false))},
+        {"shared_expert_intermediate_size",
+         type == "qwen2_moe" ? h.value("shared_expert_intermediate_size", json()) : json()},
+        {"router_aux_loss_coef", h.value("router_aux_loss_coef", json())},
+        {"output_router_logits", h.value("output_router_logits", json())},
+        {"decoder_sparse_step", h.value("decoder_sparse_step", json())},
+        {"mlp_only_layers", h.value("mlp_only_layers", json())},
+        {"router_jitter_noise", h.value("router_jitter_noise", json())}};
+    fields.insert(fields.end(), moe_fields.begin(), moe_fields.end());
+  }
   json out = m;
   for (const auto& [key, v] : fields) {
     if (v.is_null()) continue;
@@ -147,6 +172,9 @@ json model_with_hf_config(const json& m, const std::string& from) {
       out[key] = v;
       continue;
     }
+    // The training switches of the load-balancing loss are the run's to
+    // choose (config.json's are the pretraining run's): the section wins.
+    if (std::string(key) == "output_router_logits" || std::string(key) == "router_aux_loss_coef") continue;
     const bool same = v.is_number() && m[key].is_number() ? v.get<double>() == m[key].get<double>() : v == m[key];
     if (!same) fail(std::string("model.") + key, m[key].dump() + " here, but " + hf.path + " says " + v.dump());
   }

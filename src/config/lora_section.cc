@@ -210,6 +210,19 @@ void parse_lora(Section& top, Config& c) {
     fail(s.key("lora_dropout"), "must be in [0, 1), got " + num(l.dropout));
   }
   read_targets(s, l);
+  if (c.model.is_moe()) {
+    // An MoE layer's MLP is its experts and router, frozen with the base;
+    // adapters go on the attention's linears only (docs/config.md, "lora").
+    for (LoraModule m : {LoraModule::kGate, LoraModule::kUp, LoraModule::kDown}) {
+      if (l.all_linear) {
+        l.targets[size_t(m)] = false;
+      } else if (l.targets[size_t(m)]) {
+        fail(s.key("target_modules"), std::string("'") + lora_module_name(m) + "' is an expert's linear in model.family " +
+                                          model_family_name(c.model.family) +
+                                          ": adapters go on q_proj, k_proj, v_proj and o_proj (the experts stay frozen)");
+      }
+    }
+  }
   s.read("use_rslora", l.use_rslora);
   if (const json* init = s.find("init_lora_weights")) {
     if (*init == json(true)) {

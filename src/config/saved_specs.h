@@ -36,6 +36,13 @@ enum class Saved : uint8_t {
   kGate,        // g  [B, T, F]: m w1^T
   kUp,          // u  [B, T, F]: m w3^T
   kSwiglu,      // p  [B, T, F]: silu(g) * u                         cheap (g, u)
+  // Experts (Note [Experts] in model/layer_ops.cc; E = num_experts, k =
+  // num_experts_per_tok, I = the expert width). kGate, kUp and kSwiglu are
+  // then the shared expert's (qwen2_moe; F its width), absent without one.
+  kRouterLogits,  // [B T, E]: m router^T (the routing is made again from it)
+  kExpertGateUp,  // [B T k, 2 I]: each token copy's gate and up, sorted by expert
+  kExpertAct,     // [B T k, I]: silu(gate) * up                      cheap (gate_up)
+  kSharedGate,    // [B T, 1]: the shared expert's gate logit, m shared_gate^T   qwen2_moe
   // LoRA (model.lora): per targeted linear, its adapter's middle
   // dropout(x) A^T [B, T, r] in fp32 (Note [LoRA layers] in model/layer_ops.cc).
   kLoraQ,

@@ -25,7 +25,10 @@ inline constexpr EnumName<ComputeDtype> kComputeDtypes[] = {
 inline constexpr EnumName<ModelFamily> kModelFamilies[] = {{ModelFamily::kLlama, "llama"},
                                                            {ModelFamily::kMistral, "mistral"},
                                                            {ModelFamily::kQwen2, "qwen2"},
-                                                           {ModelFamily::kQwen3, "qwen3"}};
+                                                           {ModelFamily::kQwen3, "qwen3"},
+                                                           {ModelFamily::kMixtral, "mixtral"},
+                                                           {ModelFamily::kQwen2Moe, "qwen2_moe"},
+                                                           {ModelFamily::kQwen3Moe, "qwen3_moe"}};
 inline constexpr EnumName<RopeType> kRopeTypes[] = {
     {RopeType::kNone, "none"}, {RopeType::kLinear, "linear"}, {RopeType::kLlama3, "llama3"}};
 inline constexpr EnumName<Recompute> kRecomputes[] = {

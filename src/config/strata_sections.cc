@@ -13,7 +13,10 @@ namespace strata::config {
 const SectionKeys kModelKeys = {"model",
                                 {"vocab_size", "dim", "n_layers", "n_heads", "n_kv_heads", "head_dim", "ffn_hidden",
                                  "multiple_of", "seq_len", "tie_embeddings", "rope_theta", "rope_scaling", "norm_eps",
-                                 "init_std", "family", "sliding_window", "init_from"},
+                                 "init_std", "family", "sliding_window", "init_from", "num_experts",
+                                 "num_experts_per_tok", "moe_intermediate_size", "norm_topk_prob",
+                                 "shared_expert_intermediate_size", "router_aux_loss_coef", "output_router_logits",
+                                 "decoder_sparse_step", "mlp_only_layers", "router_jitter_noise"},
                                 {}};
 const SectionKeys kRopeScalingKeys = {
     "model.rope_scaling",
@@ -68,6 +71,69 @@ void check_model(const ModelConfig& mc) {
   }
 }
 
+// The MoE keys (docs/config.md, "Mixture of experts"): read for the MoE
+// families, refused by name elsewhere; what transformers can express but no
+// released checkpoint of these families uses is refused by name too.
+void parse_moe(Section& m, ModelConfig& mc) {
+  static const char* const kMoeKeys[] = {"num_experts", "num_experts_per_tok", "moe_intermediate_size",
+                                         "norm_topk_prob", "shared_expert_intermediate_size",
+                                         "router_aux_loss_coef", "output_router_logits", "decoder_sparse_step",
+                                         "mlp_only_layers", "router_jitter_noise"};
+  if (!mc.is_moe()) {
+    for (const char* k : kMoeKeys) {
+      if (m.find(k) != nullptr && !m.find(k)->is_null()) {
+        fail(m.key(k), std::string("model.family ") + model_family_name(mc.family) +
+                           " has no experts (the MoE families are mixtral, qwen2_moe and qwen3_moe)");
+      }
+    }
+    return;
+  }
+  MoeConfig& e = mc.moe;
+  const std::string family = model_family_name(mc.family);
+  if (!m.read("num_experts", e.num_experts)) fail(m.key("num_experts"), "required for model.family " + family);
+  positive(m.key("num_experts"), e.num_experts);
+  if (m.read("num_experts_per_tok", e.num_experts_per_tok)) positive(m.key("num_experts_per_tok"), e.num_experts_per_tok);
+  if (e.num_experts_per_tok > e.num_experts) {
+    fail(m.key("num_experts_per_tok"), num(e.num_experts_per_tok) + " is more than model.num_experts " +
+                                           num(e.num_experts));
+  }
+  if (m.read("moe_intermediate_size", e.moe_intermediate_size)) {
+    positive(m.key("moe_intermediate_size"), e.moe_intermediate_size);
+  }
+  if (mc.family == ModelFamily::kMixtral) {
+    e.norm_topk_prob = true;  // Mixtral's router always renormalises
+    bool given = true;
+    if (m.read("norm_topk_prob", given) && !given) {
+      fail(m.key("norm_topk_prob"), "mixtral always renormalises its top-k weights (false is qwen2_moe's and qwen3_moe's)");
+    }
+  } else {
+    m.read("norm_topk_prob", e.norm_topk_prob);
+  }
+  const bool shared = m.read("shared_expert_intermediate_size", e.shared_expert_intermediate_size);
+  if (mc.shared_expert()) {
+    if (!shared) fail(m.key("shared_expert_intermediate_size"), "required for model.family " + family);
+    positive(m.key("shared_expert_intermediate_size"), e.shared_expert_intermediate_size);
+  } else if (shared && e.shared_expert_intermediate_size != 0) {
+    fail(m.key("shared_expert_intermediate_size"), "only model.family qwen2_moe has a shared expert");
+  }
+  if (m.read("router_aux_loss_coef", e.router_aux_loss_coef)) {
+    non_negative(m.key("router_aux_loss_coef"), e.router_aux_loss_coef);
+  }
+  m.read("output_router_logits", e.output_router_logits);
+  int64_t step = 1;
+  if (m.read("decoder_sparse_step", step) && step != 1) {
+    fail(m.key("decoder_sparse_step"), num(step) + " is not supported: every layer has experts (1)");
+  }
+  if (const json* only = m.find("mlp_only_layers"); only != nullptr && !only->is_null()) {
+    if (!only->is_array()) wrong_type(m.key("mlp_only_layers"), "a list of layer indexes", *only);
+    if (!only->empty()) fail(m.key("mlp_only_layers"), only->dump() + " is not supported: every layer has experts ([])");
+  }
+  double jitter = 0.0;
+  if (m.read("router_jitter_noise", jitter) && jitter != 0.0) {
+    fail(m.key("router_jitter_noise"), num(jitter) + " is not supported (0: the router's input is not jittered)");
+  }
+}
+
 }  // namespace
 
 void parse_model(Section& top, Config& c) {
@@ -108,6 +174,7 @@ void parse_model(Section& top, Config& c) {
     if (!r->is_object()) wrong_type("model.rope_scaling", "an object", *r);
     parse_rope_scaling(*r, c);
   }
+  parse_moe(m, mc);
   m.done();
   check_model(mc);
 }

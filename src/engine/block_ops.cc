@@ -59,6 +59,10 @@ at::Tensor Trainer::forward_block(size_t b, int64_t m, const at::Tensor& x, bool
     saved.dropout = true;
     saved.dropout_key = dropout_key(b, m);
   }
+  if (train && !is_embedding && !moe_tally_.empty()) {  // Note [Load balancing] in model/experts.cc
+    saved.tally = &moe_tally_[size_t(m)];
+    saved.tally->load = expert_load_.select(0, int64_t(b) - 1);
+  }
   {
     TraceSpan span(TraceTrack::kCompute, span_name(Pass::kForward, b, m));
     std::vector<at::Tensor> w = weights(b, gathered[0], frozen[0]);
@@ -159,6 +163,7 @@ at::Tensor Trainer::block_backward(size_t b, int64_t m, const at::Tensor& dx) {
         saved.dropout = true;
         saved.dropout_key = dropout_key(b, m);
       }
+      if (!aux_grad_.empty()) saved.aux_grad = aux_grad_[size_t(m)];
       if (keeps_entries_[act_key(b, m)]) {
         unpack(b, m, std::move(pack), &saved);
       } else {

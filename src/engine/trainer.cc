@@ -116,6 +116,13 @@ void Trainer::begin_step() {
   activations_->reset();
   for (auto& r : attn_rng_) r = {};  // a failed step's
   for (at::Tensor& f : flow_) f = at::Tensor();
+  for (MoeTally& t : moe_tally_) {
+    t.selected.zero_();
+    t.prob_sum.zero_();
+    t.rows = 0;
+  }
+  for (at::Tensor& a : aux_grad_) a = at::Tensor();
+  if (expert_load_.defined()) expert_load_.zero_();
   blocks_->begin(/*train=*/true);
 }
 
@@ -131,13 +138,36 @@ void Trainer::forward_backward(const int64_t* tokens, double loss_scale, bool st
   // counted targets (Note [Counted tokens]) each micro-batch's loss is
   // already its sum over the global count: the reduced gradient is that of
   // the global batch's loss over its counted targets.
-  double sums[3] = {0.0, 0.0, stop_requested ? 1.0 : 0.0};  // squared norm, loss, stop
+  double sums[4] = {0.0, 0.0, stop_requested ? 1.0 : 0.0, 0.0};  // squared norm, loss, stop, aux loss
+  // Note [Load balancing]: each micro-batch's load-balancing loss weighs
+  // 1 / (accum x ranks), with or without counted targets.
+  const MoeConfig& moe = cfg_.model.moe;
+  aux_scale_ = moe.output_router_logits ? moe.router_aux_loss_coef * loss_scale / double(accum * ranks) : 0.0;
   sums[1] = run_schedule(tokens, counted_ >= 0 ? loss_scale : loss_scale / double(accum * ranks));
+  for (at::Tensor& a : aux_loss_) {
+    sums[3] += a.item<double>() / double(accum * ranks);
+    a = at::Tensor();
+  }
+  if (expert_load_.defined()) {
+    expert_load_host_.copy_(expert_load_);
+    ctx_.comm->all_reduce(expert_load_host_.data_ptr<double>(), expert_load_host_.numel(), DType::kF64, ReduceOp::kSum)
+        .wait();
+  }
   param_wait = counters.param_wait();
   sums[0] = grads_->finish_step(&moved);
   {
     TraceSpan span(TraceTrack::kComm, "all_reduce norm, loss, stop");
-    ctx_.comm->all_reduce(sums, 3, DType::kF64, ReduceOp::kSum).wait();
+    ctx_.comm->all_reduce(sums, 4, DType::kF64, ReduceOp::kSum).wait();
+  }
+  if (expert_load_.defined()) {
+    r.aux_loss = sums[3];
+    const int64_t E = expert_load_host_.size(1);
+    for (int64_t l = 0; l < expert_load_host_.size(0); ++l) {
+      const double* row = expert_load_host_.data_ptr<double>() + l * E;
+      double total = 0.0, most = 0.0;
+      for (int64_t e = 0; e < E; ++e) total += row[e], most = std::max(most, row[e]);
+      r.expert_load.push_back(total > 0.0 ? most / (total / double(E)) : 0.0);
+    }
   }
   r.tokens = accum * cfg_.train_micro_batch_size_per_gpu * cfg_.model.seq_len * ranks;
   r.counted_tokens = counted_ >= 0 ? counted_ : r.tokens;
@@ -236,6 +266,7 @@ void Trainer::run_op(const StepOp& op, const at::Tensor& tokens, double loss_sca
       flow = forward_block(b, op.micro, b == ctx_.embedding_block ? inputs_of(tokens) : flow, /*train=*/true);
       break;
     case Pass::kHead:
+      if (!moe_tally_.empty()) finish_aux(op.micro);
       micro_loss_[size_t(op.micro)] = head_forward_backward(flow, targets_of(tokens, counted_ >= 0), loss_scale, op.micro, &flow);
       break;
     case Pass::kBackward:
@@ -244,6 +275,19 @@ void Trainer::run_op(const StepOp& op, const at::Tensor& tokens, double loss_sca
       if (b == ctx_.embedding_block) grads_->end_micro();
       break;
   }
+}
+
+// Note [Load balancing] (model/experts.cc): every layer's forward of
+// micro-batch m has added its statistics; its load-balancing loss, and the
+// gradient its backward takes per router probability, E f_e / rows times
+// the coefficient and scale.
+void Trainer::finish_aux(int64_t m) {
+  MoeTally& t = moe_tally_[size_t(m)];
+  const double rows = double(std::max<int64_t>(t.rows, 1));
+  const double E = double(cfg_.model.moe.num_experts);
+  const at::Tensor f = t.selected / rows;
+  aux_loss_[size_t(m)] = (f * (t.prob_sum / rows)).sum() * E;
+  if (aux_scale_ != 0.0) aux_grad_[size_t(m)] = f * (aux_scale_ * E / rows);
 }
 
 // The optimizer step for `r`'s norm and learning rate: global-norm clipping

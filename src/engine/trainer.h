@@ -71,6 +71,12 @@ struct StepResult {
   std::string speculation;
   double optimizer_hidden_s = 0.0;
   int64_t redone_elements = 0;
+  // Experts (Note [Load balancing] in model/experts.cc), empty for a dense
+  // model: the load-balancing loss before its coefficient (the mean over the
+  // micro-batches of the global batch), and per layer its busiest expert's
+  // tokens over the mean tokens per expert, over the global batch.
+  double aux_loss = 0.0;
+  std::vector<double> expert_load;
 };
 
 // Bytes of each state category, for the start-up report.
@@ -354,6 +360,17 @@ class Trainer {
   size_t act_key(size_t b, int64_t m) const { return b * micro_loss_.size() + size_t(m); }
   std::vector<at::Tensor> micro_loss_;    // per micro-batch of the step: its loss, read at the end
   int64_t counted_ = -1;                  // the step's global counted targets (step()'s `counted`)
+  // Experts (Note [Load balancing] in model/experts.cc), sized at start-up:
+  // per micro-batch its routing statistics, its load-balancing loss (0-dim,
+  // on the device, read at the end) and that loss's gradient for the
+  // backward; the step's tokens per expert per layer [L, E] on the device and
+  // in host memory; the loss's scale (coefficient x loss scale / micro-
+  // batches of the global batch), 0 without output_router_logits.
+  std::vector<MoeTally> moe_tally_;
+  std::vector<at::Tensor> aux_loss_, aux_grad_;
+  at::Tensor expert_load_, expert_load_host_;
+  double aux_scale_ = 0.0;
+  void finish_aux(int64_t m);  // micro-batch m's forward is done: its loss and gradient
   // Per micro-batch, between ops: the input of its next forward, then the
   // gradient of the output of its next backward (the layer schedule holds
   // all A at once: the plan's activation rows).

@@ -130,6 +130,19 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   }
   attn_rng_.resize(layout_.num_blocks() * size_t(A));
   flow_.resize(size_t(A));
+  if (cfg.model.is_moe()) {  // Note [Load balancing] in model/experts.cc
+    const int64_t E = cfg.model.moe.num_experts;
+    const auto on_device = at::TensorOptions().dtype(at::kFloat).device(ctx_.torch_device);
+    moe_tally_.resize(size_t(A));
+    for (MoeTally& t : moe_tally_) {
+      t.selected = at::zeros({E}, on_device);
+      t.prob_sum = at::zeros({E}, on_device);
+    }
+    aux_loss_.resize(size_t(A));
+    aux_grad_.resize(size_t(A));
+    expert_load_ = at::zeros({cfg.model.n_layers, E}, on_device);
+    expert_load_host_ = at::zeros({cfg.model.n_layers, E}, at::TensorOptions().dtype(at::kDouble));
+  }
   tokens_host_ = ctx_.device->allocate_pinned(plan.staging.tokens, "token windows (host)");
   tokens_device_ = ctx_.device->allocate(plan.staging.tokens, "token windows");
   initialise_state(plan);
@@ -268,19 +281,77 @@ Trainer::~Trainer() {
 // instead, one block at a time.
 constexpr int64_t kInitProgressNumel = int64_t(1) << 30;
 
-// `params` of block `bl` from Hugging Face safetensors into `flat` (fp32).
+namespace {
+
+// Note [Expert tensors] (checkpoint/safetensors.h): an MoE layer's weights
+// against the model's expert count and width, before any is read: a config
+// (or config.json) that contradicts the files is named by its key, with both
+// values.
+void check_experts(const SafetensorsSet& hf, const ModelConfig& m, const std::string& param,
+                   const std::vector<HfPiece>& pieces) {
+  const int64_t E = m.moe.num_experts, I = m.expert_dim();
+  const HfPiece& first = pieces.front();
+  if (!hf.has(first.name)) return;  // read_hf names the missing tensor
+  const std::vector<int64_t>& got = hf.shape(first.name);
+  auto contradicts = [&](const char* key, int64_t mine, const std::string& theirs) {
+    throw ConfigError(std::string("model.") + key, std::to_string(mine) + " (the config, or config.json), but " +
+                                                       hf.file(first.name) + " has " + theirs);
+  };
+  if (param == "router") {
+    if (got.size() == 2 && got[0] != E) {
+      contradicts("num_experts", E, std::to_string(got[0]) + " experts (" + first.name + " " + shape_text(got) + ")");
+    }
+    return;
+  }
+  const bool gate_up = param == "experts.gate_up", fused = pieces.size() == 1;
+  if (param != "experts.down" && !gate_up) return;
+  if (fused && got.size() == 3) {
+    if (got[0] != E) contradicts("num_experts", E, std::to_string(got[0]) + " experts (" + first.name + " " + shape_text(got) + ")");
+    const int64_t width = gate_up ? got[1] / 2 : got[2];
+    if (width != I) {
+      contradicts("moe_intermediate_size", I, "experts of " + std::to_string(width) + " (" + first.name + " " + shape_text(got) + ")");
+    }
+    return;
+  }
+  if (!fused && got.size() == 2) {
+    const int64_t width = gate_up ? got[0] : got[1];
+    if (width != I) {
+      contradicts("moe_intermediate_size", I, "experts of " + std::to_string(width) + " (" + first.name + " " + shape_text(got) + ")");
+    }
+    // One expert more than the config's, in the same naming.
+    std::string extra = first.name;
+    const std::string zero = ".experts.0.";
+    extra.replace(extra.find(zero), zero.size(), ".experts." + std::to_string(E) + ".");
+    if (hf.has(extra)) contradicts("num_experts", E, "more experts (" + extra + ")");
+    for (const HfPiece& p : pieces) {
+      if (!hf.has(p.name)) contradicts("num_experts", E, "fewer experts (no " + p.name + ")");
+    }
+  }
+}
+
+}  // namespace
+
+// `params` of block `bl` from Hugging Face safetensors into `flat` (fp32);
+// an MoE layer's experts in either layout (Note [Expert tensors]).
 void Trainer::read_hf(SafetensorsSet& hf, const BlockLayout& bl, const std::vector<ParamLayout>& params,
                       const at::Tensor& flat) {
+  const std::string family = model_family_name(cfg_.model.family);
   for (const ParamLayout& p : params) {
-    const std::string name = hf_tensor_name(bl.name + "." + p.spec.name);
-    if (!hf.has(name)) {
-      throw InputError(cfg_.model.init_from, "no tensor " + name + " (Strata's " + bl.name + "." + p.spec.name + ")");
+    const std::string strata = bl.name + "." + p.spec.name;
+    std::vector<HfPiece> pieces = hf_pieces(strata, p.spec.shape, family, ExpertLayout::kPerExpert);
+    if (!hf.has(pieces.front().name)) {
+      std::vector<HfPiece> fused = hf_pieces(strata, p.spec.shape, family, ExpertLayout::kFused);
+      if (hf.has(fused.front().name)) pieces = std::move(fused);
     }
-    if (hf.shape(name) != p.spec.shape) {
-      throw InputError(hf.file(name), "tensor " + name + " has shape " + shape_text(hf.shape(name)) +
-                                          ", but the model (config.json) needs " + shape_text(p.spec.shape));
+    if (cfg_.model.is_moe()) check_experts(hf, cfg_.model, p.spec.name, pieces);
+    for (const HfPiece& h : pieces) {
+      if (!hf.has(h.name)) throw InputError(cfg_.model.init_from, "no tensor " + h.name + " (Strata's " + strata + ")");
+      if (hf.shape(h.name) != h.shape) {
+        throw InputError(hf.file(h.name), "tensor " + h.name + " has shape " + shape_text(hf.shape(h.name)) +
+                                              ", but the model (config.json) needs " + shape_text(h.shape));
+      }
+      hf.read_f32(h.name, flat.data_ptr<float>() + p.offset + h.offset);
     }
-    hf.read_f32(name, flat.data_ptr<float>() + p.offset);
   }
 }
 

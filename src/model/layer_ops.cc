@@ -251,6 +251,10 @@ at::Tensor Model::layer_saving(const std::vector<at::Tensor>& w, const at::Tenso
 
   S[Saved::kMlpRstd] = rms_rstd(S[Saved::kMid], cfg_.norm_eps);
   const at::Tensor& m = S[Saved::kMlpNormed] = norm_apply(S[Saved::kMid], S[Saved::kMlpRstd], w[kMlpNormW]);
+  if (cfg_.is_moe()) {  // Note [Experts] in experts.cc
+    at::Tensor mlp = moe_saving(w, m, s, output);
+    return output ? S[Saved::kMid] + mlp : at::Tensor();
+  }
   S[Saved::kGate] = linear(LoraModule::kGate, w, m, kW1, {}, s);
   S[Saved::kUp] = linear(LoraModule::kUp, w, m, kW3, {}, s);
   S[Saved::kSwiglu] = at::silu(S[Saved::kGate]) * S[Saved::kUp];
@@ -285,7 +289,48 @@ void Model::layer_recompute_cheap(const std::vector<at::Tensor>& w, LayerSaved* 
   if (!S[Saved::kMlpNormed].defined()) {
     S[Saved::kMlpNormed] = norm_apply(S[Saved::kMid], S[Saved::kMlpRstd], w[kMlpNormW]);
   }
-  if (!S[Saved::kSwiglu].defined()) S[Saved::kSwiglu] = at::silu(S[Saved::kGate]) * S[Saved::kUp];
+  if (saves_[size_t(Saved::kSwiglu)] && !S[Saved::kSwiglu].defined()) {
+    S[Saved::kSwiglu] = at::silu(S[Saved::kGate]) * S[Saved::kUp];
+  }
+  if (saves_[size_t(Saved::kExpertAct)] && !S[Saved::kExpertAct].defined()) {
+    const at::Tensor& gu = S[Saved::kExpertGateUp];
+    const int64_t ei = cfg_.expert_dim();
+    S[Saved::kExpertAct] = at::silu(gu.narrow(-1, 0, ei)) * gu.narrow(-1, ei, ei);
+  }
+}
+
+// The dense MLP's backward (layer_backward's): out = h + p w2^T, p =
+// silu(gate) * up, gate = m w1^T, up = m w3^T; returns d(m) [B, T, D].
+at::Tensor Model::mlp_backward(const std::vector<at::Tensor>& w, LayerSaved* s, const at::Tensor& dy,
+                               std::vector<at::Tensor>* dw, bool base_grads) const {
+  LayerSaved& S = *s;
+  std::vector<at::Tensor>& g = *dw;
+  auto drop = [&](Saved e) { S[e] = at::Tensor(); };
+  auto plus_lora = [&](LoraModule m, at::Tensor dx, const at::Tensor& dout, const at::Tensor& x) {
+    if (lora_index_[size_t(m)] < 0) return dx;
+    return dx + lora_backward(m, w, S, dout, x, dw);
+  };
+  const at::Tensor dy2 = rows(dy);
+  const at::Tensor p2 = rows(S[Saved::kSwiglu]);
+  if (base_grads) g[kW2] = at::mm(dy2.t(), p2);
+  at::Tensor dp = plus_lora(LoraModule::kDown, at::mm(dy2, w[kW2]), dy2, p2);
+  drop(Saved::kSwiglu);
+  const at::Tensor gate = rows(S[Saved::kGate]), up = rows(S[Saved::kUp]);
+  at::Tensor d_up = dp * at::silu(gate);
+  at::Tensor d_gate = at::silu_backward(dp * up, gate);
+  dp = at::Tensor();
+  drop(Saved::kGate);
+  drop(Saved::kUp);
+  const at::Tensor m2 = rows(S[Saved::kMlpNormed]);
+  if (base_grads) {
+    g[kW1] = at::mm(d_gate.t(), m2);
+    g[kW3] = at::mm(d_up.t(), m2);
+  }
+  at::Tensor dm2 = at::mm(d_gate, w[kW1]) + at::mm(d_up, w[kW3]);
+  dm2 = plus_lora(LoraModule::kGate, dm2, d_gate, m2);
+  dm2 = plus_lora(LoraModule::kUp, dm2, d_up, m2);
+  drop(Saved::kMlpNormed);
+  return dm2.view_as(dy);
 }
 
 at::Tensor Model::layer_backward(const std::vector<at::Tensor>& w, LayerSaved* s, const at::Tensor& dy,
@@ -309,32 +354,17 @@ at::Tensor Model::layer_backward(const std::vector<at::Tensor>& w, LayerSaved* s
     return dx + lora_backward(m, w, S, dout, x, dw);
   };
 
-  // MLP: out = h + p w2^T, p = silu(gate) * up, gate = m w1^T, up = m w3^T.
-  const at::Tensor dy2 = rows(dy);
-  const at::Tensor p2 = rows(S[Saved::kSwiglu]);
-  if (base_grads) g[kW2] = at::mm(dy2.t(), p2);
-  at::Tensor dp = plus_lora(LoraModule::kDown, at::mm(dy2, w[kW2]), dy2, p2);
-  drop(Saved::kSwiglu);
-  const at::Tensor gate = rows(S[Saved::kGate]), up = rows(S[Saved::kUp]);
-  at::Tensor d_up = dp * at::silu(gate);
-  at::Tensor d_gate = at::silu_backward(dp * up, gate);
-  dp = at::Tensor();
-  drop(Saved::kGate);
-  drop(Saved::kUp);
-  const at::Tensor m2 = rows(S[Saved::kMlpNormed]);
-  if (base_grads) {
-    g[kW1] = at::mm(d_gate.t(), m2);
-    g[kW3] = at::mm(d_up.t(), m2);
+  at::Tensor dm;
+  if (cfg_.is_moe()) {
+    dm = moe_backward(w, s, rows(dy), dw, base_grads).view_as(dy);  // Note [Experts] in experts.cc
+    drop(Saved::kMlpNormed);
+  } else {
+    dm = mlp_backward(w, s, dy, dw, base_grads);
   }
-  at::Tensor dm2 = at::mm(d_gate, w[kW1]) + at::mm(d_up, w[kW3]);
-  dm2 = plus_lora(LoraModule::kGate, dm2, d_gate, m2);
-  dm2 = plus_lora(LoraModule::kUp, dm2, d_up, m2);
-  drop(Saved::kMlpNormed);
-  at::Tensor dm = dm2.view_as(dy);
-  dm2 = d_gate = d_up = at::Tensor();
   at::Tensor dh = dy + rms_norm_backward(dm, S[Saved::kMid], S[Saved::kMlpRstd], w[kMlpNormW], norm_grad(kMlpNormW));
   dm = at::Tensor();
   drop(Saved::kMid);
+
 
   // Attention: h = x + o wo^T, o = attention(rope(q), rope(k), v).
   const at::Tensor dh2 = rows(dh);

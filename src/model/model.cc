@@ -50,6 +50,7 @@ std::vector<BlockDesc> model_blocks(const ModelConfig& cfg) {
   const double out_std = std / std::sqrt(2.0 * double(cfg.n_layers));
 
   blocks_.push_back({BlockKind::kEmbedding, "embedding", {{"tok_embedding", {v, d}, Init::kNormal, std}}});
+  const int64_t e = cfg.moe.num_experts, ei = cfg.expert_dim(), si = cfg.moe.shared_expert_intermediate_size;
   for (int64_t l = 0; l < cfg.n_layers; ++l) {
     blocks_.push_back({BlockKind::kLayer,
                        "layer." + std::to_string(l),
@@ -60,13 +61,21 @@ std::vector<BlockDesc> model_blocks(const ModelConfig& cfg) {
                            {"wv", {kv * hd, d}, Init::kNormal, std},
                            {"wo", {d, h * hd}, Init::kNormal, out_std},
                            {"mlp_norm", {d}, Init::kOnes, 0.0},
-                           {"w1", {f, d}, Init::kNormal, std},  // gate
-                           {"w3", {f, d}, Init::kNormal, std},  // up
-                           {"w2", {d, f}, Init::kNormal, out_std},  // down
                        }});
+    std::vector<ParamSpec>& p = blocks_.back().params;
+    if (cfg.is_moe()) {
+      // Note [Experts] (layer_ops.cc): the router and the experts in
+      // transformers 5's fused layout, gate rows before up rows.
+      p.push_back({"router", {e, d}, Init::kNormal, std});
+      p.push_back({"experts.gate_up", {e, 2 * ei, d}, Init::kNormal, std});
+      p.push_back({"experts.down", {e, d, ei}, Init::kNormal, out_std});
+    } else {
+      p.push_back({"w1", {f, d}, Init::kNormal, std});       // gate
+      p.push_back({"w3", {f, d}, Init::kNormal, std});       // up
+      p.push_back({"w2", {d, f}, Init::kNormal, out_std});  // down
+    }
     // Family extras go after Llama's nine, so that a Llama layer's layout
     // (and every checkpoint of one) is the same as before they existed.
-    std::vector<ParamSpec>& p = blocks_.back().params;
     if (cfg.qkv_bias()) {
       p.push_back({"bq", {h * hd}, Init::kZeros, 0.0});
       p.push_back({"bk", {kv * hd}, Init::kZeros, 0.0});
@@ -75,6 +84,12 @@ std::vector<BlockDesc> model_blocks(const ModelConfig& cfg) {
     if (cfg.qk_norm()) {
       p.push_back({"q_norm", {hd}, Init::kOnes, 0.0});
       p.push_back({"k_norm", {hd}, Init::kOnes, 0.0});
+    }
+    if (cfg.shared_expert()) {  // qwen2_moe
+      p.push_back({"shared.w1", {si, d}, Init::kNormal, std});
+      p.push_back({"shared.w3", {si, d}, Init::kNormal, std});
+      p.push_back({"shared.w2", {d, si}, Init::kNormal, out_std});
+      p.push_back({"shared.gate", {1, d}, Init::kNormal, std});
     }
     add_lora_adapters(cfg, &p);
   }
@@ -159,6 +174,11 @@ double Model::flops_per_token() const {
     }
   }
   if (cfg_.tie_embeddings) matrix_flops += (cfg_.lora.enabled ? 4.0 : 6.0) * double(cfg_.vocab_size * cfg_.dim);
+  if (cfg_.is_moe()) {
+    // The experts ([E, ., .], not counted above) a token meets: its top k.
+    const double active = double(cfg_.moe.num_experts_per_tok) * 3.0 * double(cfg_.dim) * double(cfg_.expert_dim());
+    matrix_flops += (cfg_.lora.enabled ? 4.0 : 6.0) * double(cfg_.n_layers) * active;
+  }
   // Attention scores and the weighted sum: 2 matmuls of T x hd per head and
   // token, forward 2 FLOPs per MAC, backward twice the forward; halved for the
   // causal mask is ignored, as is customary.
@@ -193,7 +213,7 @@ at::Tensor apply_rope(const at::Tensor& x, const at::Tensor& cos, const at::Tens
 
 at::Tensor Model::layer_forward(const std::vector<at::Tensor>& w, const at::Tensor& x) const {
   const at::Tensor &attn_norm = w[0], &wq = w[1], &wk = w[2], &wv = w[3], &wo = w[4];
-  const at::Tensor &mlp_norm = w[5], &w1 = w[6], &w3 = w[7], &w2 = w[8];
+  const at::Tensor& mlp_norm = w[5];
   const int64_t B = x.size(0), T = x.size(1);
   const int64_t H = cfg_.n_heads, KV = cfg_.kv_heads(), hd = cfg_.head_dim();
 
@@ -235,6 +255,8 @@ at::Tensor Model::layer_forward(const std::vector<at::Tensor>& w, const at::Tens
   at::Tensor h = x + lin(LoraModule::kO, y, wo, {});
 
   at::Tensor m = rms_norm(h, mlp_norm, cfg_.norm_eps);
+  if (cfg_.is_moe()) return h + moe_forward(w, m);  // Note [Experts] in experts.cc
+  const at::Tensor &w1 = w[6], &w3 = w[7], &w2 = w[8];
   at::Tensor gate = at::silu(lin(LoraModule::kGate, m, w1, {}));
   return h + lin(LoraModule::kDown, gate * lin(LoraModule::kUp, m, w3, {}), w2, {});
 }

@@ -109,6 +109,25 @@ class Model {
   at::Tensor lora_input(LoraModule m, const at::Tensor& x, const LayerSaved& s) const;
   at::Tensor lora_noise(LoraModule m, const at::Tensor& like, uint64_t key) const;
 
+  // Note [Experts] (experts.cc): an MoE layer's MLP over its normed input m
+  // [B, T, D] with autograd (moe_forward), op by op keeping its entries
+  // (moe_saving; the output only when `output`), and its backward given
+  // d(output) dy2 [N, D]: returns d(m) [N, D], sets the MLP's weight
+  // gradients in *dw unless !base_grads (LoRA's frozen experts).
+  at::Tensor mlp_backward(const std::vector<at::Tensor>& w, LayerSaved* s, const at::Tensor& dy,
+                          std::vector<at::Tensor>* dw, bool base_grads) const;
+  struct Routing;
+  Routing route(const at::Tensor& logits) const;
+  at::Tensor combine(const Routing& r, const at::Tensor& ys, const at::Tensor& ws) const;
+  at::Tensor moe_forward(const std::vector<at::Tensor>& w, const at::Tensor& m) const;
+  at::Tensor moe_saving(const std::vector<at::Tensor>& w, const at::Tensor& m, LayerSaved* s, bool output) const;
+  at::Tensor moe_backward(const std::vector<at::Tensor>& w, LayerSaved* s, const at::Tensor& dy2,
+                          std::vector<at::Tensor>* dw, bool base_grads) const;
+  void moe_tally(const at::Tensor& logits, const Routing& r, MoeTally* t) const;
+  // The index in a layer's weights of qwen2_moe's shared expert (shared.w1;
+  // w3, w2 and gate follow), after the family's extras.
+  size_t shared_index() const { return 9 + (cfg_.qkv_bias() ? 3 : 0) + (cfg_.qk_norm() ? 2 : 0); }
+
   ModelConfig cfg_;
   std::vector<BlockDesc> blocks_;
   std::array<int, kLoraModuleCount> lora_index_{};

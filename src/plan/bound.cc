@@ -12,10 +12,13 @@ namespace strata {
 
 double step_flops(const ModelConfig& m, int64_t tokens, int64_t recomputed_layers) {
   const double d = double(m.dim), q = double(m.q_dim()), kv = double(m.kv_heads() * m.head_dim());
-  const double f = double(m.ffn_dim()), v = double(m.vocab_size), t = double(m.seq_len);
+  const double v = double(m.vocab_size), t = double(m.seq_len);
   // Forward FLOPs per token: 2 per multiply-add of each matrix, and the
   // attention's two T x head_dim products per head (causal halving ignored).
-  const double layer_matrices = d * q + 2 * d * kv + q * d + 3 * d * f;
+  // With experts, the matrices a token meets: its top k experts', the
+  // router's and the shared expert's (ModelConfig::mlp_active_params).
+  const double layer_matrices = d * q + 2 * d * kv + q * d + m.mlp_active_params();
+  const double down = m.mlp_down_active_params();
   const double layer_fwd = 2 * layer_matrices + 4 * t * q;
   const double fwd = double(m.n_layers) * layer_fwd + 2 * v * d;  // the head's matrix, tied or not
   if (m.lora.enabled) {
@@ -29,19 +32,20 @@ double step_flops(const ModelConfig& m, int64_t tokens, int64_t recomputed_layer
     const double bwd_layer = 2 * layer_matrices + 4 * adapters + 8 * t * q;
     const double down_b = m.lora.targets_module(LoraModule::kDown) ? 2 * d * double(m.lora.r) : 0.0;
     const double step = double(m.n_layers) * (fwd_layer + bwd_layer) + 4 * v * d;
-    return double(tokens) * (step + double(recomputed_layers) * (fwd_layer - 2 * d * f - down_b));
+    return double(tokens) * (step + double(recomputed_layers) * (fwd_layer - 2 * down - down_b));
   }
   // Backward is twice the forward; a recomputed layer runs its forward again
-  // but for its down projection (d x f).
-  return double(tokens) * (3 * fwd + double(recomputed_layers) * (layer_fwd - 2 * d * f));
+  // but for its down projections (d x f, or the experts').
+  return double(tokens) * (3 * fwd + double(recomputed_layers) * (layer_fwd - 2 * down));
 }
 
 double forward_flops(const ModelConfig& m, int64_t tokens) {
   if (!m.lora.enabled) return step_flops(m, tokens, 0) / 3;  // the backward is twice the forward
   // LoRA: the forward with the adapters' (step_flops' LoRA terms).
   const double d = double(m.dim), q = double(m.q_dim()), kv = double(m.kv_heads() * m.head_dim());
-  const double f = double(m.ffn_dim()), v = double(m.vocab_size), t = double(m.seq_len);
-  const double layer_fwd = 2 * (d * q + 2 * d * kv + q * d + 3 * d * f) + 4 * t * q + 2 * double(lora_layer_params(m));
+  const double v = double(m.vocab_size), t = double(m.seq_len);
+  const double layer_fwd =
+      2 * (d * q + 2 * d * kv + q * d + m.mlp_active_params()) + 4 * t * q + 2 * double(lora_layer_params(m));
   return double(tokens) * (double(m.n_layers) * layer_fwd + 2 * v * d);
 }
 

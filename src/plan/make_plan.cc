@@ -125,7 +125,13 @@ void estimate_transients(const Config& cfg, const StateLayout& layout, Placement
   // keeps its entries.
   plan.activations.entries_bytes = tokens * kept_entry_bytes_per_token(m, int(cb));
   plan.activations.token_bytes = tokens * 8;
-  const int64_t layer = tokens * (6 * m.dim + 4 * m.q_dim() + 4 * m.ffn_dim()) * cb + 3 * tokens * m.n_heads * m.seq_len * 4;
+  // A layer's forward or backward working set: with experts, the gathered
+  // token copies, their gate/up and SwiGLU, the outputs and their re-sort (top
+  // k of each a token: Note [Experts] in model/layer_ops.cc).
+  const int64_t mlp_work = m.is_moe() ? m.moe.num_experts_per_tok * (3 * m.dim + 3 * m.expert_dim()) +
+                                            4 * m.moe.shared_expert_intermediate_size + m.moe.num_experts
+                                      : 4 * m.ffn_dim();
+  const int64_t layer = tokens * (6 * m.dim + 4 * m.q_dim() + mlp_work) * cb + 3 * tokens * m.n_heads * m.seq_len * 4;
   const int64_t head = 3 * tokens * m.vocab_size * 4;
   plan.activations.work_bytes = std::max(layer, head);
   plan.activations.layer_recompute_flops = step_flops(m, tokens, 1) - step_flops(m, tokens, 0);

@@ -101,6 +101,10 @@ nlohmann::json step_line(const StepResult& r, const StepTiming& t) {
   };
   if (t.masked) line["counted_tokens"] = r.counted_tokens;
   if (t.truncated >= 0) line["truncated_examples"] = t.truncated;
+  if (!r.expert_load.empty()) {  // experts (docs/metrics.md)
+    line["aux_loss"] = r.aux_loss;
+    line["expert_load"] = r.expert_load;
+  }
   if (!r.speculation.empty()) {
     // Note [Speculative optimizer] in engine/optimizer/optimizer_pass.h.
     line["speculation"] = r.speculation;
