@@ -15,6 +15,7 @@
 #include <fstream>
 #include <random>
 #include <string>
+#include <tuple>
 #include <vector>
 
 #include <nlohmann/json.hpp>
@@ -240,6 +241,258 @@ TEST_P(MoeHfTest, TenClippedStepsMatchTransformersAndTorchAdamW) {
 
 INSTANTIATE_TEST_SUITE_P(Families, MoeHfTest, ::testing::Values("mixtral", "qwen2_moe", "qwen3_moe"),
                          [](const ::testing::TestParamInfo<std::string>& i) { return i.param; });
+
+// ---- through `strata train` and `strata plan` --------------------------------
+
+// A tiny qwen2_moe (8 experts of 32, top 2, renormalised, a shared expert of
+// 40, the load-balancing loss in the loss) from run.seed.
+nlohmann::json cli_config(const std::string& data) {
+  return {
+      {"train_batch_size", 8},
+      {"train_micro_batch_size_per_gpu", 2},
+      {"gradient_clipping", 1.0},
+      {"optimizer", {{"type", "AdamW"}, {"params", {{"lr", 3e-3}}}}},
+      {"zero_optimization", {{"stage", 0}}},
+      {"model", {{"family", "qwen2_moe"}, {"vocab_size", 256}, {"dim", 48}, {"n_layers", 2}, {"n_heads", 4},
+                 {"seq_len", 48}, {"num_experts", 8}, {"num_experts_per_tok", 2}, {"moe_intermediate_size", 32},
+                 {"shared_expert_intermediate_size", 40}, {"norm_topk_prob", true}, {"output_router_logits", true}}},
+      {"data", {{"path", data}, {"val_fraction", 0.1}, {"eval_interval", 3}, {"eval_batches", 2}}},
+      {"run", {{"steps", 6}, {"threads", 1}, {"log_level", "warn"}, {"seed", 5}}},
+      {"comm", {{"timeout_s", 20}}},
+  };
+}
+
+std::vector<nlohmann::json> metrics(const std::string& path) {
+  std::vector<nlohmann::json> out;
+  std::ifstream in(path);
+  std::string line;
+  while (std::getline(in, line)) {
+    if (!line.empty()) out.push_back(nlohmann::json::parse(line));
+  }
+  return out;
+}
+
+// The fields two runs of the same steps agree on bit for bit.
+std::vector<std::string> training_fields(const std::vector<nlohmann::json>& m) {
+  std::vector<std::string> out;
+  for (const nlohmann::json& j : m) {
+    out.push_back(j["loss"].dump() + " " + j["grad_norm"].dump() + " " + j["aux_loss"].dump() + " " +
+                  j["expert_load"].dump() + " " + j.value("eval_loss", nlohmann::json()).dump());
+  }
+  return out;
+}
+
+class MoeTrainTest : public ::testing::Test {
+ protected:
+  void SetUp() override { data_ = dir_.write("data.txt", testing::sample_text(40000)); }
+  Result train(const nlohmann::json& c, const std::string& name, const std::string& extra = "") {
+    const std::string cfg = dir_.write(name + ".json", c.dump());
+    return sh(kStrata + " train " + cfg + " --metrics " + dir_.file(name + ".jsonl") + " " + extra);
+  }
+  TempDir dir_;
+  std::string data_;
+};
+
+// Experts live in their layer's block: every placement of the state, both
+// schedules, the speculative optimizer and recompute always and never train
+// bit for bit (loss, norm, aux loss, expert load, eval); the loss moves and
+// the metrics line carries aux_loss and a load per layer.
+TEST_F(MoeTrainTest, BitForBitAcrossPlacementsSchedulesSpeculationAndRecompute) {
+  const std::string swap = dir_.file("swap");
+  make_dirs(swap);
+  const nlohmann::json c = cli_config(data_);
+  Result r = train(c, "ref");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::vector<nlohmann::json> ref = metrics(dir_.file("ref.jsonl"));
+  ASSERT_EQ(ref.size(), 6u);
+  EXPECT_LT(ref.back()["loss"].get<double>(), ref.front()["loss"].get<double>());
+  for (const nlohmann::json& j : ref) {
+    // Uniform routing gives aux = k = 2; a load of 1 is perfectly even, 4 is every token's k on 2 experts.
+    EXPECT_GT(j["aux_loss"].get<double>(), 1.5);
+    EXPECT_LT(j["aux_loss"].get<double>(), 8.0);
+    ASSERT_EQ(j["expert_load"].size(), 2u);
+    for (const nlohmann::json& l : j["expert_load"]) {
+      EXPECT_GE(l.get<double>(), 1.0);
+      EXPECT_LE(l.get<double>(), 4.0);
+    }
+  }
+  std::vector<std::pair<std::string, nlohmann::json>> variants;
+  nlohmann::json v = c;
+  v["zero_optimization"] = {{"stage", 3}, {"offload_param", {{"device", "cpu"}}}, {"offload_optimizer", {{"device", "cpu"}}}};
+  variants.push_back({"host", v});
+  v["zero_optimization"] = {{"stage", 3},
+                            {"sub_group_size", 8192},
+                            {"offload_param", {{"device", "nvme"}, {"nvme_path", swap}, {"max_in_cpu", 0}}},
+                            {"offload_optimizer", {{"device", "nvme"}, {"nvme_path", swap}}}};
+  variants.push_back({"nvme", v});
+  v = c;
+  v["run"]["schedule"] = "micro_batch";
+  variants.push_back({"micro_batch", v});
+  v["run"]["schedule"] = "layer";
+  variants.push_back({"layer", v});
+  v = c;
+  v["optimizer"]["speculate"] = "on";
+  v["run"]["overlap_optimizer"] = true;
+  variants.push_back({"speculate", v});
+  v = c;
+  v["run"]["recompute"] = "always";
+  variants.push_back({"recompute always", v});
+  v["run"]["recompute"] = "never";
+  variants.push_back({"recompute never", v});
+  for (size_t i = 0; i < variants.size(); ++i) {
+    const std::string file = "v" + std::to_string(i);
+    Result t = train(variants[i].second, file);
+    ASSERT_EQ(t.code, 0) << variants[i].first << "\n" << t.output;
+    EXPECT_EQ(training_fields(metrics(dir_.file(file + ".jsonl"))), training_fields(ref)) << variants[i].first;
+  }
+}
+
+// 2 ranks train as one rank (to rounding: the gradients are reduced in
+// another order) at every ZeRO stage, the stages bit for bit with each
+// other; the aux loss and expert load are the global batch's.
+TEST_F(MoeTrainTest, TwoRanksTrainAsOneAtEveryStage) {
+  nlohmann::json c = cli_config(data_);
+  c["run"]["steps"] = 3;
+  c["data"]["eval_interval"] = 0;
+  ASSERT_EQ(train(c, "one").code, 0);
+  const std::vector<nlohmann::json> one = metrics(dir_.file("one.jsonl"));
+  ASSERT_EQ(one.size(), 3u);
+  std::vector<std::string> stage0;
+  for (int stage : {0, 1, 2, 3}) {
+    const std::string m = dir_.file("two" + std::to_string(stage) + ".jsonl");
+    nlohmann::json s = c;
+    s["zero_optimization"]["stage"] = stage;
+    const std::string cfg = dir_.write("two" + std::to_string(stage) + ".json", s.dump());
+    Result r = sh(kStrata + " launch --nproc 2 -- strata train " + cfg + " --metrics " + m);
+    ASSERT_EQ(r.code, 0) << r.output;
+    const std::vector<nlohmann::json> two = metrics(m);
+    ASSERT_EQ(two.size(), one.size());
+    for (size_t i = 0; i < one.size(); ++i) {
+      for (const char* k : {"loss", "aux_loss", "grad_norm"}) {
+        const double a = one[i][k], b = two[i][k];
+        EXPECT_LE(std::abs(a - b), 1e-5 * std::abs(a)) << k << " stage " << stage << " step " << i + 1;
+      }
+      EXPECT_EQ(one[i]["expert_load"], two[i]["expert_load"]) << "stage " << stage;
+    }
+    if (stage == 0) {
+      stage0 = training_fields(two);
+    } else {
+      EXPECT_EQ(training_fields(two), stage0) << "stage " << stage;
+    }
+  }
+}
+
+// `strata plan`'s expert rows and active FLOPs against the arithmetic done
+// by hand for cli_config's model: dim 48, 2 layers, 4 heads of 12, vocab 256
+// tied, 8 experts of 32, top 2, a shared expert of 40, seq 48.
+TEST_F(MoeTrainTest, PlanShowsExpertsAndActiveFlopsWorkedOutByHand) {
+  const std::string cfg = dir_.write("plan.json", cli_config(data_).dump());
+  Result r = sh(kStrata + " plan " + cfg + " --json --no-bound 2>/dev/null");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const nlohmann::json j = nlohmann::json::parse(r.output);
+  const nlohmann::json& e = j["experts"];
+  // A layer: norms 2 x 48, q/k/v/o 4 x 48 x 48 = 9216, biases 3 x 48, router
+  // 8 x 48 = 384, experts 8 x (2 x 32 x 48 + 48 x 32) = 36864, shared 3 x 40
+  // x 48 = 5760 and its gate 48: 52512. Two layers, the embedding 256 x 48
+  // = 12288 and the final norm 48: 117360.
+  EXPECT_EQ(j["parameters"].get<int64_t>(), 117360);
+  EXPECT_EQ(e["expert_parameters"].get<int64_t>(), 73728);  // 2 x 36864
+  EXPECT_NEAR(e["expert_share"].get<double>(), 73728.0 / 117360.0, 1e-12);
+  EXPECT_EQ(e["active_parameters"].get<int64_t>(), 117360 - 2 * 6 * 4608);  // 6 experts of 4608 skipped a layer
+  // A token's forward per layer: 2 x (attention's 9216 + experts' 2 x 4608 +
+  // router 384 + shared 5760 + its gate 48) + 4 x 48 x 48 for the scores =
+  // 58464; the head 2 x 256 x 48; forward and backward 3x:
+  // 3 x (2 x 58464 + 24576) = 424512.
+  EXPECT_DOUBLE_EQ(e["active_flops_per_token"].get<double>(), 424512.0);
+  // A step: 4 micro-batches of 2 x 48 tokens, k = 2 of 8 experts: 96 rows an expert.
+  EXPECT_DOUBLE_EQ(e["tokens_per_expert_per_step"].get<double>(), 96.0);
+  Result text = sh(kStrata + " plan " + cfg + " --no-bound 2>&1");
+  EXPECT_NE(text.output.find("experts: 8 a layer of width 32, top 2, a shared expert of 40"), std::string::npos)
+      << text.output;
+}
+
+// Bad keys: one line naming the key, exit 2, nothing written.
+TEST_F(MoeTrainTest, BadKeysAreOneLineNamingThem) {
+  auto fails = [&](const nlohmann::json& c, const std::string& name, const std::string& words) {
+    Result r = train(c, name);
+    EXPECT_EQ(r.code, 2) << name << ": " << r.output;
+    EXPECT_NE(r.output.find(words), std::string::npos) << name << ": " << r.output;
+    EXPECT_NE(access(dir_.file(name + ".jsonl").c_str(), F_OK), 0) << name;
+  };
+  nlohmann::json c = cli_config(data_);
+  c["model"]["num_experts_per_tok"] = 9;
+  fails(c, "topk", "model.num_experts_per_tok: 9 is more than model.num_experts 8");
+  c = cli_config(data_);
+  c["model"]["decoder_sparse_step"] = 2;
+  fails(c, "sparse", "model.decoder_sparse_step");
+  c = cli_config(data_);
+  c["model"]["mlp_only_layers"] = {1};
+  fails(c, "mlponly", "model.mlp_only_layers");
+  c = cli_config(data_);
+  c["model"]["router_jitter_noise"] = 0.01;
+  fails(c, "jitter", "model.router_jitter_noise");
+  c = cli_config(data_);
+  c["model"].erase("num_experts");
+  fails(c, "noexperts", "model.num_experts: required");
+  c = cli_config(data_);
+  c["model"].erase("shared_expert_intermediate_size");
+  fails(c, "noshared", "model.shared_expert_intermediate_size: required");
+  c = cli_config(data_);
+  c["model"]["family"] = "llama";
+  fails(c, "dense", "model.num_experts: model.family llama has no experts");
+  c = cli_config(data_);
+  c["model"]["family"] = "mixtral";
+  c["model"].erase("shared_expert_intermediate_size");
+  c["model"]["norm_topk_prob"] = false;
+  fails(c, "mixnorm", "model.norm_topk_prob");
+  c = cli_config(data_);
+  c["lora"] = {{"r", 4}, {"target_modules", {"q_proj", "down_proj"}}};
+  fails(c, "loraexperts", "lora.target_modules");
+}
+
+// Weights that contradict the config: the key named with both values.
+TEST(MoeWeightsTest, ExpertCountAndWidthAgainstTheWeightsNameTheKey) {
+  if (!have_transformers()) {
+    if (testing::under_ci()) FAIL() << "no transformers in .venv under CI";
+    GTEST_SKIP() << "no transformers in .venv (tools/setup.sh installs it)";
+  }
+  TempDir dir;
+  const std::string data = dir.write("data.txt", testing::sample_text(20000));
+  Result made = sh(kPython + " " + kRef + " make " + dir.file("hf") + " '" + family_spec("qwen3_moe").dump() + "'");
+  ASSERT_EQ(made.code, 0) << made.output;
+  for (const std::string layout : {"per_expert", "fused"}) {
+    const std::string from = dir.file("hf/" + layout);
+    nlohmann::json hf = nlohmann::json::parse(file_contents(from + "/config.json"));
+    // The config against config.json: the model section's value and the file's.
+    nlohmann::json j = train_config(data, {{"seq_len", 32}, {"init_from", from}, {"num_experts", 6}});
+    try {
+      parse_config(j);
+      ADD_FAILURE() << "no error";
+    } catch (const ConfigError& e) {
+      EXPECT_NE(std::string(e.what()).find("model.num_experts: 6 here, but"), std::string::npos) << e.what();
+    }
+    // config.json against the weights (a file edited by hand).
+    for (const auto& [key, value, words] :
+         std::vector<std::tuple<std::string, int, std::string>>{{"num_local_experts", 3, "model.num_experts: 3"},
+                                                                {"num_local_experts", 5, "model.num_experts: 5"},
+                                                                {"moe_intermediate_size", 40, "model.moe_intermediate_size: 40"}}) {
+      nlohmann::json edited = hf;
+      if (key == "num_local_experts") edited.erase("num_experts");
+      edited[key] = value;
+      std::ofstream(from + "/config.json") << edited.dump();
+      Config cfg = parse_config(train_config(data, {{"seq_len", 32}, {"init_from", from}}));
+      Model model(cfg.model);
+      try {
+        Trainer trainer(cfg, model);
+        ADD_FAILURE() << layout << " " << key << " " << value << ": no error";
+      } catch (const ConfigError& e) {
+        EXPECT_NE(std::string(e.what()).find(words), std::string::npos) << layout << ": " << e.what();
+        EXPECT_EQ(std::string(e.what()).find('\n'), std::string::npos) << e.what();
+      }
+    }
+    std::ofstream(from + "/config.json") << hf.dump();
+  }
+}
 
 }  // namespace
 }  // namespace strata

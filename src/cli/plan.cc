@@ -9,6 +9,7 @@
 
 #include <nlohmann/json.hpp>
 
+#include "cli/plan_experts.h"
 #include "comm/communicator.h"
 #include "engine/probes.h"
 #include "plan/planner.h"
@@ -428,6 +429,8 @@ PlanBound bound_plan(const PlanOptions& opt, const Config& cfg, const GivenCapac
 void print_plan_json(const PlanOptions& opt, const Config& cfg, const Computed& c, const PlanBound& b,
                      const DataUse& data) {
   nlohmann::json j = plan_json(c);
+  const int64_t step_tokens = cfg.train_micro_batch_size_per_gpu * cfg.model.seq_len * c.plan.step.accum;
+  if (cfg.model.is_moe()) j["experts"] = experts_json(cfg.model, c.parameters, step_tokens);
   if (b.bounded) j["bound"] = bound_json(b.work, b.bound, b.rates);
   if (!opt.no_bound && !b.bounded) j["bound"] = nullptr;
   if (b.bounded && b.work.speculated_elems > 0) j["bound"]["clipped_step_seconds"] = b.clipped.seconds;
@@ -479,6 +482,7 @@ void print_plan_text(const PlanOptions& opt, const Config& cfg, const Computed& 
               cfg.data.paths.size(), format_bytes(double(data.mapped_bytes)).c_str(),
               data.missing.empty() ? "" : strprintf(" (%zu not on this machine, not counted)", data.missing.size()).c_str());
   const int64_t step_tokens = cfg.train_micro_batch_size_per_gpu * cfg.model.seq_len * c.plan.step.accum;
+  std::fputs(experts_text(cfg.model, c.parameters, step_tokens).c_str(), stdout);
   if (b.bounded) std::fputs(bound_text(b.bound, b.rates, b.work, step_tokens).c_str(), stdout);
   if (!opt.no_bound && !b.bounded) std::printf("step bound: not computed (the plan does not fit; nothing was probed)\n");
   if (b.bounded && b.work.speculated_elems > 0) {

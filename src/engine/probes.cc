@@ -97,8 +97,12 @@ double probe_compute(const Config& cfg, Device& device, double budget_s, std::st
   // and the MLP by one factor (large products keep their rate), so the probe
   // stays small whatever the model (the plan of a model far too large for
   // the machine must still come out).
-  const double layer_params =
-      double(m.dim) * double(2 * m.q_dim() + 2 * m.kv_heads() * m.head_dim()) + 3.0 * double(m.dim) * double(m.ffn_dim());
+  // (An MoE layer's MLP: all its experts, the router and the shared expert.)
+  const double mlp_params = m.is_moe() ? 3.0 * double(m.dim) * double(m.expert_dim() * m.moe.num_experts +
+                                                                      m.moe.shared_expert_intermediate_size) +
+                                             double(m.dim * m.moe.num_experts)
+                                       : 3.0 * double(m.dim) * double(m.ffn_dim());
+  const double layer_params = double(m.dim) * double(2 * m.q_dim() + 2 * m.kv_heads() * m.head_dim()) + mlp_params;
   std::string shape_note;
   if (cpu && layer_params * double(elem) > double(int64_t(256) << 20)) {
     const double k = std::sqrt(layer_params * double(elem) / double(int64_t(256) << 20));
@@ -106,6 +110,13 @@ double probe_compute(const Config& cfg, Device& device, double budget_s, std::st
     const int64_t hd = std::max<int64_t>(2, std::min(m.head_dim(), dim) / 2 * 2);
     const int64_t group = m.n_heads / m.kv_heads();
     const int64_t heads = std::max<int64_t>(group, dim / hd / group * group);
+    if (m.is_moe()) {  // the experts narrowed like the MLP; their number and top k kept
+      m.moe.moe_intermediate_size = std::max<int64_t>(16, int64_t(double(m.expert_dim()) / k));
+      if (m.shared_expert()) {
+        m.moe.shared_expert_intermediate_size =
+            std::max<int64_t>(16, int64_t(double(m.moe.shared_expert_intermediate_size) / k));
+      }
+    }
     m.ffn_hidden = std::max<int64_t>(64, int64_t(double(m.ffn_dim()) / k));
     m.dim = dim;
     m.explicit_head_dim = hd;

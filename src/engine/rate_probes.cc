@@ -211,13 +211,18 @@ void RateProbes::compute() {
   const std::string lora = m.lora.enabled ? strprintf("|lora r %lld params %lld", (long long)m.lora.r,
                                                       (long long)lora_layer_params(m))
                                           : std::string();
+  // An MoE layer too: its expert GEMMs are smaller than a dense layer's.
+  const std::string moe = m.is_moe() ? strprintf("|experts %lld top %lld of %lld shared %lld", (long long)m.moe.num_experts,
+                                                 (long long)m.moe.num_experts_per_tok, (long long)m.expert_dim(),
+                                                 (long long)m.moe.shared_expert_intermediate_size)
+                                     : std::string();
   add(strprintf("compute|%s|%s|%s|%s dim %lld heads %lld/%lld of %lld ffn %lld seq %lld window %lld micro %lld|"
-                "threads %d|deterministic %d%s",
+                "threads %d|deterministic %d%s%s",
                 cpu_.c_str(), device_->name().c_str(), compute_dtype_name(cfg_.run.compute_dtype),
                 model_family_name(m.family), (long long)m.dim, (long long)m.n_heads, (long long)m.kv_heads(),
                 (long long)m.head_dim(), (long long)m.ffn_dim(), (long long)m.seq_len, (long long)m.sliding_window,
                 (long long)cfg_.train_micro_batch_size_per_gpu, at::get_num_threads(), int(cfg_.run.deterministic),
-                lora.c_str()),
+                lora.c_str(), moe.c_str()),
       "one layer's compute", 0, 1, [this](std::vector<double>* v, std::string* src) {
         v->assign(1, probe_compute(cfg_, *device_, budget_s_, src));
       });

@@ -278,6 +278,15 @@ void report_start(const TrainSession& s) {
             (long long)cfg.model.kv_heads(), (long long)cfg.model.ffn_dim(),
             (long long)cfg.model.seq_len, (long long)cfg.model.vocab_size,
             double(trainer.layout().parameter_count()) / 1e6);
+  if (cfg.model.is_moe()) {
+    const MoeConfig& e = cfg.model.moe;
+    log::info("experts: %lld a layer of width %lld, top %lld%s%s; load-balancing loss %s", (long long)e.num_experts,
+              (long long)cfg.model.expert_dim(), (long long)e.num_experts_per_tok,
+              e.norm_topk_prob ? " renormalised" : "",
+              cfg.model.shared_expert() ? strprintf(", a shared expert of %lld", (long long)e.shared_expert_intermediate_size).c_str() : "",
+              e.output_router_logits ? strprintf("in the loss x %g", e.router_aux_loss_coef).c_str()
+                                     : "reported, not trained (model.output_router_logits false)");
+  }
   if (trainer.layout().has_frozen()) {  // Note [State kinds] in memory/layout.h
     const PlacementPlan& p = trainer.plan();
     const auto& fb = p.state.bytes[size_t(Category::kFrozen)];
