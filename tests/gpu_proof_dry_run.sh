@@ -22,7 +22,7 @@ def check(ok, what):
     if not ok:
         bad.append(what)
 check(r["dry_run"], "the report does not say it was a dry run")
-check(sorted(p) == sorted(["suite", "b", "det", "c", "act", "d", "e", "ranks", "lora"]), f"parts reported: {sorted(p)}")
+check(sorted(p) == sorted(["suite", "b", "det", "c", "act", "d", "e", "ranks", "lora", "moe"]), f"parts reported: {sorted(p)}")
 # On a machine without a GPU the suite's GPU cases run and skip; none may fail. A build without the CUDA path
 # has no kernels_test: the dry run must say it skipped it, and only there.
 st = p.get("suite", {}).get("tests", {})
@@ -56,6 +56,11 @@ check(set(lo.get("runs", {})) == {"base-in-hbm", "base-half-in-host"}, f"part lo
 check(lo.get("same_losses") is True, "part lora: the base's placements trained differently")
 check(lo.get("runs", {}).get("base-half-in-host", {}).get("h2d_bytes", 0) > 0, "part lora: nothing of the base crossed")
 check(sum((lo.get("plan_frozen_bytes") or {}).values()) > 0, "part lora: the plan has no frozen base")
+mo = p.get("moe", {})
+check(set(mo.get("runs", {})) == {"loop", "grouped"}, f"part moe's runs: {sorted(mo.get('runs', {}))}")
+check(mo.get("losses_agree") is True, f"part moe: loop and grouped GEMMs trained apart: {mo.get('loss_rel_diff')}")
+check(all(x > 0 for r in mo.get("runs", {}).values() for x in r.get("aux_loss", [0])), "part moe: no aux_loss")
+check((mo.get("plan_experts") or {}).get("num_experts") == 16, f"part moe: the plan's experts: {mo.get('plan_experts')}")
 c = p.get("c", {})
 check(c.get("state_bytes", {}).get("nvme", 0) > 0, "part c placed nothing on NVMe")
 check(c.get("run", {}).get("nvme_read_bytes", 0) > 0, "part c's training read nothing from NVMe")

@@ -12,6 +12,7 @@
 #include <unistd.h>
 
 #include <cmath>
+#include <cstring>
 #include <fstream>
 #include <random>
 #include <string>
@@ -374,6 +375,12 @@ TEST_F(MoeTrainTest, TwoRanksTrainAsOneAtEveryStage) {
       }
       EXPECT_EQ(one[i]["expert_load"], two[i]["expert_load"]) << "stage " << stage;
     }
+    // Each rank's network bytes are the plan's prediction (the aux loss and
+    // the expert load's all-reduces included).
+    Result plan = sh(kStrata + " plan " + cfg + " --world-size 2 --json --no-bound 2>/dev/null");
+    ASSERT_EQ(plan.code, 0) << plan.output;
+    const int64_t predicted = nlohmann::json::parse(plan.output)["network"]["bytes_per_step_per_rank"];
+    for (const nlohmann::json& line : two) EXPECT_EQ(line["net_bytes"].get<int64_t>(), predicted) << "stage " << stage;
     if (stage == 0) {
       stage0 = training_fields(two);
     } else {
@@ -409,6 +416,35 @@ TEST_F(MoeTrainTest, PlanShowsExpertsAndActiveFlopsWorkedOutByHand) {
   Result text = sh(kStrata + " plan " + cfg + " --no-bound 2>&1");
   EXPECT_NE(text.output.find("experts: 8 a layer of width 32, top 2, a shared expert of 40"), std::string::npos)
       << text.output;
+}
+
+// LoRA on an MoE model: the experts and router are frozen with the base;
+// "all-linear" puts adapters on the attention's four linears only, and the
+// exported adapter holds exactly those.
+TEST_F(MoeTrainTest, LoraAdaptsTheAttentionOfAnMoeModel) {
+  nlohmann::json c = cli_config(data_);
+  c["lora"] = {{"r", 4}, {"lora_alpha", 8}, {"target_modules", "all-linear"}};
+  c["optimizer"]["params"]["lr"] = 1e-2;
+  c["run"]["checkpoint"] = {{"dir", dir_.file("ck")}};
+  Result r = train(c, "lora");
+  ASSERT_EQ(r.code, 0) << r.output;
+  const std::vector<nlohmann::json> m = metrics(dir_.file("lora.jsonl"));
+  ASSERT_EQ(m.size(), 6u);
+  EXPECT_LT(m.back()["loss"].get<double>(), m.front()["loss"].get<double>());
+  EXPECT_GT(m.back()["aux_loss"].get<double>(), 0.0);
+  Result e = sh(kStrata + " export " + dir_.file("ck") + " --out " + dir_.file("adapter"));
+  ASSERT_EQ(e.code, 0) << e.output;
+  const std::string bytes = file_contents(dir_.file("adapter/adapter_model.safetensors"));
+  uint64_t n = 0;
+  std::memcpy(&n, bytes.data(), 8);
+  const nlohmann::json header = nlohmann::json::parse(bytes.substr(8, n));
+  int adapters = 0;
+  for (const auto& [name, meta] : header.items()) {
+    if (name == "__metadata__") continue;
+    ++adapters;
+    EXPECT_NE(name.find(".self_attn."), std::string::npos) << name;
+  }
+  EXPECT_EQ(adapters, 2 * 4 * 2);  // 2 layers x q, k, v, o x (A, B)
 }
 
 // Bad keys: one line naming the key, exit 2, nothing written.

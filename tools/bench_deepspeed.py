@@ -277,14 +277,16 @@ def check_carried(args):
 
 
 def llama_config(shape):
-    """transformers' LlamaConfig from ds_translate's keywords (SDPA attention, no KV cache)."""
-    from transformers import LlamaConfig
+    """transformers' LlamaConfig (MixtralConfig for model_type mixtral) from ds_translate's keywords (SDPA
+    attention, no KV cache)."""
+    from transformers import LlamaConfig, MixtralConfig
     kw = dict(shape, use_cache=False)
     theta = kw.pop("rope_theta")
+    cls = MixtralConfig if kw.pop("model_type", "llama") == "mixtral" else LlamaConfig
     try:
-        hf = LlamaConfig(attn_implementation="sdpa", **kw)
+        hf = cls(attn_implementation="sdpa", **kw)
     except Exception:  # a config class that takes no attn_implementation keyword
-        hf = LlamaConfig(**kw)
+        hf = cls(**kw)
         hf._attn_implementation = "sdpa"
     if hasattr(hf, "rope_parameters"):  # transformers 5: RoPE settings in one dict
         hf.rope_parameters = dict(hf.rope_parameters or {"rope_type": "default"}, rope_theta=theta)
@@ -535,7 +537,15 @@ def cpu_child(args):
         save("model construction")
         dtype = torch.bfloat16 if ds.get("bf16", {}).get("enabled") else torch.float32
         with deepspeed.zero.Init(config_dict_or_path=ds, dtype=dtype):
-            model = LlamaForCausalLM(llama_config(shape))  # each module partitioned (and offloaded) as built
+            # each module partitioned (and offloaded) as built
+            model = transformers.AutoModelForCausalLM.from_config(llama_config(shape))
+        moe = shape.get("model_type") == "mixtral"
+        if moe:
+            # DeepSpeed's documented way for MoE blocks under ZeRO-3 (PR #4966): the sparse block is one
+            # leaf, its experts gathered whole, so ranks routing differently do not hang on fetch order.
+            from deepspeed.utils import set_z3_leaf_modules
+            from transformers.models.mixtral.modeling_mixtral import MixtralSparseMoeBlock
+            set_z3_leaf_modules(model, [MixtralSparseMoeBlock])
         if args.init_dir:  # the same initial weights as Strata's (model.init_from): into the partitions
             from safetensors import safe_open
             with safe_open(os.path.join(args.init_dir, "model.safetensors"), "pt") as f:
@@ -589,9 +599,12 @@ def cpu_child(args):
             for m in range(accum):
                 win = torch.from_numpy(np.stack([tokens[s:s + seq + 1].astype(np.int64)
                                                  for s in mine[m * micro:(m + 1) * micro]]))
-                logits = engine(input_ids=win[:, :seq]).logits
-                loss = F.cross_entropy(logits.float().reshape(-1, vocab), win[:, 1:].reshape(-1))
-                engine.backward(loss)
+                out = engine(input_ids=win[:, :seq], **({"output_router_logits": True} if moe else {}))
+                loss = F.cross_entropy(out.logits.float().reshape(-1, vocab), win[:, 1:].reshape(-1))
+                if moe and shape.get("output_router_logits"):  # the load-balancing loss, as Strata's
+                    engine.backward(loss + shape["router_aux_loss_coef"] * out.aux_loss)
+                else:
+                    engine.backward(loss)
                 engine.step()  # the optimizer steps at the accumulation boundary only
                 losses.append(loss.detach().float())
             mean = torch.stack(losses).mean()
@@ -743,17 +756,21 @@ def make_tokens(path, vocab, count):
 
 
 def make_init_weights(cfg, out_dir, seed):
-    """Hugging Face safetensors + config.json of a freshly initialised LlamaForCausalLM of the config's model,
+    """Hugging Face safetensors + config.json of a freshly initialised LlamaForCausalLM (MixtralForCausalLM) of the config's model,
     in bf16: both engines start from them (Strata: model.init_from; DeepSpeed: loaded into its partitions)."""
     if os.path.exists(os.path.join(out_dir, "model.safetensors")):
         return
     import torch
-    from transformers import LlamaForCausalLM
+    import transformers
     torch.manual_seed(seed)
-    model = LlamaForCausalLM(llama_config(ds_translate.hf_llama_config(cfg)))
+    shape = ds_translate.hf_llama_config(cfg)
+    model = transformers.AutoModelForCausalLM.from_config(llama_config(shape))
     tmp = out_dir + ".tmp"
     shutil.rmtree(tmp, ignore_errors=True)
-    model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True)
+    # An MoE model in transformers 5's fused layout: its file names are the model's parameter names, which
+    # the DeepSpeed child loads by; Strata reads either layout.
+    extra = {"save_original_format": False} if shape.get("model_type") == "mixtral" else {}
+    model.to(torch.bfloat16).save_pretrained(tmp, safe_serialization=True, **extra)
     os.replace(tmp, out_dir)
 
 

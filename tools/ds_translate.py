@@ -13,7 +13,9 @@ details, checkpoints, metrics) are not DeepSpeed's business and are not carried.
 MODEL_DEFAULTS = {"vocab_size": 256, "dim": 128, "n_layers": 4, "n_heads": 4, "n_kv_heads": 0, "ffn_hidden": 0,
                   "multiple_of": 32, "seq_len": 128, "tie_embeddings": True, "rope_theta": 10000.0,
                   "norm_eps": 1e-5, "init_std": 0.02, "family": "llama", "head_dim": 0, "rope_scaling": None,
-                  "sliding_window": 0, "init_from": ""}
+                  "sliding_window": 0, "init_from": "", "num_experts": 0, "num_experts_per_tok": 2,
+                  "moe_intermediate_size": 0, "norm_topk_prob": False, "shared_expert_intermediate_size": 0,
+                  "router_aux_loss_coef": 0.001, "output_router_logits": False}
 # DeepSpeed's defaults where Strata's differ or where DeepSpeed needs the value spelled out.
 OPTIMIZER_DEFAULTS = {"lr": 1e-3, "betas": [0.9, 0.999], "eps": 1e-8, "weight_decay": 0.01}
 PLACEMENTS = {  # --placement: (offload_optimizer.device, offload_param.device)
@@ -48,8 +50,9 @@ def ffn_hidden(m):
 def hf_llama_config(cfg, layers=0):
     """LlamaConfig keyword arguments for the model of a Strata config (`layers` overrides n_layers)."""
     m = model_section(cfg)
-    if m["family"] not in ("llama", "mistral"):  # qwen2's q/k/v biases, qwen3's q/k norms: another class
-        raise TranslationError("model.family", f"{m['family']!r}: only llama and mistral are LlamaForCausalLM")
+    if m["family"] not in ("llama", "mistral", "mixtral"):  # qwen2's q/k/v biases, qwen3's q/k norms: another class
+        raise TranslationError("model.family", f"{m['family']!r}: only llama and mistral (LlamaForCausalLM) and "
+                                               "mixtral (MixtralForCausalLM) are translated")
     if m["rope_scaling"] is not None:
         raise TranslationError("model.rope_scaling", "not translated (plain RoPE only)")
     if m["sliding_window"] and m["sliding_window"] < m["seq_len"]:
@@ -62,7 +65,21 @@ def hf_llama_config(cfg, layers=0):
             "max_position_embeddings": int(m["seq_len"]), "rope_theta": float(m["rope_theta"]),
             "rms_norm_eps": float(m["norm_eps"]), "tie_word_embeddings": bool(m["tie_embeddings"]),
             "initializer_range": float(m["init_std"]), "hidden_act": "silu",
-            "attention_bias": False, "mlp_bias": False}
+            "attention_bias": False, "mlp_bias": False, **moe_fields(m)}
+
+
+def moe_fields(m):
+    """MixtralConfig's keywords for a mixtral model section (its experts' width is intermediate_size), with
+    model_type "mixtral" (the class); nothing for a dense model."""
+    if m["family"] != "mixtral":
+        return {}
+    if not int(m["num_experts"]):
+        raise TranslationError("model.num_experts", "required for family mixtral")
+    return {"model_type": "mixtral", "num_local_experts": int(m["num_experts"]),
+            "num_experts_per_tok": int(m["num_experts_per_tok"]),
+            "intermediate_size": int(m["moe_intermediate_size"]) or ffn_hidden(m),
+            "router_aux_loss_coef": float(m["router_aux_loss_coef"]),
+            "output_router_logits": bool(m["output_router_logits"]), "router_jitter_noise": 0.0}
 
 
 def batch(cfg, world_size=1):
@@ -188,7 +205,8 @@ def largest_block(cfg, layers=0):
     h = hf_llama_config(cfg, layers)
     dim, hd = h["hidden_size"], h["head_dim"]
     layer = dim * hd * (2 * h["num_attention_heads"] + 2 * h["num_key_value_heads"]) + \
-        3 * dim * h["intermediate_size"] + 2 * dim
+        3 * dim * h["intermediate_size"] * h.get("num_local_experts", 1) + 2 * dim + \
+        dim * h.get("num_local_experts", 0)
     largest = max(layer, h["vocab_size"] * dim + dim)
     return (largest + (1 << 20) - 1) >> 20 << 20
 
@@ -198,6 +216,7 @@ def parameters(cfg, layers=0):
     h = hf_llama_config(cfg, layers)
     dim, hd = h["hidden_size"], h["head_dim"]
     attn = dim * hd * (2 * h["num_attention_heads"] + 2 * h["num_key_value_heads"])
-    layer = attn + 3 * dim * h["intermediate_size"] + 2 * dim
+    layer = attn + 3 * dim * h["intermediate_size"] * h.get("num_local_experts", 1) + 2 * dim + \
+        dim * h.get("num_local_experts", 0)
     embed = h["vocab_size"] * dim * (1 if h["tie_word_embeddings"] else 2)
     return embed + h["num_hidden_layers"] * layer + dim

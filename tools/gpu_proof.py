@@ -75,7 +75,8 @@ import time
 # 530 s leaves the call's 600 s room for the script's start, killed commands' exits and the archive. Round 2
 # (BENCHMARKS.md, "GPU, round 2") showed that every part does not fit one call on a lent host: run
 # PROOF_PARTS in two calls (e.g. "suite,b,det,e,ranks" then "c,act,d"); a subset gets the whole budget.
-BUDGETS = {"suite": 25, "b": 140, "det": 85, "e": 100, "ranks": 20, "c": 90, "act": 150, "d": 70, "lora": 90}
+BUDGETS = {"suite": 25, "b": 140, "det": 85, "e": 100, "ranks": 20, "c": 90, "act": 150, "d": 70, "lora": 90,
+           "moe": 90}
 GRACE_S = 10  # a command past its time gets SIGTERM, then SIGKILL this much later
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "tools"))
@@ -682,8 +683,60 @@ def part_lora(p, res):
             f"{'bit for bit the same' if res['same_losses'] else 'DIFFER'}; plan bound {res['plan_bound_s']:.2f} s")
 
 
+def moe_config(p):
+    """Qwen3-30B-A3B's layer shape (dim 2048, 32 heads of 128, 4 k/v heads, 128 experts of 768, top 8,
+    renormalised) over 6 layers, bf16, seq 4096, micro-batch 1 x 4 accumulation, the optimizer state in host
+    RAM; in a dry run a tiny CPU model of the same kind (16 experts of 64, top 4)."""
+    cfg = b_config(p)
+    if not p.args.dry_run:
+        cfg["model"] = {"family": "qwen3_moe", "vocab_size": 151936, "dim": 2048, "n_layers": 6, "n_heads": 32,
+                        "n_kv_heads": 4, "head_dim": 128, "seq_len": 4096, "tie_embeddings": False,
+                        "rope_theta": 1000000.0, "norm_eps": 1e-6, "num_experts": 128, "num_experts_per_tok": 8,
+                        "moe_intermediate_size": 768, "norm_topk_prob": True, "output_router_logits": True}
+        cfg.update(train_micro_batch_size_per_gpu=1, gradient_accumulation_steps=4)
+        cfg["placement"] = {"optimizer": {"host": 1.0}, "nvme_path": os.path.join(p.work, "swap")}
+    else:
+        cfg["model"] = {"family": "qwen3_moe", "vocab_size": 256, "dim": 64, "n_layers": 2, "n_heads": 4,
+                        "n_kv_heads": 2, "head_dim": 16, "seq_len": 64, "num_experts": 16, "num_experts_per_tok": 4,
+                        "moe_intermediate_size": 64, "norm_topk_prob": True, "output_router_logits": True}
+    return cfg
+
+
+def part_moe(p, res):
+    """Mixture of experts (docs/design.md, "Experts"): Qwen3-30B-A3B's layers with the experts' products as a
+    loop of GEMMs against LibTorch's grouped GEMM (run.expert_gemm), the rates probed once and given to both:
+    tokens/s, MFU over the active FLOPs (flops_per_s counts a token's 8 experts), the step against the bound,
+    aux_loss and expert_load; the losses of the two agree to bf16 rounding (the products' sums differ)."""
+    cfg = moe_config(p)
+    path = write(p, "moe.json", cfg)
+    plan = p.plan(path, "moe-plan")
+    res["plan_experts"] = plan.get("experts")
+    res["plan_bound_s"] = plan["bound"]["seconds"]
+    rates = run_rates(plan["bound"]["rates"])
+    rate_sets = [x for k, v in rates.items() for x in ("--set", f"run.rates.{k}={v:.6g}")]
+    res["runs"] = {}
+    for name in ("loop", "grouped"):
+        steps = p.train(path, f"moe-{name}", p.args.b_steps, rate_sets + ["--set", f"run.expert_gemm={name}"])
+        s = summary(steps, 1)
+        s["aux_loss"] = [x.get("aux_loss") for x in steps]
+        s["expert_load"] = steps[-1].get("expert_load")
+        res["runs"][name] = s
+        p.save()
+        say(f"  {name}: {s['tokens_per_s']:.0f} tok/s, MFU {s['mfu_nominal'] * 100:.1f}% of {NOMINAL_TFLOPS:.0f} "
+            f"TFLOP/s (active FLOPs); step {s['step_s']:.2f} s against bound_s {s['bound_s']:.2f}; aux "
+            f"{s['aux_loss'][-1]:.3f}")
+    loop, grouped = res["runs"]["loop"], res["runs"]["grouped"]
+    res["ratio"] = grouped["tokens_per_s"] / loop["tokens_per_s"]
+    res["loss_rel_diff"] = max(abs(a - b) / abs(a) for a, b in zip(loop["loss"], grouped["loss"]))
+    res["losses_agree"] = res["loss_rel_diff"] < 2e-2
+    return (f"grouped GEMM at {res['ratio']:.3f}x the loop ({grouped['tokens_per_s']:.0f} against "
+            f"{loop['tokens_per_s']:.0f} tok/s, MFU {grouped['mfu_nominal'] * 100:.1f}% over active FLOPs); losses "
+            f"{'agree' if res['losses_agree'] else 'DIFFER'} (largest relative difference {res['loss_rel_diff']:.1e}); "
+            f"plan bound {res['plan_bound_s']:.2f} s")
+
+
 PARTS = {"suite": part_suite, "b": part_b, "det": part_det, "e": part_e, "ranks": part_ranks, "c": part_c,
-         "act": part_act, "d": part_d, "lora": part_lora}
+         "act": part_act, "d": part_d, "lora": part_lora, "moe": part_moe}
 
 
 def main():

@@ -25,6 +25,7 @@ const char* rope_type_name(RopeType t) { return name_of(config::kRopeTypes, t); 
 const char* recompute_name(Recompute r) { return name_of(config::kRecomputes, r); }
 const char* speculate_name(Speculate s) { return name_of(config::kSpeculates, s); }
 const char* schedule_name(StepSchedule s) { return name_of(config::kSchedules, s); }
+const char* expert_gemm_name(ExpertGemm g) { return name_of(config::kExpertGemms, g); }
 const char* data_format_name(DataFormat f) { return name_of(config::kDataFormats, f); }
 const char* data_sampling_name(DataSampling s) { return name_of(config::kDataSamplings, s); }
 const char* moment_dtype_name(MomentDtype d) { return name_of(config::kMomentDtypes, d); }
@@ -178,6 +179,9 @@ Config parse_config(nlohmann::json j, const std::vector<std::string>& overrides,
     fail("model.vocab_size", "must be 256 for data.format text (bytes), got " + config::num(c.model.vocab_size));
   }
   c.run.compute_dtype = c.bf16 ? ComputeDtype::kBf16 : c.fp16.enabled ? ComputeDtype::kFp16 : ComputeDtype::kFp32;
+  c.model.moe.grouped_gemm =
+      c.run.expert_gemm == ExpertGemm::kGrouped ||
+      (c.run.expert_gemm == ExpertGemm::kAuto && c.run.device == DeviceKind::kCuda && c.run.compute_dtype == ComputeDtype::kBf16);
   c.raw = std::move(j);
   return c;
 }

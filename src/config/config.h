@@ -81,6 +81,10 @@ struct MoeConfig {
   int64_t shared_expert_intermediate_size = 0;  // qwen2_moe's shared expert (required there)
   double router_aux_loss_coef = 0.001;          // the load-balancing loss's weight
   bool output_router_logits = false;            // add it to the loss (transformers' switch)
+  // run.expert_gemm resolved (parse_config): the experts' products as
+  // LibTorch's grouped GEMM (at::_grouped_mm) rather than a loop of GEMMs
+  // (Note [Experts] in model/experts.cc).
+  bool grouped_gemm = false;
 };
 
 struct ModelConfig {
@@ -189,10 +193,12 @@ enum class ComputeDtype { kFp32, kBf16, kFp16 }; // derived from the bf16/fp16 s
 enum class Recompute { kAuto, kAlways, kNever }; // run.recompute
 enum class OptimizerOverlap { kAuto, kOn, kOff };  // run.overlap_optimizer: "auto" | true | false
 enum class StepSchedule { kAuto, kMicroBatch, kLayer };  // run.schedule
+enum class ExpertGemm { kAuto, kLoop, kGrouped };       // run.expert_gemm
 const char* device_kind_name(DeviceKind d);      // "cpu", "cuda"
 const char* compute_dtype_name(ComputeDtype d);  // "fp32", "bf16", "fp16"
 const char* recompute_name(Recompute r);         // "auto", "always", "never"
 const char* schedule_name(StepSchedule s);       // "auto", "micro_batch", "layer"
+const char* expert_gemm_name(ExpertGemm g);      // "auto", "loop", "grouped"
 inline int compute_dtype_bytes(ComputeDtype d) { return d == ComputeDtype::kFp32 ? 4 : 2; }
 
 // run.optimizer_state_dtype: the Adam moments' storage.
@@ -232,6 +238,11 @@ struct RunConfig {
   // layer's entries held; in host RAM with cpu_checkpointing), or the plan
   // keeps as many layers' as the device has room for (auto). Note [Recompute].
   Recompute recompute = Recompute::kAuto;
+  // An MoE layer's expert products: a loop of one GEMM per expert, or
+  // LibTorch's grouped GEMM (one call, no wait for the per-expert counts);
+  // auto: grouped on CUDA in bf16 (LibTorch 2.11 runs it on sm90+), the loop
+  // elsewhere.
+  ExpertGemm expert_gemm = ExpertGemm::kAuto;
   // run.activations: which layers keep their entries, fixed by hand (Note
   // [Activation placement] in memory/placement.h): the last
   // keep_device_layers on the device and keep_device_micro more micro-batches

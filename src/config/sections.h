@@ -35,6 +35,8 @@ inline constexpr EnumName<Recompute> kRecomputes[] = {
     {Recompute::kAuto, "auto"}, {Recompute::kAlways, "always"}, {Recompute::kNever, "never"}};
 inline constexpr EnumName<Speculate> kSpeculates[] = {
     {Speculate::kAuto, "auto"}, {Speculate::kOn, "on"}, {Speculate::kOff, "off"}};
+inline constexpr EnumName<ExpertGemm> kExpertGemms[] = {
+    {ExpertGemm::kAuto, "auto"}, {ExpertGemm::kLoop, "loop"}, {ExpertGemm::kGrouped, "grouped"}};
 inline constexpr EnumName<StepSchedule> kSchedules[] = {
     {StepSchedule::kAuto, "auto"}, {StepSchedule::kMicroBatch, "micro_batch"}, {StepSchedule::kLayer, "layer"}};
 inline constexpr EnumName<DataFormat> kDataFormats[] = {

@@ -216,7 +216,7 @@ const SectionKeys kRunKeys = {"run",
                               {"steps", "seed", "metrics", "log_file", "log_level", "device", "threads",
                                "device_memory_mb", "cpu_adam_isa", "overlap_optimizer", "swap_checksums",
                                "optimizer_state_dtype", "checkpoint", "recompute", "activations", "schedule",
-                               "rates", "deterministic"},
+                               "rates", "deterministic", "expert_gemm"},
                               {}};
 // run.rates' keys are the rates table's (config/rates.h).
 static Keys rate_keys() {
@@ -327,6 +327,7 @@ void parse_run(Section& top, Config& c) {
   r.read_enum("recompute", rc.recompute, kRecomputes);
   parse_activations(r, c);
   r.read_enum("schedule", rc.schedule, kSchedules);
+  r.read_enum("expert_gemm", rc.expert_gemm, kExpertGemms);
   parse_checkpoint(r, c);
   r.done();
 }

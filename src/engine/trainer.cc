@@ -157,7 +157,8 @@ void Trainer::forward_backward(const int64_t* tokens, double loss_scale, bool st
   sums[0] = grads_->finish_step(&moved);
   {
     TraceSpan span(TraceTrack::kComm, "all_reduce norm, loss, stop");
-    ctx_.comm->all_reduce(sums, 4, DType::kF64, ReduceOp::kSum).wait();
+    // (An MoE model's aux loss the fourth: plan.step_sums, counted in the plan's network bytes.)
+    ctx_.comm->all_reduce(sums, expert_load_.defined() ? 4 : 3, DType::kF64, ReduceOp::kSum).wait();
   }
   if (expert_load_.defined()) {
     r.aux_loss = sums[3];

@@ -360,6 +360,10 @@ struct PlacementPlan {
   std::vector<int64_t> frozen_block_numel;
   int64_t largest_block_numel = 0;   // padded, the largest gathered block
   int compute_bytes = 4;             // bytes per element of the compute dtype (activations, frozen values)
+  // The step's all-reduces of doubles after the backward (trainer.cc,
+  // forward_backward): norm, loss and stop (and an MoE model's aux loss),
+  // and an MoE model's expert load (layers x experts; 0 for a dense model).
+  int64_t step_sums = 3, expert_load_sums = 0;
   // Bytes per element of the working copy (param16): compute_bytes, or 4
   // for LoRA's fp32 adapters (Note [State kinds] in memory/layout.h).
   int param_bytes() const { return state.elem_bytes[0]; }

@@ -30,7 +30,9 @@ namespace strata {
 //
 // Grouping: the N k (token, slot) copies are sorted by expert (a stable
 // argsort, so the same on every device), each expert multiplies its
-// contiguous rows, and the weighted outputs are put back in (token, slot)
+// contiguous rows (a loop of GEMMs, or with run.expert_gemm grouped one
+// at::_grouped_mm over all of them, which needs no host copy of the per-
+// expert counts), and the weighted outputs are put back in (token, slot)
 // order by the inverse permutation and summed over the k slots: no
 // scatter-add, so the sum's order is fixed and the layer's bits do not depend
 // on atomics, threads or placement. The backward makes the routing again from
@@ -67,8 +69,16 @@ struct Model::Routing {
   at::Tensor inverse;   // [N k]: order's inverse permutation
   at::Tensor token;     // [N k]: the token of each sorted slot
   at::Tensor counts;    // [E] int64 on the device
-  std::vector<int64_t> host_counts;
+  std::vector<int64_t> host_counts;  // the loop's
+  at::Tensor offsets;   // [E] int32: the grouped GEMM's (cumulative counts)
 };
+
+// Note [Experts]: run.expert_gemm's grouped GEMM where its rows are 16-byte
+// aligned (at::_grouped_mm's condition), else the loop.
+bool Model::grouped(const at::Tensor& like) const {
+  const int64_t eb = int64_t(like.element_size());
+  return cfg_.moe.grouped_gemm && cfg_.dim * eb % 16 == 0 && cfg_.expert_dim() * eb % 16 == 0;
+}
 
 Model::Routing Model::route(const at::Tensor& logits) const {
   const int64_t k = cfg_.moe.num_experts_per_tok, e = cfg_.moe.num_experts;
@@ -82,8 +92,12 @@ Model::Routing Model::route(const at::Tensor& logits) const {
   r.inverse = at::argsort(r.order, /*stable=*/true, 0, false);
   r.token = at::div(r.order, k, "floor");
   r.counts = expert_counts(flat, e);
-  const at::Tensor host = r.counts.cpu();  // the experts' row counts: one wait per layer on a GPU
-  r.host_counts.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + e);
+  if (grouped(logits)) {
+    r.offsets = at::cumsum(r.counts, 0).to(at::kInt);  // the grouped GEMM's row ends, on the device
+  } else {
+    const at::Tensor host = r.counts.cpu();  // the loop's row counts: one wait per layer on a GPU
+    r.host_counts.assign(host.data_ptr<int64_t>(), host.data_ptr<int64_t>() + e);
+  }
   return r;
 }
 
@@ -101,17 +115,24 @@ at::Tensor Model::moe_forward(const std::vector<at::Tensor>& w, const at::Tensor
   const at::Tensor m2 = rows(m);
   const Routing r = route(at::linear(m2, w[kRouterW]));
   const at::Tensor xs = m2.index_select(0, r.token);
-  std::vector<at::Tensor> ys;
-  int64_t off = 0;
-  for (int64_t e = 0; e < cfg_.moe.num_experts; ++e) {
-    const int64_t n = r.host_counts[size_t(e)];
-    if (n == 0) continue;
-    at::Tensor gu = at::linear(xs.narrow(0, off, n), w[kGateUpW].select(0, e));
-    ys.push_back(at::linear(at::silu(gu.narrow(-1, 0, ei)) * gu.narrow(-1, ei, ei), w[kDownW].select(0, e)));
-    off += n;
+  at::Tensor y;
+  if (grouped(m2)) {
+    const at::Tensor gu = at::_grouped_mm(xs, w[kGateUpW].transpose(1, 2), r.offsets);
+    y = at::_grouped_mm(at::silu(gu.narrow(-1, 0, ei)) * gu.narrow(-1, ei, ei), w[kDownW].transpose(1, 2), r.offsets);
+  } else {
+    std::vector<at::Tensor> ys;
+    int64_t off = 0;
+    for (int64_t e = 0; e < cfg_.moe.num_experts; ++e) {
+      const int64_t n = r.host_counts[size_t(e)];
+      if (n == 0) continue;
+      at::Tensor gu = at::linear(xs.narrow(0, off, n), w[kGateUpW].select(0, e));
+      ys.push_back(at::linear(at::silu(gu.narrow(-1, 0, ei)) * gu.narrow(-1, ei, ei), w[kDownW].select(0, e)));
+      off += n;
+    }
+    y = at::cat(ys);
   }
   const at::Tensor ws = r.weights.reshape({-1}).index_select(0, r.order);
-  at::Tensor out = combine(r, at::cat(ys), ws);
+  at::Tensor out = combine(r, y, ws);
   if (cfg_.shared_expert()) {
     const size_t sh = shared_index();
     const at::Tensor p = at::silu(at::linear(m2, w[sh])) * at::linear(m2, w[sh + 1]);
@@ -149,15 +170,21 @@ at::Tensor Model::moe_saving(const std::vector<at::Tensor>& w, const at::Tensor&
   const Routing r = route(S[Saved::kRouterLogits]);
   if (output && S.tally != nullptr) moe_tally(S[Saved::kRouterLogits], r, S.tally);
   const at::Tensor xs = m2.index_select(0, r.token);
-  at::Tensor& gu = S[Saved::kExpertGateUp] = at::empty({n_rows * k, 2 * ei}, m2.options());
-  int64_t off = 0;
-  for (int64_t e = 0; e < cfg_.moe.num_experts; ++e) {
-    const int64_t n = r.host_counts[size_t(e)];
-    if (n > 0) {
-      at::Tensor dst = gu.narrow(0, off, n);
-      at::mm_out(dst, xs.narrow(0, off, n), w[kGateUpW].select(0, e).t());
+  const bool group = grouped(m2);
+  at::Tensor& gu = S[Saved::kExpertGateUp];
+  if (group) {
+    gu = at::_grouped_mm(xs, w[kGateUpW].transpose(1, 2), r.offsets);
+  } else {
+    gu = at::empty({n_rows * k, 2 * ei}, m2.options());
+    int64_t off = 0;
+    for (int64_t e = 0; e < cfg_.moe.num_experts; ++e) {
+      const int64_t n = r.host_counts[size_t(e)];
+      if (n > 0) {
+        at::Tensor dst = gu.narrow(0, off, n);
+        at::mm_out(dst, xs.narrow(0, off, n), w[kGateUpW].select(0, e).t());
+      }
+      off += n;
     }
-    off += n;
   }
   S[Saved::kExpertAct] = at::silu(gu.narrow(-1, 0, ei)) * gu.narrow(-1, ei, ei);
   if (cfg_.shared_expert()) {
@@ -168,15 +195,20 @@ at::Tensor Model::moe_saving(const std::vector<at::Tensor>& w, const at::Tensor&
     S[Saved::kSharedGate] = at::linear(m2, w[sh + 3]);
   }
   if (!output) return at::Tensor();  // a recompute: the down products only make the output
-  at::Tensor ys = at::empty({n_rows * k, m2.size(1)}, m2.options());
-  off = 0;
-  for (int64_t e = 0; e < cfg_.moe.num_experts; ++e) {
-    const int64_t n = r.host_counts[size_t(e)];
-    if (n > 0) {
-      at::Tensor dst = ys.narrow(0, off, n);
-      at::mm_out(dst, S[Saved::kExpertAct].narrow(0, off, n), w[kDownW].select(0, e).t());
+  at::Tensor ys;
+  if (group) {
+    ys = at::_grouped_mm(S[Saved::kExpertAct], w[kDownW].transpose(1, 2), r.offsets);
+  } else {
+    ys = at::empty({n_rows * k, m2.size(1)}, m2.options());
+    int64_t off = 0;
+    for (int64_t e = 0; e < cfg_.moe.num_experts; ++e) {
+      const int64_t n = r.host_counts[size_t(e)];
+      if (n > 0) {
+        at::Tensor dst = ys.narrow(0, off, n);
+        at::mm_out(dst, S[Saved::kExpertAct].narrow(0, off, n), w[kDownW].select(0, e).t());
+      }
+      off += n;
     }
-    off += n;
   }
   at::Tensor out = combine(r, ys, r.weights.reshape({-1}).index_select(0, r.order));
   if (cfg_.shared_expert()) {
@@ -202,12 +234,27 @@ at::Tensor Model::moe_backward(const std::vector<at::Tensor>& w, LayerSaved* s, 
   const at::Tensor& act = S[Saved::kExpertAct];
   at::Tensor dxs = at::empty_like(xs);
   at::Tensor dws = at::empty({xs.size(0)}, dy2.options().dtype(at::kFloat));
-  if (base_grads) {
+  if (base_grads && !grouped(dy2)) {
     g[kGateUpW] = at::empty_like(w[kGateUpW]);
     g[kDownW] = at::empty_like(w[kDownW]);
   }
+  const bool cast = cfg_.routing_weights_cast();
+  if (grouped(dy2)) {
+    // The same products as the loop's below, each one grouped GEMM over the
+    // sorted copies (an expert without rows gets a zero weight gradient).
+    const at::Tensor w1 = ws.unsqueeze(-1);
+    const at::Tensor dyw = cast ? dys * w1 : (dys.to(at::kFloat) * w1).to(dt);
+    if (base_grads) g[kDownW] = at::_grouped_mm(dyw.t(), act, r.offsets);
+    const at::Tensor da_plain = at::_grouped_mm(dys, w[kDownW], r.offsets);
+    dws.copy_((da_plain.to(at::kFloat) * act.to(at::kFloat)).sum(-1));
+    const at::Tensor da = cast ? da_plain * w1 : (da_plain.to(at::kFloat) * w1).to(dt);
+    const at::Tensor gate = gu.narrow(-1, 0, ei), up = gu.narrow(-1, ei, ei);
+    const at::Tensor dgu = at::cat({at::silu_backward(da * up, gate), da * at::silu(gate)}, -1);
+    if (base_grads) g[kGateUpW] = at::_grouped_mm(dgu.t(), xs, r.offsets);
+    dxs = at::_grouped_mm(dgu, w[kGateUpW], r.offsets);
+  }
   int64_t off = 0;
-  for (int64_t e = 0; e < ne; ++e) {
+  for (int64_t e = 0; e < ne && !grouped(dy2); ++e) {
     const int64_t n = r.host_counts[size_t(e)];
     if (n == 0) {  // no token: a zero gradient (Adam still moves it: Note [Experts])
       if (base_grads) {
@@ -220,7 +267,7 @@ at::Tensor Model::moe_backward(const std::vector<at::Tensor>& w, LayerSaved* s, 
     const at::Tensor act_e = act.narrow(0, off, n), gu_e = gu.narrow(0, off, n);
     // d(weighted output) per copy: dy times its weight, in the dtype the
     // family's product has (Mixtral's weights are fp32).
-    const at::Tensor dyw = cfg_.routing_weights_cast() ? dy_e * w_e : (dy_e.to(at::kFloat) * w_e).to(dt);
+    const at::Tensor dyw = cast ? dy_e * w_e : (dy_e.to(at::kFloat) * w_e).to(dt);
     if (base_grads) {
       at::Tensor dst = g[kDownW].select(0, e);
       at::mm_out(dst, dyw.t(), act_e);
@@ -228,7 +275,7 @@ at::Tensor Model::moe_backward(const std::vector<at::Tensor>& w, LayerSaved* s, 
     const at::Tensor down_e = w[kDownW].select(0, e);
     const at::Tensor da_plain = at::mm(dy_e, down_e);  // dy Wd: [n, I]
     dws.narrow(0, off, n).copy_((da_plain.to(at::kFloat) * act_e.to(at::kFloat)).sum(-1));
-    const at::Tensor da = cfg_.routing_weights_cast() ? da_plain * w_e : (da_plain.to(at::kFloat) * w_e).to(dt);
+    const at::Tensor da = cast ? da_plain * w_e : (da_plain.to(at::kFloat) * w_e).to(dt);
     const at::Tensor gate = gu_e.narrow(-1, 0, ei), up = gu_e.narrow(-1, ei, ei);
     const at::Tensor dgu = at::cat({at::silu_backward(da * up, gate), da * at::silu(gate)}, -1);  // [n, 2I]
     if (base_grads) {

@@ -117,6 +117,7 @@ class Model {
   at::Tensor mlp_backward(const std::vector<at::Tensor>& w, LayerSaved* s, const at::Tensor& dy,
                           std::vector<at::Tensor>* dw, bool base_grads) const;
   struct Routing;
+  bool grouped(const at::Tensor& like) const;
   Routing route(const at::Tensor& logits) const;
   at::Tensor combine(const Routing& r, const at::Tensor& ys, const at::Tensor& ws) const;
   at::Tensor moe_forward(const std::vector<at::Tensor>& w, const at::Tensor& m) const;

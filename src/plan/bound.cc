@@ -142,7 +142,7 @@ NetworkBytes step_network_bytes(const PlacementPlan& p) {
     bytes += reductions * (p.stage >= 2 ? gather_bytes(ws, shard, grad_t)
                                      : all_reduce_bytes(ws, shard * p.shards, grad_t));
   }
-  bytes += all_reduce_bytes(ws, 3, 8);
+  bytes += all_reduce_bytes(ws, p.step_sums, 8) + all_reduce_bytes(ws, p.expert_load_sums, 8);
   return out;
 }
 

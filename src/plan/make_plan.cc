@@ -551,6 +551,10 @@ PlacementPlan make_plan(const Config& cfg, const StateLayout& layout, int64_t ra
   PlacementPlan plan;
   plan.world_size = int(cfg.world_size);
   plan.stage = int(cfg.zero.stage);
+  if (cfg.model.is_moe()) {  // Note [Load balancing] in model/experts.cc
+    plan.step_sums = 4;
+    plan.expert_load_sums = cfg.model.n_layers * cfg.model.moe.num_experts;
+  }
   plan.shards = layout.world_size();
   plan.frozen_shards = layout.has_frozen() ? layout.frozen_world_size() : 1;
   plan.rank = int(rank);
