@@ -212,9 +212,11 @@ void RateProbes::compute() {
                                                       (long long)lora_layer_params(m))
                                           : std::string();
   // An MoE layer too: its expert GEMMs are smaller than a dense layer's.
-  const std::string moe = m.is_moe() ? strprintf("|experts %lld top %lld of %lld shared %lld", (long long)m.moe.num_experts,
+  const std::string moe = m.is_moe() ? strprintf("|experts %lld top %lld of %lld shared %lld explicit grouped %d",
+                                                 (long long)m.moe.num_experts,
                                                  (long long)m.moe.num_experts_per_tok, (long long)m.expert_dim(),
-                                                 (long long)m.moe.shared_expert_intermediate_size)
+                                                 (long long)m.moe.shared_expert_intermediate_size,
+                                                 int(m.moe.grouped_gemm))
                                      : std::string();
   add(strprintf("compute|%s|%s|%s|%s dim %lld heads %lld/%lld of %lld ffn %lld seq %lld window %lld micro %lld|"
                 "threads %d|deterministic %d%s%s",
