@@ -9,7 +9,8 @@ usage:
       OUT_DIR/fused (save_original_format=False).
   moe_ref.py logits MODEL_DIR TOKENS.bin BATCH SEQ OUT.bin
       The model's logits (float32 [BATCH, SEQ, vocab]) on int64 [BATCH, SEQ]
-      tokens; prints its class and its aux_loss (output_router_logits=True).
+      tokens; prints its class, its aux_loss (output_router_logits=True) and per
+      layer the busiest expert's routed tokens over the mean.
   moe_ref.py train DIR
       DIR/spec.json: {"model", "steps", "sequences", "seq_len", "micro_batch",
       "lr", "beta1", "beta2", "eps", "weight_decay", "clip"}; DIR/tokens.bin:
@@ -73,6 +74,14 @@ def logits(model_dir, tokens_path, batch, seq, out_path):
         f.write(out.logits.float().contiguous().numpy().tobytes())
     print(f"class {type(model).__name__}")
     print(f"aux {out.aux_loss.item():.10e}")
+    # Per layer, the busiest expert's routed tokens over the mean (Strata's expert_load).
+    k, e = model.config.num_experts_per_tok, out.router_logits[0].shape[-1]
+    loads = []
+    for logits_l in out.router_logits:
+        chosen = torch.topk(torch.softmax(logits_l.float(), -1), k, -1).indices.reshape(-1)
+        counts = torch.bincount(chosen, minlength=e).double()
+        loads.append(counts.max().item() / counts.mean().item())
+    print("load " + " ".join(f"{x:.10e}" for x in loads))
 
 
 def train(d):

@@ -15,6 +15,7 @@
 #include <cstring>
 #include <fstream>
 #include <random>
+#include <sstream>
 #include <string>
 #include <tuple>
 #include <vector>
@@ -72,9 +73,10 @@ at::Tensor read_floats(const std::string& path, at::IntArrayRef shape) {
   return t;
 }
 
-// transformers' logits of `model_dir` on `tokens` [B, T]; *aux its aux_loss.
+// transformers' logits of `model_dir` on `tokens` [B, T]; *aux its aux_loss,
+// *load (when given) per layer its busiest expert's tokens over the mean.
 at::Tensor hf_logits(const TempDir& dir, const std::string& model_dir, const at::Tensor& tokens, double* aux,
-                     const std::string& cls) {
+                     const std::string& cls, std::vector<double>* load = nullptr) {
   const std::string tok = dir.file("tokens.bin"), out = dir.file("hf-logits.bin");
   std::ofstream(tok, std::ios::binary)
       .write(reinterpret_cast<const char*>(tokens.data_ptr<int64_t>()), std::streamsize(tokens.numel() * 8));
@@ -84,6 +86,14 @@ at::Tensor hf_logits(const TempDir& dir, const std::string& model_dir, const at:
   EXPECT_NE(r.output.find("class " + cls + "\n"), std::string::npos) << r.output;
   const size_t at = r.output.rfind("aux ");
   *aux = at == std::string::npos ? -1.0 : std::stod(r.output.substr(at + 4));
+  if (load != nullptr) {
+    const size_t l = r.output.rfind("load ");
+    EXPECT_NE(l, std::string::npos) << r.output;
+    if (l != std::string::npos) {
+      std::istringstream in(r.output.substr(l + 5));
+      for (double v; in >> v;) load->push_back(v);
+    }
+  }
   return read_floats(out, {tokens.size(0), tokens.size(1), 256});
 }
 
@@ -137,7 +147,8 @@ TEST_P(MoeHfTest, LogitsAndAuxMatchTransformersFromBothLayoutsAndExportRoundTrip
   for (const std::string layout : {"per_expert", "fused"}) {
     SCOPED_TRACE(family + " " + layout);
     double hf_aux = 0.0;
-    const at::Tensor theirs = hf_logits(dir_, dir_.file("hf/" + layout), tokens, &hf_aux, class_of(family));
+    std::vector<double> hf_load;
+    const at::Tensor theirs = hf_logits(dir_, dir_.file("hf/" + layout), tokens, &hf_aux, class_of(family), &hf_load);
     nlohmann::json j = train_config(data_, {{"seq_len", T}, {"init_from", dir_.file("hf/" + layout)}});
     j["train_batch_size"] = 2;
     Config cfg = parse_config(j);
@@ -159,8 +170,10 @@ TEST_P(MoeHfTest, LogitsAndAuxMatchTransformersFromBothLayoutsAndExportRoundTrip
     EXPECT_LE(std::abs(r.loss - hf_loss), 1e-5 * hf_loss) << r.loss << " vs " << hf_loss;
     EXPECT_LE(std::abs(r.aux_loss - hf_aux), 1e-6 * hf_aux) << r.aux_loss << " vs " << hf_aux;
     EXPECT_GT(r.aux_loss, 0.0);
+    // The expert load: transformers' routing counted per layer, the same.
     ASSERT_EQ(r.expert_load.size(), 2u);
-    for (double l : r.expert_load) EXPECT_GE(l, 1.0);
+    ASSERT_EQ(hf_load.size(), 2u);
+    for (size_t l = 0; l < 2; ++l) EXPECT_NEAR(r.expert_load[l], hf_load[l], 1e-9) << "layer " << l;
     if (layout == std::string("fused")) continue;
     std::vector<int64_t> more(batch.size());
     for (int s = 0; s < 2; ++s) {
