@@ -723,7 +723,8 @@ TEST(ConfigModel, ShapeRulesNameTheKey) {
 }
 
 TEST(ConfigModel, FamilyKeysNameTheirKey) {
-  EXPECT_CONFIG_ERROR(with({{"model", {{"family", "gemma"}}}}), "model.family", "expected llama, mistral, qwen2 or qwen3");
+  EXPECT_CONFIG_ERROR(with({{"model", {{"family", "gemma"}}}}), "model.family",
+                      "expected llama, mistral, qwen2, qwen3, mixtral, qwen2_moe or qwen3_moe");
   EXPECT_CONFIG_ERROR(with({{"model", {{"rope_scaling", {{"type", "yarn"}}}}}}), "model.rope_scaling.type",
                       "expected none, linear or llama3");
   EXPECT_CONFIG_ERROR(with({{"model", {{"rope_scaling", {{"type", "linear"}, {"factor", 0}}}}}}),
