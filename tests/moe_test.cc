@@ -497,6 +497,15 @@ TEST_F(MoeTrainTest, BadKeysAreOneLineNamingThem) {
   c = cli_config(data_);
   c["lora"] = {{"r", 4}, {"target_modules", {"q_proj", "down_proj"}}};
   fails(c, "loraexperts", "lora.target_modules");
+  // Mixtral keeps its attention window (transformers applies it): one
+  // shorter than a sequence is refused, as for mistral; qwen's is not kept.
+  c = cli_config(data_);
+  c["model"]["family"] = "mixtral";
+  c["model"].erase("shared_expert_intermediate_size");
+  c["model"]["sliding_window"] = 16;
+  fails(c, "mixwindow", "model.sliding_window: 16 is shorter than model.seq_len 48");
+  c["model"]["family"] = "qwen3_moe";
+  fails(c, "qwenwindow", "model.sliding_window: only model.family mistral and mixtral");
 }
 
 // Weights that contradict the config: the key named with both values.

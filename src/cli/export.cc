@@ -133,7 +133,8 @@ json hf_config(const json& model, const std::string& dtype) {
       c["num_local_experts"] = e.at("num_experts");
       c["intermediate_size"] = e.at("moe_intermediate_size");
       c["router_jitter_noise"] = 0.0;
-      c["sliding_window"] = nullptr;
+      const int64_t w = model.value("sliding_window", int64_t{0});
+      c["sliding_window"] = w > 0 ? json(w) : json(nullptr);
     } else {
       c["num_experts"] = e.at("num_experts");
       c["moe_intermediate_size"] = e.at("moe_intermediate_size");

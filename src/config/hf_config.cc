@@ -87,7 +87,7 @@ json refuse_unsupported(const HfConfig& hf, const std::string& type) {
   }
   // Sliding-window attention: Mistral's window is kept; Qwen's per-layer windows are refused.
   json window;
-  if (type == "mistral") {
+  if (type == "mistral" || type == "mixtral") {
     window = hf.j.contains("sliding_window") && !hf.j["sliding_window"].is_null() ? hf.j["sliding_window"] : json(0);
   }
   if (hf.flag("use_sliding_window")) fail(hf.where, "use_sliding_window true is not supported (sliding-window attention)");

@@ -61,8 +61,8 @@ void check_model(const ModelConfig& mc) {
   if (mc.n_heads % mc.kv_heads() != 0) {
     fail("model.n_kv_heads", num(mc.kv_heads()) + " does not divide model.n_heads " + num(mc.n_heads));
   }
-  if (mc.sliding_window > 0 && mc.family != ModelFamily::kMistral) {
-    fail("model.sliding_window", "only model.family mistral has a sliding window");
+  if (mc.sliding_window > 0 && mc.family != ModelFamily::kMistral && mc.family != ModelFamily::kMixtral) {
+    fail("model.sliding_window", "only model.family mistral and mixtral have a sliding window");
   }
   if (mc.sliding_window > 0 && mc.sliding_window < mc.seq_len) {
     fail("model.sliding_window", num(mc.sliding_window) + " is shorter than model.seq_len " + num(mc.seq_len) +

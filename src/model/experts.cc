@@ -232,7 +232,7 @@ at::Tensor Model::moe_backward(const std::vector<at::Tensor>& w, LayerSaved* s, 
   const at::Tensor ws = r.weights.reshape({-1}).index_select(0, r.order);
   const at::Tensor& gu = S[Saved::kExpertGateUp];
   const at::Tensor& act = S[Saved::kExpertAct];
-  at::Tensor dxs = at::empty_like(xs);
+  at::Tensor dxs = grouped(dy2) ? at::Tensor() : at::empty_like(xs);
   at::Tensor dws = at::empty({xs.size(0)}, dy2.options().dtype(at::kFloat));
   if (base_grads && !grouped(dy2)) {
     g[kGateUpW] = at::empty_like(w[kGateUpW]);
@@ -243,14 +243,19 @@ at::Tensor Model::moe_backward(const std::vector<at::Tensor>& w, LayerSaved* s, 
     // The same products as the loop's below, each one grouped GEMM over the
     // sorted copies (an expert without rows gets a zero weight gradient).
     const at::Tensor w1 = ws.unsqueeze(-1);
-    const at::Tensor dyw = cast ? dys * w1 : (dys.to(at::kFloat) * w1).to(dt);
-    if (base_grads) g[kDownW] = at::_grouped_mm(dyw.t(), act, r.offsets);
+    // An expert without rows gets an exact zero, whatever the kernel leaves
+    // in an empty group's output (on the device: no wait for the counts).
+    const at::Tensor has_rows = r.counts.gt(0).view({ne, 1, 1});
+    if (base_grads) {
+      const at::Tensor dyw = cast ? dys * w1 : (dys.to(at::kFloat) * w1).to(dt);
+      g[kDownW] = at::where(has_rows, at::_grouped_mm(dyw.t(), act, r.offsets), 0);
+    }
     const at::Tensor da_plain = at::_grouped_mm(dys, w[kDownW], r.offsets);
     dws.copy_((da_plain.to(at::kFloat) * act.to(at::kFloat)).sum(-1));
     const at::Tensor da = cast ? da_plain * w1 : (da_plain.to(at::kFloat) * w1).to(dt);
     const at::Tensor gate = gu.narrow(-1, 0, ei), up = gu.narrow(-1, ei, ei);
     const at::Tensor dgu = at::cat({at::silu_backward(da * up, gate), da * at::silu(gate)}, -1);
-    if (base_grads) g[kGateUpW] = at::_grouped_mm(dgu.t(), xs, r.offsets);
+    if (base_grads) g[kGateUpW] = at::where(has_rows, at::_grouped_mm(dgu.t(), xs, r.offsets), 0);
     dxs = at::_grouped_mm(dgu, w[kGateUpW], r.offsets);
   }
   int64_t off = 0;

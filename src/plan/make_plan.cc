@@ -128,7 +128,9 @@ void estimate_transients(const Config& cfg, const StateLayout& layout, Placement
   // A layer's forward or backward working set: with experts, the gathered
   // token copies, their gate/up and SwiGLU, the outputs and their re-sort (top
   // k of each a token: Note [Experts] in model/layer_ops.cc).
-  const int64_t mlp_work = m.is_moe() ? m.moe.num_experts_per_tok * (3 * m.dim + 3 * m.expert_dim()) +
+  // The backward holds the most: the copies, their output gradient and its
+  // weighted form, and the gate/up gradients beside the saved gate/up.
+  const int64_t mlp_work = m.is_moe() ? m.moe.num_experts_per_tok * (5 * m.dim + 8 * m.expert_dim()) +
                                             4 * m.moe.shared_expert_intermediate_size + m.moe.num_experts
                                       : 4 * m.ffn_dim();
   const int64_t layer = tokens * (6 * m.dim + 4 * m.q_dim() + mlp_work) * cb + 3 * tokens * m.n_heads * m.seq_len * 4;
