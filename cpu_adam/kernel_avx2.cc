@@ -63,6 +63,13 @@ struct Avx2 {
   static F sqrt(F a) { return _mm256_sqrt_ps(a); }
   static F fma(F a, F b, F c) { return _mm256_fmadd_ps(a, b, c); }
   static bool any_nan(F a) { return _mm256_movemask_ps(_mm256_cmp_ps(a, a, _CMP_UNORD_Q)) != 0; }
+  // Note [Fused cross-entropy]. max: b where either is NaN (as vmaxps).
+  static F max(F a, F b) { return _mm256_max_ps(a, b); }
+  static F round(F a) { return _mm256_round_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F scale2(F a, F n) {  // n integral in [-126, 0]: 2^n is a normal float
+    const __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
+    return _mm256_mul_ps(a, _mm256_castsi256_ps(e));
+  }
 
   // Note [bf16 state]
   using I = __m256i;
@@ -85,6 +92,6 @@ struct Avx2 {
 
 }  // namespace
 
-Kernels avx2_kernels() { return {&simd_step<Avx2>, &simd_convert<Avx2>}; }
+Kernels avx2_kernels() { return {&simd_step<Avx2>, &simd_convert<Avx2>, &simd_cross_entropy<Avx2>}; }
 
 }  // namespace strata::cpu_adam::detail

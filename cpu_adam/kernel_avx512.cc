@@ -92,6 +92,10 @@ struct Avx512 {
   static F sqrt(F a) { return _mm512_sqrt_ps(a); }
   static F fma(F a, F b, F c) { return _mm512_fmadd_ps(a, b, c); }
   static bool any_nan(F a) { return _mm512_cmp_ps_mask(a, a, _CMP_UNORD_Q) != 0; }
+  // Note [Fused cross-entropy]. max: b where either is NaN (as vmaxps).
+  static F max(F a, F b) { return _mm512_max_ps(a, b); }
+  static F round(F a) { return _mm512_roundscale_ps(a, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC); }
+  static F scale2(F a, F n) { return _mm512_scalef_ps(a, n); }  // a x 2^floor(n), rounded once
 
   // Note [bf16 state]
   using I = __m512i;
@@ -118,11 +122,11 @@ struct Avx512 {
 }  // namespace
 
 Kernels avx512_kernels() {
-  return {&simd_step<Avx512<false>>, &simd_convert<Avx512<false>>};
+  return {&simd_step<Avx512<false>>, &simd_convert<Avx512<false>>, &simd_cross_entropy<Avx512<false>>};
 }
 
 Kernels avx512_bf16_kernels() {
-  return {&simd_step<Avx512<true>>, &simd_convert<Avx512<true>>};
+  return {&simd_step<Avx512<true>>, &simd_convert<Avx512<true>>, &simd_cross_entropy<Avx512<true>>};
 }
 
 }  // namespace strata::cpu_adam::detail

@@ -7,6 +7,7 @@
 #include <cmath>
 #include <cstring>
 
+#include "cpu_adam/kernel_simd.h"
 #include "cpu_adam/kernels.h"
 
 namespace strata::cpu_adam::detail {
@@ -120,8 +121,31 @@ void scalar_convert(const float* src, void* dst, EmitType type, int64_t /*numel*
   }
 }
 
+// Note [Fused cross-entropy] over kernel_simd.h's code with one-float
+// "vectors": the same operations in the same order as the SIMD kernels.
+struct Scalar {
+  static constexpr int kWidth = 1;
+  using F = float;
+  using H = uint16_t;
+  static F load(const float* p) { return *p; }
+  static void store(float* p, F x) { *p = x; }
+  static F load_bf16(const uint16_t* p) { return bf16_to_float(*p); }
+  static F load_f16(const uint16_t* p) { return fp16_to_float(*p); }
+  static H to_bf16(F x) { return float_to_bf16(x); }
+  static H to_f16(F x) { return float_to_fp16(x); }
+  static void store16(uint16_t* p, H h) { *p = h; }
+  static F set1(float x) { return x; }
+  static F add(F a, F b) { return a + b; }
+  static F sub(F a, F b) { return a - b; }
+  static F mul(F a, F b) { return a * b; }
+  static F fma(F a, F b, F c) { return std::fma(a, b, c); }
+  static F max(F a, F b) { return a > b ? a : b; }  // b where either is NaN, as vmaxps
+  static F round(F a) { return std::nearbyint(a); }  // the default rounding: to nearest even
+  static F scale2(F a, F n) { return std::ldexp(a, static_cast<int>(n)); }
+};
+
 }  // namespace
 
-Kernels scalar_kernels() { return {&scalar_step, &scalar_convert}; }
+Kernels scalar_kernels() { return {&scalar_step, &scalar_convert, &simd_cross_entropy<Scalar>}; }
 
 }  // namespace strata::cpu_adam::detail

@@ -11,15 +11,19 @@
 // I (kWidth 32-bit integers), lanes() = {0, 1, ..., kWidth-1}, set1_u32,
 // add_u32, mul_u32 (low 32 bits), xor_u32, and_u32, srl_u32<N>, and
 // bf16_stochastic(x, r) = the high halves of bits(x) + r (r < 2^16) as H,
-// 0x7FC0 for NaN.
+// 0x7FC0 for NaN. For Note [Fused cross-entropy]: max(a, b), round(a) (to
+// the nearest integer, ties to even), scale2(a, n) = a x 2^n for an integral
+// n in [-126, 0], rounded once.
 //
 // Everything here is in an anonymous namespace and templated on V (itself in
 // an anonymous namespace of the including file), so no symbol compiled with
 // one file's -m flags can be picked by the linker for another file.
 #pragma once
 
+#include <cmath>
 #include <cstdint>
 #include <cstring>
+#include <limits>
 
 #include "cpu_adam/kernels.h"
 
@@ -276,6 +280,135 @@ void simd_convert(const float* src, void* dst, EmitType type, int64_t numel, int
                   int64_t end) {
   if (type == EmitType::kBF16) convert_range<V, EmitType::kBF16>(src, dst, numel, begin, end);
   if (type == EmitType::kF16) convert_range<V, EmitType::kF16>(src, dst, numel, begin, end);
+}
+
+// ---- Note [Fused cross-entropy] (cpu_adam/cross_entropy.h) ----
+
+// exp(d) for d <= 0 (d below -87 taken as -87), one sequence of IEEE
+// operations: n = round(z / ln 2), r = z - n ln 2 in two fused steps (ln 2
+// split so that n x kLn2Hi is exact), e^r by its Taylor polynomial of degree 7
+// (|r| <= ln 2 / 2: truncation below 6e-9 relative) in Horner form, times 2^n.
+constexpr float kExpFloor = -87.0f;
+constexpr float kLog2e = 1.44269504088896341f;
+constexpr float kLn2Hi = 0.693359375f;
+constexpr float kLn2Lo = -2.12194440e-4f;
+constexpr float kExpTaylor[8] = {1.0f,        1.0f,         0.5f,          1.0f / 6.0f,
+                                 1.0f / 24.0f, 1.0f / 120.0f, 1.0f / 720.0f, 1.0f / 5040.0f};
+
+template <class V>
+inline typename V::F exp_nonpositive(typename V::F d) {
+  using F = typename V::F;
+  const F z = V::max(V::set1(kExpFloor), d);  // a NaN d stays NaN (max gives its second operand)
+  const F n = V::round(V::mul(z, V::set1(kLog2e)));
+  F r = V::fma(n, V::set1(-kLn2Hi), z);
+  r = V::fma(n, V::set1(-kLn2Lo), r);
+  F p = V::set1(kExpTaylor[7]);
+  for (int k = 6; k >= 0; --k) p = V::fma(p, r, V::set1(kExpTaylor[k]));
+  return V::scale2(p, n);
+}
+
+// One value of a row, widened exactly (out-of-line scalar conversions).
+template <GradType T>
+inline float widen_one(const void* row, int64_t i) {
+  if constexpr (T == GradType::kF32) return static_cast<const float*>(row)[i];
+  if constexpr (T == GradType::kBF16) return bf16_to_float(static_cast<const uint16_t*>(row)[i]);
+  if constexpr (T == GradType::kF16) return fp16_to_float(static_cast<const uint16_t*>(row)[i]);
+}
+
+template <class V, GradType T>
+inline void store_logit(void* row, int64_t i, typename V::F x) {
+  if constexpr (T == GradType::kF32) {
+    V::store(static_cast<float*>(row) + i, x);
+  } else {
+    V::store16(static_cast<uint16_t*>(row) + i, T == GradType::kBF16 ? V::to_bf16(x) : V::to_f16(x));
+  }
+}
+
+// The kCrossEntropyLanes lanes of `parts` folded as Note [Fused
+// cross-entropy]'s tree, by max or by sum.
+template <class V, bool kMax>
+inline float fold_lanes(const typename V::F* parts) {
+  constexpr int W = V::kWidth;
+  alignas(64) float l[kCrossEntropyLanes];
+  for (int p = 0; p < kCrossEntropyLanes / W; ++p) V::store(l + p * W, parts[p]);
+  for (int half = kCrossEntropyLanes / 2; half > 0; half /= 2) {
+    for (int i = 0; i < half; ++i) l[i] = kMax ? (l[i + half] > l[i] ? l[i + half] : l[i]) : l[i] + l[i + half];
+  }
+  return l[0];
+}
+
+template <class V, GradType T>
+void cross_entropy_range(const CrossEntropyRows& a, int64_t begin, int64_t end) {
+  using F = typename V::F;
+  constexpr int W = V::kWidth, P = kCrossEntropyLanes / W, L = kCrossEntropyLanes;
+  const int eb = grad_bytes(T);
+  const int64_t full = a.vocab / L * L, tail = a.vocab - full;
+  for (int64_t row = begin; row < end; ++row) {
+    unsigned char* x = static_cast<unsigned char*>(a.logits) + row * a.stride * eb;
+    const int64_t t = a.targets[row];
+    if (t == a.ignore_index) {
+      a.row_loss[row] = 0.0f;
+      if (a.write_grad) std::memset(x, 0, size_t(a.vocab) * size_t(eb));  // +0 in every type
+      continue;
+    }
+    // The short last block, widened once; its padding never counts.
+    alignas(64) float last[L];
+    for (int i = 0; i < L; ++i) last[i] = -std::numeric_limits<float>::infinity();
+    for (int64_t i = 0; i < tail; ++i) last[i] = widen_one<T>(x, full + i);
+    F acc[P];
+    for (F& v : acc) v = V::set1(-std::numeric_limits<float>::infinity());
+    for (int64_t i = 0; i < full; i += L) {
+      for (int p = 0; p < P; ++p) acc[p] = V::max(acc[p], load_grad<V, T>(x, i + p * W));
+    }
+    if (tail > 0) {
+      for (int p = 0; p < P; ++p) acc[p] = V::max(acc[p], V::load(last + p * W));
+    }
+    const float m = fold_lanes<V, true>(acc);
+    const F mv = V::set1(m);
+    for (F& v : acc) v = V::set1(0.0f);
+    for (int64_t i = 0; i < full; i += L) {
+      for (int p = 0; p < P; ++p) {
+        acc[p] = V::add(acc[p], exp_nonpositive<V>(V::sub(load_grad<V, T>(x, i + p * W), mv)));
+      }
+    }
+    alignas(64) float e_last[L] = {};
+    if (tail > 0) {
+      for (int p = 0; p < P; ++p) V::store(e_last + p * W, exp_nonpositive<V>(V::sub(V::load(last + p * W), mv)));
+      for (int i = int(tail); i < L; ++i) e_last[i] = 0.0f;
+      for (int p = 0; p < P; ++p) acc[p] = V::add(acc[p], V::load(e_last + p * W));
+    }
+    const float s = fold_lanes<V, false>(acc);
+    const float xt = widen_one<T>(x, t);
+    a.row_loss[row] = std::log(s) - (xt - m);
+    if (!a.write_grad) continue;
+    const float c = a.grad_scale / s;
+    const F cv = V::set1(c);
+    for (int64_t i = 0; i < full; i += L) {
+      for (int p = 0; p < P; ++p) {
+        const F e = exp_nonpositive<V>(V::sub(load_grad<V, T>(x, i + p * W), mv));
+        store_logit<V, T>(x, i + p * W, V::mul(e, cv));
+      }
+    }
+    if (tail > 0) {
+      alignas(64) unsigned char out[L * 4];
+      for (int p = 0; p < P; ++p) store_logit<V, T>(out, p * W, V::mul(V::load(e_last + p * W), cv));
+      std::memcpy(x + full * eb, out, size_t(tail) * size_t(eb));
+    }
+    // The target's own value: the same lane arithmetic on x_t, less grad_scale.
+    alignas(64) unsigned char out_t[L * 4];
+    const F gt = V::sub(V::mul(exp_nonpositive<V>(V::set1(xt - m)), cv), V::set1(a.grad_scale));
+    store_logit<V, T>(out_t, 0, gt);
+    std::memcpy(x + t * eb, out_t, size_t(eb));
+  }
+}
+
+template <class V>
+void simd_cross_entropy(const CrossEntropyRows& a, int64_t begin, int64_t end) {
+  switch (a.type) {
+    case GradType::kF32: cross_entropy_range<V, GradType::kF32>(a, begin, end); break;
+    case GradType::kBF16: cross_entropy_range<V, GradType::kBF16>(a, begin, end); break;
+    case GradType::kF16: cross_entropy_range<V, GradType::kF16>(a, begin, end); break;
+  }
 }
 
 }  // namespace

@@ -6,6 +6,7 @@
 
 #include <cstdint>
 
+#include "cpu_adam/cross_entropy.h"
 #include "cpu_adam/types.h"
 
 namespace strata::cpu_adam::detail {
@@ -47,9 +48,13 @@ using StepKernel = bool (*)(const StepConstants& c, const AdamSpans& s, int64_t 
 using ConvertKernel = void (*)(const float* src, void* dst, EmitType type, int64_t numel,
                                int64_t begin, int64_t end);
 
+// Rows [begin, end) of Note [Fused cross-entropy] (cpu_adam/cross_entropy.h).
+using CrossEntropyKernel = void (*)(const CrossEntropyRows& a, int64_t begin, int64_t end);
+
 struct Kernels {
   StepKernel step;
   ConvertKernel convert;
+  CrossEntropyKernel cross_entropy;
 };
 
 Kernels scalar_kernels();

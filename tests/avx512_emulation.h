@@ -22,6 +22,7 @@ typedef uint16_t __mmask16;
 
 #define _CMP_UNORD_Q 0x03
 #define _MM_FROUND_TO_NEAREST_INT 0x00
+#define _MM_FROUND_NO_EXC 0x08
 
 namespace avx512_emulation {
 
@@ -115,6 +116,15 @@ EMU_INLINE __m512 _mm512_fmadd_ps(__m512 a, __m512 b, __m512 c) {
                            z = as<avx512_emulation::F32x16>(c);
   for (int i = 0; i < 16; ++i) x.v[i] = std::fma(x.v[i], y.v[i], z.v[i]);
   return as<__m512>(x);
+}
+// Note [Fused cross-entropy]'s: vmaxps gives the second operand where either is NaN.
+EMU_INLINE __m512 _mm512_max_ps(__m512 a, __m512 b) { return avx512_emulation::map_ps(a, b, [](float x, float y) { return x > y ? x : y; }); }
+EMU_INLINE __m512 _mm512_roundscale_ps(__m512 a, int imm) {
+  if ((imm & ~_MM_FROUND_NO_EXC) != _MM_FROUND_TO_NEAREST_INT) __builtin_trap();  // the only one the kernel uses
+  return avx512_emulation::map_ps(a, a, [](float x, float) { return std::nearbyint(x); });
+}
+EMU_INLINE __m512 _mm512_scalef_ps(__m512 a, __m512 b) {  // a x 2^floor(b), rounded once
+  return avx512_emulation::map_ps(a, b, [](float x, float y) { return std::ldexp(x, static_cast<int>(std::floor(y))); });
 }
 EMU_INLINE __mmask16 _mm512_cmp_ps_mask(__m512 a, __m512 b, int predicate) {
   if (predicate != _CMP_UNORD_Q) __builtin_trap();  // the only one the kernel uses

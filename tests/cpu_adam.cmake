@@ -1,6 +1,9 @@
 # cpu_adam: the kernels against a double reference (no LibTorch), and against
 # torch::optim::AdamW in a separate target, so that only it pays for LibTorch.
 strata_test(cpu_adam_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/cpu_adam_test.cc LIBS strata_cpu_adam)
+# The head's fused cross-entropy kernels (cpu_adam/cross_entropy.h).
+strata_test(cross_entropy_kernel_test SOURCES ${CMAKE_CURRENT_SOURCE_DIR}/cross_entropy_kernel_test.cc
+            LIBS strata_cpu_adam)
 
 # The AVX-512 kernel code on any CPU, over scalar stand-ins for its intrinsics
 # (CI machines have no AVX-512).

@@ -9,8 +9,10 @@
 #include <vector>
 
 #include "memory/layout.h"
+#include "model/cross_entropy.h"
 #include "model/model.h"
 #include "model/saved_activations.h"
+#include "util/errors.h"
 
 namespace strata {
 namespace {
@@ -342,6 +344,50 @@ TEST(LayerOpsTest, Llama8BLayerSavesWhatWasWorkedOutByHand) {
   }
   EXPECT_EQ(all, 6 * 4096 * 2 + 2 * 1024 * 2 + 3 * 14336 * 2 + 2 * 4 + 32 * 4);  // 139,400 B
   EXPECT_EQ(not_cheap, all - 2 * 4096 * 2 - 14336 * 2);                           // 94,344 B
+}
+
+// Note [Fused cross-entropy]: the head's fused loss and gradient against
+// LibTorch's cross_entropy over an fp32 copy of the logits and autograd's
+// gradient of (loss x scale), in fp32, bf16 and fp16, with ignored targets
+// summed (Note [Counted tokens]) and averaged; a read-only call leaves the
+// logits as they were; a target outside the vocabulary is refused.
+TEST(LayerOpsTest, FusedCrossEntropyAgreesWithLibTorch) {
+  at::manual_seed(3);
+  const int64_t rows = 37, vocab = 1003;
+  for (at::ScalarType dt : {at::kFloat, at::kBFloat16, at::kHalf}) {
+    for (bool masked : {false, true}) {
+      const at::Tensor logits = (at::randn({rows, vocab}) * 3.0).to(dt);
+      at::Tensor targets = at::randint(vocab, {rows}, at::kLong);
+      if (masked) targets.index_put_({at::arange(0, rows, 4)}, -100);
+      const double scale = 0.75;
+      at::Tensor leaf = logits.to(at::kFloat).requires_grad_(true);
+      const at::Tensor ref = masked ? at::cross_entropy_loss(leaf, targets, {}, at::Reduction::Sum, -100)
+                                    : at::cross_entropy_loss(leaf, targets);
+      (ref * scale).backward();
+      const double denom = masked ? 1.0 : double(rows);
+      std::vector<float> row_loss(static_cast<size_t>(rows));
+      const at::Tensor read_only = logits.clone();
+      EXPECT_NEAR(fused_cross_entropy(read_only, targets, std::nullopt, row_loss.data()) / denom,
+                  ref.item<double>(), 2e-6 * ref.item<double>());
+      EXPECT_TRUE(at::equal(read_only, logits));
+      const at::Tensor grad = logits.clone();
+      const double sum = fused_cross_entropy(grad, targets, float(scale / denom), row_loss.data());
+      EXPECT_NEAR(sum / denom, ref.item<double>(), 2e-6 * ref.item<double>()) << dt;
+      EXPECT_EQ(grad.scalar_type(), dt);
+      // LibTorch's gradient rounded to the logits' type, as its backward through the widening copy rounds it.
+      const at::Tensor want = leaf.grad().to(dt).to(at::kFloat);
+      const double tol = dt == at::kFloat ? 1e-6 : (dt == at::kBFloat16 ? 8e-3 : 1e-3);
+      EXPECT_LT(rel_err(grad.to(at::kFloat), want), tol) << dt << (masked ? " masked" : "");
+      if (masked) {
+        EXPECT_EQ(grad[0].abs().max().item<double>(), 0.0);
+      }
+    }
+  }
+  std::vector<float> row_loss(2);
+  EXPECT_THROW(fused_cross_entropy(at::zeros({2, 5}), at::tensor({1, 5}, at::kLong), std::nullopt, row_loss.data()),
+               InternalError);
+  EXPECT_FALSE(fused_cross_entropy_applies(at::zeros({4, 6}).t()));    // rows not contiguous
+  EXPECT_FALSE(fused_cross_entropy_applies(at::zeros({2, 5}, at::kDouble)));
 }
 
 }  // namespace

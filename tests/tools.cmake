@@ -14,3 +14,6 @@ set_tests_properties(LayersTest PROPERTIES TIMEOUT 60)
 # prompt + completion, loss masks, the index, bad rows (docs/token-format.md, "Examples and loss masks").
 add_test(NAME TokenizeExamplesTest COMMAND ${STRATA_TOOLS_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/tokenize_examples_test.py)
 set_tests_properties(TokenizeExamplesTest PROPERTIES TIMEOUT 300 SKIP_RETURN_CODE 77 ENVIRONMENT "OMP_NUM_THREADS=1")
+# tools/trace_summary.py (where a step's time goes, from `strata train --trace`) on a trace made by the test.
+add_test(NAME TraceSummaryTest COMMAND ${STRATA_TOOLS_PYTHON} ${CMAKE_CURRENT_SOURCE_DIR}/trace_summary_test.py)
+set_tests_properties(TraceSummaryTest PROPERTIES TIMEOUT 60)

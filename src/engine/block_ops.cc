@@ -10,6 +10,7 @@
 
 #include "engine/compute_stream.h"
 #include "engine/trainer.h"
+#include "model/cross_entropy.h"
 
 #include "util/counted_tokens.h"
 #include "util/errors.h"
@@ -110,16 +111,28 @@ at::Tensor Trainer::head_forward_backward(const at::Tensor& x, const at::Tensor&
     tied = as_leaves(weights(ctx_.embedding_block, gathered[1], frozen[1]), emb_frozen)[0];
   }
   TraceSpan span(TraceTrack::kCompute, span_name(Pass::kHead, ctx_.head_block, m));
-  at::Tensor loss = loss_of(model_.forward(ctx_.head_block, w, xin, tied), targets);
+  const at::Tensor logits = model_.forward(ctx_.head_block, w, xin, tied);
   // Gradients for the head's input and its trained weights only (a frozen
   // head has none: its weight-gradient GEMM is not run).
   std::vector<at::Tensor> wrt{xin};
   wrt.insert(wrt.end(), w.begin() + std::ptrdiff_t(head_frozen), w.end());
   if (tied.defined() && !tied.requires_grad()) tied = at::Tensor();
   if (tied.defined()) wrt.push_back(tied);
-  std::vector<at::Tensor> grads =
-      torch::autograd::grad({loss * loss_scale}, wrt, /*grad_outputs=*/{}, /*retain_graph=*/false);
-  loss = loss.detach();
+  std::vector<at::Tensor> grads;
+  at::Tensor loss;
+  if (fused_cross_entropy_applies(logits)) {
+    // Note [Fused cross-entropy] (cpu_adam/cross_entropy.h): the loss and its
+    // gradient in one pass, the gradient written over the logits (no node of
+    // the head's graph keeps them), which the backward then takes in.
+    const double denom = double(counted_ >= 0 ? std::max<int64_t>(counted_, 1) : logits.numel() / logits.size(-1));
+    const double sum = fused_cross_entropy(logits.detach(), targets, float(loss_scale / denom), row_loss_.data());
+    loss = at::scalar_tensor(sum / denom, at::kFloat);
+    grads = torch::autograd::grad({logits}, wrt, {logits.detach()}, /*retain_graph=*/false);
+  } else {
+    loss = loss_of(logits, targets);
+    grads = torch::autograd::grad({loss * loss_scale}, wrt, /*grad_outputs=*/{}, /*retain_graph=*/false);
+    loss = loss.detach();
+  }
   xin = at::Tensor();
   *dx = grads[0];
   // The head's gradient for the tied embedding is added when the embedding's
@@ -244,12 +257,15 @@ std::pair<double, int64_t> Trainer::eval_head(const at::Tensor& x, const at::Ten
   if (cfg_.model.tie_embeddings) tied = weights(ctx_.embedding_block, gathered[1], frozen[1])[0];
   at::Tensor logits = model_.forward(ctx_.head_block, weights(ctx_.head_block, gathered[0], frozen[0]), x, tied);
   std::pair<double, int64_t> out;
-  const at::Tensor flat = logits.reshape({-1, logits.size(-1)}).to(at::kFloat);
-  if (masked) {
-    out.first = at::cross_entropy_loss(flat, targets.reshape({-1}), {}, at::Reduction::Sum, -100).item<double>();
-    out.second = targets.ne(-100).sum().item<int64_t>();
+  const int64_t n_masked = masked ? targets.ne(-100).sum().item<int64_t>() : 0;
+  if (fused_cross_entropy_applies(logits)) {  // Note [Fused cross-entropy], read only
+    const double sum = fused_cross_entropy(logits, targets, std::nullopt, row_loss_.data());
+    out = {masked ? sum : sum / double(logits.numel() / logits.size(-1)), n_masked};
   } else {
-    out.first = at::cross_entropy_loss(flat, targets.reshape({-1})).item<double>();
+    const at::Tensor flat = logits.reshape({-1, logits.size(-1)}).to(at::kFloat);
+    out.first = masked ? at::cross_entropy_loss(flat, targets.reshape({-1}), {}, at::Reduction::Sum, -100).item<double>()
+                       : at::cross_entropy_loss(flat, targets.reshape({-1})).item<double>();
+    out.second = n_masked;
   }
   tied = at::Tensor();
   blocks_->end();

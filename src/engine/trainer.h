@@ -359,6 +359,7 @@ class Trainer {
   std::vector<std::pair<at::Tensor, at::Tensor>> attn_rng_;
   size_t act_key(size_t b, int64_t m) const { return b * micro_loss_.size() + size_t(m); }
   std::vector<at::Tensor> micro_loss_;    // per micro-batch of the step: its loss, read at the end
+  std::vector<float> row_loss_;           // a micro-batch's per-token losses (model/cross_entropy.h), sized at start-up
   int64_t counted_ = -1;                  // the step's global counted targets (step()'s `counted`)
   // Experts (Note [Load balancing] in model/experts.cc), sized at start-up:
   // per micro-batch its routing statistics, its load-balancing loss (0-dim,
