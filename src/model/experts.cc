@@ -218,48 +218,50 @@ at::Tensor Model::moe_saving(const std::vector<at::Tensor>& w, const at::Tensor&
   return out.view_as(m);
 }
 
-at::Tensor Model::moe_backward(const std::vector<at::Tensor>& w, LayerSaved* s, const at::Tensor& dy2,
-                               std::vector<at::Tensor>* dw, bool base_grads) const {
-  LayerSaved& S = *s;
+// The experts' part of the backward over the sorted copies (xs their
+// inputs, dys d(output) per copy, ws their routing weights): sets *dws (each
+// copy's routing-weight gradient, fp32) and, with base_grads, the experts'
+// weight gradients; returns d(xs). One grouped GEMM per product, or the loop.
+at::Tensor Model::experts_backward(const std::vector<at::Tensor>& w, const LayerSaved& S, const Routing& r,
+                                   const at::Tensor& xs, const at::Tensor& dys, const at::Tensor& ws,
+                                   at::Tensor* dws, std::vector<at::Tensor>* dw, bool base_grads) const {
   std::vector<at::Tensor>& g = *dw;
-  const int64_t ei = cfg_.expert_dim(), k = cfg_.moe.num_experts_per_tok, ne = cfg_.moe.num_experts;
-  const at::Tensor m2 = rows(S[Saved::kMlpNormed]);
-  const at::Tensor& logits = S[Saved::kRouterLogits];
-  const at::ScalarType dt = dy2.scalar_type();
-  const Routing r = route(logits);
-  const at::Tensor xs = m2.index_select(0, r.token);
-  const at::Tensor dys = dy2.index_select(0, r.token);  // the output's gradient, per sorted copy
-  const at::Tensor ws = r.weights.reshape({-1}).index_select(0, r.order);
+  const int64_t ei = cfg_.expert_dim(), ne = cfg_.moe.num_experts;
+  const at::ScalarType dt = dys.scalar_type();
   const at::Tensor& gu = S[Saved::kExpertGateUp];
   const at::Tensor& act = S[Saved::kExpertAct];
-  at::Tensor dxs = grouped(dy2) ? at::Tensor() : at::empty_like(xs);
-  at::Tensor dws = at::empty({xs.size(0)}, dy2.options().dtype(at::kFloat));
-  if (base_grads && !grouped(dy2)) {
+  const bool cast = cfg_.routing_weights_cast();
+  // d(weighted output) per copy: dy times its weight, in the dtype the
+  // family's product has (Mixtral's weights are fp32).
+  const auto weighted = [&](const at::Tensor& d, const at::Tensor& w1) {
+    return cast ? d * w1 : (d.to(at::kFloat) * w1).to(dt);
+  };
+  // The SwiGLU's backward: d(gate | up) from d(act).
+  const auto swiglu_backward = [&](const at::Tensor& da, const at::Tensor& gu_rows) {
+    const at::Tensor gate = gu_rows.narrow(-1, 0, ei), up = gu_rows.narrow(-1, ei, ei);
+    return at::cat({at::silu_backward(da * up, gate), da * at::silu(gate)}, -1);
+  };
+  if (grouped(dys)) {
+    // The same products as the loop's below, each one grouped GEMM over the
+    // sorted copies. An expert without rows gets an exact zero, whatever the
+    // kernel leaves in an empty group's output (on the device: no wait for
+    // the counts).
+    const at::Tensor w1 = ws.unsqueeze(-1);
+    const at::Tensor has_rows = r.counts.gt(0).view({ne, 1, 1});
+    if (base_grads) g[kDownW] = at::where(has_rows, at::_grouped_mm(weighted(dys, w1).t(), act, r.offsets), 0);
+    const at::Tensor da_plain = at::_grouped_mm(dys, w[kDownW], r.offsets);
+    dws->copy_((da_plain.to(at::kFloat) * act.to(at::kFloat)).sum(-1));
+    const at::Tensor dgu = swiglu_backward(weighted(da_plain, w1), gu);
+    if (base_grads) g[kGateUpW] = at::where(has_rows, at::_grouped_mm(dgu.t(), xs, r.offsets), 0);
+    return at::_grouped_mm(dgu, w[kGateUpW], r.offsets);
+  }
+  at::Tensor dxs = at::empty_like(xs);
+  if (base_grads) {
     g[kGateUpW] = at::empty_like(w[kGateUpW]);
     g[kDownW] = at::empty_like(w[kDownW]);
   }
-  const bool cast = cfg_.routing_weights_cast();
-  if (grouped(dy2)) {
-    // The same products as the loop's below, each one grouped GEMM over the
-    // sorted copies (an expert without rows gets a zero weight gradient).
-    const at::Tensor w1 = ws.unsqueeze(-1);
-    // An expert without rows gets an exact zero, whatever the kernel leaves
-    // in an empty group's output (on the device: no wait for the counts).
-    const at::Tensor has_rows = r.counts.gt(0).view({ne, 1, 1});
-    if (base_grads) {
-      const at::Tensor dyw = cast ? dys * w1 : (dys.to(at::kFloat) * w1).to(dt);
-      g[kDownW] = at::where(has_rows, at::_grouped_mm(dyw.t(), act, r.offsets), 0);
-    }
-    const at::Tensor da_plain = at::_grouped_mm(dys, w[kDownW], r.offsets);
-    dws.copy_((da_plain.to(at::kFloat) * act.to(at::kFloat)).sum(-1));
-    const at::Tensor da = cast ? da_plain * w1 : (da_plain.to(at::kFloat) * w1).to(dt);
-    const at::Tensor gate = gu.narrow(-1, 0, ei), up = gu.narrow(-1, ei, ei);
-    const at::Tensor dgu = at::cat({at::silu_backward(da * up, gate), da * at::silu(gate)}, -1);
-    if (base_grads) g[kGateUpW] = at::where(has_rows, at::_grouped_mm(dgu.t(), xs, r.offsets), 0);
-    dxs = at::_grouped_mm(dgu, w[kGateUpW], r.offsets);
-  }
   int64_t off = 0;
-  for (int64_t e = 0; e < ne && !grouped(dy2); ++e) {
+  for (int64_t e = 0; e < ne; ++e) {
     const int64_t n = r.host_counts[size_t(e)];
     if (n == 0) {  // no token: a zero gradient (Adam still moves it: Note [Experts])
       if (base_grads) {
@@ -269,20 +271,14 @@ at::Tensor Model::moe_backward(const std::vector<at::Tensor>& w, LayerSaved* s, 
       continue;
     }
     const at::Tensor dy_e = dys.narrow(0, off, n), w_e = ws.narrow(0, off, n).unsqueeze(-1);
-    const at::Tensor act_e = act.narrow(0, off, n), gu_e = gu.narrow(0, off, n);
-    // d(weighted output) per copy: dy times its weight, in the dtype the
-    // family's product has (Mixtral's weights are fp32).
-    const at::Tensor dyw = cast ? dy_e * w_e : (dy_e.to(at::kFloat) * w_e).to(dt);
+    const at::Tensor act_e = act.narrow(0, off, n);
     if (base_grads) {
       at::Tensor dst = g[kDownW].select(0, e);
-      at::mm_out(dst, dyw.t(), act_e);
+      at::mm_out(dst, weighted(dy_e, w_e).t(), act_e);
     }
-    const at::Tensor down_e = w[kDownW].select(0, e);
-    const at::Tensor da_plain = at::mm(dy_e, down_e);  // dy Wd: [n, I]
-    dws.narrow(0, off, n).copy_((da_plain.to(at::kFloat) * act_e.to(at::kFloat)).sum(-1));
-    const at::Tensor da = cast ? da_plain * w_e : (da_plain.to(at::kFloat) * w_e).to(dt);
-    const at::Tensor gate = gu_e.narrow(-1, 0, ei), up = gu_e.narrow(-1, ei, ei);
-    const at::Tensor dgu = at::cat({at::silu_backward(da * up, gate), da * at::silu(gate)}, -1);  // [n, 2I]
+    const at::Tensor da_plain = at::mm(dy_e, w[kDownW].select(0, e));  // dy Wd: [n, I]
+    dws->narrow(0, off, n).copy_((da_plain.to(at::kFloat) * act_e.to(at::kFloat)).sum(-1));
+    const at::Tensor dgu = swiglu_backward(weighted(da_plain, w_e), gu.narrow(0, off, n));  // [n, 2I]
     if (base_grads) {
       at::Tensor dst = g[kGateUpW].select(0, e);
       at::mm_out(dst, dgu.t(), xs.narrow(0, off, n));
@@ -291,6 +287,50 @@ at::Tensor Model::moe_backward(const std::vector<at::Tensor>& w, LayerSaved* s, 
     at::mm_out(dst, dgu, w[kGateUpW].select(0, e));
     off += n;
   }
+  return dxs;
+}
+
+// qwen2_moe's shared expert: out += sigmoid(z) x (p Ws2^T), z = m Wsg^T,
+// p = silu(m Ws1^T) * (m Ws3^T). Returns dm2 plus its part of d(m).
+at::Tensor Model::shared_expert_backward(const std::vector<at::Tensor>& w, LayerSaved* s, const at::Tensor& dy2,
+                                         const at::Tensor& m2, const at::Tensor& dm2, std::vector<at::Tensor>* dw,
+                                         bool base_grads) const {
+  LayerSaved& S = *s;
+  std::vector<at::Tensor>& g = *dw;
+  const size_t sh = shared_index();
+  const at::Tensor sig = at::sigmoid(S[Saved::kSharedGate]);  // [N, 1]
+  const at::Tensor p = S[Saved::kSwiglu];
+  const at::Tensor dp_plain = at::mm(dy2, w[sh + 2]);  // dy Ws2
+  const at::Tensor dz = at::sigmoid_backward((dp_plain * p).sum(-1, /*keepdim=*/true), sig);
+  if (base_grads) {
+    g[sh + 2] = at::mm((dy2 * sig).t(), p);
+    g[sh + 3] = at::mm(dz.t(), m2);
+  }
+  const at::Tensor dp = dp_plain * sig;
+  const at::Tensor gate = S[Saved::kGate], up = S[Saved::kUp];
+  const at::Tensor d_up = dp * at::silu(gate), d_gate = at::silu_backward(dp * up, gate);
+  if (base_grads) {
+    g[sh] = at::mm(d_gate.t(), m2);
+    g[sh + 1] = at::mm(d_up.t(), m2);
+  }
+  for (Saved e : {Saved::kGate, Saved::kUp, Saved::kSwiglu, Saved::kSharedGate}) S[e] = at::Tensor();
+  return dm2 + at::mm(d_gate, w[sh]) + at::mm(d_up, w[sh + 1]) + at::mm(dz, w[sh + 3]);
+}
+
+at::Tensor Model::moe_backward(const std::vector<at::Tensor>& w, LayerSaved* s, const at::Tensor& dy2,
+                               std::vector<at::Tensor>* dw, bool base_grads) const {
+  LayerSaved& S = *s;
+  std::vector<at::Tensor>& g = *dw;
+  const int64_t k = cfg_.moe.num_experts_per_tok;
+  const at::Tensor m2 = rows(S[Saved::kMlpNormed]);
+  const at::Tensor& logits = S[Saved::kRouterLogits];
+  const at::ScalarType dt = dy2.scalar_type();
+  const Routing r = route(logits);
+  const at::Tensor xs = m2.index_select(0, r.token);
+  const at::Tensor dys = dy2.index_select(0, r.token);  // the output's gradient, per sorted copy
+  const at::Tensor ws = r.weights.reshape({-1}).index_select(0, r.order);
+  at::Tensor dws = at::empty({xs.size(0)}, dy2.options().dtype(at::kFloat));
+  const at::Tensor dxs = experts_backward(w, S, r, xs, dys, ws, &dws, dw, base_grads);
   S[Saved::kExpertGateUp] = S[Saved::kExpertAct] = at::Tensor();
   // Back to (token, slot) order; the copies of a token summed.
   at::Tensor dm2 = dxs.index_select(0, r.inverse).view({-1, k, m2.size(1)}).sum(1);
@@ -313,27 +353,7 @@ at::Tensor Model::moe_backward(const std::vector<at::Tensor>& w, LayerSaved* s, 
   if (base_grads) g[kRouterW] = at::mm(dlogits.t(), m2);
   dm2 = dm2 + at::mm(dlogits, w[kRouterW]);
   S[Saved::kRouterLogits] = at::Tensor();
-  if (cfg_.shared_expert()) {
-    // out += sigmoid(z) x (p Ws2^T), z = m Wsg^T, p = silu(m Ws1^T) * (m Ws3^T).
-    const size_t sh = shared_index();
-    const at::Tensor sig = at::sigmoid(S[Saved::kSharedGate]);  // [N, 1]
-    const at::Tensor p = S[Saved::kSwiglu];
-    const at::Tensor dp_plain = at::mm(dy2, w[sh + 2]);  // dy Ws2
-    const at::Tensor dz = at::sigmoid_backward((dp_plain * p).sum(-1, /*keepdim=*/true), sig);
-    if (base_grads) {
-      g[sh + 2] = at::mm((dy2 * sig).t(), p);
-      g[sh + 3] = at::mm(dz.t(), m2);
-    }
-    const at::Tensor dp = dp_plain * sig;
-    const at::Tensor gate = S[Saved::kGate], up = S[Saved::kUp];
-    const at::Tensor d_up = dp * at::silu(gate), d_gate = at::silu_backward(dp * up, gate);
-    if (base_grads) {
-      g[sh] = at::mm(d_gate.t(), m2);
-      g[sh + 1] = at::mm(d_up.t(), m2);
-    }
-    dm2 = dm2 + at::mm(d_gate, w[sh]) + at::mm(d_up, w[sh + 1]) + at::mm(dz, w[sh + 3]);
-    for (Saved e : {Saved::kGate, Saved::kUp, Saved::kSwiglu, Saved::kSharedGate}) S[e] = at::Tensor();
-  }
+  if (cfg_.shared_expert()) dm2 = shared_expert_backward(w, s, dy2, m2, dm2, dw, base_grads);
   return dm2;
 }
 

@@ -124,6 +124,12 @@ class Model {
   at::Tensor moe_saving(const std::vector<at::Tensor>& w, const at::Tensor& m, LayerSaved* s, bool output) const;
   at::Tensor moe_backward(const std::vector<at::Tensor>& w, LayerSaved* s, const at::Tensor& dy2,
                           std::vector<at::Tensor>* dw, bool base_grads) const;
+  at::Tensor experts_backward(const std::vector<at::Tensor>& w, const LayerSaved& S, const Routing& r,
+                              const at::Tensor& xs, const at::Tensor& dys, const at::Tensor& ws, at::Tensor* dws,
+                              std::vector<at::Tensor>* dw, bool base_grads) const;
+  at::Tensor shared_expert_backward(const std::vector<at::Tensor>& w, LayerSaved* s, const at::Tensor& dy2,
+                                    const at::Tensor& m2, const at::Tensor& dm2, std::vector<at::Tensor>* dw,
+                                    bool base_grads) const;
   void moe_tally(const at::Tensor& logits, const Routing& r, MoeTally* t) const;
   // The index in a layer's weights of qwen2_moe's shared expert (shared.w1;
   // w3, w2 and gate follow), after the family's extras.
