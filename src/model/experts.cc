@@ -106,7 +106,7 @@ Model::Routing Model::route(const at::Tensor& logits) const {
 at::Tensor Model::combine(const Routing& r, const at::Tensor& ys, const at::Tensor& ws) const {
   const int64_t k = cfg_.moe.num_experts_per_tok;
   at::Tensor weighted = cfg_.routing_weights_cast() ? ys * ws.unsqueeze(-1)
-                                                    : (ys.to(at::kFloat) * ws.unsqueeze(-1)).to(ys.scalar_type());
+                                                    : (ys * ws.unsqueeze(-1)).to(ys.scalar_type());
   return weighted.index_select(0, r.inverse).view({-1, k, ys.size(-1)}).sum(1);
 }
 
@@ -234,7 +234,7 @@ at::Tensor Model::experts_backward(const std::vector<at::Tensor>& w, const Layer
   // d(weighted output) per copy: dy times its weight, in the dtype the
   // family's product has (Mixtral's weights are fp32).
   const auto weighted = [&](const at::Tensor& d, const at::Tensor& w1) {
-    return cast ? d * w1 : (d.to(at::kFloat) * w1).to(dt);
+    return cast ? d * w1 : (d * w1).to(dt);  // an fp32 w1 widens d exactly: an fp32 product
   };
   // The SwiGLU's backward: d(gate | up) from d(act).
   const auto swiglu_backward = [&](const at::Tensor& da, const at::Tensor& gu_rows) {
@@ -250,7 +250,7 @@ at::Tensor Model::experts_backward(const std::vector<at::Tensor>& w, const Layer
     const at::Tensor has_rows = r.counts.gt(0).view({ne, 1, 1});
     if (base_grads) g[kDownW] = at::where(has_rows, at::_grouped_mm(weighted(dys, w1).t(), act, r.offsets), 0);
     const at::Tensor da_plain = at::_grouped_mm(dys, w[kDownW], r.offsets);
-    dws->copy_((da_plain.to(at::kFloat) * act.to(at::kFloat)).sum(-1));
+    dws->copy_((da_plain.to(at::kFloat) * act).sum(-1));
     const at::Tensor dgu = swiglu_backward(weighted(da_plain, w1), gu);
     if (base_grads) g[kGateUpW] = at::where(has_rows, at::_grouped_mm(dgu.t(), xs, r.offsets), 0);
     return at::_grouped_mm(dgu, w[kGateUpW], r.offsets);
@@ -277,7 +277,7 @@ at::Tensor Model::experts_backward(const std::vector<at::Tensor>& w, const Layer
       at::mm_out(dst, weighted(dy_e, w_e).t(), act_e);
     }
     const at::Tensor da_plain = at::mm(dy_e, w[kDownW].select(0, e));  // dy Wd: [n, I]
-    dws->narrow(0, off, n).copy_((da_plain.to(at::kFloat) * act_e.to(at::kFloat)).sum(-1));
+    dws->narrow(0, off, n).copy_((da_plain.to(at::kFloat) * act_e).sum(-1));
     const at::Tensor dgu = swiglu_backward(weighted(da_plain, w_e), gu.narrow(0, off, n));  // [n, 2I]
     if (base_grads) {
       at::Tensor dst = g[kGateUpW].select(0, e);
