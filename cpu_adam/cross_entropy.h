@@ -20,7 +20,8 @@ namespace strata::cpu_adam {
 // rounding]), is written over the row. A row whose target is ignore_index
 // has loss 0 and a zero gradient. This is what LibTorch's log_softmax,
 // nll_loss and their backward compute through an fp32 copy of the logits,
-// to a few fp32 ulps, in two reads and one write of the 16-bit row instead of
+// to a few fp32 ulps, in three passes over each row while it is in cache (the
+// max, the sum, the gradient: one read and one write from memory) instead of
 // a widening copy, a log_softmax, an fp32 gradient, its fill and its
 // narrowing: on a 2-core CPU the head of a 32,000-token vocabulary spent 40%
 // of its time there (docs/design.md, "The head's loss").
@@ -33,7 +34,7 @@ namespace strata::cpu_adam {
 // - n ln 2 in two fused steps, a degree-7 polynomial in r, times 2^n; within
 // 2 ulp of exp, and arguments below -87 are taken as -87 (exp(-87) = 1.6e-38,
 // where LibTorch gives smaller values or 0: no visible difference in a sum of
-// at least 1).
+// at least 1; a -inf logit's gradient is then 1.6e-38 x c, not 0).
 inline constexpr int kCrossEntropyLanes = 16;
 
 struct CrossEntropyRows {

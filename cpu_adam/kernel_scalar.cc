@@ -141,7 +141,8 @@ struct Scalar {
   static F fma(F a, F b, F c) { return std::fma(a, b, c); }
   static F max(F a, F b) { return a > b ? a : b; }  // b where either is NaN, as vmaxps
   static F round(F a) { return std::nearbyint(a); }  // the default rounding: to nearest even
-  static F scale2(F a, F n) { return std::ldexp(a, static_cast<int>(n)); }
+  // A NaN n (from a NaN argument, whose a is NaN too) is not converted to int (undefined).
+  static F scale2(F a, F n) { return n != n ? a : std::ldexp(a, static_cast<int>(n)); }
 };
 
 }  // namespace

@@ -124,7 +124,9 @@ EMU_INLINE __m512 _mm512_roundscale_ps(__m512 a, int imm) {
   return avx512_emulation::map_ps(a, a, [](float x, float) { return std::nearbyint(x); });
 }
 EMU_INLINE __m512 _mm512_scalef_ps(__m512 a, __m512 b) {  // a x 2^floor(b), rounded once
-  return avx512_emulation::map_ps(a, b, [](float x, float y) { return std::ldexp(x, static_cast<int>(std::floor(y))); });
+  return avx512_emulation::map_ps(a, b, [](float x, float y) {
+    return std::isnan(y) ? y : std::ldexp(x, static_cast<int>(std::floor(y)));  // no NaN to int conversion
+  });
 }
 EMU_INLINE __mmask16 _mm512_cmp_ps_mask(__m512 a, __m512 b, int predicate) {
   if (predicate != _CMP_UNORD_Q) __builtin_trap();  // the only one the kernel uses

@@ -3,7 +3,7 @@
 // (-log softmax and grad_scale x (softmax - one-hot), computed here with
 // std::exp in double), the kernels against each other bit for bit, ignored
 // rows, read-only calls and non-finite logits. No LibTorch (the head's use of
-// it is tested against LibTorch's cross_entropy in model_test).
+// it is tested against LibTorch's cross_entropy in layer_ops_test).
 #include <gtest/gtest.h>
 
 #include <algorithm>

@@ -367,11 +367,11 @@ TEST(LayerOpsTest, FusedCrossEntropyAgreesWithLibTorch) {
       const double denom = masked ? 1.0 : double(rows);
       std::vector<float> row_loss(static_cast<size_t>(rows));
       const at::Tensor read_only = logits.clone();
-      EXPECT_NEAR(fused_cross_entropy(read_only, targets, std::nullopt, row_loss.data()) / denom,
+      EXPECT_NEAR(fused_cross_entropy(read_only, targets, std::nullopt, row_loss) / denom,
                   ref.item<double>(), 2e-6 * ref.item<double>());
       EXPECT_TRUE(at::equal(read_only, logits));
       const at::Tensor grad = logits.clone();
-      const double sum = fused_cross_entropy(grad, targets, float(scale / denom), row_loss.data());
+      const double sum = fused_cross_entropy(grad, targets, float(scale / denom), row_loss);
       EXPECT_NEAR(sum / denom, ref.item<double>(), 2e-6 * ref.item<double>()) << dt;
       EXPECT_EQ(grad.scalar_type(), dt);
       // LibTorch's gradient rounded to the logits' type, as its backward through the widening copy rounds it.
@@ -384,7 +384,7 @@ TEST(LayerOpsTest, FusedCrossEntropyAgreesWithLibTorch) {
     }
   }
   std::vector<float> row_loss(2);
-  EXPECT_THROW(fused_cross_entropy(at::zeros({2, 5}), at::tensor({1, 5}, at::kLong), std::nullopt, row_loss.data()),
+  EXPECT_THROW(fused_cross_entropy(at::zeros({2, 5}), at::tensor({1, 5}, at::kLong), std::nullopt, row_loss),
                InternalError);
   EXPECT_FALSE(fused_cross_entropy_applies(at::zeros({4, 6}).t()));    // rows not contiguous
   EXPECT_FALSE(fused_cross_entropy_applies(at::zeros({2, 5}, at::kDouble)));

@@ -1,6 +1,7 @@
 #!/usr/bin/env python3
 """tools/trace_summary.py on a trace made here with known spans: seconds a step per track and kind, the
-first --skip steps left out, and a trace with too few steps refused in one line."""
+first --skip steps left out, evaluations between steps not counted as steps, and a trace with too few steps
+refused in one line."""
 import json
 import os
 import subprocess
@@ -24,6 +25,8 @@ def main():
         for layer in (0, 1):
             events.append(span(f"backward layer.{layer} mb 0", 1, t + 400_000 + layer * 200_000, (k + 1) * 100_000))
         events.append(span("adam sub-group 3", 4, t + 50_000, 500_000))
+        # An evaluation after every step: its forward only (no head span), 0.05 s.
+        events.append(span("forward embedding mb 0", 1, t + 900_000, 50_000))
     with tempfile.TemporaryDirectory() as d:
         path = os.path.join(d, "t.json")
         with open(path, "w") as f:
@@ -38,6 +41,8 @@ def main():
         # Steps 2 and 3: 2 layers x 0.3 s and 2 x 0.4 s, over 2 steps.
         assert abs(rows[("compute", "backward layer.# mb #")] - 0.7) < 1e-9, rows
         assert abs(rows[("compute", "head forward + backward head mb #")] - 0.3) < 1e-9, rows
+        # Steps 2 and 3's embedding forwards and the evaluations after them: 2 x (0.001 + 0.05) s over 2 steps.
+        assert abs(rows[("compute", "forward embedding mb #")] - 0.051) < 1e-9, rows
         assert abs(rows[("adam", "adam sub-group #")] - 0.5) < 1e-9, rows
         assert got["rows"][0]["kind"] == "backward layer.# mb #", got["rows"][0]
         bad = subprocess.run([sys.executable, TOOL, path, "--skip", "4"], capture_output=True, text=True)

@@ -3,8 +3,10 @@
 
 Sums the trace's spans per track (compute, copy, nvme, adam, comm) and kind (the span's name with its
 numbers made '#': "backward layer.# mb #" is every layer's backward of every micro-batch), over the steps
-after the first --skip, and prints seconds a step, largest first. A step starts at the forward of the
-embedding for micro-batch 0. Spans of one track do not overlap; spans of different tracks run beside each
+after the first --skip, and prints seconds a step, largest first. A step is counted at its head's span for
+micro-batch 0 (evaluation's head has no span) and starts at the last forward of the embedding for micro-batch 0
+before it; an evaluation's forward spans, where data.eval_interval runs one, count in the forward rows. Spans of
+one track do not overlap; spans of different tracks run beside each
 other (the optimizer's and the copies' threads), so the rows of different tracks do not add up to the step.
 
 Usage:
@@ -19,16 +21,18 @@ import sys
 
 TRACKS = {1: "compute", 2: "copy", 3: "nvme", 4: "adam", 5: "comm"}
 STEP_START = "forward embedding mb 0"
+STEP_HEAD = "head forward + backward head mb 0"
 
 
 def summarise(events, skip):
     spans = [e for e in events if e.get("ph") == "X"]
-    starts = sorted(e["ts"] for e in spans if e["name"] == STEP_START)
-    if len(starts) <= skip:
-        raise SystemExit(f"trace_summary: the trace has {len(starts)} steps ('{STEP_START}' spans); "
+    heads = sorted(e["ts"] for e in spans if e["name"] == STEP_HEAD)
+    if len(heads) <= skip:
+        raise SystemExit(f"trace_summary: the trace has {len(heads)} steps ('{STEP_HEAD}' spans); "
                          f"--skip {skip} leaves none")
-    t0 = starts[skip]
-    steps = len(starts) - skip
+    starts = [e["ts"] for e in spans if e["name"] == STEP_START and e["ts"] <= heads[skip]]
+    t0 = max(starts) if starts else heads[skip]
+    steps = len(heads) - skip
     sums = collections.defaultdict(float)
     for e in spans:
         if e["ts"] < t0:

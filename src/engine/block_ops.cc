@@ -125,7 +125,10 @@ at::Tensor Trainer::head_forward_backward(const at::Tensor& x, const at::Tensor&
     // gradient in one pass, the gradient written over the logits (no node of
     // the head's graph keeps them), which the backward then takes in.
     const double denom = double(counted_ >= 0 ? std::max<int64_t>(counted_, 1) : logits.numel() / logits.size(-1));
-    const double sum = fused_cross_entropy(logits.detach(), targets, float(loss_scale / denom), row_loss_.data());
+    const double sum = fused_cross_entropy(logits.detach(), targets, float(loss_scale / denom), row_loss_, head_isa_);
+    // Written through a pointer: the version bump makes a node that kept the
+    // logits (none does today) an autograd error, not a wrong gradient.
+    torch::autograd::impl::bump_version(logits);
     loss = at::scalar_tensor(sum / denom, at::kFloat);
     grads = torch::autograd::grad({logits}, wrt, {logits.detach()}, /*retain_graph=*/false);
   } else {
@@ -259,7 +262,7 @@ std::pair<double, int64_t> Trainer::eval_head(const at::Tensor& x, const at::Ten
   std::pair<double, int64_t> out;
   const int64_t n_masked = masked ? targets.ne(-100).sum().item<int64_t>() : 0;
   if (fused_cross_entropy_applies(logits)) {  // Note [Fused cross-entropy], read only
-    const double sum = fused_cross_entropy(logits, targets, std::nullopt, row_loss_.data());
+    const double sum = fused_cross_entropy(logits, targets, std::nullopt, row_loss_, head_isa_);
     out = {masked ? sum : sum / double(logits.numel() / logits.size(-1)), n_masked};
   } else {
     const at::Tensor flat = logits.reshape({-1, logits.size(-1)}).to(at::kFloat);

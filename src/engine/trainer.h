@@ -20,6 +20,7 @@
 #include "checkpoint/safetensors.h"
 #include "comm/communicator.h"
 #include "config/config.h"
+#include "cpu_adam/types.h"
 #include "engine/activation_checkpoints.h"
 #include "engine/gathered_blocks.h"
 #include "engine/gradient_path.h"
@@ -360,6 +361,7 @@ class Trainer {
   size_t act_key(size_t b, int64_t m) const { return b * micro_loss_.size() + size_t(m); }
   std::vector<at::Tensor> micro_loss_;    // per micro-batch of the step: its loss, read at the end
   std::vector<float> row_loss_;           // a micro-batch's per-token losses (model/cross_entropy.h), sized at start-up
+  cpu_adam::Isa head_isa_ = cpu_adam::Isa::kScalar;  // the head's fused cross-entropy's kernel (run.cpu_adam_isa)
   int64_t counted_ = -1;                  // the step's global counted targets (step()'s `counted`)
   // Experts (Note [Load balancing] in model/experts.cc), sized at start-up:
   // per micro-batch its routing statistics, its load-balancing loss (0-dim,

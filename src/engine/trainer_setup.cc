@@ -122,6 +122,7 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   activations_ = std::make_unique<ActivationCheckpoints>(plan, layout_.num_blocks(), state_.get(), blocks_->train_ops());
   micro_loss_.resize(size_t(A));  // act_key's stride
   row_loss_.resize(size_t(cfg_.train_micro_batch_size_per_gpu * cfg_.model.seq_len));
+  head_isa_ = cpu_adam::parse_isa(cfg_.run.cpu_adam_isa);
   keeps_entries_.assign(layout_.num_blocks() * size_t(A), 0);
   for (size_t b = 1; b + 1 < layout_.num_blocks(); ++b) {
     for (int64_t m = 0; m < A; ++m) keeps_entries_[act_key(b, m)] = plan.activations.keeps_entries(int64_t(b) - 1, m);

@@ -30,12 +30,14 @@ bool fused_cross_entropy_applies(const at::Tensor& logits) {
 }
 
 double fused_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, std::optional<float> grad_scale,
-                           float* row_loss) {
+                           std::span<float> row_loss, cpu_adam::Isa isa) {
   STRATA_CHECK(fused_cross_entropy_applies(logits), "fused cross-entropy over logits it does not apply to");
   const int64_t vocab = logits.size(-1), rows = logits.numel() / vocab;
   const at::Tensor t = targets.reshape({-1}).to(at::kLong).contiguous();
   STRATA_CHECK(t.numel() == rows, "fused cross-entropy: " + std::to_string(t.numel()) + " targets for " +
                                       std::to_string(rows) + " rows");
+  STRATA_CHECK(int64_t(row_loss.size()) >= rows, "fused cross-entropy: room for " + std::to_string(row_loss.size()) +
+                                                     " row losses, " + std::to_string(rows) + " rows");
   const int64_t* tp = t.data_ptr<int64_t>();
   for (int64_t r = 0; r < rows; ++r) {
     STRATA_CHECK(tp[r] == -100 || (tp[r] >= 0 && tp[r] < vocab),
@@ -49,9 +51,9 @@ double fused_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, 
   a.targets = tp;
   a.grad_scale = grad_scale.value_or(0.0f);
   a.write_grad = grad_scale.has_value();
-  a.row_loss = row_loss;
+  a.row_loss = row_loss.data();
   at::parallel_for(0, rows, /*grain_size=*/8, [&](int64_t begin, int64_t end) {
-    cpu_adam::cross_entropy_rows(a, begin, end);
+    cpu_adam::cross_entropy_rows(isa, a, begin, end);
   });
   double sum = 0.0;
   for (int64_t r = 0; r < rows; ++r) sum += double(row_loss[r]);

@@ -6,6 +6,9 @@
 #include <ATen/core/Tensor.h>
 
 #include <optional>
+#include <span>
+
+#include "cpu_adam/types.h"
 
 namespace strata {
 
@@ -18,9 +21,10 @@ bool fused_cross_entropy_applies(const at::Tensor& logits);
 // the logits are overwritten by grad_scale x (softmax - one-hot) (an ignored
 // row by zeros): the gradient of grad_scale x that sum. logits [..., V],
 // targets int64 of the leading shape, every one in [0, V) or -100 (checked);
-// row_loss: room for one float a row. Each row is computed on one thread, so
-// the bits do not depend on the thread count.
+// row_loss: room for one float a row (checked). `isa`: the kernel's
+// (run.cpu_adam_isa; every one gives the same bits). Each row is computed on
+// one thread, so the bits do not depend on the thread count either.
 double fused_cross_entropy(const at::Tensor& logits, const at::Tensor& targets, std::optional<float> grad_scale,
-                           float* row_loss);
+                           std::span<float> row_loss, cpu_adam::Isa isa = cpu_adam::best_isa());
 
 }  // namespace strata
