@@ -387,6 +387,7 @@ class Trainer {
 
   // Trace span names by pass, block and micro-batch (util/trace.h keeps the pointers).
   std::vector<std::string> span_names_;
+  static std::vector<std::string> make_span_names(const StateLayout& layout, int64_t micro_batches);
   const char* span_name(Pass pass, size_t b, int64_t m) const {
     return span_names_[(size_t(pass) * layout_.num_blocks() + b) * micro_loss_.size() + size_t(m)].c_str();
   }

@@ -57,6 +57,20 @@ std::string apply_determinism(bool on) {
          std::getenv("CUBLAS_WORKSPACE_CONFIG");
 }
 
+// The trace's span names, by pass, block and micro-batch (span_name), made once.
+std::vector<std::string> Trainer::make_span_names(const StateLayout& layout, int64_t micro_batches) {
+  std::vector<std::string> names;
+  for (int pass = 0; pass < 3; ++pass) {
+    static const char* const kPass[3] = {"forward", "head forward + backward", "backward"};
+    for (const BlockLayout& bl : layout.blocks()) {
+      for (int64_t m = 0; m < micro_batches; ++m) {
+        names.push_back(strprintf("%s %s mb %lld", kPass[pass], bl.name.c_str(), (long long)m));
+      }
+    }
+  }
+  return names;
+}
+
 Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::FaultPlan> faults,
                  Communicator* comm, int local_ranks, Device* device, StreamCollectives* stream,
                  StreamCollectives* node_stream)
@@ -102,16 +116,8 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
     ctx_.global_index.push_back(global);
     global += bl.numel;
   }
-  // The trace's span names, by pass, block and micro-batch, made once.
   const int64_t A = std::max<int64_t>(cfg.gradient_accumulation_steps, 1);
-  for (int pass = 0; pass < 3; ++pass) {
-    static const char* const kPass[3] = {"forward", "head forward + backward", "backward"};
-    for (const BlockLayout& bl : layout_.blocks()) {
-      for (int64_t m = 0; m < A; ++m) {
-        span_names_.push_back(strprintf("%s %s mb %lld", kPass[pass], bl.name.c_str(), (long long)m));
-      }
-    }
-  }
+  span_names_ = make_span_names(layout_, A);
 
   optimizer_ = std::make_unique<OptimizerPass>(ctx_, plan, isa);
   speculation_ = SpeculationPolicy(optimizer_->speculates(), cfg_.optimizer.speculate);
@@ -122,7 +128,7 @@ Trainer::Trainer(const Config& cfg, const Model& model, std::shared_ptr<nvme::Fa
   activations_ = std::make_unique<ActivationCheckpoints>(plan, layout_.num_blocks(), state_.get(), blocks_->train_ops());
   micro_loss_.resize(size_t(A));  // act_key's stride
   row_loss_.resize(size_t(cfg_.train_micro_batch_size_per_gpu * cfg_.model.seq_len));
-  head_isa_ = cpu_adam::parse_isa(cfg_.run.cpu_adam_isa);
+  head_isa_ = isa;  // checked above
   keeps_entries_.assign(layout_.num_blocks() * size_t(A), 0);
   for (size_t b = 1; b + 1 < layout_.num_blocks(); ++b) {
     for (int64_t m = 0; m < A; ++m) keeps_entries_[act_key(b, m)] = plan.activations.keeps_entries(int64_t(b) - 1, m);
